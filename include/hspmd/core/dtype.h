@@ -1,0 +1,36 @@
+// Element types. f32 is the compute type; bf16 is a storage type (weights on
+// disk, later mixed precision); i32/i64 hold token ids, positions and offsets.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace hspmd {
+
+enum class DType : uint8_t { F32, BF16, I32, I64 };
+
+// Size of one element in bytes.
+size_t dtype_size(DType t);
+// Lower-case name ("f32", "bf16", "i32", "i64").
+const char* dtype_name(DType t);
+
+// bf16 <-> f32. Conversion to bf16 rounds to nearest even; NaN stays NaN.
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))
+    return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+}  // namespace hspmd

@@ -1,0 +1,98 @@
+// NDArray: a typed, strided view of device memory.
+//
+// Storage is reference-counted and shared between views (reshape, transpose,
+// slice); copying an NDArray never copies data. Memory comes from the device's
+// Allocator, so current and peak bytes are accounted. Kernels take contiguous
+// arrays; call contiguous() to materialize a strided view.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hspmd/core/device.h"
+#include "hspmd/core/dtype.h"
+
+namespace hspmd {
+
+using Shape = std::vector<int64_t>;
+
+// Number of elements of a shape (1 for a scalar shape {}).
+int64_t shape_numel(const Shape& shape);
+// "[2, 3, 4]".
+std::string shape_str(const Shape& shape);
+
+// Owns one allocation; frees it through its allocator on destruction.
+class Storage {
+ public:
+  Storage(size_t bytes, Device device);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  Device device() const { return device_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  Device device_;
+};
+
+class NDArray {
+ public:
+  NDArray() = default;  // an invalid (empty) array; valid() is false.
+
+  // New uninitialized / zero-filled contiguous array.
+  static NDArray empty(const Shape& shape, DType dtype, Device device = Device::cpu());
+  static NDArray zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
+  // Contiguous f32 array holding `values` (size must equal the shape's numel).
+  static NDArray from_vector(const Shape& shape, const std::vector<float>& values);
+  static NDArray from_vector_i32(const Shape& shape, const std::vector<int32_t>& values);
+
+  bool valid() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  const Shape& strides() const { return strides_; }  // in elements
+  int64_t dim(int i) const;                           // negative i counts from the end
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const { return shape_numel(shape_); }
+  DType dtype() const { return dtype_; }
+  Device device() const;
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  bool is_contiguous() const;
+
+  // Typed pointer to the first element. Checks the dtype matches T.
+  template <typename T>
+  T* data() const;
+  void* raw_data() const;
+
+  // Views (no copy). reshape requires a contiguous array and equal numel;
+  // transpose swaps two dims; slice keeps [begin, end) of dim `axis`.
+  NDArray reshape(const Shape& shape) const;
+  NDArray transpose(int dim0, int dim1) const;
+  NDArray slice(int axis, int64_t begin, int64_t end) const;
+
+  // Copies (always new storage).
+  NDArray contiguous() const;  // returns *this when already contiguous
+  NDArray clone() const;
+  NDArray to(DType dtype) const;  // f32 <-> bf16, i32 <-> i64, i32/i64 -> f32
+
+  // Fills a contiguous array with a constant.
+  void fill(float value);
+  // Copies the elements as f32 (converting from any dtype) into a vector.
+  std::vector<float> to_vector() const;
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  int64_t offset_ = 0;  // in elements
+  Shape shape_;
+  Shape strides_;
+  DType dtype_ = DType::F32;
+};
+
+// Row-major strides of a shape.
+Shape contiguous_strides(const Shape& shape);
+
+}  // namespace hspmd

@@ -1,0 +1,43 @@
+// Token files and fixed-length sampling (DESIGN §7).
+//
+// A token file (.bin) is a flat array of little-endian uint32 token ids;
+// documents are separated by eos_token_id. In fixed-length mode, sample i is
+// tokens[i*L : i*L + L + 1]: inputs are its first L tokens, targets the same
+// shifted by one. Step s of batch size B uses samples s*B .. s*B+B-1, modulo
+// the number of samples.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hspmd {
+
+class TokenData {
+ public:
+  // Loads and validates a token file. Throws hspmd::Error "[data] <path>: ..."
+  // when the file is missing, empty, not a multiple of 4 bytes, or holds a
+  // token id >= vocab_size (naming the first bad id and its position).
+  static TokenData load(const std::string& path, int64_t vocab_size);
+  explicit TokenData(std::vector<uint32_t> tokens) : tokens_(std::move(tokens)) {}
+
+  int64_t size() const { return static_cast<int64_t>(tokens_.size()); }
+  const std::vector<uint32_t>& tokens() const { return tokens_; }
+
+  // Number of fixed-length samples of length seq_len: (size - 1) / seq_len.
+  // Throws hspmd::Error when it is 0 (the file is shorter than one sample).
+  int64_t num_samples(int64_t seq_len) const;
+
+  // Writes sample `index` (taken modulo num_samples) into inputs[0..L) and
+  // targets[0..L).
+  void sample(int64_t index, int64_t seq_len, int32_t* inputs, int32_t* targets) const;
+
+  // Writes a token file. Throws hspmd::Error when it cannot be written.
+  static void save(const std::string& path, const std::vector<uint32_t>& tokens);
+
+ private:
+  std::vector<uint32_t> tokens_;
+  std::string path_;
+};
+
+}  // namespace hspmd

@@ -1,0 +1,16 @@
+// Reverse-mode automatic differentiation over the defined graph.
+#pragma once
+
+#include <vector>
+
+#include "hspmd/graph/graph.h"
+
+namespace hspmd {
+
+// Appends the backward graph of scalar `loss` to its graph and returns
+// d(loss)/d(x) for each x in `wrt` (same order). A tensor that the loss does
+// not depend on gets an invalid Tensor. Gradients reaching a tensor along
+// several paths are summed. Throws hspmd::Error if loss is not a scalar.
+std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt);
+
+}  // namespace hspmd

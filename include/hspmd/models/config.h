@@ -1,0 +1,41 @@
+// The model configuration: the Hugging Face Llama config.json fields hspmd
+// reads (DESIGN §7). Unknown fields are ignored.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace hspmd {
+
+struct LlamaConfig {
+  // Required.
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  // Optional, with Hugging Face's defaults.
+  int64_t num_key_value_heads = 0;  // 0 in the file means: = num_attention_heads
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  int64_t max_position_embeddings = 2048;
+  bool tie_word_embeddings = false;
+  int64_t eos_token_id = 2;
+  double initializer_range = 0.02;
+
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+
+  // Parses and validates. `source` names the file in errors. Throws
+  // hspmd::Error "[config] <source>: <rule>" for a missing required field, a
+  // field of the wrong JSON type, or an impossible value (non-positive sizes,
+  // heads not dividing hidden_size, KV heads not dividing heads, odd head_dim,
+  // eos_token_id outside the vocabulary, ...).
+  static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
+  // Reads a config.json; also throws for a missing file or malformed JSON.
+  static LlamaConfig load(const std::string& path);
+  nlohmann::json to_json() const;
+};
+
+}  // namespace hspmd

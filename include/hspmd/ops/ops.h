@@ -1,0 +1,66 @@
+// Builders of the defined graph's ops. Each appends one node to the graph of
+// its inputs and returns the output tensor(s). Shape mismatches throw
+// hspmd::Error naming the op and the rule. Every op lives in its own file
+// under src/ops/ with its shape rule, kernel calls and gradient.
+#pragma once
+
+#include <vector>
+
+#include "hspmd/graph/graph.h"
+
+namespace hspmd::ops {
+
+// ---- elementwise (same shapes, f32) ----
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor scale(const Tensor& a, float factor);
+// A constant tensor of `shape` filled with `value` (f32).
+Tensor fill(Graph& graph, const SymShape& shape, float value);
+
+// ---- linear algebra (OpenBLAS sgemm on CPU) ----
+// a is viewed as 2-D [prod(a.shape[:-1]), a.shape[-1]], transposed when
+// trans_a; b is 2-D, transposed when trans_b. Output: a's leading dims + [N]
+// (or [a.shape[-1], N] when trans_a).
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// x[..., in] · weight[out, in]^T -> [..., out] (Hugging Face weight layout).
+Tensor linear(const Tensor& x, const Tensor& weight);
+
+// ---- layout ----
+Tensor reshape(const Tensor& a, const SymShape& shape);
+Tensor transpose(const Tensor& a, int dim0, int dim1);  // materialized
+Tensor slice(const Tensor& a, int axis, int64_t begin, int64_t end);
+Tensor concat(const std::vector<Tensor>& parts, int axis);
+// Sum over `axes` (all axes when empty); reduced axes are dropped.
+Tensor reduce_sum(const Tensor& a, const std::vector<int>& axes = {});
+
+// ---- model ops ----
+// weight[V, H], ids i32 [...] -> [..., H]. Throws on ids outside [0, V) at run time.
+Tensor embedding(const Tensor& weight, const Tensor& ids);
+// x[..., H] * rsqrt(mean(x^2) + eps) * weight[H].
+Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps);
+// Rotary embedding, Hugging Face rotate_half convention: x [B, S, heads, D],
+// positions i32 [B, S]; frequency i uses theta^(-2i/D).
+Tensor rope(const Tensor& x, const Tensor& positions, float theta);
+// silu(gate) * up.
+Tensor swiglu(const Tensor& gate, const Tensor& up);
+// Causal attention with grouped-query heads: q [B, S, Hq, D], k and v
+// [B, S, Hkv, D] with Hkv dividing Hq; returns [B, S, Hq, D]. Scores are
+// scaled by `softmax_scale`. `cu_seqlens` (optional, i32 [n+1]) gives
+// cumulative document lengths over the flattened B*S tokens; a token then
+// attends only to earlier tokens of its own document. Every row boundary
+// (multiples of S) must be a document boundary.
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+                 float softmax_scale);
+// Softmax cross-entropy: logits [..., V], targets i32 [...]. Returns the
+// scalar sum over tokens with target != ignore_index of -log p(target),
+// divided by `normalizer` (an f32 scalar tensor, usually the number of target
+// tokens of the whole global batch).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& normalizer,
+                     int ignore_index = -100);
+
+// ---- distribution ----
+// Marks a point where the tensor may change layout (DESIGN §1). Identity on
+// one device; resolved into communication by the annotation layer.
+Tensor reshard(const Tensor& x);
+
+}  // namespace hspmd::ops

@@ -1,0 +1,47 @@
+// Adam and AdamW, with the update rules of torch.optim.Adam / AdamW.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "hspmd/core/ndarray.h"
+
+namespace hspmd {
+
+struct AdamConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  // true: AdamW (decay applied to the weight, p *= 1 - lr*wd);
+  // false: Adam with L2 (wd*p added to the gradient).
+  bool decoupled_weight_decay = true;
+};
+
+class Adam {
+ public:
+  explicit Adam(AdamConfig config);
+
+  // Starts a new optimizer step (increments the bias-correction step count).
+  void begin_step();
+  int64_t step_count() const { return step_; }
+
+  // Updates `param` (f32, contiguous) in place from `grad` (same shape) with
+  // learning rate `lr`. `decay` says whether weight decay applies to this
+  // tensor. Moments are created (zero) on first use, keyed by `name`.
+  void update(const std::string& name, NDArray& param, const NDArray& grad, double lr,
+              bool decay);
+
+  const std::map<std::string, NDArray>& exp_avg() const { return m_; }
+  const std::map<std::string, NDArray>& exp_avg_sq() const { return v_; }
+  const AdamConfig& config() const { return config_; }
+
+ private:
+  AdamConfig config_;
+  int64_t step_ = 0;
+  std::map<std::string, NDArray> m_;
+  std::map<std::string, NDArray> v_;
+};
+
+}  // namespace hspmd

@@ -1,0 +1,39 @@
+// Learning-rate schedules and gradient clipping.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "hspmd/core/ndarray.h"
+
+namespace hspmd {
+
+enum class LrScheduleKind { Constant, Cosine };
+
+struct LrSchedule {
+  LrScheduleKind kind = LrScheduleKind::Constant;
+  double lr = 1e-3;        // peak learning rate
+  double min_lr = 0.0;     // cosine floor
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+
+  // Learning rate of step `step` (0-based): linear warmup lr*(step+1)/warmup
+  // for step < warmup_steps, then constant or cosine decay from lr to min_lr
+  // reached at step total_steps.
+  double at(int64_t step) const;
+
+  // Parses "constant", "warmup" (= constant after warmup) or "cosine".
+  // Throws hspmd::Error "[flags] --lr-schedule: ..." otherwise.
+  static LrScheduleKind parse_kind(const std::string& name);
+};
+
+// Global L2 norm of all gradients (accumulated in double).
+double global_grad_norm(const std::map<std::string, NDArray>& grads);
+
+// Scales every gradient by max_norm / (norm + 1e-6) when the global norm
+// exceeds max_norm (as torch.nn.utils.clip_grad_norm_). Returns the norm
+// before clipping. max_norm <= 0 disables clipping.
+double clip_grad_norm(std::map<std::string, NDArray>& grads, double max_norm);
+
+}  // namespace hspmd

@@ -1,0 +1,215 @@
+#include "hspmd/core/ndarray.h"
+
+#include <cstring>
+#include <sstream>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_str(const Shape& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << "]";
+  return os.str();
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    strides[i] = s;
+    s *= shape[i];
+  }
+  return strides;
+}
+
+Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
+  data_ = allocator_for(device).allocate(bytes);
+}
+
+Storage::~Storage() { allocator_for(device_).deallocate(data_, bytes_); }
+
+NDArray NDArray::empty(const Shape& shape, DType dtype, Device device) {
+  for (int64_t d : shape) HSPMD_CHECK(d >= 0, "negative dim in ", shape_str(shape));
+  NDArray a;
+  a.shape_ = shape;
+  a.strides_ = contiguous_strides(shape);
+  a.dtype_ = dtype;
+  a.storage_ = std::make_shared<Storage>(shape_numel(shape) * dtype_size(dtype), device);
+  return a;
+}
+
+NDArray NDArray::zeros(const Shape& shape, DType dtype, Device device) {
+  NDArray a = empty(shape, dtype, device);
+  std::memset(a.raw_data(), 0, a.nbytes());
+  return a;
+}
+
+NDArray NDArray::from_vector(const Shape& shape, const std::vector<float>& values) {
+  HSPMD_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape));
+  NDArray a = empty(shape, DType::F32);
+  std::memcpy(a.raw_data(), values.data(), a.nbytes());
+  return a;
+}
+
+NDArray NDArray::from_vector_i32(const Shape& shape, const std::vector<int32_t>& values) {
+  HSPMD_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape));
+  NDArray a = empty(shape, DType::I32);
+  std::memcpy(a.raw_data(), values.data(), a.nbytes());
+  return a;
+}
+
+int64_t NDArray::dim(int i) const {
+  int n = ndim();
+  if (i < 0) i += n;
+  HSPMD_CHECK(i >= 0 && i < n, "dim ", i, " of shape ", shape_str(shape_));
+  return shape_[i];
+}
+
+Device NDArray::device() const { return storage_ ? storage_->device() : Device::cpu(); }
+
+bool NDArray::is_contiguous() const { return strides_ == contiguous_strides(shape_); }
+
+void* NDArray::raw_data() const {
+  HSPMD_CHECK(valid(), "use of an invalid NDArray");
+  return static_cast<char*>(storage_->data()) + offset_ * dtype_size(dtype_);
+}
+
+template <typename T>
+T* NDArray::data() const {
+  constexpr DType expected = std::is_same_v<T, float>      ? DType::F32
+                             : std::is_same_v<T, uint16_t> ? DType::BF16
+                             : std::is_same_v<T, int32_t>  ? DType::I32
+                                                           : DType::I64;
+  HSPMD_CHECK(dtype_ == expected, "array is ", dtype_name(dtype_), ", accessed as ",
+              dtype_name(expected));
+  return static_cast<T*>(raw_data());
+}
+template float* NDArray::data<float>() const;
+template uint16_t* NDArray::data<uint16_t>() const;
+template int32_t* NDArray::data<int32_t>() const;
+template int64_t* NDArray::data<int64_t>() const;
+
+NDArray NDArray::reshape(const Shape& shape) const {
+  HSPMD_CHECK(is_contiguous(), "reshape of a strided view");
+  HSPMD_CHECK(shape_numel(shape) == numel(), "reshape ", shape_str(shape_), " -> ",
+              shape_str(shape));
+  NDArray a = *this;
+  a.shape_ = shape;
+  a.strides_ = contiguous_strides(shape);
+  return a;
+}
+
+NDArray NDArray::transpose(int dim0, int dim1) const {
+  int n = ndim();
+  if (dim0 < 0) dim0 += n;
+  if (dim1 < 0) dim1 += n;
+  HSPMD_CHECK(dim0 >= 0 && dim0 < n && dim1 >= 0 && dim1 < n);
+  NDArray a = *this;
+  std::swap(a.shape_[dim0], a.shape_[dim1]);
+  std::swap(a.strides_[dim0], a.strides_[dim1]);
+  return a;
+}
+
+NDArray NDArray::slice(int axis, int64_t begin, int64_t end) const {
+  if (axis < 0) axis += ndim();
+  HSPMD_CHECK(axis >= 0 && axis < ndim());
+  HSPMD_CHECK(0 <= begin && begin <= end && end <= shape_[axis]);
+  NDArray a = *this;
+  a.offset_ += begin * strides_[axis];
+  a.shape_[axis] = end - begin;
+  return a;
+}
+
+namespace {
+
+// Copies a strided array element by element into contiguous memory.
+void gather_strided(const NDArray& src, char* dst) {
+  const size_t es = dtype_size(src.dtype());
+  const char* base = static_cast<const char*>(src.raw_data());
+  const int n = src.ndim();
+  const int64_t total = src.numel();
+  std::vector<int64_t> idx(n, 0);
+  for (int64_t k = 0; k < total; ++k) {
+    int64_t off = 0;
+    for (int d = 0; d < n; ++d) off += idx[d] * src.strides()[d];
+    std::memcpy(dst + k * es, base + off * es, es);
+    for (int d = n - 1; d >= 0; --d) {
+      if (++idx[d] < src.shape()[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+NDArray NDArray::contiguous() const {
+  if (is_contiguous()) return *this;
+  NDArray out = empty(shape_, dtype_, device());
+  gather_strided(*this, static_cast<char*>(out.raw_data()));
+  return out;
+}
+
+NDArray NDArray::clone() const {
+  NDArray src = contiguous();
+  NDArray out = empty(shape_, dtype_, device());
+  std::memcpy(out.raw_data(), src.raw_data(), nbytes());
+  return out;
+}
+
+NDArray NDArray::to(DType dtype) const {
+  NDArray src = contiguous();
+  if (dtype == dtype_) return src.clone();
+  NDArray out = empty(shape_, dtype, device());
+  const int64_t n = numel();
+  if (dtype == DType::F32) {
+    float* o = out.data<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      switch (dtype_) {
+        case DType::BF16: o[i] = bf16_to_f32(src.data<uint16_t>()[i]); break;
+        case DType::I32: o[i] = static_cast<float>(src.data<int32_t>()[i]); break;
+        case DType::I64: o[i] = static_cast<float>(src.data<int64_t>()[i]); break;
+        case DType::F32: break;
+      }
+    }
+  } else if (dtype == DType::BF16 && dtype_ == DType::F32) {
+    const float* s = src.data<float>();
+    uint16_t* o = out.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(s[i]);
+  } else if (dtype == DType::I64 && dtype_ == DType::I32) {
+    for (int64_t i = 0; i < n; ++i) out.data<int64_t>()[i] = src.data<int32_t>()[i];
+  } else if (dtype == DType::I32 && dtype_ == DType::I64) {
+    for (int64_t i = 0; i < n; ++i)
+      out.data<int32_t>()[i] = static_cast<int32_t>(src.data<int64_t>()[i]);
+  } else {
+    fail("[ndarray] no conversion from ", dtype_name(dtype_), " to ", dtype_name(dtype));
+  }
+  return out;
+}
+
+void NDArray::fill(float value) {
+  HSPMD_CHECK(is_contiguous());
+  const int64_t n = numel();
+  switch (dtype_) {
+    case DType::F32: std::fill_n(data<float>(), n, value); break;
+    case DType::BF16: std::fill_n(data<uint16_t>(), n, f32_to_bf16(value)); break;
+    case DType::I32: std::fill_n(data<int32_t>(), n, static_cast<int32_t>(value)); break;
+    case DType::I64: std::fill_n(data<int64_t>(), n, static_cast<int64_t>(value)); break;
+  }
+}
+
+std::vector<float> NDArray::to_vector() const {
+  NDArray f = dtype_ == DType::F32 ? contiguous() : to(DType::F32);
+  const float* p = f.data<float>();
+  return std::vector<float>(p, p + f.numel());
+}
+
+}  // namespace hspmd

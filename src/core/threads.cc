@@ -1,0 +1,24 @@
+#include "hspmd/core/threads.h"
+
+#include <omp.h>
+
+#include "hspmd/core/error.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace hspmd {
+
+namespace {
+int g_threads = 1;
+}
+
+void set_num_threads(int n) {
+  if (n < 1) fail("[threads] thread count must be >= 1, got ", n);
+  g_threads = n;
+  omp_set_num_threads(n);
+  openblas_set_num_threads(n);
+}
+
+int num_threads() { return g_threads; }
+
+}  // namespace hspmd

@@ -1,0 +1,74 @@
+#include "hspmd/graph/autodiff.h"
+
+#include <map>
+#include <utility>
+
+#include "hspmd/core/error.h"
+#include "hspmd/graph/op.h"
+#include "hspmd/ops/ops.h"
+
+namespace hspmd {
+
+namespace {
+
+// Nodes whose value depends on some tensor of `wrt` (forward reachability).
+std::vector<bool> depends_on(const Graph& g, const std::vector<Tensor>& wrt, int last) {
+  std::vector<bool> dep(last + 1, false);
+  for (const auto& t : wrt)
+    if (t.node_id() <= last) dep[t.node_id()] = true;
+  for (int id = 0; id <= last; ++id)
+    for (const auto& in : g.node(id).inputs)
+      if (dep[in.node_id()]) dep[id] = true;
+  return dep;
+}
+
+}  // namespace
+
+std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt) {
+  if (!loss.valid()) fail("[autodiff] the loss tensor is undefined");
+  if (!loss.shape().empty())
+    fail("[autodiff] the loss must be a scalar, got shape ", sym_shape_str(loss.shape()));
+  Graph& g = *loss.graph();
+  const int last = loss.node_id();
+  const std::vector<bool> on_path = depends_on(g, wrt, last);
+
+  std::map<std::pair<int, int>, Tensor> grads;
+  auto accumulate = [&](const Tensor& t, const Tensor& grad) {
+    auto key = std::make_pair(t.node_id(), t.index());
+    auto it = grads.find(key);
+    if (it == grads.end())
+      grads.emplace(key, grad);
+    else
+      it->second = ops::add(it->second, grad);
+  };
+  accumulate(loss, ops::fill(g, {}, 1.0f));
+
+  for (int id = last; id >= 0; --id) {
+    if (!on_path[id]) continue;
+    const Node& node = g.node(id);
+    if (node.inputs.empty()) continue;
+    std::vector<Tensor> grad_out(node.outputs.size());
+    bool any = false;
+    for (size_t i = 0; i < grad_out.size(); ++i) {
+      auto it = grads.find({id, static_cast<int>(i)});
+      if (it != grads.end()) grad_out[i] = it->second, any = true;
+    }
+    if (!any) continue;
+    // Copy what we need: gradient() appends nodes and may reallocate storage.
+    std::vector<Tensor> inputs = node.inputs;
+    std::vector<Tensor> grad_in = node.op->gradient(g.node(id), grad_out);
+    HSPMD_CHECK(grad_in.size() == inputs.size(), "op ", g.node(id).op->type(), " returned ",
+                grad_in.size(), " gradients for ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (grad_in[i].valid() && on_path[inputs[i].node_id()]) accumulate(inputs[i], grad_in[i]);
+  }
+
+  std::vector<Tensor> result;
+  for (const auto& t : wrt) {
+    auto it = grads.find({t.node_id(), t.index()});
+    result.push_back(it == grads.end() ? Tensor() : it->second);
+  }
+  return result;
+}
+
+}  // namespace hspmd

@@ -1,0 +1,83 @@
+#include "hspmd/graph/graph.h"
+
+#include "hspmd/core/error.h"
+#include "hspmd/graph/op.h"
+#include "leaf_ops.h"
+
+namespace hspmd {
+
+const Node& Tensor::node() const {
+  HSPMD_CHECK(valid(), "use of an invalid Tensor");
+  return graph_->node(node_);
+}
+
+const TensorMeta& Tensor::meta() const { return node().outputs.at(index_); }
+
+Tensor Node::output(int i) const {
+  HSPMD_CHECK(i >= 0 && i < static_cast<int>(outputs.size()));
+  return Tensor(graph, id, i);
+}
+
+std::vector<Tensor> Graph::add(std::shared_ptr<const Op> op, const std::vector<Tensor>& inputs,
+                               const std::string& name) {
+  std::vector<TensorMeta> in_metas;
+  in_metas.reserve(inputs.size());
+  for (const auto& t : inputs) {
+    if (!t.valid()) fail("[", op->type(), "] an input tensor is undefined");
+    if (t.graph() != this) fail("[", op->type(), "] an input belongs to another graph");
+    in_metas.push_back(t.meta());
+  }
+  Node node;
+  node.graph = this;
+  node.id = num_nodes();
+  node.outputs = op->infer(in_metas);
+  node.op = std::move(op);
+  node.inputs = inputs;
+  node.name = name;
+  nodes_.push_back(std::move(node));
+  std::vector<Tensor> outs;
+  for (int i = 0; i < static_cast<int>(nodes_.back().outputs.size()); ++i)
+    outs.emplace_back(this, nodes_.back().id, i);
+  return outs;
+}
+
+Tensor Graph::add1(std::shared_ptr<const Op> op, const std::vector<Tensor>& inputs,
+                   const std::string& name) {
+  auto outs = add(std::move(op), inputs, name);
+  HSPMD_CHECK(outs.size() == 1, "op has ", outs.size(), " outputs");
+  return outs[0];
+}
+
+Tensor Graph::placeholder(const std::string& name, const SymShape& shape, DType dtype) {
+  for (const auto& t : placeholders_)
+    if (t.node().name == name) fail("[graph] placeholder '", name, "' defined twice");
+  Tensor t = add1(std::make_shared<LeafOp>("placeholder", TensorMeta{shape, dtype}), {}, name);
+  placeholders_.push_back(t);
+  return t;
+}
+
+Tensor Graph::parameter(const std::string& name, const Shape& shape, DType dtype) {
+  for (const auto& t : parameters_)
+    if (t.node().name == name) fail("[graph] parameter '", name, "' defined twice");
+  Tensor t =
+      add1(std::make_shared<LeafOp>("parameter", TensorMeta{sym_shape(shape), dtype}), {}, name);
+  parameters_.push_back(t);
+  return t;
+}
+
+Tensor Graph::find(const std::string& name) const {
+  for (const auto* list : {&parameters_, &placeholders_})
+    for (const auto& t : *list)
+      if (t.node().name == name) return t;
+  fail("[graph] no placeholder or parameter named '", name, "'");
+}
+
+void LeafOp::compute(const OpContext&, const std::vector<NDArray>&, std::vector<NDArray>&) const {
+  HSPMD_CHECK(false, "leaf ops are bound by the executor, not computed");
+}
+
+std::vector<Tensor> Op::gradient(const Node& node, const std::vector<Tensor>&) const {
+  fail("[autodiff] op '", type(), "' (node ", node.id, ") is not differentiable");
+}
+
+}  // namespace hspmd

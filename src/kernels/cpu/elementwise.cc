@@ -1,0 +1,44 @@
+#include "hspmd/core/error.h"
+#include "kernels/kernels.h"
+
+namespace hspmd::kernels {
+
+void require_backend(const char* kernel, const NDArray& a) {
+  if (a.device().type != DeviceType::CPU)
+    fail("[", kernel, "] no ", a.device().str(), " kernel in this build");
+  HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
+}
+
+namespace {
+
+template <typename F>
+void binary(const char* name, const NDArray& a, const NDArray& b, NDArray& out, F f) {
+  require_backend(name, a);
+  HSPMD_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), name, ": sizes differ");
+  const float* pa = a.data<float>();
+  const float* pb = b.data<float>();
+  float* po = out.data<float>();
+  const int64_t n = a.numel();
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) po[i] = f(pa[i], pb[i]);
+}
+
+}  // namespace
+
+void add(const NDArray& a, const NDArray& b, NDArray& out) {
+  binary("add", a, b, out, [](float x, float y) { return x + y; });
+}
+
+void mul(const NDArray& a, const NDArray& b, NDArray& out) {
+  binary("mul", a, b, out, [](float x, float y) { return x * y; });
+}
+
+void scale(const NDArray& a, float factor, NDArray& out) {
+  binary("scale", a, a, out, [factor](float x, float) { return x * factor; });
+}
+
+void accumulate(const NDArray& a, NDArray& out) {
+  binary("accumulate", a, out, out, [](float x, float y) { return x + y; });
+}
+
+}  // namespace hspmd::kernels
