@@ -17,7 +17,8 @@ class TokenData {
  public:
   // Loads and validates a token file. Throws hspmd::Error "[data] <path>: ..."
   // when the file is missing, empty, not a multiple of 4 bytes, or holds a
-  // token id >= vocab_size (naming the first bad id and its position).
+  // token id >= vocab_size (naming the first bad id and its position), or
+  // when vocab_size <= 0. The path names the data in later errors.
   static TokenData load(const std::string& path, int64_t vocab_size);
   explicit TokenData(std::vector<uint32_t> tokens) : tokens_(std::move(tokens)) {}
 
@@ -25,14 +26,18 @@ class TokenData {
   const std::vector<uint32_t>& tokens() const { return tokens_; }
 
   // Number of fixed-length samples of length seq_len: (size - 1) / seq_len.
-  // Throws hspmd::Error when it is 0 (the file is shorter than one sample).
+  // Throws hspmd::Error "[data] <path, or 'tokens' when not loaded from a
+  // file>: N tokens are fewer than one sample of seq_len L + 1" when it is 0,
+  // and for seq_len <= 0.
   int64_t num_samples(int64_t seq_len) const;
 
-  // Writes sample `index` (taken modulo num_samples) into inputs[0..L) and
-  // targets[0..L).
+  // Writes sample `index` (taken modulo num_samples; negative indices wrap
+  // too) into inputs[0..L) and targets[0..L). Throws as num_samples does.
   void sample(int64_t index, int64_t seq_len, int32_t* inputs, int32_t* targets) const;
 
-  // Writes a token file. Throws hspmd::Error when it cannot be written.
+  // Writes a token file (to a temporary beside it, then renamed, so a
+  // failure leaves any old file intact). Throws hspmd::Error when it cannot
+  // be written.
   static void save(const std::string& path, const std::vector<uint32_t>& tokens);
 
  private:

@@ -17,24 +17,30 @@ struct LlamaConfig {
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
   // Optional, with Hugging Face's defaults.
-  int64_t num_key_value_heads = 0;  // 0 in the file means: = num_attention_heads
+  // Absent or null in the file means = num_attention_heads; from_json always
+  // sets it. 0 (the default of a hand-built config) means the same; use
+  // kv_heads() to read it.
+  int64_t num_key_value_heads = 0;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   int64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
-  int64_t eos_token_id = 2;
+  int64_t eos_token_id = 2;  // a list in the file: its first element
   double initializer_range = 0.02;
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
 
   // Parses and validates. `source` names the file in errors. Throws
   // hspmd::Error "[config] <source>: <rule>" for a missing required field, a
   // field of the wrong JSON type, or an impossible value (non-positive sizes,
   // heads not dividing hidden_size, KV heads not dividing heads, odd head_dim,
-  // eos_token_id outside the vocabulary, ...).
+  // eos_token_id outside the vocabulary, non-positive rms_norm_eps, rope_theta
+  // or initializer_range). Optional fields given as null take their default.
   static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
   // Reads a config.json; also throws for a missing file or malformed JSON.
   static LlamaConfig load(const std::string& path);
+  // Every field above (num_key_value_heads resolved); from_json reads it back.
   nlohmann::json to_json() const;
 };
 

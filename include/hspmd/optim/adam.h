@@ -30,6 +30,11 @@ class Adam {
   // Updates `param` (f32, contiguous) in place from `grad` (same shape) with
   // learning rate `lr`. `decay` says whether weight decay applies to this
   // tensor. Moments are created (zero) on first use, keyed by `name`.
+  // Scalar factors (bias corrections, lr) are computed in double; the
+  // element-wise update runs in f32 in torch's operation order. Throws
+  // hspmd::InternalError when called before begin_step(), when param/grad are
+  // not contiguous f32 of equal shape, or when `name` already has moments of
+  // another shape.
   void update(const std::string& name, NDArray& param, const NDArray& grad, double lr,
               bool decay);
 

@@ -20,7 +20,9 @@ struct LrSchedule {
 
   // Learning rate of step `step` (0-based): linear warmup lr*(step+1)/warmup
   // for step < warmup_steps, then constant or cosine decay from lr to min_lr
-  // reached at step total_steps.
+  // reached at step total_steps (and kept after it). Cosine is
+  // min_lr + (lr - min_lr) * (1 + cos(pi * (step - warmup) / (total - warmup))) / 2;
+  // when total_steps <= warmup_steps it yields min_lr after warmup.
   double at(int64_t step) const;
 
   // Parses "constant", "warmup" (= constant after warmup) or "cosine".
@@ -33,7 +35,8 @@ double global_grad_norm(const std::map<std::string, NDArray>& grads);
 
 // Scales every gradient by max_norm / (norm + 1e-6) when the global norm
 // exceeds max_norm (as torch.nn.utils.clip_grad_norm_). Returns the norm
-// before clipping. max_norm <= 0 disables clipping.
+// before clipping. max_norm <= 0 disables clipping (the norm is still
+// returned). Gradients must be contiguous f32 (else hspmd::InternalError).
 double clip_grad_norm(std::map<std::string, NDArray>& grads, double max_norm);
 
 }  // namespace hspmd

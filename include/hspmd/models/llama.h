@@ -1,0 +1,51 @@
+// The Llama model (Hugging Face LlamaForCausalLM semantics) as a defined graph.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hspmd/core/ndarray.h"
+#include "hspmd/graph/graph.h"
+#include "hspmd/models/config.h"
+
+namespace hspmd {
+
+// Names and shapes of the model's parameters, in Hugging Face order and naming
+// (lm_head.weight only when the embeddings are not tied).
+std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaConfig& config);
+
+// The training graph of one model replica. Placeholders (B, S symbolic):
+//   input_ids, targets, positions: i32 [B, S]; normalizer: f32 scalar (number
+//   of target tokens of the whole global batch); cu_seqlens: i32 [n+1] when
+//   built with packed documents.
+struct LlamaGraph {
+  std::unique_ptr<Graph> graph = std::make_unique<Graph>();
+  Tensor input_ids, targets, positions, normalizer, cu_seqlens;
+  Tensor loss;                       // scalar: sum of token losses / normalizer
+  std::vector<std::string> names;    // parameter names, same order as params/grads
+  std::vector<Tensor> params;
+  std::vector<Tensor> grads;         // d(loss)/d(param)
+};
+
+// Builds the forward graph and its backward graph. Throws hspmd::Error for an
+// invalid config.
+LlamaGraph build_llama(const LlamaConfig& config, bool packed_documents = false);
+
+// Initial parameters: linear and embedding weights ~ N(0, initializer_range^2),
+// norm weights = 1. Each tensor depends only on (seed, its name).
+std::map<std::string, NDArray> init_llama_parameters(const LlamaConfig& config, uint64_t seed);
+
+// Checks that `weights` (e.g. loaded from safetensors) holds exactly the
+// model's tensors with the right shapes, and converts them to f32. Extra
+// tensors are an error too (except lm_head.weight when embeddings are tied,
+// which must then equal nothing: it is ignored). Throws hspmd::Error
+// "[weights] <source>: <tensor>: <rule>".
+std::map<std::string, NDArray> validate_llama_weights(const LlamaConfig& config,
+                                                      std::map<std::string, NDArray> weights,
+                                                      const std::string& source);
+
+}  // namespace hspmd

@@ -1,0 +1,52 @@
+// Single-process training loop: data, gradient accumulation, clipping,
+// AdamW, logging and checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "hspmd/core/dtype.h"
+#include "hspmd/optim/adam.h"
+#include "hspmd/optim/lr_schedule.h"
+
+namespace hspmd {
+
+struct TrainOptions {
+  std::string model_path;       // Hugging Face config.json
+  std::string data_path;        // token file (.bin)
+  std::string init_path;        // optional safetensors with initial weights
+  std::string save_path;        // optional safetensors written at the end
+  std::string log_path;         // optional JSONL, one object per step
+  std::string dump_grads_path;  // optional safetensors of the step-0 gradients
+  int64_t seq_len = 0;
+  int64_t global_batch = 0;
+  int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
+  int64_t steps = 0;
+  uint64_t seed = 0;
+  AdamConfig adam;
+  LrSchedule schedule;          // total_steps is set from `steps`
+  double clip_grad = 0.0;       // 0 = off
+  int threads = 1;
+  DType save_dtype = DType::F32;
+  bool progress = true;         // progress line on stderr
+};
+
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0.0;
+  int64_t tokens = 0;
+  double step_time_s = 0.0;
+  double tokens_per_s = 0.0;
+  double lr = 0.0;
+  double grad_norm = 0.0;
+};
+
+// Validates every input before the first step (config, data, initial
+// weights, batch sizes, output paths), then trains. Returns one record per
+// step. Throws hspmd::Error (one line, naming the object and the rule) on any
+// bad input; nothing is written in that case.
+std::vector<StepRecord> train(const TrainOptions& options);
+
+}  // namespace hspmd

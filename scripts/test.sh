@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Runs the whole test suite (installs missing packages and builds first).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install_deps.sh
+bash scripts/build.sh
+ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600

@@ -1,0 +1,14 @@
+// Subcommands of the hspmd executable. Each takes its arguments (after the
+// subcommand name) and returns the process exit code; user errors are thrown
+// as hspmd::Error and printed by main().
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace hspmd::cli {
+
+int train_command(const std::vector<std::string>& args);
+int tokenize_command(const std::vector<std::string>& args);
+
+}  // namespace hspmd::cli

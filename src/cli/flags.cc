@@ -1,0 +1,112 @@
+#include "flags.h"
+
+#include <charconv>
+#include <cstdio>
+#include <sstream>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd::cli {
+
+namespace {
+
+int64_t parse_int(const std::string& flag, const std::string& v) {
+  int64_t out = 0;
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || end != v.data() + v.size() || v.empty())
+    fail("[flags] --", flag, ": '", v, "' is not an integer");
+  return out;
+}
+
+double parse_double(const std::string& flag, const std::string& v) {
+  try {
+    size_t pos = 0;
+    double out = std::stod(v, &pos);
+    if (pos == v.size()) return out;
+  } catch (const std::exception&) {
+  }
+  fail("[flags] --", flag, ": '", v, "' is not a number");
+}
+
+}  // namespace
+
+void FlagSet::add_string(const std::string& name, std::string* target, const std::string& help,
+                         bool required) {
+  flags_.push_back({name, help, "STR", required, false, [target](const std::string& v) { *target = v; }});
+}
+
+void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help,
+                      bool required) {
+  flags_.push_back({name, help, "N", required, false,
+                    [name, target](const std::string& v) { *target = parse_int(name, v); }});
+}
+
+void FlagSet::add_double(const std::string& name, double* target, const std::string& help,
+                         bool required) {
+  flags_.push_back({name, help, "X", required, false,
+                    [name, target](const std::string& v) { *target = parse_double(name, v); }});
+}
+
+void FlagSet::add_bool(const std::string& name, bool* target, const std::string& help) {
+  flags_.push_back({name, help, "", false, false, [target](const std::string&) { *target = true; }});
+}
+
+FlagSet::Flag* FlagSet::find(const std::string& name) {
+  for (auto& f : flags_)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+bool FlagSet::parse(const std::vector<std::string>& args) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(help().c_str(), stdout);
+      return false;
+    }
+    if (a.rfind("--", 0) != 0) {
+      if (positional_usage_.empty()) fail("[flags] ", command_, ": unexpected argument '", a, "'");
+      positional_.push_back(a);
+      continue;
+    }
+    std::string name = a.substr(2), value;
+    const bool inline_value = name.find('=') != std::string::npos;
+    if (inline_value) {
+      value = name.substr(name.find('=') + 1);
+      name = name.substr(0, name.find('='));
+    }
+    Flag* f = find(name);
+    if (f == nullptr) fail("[flags] ", command_, ": unknown flag --", name, " (see --help)");
+    if (f->seen) fail("[flags] --", name, " given twice");
+    f->seen = true;
+    if (f->kind.empty()) {
+      if (inline_value) fail("[flags] --", name, " takes no value");
+      f->set("");
+      continue;
+    }
+    if (!inline_value) {
+      if (i + 1 >= args.size()) fail("[flags] --", name, " needs a value");
+      value = args[++i];
+    }
+    f->set(value);
+  }
+  for (const auto& f : flags_)
+    if (f.required && !f.seen) fail("[flags] ", command_, ": --", f.name, " is required");
+  return true;
+}
+
+std::string FlagSet::help() const {
+  std::ostringstream os;
+  os << "usage: hspmd " << command_ << " [flags]"
+     << (positional_usage_.empty() ? "" : " " + positional_usage_) << "\n\n"
+     << summary_ << "\n\nflags:\n";
+  for (const auto& f : flags_) {
+    std::string lhs = "  --" + f.name + (f.kind.empty() ? "" : " " + f.kind);
+    if (lhs.size() < 28) lhs.resize(28, ' ');
+    os << lhs << " " << f.help << (f.required ? " (required)" : "") << "\n";
+  }
+  os << "  --help                       show this help\n";
+  return os.str();
+}
+
+}  // namespace hspmd::cli

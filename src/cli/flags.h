@@ -1,0 +1,49 @@
+// A small command-line flag parser: "--name value" and "--name=value",
+// boolean switches, required flags, generated --help.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace hspmd::cli {
+
+class FlagSet {
+ public:
+  FlagSet(std::string command, std::string summary)
+      : command_(std::move(command)), summary_(std::move(summary)) {}
+
+  void add_string(const std::string& name, std::string* target, const std::string& help,
+                  bool required = false);
+  void add_int(const std::string& name, int64_t* target, const std::string& help,
+               bool required = false);
+  void add_double(const std::string& name, double* target, const std::string& help,
+                  bool required = false);
+  void add_bool(const std::string& name, bool* target, const std::string& help);
+  // Positional arguments are collected when allowed, with this usage text.
+  void allow_positional(const std::string& usage) { positional_usage_ = usage; }
+
+  // Parses args (without the program and command names). Returns false when
+  // --help was given (the help text is then printed to stdout). Throws
+  // hspmd::Error "[flags] ..." for an unknown flag, a missing or malformed
+  // value, or a missing required flag.
+  bool parse(const std::vector<std::string>& args);
+  const std::vector<std::string>& positional() const { return positional_; }
+  std::string help() const;
+
+ private:
+  struct Flag {
+    std::string name, help, kind;
+    bool required = false;
+    bool seen = false;
+    std::function<void(const std::string&)> set;
+  };
+  Flag* find(const std::string& name);
+
+  std::string command_, summary_, positional_usage_;
+  std::vector<Flag> flags_;
+  std::vector<std::string> positional_;
+};
+
+}  // namespace hspmd::cli

@@ -1,0 +1,64 @@
+// hspmd train: flags -> TrainOptions -> train().
+#include <thread>
+
+#include "commands.h"
+#include "flags.h"
+#include "hspmd/core/error.h"
+#include "hspmd/train/trainer.h"
+
+namespace hspmd::cli {
+
+int train_command(const std::vector<std::string>& args) {
+  TrainOptions o;
+  std::string schedule = "constant", save_dtype = "f32", optimizer = "adamw";
+  int64_t seed = 0, warmup = 0, threads = std::max(1u, std::thread::hardware_concurrency());
+  double lr = 3e-4, min_lr = 0.0;
+  bool quiet = false;
+  FlagSet f("train", "Train a Llama model (Hugging Face config and weights) on a token file.");
+  f.add_string("model", &o.model_path, "Hugging Face config.json of the model", true);
+  f.add_string("data", &o.data_path, "token file (.bin, little-endian uint32 ids)", true);
+  f.add_int("seq-len", &o.seq_len, "tokens per sample", true);
+  f.add_int("global-batch", &o.global_batch, "samples per optimizer step", true);
+  f.add_int("steps", &o.steps, "optimizer steps", true);
+  f.add_int("micro-batches", &o.micro_batches, "gradient accumulation steps per optimizer step (default 1)");
+  f.add_string("optimizer", &optimizer, "adamw (default) or adam (L2 weight decay)");
+  f.add_double("lr", &lr, "peak learning rate (default 3e-4)");
+  f.add_double("min-lr", &min_lr, "final learning rate of the cosine schedule (default 0)");
+  f.add_string("lr-schedule", &schedule, "constant (default), warmup or cosine");
+  f.add_int("warmup-steps", &warmup, "linear warmup steps (default 0)");
+  f.add_double("weight-decay", &o.adam.weight_decay, "weight decay of matrices (default 0)");
+  f.add_double("beta1", &o.adam.beta1, "Adam beta1 (default 0.9)");
+  f.add_double("beta2", &o.adam.beta2, "Adam beta2 (default 0.95)");
+  f.add_double("eps", &o.adam.eps, "Adam epsilon (default 1e-8)");
+  f.add_double("clip-grad", &o.clip_grad, "global gradient-norm clipping, 0 = off (default)");
+  f.add_int("seed", &seed, "seed of the initialization (default 0)");
+  f.add_string("init", &o.init_path, "initial weights (safetensors, F32 or BF16)");
+  f.add_string("save", &o.save_path, "write the final weights here (safetensors)");
+  f.add_string("save-dtype", &save_dtype, "f32 (default) or bf16");
+  f.add_string("log", &o.log_path, "write one JSON object per step here (JSONL)");
+  f.add_string("dump-grads", &o.dump_grads_path, "write the step-0 gradients here (safetensors)");
+  f.add_int("threads", &threads, "CPU threads (default: all cores)");
+  f.add_bool("quiet", &quiet, "no progress line on stderr");
+  if (!f.parse(args)) return 0;
+
+  if (optimizer != "adamw" && optimizer != "adam")
+    fail("[flags] --optimizer: unknown optimizer '", optimizer, "' (expected adamw or adam)");
+  o.adam.decoupled_weight_decay = optimizer == "adamw";
+  if (save_dtype != "f32" && save_dtype != "bf16")
+    fail("[flags] --save-dtype: '", save_dtype, "' (expected f32 or bf16)");
+  o.save_dtype = save_dtype == "bf16" ? DType::BF16 : DType::F32;
+  if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
+  if (warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", warmup);
+  if (threads < 1) fail("[flags] --threads must be >= 1, got ", threads);
+  o.seed = static_cast<uint64_t>(seed);
+  o.threads = static_cast<int>(threads);
+  o.schedule.kind = LrSchedule::parse_kind(schedule);
+  o.schedule.lr = lr;
+  o.schedule.min_lr = min_lr;
+  o.schedule.warmup_steps = warmup;
+  o.progress = !quiet;
+  train(o);
+  return 0;
+}
+
+}  // namespace hspmd::cli

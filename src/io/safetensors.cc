@@ -1,0 +1,220 @@
+#include "hspmd/io/safetensors.h"
+
+#include <unistd.h>
+
+#include <bit>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+namespace {
+
+using nlohmann::json;
+constexpr uint64_t kHeaderLengthBytes = 8;
+
+static_assert(std::endian::native == std::endian::little,
+              "safetensors I/O copies raw little-endian bytes");
+
+template <typename... Args>
+[[noreturn]] void fail_file(const std::string& path, const Args&... args) {
+  fail("[safetensors] ", path, ": ", args...);
+}
+
+std::optional<DType> dtype_from_name(const std::string& name) {
+  if (name == "F32") return DType::F32;
+  if (name == "BF16") return DType::BF16;
+  if (name == "I32") return DType::I32;
+  if (name == "I64") return DType::I64;
+  return std::nullopt;
+}
+
+const char* dtype_to_name(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::BF16: return "BF16";
+    case DType::I32: return "I32";
+    case DType::I64: return "I64";
+  }
+  HSPMD_CHECK(false, "unknown dtype");
+}
+
+bool is_count(const json& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0); }
+
+// Everything the header says about one tensor, after validation.
+struct Entry {
+  DType dtype;
+  Shape shape;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+Shape parse_shape(const std::string& path, const std::string& name, const json& v) {
+  if (!v.is_array()) fail_file(path, "tensor '", name, "': \"shape\" is not a list");
+  Shape shape;
+  for (const json& d : v) {
+    if (!is_count(d)) fail_file(path, "tensor '", name, "': \"shape\" holds ", d.dump(), ", not a non-negative integer");
+    shape.push_back(d.get<int64_t>());
+  }
+  return shape;
+}
+
+// Byte size of `shape` elements of `dtype`, or nullopt on overflow.
+std::optional<uint64_t> byte_size(const Shape& shape, DType dtype) {
+  uint64_t bytes = dtype_size(dtype);
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes)) return std::nullopt;
+  return bytes;
+}
+
+Entry parse_entry(const std::string& path, const std::string& name, const json& v, uint64_t data_bytes) {
+  if (!v.is_object()) fail_file(path, "tensor '", name, "': entry is not a JSON object");
+  for (const char* field : {"dtype", "shape", "data_offsets"})
+    if (!v.contains(field)) fail_file(path, "tensor '", name, "': missing field \"", field, "\"");
+  if (!v["dtype"].is_string()) fail_file(path, "tensor '", name, "': \"dtype\" is not a string");
+  const std::string dtype_str = v["dtype"].get<std::string>();
+  std::optional<DType> dtype = dtype_from_name(dtype_str);
+  if (!dtype) fail_file(path, "tensor '", name, "': unsupported dtype '", dtype_str, "' (supported: F32, BF16, I32, I64)");
+  Entry e{*dtype, parse_shape(path, name, v["shape"])};
+  const json& offs = v["data_offsets"];
+  if (!offs.is_array() || offs.size() != 2 || !is_count(offs[0]) || !is_count(offs[1]))
+    fail_file(path, "tensor '", name, "': \"data_offsets\" is not a pair of non-negative integers");
+  e.begin = offs[0].get<uint64_t>();
+  e.end = offs[1].get<uint64_t>();
+  std::optional<uint64_t> expected = byte_size(e.shape, e.dtype);
+  if (e.end < e.begin || !expected || e.end - e.begin != *expected)
+    fail_file(path, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] span ",
+              e.end >= e.begin ? e.end - e.begin : 0, " bytes but shape ", shape_str(e.shape), " of ",
+              dtype_str, " needs ", expected ? std::to_string(*expected) : std::string("too many"));
+  if (e.end > data_bytes)
+    fail_file(path, "tensor '", name, "': data_offsets end ", e.end, " is beyond the ", data_bytes,
+              "-byte data section");
+  return e;
+}
+
+uint64_t read_header_length(std::ifstream& in, const std::string& path, uint64_t file_bytes) {
+  if (file_bytes < kHeaderLengthBytes)
+    fail_file(path, "file is ", file_bytes, " bytes, shorter than the 8-byte header length");
+  unsigned char buf[kHeaderLengthBytes];
+  in.read(reinterpret_cast<char*>(buf), kHeaderLengthBytes);
+  if (!in) fail_file(path, "cannot read the header length");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | buf[i];
+  if (n > file_bytes - kHeaderLengthBytes)
+    fail_file(path, "header length ", n, " exceeds the ", file_bytes - kHeaderLengthBytes,
+              " bytes that follow it");
+  return n;
+}
+
+json read_header(std::ifstream& in, const std::string& path, uint64_t header_bytes) {
+  std::string text(header_bytes, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_bytes));
+  if (!in) fail_file(path, "cannot read the ", header_bytes, "-byte header");
+  json header = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded()) fail_file(path, "header is not valid JSON");
+  if (!header.is_object()) fail_file(path, "header is not a JSON object");
+  return header;
+}
+
+void read_tensor(std::ifstream& in, const std::string& path, const std::string& name, uint64_t data_start,
+                 const Entry& e, NDArray& out) {
+  if (e.end == e.begin) return;
+  in.seekg(static_cast<std::streamoff>(data_start + e.begin));
+  in.read(static_cast<char*>(out.raw_data()), static_cast<std::streamsize>(e.end - e.begin));
+  if (!in) fail_file(path, "tensor '", name, "': cannot read its data");
+}
+
+}  // namespace
+
+std::map<std::string, NDArray> load_safetensors(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) fail_file(path, "no such file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail_file(path, "cannot open file for reading");
+  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
+  if (ec) fail_file(path, "cannot read the file size: ", ec.message());
+
+  const uint64_t header_bytes = read_header_length(in, path, file_bytes);
+  const json header = read_header(in, path, header_bytes);
+  const uint64_t data_start = kHeaderLengthBytes + header_bytes;
+  const uint64_t data_bytes = file_bytes - data_start;
+
+  std::map<std::string, NDArray> tensors;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") continue;
+    Entry e = parse_entry(path, name, value, data_bytes);
+    NDArray array = NDArray::empty(e.shape, e.dtype);
+    read_tensor(in, path, name, data_start, e, array);
+    tensors.emplace(name, std::move(array));
+  }
+  return tensors;
+}
+
+namespace {
+
+// The JSON header for `tensors` (already contiguous), padded with spaces to a
+// multiple of 8 bytes so the data section stays aligned.
+std::string make_header(const std::map<std::string, NDArray>& tensors) {
+  json header = json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  uint64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    const uint64_t bytes = t.nbytes();
+    header[name] = {{"dtype", dtype_to_name(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+// Writes the whole file to `path`; returns "" or what went wrong.
+std::string write_file(const std::string& path, const std::string& header,
+                       const std::map<std::string, NDArray>& tensors) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return "cannot open " + path + " for writing";
+  unsigned char len[kHeaderLengthBytes];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(uint64_t{header.size()} >> (8 * i));
+  out.write(reinterpret_cast<const char*>(len), kHeaderLengthBytes);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  for (const auto& [name, t] : tensors)
+    out.write(static_cast<const char*>(t.raw_data()), static_cast<std::streamsize>(t.nbytes()));
+  out.close();
+  if (!out) return "writing " + path + " failed (disk full or I/O error)";
+  return "";
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path, const std::map<std::string, NDArray>& tensors) {
+  std::map<std::string, NDArray> contiguous;
+  for (const auto& [name, t] : tensors) {
+    if (name == "__metadata__") fail_file(path, "'__metadata__' is reserved and cannot name a tensor");
+    if (!t.valid()) fail_file(path, "tensor '", name, "' is an empty (invalid) array");
+    if (!(t.device() == Device::cpu()))
+      fail_file(path, "tensor '", name, "' lives on ", t.device().str(), "; copy it to the CPU first");
+    contiguous.emplace(name, t.contiguous());
+  }
+  const std::string header = make_header(contiguous);
+  // Write beside the target and rename, so a failure never leaves a half file.
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  std::error_code ec;
+  if (std::string error = write_file(tmp, header, contiguous); !error.empty()) {
+    std::filesystem::remove(tmp, ec);
+    fail_file(path, error);
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    const std::string why = ec.message();
+    std::filesystem::remove(tmp, ec);
+    fail_file(path, "cannot rename ", tmp, " into place: ", why);
+  }
+}
+
+}  // namespace hspmd

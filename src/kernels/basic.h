@@ -1,0 +1,60 @@
+// Kernels of the basic ops: linear algebra, layout, reductions and the model
+// ops (embedding, RMSNorm, RoPE, SwiGLU, cross-entropy).
+//
+// Same contract as kernels.h: each function checks its device through
+// require_backend(), arrays are contiguous, outputs are preallocated by the
+// caller with the right shape. Results are deterministic for a given thread
+// count. Data errors (ids, targets) throw hspmd::Error.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "hspmd/core/ndarray.h"
+
+namespace hspmd::kernels {
+
+// ---- linear algebra ----
+// out = op(a2) · op(b): a2 is `a` viewed as [numel / a.dim(-1), a.dim(-1)],
+// b is 2-D; op transposes when the flag is set. out holds M*N elements.
+void matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out);
+
+// ---- layout ----
+// out = a with dims d0 and d1 swapped (materialized).
+void transpose(const NDArray& a, int d0, int d1, NDArray& out);
+// out = a[..., begin : begin + out.dim(axis), ...].
+void slice(const NDArray& a, int axis, int64_t begin, NDArray& out);
+// out = zeros, then out[..., begin : begin + grad.dim(axis), ...] = grad.
+void slice_backward(const NDArray& grad, int axis, int64_t begin, NDArray& out);
+// out = the parts joined along `axis`.
+void concat(const std::vector<NDArray>& parts, int axis, NDArray& out);
+// out = sum of a over the dims with reduced[d] set (out keeps the others).
+void reduce_sum(const NDArray& a, const std::vector<bool>& reduced, NDArray& out);
+// Inverse of reduce_sum's shape change: out[i] = g[i with reduced dims dropped].
+void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArray& out);
+
+// ---- model ops ----
+// out[t, :] = weight[ids[t], :]. Throws hspmd::Error on an id outside [0, V).
+void embedding(const NDArray& weight, const NDArray& ids, NDArray& out);
+// dweight = zeros, then dweight[ids[t], :] += grad[t, :] in token order.
+void embedding_backward(const NDArray& grad, const NDArray& ids, NDArray& dweight);
+// out = x * rsqrt(mean(x^2, -1) + eps) * weight.
+void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out);
+void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
+                       NDArray& dx, NDArray& dweight);
+// Rotates x [B, S, heads, D] by angle positions[b, s] * theta^(-2i/D)
+// (rotate_half convention); `inverse` rotates by the negated angle.
+void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out);
+// out = silu(gate) * up.
+void swiglu(const NDArray& gate, const NDArray& up, NDArray& out);
+void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
+                     NDArray& dup);
+// loss (scalar) = Σ_{targets != ignore} (logsumexp(row) - row[target]) / normalizer.
+// Throws hspmd::Error on a target outside [0, V) that is not ignore_index.
+void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
+                   int ignore_index, NDArray& loss);
+// dlogits = dloss * (softmax(row) - onehot(target)) / normalizer; zero for ignored rows.
+void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
+                            const NDArray& normalizer, int ignore_index, NDArray& dlogits);
+
+}  // namespace hspmd::kernels

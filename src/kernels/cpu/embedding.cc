@@ -1,0 +1,62 @@
+// Embedding lookup and its scatter-add gradient on CPU.
+#include <algorithm>
+#include <cstring>
+
+#include "hspmd/core/error.h"
+#include "kernels/basic.h"
+#include "kernels/kernels.h"
+
+namespace hspmd::kernels {
+
+namespace {
+
+// Throws on the first id outside [0, vocab) (checked before any parallel work).
+void check_ids(const NDArray& ids, int64_t vocab) {
+  const int32_t* p = ids.data<int32_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    if (p[t] < 0 || p[t] >= vocab)
+      fail("[embedding] token id ", p[t], " at position ", t, " is outside the vocabulary [0, ",
+           vocab, ")");
+}
+
+}  // namespace
+
+void embedding(const NDArray& weight, const NDArray& ids, NDArray& out) {
+  require_backend("embedding", weight);
+  require_backend("embedding", ids);
+  const int64_t vocab = weight.dim(0), hidden = weight.dim(1), tokens = ids.numel();
+  HSPMD_CHECK(out.numel() == tokens * hidden, "embedding: output size");
+  check_ids(ids, vocab);
+  const int32_t* id = ids.data<int32_t>();
+  const float* w = weight.data<float>();
+  float* y = out.data<float>();
+#pragma omp parallel for schedule(static) if (tokens * hidden > 65536)
+  for (int64_t t = 0; t < tokens; ++t)
+    std::memcpy(y + t * hidden, w + static_cast<int64_t>(id[t]) * hidden, hidden * sizeof(float));
+}
+
+void embedding_backward(const NDArray& grad, const NDArray& ids, NDArray& dweight) {
+  require_backend("embedding_backward", grad);
+  const int64_t vocab = dweight.dim(0), hidden = dweight.dim(1), tokens = ids.numel();
+  HSPMD_CHECK(grad.numel() == tokens * hidden, "embedding_backward: grad size");
+  check_ids(ids, vocab);
+  const int32_t* id = ids.data<int32_t>();
+  const float* g = grad.data<float>();
+  float* dw = dweight.data<float>();
+  std::memset(dw, 0, dweight.nbytes());
+  // Each column block belongs to one task that visits tokens in order: no races,
+  // and the summation order is fixed.
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (hidden + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (tokens * hidden > 65536)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t h0 = b * kBlock, h1 = std::min(hidden, h0 + kBlock);
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* row = dw + static_cast<int64_t>(id[t]) * hidden;
+      const float* src = g + t * hidden;
+      for (int64_t h = h0; h < h1; ++h) row[h] += src[h];
+    }
+  }
+}
+
+}  // namespace hspmd::kernels

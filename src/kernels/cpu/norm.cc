@@ -1,0 +1,80 @@
+// RMSNorm on CPU (Hugging Face LlamaRMSNorm in f32). Row statistics
+// accumulate in double; dweight sums rows in a fixed order per column block.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "hspmd/core/error.h"
+#include "kernels/basic.h"
+#include "kernels/kernels.h"
+
+namespace hspmd::kernels {
+
+namespace {
+
+// rsqrt(mean(x^2) + eps) of one row.
+float inv_rms(const float* x, int64_t h, float eps) {
+  double ss = 0;
+  for (int64_t i = 0; i < h; ++i) ss += static_cast<double>(x[i]) * x[i];
+  return static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(h) + eps));
+}
+
+}  // namespace
+
+void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
+  require_backend("rms_norm", x);
+  require_backend("rms_norm", weight);
+  const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
+  HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
+  const float* px = x.data<float>();
+  const float* w = weight.data<float>();
+  float* y = out.data<float>();
+#pragma omp parallel for schedule(static) if (x.numel() > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = px + r * h;
+    float* yr = y + r * h;
+    const float s = inv_rms(xr, h, eps);
+    for (int64_t i = 0; i < h; ++i) yr[i] = w[i] * (xr[i] * s);
+  }
+}
+
+void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
+                       NDArray& dx, NDArray& dweight) {
+  require_backend("rms_norm_backward", dy);
+  const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
+  HSPMD_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dweight.numel() == h,
+              "rms_norm_backward: sizes");
+  const float* px = x.data<float>();
+  const float* pg = dy.data<float>();
+  const float* w = weight.data<float>();
+  float* pdx = dx.data<float>();
+  std::vector<float> inv(rows);
+  // dx = s*w*dy - x * s^3 / H * Σ(dy*w*x), with s = rsqrt(mean(x^2) + eps).
+#pragma omp parallel for schedule(static) if (x.numel() > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = px + r * h;
+    const float* gr = pg + r * h;
+    const float s = inv[r] = inv_rms(xr, h, eps);
+    double dot = 0;
+    for (int64_t i = 0; i < h; ++i) dot += static_cast<double>(gr[i]) * w[i] * xr[i];
+    const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
+    float* dr = pdx + r * h;
+    for (int64_t i = 0; i < h; ++i) dr[i] = s * w[i] * gr[i] - xr[i] * c;
+  }
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (h + kBlock - 1) / kBlock;
+  float* dw = dweight.data<float>();
+#pragma omp parallel for schedule(static) if (x.numel() > 32768)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t h0 = b * kBlock, h1 = std::min(h, h0 + kBlock);
+    double acc[kBlock] = {};
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = px + r * h;
+      const float* gr = pg + r * h;
+      for (int64_t i = h0; i < h1; ++i) acc[i - h0] += static_cast<double>(gr[i]) * (xr[i] * inv[r]);
+    }
+    for (int64_t i = h0; i < h1; ++i) dw[i] = static_cast<float>(acc[i - h0]);
+  }
+}
+
+}  // namespace hspmd::kernels

@@ -1,0 +1,48 @@
+// Rotary position embedding on CPU (Hugging Face rotate_half convention).
+// Angles and their cos/sin are computed in double, once per token.
+#include <cmath>
+#include <vector>
+
+#include "hspmd/core/error.h"
+#include "kernels/basic.h"
+#include "kernels/kernels.h"
+
+namespace hspmd::kernels {
+
+void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out) {
+  require_backend("rope", x);
+  require_backend("rope", positions);
+  HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
+  const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3), half = d / 2;
+  HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
+  std::vector<double> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i)
+    inv_freq[i] = std::pow(static_cast<double>(theta), -2.0 * i / static_cast<double>(d));
+  const double sign = inverse ? -1.0 : 1.0;
+  const int32_t* pos = positions.data<int32_t>();
+  const float* px = x.data<float>();
+  float* py = out.data<float>();
+#pragma omp parallel if (x.numel() > 32768)
+  {
+    std::vector<float> cs(half), sn(half);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = sign * pos[t] * inv_freq[i];
+        cs[i] = static_cast<float>(std::cos(angle));
+        sn[i] = static_cast<float>(std::sin(angle));
+      }
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        const float* xi = px + (t * heads + hd) * d;
+        float* yi = py + (t * heads + hd) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = xi[i], b = xi[i + half];
+          yi[i] = a * cs[i] - b * sn[i];
+          yi[i + half] = b * cs[i] + a * sn[i];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace hspmd::kernels

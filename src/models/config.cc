@@ -1,0 +1,149 @@
+#include "hspmd/models/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+namespace {
+
+using nlohmann::json;
+
+// Reads fields of one config object, naming `source` in every error.
+class FieldReader {
+ public:
+  FieldReader(const json& j, const std::string& source) : j_(j), source_(source) {}
+
+  template <typename... Args>
+  [[noreturn]] void fail_rule(const Args&... args) const {
+    fail("[config] ", source_, ": ", args...);
+  }
+
+  // Required fields: absent -> error. Optional: absent or null -> `out` unchanged.
+  void integer(const char* name, int64_t& out, bool required) const {
+    if (const json* v = find(name, required)) {
+      if (!v->is_number_integer()) wrong_type(name, "an integer", *v);
+      out = v->get<int64_t>();
+    }
+  }
+  void number(const char* name, double& out) const {
+    if (const json* v = find(name, false)) {
+      if (!v->is_number()) wrong_type(name, "a number", *v);
+      out = v->get<double>();
+    }
+  }
+  void boolean(const char* name, bool& out) const {
+    if (const json* v = find(name, false)) {
+      if (!v->is_boolean()) wrong_type(name, "a boolean", *v);
+      out = v->get<bool>();
+    }
+  }
+  // Hugging Face allows a list of EOS ids; the first one ends documents.
+  void integer_or_first_of_list(const char* name, int64_t& out) const {
+    const json* v = find(name, false);
+    if (!v) return;
+    if (v->is_array()) {
+      if (v->empty()) fail_rule("field '", name, "' is an empty list");
+      v = &(*v)[0];
+    }
+    if (!v->is_number_integer()) wrong_type(name, "an integer or a list of integers", *v);
+    out = v->get<int64_t>();
+  }
+
+ private:
+  const json* find(const char* name, bool required) const {
+    auto it = j_.find(name);
+    if (it == j_.end() || (!required && it->is_null())) {
+      if (required) fail_rule("missing required field '", name, "'");
+      return nullptr;
+    }
+    return &*it;
+  }
+  [[noreturn]] void wrong_type(const char* name, const char* expected, const json& v) const {
+    fail_rule("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", v.dump());
+  }
+
+  const json& j_;
+  const std::string& source_;
+};
+
+void validate(const LlamaConfig& c, const FieldReader& r) {
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"max_position_embeddings", c.max_position_embeddings}};
+  for (const auto& [name, value] : sizes)
+    if (value <= 0) r.fail_rule(name, "=", value, " must be positive");
+  if (c.hidden_size % c.num_attention_heads != 0)
+    r.fail_rule("num_attention_heads=", c.num_attention_heads, " does not divide hidden_size=", c.hidden_size);
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    r.fail_rule("num_key_value_heads=", c.num_key_value_heads,
+                " does not divide num_attention_heads=", c.num_attention_heads);
+  if (c.head_dim() % 2 != 0)
+    r.fail_rule("head_dim=hidden_size/num_attention_heads=", c.head_dim(), " must be even (RoPE rotates pairs)");
+  // Written as !(x > 0) so NaN is rejected too.
+  if (!(c.rms_norm_eps > 0)) r.fail_rule("rms_norm_eps=", c.rms_norm_eps, " must be positive");
+  if (!(c.rope_theta > 0)) r.fail_rule("rope_theta=", c.rope_theta, " must be positive");
+  if (!(c.initializer_range > 0)) r.fail_rule("initializer_range=", c.initializer_range, " must be positive");
+  if (c.eos_token_id < 0 || c.eos_token_id >= c.vocab_size)
+    r.fail_rule("eos_token_id=", c.eos_token_id, " is outside the vocabulary [0, ", c.vocab_size, ")");
+}
+
+}  // namespace
+
+LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
+  FieldReader r(j, source);
+  if (!j.is_object()) r.fail_rule("the config is not a JSON object");
+  LlamaConfig c;
+  r.integer("vocab_size", c.vocab_size, true);
+  r.integer("hidden_size", c.hidden_size, true);
+  r.integer("intermediate_size", c.intermediate_size, true);
+  r.integer("num_hidden_layers", c.num_hidden_layers, true);
+  r.integer("num_attention_heads", c.num_attention_heads, true);
+  c.num_key_value_heads = c.num_attention_heads;
+  r.integer("num_key_value_heads", c.num_key_value_heads, false);
+  r.number("rms_norm_eps", c.rms_norm_eps);
+  r.number("rope_theta", c.rope_theta);
+  r.integer("max_position_embeddings", c.max_position_embeddings, false);
+  r.boolean("tie_word_embeddings", c.tie_word_embeddings);
+  r.integer_or_first_of_list("eos_token_id", c.eos_token_id);
+  r.number("initializer_range", c.initializer_range);
+  validate(c, r);
+  return c;
+}
+
+LlamaConfig LlamaConfig::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("[config] ", path, ": cannot open file");
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    fail("[config] ", path, ": not valid JSON (", e.what(), ")");
+  }
+  return from_json(j, path);
+}
+
+json LlamaConfig::to_json() const {
+  return {{"vocab_size", vocab_size},
+          {"hidden_size", hidden_size},
+          {"intermediate_size", intermediate_size},
+          {"num_hidden_layers", num_hidden_layers},
+          {"num_attention_heads", num_attention_heads},
+          {"num_key_value_heads", num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads},
+          {"rms_norm_eps", rms_norm_eps},
+          {"rope_theta", rope_theta},
+          {"max_position_embeddings", max_position_embeddings},
+          {"tie_word_embeddings", tie_word_embeddings},
+          {"eos_token_id", eos_token_id},
+          {"initializer_range", initializer_range}};
+}
+
+}  // namespace hspmd

@@ -1,0 +1,38 @@
+// scale: a * factor for a constant factor.
+#include "hspmd/ops/ops.h"
+#include "kernels/kernels.h"
+#include "op_util.h"
+
+namespace hspmd::ops {
+
+namespace {
+
+class ScaleOp final : public Op {
+ public:
+  explicit ScaleOp(float factor) : factor_(factor) {}
+  std::string type() const override { return "scale"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("scale", in, 1);
+    expect_dtype("scale", "a", in[0], DType::F32);
+    return {in[0]};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    kernels::scale(in[0], factor_, out[0]);
+  }
+  std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
+    return {scale(g[0], factor_)};
+  }
+
+ private:
+  float factor_;
+};
+
+}  // namespace
+
+Tensor scale(const Tensor& a, float factor) {
+  return a.graph()->add1(std::make_shared<ScaleOp>(factor), {a});
+}
+
+}  // namespace hspmd::ops

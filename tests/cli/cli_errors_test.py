@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Bad input to `hspmd train` / `hspmd tokenize`: each case must exit non-zero
+with exactly one line on stderr that names the problem, and write nothing.
+
+usage: cli_errors_test.py --hspmd PATH
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+CONFIG = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "max_position_embeddings": 64, "eos_token_id": 256}
+
+
+def write_safetensors(path, tensors, truncate=0):
+    """tensors: name -> (dtype, shape, bytes)."""
+    header, blobs, off = {}, [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    h = json.dumps(header).encode()
+    raw = struct.pack("<Q", len(h)) + h + b"".join(blobs)
+    with open(path, "wb") as f:
+        f.write(raw[:len(raw) - truncate] if truncate else raw)
+
+
+def model_tensors(cfg, dtype="F32", skip=None, bad_shape=None):
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h),
+              "model.layers.0.self_attn.q_proj.weight": (q, h),
+              "model.layers.0.self_attn.k_proj.weight": (kv, h),
+              "model.layers.0.self_attn.v_proj.weight": (kv, h),
+              "model.layers.0.self_attn.o_proj.weight": (h, q),
+              "model.layers.0.mlp.gate_proj.weight": (f, h), "model.layers.0.mlp.up_proj.weight": (f, h),
+              "model.layers.0.mlp.down_proj.weight": (h, f),
+              "model.layers.0.input_layernorm.weight": (h,),
+              "model.layers.0.post_attention_layernorm.weight": (h,)}
+    out = {}
+    for name, shape in shapes.items():
+        if name == skip:
+            continue
+        if name == bad_shape:
+            shape = (shape[0] + 1,) + tuple(shape[1:])
+        n = 1
+        for s in shape:
+            n *= s
+        size = {"F32": 4, "BF16": 2, "I32": 4}[dtype]
+        out[name] = (dtype, shape, bytes(n * size))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    exe = ap.parse_args().hspmd
+    tmp = tempfile.mkdtemp()
+    p = lambda n: os.path.join(tmp, n)  # noqa: E731
+
+    with open(p("cfg.json"), "w") as f:
+        json.dump(CONFIG, f)
+    with open(p("bad_json.json"), "w") as f:
+        f.write("{\"vocab_size\": 300,")
+    with open(p("no_hidden.json"), "w") as f:
+        json.dump({k: v for k, v in CONFIG.items() if k != "hidden_size"}, f)
+    with open(p("bad_heads.json"), "w") as f:
+        json.dump(dict(CONFIG, num_attention_heads=3), f)
+    struct.pack("<3I", 1, 2, 3)
+    with open(p("data.bin"), "wb") as f:
+        f.write(struct.pack("<200I", *([5] * 200)))
+    open(p("empty.bin"), "wb").close()
+    with open(p("short.bin"), "wb") as f:
+        f.write(struct.pack("<10I", *range(10)))
+    with open(p("bad_id.bin"), "wb") as f:
+        f.write(struct.pack("<200I", *([5] * 150 + [70000] + [5] * 49)))
+    with open(p("odd.bin"), "wb") as f:
+        f.write(b"\x01\x00\x00\x00\x02\x00")
+    write_safetensors(p("ok.safetensors"), model_tensors(CONFIG))
+    write_safetensors(p("truncated.safetensors"), model_tensors(CONFIG), truncate=100)
+    write_safetensors(p("missing.safetensors"), model_tensors(CONFIG, skip="model.norm.weight"))
+    write_safetensors(p("shape.safetensors"),
+                      model_tensors(CONFIG, bad_shape="model.layers.0.mlp.up_proj.weight"))
+    write_safetensors(p("dtype.safetensors"), model_tensors(CONFIG, dtype="I32"))
+    with open(p("garbage.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", 10 ** 9) + b"{}")
+
+    base = ["train", "--model", p("cfg.json"), "--data", p("data.bin"), "--seq-len", "16",
+            "--global-batch", "2", "--steps", "1", "--threads", "1", "--quiet"]
+
+    def with_flag(flag, value):
+        args = list(base)
+        i = args.index(flag)
+        args[i + 1] = value
+        return args
+
+    cases = [
+        ("missing config", with_flag("--model", p("nope.json")), "nope.json"),
+        ("malformed config", with_flag("--model", p("bad_json.json")), "bad_json.json"),
+        ("config missing field", with_flag("--model", p("no_hidden.json")), "hidden_size"),
+        ("config impossible heads", with_flag("--model", p("bad_heads.json")), "num_attention_heads"),
+        ("missing data", with_flag("--data", p("nope.bin")), "nope.bin"),
+        ("empty data", with_flag("--data", p("empty.bin")), "empty.bin"),
+        ("data not uint32", with_flag("--data", p("odd.bin")), "odd.bin"),
+        ("data shorter than a sample", with_flag("--data", p("short.bin")), "short.bin"),
+        ("token id >= vocab", with_flag("--data", p("bad_id.bin")), "70000"),
+        ("truncated safetensors", base + ["--init", p("truncated.safetensors")], "truncated"),
+        ("garbage safetensors", base + ["--init", p("garbage.safetensors")], "garbage"),
+        ("missing tensor", base + ["--init", p("missing.safetensors")], "model.norm.weight"),
+        ("wrong shape", base + ["--init", p("shape.safetensors")], "up_proj"),
+        ("wrong dtype", base + ["--init", p("dtype.safetensors")], "dtype"),
+        ("unknown flag", base + ["--frobnicate", "1"], "--frobnicate"),
+        ("bad integer", with_flag("--steps", "ten"), "--steps"),
+        ("missing required flag", [a for a in base if a not in ("--model", p("cfg.json"))], "--model"),
+        ("flag without value", base + ["--lr"], "--lr"),
+        ("negative steps", with_flag("--steps", "-3"), "--steps"),
+        ("micro-batches not dividing", base + ["--micro-batches", "3"], "--micro-batches"),
+        ("seq-len beyond max positions", with_flag("--seq-len", "65"), "max_position_embeddings"),
+        ("unknown schedule", base + ["--lr-schedule", "zigzag"], "zigzag"),
+        ("save into a missing directory", base + ["--save", p("no/such/dir/w.safetensors")], "--save"),
+        ("unknown command", ["frobnicate"], "frobnicate"),
+        ("tokenize without inputs", ["tokenize", "--output", p("o.bin"), "--eos", "256"], "no input"),
+        ("tokenize eos is a byte", ["tokenize", "--output", p("o.bin"), "--eos", "10", p("cfg.json")], "eos"),
+        ("tokenize missing input", ["tokenize", "--output", p("o.bin"), "--eos", "256", p("nope.txt")], "nope.txt"),
+    ]
+    # The valid baseline must succeed, or the cases below prove nothing.
+    ok = subprocess.run([exe] + base + ["--init", p("ok.safetensors")], capture_output=True, text=True)
+    failures = []
+    if ok.returncode != 0:
+        failures.append(f"baseline run failed: {ok.stderr.strip()}")
+    for name, args, needle in cases:
+        r = subprocess.run([exe] + args, capture_output=True, text=True, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        problems = []
+        if r.returncode == 0:
+            problems.append("exit code 0")
+        if len(lines) != 1:
+            problems.append(f"{len(lines)} stderr lines")
+        elif needle not in lines[0] or not lines[0].startswith("hspmd: "):
+            problems.append(f"message does not name '{needle}'")
+        status = "ok" if not problems else "FAIL (" + ", ".join(problems) + ")"
+        print(f"{name:34s} {status}: {r.stderr.strip()[:160]}")
+        if problems:
+            failures.append(name)
+    if os.path.exists(p("o.bin")):
+        failures.append("tokenize wrote output despite an error")
+    if failures:
+        sys.exit("FAILED: " + ", ".join(failures))
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()

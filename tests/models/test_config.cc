@@ -1,0 +1,216 @@
+#include "hspmd/models/config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+namespace {
+
+using nlohmann::json;
+
+json minimal() {
+  return {{"vocab_size", 512},
+          {"hidden_size", 64},
+          {"intermediate_size", 172},
+          {"num_hidden_layers", 2},
+          {"num_attention_heads", 4}};
+}
+
+// Expects from_json(j) to throw "[config] cfg.json: <rule>" containing `rule`.
+void expect_config_error(const json& j, const std::string& rule) {
+  try {
+    LlamaConfig::from_json(j, "cfg.json");
+    FAIL() << "no error for " << j.dump();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("[config] cfg.json: ", 0), 0u) << msg;
+    EXPECT_NE(msg.find(rule), std::string::npos) << "expected '" << rule << "' in: " << msg;
+  }
+}
+
+TEST(LlamaConfig, ParsesRequiredFieldsWithDefaults) {
+  LlamaConfig c = LlamaConfig::from_json(minimal(), "cfg.json");
+  EXPECT_EQ(c.vocab_size, 512);
+  EXPECT_EQ(c.hidden_size, 64);
+  EXPECT_EQ(c.intermediate_size, 172);
+  EXPECT_EQ(c.num_hidden_layers, 2);
+  EXPECT_EQ(c.num_attention_heads, 4);
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_EQ(c.kv_heads(), 4);
+  EXPECT_EQ(c.head_dim(), 16);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
+  EXPECT_EQ(c.max_position_embeddings, 2048);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.eos_token_id, 2);
+  EXPECT_DOUBLE_EQ(c.initializer_range, 0.02);
+}
+
+TEST(LlamaConfig, ParsesOptionalFieldsAndIgnoresUnknown) {
+  json j = minimal();
+  j["num_key_value_heads"] = 2;
+  j["rms_norm_eps"] = 1e-5;
+  j["rope_theta"] = 500000;  // an integer is a valid number
+  j["max_position_embeddings"] = 4096;
+  j["tie_word_embeddings"] = true;
+  j["eos_token_id"] = 300;
+  j["initializer_range"] = 0.01;
+  j["architectures"] = {"LlamaForCausalLM"};
+  j["torch_dtype"] = "bfloat16";
+  LlamaConfig c = LlamaConfig::from_json(j, "cfg.json");
+  EXPECT_EQ(c.num_key_value_heads, 2);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.max_position_embeddings, 4096);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.eos_token_id, 300);
+  EXPECT_DOUBLE_EQ(c.initializer_range, 0.01);
+}
+
+TEST(LlamaConfig, NullKvHeadsMeansAttentionHeads) {
+  json j = minimal();
+  j["num_key_value_heads"] = nullptr;
+  EXPECT_EQ(LlamaConfig::from_json(j, "cfg.json").num_key_value_heads, 4);
+}
+
+TEST(LlamaConfig, EosListTakesFirst) {
+  json j = minimal();
+  j["eos_token_id"] = {7, 9};
+  EXPECT_EQ(LlamaConfig::from_json(j, "cfg.json").eos_token_id, 7);
+  j["eos_token_id"] = json::array();
+  expect_config_error(j, "field 'eos_token_id' is an empty list");
+  j["eos_token_id"] = {"x"};
+  expect_config_error(j, "field 'eos_token_id' must be an integer");
+}
+
+TEST(LlamaConfig, ToJsonRoundTrips) {
+  json j = minimal();
+  j["num_key_value_heads"] = 2;
+  j["tie_word_embeddings"] = true;
+  j["eos_token_id"] = 511;
+  LlamaConfig c = LlamaConfig::from_json(j, "cfg.json");
+  json out = c.to_json();
+  for (const char* field : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                            "max_position_embeddings", "tie_word_embeddings", "eos_token_id",
+                            "initializer_range"})
+    EXPECT_TRUE(out.contains(field)) << field;
+  EXPECT_EQ(LlamaConfig::from_json(out, "again").to_json(), out);
+  EXPECT_EQ(out["num_key_value_heads"], 2);
+}
+
+TEST(LlamaConfig, MissingRequiredField) {
+  for (const char* field : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads"}) {
+    json j = minimal();
+    j.erase(field);
+    expect_config_error(j, std::string("missing required field '") + field + "'");
+  }
+}
+
+TEST(LlamaConfig, WrongJsonType) {
+  const std::pair<const char*, json> cases[] = {
+      {"vocab_size", "512"},       {"hidden_size", 64.5},          {"num_hidden_layers", true},
+      {"num_attention_heads", nullptr}, {"num_key_value_heads", "2"}, {"rms_norm_eps", "1e-6"},
+      {"rope_theta", json::array()}, {"max_position_embeddings", 1.5}, {"tie_word_embeddings", 1},
+      {"eos_token_id", "2"},       {"initializer_range", false}};
+  for (const auto& [field, value] : cases) {
+    json j = minimal();
+    j[field] = value;
+    expect_config_error(j, std::string("field '") + field + "' must be ");
+  }
+  expect_config_error(json::array(), "not a JSON object");
+}
+
+TEST(LlamaConfig, NonPositiveSizes) {
+  for (const char* field : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "max_position_embeddings"}) {
+    for (int value : {0, -4}) {
+      json j = minimal();
+      j[field] = value;
+      expect_config_error(j, std::string(field) + "=" + std::to_string(value) + " must be positive");
+    }
+  }
+}
+
+TEST(LlamaConfig, ImpossibleValues) {
+  json j = minimal();
+  j["num_attention_heads"] = 6;
+  expect_config_error(j, "num_attention_heads=6 does not divide hidden_size=64");
+
+  j = minimal();
+  j["num_key_value_heads"] = 3;
+  expect_config_error(j, "num_key_value_heads=3 does not divide num_attention_heads=4");
+
+  j = minimal();
+  j["hidden_size"] = 60;
+  j["num_attention_heads"] = 4;  // head_dim 15
+  expect_config_error(j, "head_dim=hidden_size/num_attention_heads=15 must be even");
+
+  j = minimal();
+  j["rms_norm_eps"] = 0.0;
+  expect_config_error(j, "rms_norm_eps=0 must be positive");
+  j = minimal();
+  j["rope_theta"] = -1.0;
+  expect_config_error(j, "rope_theta=-1 must be positive");
+  j = minimal();
+  j["initializer_range"] = 0;
+  expect_config_error(j, "initializer_range=0 must be positive");
+
+  j = minimal();
+  j["eos_token_id"] = 512;
+  expect_config_error(j, "eos_token_id=512 is outside the vocabulary [0, 512)");
+  j["eos_token_id"] = -1;
+  expect_config_error(j, "eos_token_id=-1 is outside the vocabulary");
+}
+
+TEST(LlamaConfig, ExactMessageForHeads) {
+  json j = minimal();
+  j["num_attention_heads"] = 6;
+  try {
+    LlamaConfig::from_json(j, "cfg.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "[config] cfg.json: num_attention_heads=6 does not divide hidden_size=64");
+  }
+}
+
+TEST(LlamaConfig, LoadFile) {
+  const std::string path = (std::filesystem::path(::testing::TempDir()) / "hspmd_cfg.json").string();
+  { std::ofstream(path) << minimal().dump(2); }
+  EXPECT_EQ(LlamaConfig::load(path).hidden_size, 64);
+
+  { std::ofstream(path) << "{\"vocab_size\": 512,"; }
+  try {
+    LlamaConfig::load(path);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("[config] " + path + ": not valid JSON", 0), 0u) << e.what();
+  }
+
+  json j = minimal();
+  j.erase("hidden_size");
+  { std::ofstream(path) << j.dump(); }
+  try {
+    LlamaConfig::load(path);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), ("[config] " + path + ": missing required field 'hidden_size'").c_str());
+  }
+
+  const std::string missing = path + ".nope";
+  try {
+    LlamaConfig::load(missing);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), ("[config] " + missing + ": cannot open file").c_str());
+  }
+}
+
+}  // namespace
+}  // namespace hspmd

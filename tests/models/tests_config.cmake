@@ -1,0 +1,1 @@
+hspmd_test(test_models_config test_config.cc)

@@ -1,0 +1,465 @@
+#!/usr/bin/python3
+"""Independent PyTorch reference of a Hugging Face-style Llama, for oracle tests.
+
+Plain torch (no transformers): reads a HF config.json subset, reads/writes
+safetensors with its own numpy code, runs LlamaForCausalLM's forward in float32
+and trains with torch.optim.AdamW (weight decay only on tensors with >= 2 dims).
+
+Run with /usr/bin/python3 (Debian's python3-torch). Example:
+
+  /usr/bin/python3 tests/oracle/llama_ref.py --model cfg.json --init w.safetensors \
+      --data tokens.bin --seq-len 64 --global-batch 4 --steps 3 --lr 1e-3 \
+      --weight-decay 0.1 --beta1 0.9 --beta2 0.95 --eps 1e-8 --micro-batches 2 \
+      --clip-grad 1.0 --threads 1 --dump-grads grads.safetensors \
+      --log ref.jsonl --save final.safetensors
+
+`--self-test` runs a tiny end-to-end check in a temporary directory.
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+# ----------------------------------------------------------------------------
+# Config
+
+
+def load_config(path):
+    """Reads the HF config.json subset; unknown fields are ignored."""
+    with open(path) as f:
+        raw = json.load(f)
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ValueError(f"[model] {path}: missing fields {missing}")
+    cfg = {k: int(raw[k]) for k in required}
+    cfg["num_key_value_heads"] = int(raw.get("num_key_value_heads", cfg["num_attention_heads"]))
+    cfg["rms_norm_eps"] = float(raw.get("rms_norm_eps", 1e-6))
+    cfg["rope_theta"] = float(raw.get("rope_theta", 10000.0))
+    cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    hq, hkv, h = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    if h % hq or hq % hkv or (h // hq) % 2:
+        raise ValueError(f"[model] bad head layout: hidden={h} heads={hq} kv_heads={hkv}")
+
+
+def param_shapes(cfg):
+    """HF parameter names -> shapes, in a stable order."""
+    h, v, i = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    d = h // cfg["num_attention_heads"]
+    hq_d, hkv_d = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        shapes[p + "self_attn.q_proj.weight"] = (hq_d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (hkv_d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (hkv_d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, hq_d)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+# ----------------------------------------------------------------------------
+# safetensors (own reader/writer)
+
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "I64": np.int64}
+
+
+def read_safetensors(path):
+    """Returns {name: float32 np.ndarray} (BF16/F16 widened to f32)."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    (hlen,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + hlen].decode("utf-8"))
+    base = 8 + hlen
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = blob[base + begin:base + end]
+        shape = tuple(info["shape"])
+        if info["dtype"] == "BF16":
+            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+            arr = bits.view(np.float32)
+        elif info["dtype"] in _NP_DTYPES:
+            arr = np.frombuffer(raw, dtype=np.dtype(_NP_DTYPES[info["dtype"]]).newbyteorder("<"))
+            arr = arr.astype(np.float32)
+        else:
+            raise ValueError(f"[weights] {path}: tensor '{name}' has unsupported dtype {info['dtype']}")
+        out[name] = arr.reshape(shape).copy()
+    return out
+
+
+def _f32_to_bf16_bits(a):
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(a.astype(np.float32))
+    rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def write_safetensors(path, tensors, dtype="F32"):
+    """Writes {name: array-like} as F32 or BF16, names sorted, header 8-aligned."""
+    header, chunks, offset = {}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        a = t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        raw = _f32_to_bf16_bits(a).astype("<u2").tobytes() if dtype == "BF16" else a.astype("<f4").tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * (-len(hbytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hbytes)))
+        f.write(hbytes)
+        for c in chunks:
+            f.write(c)
+
+
+# ----------------------------------------------------------------------------
+# Model
+
+
+def random_params(cfg, seed=0, std=0.02):
+    """Normal(0, std) matrices, ones for norm weights."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if len(shape) == 1:
+            params[name] = torch.ones(shape, dtype=torch.float32)
+        else:
+            params[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return params
+
+
+def load_params(cfg, path):
+    """Loads HF-named weights; checks names and shapes. Ignores a tied lm_head."""
+    data = read_safetensors(path)
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name not in data:
+            raise ValueError(f"[weights] {path}: missing tensor '{name}'")
+        if tuple(data[name].shape) != tuple(shape):
+            raise ValueError(f"[weights] {path}: '{name}' has shape {list(data[name].shape)}, "
+                             f"expected {list(shape)}")
+        params[name] = torch.from_numpy(data[name])
+    return params
+
+
+def rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(seq_len, head_dim, theta):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()  # [S, D]
+
+
+def attention(x, p, prefix, cfg, cos, sin):
+    b, s, _ = x.shape
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg["hidden_size"] // hq
+    q = F.linear(x, p[prefix + "q_proj.weight"]).view(b, s, hq, d).transpose(1, 2)
+    k = F.linear(x, p[prefix + "k_proj.weight"]).view(b, s, hkv, d).transpose(1, 2)
+    v = F.linear(x, p[prefix + "v_proj.weight"]).view(b, s, hkv, d).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k = k.repeat_interleave(hq // hkv, dim=1)  # query head h uses kv head h // (hq/hkv)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(d)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(causal, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)
+    out = out.transpose(1, 2).reshape(b, s, hq * d)
+    return F.linear(out, p[prefix + "o_proj.weight"])
+
+
+def mlp(x, p, prefix):
+    gate = F.silu(F.linear(x, p[prefix + "gate_proj.weight"]))
+    return F.linear(gate * F.linear(x, p[prefix + "up_proj.weight"]), p[prefix + "down_proj.weight"])
+
+
+def forward(params, cfg, input_ids):
+    """input_ids [B, S] int64 -> logits [B, S, V] float32 (LlamaForCausalLM)."""
+    eps = cfg["rms_norm_eps"]
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cos, sin = rope_cos_sin(input_ids.shape[1], d, cfg["rope_theta"])
+    x = F.embedding(input_ids, params["model.embed_tokens.weight"])
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}."
+        x = x + attention(rms_norm(x, params[p + "input_layernorm.weight"], eps), params,
+                          p + "self_attn.", cfg, cos, sin)
+        x = x + mlp(rms_norm(x, params[p + "post_attention_layernorm.weight"], eps), params,
+                    p + "mlp.")
+    x = rms_norm(x, params["model.norm.weight"], eps)
+    head = params["model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"]
+    return F.linear(x, head)
+
+
+def loss_sum(params, cfg, inputs, targets):
+    """Summed cross-entropy over non-ignored targets."""
+    logits = forward(params, cfg, inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# ----------------------------------------------------------------------------
+# Data
+
+
+def load_tokens(path):
+    return np.fromfile(path, dtype="<u4").astype(np.int64)
+
+
+def batch_at(tokens, step, seq_len, batch):
+    """Fixed-length samples (s*B + j) mod num_samples -> (inputs, targets) [B, L]."""
+    num_samples = (len(tokens) - 1) // seq_len
+    if num_samples < 1:
+        raise ValueError(f"[data] {len(tokens)} tokens is too few for seq_len {seq_len}")
+    rows = []
+    for j in range(batch):
+        i = (step * batch + j) % num_samples
+        rows.append(tokens[i * seq_len:i * seq_len + seq_len + 1])
+    arr = torch.from_numpy(np.stack(rows))
+    return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
+
+
+# ----------------------------------------------------------------------------
+# Training
+
+
+def make_optimizer(named, lr, wd, beta1, beta2, eps):
+    """AdamW with two groups: weight decay on tensors with >= 2 dims only."""
+    decay = [t for t in named.values() if t.dim() >= 2]
+    no_decay = [t for t in named.values() if t.dim() < 2]
+    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=eps)
+
+
+def lr_at(args, step):
+    """Same rule as hspmd::LrSchedule::at with total_steps = --steps."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule != "cosine":
+        return args.lr
+    span = args.steps - args.warmup_steps
+    progress = 1.0 if span <= 0 else min(max((step - args.warmup_steps) / span, 0.0), 1.0)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def grad_norm(named):
+    total = 0.0
+    for t in named.values():
+        if t.grad is not None:
+            total += float(t.grad.double().pow(2).sum())
+    return math.sqrt(total)
+
+
+def train_step(named, cfg, opt, inputs, targets, micro_batches, clip, on_grads=None):
+    """One optimizer step with gradient accumulation; returns (loss, grad_norm).
+
+    Each micro-batch's summed loss is divided by the global batch's target
+    count, so the accumulated gradient is that of the global mean loss.
+    `on_grads(named)` sees the raw gradients before clipping."""
+    batch = inputs.shape[0]
+    if batch % micro_batches:
+        raise ValueError(f"[flags] --micro-batches {micro_batches} does not divide batch {batch}")
+    count = int((targets != IGNORE_INDEX).sum())
+    mb = batch // micro_batches
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for m in range(micro_batches):
+        rows = slice(m * mb, (m + 1) * mb)
+        part = loss_sum(named, cfg, inputs[rows], targets[rows]) / max(count, 1)
+        part.backward()
+        total += float(part.detach())
+    norm = grad_norm(named)
+    if on_grads:
+        on_grads(named)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(list(named.values()), clip)
+    opt.step()
+    return total, norm
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--model", help="HF config.json")
+    ap.add_argument("--init", help="initial weights (.safetensors); random if absent")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    ap.add_argument("--data", help="token file (little-endian uint32)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr-schedule", choices=["constant", "warmup", "cosine"], default="constant")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--min-lr", type=float, default=0.0)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--beta1", type=float, default=0.9)
+    ap.add_argument("--beta2", type=float, default=0.95)
+    ap.add_argument("--eps", type=float, default=1e-8)
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--clip-grad", type=float, default=0.0, help="0 = off")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dump-grads", help="write step-0 gradients (pre-clip, HF names)")
+    ap.add_argument("--log", help="JSONL: one object per step (step, loss, lr, grad_norm)")
+    ap.add_argument("--save", help="write final weights (.safetensors, F32)")
+    ap.add_argument("--self-test", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.self_test and (args.model is None or args.data is None):
+        ap.error("--model and --data are required")
+    return args
+
+
+def run(args):
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.model)
+    params = load_params(cfg, args.init) if args.init else random_params(cfg, args.seed)
+    named = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = make_optimizer(named, args.lr, args.weight_decay, args.beta1, args.beta2, args.eps)
+    tokens = load_tokens(args.data)
+
+    def dump(named_params):
+        write_safetensors(args.dump_grads, {k: v.grad for k, v in named_params.items()})
+
+    log = open(args.log, "w") if args.log else None
+    losses = []
+    for step in range(args.steps):
+        lr = lr_at(args, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        inputs, targets = batch_at(tokens, step, args.seq_len, args.global_batch)
+        on_grads = dump if (step == 0 and args.dump_grads) else None
+        loss, norm = train_step(named, cfg, opt, inputs, targets, args.micro_batches,
+                                args.clip_grad, on_grads)
+        losses.append(loss)
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
+        print(json.dumps(record), file=sys.stderr)
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    if log:
+        log.close()
+    if args.save:
+        write_safetensors(args.save, {k: v.detach() for k, v in named.items()})
+    return losses
+
+
+# ----------------------------------------------------------------------------
+# Self-test
+
+
+TINY_CONFIG = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 176,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def self_test():
+    """Tiny end-to-end run: loss ~ ln(V) at step 0, then decreasing; I/O round trips."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = os.path.join(tmp, "config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(TINY_CONFIG, f)
+        cfg = load_config(cfg_path)
+        params = random_params(cfg, seed=1)
+        init = os.path.join(tmp, "init.safetensors")
+        write_safetensors(init, params)
+        back = read_safetensors(init)
+        assert all(np.array_equal(back[k], params[k].numpy()) for k in params), "F32 round trip"
+        bf = os.path.join(tmp, "bf16.safetensors")
+        write_safetensors(bf, params, dtype="BF16")
+        back = read_safetensors(bf)
+        for k in params:
+            assert np.allclose(back[k], params[k].numpy(), rtol=1e-2, atol=1e-6), "BF16 round trip"
+        data = os.path.join(tmp, "tokens.bin")
+        rng = np.random.default_rng(0)
+        # 4 samples of 32 = one global batch, so every step sees the same data
+        # (plus 5 spare tokens that never form a sample) and the loss must fall.
+        rng.integers(0, cfg["vocab_size"], size=4 * 32 + 6, dtype=np.uint32).astype("<u4").tofile(data)
+        tokens = load_tokens(data)
+        x0, y0 = batch_at(tokens, 0, 32, 4)
+        x1, _ = batch_at(tokens, 1, 32, 4)
+        assert torch.equal(x0, x1) and torch.equal(x0[1, 1:], y0[1, :-1]), "sampling"
+        assert int(x0[2, 0]) == int(tokens[64]) and int(y0[3, -1]) == int(tokens[128])
+        common = ["--model", cfg_path, "--init", init, "--data", data, "--seq-len", "32",
+                  "--global-batch", "4", "--lr", "1e-2", "--weight-decay", "0.1"]
+        log = os.path.join(tmp, "log.jsonl")
+        grads = os.path.join(tmp, "grads.safetensors")
+        final = os.path.join(tmp, "final.safetensors")
+        losses = run(parse_args(common + ["--steps", "3", "--log", log, "--dump-grads", grads,
+                                          "--save", final, "--micro-batches", "2",
+                                          "--clip-grad", "1.0"]))
+        ln_v = math.log(cfg["vocab_size"])
+        assert abs(losses[0] - ln_v) < 0.1, f"step-0 loss {losses[0]} vs ln(V) {ln_v}"
+        assert losses[1] < losses[0] and losses[2] < losses[1], f"loss not decreasing: {losses}"
+        assert len(open(log).read().splitlines()) == 3
+        assert set(read_safetensors(grads)) == set(param_shapes(cfg))
+        assert set(read_safetensors(final)) == set(param_shapes(cfg))
+        # Gradient accumulation must not change the step-0 loss or gradients.
+        grads1 = os.path.join(tmp, "grads1.safetensors")
+        one = run(parse_args(common + ["--steps", "1", "--dump-grads", grads1]))
+        assert abs(one[0] - losses[0]) < 1e-5, (one[0], losses[0])
+        g1, g2 = read_safetensors(grads1), read_safetensors(grads)
+        for k in g1:
+            assert np.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-7), f"accumulated grad {k}"
+        # Causality: changing the last input token leaves earlier logits alone.
+        with torch.no_grad():
+            a = forward(params, cfg, x0)
+            x_mod = x0.clone()
+            x_mod[:, -1] = (x_mod[:, -1] + 1) % cfg["vocab_size"]
+            b = forward(params, cfg, x_mod)
+        assert torch.allclose(a[:, :-1], b[:, :-1], atol=1e-6) and not torch.allclose(a[:, -1], b[:, -1])
+        # Tied embeddings: no lm_head, logits use the embedding matrix.
+        tied = dict(cfg, tie_word_embeddings=True)
+        tied_params = {k: v for k, v in params.items() if k != "lm_head.weight"}
+        assert set(tied_params) == set(param_shapes(tied))
+        with torch.no_grad():
+            assert forward(tied_params, tied, x0).shape == (4, 32, cfg["vocab_size"])
+        print(f"self-test ok: ln(V)={ln_v:.4f} losses={[round(x, 4) for x in losses]}")
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.self_test:
+        self_test()
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Oracle test: hspmd against an independent PyTorch Llama (llama_ref.py).
+
+Same config, same safetensors weights, same token file and sampling. Checks
+the step-0 loss (1e-5 relative), every step-0 parameter gradient (1e-4,
+max error normalized by the tensor's max magnitude), the losses of all steps
+after AdamW updates (1e-4 relative) and the final weights (1e-4 normalized).
+
+usage: oracle_test.py --hspmd PATH [--variant base|tied|bf16]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import llama_ref  # noqa: E402
+
+CONFIG = {
+    "vocab_size": 300, "hidden_size": 64, "intermediate_size": 176,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": False, "eos_token_id": 256,
+}
+
+
+def param_shapes(c):
+    h, d = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv, f = c["num_attention_heads"] * d, c["num_key_value_heads"] * d, c["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,)})
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], h)
+    return shapes
+
+
+def normalized_error(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(np.abs(b).max(), 1e-12)
+    return float(np.abs(a - b).max() / scale)
+
+
+def run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    ap.add_argument("--variant", default="base", choices=["base", "tied", "bf16"])
+    args = ap.parse_args()
+
+    cfg = dict(CONFIG)
+    train = ["--seq-len", "32", "--global-batch", "4", "--steps", "5", "--lr", "1e-2",
+             "--weight-decay", "0.1", "--beta1", "0.9", "--beta2", "0.95", "--eps", "1e-8"]
+    if args.variant == "tied":
+        cfg["tie_word_embeddings"] = True
+        train += ["--micro-batches", "2", "--clip-grad", "0.5"]
+
+    rng = np.random.default_rng(1234)
+    weights = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            weights[name] = (0.08 * rng.standard_normal(shape)).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = lambda n: os.path.join(tmp, n)  # noqa: E731
+        with open(p("config.json"), "w") as f:
+            json.dump(cfg, f)
+        # Text-like data: mostly bytes, with EOS separators.
+        tokens = rng.integers(0, 256, size=4 * 32 * 6 + 1).astype(np.uint32)
+        tokens[rng.integers(0, tokens.size, size=20)] = cfg["eos_token_id"]
+        tokens.tofile(p("data.bin"))
+        llama_ref.save_safetensors(p("init.safetensors"), weights,
+                                   dtype="BF16" if args.variant == "bf16" else "F32")
+
+        common = ["--model", p("config.json"), "--data", p("data.bin"),
+                  "--init", p("init.safetensors"), "--threads", "1"] + train
+        run([args.hspmd, "train", *common, "--quiet", "--log", p("h.jsonl"),
+             "--dump-grads", p("h_grads.safetensors"), "--save", p("h_final.safetensors")])
+        run([sys.executable, os.path.join(HERE, "llama_ref.py"), *common, "--log", p("t.jsonl"),
+             "--dump-grads", p("t_grads.safetensors"), "--save", p("t_final.safetensors")])
+
+        h_loss = [json.loads(l)["loss"] for l in open(p("h.jsonl"))]
+        t_loss = [json.loads(l)["loss"] for l in open(p("t.jsonl"))]
+        failures = []
+        if len(h_loss) != 5 or len(t_loss) != 5:
+            failures.append(f"expected 5 logged steps, got {len(h_loss)} and {len(t_loss)}")
+        rel0 = abs(h_loss[0] - t_loss[0]) / abs(t_loss[0])
+        print(f"step-0 loss hspmd {h_loss[0]:.8f} torch {t_loss[0]:.8f} rel {rel0:.2e}")
+        if rel0 > 1e-5:
+            failures.append(f"step-0 loss differs by {rel0:.2e} (> 1e-5)")
+        for s, (a, b) in enumerate(zip(h_loss, t_loss)):
+            rel = abs(a - b) / abs(b)
+            print(f"step {s} loss hspmd {a:.8f} torch {b:.8f} rel {rel:.2e}")
+            if rel > 1e-4:
+                failures.append(f"step {s} loss differs by {rel:.2e} (> 1e-4)")
+        for what, tol in (("grads", 1e-4), ("final", 1e-4)):
+            h = llama_ref.load_safetensors(p(f"h_{what}.safetensors"))
+            t = llama_ref.load_safetensors(p(f"t_{what}.safetensors"))
+            if sorted(h) != sorted(t):
+                failures.append(f"{what}: tensor names differ: {sorted(set(h) ^ set(t))}")
+                continue
+            worst = max((normalized_error(h[n], t[n]), n) for n in t)
+            print(f"{what}: worst normalized error {worst[0]:.2e} ({worst[1]})")
+            if worst[0] > tol:
+                failures.append(f"{what}: {worst[1]} differs by {worst[0]:.2e} (> {tol})")
+        if h_loss[-1] >= h_loss[0]:
+            failures.append("loss did not decrease over 5 steps")
+        if failures:
+            sys.exit("FAIL: " + "; ".join(failures))
+        print("PASS")
+
+
+if __name__ == "__main__":
+    main()
