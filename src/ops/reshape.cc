@@ -23,7 +23,8 @@ class ReshapeOp final : public Op {
     out[0] = in[0].contiguous().reshape(ctx.out_shapes[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
-    return {reshape(g[0], node.inputs[0].shape())};
+    const SymShape in_shape = node.inputs[0].shape();
+    return {reshape(g[0], in_shape)};
   }
 
  private:

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "hspmd/core/error.h"
 
 namespace hspmd {
