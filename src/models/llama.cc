@@ -23,7 +23,7 @@ Tensor transformer_block(const LlamaConfig& c, int64_t i, Tensor h, const LlamaG
   const std::string p = layer_prefix(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
-  const int64_t D = c.head_dim(), Hq = c.num_attention_heads, Hkv = c.num_key_value_heads;
+  const int64_t D = c.head_dim(), Hq = c.num_attention_heads, Hkv = c.kv_heads();
   const float theta = static_cast<float>(c.rope_theta);
 
   Tensor x = ops::rms_norm(h, param("input_layernorm.weight"), static_cast<float>(c.rms_norm_eps));
@@ -47,7 +47,7 @@ Tensor transformer_block(const LlamaConfig& c, int64_t i, Tensor h, const LlamaG
 
 std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaConfig& c) {
   const int64_t H = c.hidden_size, D = c.head_dim(), F = c.intermediate_size;
-  const int64_t q_out = c.num_attention_heads * D, kv_out = c.num_key_value_heads * D;
+  const int64_t q_out = c.num_attention_heads * D, kv_out = c.kv_heads() * D;
   std::vector<std::pair<std::string, Shape>> shapes = {{"model.embed_tokens.weight",
                                                         {c.vocab_size, H}}};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {

@@ -23,6 +23,9 @@ std::atomic<int64_t> g_tile_q{64};
 std::atomic<int64_t> g_tile_k{64};
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Below this many score-tile multiply-adds a call runs on one thread: waking
+// the team would cost more than it saves.
+constexpr int64_t kParallelWork = int64_t{1} << 22;
 
 // The problem's sizes and read-only inputs, shared by all tiles.
 struct Problem {
@@ -39,6 +42,7 @@ struct Problem {
   int64_t q_at(int64_t b, int64_t i, int64_t h) const { return ((b * S + i) * Hq + h) * D; }
   int64_t k_at(int64_t b, int64_t j, int64_t hk) const { return ((b * S + j) * Hkv + hk) * D; }
   int64_t row_at(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * S + i; }
+  bool parallel() const { return B * Hq * S * S * D > kParallelWork; }
 };
 
 // exp(x) for x <= 88 (Cephes expf, ~1e-7 relative error), branch-free so the
@@ -135,13 +139,21 @@ struct ForwardScratch {
       : s(t.q * t.k), acc(t.q * D), m(t.q), l(t.q) {}
 };
 
+// Max of a row, in 16 independent lanes so that it vectorizes.
+inline float row_max(const float* row, int64_t n) {
+  float lane[16];
+  std::fill_n(lane, 16, kNegInf);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int u = 0; u < 16; ++u) lane[u] = row[c + u] > lane[u] ? row[c + u] : lane[u];
+  for (; c < n; ++c) lane[0] = row[c] > lane[0] ? row[c] : lane[0];
+  return *std::max_element(lane, lane + 16);
+}
+
 // Online softmax step of one row: turns scores into exp(s - m_new), updates
 // the running max m and sum l, and returns the factor for the row's output.
 inline float softmax_update(float* row, int64_t nk, float& m, float& l) {
-  float mx = kNegInf;
-#pragma omp simd reduction(max : mx)
-  for (int64_t c = 0; c < nk; ++c) mx = std::max(mx, row[c]);
-  const float m_new = std::max(m, mx);
+  const float m_new = std::max(m, row_max(row, nk));
   if (m_new == kNegInf) {  // nothing visible yet in this row
     std::fill(row, row + nk, 0.0f);
     return 1.0f;
@@ -208,46 +220,74 @@ struct Grads {
   float* dv;
 };
 
+// The backward works on transposed tiles [keys, queries] so that all but one
+// product are plain (non-transposed) sgemms, OpenBLAS's fast small-matrix path.
 struct BackwardScratch {
-  std::vector<float> p, dp;
-  explicit BackwardScratch(const AttentionTiles& t) : p(t.q * t.k), dp(t.q * t.k) {}
+  std::vector<float> pt, dst, ds;  // P^T, dS^T [keys, queries]; dS [queries, keys]
+  explicit BackwardScratch(const AttentionTiles& t)
+      : pt(t.k * t.q), dst(t.k * t.q), ds(t.q * t.k) {}
 };
 
-// P = exp(scale * Q K^T - lse) of one tile, 0 where masked.
-void recompute_probs(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
-                     int64_t i1, int64_t j0, int64_t j1, float* probs) {
-  const int64_t hk = h / p.G, tk = p.tiles.k, nk = j1 - j0;
-  sgemm(false, true, i1 - i0, nk, p.D, p.scale, p.q + p.q_at(b, i0, h), p.ldq(),
-        p.k + p.k_at(b, j0, hk), p.ldk(), 0.0f, probs, tk);
+// P^T = exp(scale * K Q^T - lse) of one tile, 0 where masked.
+void recompute_probs_t(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1, float* pt) {
+  const int64_t hk = h / p.G, tq = p.tiles.q, mq = i1 - i0;
+  sgemm(false, true, j1 - j0, mq, p.D, p.scale, p.k + p.k_at(b, j0, hk), p.ldk(),
+        p.q + p.q_at(b, i0, h), p.ldq(), 0.0f, pt, tq);
   const bool full = tile_unmasked(p, b, i0, i1, j0, j1);
-  for (int64_t r = 0; r < i1 - i0; ++r) {
-    float* row = probs + r * tk;
-    if (!full) mask_row(row, nk, p.start[b * p.S + i0 + r] - j0, i0 + r + 1 - j0);
-    const float l = g.lse[p.row_at(b, h, i0 + r)];
+  const float* lse = g.lse + p.row_at(b, h, i0);
+  const int32_t* start = p.start + b * p.S + i0;
+  for (int64_t r = 0; r < j1 - j0; ++r) {
+    float* row = pt + r * tq;
+    const int64_t j = j0 + r;
+    if (full) {
 #pragma omp simd
-    for (int64_t c = 0; c < nk; ++c) row[c] = exp_approx(row[c] - l);
+      for (int64_t c = 0; c < mq; ++c) row[c] = exp_approx(row[c] - lse[c]);
+      continue;
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < mq; ++c) {
+      const bool visible = i0 + c >= j && start[c] <= j;
+      row[c] = visible ? exp_approx(row[c] - lse[c]) : 0.0f;
+    }
   }
+}
+
+// dS^T = P^T * (dP^T - delta), in place over dP^T.
+void softmax_grad_t(const float* pt, const float* delta, int64_t nk, int64_t mq, int64_t ld,
+                    float* dst) {
+  for (int64_t r = 0; r < nk; ++r) {
+    const float* pr = pt + r * ld;
+    float* dr = dst + r * ld;
+#pragma omp simd
+    for (int64_t c = 0; c < mq; ++c) dr[c] = pr[c] * (dr[c] - delta[c]);
+  }
+}
+
+// b[c][r] = a[r][c] for an n x m matrix a, in 8 x 8 blocks.
+void transpose(const float* a, int64_t n, int64_t m, int64_t lda, float* b, int64_t ldb) {
+  for (int64_t r0 = 0; r0 < n; r0 += 8)
+    for (int64_t c0 = 0; c0 < m; c0 += 8)
+      for (int64_t c = c0; c < std::min(c0 + 8, m); ++c)
+        for (int64_t r = r0; r < std::min(r0 + 8, n); ++r) b[c * ldb + r] = a[r * lda + c];
 }
 
 // Adds one (query tile, key tile) pair's contributions to dq, dk, dv.
 void backward_pair(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
                    int64_t i1, int64_t j0, int64_t j1, BackwardScratch& w) {
-  const int64_t hk = h / p.G, tk = p.tiles.k, mq = i1 - i0, nk = j1 - j0, D = p.D;
+  const int64_t hk = h / p.G, tq = p.tiles.q, mq = i1 - i0, nk = j1 - j0, D = p.D;
   const int64_t qo = p.q_at(b, i0, h), ko = p.k_at(b, j0, hk);
-  float* probs = w.p.data();
-  float* ds = w.dp.data();
-  recompute_probs(p, g, b, h, i0, i1, j0, j1, probs);
-  sgemm(true, false, nk, D, mq, 1.0f, probs, tk, g.dout + qo, p.ldq(), 1.0f, g.dv + ko, p.ldk());
-  sgemm(false, true, mq, nk, D, 1.0f, g.dout + qo, p.ldq(), p.v + ko, p.ldk(), 0.0f, ds, tk);
-  for (int64_t r = 0; r < mq; ++r) {
-    const float delta = g.delta[p.row_at(b, h, i0 + r)];
-    float* dsr = ds + r * tk;
-    const float* pr = probs + r * tk;
-#pragma omp simd
-    for (int64_t c = 0; c < nk; ++c) dsr[c] = pr[c] * (dsr[c] - delta);
-  }
-  sgemm(false, false, mq, D, nk, p.scale, ds, tk, p.k + ko, p.ldk(), 1.0f, g.dq + qo, p.ldq());
-  sgemm(true, false, nk, D, mq, p.scale, ds, tk, p.q + qo, p.ldq(), 1.0f, g.dk + ko, p.ldk());
+  recompute_probs_t(p, g, b, h, i0, i1, j0, j1, w.pt.data());
+  sgemm(false, false, nk, D, mq, 1.0f, w.pt.data(), tq, g.dout + qo, p.ldq(), 1.0f, g.dv + ko,
+        p.ldk());
+  sgemm(false, true, nk, mq, D, 1.0f, p.v + ko, p.ldk(), g.dout + qo, p.ldq(), 0.0f,
+        w.dst.data(), tq);
+  softmax_grad_t(w.pt.data(), g.delta + p.row_at(b, h, i0), nk, mq, tq, w.dst.data());
+  sgemm(false, false, nk, D, mq, p.scale, w.dst.data(), tq, p.q + qo, p.ldq(), 1.0f,
+        g.dk + ko, p.ldk());
+  transpose(w.dst.data(), nk, mq, tq, w.ds.data(), p.tiles.k);
+  sgemm(false, false, mq, D, nk, p.scale, w.ds.data(), p.tiles.k, p.k + ko, p.ldk(), 1.0f,
+        g.dq + qo, p.ldq());
 }
 
 // All gradients touching kv head hk of batch b: its dk, dv rows and the dq
@@ -270,7 +310,7 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
 // delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d].
 void row_dots(const Problem& p, const float* out, const float* dout, float* delta) {
   const int64_t rows = p.B * p.S * p.Hq;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.parallel())
   for (int64_t t = 0; t < rows; ++t) {
     const float* o = out + t * p.D;
     const float* d = dout + t * p.D;
@@ -302,7 +342,7 @@ void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
   float* po = out.data<float>();
   float* pl = lse.data<float>();
   const int64_t ntiles = (p.S + tiles.q - 1) / tiles.q, items = p.B * p.Hq * ntiles;
-#pragma omp parallel
+#pragma omp parallel if (p.parallel())
   {
     ForwardScratch w(tiles, p.D);
 #pragma omp for schedule(dynamic)
@@ -329,7 +369,7 @@ void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, co
   for (NDArray* a : {&dq, &dk, &dv}) a->fill(0.0f);
   const Grads g{out.data<float>(), lse.data<float>(), grad_out.data<float>(), delta.data(),
                 dq.data<float>(),  dk.data<float>(),  dv.data<float>()};
-#pragma omp parallel
+#pragma omp parallel if (p.parallel())
   {
     BackwardScratch w(tiles);
 #pragma omp for schedule(dynamic)

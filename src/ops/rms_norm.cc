@@ -1,0 +1,67 @@
+// rms_norm: x[..., H] * rsqrt(mean(x^2) + eps) * weight[H]. The backward is
+// one fused op producing dx and dweight.
+#include "hspmd/ops/ops.h"
+#include "kernels/basic.h"
+#include "op_util.h"
+
+namespace hspmd::ops {
+
+namespace {
+
+// (dy, x, weight) -> (dx, dweight).
+class RmsNormGradOp final : public Op {
+ public:
+  explicit RmsNormGradOp(float eps) : eps_(eps) {}
+  std::string type() const override { return "rms_norm_grad"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("rms_norm_grad", in, 3);
+    return {in[1], in[2]};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    out[1] = ctx.alloc(1);
+    kernels::rms_norm_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), eps_,
+                               out[0], out[1]);
+  }
+
+ private:
+  float eps_;
+};
+
+class RmsNormOp final : public Op {
+ public:
+  explicit RmsNormOp(float eps) : eps_(eps) {}
+  std::string type() const override { return "rms_norm"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("rms_norm", in, 2);
+    expect_dtype("rms_norm", "x", in[0], DType::F32);
+    expect_dtype("rms_norm", "weight", in[1], DType::F32);
+    const SymShape& x = in[0].shape;
+    const SymShape& w = in[1].shape;
+    if (x.empty() || w.size() != 1 || !(x.back() == w[0]))
+      fail("[rms_norm] weight must be [H] with H the last dim of x: x ", sym_shape_str(x),
+           ", weight ", sym_shape_str(w));
+    return {in[0]};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    kernels::rms_norm(in[0].contiguous(), in[1].contiguous(), eps_, out[0]);
+  }
+  std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    const Tensor x = node.inputs[0], w = node.inputs[1];
+    return g[0].graph()->add(std::make_shared<RmsNormGradOp>(eps_), {g[0], x, w});
+  }
+
+ private:
+  float eps_;
+};
+
+}  // namespace
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
+  return x.graph()->add1(std::make_shared<RmsNormOp>(eps), {x, weight});
+}
+
+}  // namespace hspmd::ops

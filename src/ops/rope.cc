@@ -1,0 +1,50 @@
+// rope: rotary position embedding (Hugging Face rotate_half convention). The
+// gradient is the inverse rotation: the same op with the angle negated.
+#include "hspmd/ops/ops.h"
+#include "kernels/basic.h"
+#include "op_util.h"
+
+namespace hspmd::ops {
+
+namespace {
+
+class RopeOp final : public Op {
+ public:
+  RopeOp(float theta, bool inverse) : theta_(theta), inverse_(inverse) {}
+  std::string type() const override { return "rope"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("rope", in, 2);
+    expect_dtype("rope", "x", in[0], DType::F32);
+    expect_dtype("rope", "positions", in[1], DType::I32);
+    const SymShape& x = in[0].shape;
+    const SymShape& p = in[1].shape;
+    if (x.size() != 4 || p.size() != 2 || !(x[0] == p[0]) || !(x[1] == p[1]))
+      fail("[rope] x must be [B, S, heads, D] and positions [B, S]: x ", sym_shape_str(x),
+           ", positions ", sym_shape_str(p));
+    if (!x[3].is_const() || x[3].value() % 2 != 0)
+      fail("[rope] head dim ", x[3].str(), " must be a constant even number");
+    return {in[0]};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    kernels::rope(in[0].contiguous(), in[1].contiguous(), theta_, inverse_, out[0]);
+  }
+  std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    const Tensor positions = node.inputs[1];
+    auto op = std::make_shared<RopeOp>(theta_, !inverse_);
+    return {g[0].graph()->add1(op, {g[0], positions}), Tensor()};
+  }
+
+ private:
+  float theta_;
+  bool inverse_;
+};
+
+}  // namespace
+
+Tensor rope(const Tensor& x, const Tensor& positions, float theta) {
+  return x.graph()->add1(std::make_shared<RopeOp>(theta, false), {x, positions});
+}
+
+}  // namespace hspmd::ops

@@ -1,0 +1,54 @@
+// swiglu: silu(gate) * up. The backward is one fused op producing dgate, dup.
+#include "hspmd/ops/ops.h"
+#include "kernels/basic.h"
+#include "op_util.h"
+
+namespace hspmd::ops {
+
+namespace {
+
+// (dy, gate, up) -> (dgate, dup).
+class SwigluGradOp final : public Op {
+ public:
+  std::string type() const override { return "swiglu_grad"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("swiglu_grad", in, 3);
+    return {in[1], in[2]};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    out[1] = ctx.alloc(1);
+    kernels::swiglu_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), out[0],
+                             out[1]);
+  }
+};
+
+class SwigluOp final : public Op {
+ public:
+  std::string type() const override { return "swiglu"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("swiglu", in, 2);
+    expect_dtype("swiglu", "gate", in[0], DType::F32);
+    expect_dtype("swiglu", "up", in[1], DType::F32);
+    expect_same_shape("swiglu", in[0], in[1]);
+    return {in[0]};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    kernels::swiglu(in[0].contiguous(), in[1].contiguous(), out[0]);
+  }
+  std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    const Tensor gate = node.inputs[0], up = node.inputs[1];
+    return g[0].graph()->add(std::make_shared<SwigluGradOp>(), {g[0], gate, up});
+  }
+};
+
+}  // namespace
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  return gate.graph()->add1(std::make_shared<SwigluOp>(), {gate, up});
+}
+
+}  // namespace hspmd::ops

@@ -1,0 +1,128 @@
+#include "gradcheck.h"
+#include "hspmd/ops/ops.h"
+
+namespace hspmd {
+namespace {
+
+using testing::expect_gradients_match;
+using testing::random_array;
+
+// Σ_{t != ignore} (logsumexp(row) - row[t]) / normalizer, in double.
+double reference_loss(const NDArray& logits, const std::vector<int32_t>& targets, double norm,
+                      int ignore) {
+  const int64_t v = logits.dim(-1);
+  double total = 0;
+  for (size_t r = 0; r < targets.size(); ++r) {
+    if (targets[r] == ignore) continue;
+    const float* row = logits.data<float>() + r * v;
+    double m = row[0], s = 0;
+    for (int64_t i = 0; i < v; ++i) m = std::max(m, static_cast<double>(row[i]));
+    for (int64_t i = 0; i < v; ++i) s += std::exp(row[i] - m);
+    total += std::log(s) + m - row[targets[r]];
+  }
+  return total / norm;
+}
+
+struct CeGraph {
+  Graph g;
+  Tensor logits, targets, norm, loss;
+  CeGraph(const Shape& lshape, int ignore = -100) {
+    SymShape ls = sym_shape(lshape);
+    logits = g.placeholder("logits", ls, DType::F32);
+    targets = g.placeholder("targets", SymShape(ls.begin(), ls.end() - 1), DType::I32);
+    norm = g.placeholder("norm", {}, DType::F32);
+    loss = ops::cross_entropy(logits, targets, norm, ignore);
+  }
+  ValueMap values(const NDArray& l, const std::vector<int32_t>& t, float n) const {
+    Shape ts(l.shape().begin(), l.shape().end() - 1);
+    return {{"logits", l},
+            {"targets", NDArray::from_vector_i32(ts, t)},
+            {"norm", NDArray::from_vector({}, {n})}};
+  }
+};
+
+TEST(CrossEntropy, IgnoredRowsAndNormalizer) {
+  NDArray logits = random_array({2, 3, 5}, 1, 2.0f);
+  const std::vector<int32_t> t = {1, -100, 4, 0, 3, -100};
+  CeGraph c({2, 3, 5});
+  Executor exec(c.g, {c.loss});
+  const float l4 = exec.run(c.values(logits, t, 4.0f))[0].data<float>()[0];
+  EXPECT_NEAR(l4, reference_loss(logits, t, 4.0, -100), 1e-5);
+  const float l1 = exec.run(c.values(logits, t, 1.0f))[0].data<float>()[0];
+  EXPECT_NEAR(l1, 4 * l4, 1e-5);
+  // Changing an ignored row changes nothing.
+  NDArray changed = logits.clone();
+  for (int i = 5; i < 10; ++i) changed.data<float>()[i] += 3.0f * i;
+  EXPECT_EQ(exec.run(c.values(changed, t, 4.0f))[0].data<float>()[0], l4);
+  // Its gradient rows are zero.
+  Tensor dl = gradients(c.loss, {c.logits})[0];
+  NDArray grad = Executor(c.g, {dl}).run(c.values(logits, t, 4.0f))[0];
+  for (int i = 5; i < 10; ++i) EXPECT_EQ(grad.data<float>()[i], 0.0f);
+  for (int i = 25; i < 30; ++i) EXPECT_EQ(grad.data<float>()[i], 0.0f);
+}
+
+TEST(CrossEntropy, CustomIgnoreIndex) {
+  NDArray logits = random_array({3, 4}, 2);
+  const std::vector<int32_t> t = {2, 0, 3};
+  CeGraph c({3, 4}, 0);
+  const float l = Executor(c.g, {c.loss}).run(c.values(logits, t, 2.0f))[0].data<float>()[0];
+  EXPECT_NEAR(l, reference_loss(logits, t, 2.0, 0), 1e-5);
+}
+
+TEST(CrossEntropy, Gradient) {
+  expect_gradients_match(
+      [](Graph&, const std::vector<Tensor>& x) { return ops::cross_entropy(x[0], x[1], x[2]); },
+      {{"logits", random_array({2, 3, 5}, 3, 2.0f)},
+       {"targets", NDArray::from_vector_i32({2, 3}, {1, -100, 4, 0, 3, 2}), false},
+       {"norm", NDArray::from_vector({}, {3.0f}), false}});
+}
+
+TEST(CrossEntropy, LargeRowsMatchReferenceAndAreDeterministic) {
+  const int64_t rows = 256, v = 4096;
+  NDArray logits = random_array({rows, v}, 4, 4.0f);
+  std::vector<int32_t> t(rows);
+  for (int64_t r = 0; r < rows; ++r) t[r] = r % 17 == 0 ? -100 : static_cast<int32_t>((r * 97) % v);
+  CeGraph c({rows, v});
+  Executor exec(c.g, {c.loss});
+  const float l = exec.run(c.values(logits, t, 200.0f))[0].data<float>()[0];
+  EXPECT_NEAR(l, reference_loss(logits, t, 200.0, -100), 1e-5 * std::fabs(l));
+  EXPECT_EQ(exec.run(c.values(logits, t, 200.0f))[0].data<float>()[0], l);
+  // dlogits rows sum to zero and match softmax - onehot.
+  Tensor dl = gradients(c.loss, {c.logits})[0];
+  NDArray grad = Executor(c.g, {dl}).run(c.values(logits, t, 200.0f))[0];
+  for (int64_t i = 0; i < v; ++i) ASSERT_EQ(grad.data<float>()[255 * v + i], 0.0f);  // ignored
+  for (int64_t r : {1, 100, 254}) {
+    const float* row = logits.data<float>() + r * v;
+    double m = row[0], s = 0;
+    for (int64_t i = 0; i < v; ++i) m = std::max(m, static_cast<double>(row[i]));
+    for (int64_t i = 0; i < v; ++i) s += std::exp(row[i] - m);
+    for (int64_t i = 0; i < v; i += 37) {
+      const double want = (std::exp(row[i] - m) / s - (i == t[r])) / 200.0;
+      EXPECT_NEAR(grad.data<float>()[r * v + i], want, 1e-8);
+    }
+  }
+}
+
+TEST(CrossEntropy, BadTargetIsAnError) {
+  CeGraph c({2, 5});
+  Executor exec(c.g, {c.loss});
+  NDArray logits = random_array({2, 5}, 5);
+  EXPECT_THROW(exec.run(c.values(logits, {1, 5}, 1.0f)), Error);
+  EXPECT_THROW(exec.run(c.values(logits, {-1, 0}, 1.0f)), Error);
+  EXPECT_NO_THROW(exec.run(c.values(logits, {-100, 4}, 1.0f)));
+}
+
+TEST(CrossEntropy, BadShapesAreErrors) {
+  Graph g;
+  Tensor logits = g.placeholder("logits", {2, 3, 5}, DType::F32);
+  Tensor targets = g.placeholder("targets", {2, 3}, DType::I32);
+  Tensor bad_targets = g.placeholder("bad_targets", {2, 4}, DType::I32);
+  Tensor norm = g.placeholder("norm", {}, DType::F32);
+  Tensor vec_norm = g.placeholder("vec_norm", {1}, DType::F32);
+  EXPECT_THROW(ops::cross_entropy(logits, bad_targets, norm), Error);
+  EXPECT_THROW(ops::cross_entropy(logits, targets, vec_norm), Error);
+  EXPECT_NO_THROW(ops::cross_entropy(logits, targets, norm));
+}
+
+}  // namespace
+}  // namespace hspmd

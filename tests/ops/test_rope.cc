@@ -1,0 +1,77 @@
+#include "gradcheck.h"
+#include "hspmd/ops/ops.h"
+
+namespace hspmd {
+namespace {
+
+using testing::expect_gradients_match;
+using testing::random_array;
+
+// The Hugging Face rotate_half formula, in double.
+std::vector<double> reference_rope(const NDArray& x, const std::vector<int32_t>& pos,
+                                   double theta) {
+  const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3), half = d / 2;
+  std::vector<double> out(x.numel());
+  const float* px = x.data<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < half; ++i) {
+        const double angle = pos[t] * std::pow(theta, -2.0 * i / d);
+        const int64_t base = (t * heads + h) * d;
+        const double a = px[base + i], b = px[base + i + half];
+        out[base + i] = a * std::cos(angle) - b * std::sin(angle);
+        out[base + i + half] = b * std::cos(angle) + a * std::sin(angle);
+      }
+  return out;
+}
+
+NDArray run_rope(const NDArray& x, const std::vector<int32_t>& pos, float theta) {
+  Graph g;
+  const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
+  Tensor tx = g.placeholder("x", {B, S, x.dim(2), x.dim(3)}, DType::F32);
+  Tensor tp = g.placeholder("pos", {B, S}, DType::I32);
+  NDArray p = NDArray::from_vector_i32({x.dim(0), x.dim(1)}, pos);
+  return Executor(g, {ops::rope(tx, tp, theta)}).run({{"x", x}, {"pos", p}})[0];
+}
+
+TEST(Rope, MatchesFormula) {
+  NDArray x = random_array({2, 3, 2, 8}, 1);
+  const std::vector<int32_t> pos = {0, 1, 2, 5, 7, 1000};
+  NDArray out = run_rope(x, pos, 10000.0f);
+  std::vector<double> want = reference_rope(x, pos, 10000.0);
+  for (int64_t i = 0; i < x.numel(); ++i) EXPECT_NEAR(out.data<float>()[i], want[i], 1e-5);
+  // Position 0 is the identity.
+  for (int i = 0; i < 16; ++i) EXPECT_FLOAT_EQ(out.data<float>()[i], x.data<float>()[i]);
+}
+
+TEST(Rope, PositionsMatter) {
+  NDArray x = random_array({1, 2, 1, 4}, 2);
+  NDArray a = run_rope(x, {3, 3}, 500.0f), b = run_rope(x, {3, 4}, 500.0f);
+  for (int i = 0; i < 4; ++i) EXPECT_FLOAT_EQ(a.data<float>()[i], b.data<float>()[i]);
+  double diff = 0;
+  for (int i = 4; i < 8; ++i) diff += std::fabs(a.data<float>()[i] - b.data<float>()[i]);
+  EXPECT_GT(diff, 1e-3);
+}
+
+TEST(Rope, Gradient) {
+  expect_gradients_match(
+      [](Graph&, const std::vector<Tensor>& t) { return ops::rope(t[0], t[1], 100.0f); },
+      {{"x", random_array({2, 3, 2, 6}, 3)},
+       {"pos", NDArray::from_vector_i32({2, 3}, {0, 1, 2, 9, 4, 30}), false}});
+}
+
+TEST(Rope, BadShapesAreErrors) {
+  Graph g;
+  Tensor odd = g.placeholder("odd", {1, 2, 1, 5}, DType::F32);
+  Tensor x = g.placeholder("x", {1, 2, 1, 4}, DType::F32);
+  Tensor pos = g.placeholder("pos", {1, 2}, DType::I32);
+  Tensor bad_pos = g.placeholder("bad_pos", {1, 3}, DType::I32);
+  Tensor x3 = g.placeholder("x3", {2, 1, 4}, DType::F32);
+  EXPECT_THROW(ops::rope(odd, pos, 1e4f), Error);
+  EXPECT_THROW(ops::rope(x, bad_pos, 1e4f), Error);
+  EXPECT_THROW(ops::rope(x3, pos, 1e4f), Error);
+  EXPECT_NO_THROW(ops::rope(x, pos, 1e4f));
+}
+
+}  // namespace
+}  // namespace hspmd

@@ -1,0 +1,1 @@
+hspmd_test(test_ops_attention test_attention.cc)
