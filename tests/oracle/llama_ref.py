@@ -186,9 +186,10 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_cos_sin(seq_len, head_dim, theta):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    pos = torch.arange(seq_len, dtype=torch.float32)
+def rope_cos_sin(seq_len, head_dim, theta, dtype=torch.float32):
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    pos = torch.arange(seq_len, dtype=dtype)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()  # [S, D]
@@ -219,11 +220,13 @@ def mlp(x, p, prefix):
 
 
 def forward(params, cfg, input_ids):
-    """input_ids [B, S] int64 -> logits [B, S, V] float32 (LlamaForCausalLM)."""
+    """input_ids [B, S] int64 -> logits [B, S, V] (LlamaForCausalLM), in the
+    dtype of the parameters (float32 normally; float64 for a high-precision run)."""
     eps = cfg["rms_norm_eps"]
     d = cfg["hidden_size"] // cfg["num_attention_heads"]
-    cos, sin = rope_cos_sin(input_ids.shape[1], d, cfg["rope_theta"])
-    x = F.embedding(input_ids, params["model.embed_tokens.weight"])
+    embed = params["model.embed_tokens.weight"]
+    cos, sin = rope_cos_sin(input_ids.shape[1], d, cfg["rope_theta"], embed.dtype)
+    x = F.embedding(input_ids, embed)
     for l in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{l}."
         x = x + attention(rms_norm(x, params[p + "input_layernorm.weight"], eps), params,
@@ -341,6 +344,8 @@ def parse_args(argv):
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--clip-grad", type=float, default=0.0, help="0 = off")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                    help="compute dtype; float64 gives a high-precision target (files stay F32)")
     ap.add_argument("--dump-grads", help="write step-0 gradients (pre-clip, HF names)")
     ap.add_argument("--log", help="JSONL: one object per step (step, loss, lr, grad_norm)")
     ap.add_argument("--save", help="write final weights (.safetensors, F32)")
@@ -355,7 +360,8 @@ def run(args):
     torch.set_num_threads(args.threads)
     cfg = load_config(args.model)
     params = load_params(cfg, args.init) if args.init else random_params(cfg, args.seed)
-    named = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    dtype = getattr(torch, args.dtype)
+    named = {k: v.to(dtype).clone().requires_grad_(True) for k, v in params.items()}
     opt = make_optimizer(named, args.lr, args.weight_decay, args.beta1, args.beta2, args.eps)
     tokens = load_tokens(args.data)
 
