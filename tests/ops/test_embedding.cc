@@ -45,7 +45,8 @@ TEST(Embedding, WideGradientMatchesNaiveScatter) {
       {{"w", random_array({vocab, hidden}, 4)}, {"ids", ids}, {"dy", dy}})[0];
   std::vector<double> want(vocab * hidden, 0.0);
   for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < hidden; ++h) want[idv[t] * hidden + h] += dy.data<float>()[t * hidden + h];
+    for (int64_t h = 0; h < hidden; ++h)
+      want[idv[t] * hidden + h] += dy.data<float>()[t * hidden + h];
   for (int64_t i = 0; i < vocab * hidden; ++i) EXPECT_NEAR(out.data<float>()[i], want[i], 1e-4);
 }
 

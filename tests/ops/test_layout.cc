@@ -124,7 +124,8 @@ TEST(Concat, ForwardAndGradient) {
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 3; ++j)
       for (int k = 0; k < 3; ++k) {
-        const float want = j < 2 ? a.data<float>()[(i * 2 + j) * 3 + k] : b.data<float>()[i * 3 + k];
+        const float want =
+            j < 2 ? a.data<float>()[(i * 2 + j) * 3 + k] : b.data<float>()[i * 3 + k];
         EXPECT_EQ(out.data<float>()[(i * 3 + j) * 3 + k], want);
       }
   expect_gradients_match(

@@ -71,7 +71,8 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = px + r * h;
       const float* gr = pg + r * h;
-      for (int64_t i = h0; i < h1; ++i) acc[i - h0] += static_cast<double>(gr[i]) * (xr[i] * inv[r]);
+      for (int64_t i = h0; i < h1; ++i)
+        acc[i - h0] += static_cast<double>(gr[i]) * (xr[i] * inv[r]);
     }
     for (int64_t i = h0; i < h1; ++i) dw[i] = static_cast<float>(acc[i - h0]);
   }
