@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "gradcheck.h"
+#include "hspmd/core/threads.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
 
@@ -174,6 +175,37 @@ TEST(Attention, GradientsWithDocuments) {
     check_gradients({2, 7, 4, 2, 4}, {0, 3, 7, 7, 9, 14});
     check_gradients({2, 7, 4, 4, 4}, {0, 1, 2, 7, 13, 14});
   }
+}
+
+// d(sum(out * w))/d(q, k, v) through the graph.
+std::vector<NDArray> run_gradients(const Inputs& x, const NDArray& w, float scale) {
+  Graph g;
+  Tensor q = g.placeholder("q", sym_shape(x.q.shape()), DType::F32);
+  Tensor k = g.placeholder("k", sym_shape(x.k.shape()), DType::F32);
+  Tensor v = g.placeholder("v", sym_shape(x.v.shape()), DType::F32);
+  Tensor wt = g.placeholder("w", sym_shape(w.shape()), DType::F32);
+  Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(),
+                       {ops::attention(q, k, v, Tensor(), scale), wt});
+  return Executor(g, gradients(loss, {q, k, v})).run({{"q", x.q}, {"k", x.k}, {"v", x.v}, {"w", w}});
+}
+
+// Large enough for the kernels' multi-threaded path; different tilings must
+// agree, and the forward must still match the reference.
+TEST(Attention, ParallelPathIsConsistent) {
+  const int saved = num_threads();
+  set_num_threads(2);
+  const Dims d{2, 256, 4, 2, 16};
+  const Inputs x = random_inputs(d, 61);
+  const NDArray w = random_array({d.B, d.S, d.Hq, d.D}, 62);
+  expect_close(run_attention(x, {}, 0.25f), reference(x, {}, 0.25f), 2e-5, "S=256");
+  const std::vector<NDArray> big = run_gradients(x, w, 0.25f);
+  TilesGuard guard({8, 16});
+  const std::vector<NDArray> small = run_gradients(x, w, 0.25f);
+  set_num_threads(saved);
+  for (size_t i = 0; i < 3; ++i)
+    for (int64_t e = 0; e < big[i].numel(); ++e)
+      ASSERT_NEAR(big[i].data<float>()[e], small[i].data<float>()[e], 1e-4)
+          << "gradient " << i << " element " << e;
 }
 
 TEST(Attention, GradientForCuSeqlensIsUndefined) {

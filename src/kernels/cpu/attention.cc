@@ -33,6 +33,8 @@ struct Problem {
   const float* q;
   const float* k;
   const float* v;
+  const float* kt;  // k and v transposed to [B, Hkv, D, S], so Q K^T is a plain product
+  const float* vt;
   const int32_t* start;  // [B*S]: position in its row where each token's document starts
   float scale;
   AttentionTiles tiles;
@@ -42,6 +44,7 @@ struct Problem {
   int64_t q_at(int64_t b, int64_t i, int64_t h) const { return ((b * S + i) * Hq + h) * D; }
   int64_t k_at(int64_t b, int64_t j, int64_t hk) const { return ((b * S + j) * Hkv + hk) * D; }
   int64_t row_at(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * S + i; }
+  int64_t t_at(int64_t b, int64_t hk, int64_t j) const { return (b * Hkv + hk) * D * S + j; }
   bool parallel() const { return B * Hq * S * S * D > kParallelWork; }
 };
 
@@ -76,6 +79,7 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 
 // Validates cu_seqlens against its contract (see attention.h).
 void check_cu_seqlens(const NDArray& cu, int64_t total) {
+  require_backend("attention", cu);
   if (cu.dtype() != DType::I32 || cu.ndim() != 1)
     fail("[attention] cu_seqlens: must be a 1-D i32 array");
   const int32_t* c = cu.data<int32_t>();
@@ -96,7 +100,8 @@ std::vector<int32_t> document_starts(const NDArray& cu, int64_t B, int64_t S) {
   if (!cu.valid()) return start;
   check_cu_seqlens(cu, B * S);
   const int32_t* c = cu.data<int32_t>();
-  for (int64_t d = 0; d + 1 < cu.numel(); ++d) std::fill(start.begin() + c[d], start.begin() + c[d + 1], c[d]);
+  for (int64_t d = 0; d + 1 < cu.numel(); ++d)
+    std::fill(start.begin() + c[d], start.begin() + c[d + 1], c[d]);
   for (int64_t b = 0; b < B; ++b)
     if (S > 0 && start[b * S] != b * S)
       fail("[attention] cu_seqlens: row boundary ", b * S, " (a multiple of S=", S,
@@ -105,12 +110,27 @@ std::vector<int32_t> document_starts(const NDArray& cu, int64_t B, int64_t S) {
   return start;
 }
 
-Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v,
-                     const std::vector<int32_t>& start, float scale, AttentionTiles tiles) {
+// [B, S, H, D] -> [B, H, D, S].
+std::vector<float> heads_transposed(const NDArray& a, bool parallel) {
+  const int64_t B = a.dim(0), S = a.dim(1), H = a.dim(2), D = a.dim(3);
+  std::vector<float> t(a.numel());
+  const float* src = a.data<float>();
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t d = 0; d < D; ++d)
+        t[(bh * D + d) * S + j] = src[((bh / H * S + j) * H + bh % H) * D + d];
+  return t;
+}
+
+// The problem without its derived buffers (start, kt, vt), which the caller owns.
+Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v, float scale,
+                     AttentionTiles tiles) {
   for (const NDArray* a : {&q, &k, &v}) require_backend("attention", *a);
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape(), "attention: ranks");
-  Problem p{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), 1, q.data<float>(),
-            k.data<float>(), v.data<float>(), start.data(), scale, tiles};
+  Problem p{.B = q.dim(0), .S = q.dim(1), .Hq = q.dim(2), .Hkv = k.dim(2), .D = q.dim(3),
+            .G = 1, .q = q.data<float>(), .k = k.data<float>(), .v = v.data<float>(),
+            .kt = nullptr, .vt = nullptr, .start = nullptr, .scale = scale, .tiles = tiles};
   HSPMD_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0 && k.dim(0) == p.B && k.dim(1) == p.S &&
                   k.dim(3) == p.D && tiles.q > 0 && tiles.k > 0,
               "attention: shapes");
@@ -194,7 +214,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t i1
   std::fill_n(w.acc.data(), mq * D, 0.0f);
   for (int64_t j0 = p.start[b * p.S + i0]; j0 < i1; j0 += p.tiles.k) {
     const int64_t j1 = std::min(j0 + p.tiles.k, i1);
-    sgemm(false, true, mq, j1 - j0, D, p.scale, qt, p.ldq(), p.k + p.k_at(b, j0, hk), p.ldk(),
+    sgemm(false, false, mq, j1 - j0, D, p.scale, qt, p.ldq(), p.kt + p.t_at(b, hk, j0), p.S,
           0.0f, w.s.data(), p.tiles.k);
     softmax_tile(p, b, i0, i1, j0, j1, w);
     sgemm(false, false, mq, D, j1 - j0, 1.0f, w.s.data(), p.tiles.k, p.v + p.k_at(b, j0, hk),
@@ -211,7 +231,6 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t i1
 // ---- backward ----
 
 struct Grads {
-  const float* out;
   const float* lse;
   const float* dout;
   const float* delta;  // [B, Hq, S]: rowsum(dO * O)
@@ -220,74 +239,47 @@ struct Grads {
   float* dv;
 };
 
-// The backward works on transposed tiles [keys, queries] so that all but one
-// product are plain (non-transposed) sgemms, OpenBLAS's fast small-matrix path.
 struct BackwardScratch {
-  std::vector<float> pt, dst, ds;  // P^T, dS^T [keys, queries]; dS [queries, keys]
-  explicit BackwardScratch(const AttentionTiles& t)
-      : pt(t.k * t.q), dst(t.k * t.q), ds(t.q * t.k) {}
+  std::vector<float> p, ds;  // P and dS of one tile [queries, keys]
+  explicit BackwardScratch(const AttentionTiles& t) : p(t.q * t.k), ds(t.q * t.k) {}
 };
 
-// P^T = exp(scale * K Q^T - lse) of one tile, 0 where masked.
-void recompute_probs_t(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
-                       int64_t i1, int64_t j0, int64_t j1, float* pt) {
-  const int64_t hk = h / p.G, tq = p.tiles.q, mq = i1 - i0;
-  sgemm(false, true, j1 - j0, mq, p.D, p.scale, p.k + p.k_at(b, j0, hk), p.ldk(),
-        p.q + p.q_at(b, i0, h), p.ldq(), 0.0f, pt, tq);
+// P = exp(scale * Q K^T - lse) of one tile, 0 where masked.
+void recompute_probs(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
+                     int64_t i1, int64_t j0, int64_t j1, float* probs) {
+  const int64_t hk = h / p.G, tk = p.tiles.k, nk = j1 - j0;
+  sgemm(false, false, i1 - i0, nk, p.D, p.scale, p.q + p.q_at(b, i0, h), p.ldq(),
+        p.kt + p.t_at(b, hk, j0), p.S, 0.0f, probs, tk);
   const bool full = tile_unmasked(p, b, i0, i1, j0, j1);
-  const float* lse = g.lse + p.row_at(b, h, i0);
-  const int32_t* start = p.start + b * p.S + i0;
-  for (int64_t r = 0; r < j1 - j0; ++r) {
-    float* row = pt + r * tq;
-    const int64_t j = j0 + r;
-    if (full) {
+  for (int64_t r = 0; r < i1 - i0; ++r) {
+    float* row = probs + r * tk;
+    if (!full) mask_row(row, nk, p.start[b * p.S + i0 + r] - j0, i0 + r + 1 - j0);
+    const float l = g.lse[p.row_at(b, h, i0 + r)];
 #pragma omp simd
-      for (int64_t c = 0; c < mq; ++c) row[c] = exp_approx(row[c] - lse[c]);
-      continue;
-    }
-#pragma omp simd
-    for (int64_t c = 0; c < mq; ++c) {
-      const bool visible = i0 + c >= j && start[c] <= j;
-      row[c] = visible ? exp_approx(row[c] - lse[c]) : 0.0f;
-    }
+    for (int64_t c = 0; c < nk; ++c) row[c] = exp_approx(row[c] - l);
   }
-}
-
-// dS^T = P^T * (dP^T - delta), in place over dP^T.
-void softmax_grad_t(const float* pt, const float* delta, int64_t nk, int64_t mq, int64_t ld,
-                    float* dst) {
-  for (int64_t r = 0; r < nk; ++r) {
-    const float* pr = pt + r * ld;
-    float* dr = dst + r * ld;
-#pragma omp simd
-    for (int64_t c = 0; c < mq; ++c) dr[c] = pr[c] * (dr[c] - delta[c]);
-  }
-}
-
-// b[c][r] = a[r][c] for an n x m matrix a, in 8 x 8 blocks.
-void transpose(const float* a, int64_t n, int64_t m, int64_t lda, float* b, int64_t ldb) {
-  for (int64_t r0 = 0; r0 < n; r0 += 8)
-    for (int64_t c0 = 0; c0 < m; c0 += 8)
-      for (int64_t c = c0; c < std::min(c0 + 8, m); ++c)
-        for (int64_t r = r0; r < std::min(r0 + 8, n); ++r) b[c * ldb + r] = a[r * lda + c];
 }
 
 // Adds one (query tile, key tile) pair's contributions to dq, dk, dv.
 void backward_pair(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
                    int64_t i1, int64_t j0, int64_t j1, BackwardScratch& w) {
-  const int64_t hk = h / p.G, tq = p.tiles.q, mq = i1 - i0, nk = j1 - j0, D = p.D;
+  const int64_t hk = h / p.G, tk = p.tiles.k, mq = i1 - i0, nk = j1 - j0, D = p.D;
   const int64_t qo = p.q_at(b, i0, h), ko = p.k_at(b, j0, hk);
-  recompute_probs_t(p, g, b, h, i0, i1, j0, j1, w.pt.data());
-  sgemm(false, false, nk, D, mq, 1.0f, w.pt.data(), tq, g.dout + qo, p.ldq(), 1.0f, g.dv + ko,
-        p.ldk());
-  sgemm(false, true, nk, mq, D, 1.0f, p.v + ko, p.ldk(), g.dout + qo, p.ldq(), 0.0f,
-        w.dst.data(), tq);
-  softmax_grad_t(w.pt.data(), g.delta + p.row_at(b, h, i0), nk, mq, tq, w.dst.data());
-  sgemm(false, false, nk, D, mq, p.scale, w.dst.data(), tq, p.q + qo, p.ldq(), 1.0f,
-        g.dk + ko, p.ldk());
-  transpose(w.dst.data(), nk, mq, tq, w.ds.data(), p.tiles.k);
-  sgemm(false, false, mq, D, nk, p.scale, w.ds.data(), p.tiles.k, p.k + ko, p.ldk(), 1.0f,
-        g.dq + qo, p.ldq());
+  float* probs = w.p.data();
+  float* ds = w.ds.data();
+  recompute_probs(p, g, b, h, i0, i1, j0, j1, probs);
+  sgemm(true, false, nk, D, mq, 1.0f, probs, tk, g.dout + qo, p.ldq(), 1.0f, g.dv + ko, p.ldk());
+  sgemm(false, false, mq, nk, D, 1.0f, g.dout + qo, p.ldq(), p.vt + p.t_at(b, hk, j0), p.S, 0.0f,
+        ds, tk);
+  for (int64_t r = 0; r < mq; ++r) {
+    const float delta = g.delta[p.row_at(b, h, i0 + r)];
+    float* dsr = ds + r * tk;
+    const float* pr = probs + r * tk;
+#pragma omp simd
+    for (int64_t c = 0; c < nk; ++c) dsr[c] = pr[c] * (dsr[c] - delta);
+  }
+  sgemm(false, false, mq, D, nk, p.scale, ds, tk, p.k + ko, p.ldk(), 1.0f, g.dq + qo, p.ldq());
+  sgemm(true, false, nk, D, mq, p.scale, ds, tk, p.q + qo, p.ldq(), 1.0f, g.dk + ko, p.ldk());
 }
 
 // All gradients touching kv head hk of batch b: its dk, dv rows and the dq
@@ -336,8 +328,11 @@ void set_attention_tiles(AttentionTiles tiles) {
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& cu_seqlens, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles) {
-  const std::vector<int32_t> start = document_starts(cu_seqlens, q.dim(0), q.dim(1));
-  const Problem p = make_problem(q, k, v, start, scale, tiles);
+  Problem p = make_problem(q, k, v, scale, tiles);
+  const std::vector<int32_t> start = document_starts(cu_seqlens, p.B, p.S);
+  const std::vector<float> kt = heads_transposed(k, p.parallel());
+  p.start = start.data();
+  p.kt = kt.data();
   HSPMD_CHECK(out.shape() == q.shape() && lse.numel() == p.B * p.Hq * p.S, "attention: outputs");
   float* po = out.data<float>();
   float* pl = lse.data<float>();
@@ -358,8 +353,14 @@ void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, co
                         const NDArray& lse, const NDArray& grad_out, const NDArray& cu_seqlens,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
                         AttentionTiles tiles) {
-  const std::vector<int32_t> start = document_starts(cu_seqlens, q.dim(0), q.dim(1));
-  const Problem p = make_problem(q, k, v, start, scale, tiles);
+  Problem p = make_problem(q, k, v, scale, tiles);
+  for (const NDArray* a : {&out, &lse, &grad_out}) require_backend("attention_grad", *a);
+  const std::vector<int32_t> start = document_starts(cu_seqlens, p.B, p.S);
+  const std::vector<float> kt = heads_transposed(k, p.parallel());
+  const std::vector<float> vt = heads_transposed(v, p.parallel());
+  p.start = start.data();
+  p.kt = kt.data();
+  p.vt = vt.data();
   HSPMD_CHECK(out.shape() == q.shape() && grad_out.shape() == q.shape() &&
                   lse.numel() == p.B * p.Hq * p.S && dq.shape() == q.shape() &&
                   dk.shape() == k.shape() && dv.shape() == v.shape(),
@@ -367,8 +368,8 @@ void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, co
   std::vector<float> delta(p.B * p.Hq * p.S);
   row_dots(p, out.data<float>(), grad_out.data<float>(), delta.data());
   for (NDArray* a : {&dq, &dk, &dv}) a->fill(0.0f);
-  const Grads g{out.data<float>(), lse.data<float>(), grad_out.data<float>(), delta.data(),
-                dq.data<float>(),  dk.data<float>(),  dv.data<float>()};
+  const Grads g{lse.data<float>(), grad_out.data<float>(), delta.data(), dq.data<float>(),
+                dk.data<float>(), dv.data<float>()};
 #pragma omp parallel if (p.parallel())
   {
     BackwardScratch w(tiles);
