@@ -49,12 +49,14 @@ void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse,
 void swiglu(const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup);
-// loss (scalar) = Σ_{targets != ignore} (logsumexp(row) - row[target]) / normalizer.
+// loss (scalar) = Σ_{targets != ignore} (logsumexp(row) - row[target]) / normalizer;
+// lse [rows] receives logsumexp(row) (0 for ignored rows) for the backward.
 // Throws hspmd::Error on a target outside [0, V) that is not ignore_index.
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
-                   int ignore_index, NDArray& loss);
-// dlogits = dloss * (softmax(row) - onehot(target)) / normalizer; zero for ignored rows.
+                   int ignore_index, NDArray& loss, NDArray& lse);
+// dlogits = dloss * (exp(row - lse) - onehot(target)) / normalizer; zero for ignored rows.
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
-                            const NDArray& normalizer, int ignore_index, NDArray& dlogits);
+                            const NDArray& normalizer, const NDArray& lse, int ignore_index,
+                            NDArray& dlogits);
 
 }  // namespace hspmd::kernels

@@ -9,19 +9,19 @@ namespace hspmd::ops {
 
 namespace {
 
-// (dloss, logits, targets, normalizer) -> dlogits.
+// (dloss, logits, targets, normalizer, lse) -> dlogits.
 class CrossEntropyGradOp final : public Op {
  public:
   explicit CrossEntropyGradOp(int ignore_index) : ignore_index_(ignore_index) {}
   std::string type() const override { return "cross_entropy_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
-    expect_inputs("cross_entropy_grad", in, 4);
+    expect_inputs("cross_entropy_grad", in, 5);
     return {in[1]};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3],
+    kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3], in[4],
                                     ignore_index_, out[0]);
   }
 
@@ -44,17 +44,21 @@ class CrossEntropyOp final : public Op {
            sym_shape_str(l), ", targets ", sym_shape_str(in[1].shape));
     if (!in[2].shape.empty())
       fail("[cross_entropy] normalizer must be a scalar, got ", sym_shape_str(in[2].shape));
-    return {TensorMeta{{}, DType::F32}};
+    // Output 1: the per-row log-sum-exp, saved for the backward.
+    return {TensorMeta{{}, DType::F32}, TensorMeta{in[1].shape, DType::F32}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::cross_entropy(in[0].contiguous(), in[1].contiguous(), in[2], ignore_index_, out[0]);
+    out[1] = ctx.alloc(1);
+    kernels::cross_entropy(in[0].contiguous(), in[1].contiguous(), in[2], ignore_index_, out[0],
+                           out[1]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor logits = node.inputs[0], targets = node.inputs[1], norm = node.inputs[2];
     auto op = std::make_shared<CrossEntropyGradOp>(ignore_index_);
-    return {g[0].graph()->add1(op, {g[0], logits, targets, norm}), Tensor(), Tensor()};
+    return {g[0].graph()->add1(op, {g[0], logits, targets, norm, node.output(1)}), Tensor(),
+            Tensor()};
   }
 
  private:
@@ -65,8 +69,8 @@ class CrossEntropyOp final : public Op {
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& normalizer,
                      int ignore_index) {
-  return logits.graph()->add1(std::make_shared<CrossEntropyOp>(ignore_index),
-                              {logits, targets, normalizer});
+  return logits.graph()->add(std::make_shared<CrossEntropyOp>(ignore_index),
+                             {logits, targets, normalizer})[0];
 }
 
 }  // namespace hspmd::ops

@@ -58,7 +58,7 @@ void check_targets(const NDArray& targets, int64_t v, int ignore_index) {
 }  // namespace
 
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
-                   int ignore_index, NDArray& loss) {
+                   int ignore_index, NDArray& loss, NDArray& lse) {
   require_backend("cross_entropy", logits);
   require_backend("cross_entropy", targets);
   const int64_t v = logits.dim(-1), rows = targets.numel();
@@ -66,13 +66,17 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
   check_targets(targets, v, ignore_index);
   const float* x = logits.data<float>();
   const int32_t* t = targets.data<int32_t>();
+  float* row_lse = lse.data<float>();
   std::vector<double> row_loss(rows, 0.0);
 #pragma omp parallel for schedule(static) if (rows * v > 32768)
   for (int64_t r = 0; r < rows; ++r) {
+    row_lse[r] = 0.0f;
     if (t[r] == ignore_index) continue;
     const float* xr = x + r * v;
     const RowStats st = row_stats(xr, v);
-    row_loss[r] = std::log(static_cast<double>(st.sum)) + st.max - xr[t[r]];
+    const double l = std::log(static_cast<double>(st.sum)) + st.max;
+    row_lse[r] = static_cast<float>(l);
+    row_loss[r] = l - xr[t[r]];
   }
   double total = 0;
   for (double l : row_loss) total += l;
@@ -80,14 +84,15 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
 }
 
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
-                            const NDArray& normalizer, int ignore_index, NDArray& dlogits) {
+                            const NDArray& normalizer, const NDArray& lse, int ignore_index,
+                            NDArray& dlogits) {
   require_backend("cross_entropy_backward", logits);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v,
               "cross_entropy_backward: sizes");
-  check_targets(targets, v, ignore_index);
   const float* x = logits.data<float>();
   const int32_t* t = targets.data<int32_t>();
+  const float* row_lse = lse.data<float>();
   float* dx = dlogits.data<float>();
   const float g = dloss.data<float>()[0] / normalizer.data<float>()[0];
 #pragma omp parallel for schedule(static) if (rows * v > 32768)
@@ -98,10 +103,9 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
       continue;
     }
     const float* xr = x + r * v;
-    const RowStats st = row_stats(xr, v);
-    const float c = g / st.sum, m = st.max;
+    const float m = row_lse[r];
 #pragma omp simd
-    for (int64_t i = 0; i < v; ++i) dr[i] = exp_nonpositive(xr[i] - m) * c;
+    for (int64_t i = 0; i < v; ++i) dr[i] = exp_nonpositive(xr[i] - m) * g;
     dr[t[r]] -= g;
   }
 }
