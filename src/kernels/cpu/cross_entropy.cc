@@ -2,7 +2,6 @@
 // exponentials (a vectorizable exp), OpenMP over rows; per-row losses are
 // summed in double in row order, so the loss does not depend on the threads.
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -10,26 +9,11 @@
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
+#include "vec_math.h"
 
 namespace hspmd::kernels {
 
 namespace {
-
-// exp(x) for x <= 0 (Cephes polynomial, relative error ~2e-7); branch-free
-// so the compiler vectorizes the loops that call it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  return e * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
 
 struct RowStats {
   float max;
@@ -37,13 +21,8 @@ struct RowStats {
 };
 
 RowStats row_stats(const float* x, int64_t v) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < v; ++i) m = std::max(m, x[i]);
-  float s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < v; ++i) s += exp_nonpositive(x[i] - m);
-  return {m, s};
+  const float m = vec::row_max(x, v);
+  return {m, vec::sum_exp(x, v, m)};
 }
 
 // Throws on the first target outside [0, v) that is not ignore_index.
@@ -103,9 +82,7 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
       continue;
     }
     const float* xr = x + r * v;
-    const float m = row_lse[r];
-#pragma omp simd
-    for (int64_t i = 0; i < v; ++i) dr[i] = exp_nonpositive(xr[i] - m) * g;
+    vec::exp_scale(xr, v, row_lse[r], g, dr);
     dr[t[r]] -= g;
   }
 }

@@ -1,0 +1,90 @@
+// Vectorized float math for the CPU kernels, written with GCC vector
+// extensions so it compiles to the widest SIMD the target has (AVX-512 with
+// -march=native here) without intrinsics. Loops over rows call these helpers
+// instead of relying on auto-vectorization of libm calls.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace hspmd::kernels::vec {
+
+constexpr int kLanes = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// exp(x), Cephes polynomial (relative error ~2e-7); x clamped to [-87, 88].
+inline f32x16 exp(f32x16 x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const f32x16 t = x * 1.44269504088896341f;
+  const f32x16 magic = splat(12582912.0f);  // 1.5 * 2^23: rounds to nearest
+  const f32x16 n = (t + magic) - magic;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f32x16 e = p * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+// Scalar exp with the same accuracy (for tails).
+inline float exp1(float x) {
+  float buf[kLanes] = {x};
+  store(buf, exp(load(buf)));
+  return buf[0];
+}
+
+inline float hsum(f32x16 v) {
+  float s = 0;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+inline float row_max(const float* x, int64_t n) {
+  f32x16 m = splat(-INFINITY);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const f32x16 v = load(x + i);
+    m = v > m ? v : m;
+  }
+  float out = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) out = std::max(out, m[l]);
+  for (; i < n; ++i) out = std::max(out, x[i]);
+  return out;
+}
+
+// Σ exp(x[i] - shift).
+inline float sum_exp(const float* x, int64_t n, float shift) {
+  f32x16 s = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) s += exp(load(x + i) - shift);
+  float out = hsum(s);
+  for (; i < n; ++i) out += exp1(x[i] - shift);
+  return out;
+}
+
+// out[i] = exp(x[i] - shift) * scale.
+inline void exp_scale(const float* x, int64_t n, float shift, float scale, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(out + i, exp(load(x + i) - shift) * scale);
+  for (; i < n; ++i) out[i] = exp1(x[i] - shift) * scale;
+}
+
+}  // namespace hspmd::kernels::vec
