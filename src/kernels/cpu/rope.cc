@@ -1,5 +1,6 @@
 // Rotary position embedding on CPU (Hugging Face rotate_half convention).
-// Angles and their cos/sin are computed in double, once per token.
+// Angles and their cos/sin are computed in double, once per distinct position.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -22,24 +23,30 @@ void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse,
   const int32_t* pos = positions.data<int32_t>();
   const float* px = x.data<float>();
   float* py = out.data<float>();
-#pragma omp parallel if (x.numel() > 32768)
-  {
-    std::vector<float> cs(half), sn(half);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
+  // cos/sin per distinct position: batches repeat positions 0..S-1 (or per
+  // document), so a table over [min, max] is far smaller than one per token.
+  int32_t lo = 0, hi = -1;
+  if (tokens > 0) lo = *std::min_element(pos, pos + tokens), hi = *std::max_element(pos, pos + tokens);
+  const int64_t span = static_cast<int64_t>(hi) - lo + 1;
+  std::vector<float> cs(span * half), sn(span * half);
+#pragma omp parallel for schedule(static) if (span * half > 4096)
+  for (int64_t p = 0; p < span; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = sign * static_cast<double>(p + lo) * inv_freq[i];
+      cs[p * half + i] = static_cast<float>(std::cos(angle));
+      sn[p * half + i] = static_cast<float>(std::sin(angle));
+    }
+#pragma omp parallel for schedule(static) if (x.numel() > 32768)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cs.data() + (pos[t] - lo) * half;
+    const float* sv = sn.data() + (pos[t] - lo) * half;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const float* xi = px + (t * heads + hd) * d;
+      float* yi = py + (t * heads + hd) * d;
       for (int64_t i = 0; i < half; ++i) {
-        const double angle = sign * pos[t] * inv_freq[i];
-        cs[i] = static_cast<float>(std::cos(angle));
-        sn[i] = static_cast<float>(std::sin(angle));
-      }
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        const float* xi = px + (t * heads + hd) * d;
-        float* yi = py + (t * heads + hd) * d;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = xi[i], b = xi[i + half];
-          yi[i] = a * cs[i] - b * sn[i];
-          yi[i + half] = b * cs[i] + a * sn[i];
-        }
+        const float a = xi[i], b = xi[i + half];
+        yi[i] = a * c[i] - b * sv[i];
+        yi[i + half] = b * c[i] + a * sv[i];
       }
     }
   }
