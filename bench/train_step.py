@@ -60,7 +60,10 @@ def main():
           f"{a.steps} timed steps after 2 warm-up steps, {flops / 1e9:.1f} model GFLOP per step")
     print(f"{'impl':8s} {'thr':>3s} {'step s':>8s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'peak RSS MB':>11s}")
     for t in a.threads:
-        env = dict(os.environ, OMP_NUM_THREADS=str(t), OPENBLAS_NUM_THREADS=str(t))
+        # Same environment for both: passive OpenMP waiting (hspmd sets it
+        # itself; PyTorch also mixes OpenMP with OpenBLAS's threads).
+        env = dict(os.environ, OMP_NUM_THREADS=str(t), OPENBLAS_NUM_THREADS=str(t),
+                   OMP_WAIT_POLICY="PASSIVE")
         res = {"hspmd": [], "pytorch": []}
         for _ in range(a.repeats):
             res["hspmd"].append(run([a.hspmd_step, *common, "--threads", str(t)], env))

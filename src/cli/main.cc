@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/threads.h"
 
 namespace {
 
@@ -28,6 +29,7 @@ void print_error(const char* kind, const char* what) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  hspmd::ensure_passive_omp_wait(argv);
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

@@ -22,3 +22,16 @@ void set_num_threads(int n) {
 int num_threads() { return g_threads; }
 
 }  // namespace hspmd
+
+#include <cstdlib>
+#include <unistd.h>
+
+namespace hspmd {
+
+void ensure_passive_omp_wait(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  execv("/proc/self/exe", argv);
+}
+
+}  // namespace hspmd
