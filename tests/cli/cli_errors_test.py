@@ -72,7 +72,6 @@ def main():
         json.dump({k: v for k, v in CONFIG.items() if k != "hidden_size"}, f)
     with open(p("bad_heads.json"), "w") as f:
         json.dump(dict(CONFIG, num_attention_heads=3), f)
-    struct.pack("<3I", 1, 2, 3)
     with open(p("data.bin"), "wb") as f:
         f.write(struct.pack("<200I", *([5] * 200)))
     open(p("empty.bin"), "wb").close()

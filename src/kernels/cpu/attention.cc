@@ -7,13 +7,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "hspmd/core/error.h"
 #include "kernels/kernels.h"
+#include "vec_math.h"
 
 namespace hspmd::kernels {
 
@@ -47,26 +47,6 @@ struct Problem {
   int64_t t_at(int64_t b, int64_t hk, int64_t j) const { return (b * Hkv + hk) * D * S + j; }
   bool parallel() const { return B * Hq * S * S * D > kParallelWork; }
 };
-
-// exp(x) for x <= 88 (Cephes expf, ~1e-7 relative error), branch-free so the
-// loops calling it vectorize; exactly 0 below -87 (so exp(-inf) = 0).
-inline float exp_approx(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float rn = xc * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23 rounds to int
-  const float n = rn - 12582912.0f;
-  const int32_t e = std::bit_cast<int32_t>(rn) - 0x4B400000;
-  float f = xc - n * 0.693359375f;
-  f = f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  const float y = p * f * f + f + 1.0f;
-  const float r = std::bit_cast<float>(std::bit_cast<int32_t>(y) + (e << 23));
-  return x < -87.0f ? 0.0f : r;
-}
 
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
            const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
@@ -181,10 +161,10 @@ inline float softmax_update(float* row, int64_t nk, float& m, float& l) {
   float sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t c = 0; c < nk; ++c) {
-    row[c] = exp_approx(row[c] - m_new);
+    row[c] = vec::exp_scalar(row[c] - m_new);
     sum += row[c];
   }
-  const float corr = exp_approx(m - m_new);
+  const float corr = vec::exp_scalar(m - m_new);
   l = l * corr + sum;
   m = m_new;
   return corr;
@@ -256,7 +236,7 @@ void recompute_probs(const Problem& p, const Grads& g, int64_t b, int64_t h, int
     if (!full) mask_row(row, nk, p.start[b * p.S + i0 + r] - j0, i0 + r + 1 - j0);
     const float l = g.lse[p.row_at(b, h, i0 + r)];
 #pragma omp simd
-    for (int64_t c = 0; c < nk; ++c) row[c] = exp_approx(row[c] - l);
+    for (int64_t c = 0; c < nk; ++c) row[c] = vec::exp_scalar(row[c] - l);
   }
 }
 

@@ -40,7 +40,7 @@ void swiglu(const NDArray& gate, const NDArray& up, NDArray& out) {
       const vec::f32x16 gv = vec::load(g + i);
       vec::store(y + i, gv * sigmoid(gv) * vec::load(u + i));
     }
-    for (; i < end; ++i) y[i] = g[i] / (1.0f + vec::exp1(-g[i])) * u[i];
+    for (; i < end; ++i) y[i] = g[i] / (1.0f + vec::exp_scalar(-g[i])) * u[i];
   });
 }
 
@@ -65,7 +65,7 @@ void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, 
       vec::store(dg + i, dv * vec::load(u + i) * s * (1.0f + gv * (1.0f - s)));
     }
     for (; i < end; ++i) {
-      const float s = 1.0f / (1.0f + vec::exp1(-g[i]));
+      const float s = 1.0f / (1.0f + vec::exp_scalar(-g[i]));
       du[i] = d[i] * g[i] * s;
       dg[i] = d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
     }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,9 +24,11 @@ inline f32x16 load(const float* p) {
 inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 inline f32x16 splat(float x) { return f32x16{} + x; }
 
-// exp(x), Cephes polynomial (relative error ~2e-7); x clamped to [-87, 88].
+// exp(x), Cephes polynomial (relative error ~2e-7): exactly 0 below -87 (so
+// exp(-inf) = 0), exp(88) above 88.
 inline f32x16 exp(f32x16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
+  const auto underflow = x < -87.0f;
+  x = underflow ? splat(-87.0f) : x;
   x = x > 88.0f ? splat(88.0f) : x;
   const f32x16 t = x * 1.44269504088896341f;
   const f32x16 magic = splat(12582912.0f);  // 1.5 * 2^23: rounds to nearest
@@ -41,14 +44,26 @@ inline f32x16 exp(f32x16 x) {
   const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
   f32x16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return e * scale;
+  return underflow ? splat(0.0f) : e * scale;
 }
 
-// Scalar exp with the same accuracy (for tails).
-inline float exp1(float x) {
-  float buf[kLanes] = {x};
-  store(buf, exp(load(buf)));
-  return buf[0];
+// The same exp for one float, branch-free so `omp simd` loops calling it
+// vectorize (attention's online softmax) and for the tails of the loops here.
+inline float exp_scalar(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float rn = xc * 1.44269504088896341f + 12582912.0f;  // + 1.5 * 2^23 rounds to int
+  const float n = rn - 12582912.0f;
+  const int32_t e = std::bit_cast<int32_t>(rn) - 0x4B400000;
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float out = std::bit_cast<float>(std::bit_cast<int32_t>(y) + (e << 23));
+  return x < -87.0f ? 0.0f : out;
 }
 
 inline float hsum(f32x16 v) {
@@ -76,7 +91,7 @@ inline float sum_exp(const float* x, int64_t n, float shift) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) s += exp(load(x + i) - shift);
   float out = hsum(s);
-  for (; i < n; ++i) out += exp1(x[i] - shift);
+  for (; i < n; ++i) out += exp_scalar(x[i] - shift);
   return out;
 }
 
@@ -84,7 +99,7 @@ inline float sum_exp(const float* x, int64_t n, float shift) {
 inline void exp_scale(const float* x, int64_t n, float shift, float scale, float* out) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store(out + i, exp(load(x + i) - shift) * scale);
-  for (; i < n; ++i) out[i] = exp1(x[i] - shift) * scale;
+  for (; i < n; ++i) out[i] = exp_scalar(x[i] - shift) * scale;
 }
 
 }  // namespace hspmd::kernels::vec
