@@ -17,6 +17,12 @@ template <typename... Args>
   fail("[annotation] tensor '", name, "': ", args...);
 }
 
+std::string join_ints(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
 std::string join_keys(const std::vector<int>& keys) {
   std::string s = "[";
   for (size_t i = 0; i < keys.size(); ++i) s += (i ? ", " : "") + key_name(keys[i]);
@@ -67,6 +73,7 @@ void check_states(const DistStates& s, int i, int group_size, const std::string&
 std::vector<int64_t> resolve_part_sizes(const Annotation& a, const std::string& name, int64_t dim_size,
                                         const std::vector<int64_t>& part_sizes) {
   if (part_sizes.empty()) {
+    if (!a.part_weights.empty()) return hspmd::part_sizes(a, name, dim_size);
     if (dim_size % a.hsize() != 0)
       fail_tensor(name, "dim ", a.hdim, " of size ", dim_size, " does not split into ", a.hsize(), " equal parts");
     return std::vector<int64_t>(a.hsize(), dim_size / a.hsize());
@@ -86,6 +93,25 @@ std::vector<int64_t> resolve_part_sizes(const Annotation& a, const std::string& 
 Box whole(const Shape& shape) { return Box{Shape(shape.size(), 0), shape}; }
 
 }  // namespace
+
+std::vector<int64_t> part_sizes(const Annotation& a, const std::string& name, int64_t dim_size) {
+  if (a.part_weights.empty()) return resolve_part_sizes(a, name, dim_size, {});
+  if (static_cast<int>(a.part_weights.size()) != a.hsize())
+    fail_tensor(name, a.part_weights.size(), " part weights given for ", a.hsize(), " subgroups");
+  int64_t total = 0;
+  for (int64_t w : a.part_weights) {
+    if (w <= 0) fail_tensor(name, "part weight ", w, " is not positive");
+    total += w;
+  }
+  std::vector<int64_t> sizes;
+  for (int64_t w : a.part_weights) {
+    if ((dim_size * w) % total != 0)
+      fail_tensor(name, "dim ", a.hdim, " of size ", dim_size, " does not split in the proportions ",
+                  join_ints(a.part_weights));
+    sizes.push_back(dim_size * w / total);
+  }
+  return sizes;
+}
 
 std::string key_name(int key) {
   if (key >= 0) return "split(" + std::to_string(key) + ")";
@@ -210,6 +236,7 @@ std::string to_string(const Annotation& a) {
     for (size_t i = 0; i < g.devices.ranks.size(); ++i) os << (i ? "," : "") << g.devices.ranks[i];
     os << "] " << to_string(g.states) << ";";
   }
+  if (!a.part_weights.empty()) os << " weights " << join_ints(a.part_weights);
   return os.str();
 }
 
@@ -220,6 +247,13 @@ void validate(const Annotation& a, const std::string& name, int tensor_rank, int
     fail_tensor(name, "hdim ", a.hdim, " is neither -2, -1 nor a dim of the tensor's rank ", tensor_rank);
   if (is_parameter && a.hdim == kPartial)
     fail_tensor(name, "hdim -2 (partial) on a parameter or optimizer state");
+  if (!a.part_weights.empty()) {
+    if (a.hdim < 0) fail_tensor(name, "part weights given but hdim is ", a.hdim);
+    if (static_cast<int>(a.part_weights.size()) != a.hsize())
+      fail_tensor(name, a.part_weights.size(), " part weights given for ", a.hsize(), " subgroups");
+    for (int64_t w : a.part_weights)
+      if (w <= 0) fail_tensor(name, "part weight ", w, " is not positive");
+  }
   check_ranks(a, name, world_size);
   for (int i = 0; i < a.hsize(); ++i)
     check_states(a.subgroups[i].states, i, a.subgroups[i].devices.size(), name, tensor_rank, is_parameter);

@@ -103,15 +103,23 @@ json to_json(const Annotation& a) {
     for (int key : g.states.order) order.push_back(key_json(key));
     subgroups.push_back({{"ranks", g.devices.ranks}, {"states", states}, {"order", order}});
   }
-  return {{"hdim", a.hdim}, {"subgroups", subgroups}};
+  json out = {{"hdim", a.hdim}, {"subgroups", subgroups}};
+  if (!a.part_weights.empty()) out["part_weights"] = a.part_weights;
+  return out;
 }
 
 Annotation annotation_from_json(const json& j, const std::string& tensor_name) {
   Reader r{tensor_name};
   if (!j.is_object()) fail("[annotation] tensor '", tensor_name, "': must be a JSON object, got ", j.dump());
-  r.only_fields(j, "", {"hdim", "subgroups"});
+  r.only_fields(j, "", {"hdim", "subgroups", "part_weights"});
   Annotation a;
   if (j.contains("hdim")) a.hdim = r.integer(j["hdim"], "hdim");
+  if (j.contains("part_weights")) {
+    const json& w = j["part_weights"];
+    if (!w.is_array()) r.fail_field("part_weights", "must be an array of integers");
+    for (size_t i = 0; i < w.size(); ++i)
+      a.part_weights.push_back(r.integer(w[i], "part_weights[" + std::to_string(i) + "]"));
+  }
   if (!j.contains("subgroups")) r.fail_field("subgroups", "missing");
   const json& subs = j["subgroups"];
   if (!subs.is_array()) r.fail_field("subgroups", "must be an array");

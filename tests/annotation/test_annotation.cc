@@ -260,5 +260,24 @@ TEST(Json, MalformedNamesTheField) {
   expect_bad(R"({"subgroups": [{"ranks": [0], "states": {}, "oder": []}]})", "field 'subgroups[0].oder': unknown field");
 }
 
+TEST(Annotation, PartWeightsGiveProportionalParts) {
+  Annotation a;
+  a.hdim = 0;
+  a.subgroups = {Subgroup{DeviceGroup{{0, 1}}, DistStates{{{0, 2}}, {0}}},
+                 Subgroup{DeviceGroup{{2}}, DistStates{}}};
+  a.part_weights = {3, 1};
+  validate(a, "x", 2, 3, false);
+  EXPECT_EQ(part_sizes(a, "x", 8), (std::vector<int64_t>{6, 2}));
+  // [6, 4] split 3:1: rank 0 holds rows 0..2 of part 0, rank 2 holds rows 6..7.
+  EXPECT_EQ(local_box(a, {8, 4}, 1), (Box{{3, 0}, {6, 4}}));
+  EXPECT_EQ(local_box(a, {8, 4}, 2), (Box{{6, 0}, {8, 4}}));
+  EXPECT_THROW(part_sizes(a, "x", 6), Error);  // 6 * 3 / 4 is not whole
+  EXPECT_EQ(annotation_from_json(to_json(a), "x"), a);
+  a.part_weights = {3, 0};
+  EXPECT_THROW(validate(a, "x", 2, 3, false), Error);
+  a.part_weights = {3, 1, 1};
+  EXPECT_THROW(validate(a, "x", 2, 3, false), Error);
+}
+
 }  // namespace
 }  // namespace hspmd

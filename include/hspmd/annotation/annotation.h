@@ -109,6 +109,12 @@ struct Subgroup {
 struct Annotation {
   std::vector<Subgroup> subgroups;
   int hdim = kDup;  // -1 dup, -2 partial, d >= 0 split along dim d
+  // Top-tier part proportions along hdim >= 0, one positive weight per
+  // subgroup (empty = equal parts). Part i of a dim of size n has size
+  // n * w[i] / sum(w), which must be exact. Weights, not sizes, so that the
+  // layout survives symbolic dims and reshapes: a batch cut 3:1 between two
+  // pipelines stays cut 3:1 when [B, S] is flattened to [B*S].
+  std::vector<int64_t> part_weights = {};
 
   int hsize() const { return static_cast<int>(subgroups.size()); }
   // Every rank of every subgroup, subgroup by subgroup, in group order.
@@ -134,8 +140,9 @@ void validate(const Annotation& annotation, const std::string& tensor_name, int 
               int world_size, bool is_parameter);
 
 // Shape checks against a concrete global shape. `part_sizes` are the sizes of
-// the top-tier parts along hdim, one per subgroup (empty = hsize equal parts;
-// must be empty unless hdim >= 0). Throws hspmd::Error "[annotation] tensor
+// the top-tier parts along hdim, one per subgroup (empty = from the
+// annotation's part_weights, or hsize equal parts without weights; must be
+// empty unless hdim >= 0). Throws hspmd::Error "[annotation] tensor
 // '<name>': <rule>" when: a split dim or hdim is outside the shape's rank;
 // part_sizes has the wrong count, a negative size, or does not sum to the
 // dim's size; equal parts do not divide the dim; a bottom-tier split degree
@@ -159,6 +166,13 @@ Box part_box(const Annotation& annotation, const Shape& global_shape, int subgro
 std::optional<Box> local_box(const Annotation& annotation, const Shape& global_shape, int rank,
                              const std::vector<int64_t>& part_sizes = {});
 
+// The sizes of the top-tier parts along hdim >= 0 for a dim of `dim_size`:
+// from part_weights (exact proportions) or equal. Throws hspmd::Error
+// "[annotation] tensor '<name>': ..." when the weights are not one positive
+// value per subgroup or do not divide the size exactly, or equal parts do not.
+std::vector<int64_t> part_sizes(const Annotation& annotation, const std::string& tensor_name,
+                                int64_t dim_size);
+
 // Whether `rank`'s local value is a partial sum that must be added to other
 // ranks' values to give the tensor: its subgroup has partial degree > 1, or
 // hdim = -2 with hsize > 1. False for a rank outside the annotation.
@@ -167,7 +181,7 @@ bool holds_partial_sum(const Annotation& annotation, int rank);
 // JSON form (docs/annotation.md):
 //   {"hdim": -1, "subgroups": [{"ranks": [0, 1, 2, 3],
 //     "states": {"split0": 2, "dup": 2}, "order": ["split0", "dup"]}]}
-// to_json writes every field; from_json reads it back (equal Annotation).
+// plus "part_weights": [3, 1] when set. to_json writes every field; from_json reads it back (equal Annotation).
 nlohmann::json to_json(const Annotation& annotation);
 // Parses the form above; "hdim" defaults to -1 and "order" to the keys with
 // degree > 1 in the order partial, dup, split0, split1, ... Throws

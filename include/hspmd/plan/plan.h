@@ -1,0 +1,72 @@
+// AnnotationPlan: the low-level plan (DESIGN §2, docs/plan.md) — the
+// annotations of every leaf tensor (inputs, parameters), of every named
+// Reshard output, and of the optimizer states, for one model and one world.
+// compile_plan() derives it from a Strategy; users may also write or edit it
+// by hand. dry_run() resolves every Reshard of the annotated training graph
+// (forward, backward, gradient sync, ZeRO gathers) for a virtual world.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "hspmd/annotation/annotation.h"
+#include "hspmd/models/config.h"
+#include "hspmd/plan/strategy.h"
+#include "hspmd/resolve/resolver.h"
+#include "hspmd/resolve/topology.h"
+
+namespace hspmd {
+
+struct AnnotationPlan {
+  LlamaConfig model;
+  int world_size = 1;
+  // Leaf placeholders (input_ids, targets, positions, normalizer, ...),
+  // parameters (Hugging Face names) and named Reshard outputs (e.g.
+  // "model.layers.3.input", "grad.model.norm.weight") -> annotation.
+  std::map<std::string, Annotation> tensors;
+  // Parameter name -> annotation of its fp32 master weight and Adam moments.
+  // Absent: the same as the parameter (no ZeRO).
+  std::map<std::string, Annotation> optimizer_states;
+  // Sizes of the symbolic dims for the dry run's byte counts ("B": global
+  // batch of one micro-batch step, "S": sequence length).
+  std::map<std::string, int64_t> bindings;
+  // The strategy it was compiled from, when any (kept for the executor's
+  // schedules and for reports).
+  std::optional<Strategy> strategy;
+};
+
+// Options of compile_plan.
+struct CompileOptions {
+  int64_t seq_len = 0;  // 0: the model's max_position_embeddings
+};
+
+// Strategy -> annotation plan for the Llama model (validates the strategy
+// first; throws its errors).
+AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy, int world_size,
+                            const CompileOptions& options = {});
+
+// JSON form (docs/plan.md); plan_from_json validates every annotation and
+// throws hspmd::Error "[plan] ..." one-liners.
+nlohmann::json to_json(const AnnotationPlan& plan);
+AnnotationPlan plan_from_json(const nlohmann::json& j);
+AnnotationPlan load_plan(const std::string& path);
+
+// One Reshard of the dry run.
+struct PlannedReshard {
+  std::string name;       // the Reshard's name ("model.layers.3.input", "grad.<param>",
+                          // "zero_gather.<param>", "backward.<name>")
+  std::string phase;      // "forward", "backward", "grad_sync", "zero_gather"
+  Resolution resolution;
+};
+
+// Deduces the annotated training graph of `plan` and resolves every Reshard
+// over `topology` (its world size must equal the plan's). Throws the
+// deduction's and the resolver's errors.
+std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology);
+
+}  // namespace hspmd

@@ -1,0 +1,72 @@
+// Topology: which node each rank lives on, what device it is, and how fast
+// the link between two ranks is (DESIGN §7 "Cluster"). Pure data; the
+// resolver uses it to prefer fast links, the planner and the emulator read
+// the device facts.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace hspmd {
+
+// One entry of the device catalog.
+struct DeviceType {
+  std::string name;
+  double tflops = 0;             // dense bf16 TFLOP/s
+  double memory_gib = 0;         // device memory
+  double intra_node_gbps = 0;    // per-device link bandwidth inside a node (GB/s)
+  double inter_node_gbps = 0;    // per-device network bandwidth across nodes (GB/s)
+};
+
+// Per-rank facts.
+struct RankInfo {
+  int node = 0;                  // index into the cluster's nodes
+  std::string device_type;       // key of the catalog
+  double slowdown = 1.0;         // emulation on CPU: compute time multiplier (>= 1 slower)
+  double memory_cap_gib = 0;     // emulation on CPU: memory cap, 0 = none
+};
+
+class Topology {
+ public:
+  // `world_size` ranks in nodes of `ranks_per_node` consecutive ranks (the
+  // last node may be smaller), all of one generic device type with
+  // 100 GB/s inside a node and 25 GB/s across nodes. Throws hspmd::Error
+  // "[cluster] ..." when world_size or ranks_per_node is not positive.
+  static Topology uniform(int world_size, int ranks_per_node = 8);
+
+  // Parses the cluster JSON (docs/cluster.md):
+  //   {"catalog": {"H800": {"tflops": 989, "memory_gib": 80,
+  //                         "intra_node_gbps": 200, "inter_node_gbps": 25}, ...},
+  //    "nodes": [{"type": "H800", "ranks": [0, 7]},             // inclusive range
+  //              {"type": "H20", "ranks": [8, 15], "slowdown": 2.0,
+  //               "memory_cap_gib": 4}]}
+  // Nodes must cover ranks 0 .. N-1 exactly once; N is the world size.
+  // Throws hspmd::Error "[cluster] <where>: <rule>" (one line) for bad JSON
+  // types, unknown fields, an unknown device type, overlapping or missing
+  // ranks, non-positive bandwidths or slowdowns.
+  static Topology from_json(const nlohmann::json& j);
+  // Reads and parses a file; errors name the file.
+  static Topology load(const std::string& path);
+
+  int world_size() const { return static_cast<int>(ranks_.size()); }
+  const RankInfo& rank(int r) const;
+  const DeviceType& device_type(int r) const;
+  int node_of(int r) const { return rank(r).node; }
+  bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
+  // Bandwidth of the link a <-> b in GB/s: inside a node the smaller
+  // intra_node_gbps of the two, across nodes the smaller inter_node_gbps.
+  // Infinite for a == b.
+  double bandwidth(int a, int b) const;
+  int num_nodes() const;
+
+  nlohmann::json to_json() const;
+
+ private:
+  std::vector<DeviceType> catalog_;
+  std::vector<RankInfo> ranks_;
+  std::vector<int> type_index_;  // per rank, index into catalog_
+};
+
+}  // namespace hspmd
