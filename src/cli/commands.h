@@ -10,5 +10,7 @@ namespace hspmd::cli {
 
 int train_command(const std::vector<std::string>& args);
 int tokenize_command(const std::vector<std::string>& args);
+// "plan compile" and "plan explain"; args start with the subcommand.
+int plan_command(const std::vector<std::string>& args);
 
 }  // namespace hspmd::cli

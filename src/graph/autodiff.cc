@@ -41,7 +41,8 @@ std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt
     else
       it->second = ops::add(it->second, grad);
   };
-  accumulate(loss, ops::fill(g, {}, 1.0f));
+  // The seed lives on the loss's devices (a dup 1 where the loss is partial).
+  accumulate(loss, ops::fill_like(loss, 1.0f));
 
   for (int id = last; id >= 0; --id) {
     if (!on_path[id]) continue;

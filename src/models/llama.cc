@@ -17,30 +17,41 @@ bool is_norm_weight(const std::string& name) {
   return name.find("norm.weight") != std::string::npos;
 }
 
+// A named Reshard point when the options ask for them, else `t` itself.
+Tensor mark(const LlamaBuildOptions& o, const Tensor& t, const std::string& name) {
+  return o.reshard_points ? ops::reshard(t, name) : t;
+}
+
 // One transformer block: pre-norm attention and SwiGLU MLP with residuals.
-Tensor transformer_block(const LlamaConfig& c, int64_t i, Tensor h, const LlamaGraph& m,
-                         Graph& g) {
+Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, int64_t i, Tensor h,
+                         const LlamaGraph& m, Graph& g) {
   const std::string p = layer_prefix(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
+  h = mark(o, h, p + "input");
+  const Tensor positions = mark(o, m.positions, p + "positions");
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
   const int64_t D = c.head_dim(), Hq = c.num_attention_heads, Hkv = c.kv_heads();
   const float theta = static_cast<float>(c.rope_theta);
 
-  Tensor x = ops::rms_norm(h, param("input_layernorm.weight"), static_cast<float>(c.rms_norm_eps));
+  Tensor x = mark(o, ops::rms_norm(h, param("input_layernorm.weight"), static_cast<float>(c.rms_norm_eps)),
+                  p + "attn_input");
   Tensor q = ops::reshape(ops::linear(x, param("self_attn.q_proj.weight")), {B, S, Hq, D});
   Tensor k = ops::reshape(ops::linear(x, param("self_attn.k_proj.weight")), {B, S, Hkv, D});
   Tensor v = ops::reshape(ops::linear(x, param("self_attn.v_proj.weight")), {B, S, Hkv, D});
-  q = ops::rope(q, m.positions, theta);
-  k = ops::rope(k, m.positions, theta);
-  Tensor a = ops::attention(q, k, v, m.cu_seqlens, static_cast<float>(1.0 / std::sqrt(D)));
+  q = ops::rope(q, positions, theta);
+  k = ops::rope(k, positions, theta);
+  Tensor a = ops::attention(q, k, v, m.cu_seqlens, static_cast<float>(1.0 / std::sqrt(D)),
+                            o.context_parallel);
   a = ops::reshape(a, {B, S, Hq * D});
-  h = ops::add(h, ops::linear(a, param("self_attn.o_proj.weight")));
+  h = ops::add(h, mark(o, ops::linear(a, param("self_attn.o_proj.weight")), p + "attn_output"));
 
-  x = ops::rms_norm(h, param("post_attention_layernorm.weight"),
-                    static_cast<float>(c.rms_norm_eps));
+  x = mark(o, ops::rms_norm(h, param("post_attention_layernorm.weight"),
+                            static_cast<float>(c.rms_norm_eps)),
+           p + "mlp_input");
   Tensor gate = ops::linear(x, param("mlp.gate_proj.weight"));
   Tensor up = ops::linear(x, param("mlp.up_proj.weight"));
-  return ops::add(h, ops::linear(ops::swiglu(gate, up), param("mlp.down_proj.weight")));
+  Tensor down = ops::linear(ops::swiglu(gate, up), param("mlp.down_proj.weight"));
+  return ops::add(h, mark(o, down, p + "mlp_output"));
 }
 
 }  // namespace
@@ -68,6 +79,12 @@ std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaCon
 }
 
 LlamaGraph build_llama(const LlamaConfig& c, bool packed_documents) {
+  LlamaBuildOptions o;
+  o.packed_documents = packed_documents;
+  return build_llama(c, o);
+}
+
+LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
   LlamaGraph m;
   Graph& g = *m.graph;
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
@@ -75,22 +92,28 @@ LlamaGraph build_llama(const LlamaConfig& c, bool packed_documents) {
   m.targets = g.placeholder("targets", {B, S}, DType::I32);
   m.positions = g.placeholder("positions", {B, S}, DType::I32);
   m.normalizer = g.placeholder("normalizer", {}, DType::F32);
-  if (packed_documents)
+  if (o.packed_documents)
     m.cu_seqlens = g.placeholder("cu_seqlens", {SymDim::symbol("NDOCS1")}, DType::I32);
   for (const auto& [name, shape] : llama_parameter_shapes(c)) {
     m.names.push_back(name);
     m.params.push_back(g.parameter(name, shape));
   }
 
-  Tensor h = ops::embedding(g.find("model.embed_tokens.weight"), m.input_ids);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) h = transformer_block(c, i, h, m, g);
-  h = ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps));
-  Tensor head = g.find(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  Tensor h = mark(o, ops::embedding(g.find("model.embed_tokens.weight"), m.input_ids),
+                  "model.embed_tokens.out");
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) h = transformer_block(c, o, i, h, m, g);
+  h = mark(o, ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps)),
+           "lm_head.input");
+  Tensor head = c.tie_word_embeddings
+                    ? mark(o, g.find("model.embed_tokens.weight"), "lm_head.weight")
+                    : g.find("lm_head.weight");
   Tensor logits = ops::linear(h, head);
   m.loss = ops::cross_entropy(logits, m.targets, m.normalizer);
   m.grads = gradients(m.loss, m.params);
-  for (size_t i = 0; i < m.grads.size(); ++i)
+  for (size_t i = 0; i < m.grads.size(); ++i) {
     HSPMD_CHECK(m.grads[i].valid(), "parameter ", m.names[i], " does not reach the loss");
+    m.grads[i] = mark(o, m.grads[i], "grad." + m.names[i]);
+  }
   return m;
 }
 

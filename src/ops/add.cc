@@ -1,4 +1,6 @@
-// add: elementwise a + b (same shapes).
+// add: elementwise a + b (same shapes). Deduction: the default elementwise
+// rule (identical annotations); linear, so identical partial inputs give a
+// partial output.
 #include "hspmd/ops/ops.h"
 #include "kernels/kernels.h"
 #include "op_util.h"
@@ -25,6 +27,7 @@ class AddOp final : public Op {
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {g[0], g[0]};
   }
+  bool is_linear() const override { return true; }
 };
 
 }  // namespace

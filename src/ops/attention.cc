@@ -2,6 +2,10 @@
 // documents (cu_seqlens); attention_grad: its backward. Outputs of the
 // forward: out [B, S, Hq, D] and the rows' log-sum-exp lse [B, Hq, S], kept
 // for the backward. See docs/attention.md.
+// Deduction: batch and heads (q's and k/v's heads split by the same degree,
+// which keeps GQA groups together) pass; the head dim must be whole; the
+// sequence may be split (q, k, v alike) only with context_parallel; lse
+// follows; cu_seqlens must be whole. attention_grad is linear in grad_out.
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
 #include "op_util.h"
@@ -53,6 +57,32 @@ void check_qkv(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v,
   }
 }
 
+// Labels b, s, h (heads), d; `n_in` inputs: q, k, v[, out, lse, grad_out]
+// [, cu_seqlens]; outputs out, lse (forward) or dq, dk, dv (backward).
+DimRule attention_rule(size_t n_in, bool backward, bool context_parallel) {
+  const std::vector<std::string> qkv = {"b", "s", "h", "d"}, lse = {"b", "h", "s"};
+  DimRule rule;
+  rule.inputs = {qkv, qkv, qkv};
+  rule.input_names = {"q", "k", "v"};
+  if (backward) {
+    rule.inputs.insert(rule.inputs.end(), {qkv, lse, qkv});
+    rule.input_names.insert(rule.input_names.end(), {"out", "lse", "grad_out"});
+    rule.outputs = {qkv, qkv, qkv};
+    rule.linear = {false, false, false, false, false, true};
+  } else {
+    rule.outputs = {qkv, lse};
+  }
+  if (rule.inputs.size() < n_in) {
+    rule.inputs.push_back({"docs"});
+    rule.input_names.push_back("cu_seqlens");
+  }
+  rule.unsplittable["d"] = "attention contracts the head dim";
+  rule.unsplittable["docs"] = "every device needs all document boundaries";
+  if (!context_parallel)
+    rule.unsplittable["s"] = "attention needs the whole sequence unless context_parallel is set";
+  return rule;
+}
+
 NDArray optional_input(const std::vector<NDArray>& in, size_t i) {
   return i < in.size() ? in[i].contiguous() : NDArray();
 }
@@ -60,7 +90,8 @@ NDArray optional_input(const std::vector<NDArray>& in, size_t i) {
 // Inputs: q, k, v, out, lse, grad_out[, cu_seqlens]. Outputs: dq, dk, dv.
 class AttentionGradOp final : public Op {
  public:
-  explicit AttentionGradOp(float scale) : scale_(scale) {}
+  AttentionGradOp(float scale, bool context_parallel)
+      : scale_(scale), context_parallel_(context_parallel) {}
   std::string type() const override { return "attention_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 6 && in.size() != 7)
@@ -81,15 +112,21 @@ class AttentionGradOp final : public Op {
                                 optional_input(in, 6), scale_, out[0], out[1], out[2],
                                 kernels::attention_tiles());
   }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, attention_rule(in.size(), true, context_parallel_), in);
+  }
 
  private:
   float scale_;
+  bool context_parallel_;
 };
 
 // Inputs: q, k, v[, cu_seqlens]. Outputs: out, lse.
 class AttentionOp final : public Op {
  public:
-  explicit AttentionOp(float scale) : scale_(scale) {}
+  AttentionOp(float scale, bool context_parallel)
+      : scale_(scale), context_parallel_(context_parallel) {}
   std::string type() const override { return "attention"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 3 && in.size() != 4)
@@ -114,23 +151,29 @@ class AttentionOp final : public Op {
                               node.output(0), node.output(1), g[0]};
     if (node.inputs.size() == 4) in.push_back(node.inputs[3]);
     // `node` may dangle once the graph grows: everything needed is copied above.
-    std::vector<Tensor> d = node.graph->add(std::make_shared<AttentionGradOp>(scale_), in);
+    std::vector<Tensor> d =
+        node.graph->add(std::make_shared<AttentionGradOp>(scale_, context_parallel_), in);
     grads[0] = d[0], grads[1] = d[1], grads[2] = d[2];
     return grads;
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, attention_rule(in.size(), false, context_parallel_), in);
   }
 
  private:
   float scale_;
+  bool context_parallel_;
 };
 
 }  // namespace
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-                 float softmax_scale) {
+                 float softmax_scale, bool context_parallel) {
   if (!q.valid() || !k.valid() || !v.valid()) fail("[attention] q, k and v must be defined");
   std::vector<Tensor> in = {q, k, v};
   if (cu_seqlens.valid()) in.push_back(cu_seqlens);
-  return q.graph()->add(std::make_shared<AttentionOp>(softmax_scale), in)[0];
+  return q.graph()->add(std::make_shared<AttentionOp>(softmax_scale, context_parallel), in)[0];
 }
 
 }  // namespace hspmd::ops

@@ -1,5 +1,6 @@
 // concat: joins tensors along one constant-sized axis; the gradient slices
-// the incoming gradient back into the parts.
+// the incoming gradient back into the parts. Deduction: the default rule
+// (identical parts, linear) with the axis whole on both tiers.
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -57,6 +58,18 @@ class ConcatOp final : public Op {
       offset += len;
     }
     return grads;
+  }
+
+  bool is_linear() const override { return true; }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    std::vector<Annotation> out = Op::deduce(ctx, in);
+    const int axis = norm_axis("concat", axis_, ctx.node.inputs[0].ndim());
+    const Annotation& a = in[0];
+    bool split = a.hsize() > 1 && a.hdim == axis;
+    for (const Subgroup& g : a.subgroups) split = split || g.states.is_split(axis);
+    if (split) fail_at(ctx, "the parts are split along the concatenation axis ", axis, "; insert a Reshard");
+    return out;
   }
 
  private:

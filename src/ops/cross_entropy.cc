@@ -1,6 +1,11 @@
 // cross_entropy: Σ over non-ignored tokens of -log softmax(logits)[target],
 // divided by a scalar normalizer. The backward is one fused op producing
 // dlogits; targets and normalizer get no gradient.
+// Deduction: token splits of logits (targets alike) make the loss partial
+// (hdim over tokens: -2) and pass to lse; a vocab split inside a subgroup is
+// vocab-parallel cross-entropy (the kernel reduces max, sum-exp and target
+// logit over the vocab group): loss and lse are dup there. No partial input;
+// the normalizer is a dup scalar. cross_entropy_grad is linear in dloss.
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -8,6 +13,27 @@
 namespace hspmd::ops {
 
 namespace {
+
+// Labels: tokens t0.., vocab v. Forward inputs: logits, targets, normalizer;
+// backward: dloss, logits, targets, normalizer, lse.
+DimRule cross_entropy_rule(int targets_rank, bool backward) {
+  const auto tokens = numbered_labels("t", targets_rank);
+  const auto logits = labels_plus(tokens, {"v"});
+  DimRule rule;
+  if (backward) {
+    rule = DimRule{.inputs = {{}, logits, tokens, {}, tokens},
+                   .input_names = {"dloss", "logits", "targets", "normalizer", "lse"},
+                   .outputs = {logits},
+                   .linear = {true, false, false, false, false}};
+  } else {
+    rule = DimRule{.inputs = {logits, tokens, {}},
+                   .input_names = {"logits", "targets", "normalizer"},
+                   .outputs = {{}, tokens}};
+    sum_over(rule, tokens);
+  }
+  rule.reductions["v"] = Reduction::kCollective;
+  return rule;
+}
 
 // (dloss, logits, targets, normalizer, lse) -> dlogits.
 class CrossEntropyGradOp final : public Op {
@@ -23,6 +49,10 @@ class CrossEntropyGradOp final : public Op {
     out[0] = ctx.alloc(0);
     kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3], in[4],
                                     ignore_index_, out[0]);
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, cross_entropy_rule(ctx.node.inputs[2].ndim(), true), in);
   }
 
  private:
@@ -59,6 +89,10 @@ class CrossEntropyOp final : public Op {
     auto op = std::make_shared<CrossEntropyGradOp>(ignore_index_);
     return {g[0].graph()->add1(op, {g[0], logits, targets, norm, node.output(1)}), Tensor(),
             Tensor()};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, cross_entropy_rule(ctx.node.inputs[1].ndim(), false), in);
   }
 
  private:

@@ -1,5 +1,10 @@
 // embedding: rows of weight[V, H] picked by i32 ids. The gradient w.r.t. the
 // weight is a dense [V, H] scatter-add (embedding_grad); ids get none.
+// Deduction: ids' splits pass to the output's leading dims; weight split(1)
+// gives the output's last dim split; weight split(0) (vocab parallel: each
+// device looks up its own rows, zeros elsewhere) gives a partial output.
+// embedding_grad: the token dims are summed over (partial weight gradient),
+// the hidden dim follows the gradient's, the vocab dim the forward weight's.
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -8,10 +13,23 @@ namespace hspmd::ops {
 
 namespace {
 
-// dweight [V, H] from (grad [..., H], ids [...]).
+// Labels: tokens t0.. (ids' dims), vocab v, hidden h.
+DimRule embedding_rule(int ids_rank) {
+  const auto tokens = numbered_labels("t", ids_rank);
+  DimRule rule{.inputs = {{"v", "h"}, tokens},
+               .input_names = {"weight", "ids"},
+               .outputs = {labels_plus(tokens, {"h"})},
+               .linear = {true, false}};
+  rule.reductions["v"] = Reduction::kSum;
+  return rule;
+}
+
+// dweight [V, H] from (grad [..., H], ids [...]). `weight` (the forward
+// weight, read by deduction only) gives the vocab split of the result.
 class EmbeddingGradOp final : public Op {
  public:
-  explicit EmbeddingGradOp(SymShape weight_shape) : weight_shape_(std::move(weight_shape)) {}
+  EmbeddingGradOp(SymShape weight_shape, Tensor weight)
+      : weight_shape_(std::move(weight_shape)), weight_(weight) {}
   std::string type() const override { return "embedding_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("embedding_grad", in, 2);
@@ -22,9 +40,28 @@ class EmbeddingGradOp final : public Op {
     out[0] = ctx.alloc(0);
     kernels::embedding_backward(in[0].contiguous(), in[1].contiguous(), out[0]);
   }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const auto tokens = numbered_labels("t", ctx.node.inputs[1].ndim());
+    DimRule rule{.inputs = {labels_plus(tokens, {"h"}), tokens},
+                 .input_names = {"grad", "ids"},
+                 .outputs = {{"v", "h"}},
+                 .linear = {true, false}};
+    sum_over(rule, tokens);
+    std::vector<Annotation> inputs = in;
+    // The forward weight as one more input that only constrains the vocab dim.
+    if (weight_.valid() && ctx.graph.has(weight_) && same_devices(ctx.graph.of(weight_), in[0])) {
+      rule.inputs.push_back({"v", ""});
+      rule.input_names.push_back("forward weight");
+      rule.layout_only = {false, false, true};
+      inputs.push_back(ctx.graph.of(weight_));
+    }
+    return deduce_by_dims(ctx, rule, inputs);
+  }
 
  private:
   SymShape weight_shape_;
+  Tensor weight_;
 };
 
 class EmbeddingOp final : public Op {
@@ -47,8 +84,12 @@ class EmbeddingOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor weight = node.inputs[0], ids = node.inputs[1];
-    auto op = std::make_shared<EmbeddingGradOp>(weight.shape());
+    auto op = std::make_shared<EmbeddingGradOp>(weight.shape(), weight);
     return {g[0].graph()->add1(op, {g[0], ids}), Tensor()};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, embedding_rule(ctx.node.inputs[1].ndim()), in);
   }
 };
 

@@ -1,5 +1,12 @@
 // matmul: op(a2) · op(b) with a2 = a's leading dims flattened; linear is
-// matmul(x, weight, trans_b = true).
+// matmul(x, weight, trans_b = true). With trans_a (and not trans_b), b may
+// share a's leading dims ([L..., N]): weight gradients contract over token
+// dims as they are, whatever splits them (batch, sequence).
+// Deduction: einsum over labels; the contracted dim split in both operands
+// gives partial (row parallel), b's output dim split gives the output's last
+// dim split (column parallel), a's leading dims pass through.
+#include <algorithm>
+
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -22,6 +29,36 @@ Tensor reshape_if_needed(const Tensor& t, const SymShape& shape) {
   return t.shape() == shape ? t : reshape(t, shape);
 }
 
+// Labels: a's leading dims m0.., a's last dim k (or, with trans_a, the
+// output's dim 0 "a_out" while the leading dims are contracted), b's output
+// dim n. A 2-D b against trans_a rows follows a's dim 0 only.
+DimRule matmul_rule(int a_rank, int b_rank, bool trans_a, bool trans_b) {
+  DimRule rule;
+  rule.input_names = {"a", "b"};
+  rule.linear = {true, true};
+  const std::vector<std::string> lead = numbered_labels("m", a_rank - 1);
+  std::vector<std::string> b;
+  if (!trans_a) {
+    b = trans_b ? std::vector<std::string>{"n", "k"} : std::vector<std::string>{"k", "n"};
+    rule.inputs = {labels_plus(lead, {"k"}), b};
+    rule.outputs = {labels_plus(lead, {"n"})};
+    rule.reductions["k"] = Reduction::kSum;
+    return rule;
+  }
+  if (b_rank == 2) {
+    b = trans_b ? std::vector<std::string>{"n", "m0"} : std::vector<std::string>{"m0", "n"};
+    for (size_t j = 1; j < lead.size(); ++j)
+      rule.unsplittable[lead[j]] = "matmul flattens a's leading dims against b's rows, so only "
+                                   "a's dim 0 may be split";
+  } else {
+    b = labels_plus(lead, {"n"});
+  }
+  rule.inputs = {labels_plus(lead, {"a_out"}), b};
+  rule.outputs = {{"a_out", "n"}};
+  sum_over(rule, labels_plus(lead, {"m0"}));
+  return rule;
+}
+
 class MatmulOp final : public Op {
  public:
   MatmulOp(bool trans_a, bool trans_b) : trans_a_(trans_a), trans_b_(trans_b) {}
@@ -34,11 +71,16 @@ class MatmulOp final : public Op {
     const SymShape& a = in[0].shape;
     const SymShape& b = in[1].shape;
     if (a.empty()) fail("[matmul] a must have rank >= 1, got a scalar");
-    if (b.size() != 2) fail("[matmul] b must be 2-D, got ", sym_shape_str(b));
+    const bool nd_b = trans_a_ && !trans_b_ && b.size() > 2;
+    if (b.size() != 2 && !nd_b) fail("[matmul] b must be 2-D, got ", sym_shape_str(b));
+    if (nd_b && (b.size() != a.size() || !std::equal(a.begin(), a.end() - 1, b.begin())))
+      fail("[matmul] with trans_a, a ", sym_shape_str(a), " and b ", sym_shape_str(b),
+           " must share their leading dims");
     const SymShape a2 = flat_2d(a);
+    const SymShape b2 = nd_b ? flat_2d(b) : b;
     const SymDim k_a = trans_a_ ? a2[0] : a2[1];
-    const SymDim k_b = trans_b_ ? b[1] : b[0];
-    const SymDim n = trans_b_ ? b[0] : b[1];
+    const SymDim k_b = trans_b_ ? b2[1] : b2[0];
+    const SymDim n = trans_b_ ? b2[0] : b2[1];
     if (!(k_a == k_b))
       fail("[matmul] inner dims differ: a ", sym_shape_str(a), (trans_a_ ? "^T" : ""), " vs b ",
            sym_shape_str(b), (trans_b_ ? "^T" : ""), " (", k_a.str(), " vs ", k_b.str(), ")");
@@ -55,18 +97,36 @@ class MatmulOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::matmul(in[0], in[1], trans_a_, trans_b_, out[0]);
+    const NDArray& b = in[1];
+    if (b.ndim() <= 2) {
+      kernels::matmul(in[0], b, trans_a_, trans_b_, out[0]);
+      return;
+    }
+    const int64_t n = b.dim(-1);
+    kernels::matmul(in[0], b.contiguous().reshape({n == 0 ? 0 : b.numel() / n, n}), trans_a_,
+                    trans_b_, out[0]);
   }
 
   // With A' = op(A), B' = op(B), C = A'B': dA' = dC B'^T and dB' = A'^T dC.
+  // Without trans_a, dB' contracts a and dC over their shared leading dims
+  // directly (no flattening: a reshape could not carry a sequence split).
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor a = node.inputs[0], b = node.inputs[1], dc = g[0];
     const SymShape a_shape = a.shape(), b_shape = b.shape();
     Tensor da = trans_a_ ? reshape_if_needed(matmul(b, as_2d(dc), trans_b_, true), a_shape)
                          : matmul(dc, b, false, !trans_b_);
+    if (!trans_a_ && a.ndim() >= 2)
+      return {da, trans_b_ ? matmul(dc, a, true, false) : matmul(a, dc, true, false)};
     Tensor db = trans_b_ ? matmul(as_2d(dc), as_2d(a), true, trans_a_)
                          : reshape_if_needed(matmul(a, as_2d(dc), !trans_a_, false), b_shape);
     return {da, db};
+  }
+
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const DimRule rule = matmul_rule(ctx.node.inputs[0].ndim(), ctx.node.inputs[1].ndim(),
+                                     trans_a_, trans_b_);
+    return deduce_by_dims(ctx, rule, in);
   }
 
  private:

@@ -1,4 +1,5 @@
-// mul: elementwise a * b (same shapes).
+// mul: elementwise a * b (same shapes). Deduction: a and b sharded alike on
+// every dim; bilinear, so one of them (not both) may be partial.
 #include "hspmd/ops/ops.h"
 #include "kernels/kernels.h"
 #include "op_util.h"
@@ -25,6 +26,15 @@ class MulOp final : public Op {
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor a = node.inputs[0], b = node.inputs[1];
     return {mul(g[0], b), mul(g[0], a)};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const auto labels = numbered_labels("d", ctx.node.inputs[0].ndim());
+    const DimRule rule{.inputs = {labels, labels},
+                       .input_names = {"a", "b"},
+                       .outputs = {labels},
+                       .linear = {true, true}};
+    return deduce_by_dims(ctx, rule, in);
   }
 };
 

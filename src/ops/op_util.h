@@ -1,9 +1,11 @@
-// Helpers shared by op files: checks of the shape rules with one-line errors.
+// Helpers shared by op files: checks of the shape rules with one-line errors,
+// and label lists for the deduction rules (DimRule, hspmd/annotation/deduce.h).
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
 
@@ -29,6 +31,18 @@ inline int norm_axis(const std::string& op, int axis, int ndim) {
   int a = axis < 0 ? axis + ndim : axis;
   if (a < 0 || a >= ndim) fail("[", op, "] axis ", axis, " out of range for rank ", ndim);
   return a;
+}
+
+// `labels` followed by `more` (e.g. token labels + the hidden dim's label).
+inline std::vector<std::string> labels_plus(std::vector<std::string> labels,
+                                            const std::vector<std::string>& more) {
+  labels.insert(labels.end(), more.begin(), more.end());
+  return labels;
+}
+
+// Marks every label of `labels` as summed over when an output lacks it.
+inline void sum_over(DimRule& rule, const std::vector<std::string>& labels) {
+  for (const auto& l : labels) rule.reductions[l] = Reduction::kSum;
 }
 
 }  // namespace hspmd::ops

@@ -1,5 +1,7 @@
 // reduce_sum: sums over some axes (all when none are given), dropping them.
 // The gradient broadcasts back over the reduced axes (broadcast_reduced).
+// Deduction: a split of a reduced axis makes the output partial (hdim on it:
+// -2); kept axes pass; both ops are linear.
 #include <algorithm>
 
 #include "hspmd/ops/ops.h"
@@ -21,10 +23,13 @@ std::vector<bool> reduced_mask(const std::vector<int>& axes, int rank) {
   return mask;
 }
 
+// `forward_input` (the reduce_sum's input, read by deduction only) gives the
+// splits of the broadcast dims: broadcasting is local, so any split works,
+// and the forward's is the one the rest of the backward expects.
 class BroadcastReducedOp final : public Op {
  public:
-  BroadcastReducedOp(SymShape shape, std::vector<bool> reduced)
-      : shape_(std::move(shape)), reduced_(std::move(reduced)) {}
+  BroadcastReducedOp(SymShape shape, std::vector<bool> reduced, Tensor forward_input)
+      : shape_(std::move(shape)), reduced_(std::move(reduced)), forward_input_(forward_input) {}
   std::string type() const override { return "broadcast_reduced"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("broadcast_reduced", in, 1);
@@ -37,10 +42,29 @@ class BroadcastReducedOp final : public Op {
     kernels::broadcast_reduced(in[0].contiguous(), reduced_, out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override;
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const auto labels = numbered_labels("d", static_cast<int>(reduced_.size()));
+    // The forward input has every dim; only its broadcast dims are labelled.
+    std::vector<std::string> kept, broadcast(labels.size());
+    for (size_t d = 0; d < reduced_.size(); ++d)
+      (reduced_[d] ? broadcast[d] : kept.emplace_back()) = labels[d];
+    DimRule rule{.inputs = {kept}, .input_names = {"input"}, .outputs = {labels}, .linear = {true}};
+    std::vector<Annotation> inputs = in;
+    const Tensor& f = forward_input_;
+    if (f.valid() && ctx.graph.has(f) && same_devices(ctx.graph.of(f), in[0])) {
+      rule.inputs.push_back(broadcast);
+      rule.input_names.push_back("forward input");
+      rule.layout_only = {false, true};
+      inputs.push_back(ctx.graph.of(f));
+    }
+    return deduce_by_dims(ctx, rule, inputs);
+  }
 
  private:
   SymShape shape_;
   std::vector<bool> reduced_;
+  Tensor forward_input_;
 };
 
 class ReduceSumOp final : public Op {
@@ -64,8 +88,19 @@ class ReduceSumOp final : public Op {
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const SymShape shape = node.inputs[0].shape();
     auto op = std::make_shared<BroadcastReducedOp>(
-        shape, reduced_mask(axes_, static_cast<int>(shape.size())));
+        shape, reduced_mask(axes_, static_cast<int>(shape.size())), node.inputs[0]);
     return {g[0].graph()->add1(op, {g[0]})};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const int rank = ctx.node.inputs[0].ndim();
+    const std::vector<bool> mask = reduced_mask(axes_, rank);
+    const auto labels = numbered_labels("d", rank);
+    std::vector<std::string> kept, summed;
+    for (int d = 0; d < rank; ++d) (mask[d] ? summed : kept).push_back(labels[d]);
+    DimRule rule{.inputs = {labels}, .input_names = {"input"}, .outputs = {kept}, .linear = {true}};
+    sum_over(rule, summed);
+    return deduce_by_dims(ctx, rule, in);
   }
 
  private:

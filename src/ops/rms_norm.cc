@@ -1,5 +1,8 @@
 // rms_norm: x[..., H] * rsqrt(mean(x^2) + eps) * weight[H]. The backward is
-// one fused op producing dx and dweight.
+// one fused op producing dx and dweight. Deduction: the hidden dim must be
+// whole, token dims pass, no partial input (the op is not linear);
+// rms_norm_grad is linear in dy and sums dweight over the token dims (a
+// partial weight gradient when tokens are split).
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -7,6 +10,24 @@
 namespace hspmd::ops {
 
 namespace {
+
+// Labels: tokens t0.., hidden h; inputs (dy,) x, weight.
+DimRule norm_rule(int x_rank, bool backward) {
+  const auto tokens = numbered_labels("t", x_rank - 1);
+  const auto x = labels_plus(tokens, {"h"});
+  DimRule rule;
+  if (backward) {
+    rule = DimRule{.inputs = {x, x, {"h"}},
+                   .input_names = {"dy", "x", "weight"},
+                   .outputs = {x, {"h"}},
+                   .linear = {true, false, false}};
+    sum_over(rule, tokens);
+  } else {
+    rule = DimRule{.inputs = {x, {"h"}}, .input_names = {"x", "weight"}, .outputs = {x}};
+  }
+  rule.unsplittable["h"] = "rms_norm normalizes over it";
+  return rule;
+}
 
 // (dy, x, weight) -> (dx, dweight).
 class RmsNormGradOp final : public Op {
@@ -23,6 +44,10 @@ class RmsNormGradOp final : public Op {
     out[1] = ctx.alloc(1);
     kernels::rms_norm_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), eps_,
                                out[0], out[1]);
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, norm_rule(ctx.node.inputs[1].ndim(), true), in);
   }
 
  private:
@@ -52,6 +77,10 @@ class RmsNormOp final : public Op {
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor x = node.inputs[0], w = node.inputs[1];
     return g[0].graph()->add(std::make_shared<RmsNormGradOp>(eps_), {g[0], x, w});
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_by_dims(ctx, norm_rule(ctx.node.inputs[0].ndim(), false), in);
   }
 
  private:

@@ -1,5 +1,7 @@
 // rope: rotary position embedding (Hugging Face rotate_half convention). The
 // gradient is the inverse rotation: the same op with the angle negated.
+// Deduction: linear in x; positions must be split like x's [B, S] dims; the
+// head dim must be whole (rotate_half pairs its two halves).
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -34,6 +36,15 @@ class RopeOp final : public Op {
     const Tensor positions = node.inputs[1];
     auto op = std::make_shared<RopeOp>(theta_, !inverse_);
     return {g[0].graph()->add1(op, {g[0], positions}), Tensor()};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    DimRule rule{.inputs = {{"b", "s", "h", "d"}, {"b", "s"}},
+                 .input_names = {"x", "positions"},
+                 .outputs = {{"b", "s", "h", "d"}},
+                 .linear = {true, false}};
+    rule.unsplittable["d"] = "rope rotates pairs across its two halves";
+    return deduce_by_dims(ctx, rule, in);
   }
 
  private:

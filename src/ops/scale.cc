@@ -1,4 +1,5 @@
-// scale: a * factor for a constant factor.
+// scale: a * factor for a constant factor. Deduction: the default rule
+// (copies the input's annotation); linear, so partial stays partial.
 #include "hspmd/ops/ops.h"
 #include "kernels/kernels.h"
 #include "op_util.h"
@@ -24,6 +25,7 @@ class ScaleOp final : public Op {
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {scale(g[0], factor_)};
   }
+  bool is_linear() const override { return true; }
 
  private:
   float factor_;

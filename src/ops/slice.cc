@@ -1,5 +1,6 @@
 // slice: keeps [begin, end) of a constant-sized axis. The gradient pads the
 // incoming gradient with zeros back to the input's shape (slice_grad).
+// Deduction (both): the axis may not be split; the rest passes; linear.
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -49,12 +50,24 @@ class SliceOp final : public Op {
     kernels::slice(a, axis, begin_, out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override;
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override;
 
  private:
   int axis_;
   int64_t begin_;
   int64_t end_;
 };
+
+// Every dim passes its sharding through, except `axis`, which must be whole.
+std::vector<Annotation> deduce_along(const DeduceContext& ctx, const std::vector<Annotation>& in,
+                                     int axis, const char* why) {
+  const int n = ctx.node.inputs[0].ndim();
+  const auto labels = numbered_labels("d", n);
+  DimRule rule{.inputs = {labels}, .input_names = {"a"}, .outputs = {labels}, .linear = {true}};
+  rule.unsplittable[labels[norm_axis("slice", axis, n)]] = why;
+  return deduce_by_dims(ctx, rule, in);
+}
 
 // Zeros of the sliced input's shape with the gradient written at [begin, end).
 class SliceGradOp final : public Op {
@@ -78,6 +91,10 @@ class SliceGradOp final : public Op {
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {slice(g[0], axis_, begin_, end_)};
   }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    return deduce_along(ctx, in, axis_, "slice_grad pads it with zeros");
+  }
 
  private:
   int axis_;
@@ -85,6 +102,11 @@ class SliceGradOp final : public Op {
   int64_t end_;
   int64_t size_;
 };
+
+std::vector<Annotation> SliceOp::deduce(const DeduceContext& ctx,
+                                        const std::vector<Annotation>& in) const {
+  return deduce_along(ctx, in, axis_, "slice takes a range of it");
+}
 
 std::vector<Tensor> SliceOp::gradient(const Node& node, const std::vector<Tensor>& g) const {
   const Tensor a = node.inputs[0];

@@ -1,4 +1,6 @@
 // swiglu: silu(gate) * up. The backward is one fused op producing dgate, dup.
+// Deduction: elementwise (the default rule: identical annotations, no
+// partial); swiglu_grad is linear in dy, gate and up sharded like it.
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -21,6 +23,15 @@ class SwigluGradOp final : public Op {
     out[1] = ctx.alloc(1);
     kernels::swiglu_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), out[0],
                              out[1]);
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const auto d = numbered_labels("d", ctx.node.inputs[0].ndim());
+    const DimRule rule{.inputs = {d, d, d},
+                       .input_names = {"dy", "gate", "up"},
+                       .outputs = {d, d},
+                       .linear = {true, false, false}};
+    return deduce_by_dims(ctx, rule, in);
   }
 };
 

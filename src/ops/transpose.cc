@@ -1,4 +1,5 @@
-// transpose: swaps two dims into a new contiguous array.
+// transpose: swaps two dims into a new contiguous array. Deduction: the
+// splits (and hdim) of the two dims swap with them; linear.
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -28,6 +29,15 @@ class TransposeOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {transpose(g[0], dim0_, dim1_)};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    const int n = ctx.node.inputs[0].ndim();
+    const auto labels = numbered_labels("d", n);
+    auto out = labels;
+    std::swap(out[norm_axis("transpose", dim0_, n)], out[norm_axis("transpose", dim1_, n)]);
+    const DimRule rule{.inputs = {labels}, .input_names = {"a"}, .outputs = {out}, .linear = {true}};
+    return deduce_by_dims(ctx, rule, in);
   }
 
  private:

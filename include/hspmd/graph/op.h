@@ -1,5 +1,6 @@
 // Op: the interface every operator implements, in one file per op
-// (src/ops/<name>.cc): its shape rule, its kernel calls and its gradient.
+// (src/ops/<name>.cc): its shape rule, its annotation-deduction rule, its
+// kernel calls and its gradient.
 #pragma once
 
 #include <string>
@@ -9,6 +10,9 @@
 #include "hspmd/graph/graph.h"
 
 namespace hspmd {
+
+struct Annotation;     // hspmd/annotation/annotation.h
+struct DeduceContext;  // hspmd/annotation/deduce.h
 
 // What compute() gets besides its inputs: the concrete output shapes and
 // dtypes (from the shape rule under the run's symbol bindings) and the device.
@@ -44,6 +48,23 @@ class Op {
   // The default throws: the op is not differentiable.
   virtual std::vector<Tensor> gradient(const Node& node,
                                        const std::vector<Tensor>& grad_outputs) const;
+
+  // Annotation deduction (DESIGN §4, docs/deduction.md): one annotation per
+  // output from the inputs' annotations, which the engine has already checked
+  // to live on the same subgroups (same device groups, same hsize). Throws
+  // hspmd::Error "[deduce] <ctx.where()>: <rule>" when the inputs' layouts do
+  // not fit the op. The default is the elementwise rule: every input must
+  // have the same annotation (else "inputs 0 and I are sharded differently"),
+  // no input may be partial unless is_linear() (else "input I is partial;
+  // insert a Reshard to reduce it first"), and every output copies input 0.
+  // Defined in src/annotation/deduce.cc.
+  virtual std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                         const std::vector<Annotation>& inputs) const;
+
+  // Whether the op is linear in all its inputs jointly (op(a + a') = op(a) +
+  // op(a') with a, a' lists of inputs), as add and concat are: the default
+  // rule then lets identical partial inputs through to a partial output.
+  virtual bool is_linear() const { return false; }
 };
 
 }  // namespace hspmd

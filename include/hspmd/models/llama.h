@@ -31,8 +31,26 @@ struct LlamaGraph {
   std::vector<Tensor> grads;         // d(loss)/d(param)
 };
 
+struct LlamaBuildOptions {
+  bool packed_documents = false;  // add the cu_seqlens placeholder
+  // Add the named Reshard points an annotation plan refers to (docs/plan.md):
+  //   model.embed_tokens.out                 embedding output (vocab-parallel sum)
+  //   model.layers.{i}.input                 hidden state entering block i
+  //   model.layers.{i}.positions             positions used by block i
+  //   model.layers.{i}.attn_input / mlp_input    normed input of attention / MLP
+  //   model.layers.{i}.attn_output / mlp_output  o_proj / down_proj output
+  //   lm_head.input                          normed hidden state entering the LM head
+  //   lm_head.weight                         (tied embeddings) the embedding as LM head
+  //   grad.{parameter}                       each parameter's gradient (gradient sync)
+  // On one device every Reshard is the identity: the loss is unchanged.
+  bool reshard_points = false;
+  bool context_parallel = false;  // attention may take a sequence-split input
+};
+
 // Builds the forward graph and its backward graph. Throws hspmd::Error for an
-// invalid config.
+// invalid config. With reshard points, `grads` are the outputs of the
+// grad.{parameter} Reshards.
+LlamaGraph build_llama(const LlamaConfig& config, const LlamaBuildOptions& options);
 LlamaGraph build_llama(const LlamaConfig& config, bool packed_documents = false);
 
 // Initial parameters: linear and embedding weights ~ N(0, initializer_range^2),

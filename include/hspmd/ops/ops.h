@@ -1,9 +1,11 @@
 // Builders of the defined graph's ops. Each appends one node to the graph of
 // its inputs and returns the output tensor(s). Shape mismatches throw
 // hspmd::Error naming the op and the rule. Every op lives in its own file
-// under src/ops/ with its shape rule, kernel calls and gradient.
+// under src/ops/ with its shape rule, annotation-deduction rule (Op::deduce;
+// the table is docs/deduction.md), kernel calls and gradient.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "hspmd/graph/graph.h"
@@ -14,13 +16,21 @@ namespace hspmd::ops {
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor scale(const Tensor& a, float factor);
-// A constant tensor of `shape` filled with `value` (f32).
-Tensor fill(Graph& graph, const SymShape& shape, float value);
+// A constant tensor of `shape` filled with `value` (f32). It has no input to
+// take devices from: deduction needs a plan annotation under `name` (an
+// unnamed fill cannot be deduced; prefer fill_like).
+Tensor fill(Graph& graph, const SymShape& shape, float value, const std::string& name = "");
+// A constant f32 tensor with `like`'s shape filled with `value`; `like`'s
+// value is not read. Deduction: `like`'s annotation with partial turned into
+// dup (hdim -2 into -1), so the constant lives on `like`'s devices.
+Tensor fill_like(const Tensor& like, float value);
 
 // ---- linear algebra (OpenBLAS sgemm on CPU) ----
 // a is viewed as 2-D [prod(a.shape[:-1]), a.shape[-1]], transposed when
 // trans_a; b is 2-D, transposed when trans_b. Output: a's leading dims + [N]
-// (or [a.shape[-1], N] when trans_a).
+// (or [a.shape[-1], N] when trans_a). With trans_a and not trans_b, b may
+// also be [a.shape[:-1]..., N] (viewed as 2-D the same way), so that weight
+// gradients contract over token dims without flattening them.
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 // x[..., in] · weight[out, in]^T -> [..., out] (Hugging Face weight layout).
 Tensor linear(const Tensor& x, const Tensor& weight);
@@ -48,9 +58,11 @@ Tensor swiglu(const Tensor& gate, const Tensor& up);
 // scaled by `softmax_scale`. `cu_seqlens` (optional, i32 [n+1]) gives
 // cumulative document lengths over the flattened B*S tokens; a token then
 // attends only to earlier tokens of its own document. Every row boundary
-// (multiples of S) must be a document boundary.
+// (multiples of S) must be a document boundary. `context_parallel` lets
+// deduction accept q, k, v split along the sequence (dim 1), all the same
+// way (the output is then split alike); on one device it changes nothing.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-                 float softmax_scale);
+                 float softmax_scale, bool context_parallel = false);
 // Softmax cross-entropy: logits [..., V], targets i32 [...]. Returns the
 // scalar sum over tokens with target != ignore_index of -log p(target),
 // divided by `normalizer` (an f32 scalar tensor, usually the number of target
@@ -60,7 +72,16 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& 
 
 // ---- distribution ----
 // Marks a point where the tensor may change layout (DESIGN §1). Identity on
-// one device; resolved into communication by the annotation layer.
-Tensor reshard(const Tensor& x);
+// one device; resolved into communication by the annotation layer. A named
+// Reshard is a handle of the annotation plan: deduction takes its output's
+// annotation from the plan under `name`. An unnamed one keeps its input's
+// annotation. Its gradient is a *mirror* Reshard (named "backward.<name>"
+// when `name` is set) whose destination deduction derives from the forward
+// Reshard's input (docs/deduction.md).
+Tensor reshard(const Tensor& x, const std::string& name = "");
+
+// The id of the forward Reshard node that `node` mirrors (node is a Reshard
+// made by the gradient of that one), or -1 for any other node.
+int reshard_mirror_of(const Node& node);
 
 }  // namespace hspmd::ops

@@ -22,6 +22,7 @@ struct Stage {
 
   int tp() const { return static_cast<int>(ranks.size()) / cp; }
   int num_layers() const { return last_layer - first_layer + 1; }
+  bool operator==(const Stage&) const = default;
 };
 
 struct Pipeline {
@@ -30,9 +31,11 @@ struct Pipeline {
   std::vector<Stage> stages;
 
   int batch() const { return micro_batch_size * micro_batches; }  // samples per step
+  bool operator==(const Pipeline&) const = default;
 };
 
 struct Strategy {
+  std::string description;        // free text, e.g. the paper table it comes from (optional)
   std::string schedule = "1f1b";  // "1f1b" or "gpipe"
   bool zero = false;              // ZeRO-1: split fp32 master weights and Adam states across DP
   std::vector<Pipeline> pipelines;
@@ -40,14 +43,23 @@ struct Strategy {
   int global_batch() const;  // sum of the pipelines' batch()
   // Every rank named by some stage, ascending.
   std::vector<int> ranks() const;
+  bool operator==(const Strategy&) const = default;
 };
 
-// Parses the strategy JSON of DESIGN §7. Unknown fields are errors. Throws
-// hspmd::Error "[strategy] <where>: <rule>" (one line), e.g.
-// "[strategy] pipeline 1 stage 0: field 'layers' must be [first, last]".
+// Parses the strategy JSON of DESIGN §7 (docs/strategy.md): top level
+// {"description"?, "schedule"? = "1f1b", "zero"? = false, "pipelines"}, each
+// pipeline {"micro_batch_size", "micro_batches", "stages"}, each stage
+// {"ranks", "layers": [first, last] (inclusive), "cp"? = 1}. Checks the JSON
+// structure and types only (see validate() for the rules). Unknown fields
+// are errors. Throws hspmd::Error "[strategy] <where>: <rule>" (one line),
+// e.g. "[strategy] pipeline 1 stage 0: field 'layers' must be [first, last]".
 Strategy strategy_from_json(const nlohmann::json& j);
-// Reads and parses a file; JSON syntax errors name the file.
+// Reads and parses a file. Every error names the file: "[strategy] <path>:
+// cannot open file", "[strategy] <path>: not valid JSON (...)", "[strategy]
+// <path>: pipeline 1 stage 0: ...".
 Strategy load_strategy(const std::string& path);
+// Every field, "cp" only when not 1, "description" only when not empty;
+// strategy_from_json reads it back to an equal Strategy.
 nlohmann::json to_json(const Strategy& strategy);
 
 // Checks a parsed strategy against a model and a world size. Throws
@@ -59,6 +71,15 @@ nlohmann::json to_json(const Strategy& strategy);
 // overlap, or do not cover 0 .. L-1 in order; tp not dividing
 // num_attention_heads, num_key_value_heads, intermediate_size or
 // vocab_size; an unknown schedule.
+// Also throws "[strategy] world size must be positive" for world_size < 1.
 void validate(const Strategy& strategy, const LlamaConfig& config, int world_size);
+
+// Ranks of [0, world_size) that no stage names (they stay idle), ascending.
+// Ranks outside the world are ignored (validate() rejects them).
+std::vector<int> idle_ranks(const Strategy& strategy, int world_size);
+
+// Compact range form of a sorted rank list: {0,1,2,3,5,8,9} -> "0-3,5,8-9";
+// "" for an empty list. Used in reports (idle ranks, stage ranks).
+std::string format_ranks(const std::vector<int>& ranks);
 
 }  // namespace hspmd

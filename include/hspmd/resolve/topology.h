@@ -11,8 +11,9 @@
 
 namespace hspmd {
 
-// One entry of the device catalog.
-struct DeviceType {
+// One entry of the device catalog. (Not `DeviceType`: that name is the
+// CPU/CUDA backend enum of core/device.h.)
+struct DeviceSpec {
   std::string name;
   double tflops = 0;             // dense bf16 TFLOP/s
   double memory_gib = 0;         // device memory
@@ -52,7 +53,7 @@ class Topology {
 
   int world_size() const { return static_cast<int>(ranks_.size()); }
   const RankInfo& rank(int r) const;
-  const DeviceType& device_type(int r) const;
+  const DeviceSpec& device_type(int r) const;
   int node_of(int r) const { return rank(r).node; }
   bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
   // Bandwidth of the link a <-> b in GB/s: inside a node the smaller
@@ -64,7 +65,7 @@ class Topology {
   nlohmann::json to_json() const;
 
  private:
-  std::vector<DeviceType> catalog_;
+  std::vector<DeviceSpec> catalog_;
   std::vector<RankInfo> ranks_;
   std::vector<int> type_index_;  // per rank, index into catalog_
 };

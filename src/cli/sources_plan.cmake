@@ -1,0 +1,1 @@
+target_sources(hspmd PRIVATE plan_cmd.cc)

@@ -1,0 +1,67 @@
+// dry_run: deduce the plan's annotated training graph and resolve every
+// Reshard of it — forward, backward (mirrors), gradient sync, and the ZeRO
+// gathers that follow the optimizer step — for a virtual world.
+#include "hspmd/annotation/deduce.h"
+#include "hspmd/core/error.h"
+#include "hspmd/graph/op.h"
+#include "hspmd/models/llama.h"
+#include "hspmd/ops/ops.h"
+#include "hspmd/plan/plan.h"
+
+namespace hspmd {
+
+namespace {
+
+std::string phase_of(const Node& n, int loss_node) {
+  if (n.name.rfind("grad.", 0) == 0) return "grad_sync";
+  return n.id < loss_node ? "forward" : "backward";
+}
+
+// Named Reshards carry their plan name, mirrors "backward.<name>".
+std::string reshard_name(const Node& n) {
+  return n.name.empty() ? "reshard#" + std::to_string(n.id) : n.name;
+}
+
+Shape concrete_shape(const SymShape& shape, const Bindings& bindings, const std::string& name) {
+  try {
+    return eval_shape(shape, bindings);
+  } catch (const Error& e) {
+    fail("[plan] reshard '", name, "': ", e.what(), " (add it to the plan's bindings)");
+  }
+}
+
+}  // namespace
+
+std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology) {
+  if (topology.world_size() != plan.world_size)
+    fail("[plan] the cluster has ", topology.world_size(), " ranks but the plan's world has ",
+         plan.world_size);
+  LlamaBuildOptions options;
+  options.reshard_points = true;
+  options.context_parallel = true;
+  const LlamaGraph m = build_llama(plan.model, options);
+  const Graph& g = *m.graph;
+  const AnnotatedGraph annotated = deduce(g, plan.tensors, plan.world_size);
+
+  std::vector<PlannedReshard> out;
+  for (int id = 0; id < g.num_nodes(); ++id) {
+    const Node& n = g.node(id);
+    if (n.op == nullptr || n.op->type() != "reshard") continue;
+    ReshardSpec spec;
+    spec.name = reshard_name(n);
+    spec.shape = concrete_shape(n.outputs[0].shape, plan.bindings, spec.name);
+    spec.dtype = n.outputs[0].dtype;
+    spec.src = annotated.of(n.inputs[0]);
+    spec.dst = annotated.of(n.output(0));
+    out.push_back({spec.name, phase_of(n, m.loss.node_id()), resolve(spec, topology)});
+  }
+  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
+    auto it = plan.optimizer_states.find(name);
+    if (it == plan.optimizer_states.end()) continue;
+    ReshardSpec spec{"zero_gather." + name, shape, DType::F32, it->second, plan.tensors.at(name)};
+    out.push_back({spec.name, "zero_gather", resolve(spec, topology)});
+  }
+  return out;
+}
+
+}  // namespace hspmd

@@ -1,0 +1,195 @@
+// compile_plan: a Strategy becomes an annotation plan for the Llama model.
+// Pipelines are the top tier (one subgroup per pipeline: the stage holding
+// the tensor's layer), stages the bottom tier (Megatron-style tensor
+// parallelism, optionally tp x cp). See docs/plan.md.
+#include "hspmd/plan/plan.h"
+
+#include <functional>
+
+#include "hspmd/core/error.h"
+#include "hspmd/models/llama.h"
+
+namespace hspmd {
+
+namespace {
+
+// States from (key, degree) pairs in order, slowest first; degree-1 keys dropped.
+DistStates make_states(const std::vector<std::pair<int, int>>& keys) {
+  DistStates s;
+  for (auto [key, n] : keys) {
+    if (n <= 1) continue;
+    s.degrees[key] = n;
+    s.order.push_back(key);
+  }
+  return s;
+}
+
+// Token tensors [B, S, ...] entering attention, the MLP and the LM head:
+// sequence split over cp, copies over tp (stage ranks are tp fastest:
+// index = cp_index * tp + tp_index).
+DistStates token_states(const Stage& st) { return make_states({{1, st.cp}, {kDup, st.tp()}}); }
+// The residual stream between blocks, Megatron sequence parallelism: the
+// sequence split over cp x tp, chunk index = the rank's index in the stage.
+DistStates residual_states(const Stage& st) { return make_states({{1, st.cp * st.tp()}}); }
+// A weight split along `dim` over tp (dim < 0: replicated), copies over cp.
+DistStates weight_states(const Stage& st, int dim) {
+  if (dim < 0) return make_states({{kDup, st.cp * st.tp()}});
+  return make_states({{kDup, st.cp}, {dim, st.tp()}});
+}
+
+const Stage& stage_of_layer(const Pipeline& p, int64_t layer) {
+  for (const Stage& st : p.stages)
+    if (st.first_layer <= layer && layer <= st.last_layer) return st;
+  fail("[plan] no stage holds layer ", layer);  // unreachable after validate()
+}
+
+using StagePick = std::function<const Stage&(const Pipeline&)>;
+using StatesOf = std::function<DistStates(const Stage&)>;
+
+class Compiler {
+ public:
+  Compiler(const LlamaConfig& c, const Strategy& s) : c_(c), s_(s) {}
+
+  // One subgroup per pipeline: the stage `pick` chooses, with `states`.
+  Annotation across(const StagePick& pick, const StatesOf& states, bool tokens) const {
+    Annotation a;
+    for (const Pipeline& p : s_.pipelines) {
+      const Stage& st = pick(p);
+      a.subgroups.push_back(Subgroup{DeviceGroup{st.ranks}, states(st)});
+    }
+    a.hdim = tokens && a.hsize() > 1 ? 0 : kDup;  // tokens: the batch is cut between pipelines
+    if (a.hdim == 0) a.part_weights = batch_weights();
+    return a;
+  }
+
+  StagePick layer(int64_t l) const {
+    return [l](const Pipeline& p) -> const Stage& { return stage_of_layer(p, l); };
+  }
+  static const Stage& first(const Pipeline& p) { return p.stages.front(); }
+  static const Stage& last(const Pipeline& p) { return p.stages.back(); }
+
+  // The batch is cut in proportion to each pipeline's micro-batch size
+  // (empty when they are equal: equal parts).
+  std::vector<int64_t> batch_weights() const {
+    std::vector<int64_t> w;
+    bool equal = true;
+    for (const Pipeline& p : s_.pipelines) {
+      if (!w.empty() && p.micro_batch_size != w.front()) equal = false;
+      w.push_back(p.micro_batch_size);
+    }
+    return equal ? std::vector<int64_t>{} : w;
+  }
+
+  // Every rank of each pipeline, copies: where the data loader puts positions.
+  Annotation whole_pipelines() const {
+    Annotation a;
+    for (const Pipeline& p : s_.pipelines) {
+      std::vector<int> ranks;
+      for (const Stage& st : p.stages) ranks.insert(ranks.end(), st.ranks.begin(), st.ranks.end());
+      a.subgroups.push_back(
+          Subgroup{DeviceGroup{ranks}, make_states({{kDup, static_cast<int>(ranks.size())}})});
+    }
+    a.hdim = a.hsize() > 1 ? 0 : kDup;
+    if (a.hdim == 0) a.part_weights = batch_weights();
+    return a;
+  }
+
+  Annotation parameter(const std::string& name) const {
+    const std::string layers = "model.layers.";
+    if (name == "model.embed_tokens.weight") return across(first, split_on(0), false);
+    if (name == "lm_head.weight") return across(last, split_on(0), false);
+    if (name == "model.norm.weight") return across(last, split_on(-1), false);
+    HSPMD_CHECK(name.rfind(layers, 0) == 0, "unexpected parameter ", name);
+    const size_t dot = name.find('.', layers.size());
+    const int64_t l = std::stoll(name.substr(layers.size(), dot - layers.size()));
+    return across(layer(l), split_on(tp_dim(name.substr(dot + 1))), false);
+  }
+
+  // Megatron: q/k/v/gate/up are column parallel (split the output rows), o/down
+  // row parallel (split the input columns), norms replicated.
+  static int tp_dim(const std::string& local) {
+    for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+      if (local.find(col) != std::string::npos) return 0;
+    for (const char* row : {"o_proj", "down_proj"})
+      if (local.find(row) != std::string::npos) return 1;
+    return -1;
+  }
+  static StatesOf split_on(int dim) {
+    return [dim](const Stage& st) { return weight_states(st, dim); };
+  }
+
+  // ZeRO-1: the master weight and Adam moments are cut across the pipelines
+  // (top tier) along a dim the stage does not split, so each rank's piece is
+  // a sub-box of its own parameter shard (appendix C.2).
+  Annotation optimizer_state(const Annotation& param, const Shape& shape) const {
+    Annotation a = param;
+    int dim = 0;
+    while (dim < static_cast<int>(shape.size()) && split_anywhere(param, dim)) ++dim;
+    HSPMD_CHECK(dim < static_cast<int>(shape.size()), "no free dim for ZeRO");
+    a.hdim = dim;
+    const int64_t n = shape[dim], P = a.hsize();
+    if (n % P != 0)  // near-equal exact sizes as weights
+      for (int64_t i = 0; i < P; ++i) a.part_weights.push_back(n / P + (i < n % P ? 1 : 0));
+    return a;
+  }
+  static bool split_anywhere(const Annotation& a, int dim) {
+    for (const Subgroup& g : a.subgroups)
+      if (g.states.is_split(dim)) return true;
+    return false;
+  }
+
+  AnnotationPlan compile(int world_size, int64_t seq_len) const {
+    AnnotationPlan plan;
+    plan.model = c_;
+    plan.world_size = world_size;
+    plan.strategy = s_;
+    int64_t batch = 0;
+    for (const Pipeline& p : s_.pipelines) batch += p.micro_batch_size;
+    plan.bindings = {{"B", batch}, {"S", seq_len}};
+    auto& t = plan.tensors;
+    t["input_ids"] = across(first, token_states, true);
+    t["targets"] = across(last, token_states, true);
+    t["positions"] = whole_pipelines();
+    t["normalizer"] = across(last, split_on(-1), false);
+    t["model.embed_tokens.out"] = across(first, residual_states, true);
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      const Annotation tokens = across(layer(l), token_states, true);
+      const Annotation residual = across(layer(l), residual_states, true);
+      for (const char* point : {"positions", "attn_input", "mlp_input"}) t[p + point] = tokens;
+      for (const char* point : {"input", "attn_output", "mlp_output"}) t[p + point] = residual;
+    }
+    t["lm_head.input"] = across(last, token_states, true);
+    if (c_.tie_word_embeddings) t["lm_head.weight"] = across(last, split_on(0), false);
+    for (const auto& [name, shape] : llama_parameter_shapes(c_)) {
+      const Annotation a = parameter(name);
+      t[name] = a;
+      Annotation sync = a;
+      if (s_.zero && a.hsize() > 1) {
+        sync = optimizer_state(a, shape);
+        plan.optimizer_states[name] = sync;
+      }
+      t["grad." + name] = sync;
+    }
+    return plan;
+  }
+
+ private:
+  const LlamaConfig& c_;
+  const Strategy& s_;
+};
+
+}  // namespace
+
+AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy, int world_size,
+                            const CompileOptions& options) {
+  validate(strategy, config, world_size);
+  const int64_t seq_len = options.seq_len > 0 ? options.seq_len : config.max_position_embeddings;
+  for (const Pipeline& p : strategy.pipelines)
+    for (const Stage& st : p.stages)
+      if (seq_len % st.cp != 0)
+        fail("[plan] sequence length ", seq_len, " is not divisible by cp=", st.cp);
+  return Compiler(config, strategy).compile(world_size, seq_len);
+}
+
+}  // namespace hspmd

@@ -1,0 +1,1 @@
+target_sources(hspmd_lib PRIVATE strategy.cc)

@@ -1,0 +1,281 @@
+#include "hspmd/plan/strategy.h"
+
+#include <algorithm>
+#include <climits>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+namespace {
+
+using nlohmann::json;
+
+// Reads one JSON object strictly; every error names the file (when any) and
+// the place ("pipeline 1 stage 0") it is reading.
+class ObjectReader {
+ public:
+  ObjectReader(const json& j, std::string where, const std::string& source)
+      : j_(j), where_(std::move(where)), source_(source) {
+    if (!j_.is_object()) fail_here("expected a JSON object, got ", j_.type_name(), " ", j_.dump());
+  }
+
+  template <typename... Args>
+  [[noreturn]] void fail_here(const Args&... args) const {
+    fail("[strategy] ", source_, source_.empty() ? "" : ": ", where_, where_.empty() ? "" : ": ", args...);
+  }
+
+  // Fails on any member whose name is not in `known`.
+  void reject_unknown(std::initializer_list<const char*> known) const {
+    for (const auto& [name, value] : j_.items()) {
+      const bool ok = std::any_of(known.begin(), known.end(), [&](const char* k) { return name == k; });
+      if (!ok) fail_here("unknown field '", name, "'");
+    }
+  }
+
+  const json* find(const char* name, bool required) const {
+    auto it = j_.find(name);
+    if (it != j_.end()) return &*it;
+    if (required) fail_here("missing required field '", name, "'");
+    return nullptr;
+  }
+
+  int integer(const json& v, const std::string& what) const {
+    if (!v.is_number_integer()) fail_here(what, " must be an integer, got ", v.type_name(), " ", v.dump());
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > INT_MAX
+                               : (v.get<int64_t>() > INT_MAX || v.get<int64_t>() < INT_MIN))
+      fail_here(what, " ", v.dump(), " is out of range");
+    return v.get<int>();
+  }
+  void integer(const char* name, int& out, bool required) const {
+    if (const json* v = find(name, required)) out = integer(*v, std::string("field '") + name + "'");
+  }
+  void string(const char* name, std::string& out) const {
+    if (const json* v = find(name, false)) {
+      if (!v->is_string()) wrong_type(name, "a string", *v);
+      out = v->get<std::string>();
+    }
+  }
+  void boolean(const char* name, bool& out) const {
+    if (const json* v = find(name, false)) {
+      if (!v->is_boolean()) wrong_type(name, "true or false", *v);
+      out = v->get<bool>();
+    }
+  }
+  const json& array(const char* name) const {
+    const json& v = *find(name, true);
+    if (!v.is_array()) wrong_type(name, "an array", v);
+    return v;
+  }
+  [[noreturn]] void wrong_type(const char* name, const char* expected, const json& v) const {
+    fail_here("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", v.dump());
+  }
+
+ private:
+  const json& j_;
+  std::string where_;
+  const std::string& source_;
+};
+
+std::string place(int p, int s = -1) {
+  return "pipeline " + std::to_string(p) + (s >= 0 ? " stage " + std::to_string(s) : "");
+}
+
+Stage parse_stage(const json& j, int p, int s, const std::string& source) {
+  ObjectReader r(j, place(p, s), source);
+  r.reject_unknown({"ranks", "layers", "cp"});
+  Stage stage;
+  for (const json& rank : r.array("ranks")) stage.ranks.push_back(r.integer(rank, "field 'ranks' entry"));
+  const json& layers = r.array("layers");
+  if (layers.size() != 2) r.wrong_type("layers", "[first, last]", layers);
+  stage.first_layer = r.integer(layers[0], "field 'layers' entry");
+  stage.last_layer = r.integer(layers[1], "field 'layers' entry");
+  r.integer("cp", stage.cp, false);
+  return stage;
+}
+
+Pipeline parse_pipeline(const json& j, int p, const std::string& source) {
+  ObjectReader r(j, place(p), source);
+  r.reject_unknown({"micro_batch_size", "micro_batches", "stages"});
+  Pipeline pipeline;
+  r.integer("micro_batch_size", pipeline.micro_batch_size, true);
+  r.integer("micro_batches", pipeline.micro_batches, true);
+  const json& stages = r.array("stages");
+  for (size_t s = 0; s < stages.size(); ++s)
+    pipeline.stages.push_back(parse_stage(stages[s], p, static_cast<int>(s), source));
+  return pipeline;
+}
+
+Strategy parse_strategy(const json& j, const std::string& source) {
+  ObjectReader r(j, "", source);
+  r.reject_unknown({"description", "schedule", "zero", "pipelines"});
+  Strategy strategy;
+  r.string("description", strategy.description);
+  r.string("schedule", strategy.schedule);
+  r.boolean("zero", strategy.zero);
+  const json& pipelines = r.array("pipelines");
+  for (size_t p = 0; p < pipelines.size(); ++p)
+    strategy.pipelines.push_back(parse_pipeline(pipelines[p], static_cast<int>(p), source));
+  return strategy;
+}
+
+// ---- validation ----
+
+template <typename... Args>
+[[noreturn]] void fail_at(int p, int s, const Args&... args) {
+  fail("[strategy] ", place(p, s), ": ", args...);
+}
+
+std::string layer_range(const Stage& st) {
+  return "layers [" + std::to_string(st.first_layer) + ", " + std::to_string(st.last_layer) + "]";
+}
+
+// Where each rank was first seen, to name both places of a duplicate.
+using RankOwners = std::map<int, std::pair<int, int>>;
+
+void validate_ranks(const Stage& st, int p, int s, int world_size, RankOwners& owners) {
+  if (st.ranks.empty()) fail_at(p, s, "a stage needs at least one rank");
+  for (int rank : st.ranks) {
+    if (rank < 0 || rank >= world_size)
+      fail_at(p, s, "rank ", rank, " is outside the world of ", world_size, " ranks");
+    auto [it, fresh] = owners.emplace(rank, std::make_pair(p, s));
+    if (!fresh)
+      fail_at(p, s, "rank ", rank, " appears twice (", place(it->second.first, it->second.second), " and ",
+              place(p, s), ")");
+  }
+  if (st.cp < 1) fail_at(p, s, "cp=", st.cp, " must be at least 1");
+  if (st.ranks.size() % st.cp != 0)
+    fail_at(p, s, "cp=", st.cp, " does not divide the stage's ", st.ranks.size(), " ranks");
+}
+
+void validate_tp(const Stage& st, int p, int s, const LlamaConfig& c) {
+  const int64_t tp = st.tp();
+  const std::pair<const char*, int64_t> sizes[] = {{"num_attention_heads", c.num_attention_heads},
+                                                   {"num_key_value_heads", c.kv_heads()},
+                                                   {"intermediate_size", c.intermediate_size},
+                                                   {"vocab_size", c.vocab_size}};
+  for (const auto& [name, size] : sizes)
+    if (size % tp != 0) fail_at(p, s, "tp=", tp, " does not divide ", name, "=", size);
+}
+
+// `next` is the first layer the stage must start at (the previous stage's last + 1).
+void validate_layers(const Stage& st, int p, int s, int num_layers, int next) {
+  if (st.first_layer > st.last_layer) fail_at(p, s, layer_range(st), " are reversed (first > last)");
+  if (st.first_layer < 0 || st.last_layer >= num_layers)
+    fail_at(p, s, layer_range(st), " are outside the model's ", num_layers, " layers [0, ", num_layers - 1,
+            "]");
+  if (st.first_layer > next)
+    fail_at(p, s, layer_range(st),
+            next == 0 ? std::string(" do not start at layer 0")
+                      : " leave a gap after layer " + std::to_string(next - 1));
+  if (st.first_layer < next)
+    fail_at(p, s, layer_range(st), " overlap the previous stage, which ends at layer ", next - 1);
+}
+
+void validate_pipeline(const Pipeline& pl, int p, const LlamaConfig& c, int world_size, RankOwners& owners) {
+  if (pl.micro_batch_size < 1)
+    fail_at(p, -1, "micro_batch_size=", pl.micro_batch_size, " must be at least 1");
+  if (pl.micro_batches < 1) fail_at(p, -1, "micro_batches=", pl.micro_batches, " must be at least 1");
+  if (pl.stages.empty()) fail_at(p, -1, "a pipeline needs at least one stage");
+  const int num_layers = static_cast<int>(c.num_hidden_layers);
+  int next = 0;
+  for (size_t i = 0; i < pl.stages.size(); ++i) {
+    const Stage& st = pl.stages[i];
+    const int s = static_cast<int>(i);
+    validate_ranks(st, p, s, world_size, owners);
+    validate_layers(st, p, s, num_layers, next);
+    validate_tp(st, p, s, c);
+    next = st.last_layer + 1;
+  }
+  if (next != num_layers)
+    fail_at(p, static_cast<int>(pl.stages.size()) - 1, "the stages end at layer ", next - 1,
+            " but the model has ", num_layers, " layers [0, ", num_layers - 1, "]");
+}
+
+}  // namespace
+
+int Strategy::global_batch() const {
+  int total = 0;
+  for (const auto& p : pipelines) total += p.batch();
+  return total;
+}
+
+std::vector<int> Strategy::ranks() const {
+  std::set<int> all;
+  for (const auto& p : pipelines)
+    for (const auto& s : p.stages) all.insert(s.ranks.begin(), s.ranks.end());
+  return {all.begin(), all.end()};
+}
+
+Strategy strategy_from_json(const json& j) { return parse_strategy(j, ""); }
+
+Strategy load_strategy(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("[strategy] ", path, ": cannot open file");
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    fail("[strategy] ", path, ": not valid JSON (", e.what(), ")");
+  }
+  return parse_strategy(j, path);
+}
+
+json to_json(const Strategy& strategy) {
+  json pipelines = json::array();
+  for (const auto& p : strategy.pipelines) {
+    json stages = json::array();
+    for (const auto& s : p.stages) {
+      json stage = {{"ranks", s.ranks}, {"layers", {s.first_layer, s.last_layer}}};
+      if (s.cp != 1) stage["cp"] = s.cp;
+      stages.push_back(std::move(stage));
+    }
+    pipelines.push_back(
+        {{"micro_batch_size", p.micro_batch_size}, {"micro_batches", p.micro_batches}, {"stages", stages}});
+  }
+  json j = {{"schedule", strategy.schedule}, {"zero", strategy.zero}, {"pipelines", pipelines}};
+  if (!strategy.description.empty()) j["description"] = strategy.description;
+  return j;
+}
+
+void validate(const Strategy& strategy, const LlamaConfig& config, int world_size) {
+  if (world_size < 1) fail("[strategy] world size must be positive, got ", world_size);
+  if (strategy.schedule != "1f1b" && strategy.schedule != "gpipe")
+    fail("[strategy] unknown schedule '", strategy.schedule, "' (expected 1f1b or gpipe)");
+  if (strategy.pipelines.empty()) fail("[strategy] no pipelines: a strategy needs at least one");
+  RankOwners owners;
+  for (size_t p = 0; p < strategy.pipelines.size(); ++p)
+    validate_pipeline(strategy.pipelines[p], static_cast<int>(p), config, world_size, owners);
+}
+
+std::vector<int> idle_ranks(const Strategy& strategy, int world_size) {
+  const std::vector<int> used = strategy.ranks();
+  std::vector<int> idle;
+  for (int r = 0; r < world_size; ++r)
+    if (!std::binary_search(used.begin(), used.end(), r)) idle.push_back(r);
+  return idle;
+}
+
+std::string format_ranks(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += std::to_string(ranks[i]);
+    if (j > i) {
+      out += '-';
+      out += std::to_string(ranks[j]);
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace hspmd

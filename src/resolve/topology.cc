@@ -1,0 +1,212 @@
+#include "hspmd/resolve/topology.h"
+
+#include <algorithm>
+#include <climits>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <map>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+namespace {
+
+using nlohmann::json;
+
+constexpr double kDefaultIntraGbps = 100;
+constexpr double kDefaultInterGbps = 25;
+
+// Parsing context: `where` prefixes every error ("[cluster] <where>: <rule>").
+struct Reader {
+  template <typename... Args>
+  [[noreturn]] static void fail_at(const std::string& where, const Args&... args) {
+    fail("[cluster] ", where, ": ", args...);
+  }
+
+  static void only_fields(const json& j, const std::string& where, std::initializer_list<const char*> allowed) {
+    if (!j.is_object()) fail_at(where, "must be an object, got ", j.dump());
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      bool known = false;
+      for (const char* f : allowed) known = known || it.key() == f;
+      if (!known) fail_at(where + "." + it.key(), "unknown field");
+    }
+  }
+
+  static const json& required(const json& j, const std::string& where, const char* field) {
+    if (!j.contains(field)) fail_at(where + "." + field, "missing");
+    return j[field];
+  }
+
+  // A number > 0 (or >= 0 with allow_zero); `fallback` when absent and given.
+  static double positive(const json& j, const std::string& where, const char* field, double fallback,
+                         bool allow_zero = false) {
+    if (!j.contains(field)) {
+      if (fallback < 0) fail_at(where + "." + field, "missing");
+      return fallback;
+    }
+    const json& v = j[field];
+    if (!v.is_number()) fail_at(where + "." + field, "must be a number, got ", v.dump());
+    const double x = v.get<double>();
+    if (allow_zero ? x < 0 : x <= 0)
+      fail_at(where + "." + field, "must be ", allow_zero ? "non-negative" : "positive", ", got ", v.dump());
+    return x;
+  }
+
+  static int rank_number(const json& v, const std::string& where) {
+    if (!v.is_number_integer()) fail_at(where, "must be an integer rank, got ", v.dump());
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > INT_MAX : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT_MAX))
+      fail_at(where, "rank ", v.dump(), " is out of range");
+    return v.get<int>();
+  }
+};
+
+DeviceSpec parse_device_type(const std::string& name, const json& j) {
+  const std::string where = "catalog." + name;
+  Reader::only_fields(j, where, {"tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps"});
+  DeviceSpec t;
+  t.name = name;
+  t.tflops = Reader::positive(j, where, "tflops", -1);
+  t.memory_gib = Reader::positive(j, where, "memory_gib", -1);
+  t.intra_node_gbps = Reader::positive(j, where, "intra_node_gbps", kDefaultIntraGbps);
+  t.inter_node_gbps = Reader::positive(j, where, "inter_node_gbps", kDefaultInterGbps);
+  return t;
+}
+
+// The inclusive rank range [first, last] of one node entry.
+std::pair<int, int> parse_range(const json& node, const std::string& where) {
+  const json& r = Reader::required(node, where, "ranks");
+  if (!r.is_array() || r.size() != 2)
+    Reader::fail_at(where + ".ranks", "must be [first, last] (inclusive), got ", r.dump());
+  const int first = Reader::rank_number(r[0], where + ".ranks[0]");
+  const int last = Reader::rank_number(r[1], where + ".ranks[1]");
+  if (last < first) Reader::fail_at(where + ".ranks", "last rank ", last, " is before first rank ", first);
+  return {first, last};
+}
+
+}  // namespace
+
+Topology Topology::uniform(int world_size, int ranks_per_node) {
+  if (world_size <= 0) fail("[cluster] uniform: world size ", world_size, " is not positive");
+  if (ranks_per_node <= 0) fail("[cluster] uniform: ranks per node ", ranks_per_node, " is not positive");
+  Topology t;
+  t.catalog_.push_back(DeviceSpec{"generic", 100, 80, kDefaultIntraGbps, kDefaultInterGbps});
+  for (int r = 0; r < world_size; ++r) {
+    t.ranks_.push_back(RankInfo{r / ranks_per_node, "generic", 1.0, 0});
+    t.type_index_.push_back(0);
+  }
+  return t;
+}
+
+Topology Topology::from_json(const json& j) {
+  Reader::only_fields(j, "cluster", {"catalog", "nodes"});
+  const json& catalog = Reader::required(j, "cluster", "catalog");
+  if (!catalog.is_object() || catalog.empty())
+    Reader::fail_at("catalog", "must be a non-empty object of device types");
+  Topology t;
+  std::map<std::string, int> type_of;
+  for (auto it = catalog.begin(); it != catalog.end(); ++it) {
+    type_of[it.key()] = static_cast<int>(t.catalog_.size());
+    t.catalog_.push_back(parse_device_type(it.key(), it.value()));
+  }
+  const json& nodes = Reader::required(j, "cluster", "nodes");
+  if (!nodes.is_array() || nodes.empty()) Reader::fail_at("nodes", "must be a non-empty array of nodes");
+  std::map<int, std::pair<int, RankInfo>> by_rank;  // rank -> (type index, info)
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    const std::string where = "nodes[" + std::to_string(n) + "]";
+    Reader::only_fields(nodes[n], where, {"type", "ranks", "slowdown", "memory_cap_gib"});
+    const json& type = Reader::required(nodes[n], where, "type");
+    if (!type.is_string()) Reader::fail_at(where + ".type", "must be a string, got ", type.dump());
+    auto found = type_of.find(type.get<std::string>());
+    if (found == type_of.end())
+      Reader::fail_at(where + ".type", "unknown device type '", type.get<std::string>(), "' (not in the catalog)");
+    RankInfo info{static_cast<int>(n), found->first, Reader::positive(nodes[n], where, "slowdown", 1.0),
+                  Reader::positive(nodes[n], where, "memory_cap_gib", 0.0, true)};
+    auto [first, last] = parse_range(nodes[n], where);
+    for (int r = first; r <= last; ++r) {
+      auto [it, fresh] = by_rank.emplace(r, std::make_pair(found->second, info));
+      if (!fresh) Reader::fail_at(where + ".ranks", "rank ", r, " is already in nodes[", it->second.second.node, "]");
+    }
+  }
+  const int world = static_cast<int>(by_rank.size());
+  for (int r = 0; r < world; ++r)
+    if (!by_rank.count(r)) Reader::fail_at("nodes", "rank ", r, " is missing (ranks must cover 0 .. ", world - 1, ")");
+  for (auto& [r, entry] : by_rank) {
+    t.type_index_.push_back(entry.first);
+    t.ranks_.push_back(entry.second);
+  }
+  return t;
+}
+
+Topology Topology::load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("[cluster] ", path, ": cannot open the file");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    std::string what = e.what();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    fail("[cluster] ", path, ": invalid JSON: ", what);
+  }
+  try {
+    return from_json(j);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    const std::string prefix = "[cluster] ";
+    fail("[cluster] ", path, ": ", what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what);
+  }
+}
+
+const RankInfo& Topology::rank(int r) const {
+  if (r < 0 || r >= world_size()) fail("[cluster] rank ", r, " is outside the world [0, ", world_size(), ")");
+  return ranks_[r];
+}
+
+const DeviceSpec& Topology::device_type(int r) const {
+  rank(r);  // range check
+  return catalog_[type_index_[r]];
+}
+
+double Topology::bandwidth(int a, int b) const {
+  if (a == b) {
+    rank(a);
+    return std::numeric_limits<double>::infinity();
+  }
+  const DeviceSpec& ta = device_type(a);
+  const DeviceSpec& tb = device_type(b);
+  if (same_node(a, b)) return std::min(ta.intra_node_gbps, tb.intra_node_gbps);
+  return std::min(ta.inter_node_gbps, tb.inter_node_gbps);
+}
+
+int Topology::num_nodes() const {
+  int n = 0;
+  for (const RankInfo& r : ranks_) n = std::max(n, r.node + 1);
+  return n;
+}
+
+nlohmann::json Topology::to_json() const {
+  json catalog = json::object();
+  for (const DeviceSpec& t : catalog_)
+    catalog[t.name] = {{"tflops", t.tflops},
+                       {"memory_gib", t.memory_gib},
+                       {"intra_node_gbps", t.intra_node_gbps},
+                       {"inter_node_gbps", t.inter_node_gbps}};
+  json nodes = json::array();
+  for (int r = 0; r < world_size();) {
+    int last = r;  // a node entry is a run of consecutive ranks sharing every fact
+    const RankInfo& info = ranks_[r];
+    while (last + 1 < world_size() && ranks_[last + 1].node == info.node &&
+           ranks_[last + 1].device_type == info.device_type && ranks_[last + 1].slowdown == info.slowdown &&
+           ranks_[last + 1].memory_cap_gib == info.memory_cap_gib)
+      ++last;
+    json node = {{"type", info.device_type}, {"ranks", {r, last}}};
+    if (info.slowdown != 1.0) node["slowdown"] = info.slowdown;
+    if (info.memory_cap_gib != 0) node["memory_cap_gib"] = info.memory_cap_gib;
+    nodes.push_back(node);
+    r = last + 1;
+  }
+  return {{"catalog", catalog}, {"nodes", nodes}};
+}
+
+}  // namespace hspmd

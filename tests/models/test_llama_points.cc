@@ -1,0 +1,72 @@
+// The Reshard points of the plan-mode Llama graph are the identity on one
+// device: the loss and every gradient equal those of the plain graph.
+#include <gtest/gtest.h>
+
+#include "hspmd/graph/executor.h"
+#include "hspmd/models/llama.h"
+
+namespace hspmd {
+namespace {
+
+LlamaConfig tiny(bool tied) {
+  LlamaConfig c;
+  c.vocab_size = 32;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+ValueMap feeds(const LlamaConfig& c) {
+  ValueMap v;
+  for (auto& [name, a] : init_llama_parameters(c, 7)) v[name] = a;
+  std::vector<int32_t> ids, targets, positions;
+  for (int b = 0; b < 2; ++b)
+    for (int s = 0; s < 5; ++s) {
+      ids.push_back((b * 7 + s * 3) % 32);
+      targets.push_back((b * 5 + s * 11 + 1) % 32);
+      positions.push_back(s);
+    }
+  v["input_ids"] = NDArray::from_vector_i32({2, 5}, ids);
+  v["targets"] = NDArray::from_vector_i32({2, 5}, targets);
+  v["positions"] = NDArray::from_vector_i32({2, 5}, positions);
+  v["normalizer"] = NDArray::from_vector({}, {10.0f});
+  return v;
+}
+
+std::vector<NDArray> run(const LlamaGraph& m, const ValueMap& values) {
+  std::vector<Tensor> fetches = {m.loss};
+  fetches.insert(fetches.end(), m.grads.begin(), m.grads.end());
+  return Executor(*m.graph, fetches).run(values);
+}
+
+void expect_same_training_step(bool tied) {
+  const LlamaConfig c = tiny(tied);
+  LlamaBuildOptions points;
+  points.reshard_points = true;
+  points.context_parallel = true;
+  const LlamaGraph plain = build_llama(c), marked = build_llama(c, points);
+  ASSERT_EQ(plain.names, marked.names);
+  const ValueMap values = feeds(c);
+  const std::vector<NDArray> a = run(plain, values), b = run(marked, values);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].shape(), b[i].shape()) << i;
+    const float* x = a[i].data<float>();
+    const float* y = b[i].data<float>();
+    for (int64_t k = 0; k < a[i].numel(); ++k) ASSERT_EQ(x[k], y[k]) << "output " << i;
+  }
+  int reshards = 0;
+  for (int id = 0; id < marked.graph->num_nodes(); ++id)
+    if (marked.graph->node(id).name.rfind("model.layers.1.", 0) == 0) ++reshards;
+  EXPECT_EQ(reshards, 6 + 9);  // six Reshard points and nine parameters of block 1
+}
+
+TEST(LlamaReshardPoints, IdentityOnOneDevice) { expect_same_training_step(false); }
+TEST(LlamaReshardPoints, IdentityOnOneDeviceTied) { expect_same_training_step(true); }
+
+}  // namespace
+}  // namespace hspmd

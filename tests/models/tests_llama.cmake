@@ -1,0 +1,1 @@
+hspmd_test(test_llama_points test_llama_points.cc)

@@ -1,0 +1,221 @@
+// compile_plan, the plan's JSON form and the dry run: the annotations a
+// strategy compiles to, and the primitives each Reshard resolves into.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "hspmd/core/error.h"
+#include "hspmd/plan/plan.h"
+
+namespace hspmd {
+namespace {
+
+LlamaConfig tiny(int layers = 4) {
+  LlamaConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 32;
+  c.intermediate_size = 64;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 4;
+  c.max_position_embeddings = 16;
+  return c;
+}
+
+Stage stage(std::vector<int> ranks, int first, int last, int cp = 1) {
+  Stage s;
+  s.ranks = std::move(ranks);
+  s.first_layer = first;
+  s.last_layer = last;
+  s.cp = cp;
+  return s;
+}
+
+Pipeline pipeline(int mbs, int micro, std::vector<Stage> stages) {
+  Pipeline p;
+  p.micro_batch_size = mbs;
+  p.micro_batches = micro;
+  p.stages = std::move(stages);
+  return p;
+}
+
+// DESIGN §7's example: pipeline 0 = TP2 x 2 stages, pipeline 1 = 3 single
+// devices with uneven layers; rank 7 idle.
+Strategy hetero(bool zero = false) {
+  Strategy s;
+  s.zero = zero;
+  s.pipelines = {pipeline(2, 2, {stage({0, 1}, 0, 1), stage({2, 3}, 2, 3)}),
+                 pipeline(1, 4, {stage({4}, 0, 1), stage({5}, 2, 2), stage({6}, 3, 3)})};
+  return s;
+}
+
+const PlannedReshard& find(const std::vector<PlannedReshard>& all, const std::string& name) {
+  for (const auto& r : all)
+    if (r.name == name) return r;
+  ADD_FAILURE() << "no reshard " << name;
+  static PlannedReshard none;
+  return none;
+}
+
+CommKind kind_on(const PlannedReshard& r, int rank) {
+  auto it = r.resolution.ranks.find(rank);
+  return it == r.resolution.ranks.end() ? CommKind::kIdentity : it->second.kind;
+}
+
+TEST(CompilePlan, AnnotatesPipelinesAndStages) {
+  const AnnotationPlan plan = compile_plan(tiny(), hetero(), 8);
+  const Annotation& q = plan.tensors.at("model.layers.2.self_attn.q_proj.weight");
+  ASSERT_EQ(q.hsize(), 2);
+  EXPECT_EQ(q.hdim, kDup);
+  EXPECT_EQ(q.subgroups[0].devices.ranks, (std::vector<int>{2, 3}));
+  EXPECT_EQ(q.subgroups[0].states.degree(0), 2);  // column parallel
+  EXPECT_EQ(q.subgroups[1].devices.ranks, (std::vector<int>{5}));
+  const Annotation& o = plan.tensors.at("model.layers.0.self_attn.o_proj.weight");
+  EXPECT_EQ(o.subgroups[0].states.degree(1), 2);  // row parallel
+  const Annotation& ids = plan.tensors.at("input_ids");
+  EXPECT_EQ(ids.hdim, 0);
+  EXPECT_EQ(ids.part_weights, (std::vector<int64_t>{2, 1}));  // micro-batch sizes 2 and 1
+  EXPECT_EQ(plan.bindings.at("B"), 3);
+  EXPECT_EQ(plan.bindings.at("S"), 16);
+  EXPECT_TRUE(plan.optimizer_states.empty());
+}
+
+TEST(CompilePlan, RejectsAnInvalidStrategy) {
+  Strategy s = hetero();
+  s.pipelines[1].stages[1].first_layer = 3;  // gap after layer 1
+  EXPECT_THROW(compile_plan(tiny(), s, 8), Error);
+  EXPECT_THROW(compile_plan(tiny(), hetero(), 6), Error);  // rank 6 outside the world
+}
+
+TEST(DryRun, HeteroPipelinesResolveToTheExpectedPrimitives) {
+  const AnnotationPlan plan = compile_plan(tiny(), hetero(), 8);
+  const auto all = dry_run(plan, Topology::uniform(8));
+  // Tensor (+ sequence) parallelism inside stage {0,1}: gather the sequence
+  // shards before the column-parallel linears, reduce-scatter after the
+  // row-parallel ones, and the reverse in the backward.
+  EXPECT_EQ(kind_on(find(all, "model.layers.0.attn_input"), 0), CommKind::kAllGather);
+  EXPECT_EQ(kind_on(find(all, "model.layers.0.attn_output"), 0), CommKind::kReduceScatter);
+  EXPECT_EQ(kind_on(find(all, "model.embed_tokens.out"), 1), CommKind::kReduceScatter);
+  EXPECT_EQ(kind_on(find(all, "backward.model.layers.0.mlp_input"), 0),
+            CommKind::kReduceScatter);
+  EXPECT_EQ(kind_on(find(all, "backward.model.layers.0.mlp_output"), 1), CommKind::kAllGather);
+  // The single-device pipeline needs no communication inside its stages.
+  EXPECT_EQ(kind_on(find(all, "model.layers.0.attn_output"), 4), CommKind::kIdentity);
+  // Between stages: point to point.
+  const CommKind between = kind_on(find(all, "model.layers.2.input"), 2);
+  EXPECT_TRUE(between == CommKind::kRecv || between == CommKind::kBsr) << kind_name(between);
+  const CommKind single = kind_on(find(all, "model.layers.3.input"), 6);
+  EXPECT_TRUE(single == CommKind::kRecv || single == CommKind::kBsr) << kind_name(single);
+  // Gradient sync across pipelines of different TP degrees.
+  const auto& grad = find(all, "grad.model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(grad.phase, "grad_sync");
+  EXPECT_EQ(kind_on(grad, 0), CommKind::kSplitAllReduce);
+  EXPECT_EQ(kind_on(grad, 4), CommKind::kSplitAllReduce);
+  EXPECT_GT(grad.resolution.total_bytes, 0);
+  EXPECT_EQ(grad.resolution.ranks.count(7), 0u);  // the idle rank does nothing
+}
+
+TEST(DryRun, ZeroUsesSplitReduceScatterAndSplitAllGather) {
+  const AnnotationPlan plan = compile_plan(tiny(), hetero(true), 8);
+  EXPECT_FALSE(plan.optimizer_states.empty());
+  const auto all = dry_run(plan, Topology::uniform(8));
+  const auto& grad = find(all, "grad.model.layers.1.self_attn.q_proj.weight");
+  EXPECT_EQ(kind_on(grad, 0), CommKind::kSplitReduceScatter);
+  const auto& gather = find(all, "zero_gather.model.layers.1.self_attn.q_proj.weight");
+  EXPECT_EQ(gather.phase, "zero_gather");
+  EXPECT_EQ(kind_on(gather, 4), CommKind::kSplitAllGather);
+}
+
+TEST(DryRun, ContextParallelStage) {
+  Strategy s;
+  s.pipelines = {pipeline(1, 2, {stage({0, 1, 2, 3}, 0, 1, 2), stage({4, 5}, 2, 3)})};
+  const AnnotationPlan plan = compile_plan(tiny(), s, 6);
+  // Attention's input: the sequence split over cp, copies over tp; the
+  // residual stream: split over cp x tp (sequence parallelism).
+  EXPECT_EQ(plan.tensors.at("model.layers.0.attn_input").subgroups[0].states.degree(1), 2);
+  EXPECT_EQ(plan.tensors.at("model.layers.0.input").subgroups[0].states.degree(1), 4);
+  const auto all = dry_run(plan, Topology::uniform(6));
+  // Weight gradients are partial over the cp ranks: summed at gradient sync.
+  EXPECT_EQ(kind_on(find(all, "grad.model.layers.0.mlp.up_proj.weight"), 0),
+            CommKind::kAllReduce);
+  const CommKind between = kind_on(find(all, "model.layers.2.input"), 4);
+  EXPECT_TRUE(between == CommKind::kBsr || between == CommKind::kRecv) << kind_name(between);
+  // Gathering the tp shards inside each cp half.
+  EXPECT_EQ(kind_on(find(all, "model.layers.0.attn_input"), 1), CommKind::kAllGather);
+}
+
+TEST(PlanJson, RoundTripsAndDryRunsTheSame) {
+  const AnnotationPlan plan = compile_plan(tiny(), hetero(true), 8);
+  const AnnotationPlan back = plan_from_json(to_json(plan));
+  EXPECT_EQ(back.tensors, plan.tensors);
+  EXPECT_EQ(back.optimizer_states, plan.optimizer_states);
+  EXPECT_EQ(back.bindings, plan.bindings);
+  EXPECT_EQ(back.world_size, 8);
+  EXPECT_EQ(dry_run(back, Topology::uniform(8)).size(), dry_run(plan, Topology::uniform(8)).size());
+}
+
+void expect_plan_error(nlohmann::json j, const std::string& fragment) {
+  try {
+    plan_from_json(j);
+    ADD_FAILURE() << "accepted a plan that should fail with: " << fragment;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(PlanJson, RejectsMalformedPlans) {
+  const nlohmann::json good = to_json(compile_plan(tiny(), hetero(), 8));
+  nlohmann::json j = good;
+  j["tensors"]["model.layers.9.input"] = j["tensors"]["model.layers.0.input"];
+  expect_plan_error(j, "not a leaf or Reshard point");
+  j = good;
+  j["tensors"]["input_ids"]["subgroups"][0]["ranks"] = {0, 8};
+  expect_plan_error(j, "outside the world");
+  j = good;
+  j["tensors"]["model.norm.weight"]["hdim"] = -2;
+  expect_plan_error(j, "parameter");
+  j = good;
+  j["format"] = "something else";
+  expect_plan_error(j, "format");
+  j = good;
+  j["extra"] = 1;
+  expect_plan_error(j, "unknown field 'extra'");
+  j = good;
+  j["tensors"].erase("targets");
+  try {
+    dry_run(plan_from_json(j), Topology::uniform(8));
+    ADD_FAILURE() << "a plan without targets dry-ran";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("targets"), std::string::npos) << e.what();
+  }
+}
+
+// A world of 64 ranks and an 80-layer model: two pipelines of 8 TP4 stages
+// (10 layers each) on 32 ranks each. Only annotations and boxes are handled,
+// so the big shapes cost nothing.
+TEST(DryRun, SixtyFourRanksEightyLayers) {
+  LlamaConfig c = tiny(80);
+  c.hidden_size = 8192;
+  c.intermediate_size = 28672;
+  c.num_attention_heads = 64;
+  c.num_key_value_heads = 8;
+  c.vocab_size = 32000;
+  c.max_position_embeddings = 4096;
+  Strategy s;
+  for (int p = 0; p < 2; ++p) {
+    std::vector<Stage> stages;
+    for (int k = 0; k < 8; ++k) {
+      const int base = p * 32 + k * 4;
+      stages.push_back(stage({base, base + 1, base + 2, base + 3}, k * 10, k * 10 + 9));
+    }
+    s.pipelines.push_back(pipeline(1, 8, stages));
+  }
+  const auto all = dry_run(compile_plan(c, s, 64), Topology::uniform(64));
+  std::set<std::string> phases;
+  for (const auto& r : all) phases.insert(r.phase);
+  EXPECT_EQ(phases, (std::set<std::string>{"forward", "backward", "grad_sync"}));
+  EXPECT_GT(all.size(), 80u * 6);
+}
+
+}  // namespace
+}  // namespace hspmd
