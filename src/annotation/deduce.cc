@@ -90,7 +90,8 @@ void check_output(const DeduceContext& ctx, int index, const Annotation& a) {
   }
   const std::string problem = size_problem(a, shape);
   if (problem.empty()) return;
-  if (is_leaf(ctx.node)) fail("[deduce] tensor '", ctx.node.name, "' ", sym_shape_str(shape), ": ", problem);
+  if (is_leaf(ctx.node))
+    fail("[deduce] tensor '", ctx.node.name, "' ", sym_shape_str(shape), ": ", problem);
   fail_at(ctx, "output ", index, " ", sym_shape_str(shape), ": ", problem);
 }
 
@@ -108,7 +109,8 @@ const Annotation& AnnotatedGraph::of(const Tensor& t) const {
 }
 
 bool AnnotatedGraph::has(const Tensor& t) const {
-  if (!t.valid() || t.node_id() < 0 || t.node_id() >= static_cast<int>(by_node_.size())) return false;
+  if (!t.valid() || t.node_id() < 0 || t.node_id() >= static_cast<int>(by_node_.size()))
+    return false;
   const auto& outs = by_node_[t.node_id()];
   return t.index() >= 0 && t.index() < static_cast<int>(outs.size()) &&
          !outs[t.index()].subgroups.empty();
@@ -139,8 +141,8 @@ AnnotatedGraph deduce(const Graph& graph, const std::map<std::string, Annotation
   return result;
 }
 
-Annotation annotation_from_plan(const DeduceContext& ctx, const std::string& name,
-                                int tensor_rank, bool is_parameter) {
+Annotation annotation_from_plan(const DeduceContext& ctx, const std::string& name, int tensor_rank,
+                                bool is_parameter) {
   auto it = ctx.plan.find(name);
   if (name.empty() || it == ctx.plan.end())
     fail("[deduce] tensor '", name, "' has no annotation in the plan");
@@ -201,16 +203,15 @@ std::vector<std::string> numbered_labels(const std::string& prefix, int n) {
 
 std::vector<Annotation> Op::deduce(const DeduceContext& ctx,
                                    const std::vector<Annotation>& inputs) const {
-  if (inputs.empty())
-    fail_at(ctx, "has no inputs to take its devices from and no rule of its own");
+  if (inputs.empty()) fail_at(ctx, "has no inputs to take its devices from and no rule of its own");
   if (!is_linear())
     for (size_t i = 0; i < inputs.size(); ++i)
       if (has_partial(inputs[i]))
         fail_at(ctx, "input ", i, " is partial; insert a Reshard to reduce it first");
   for (size_t i = 1; i < inputs.size(); ++i)
     if (!same_layout(inputs[0], inputs[i]))
-      fail_at(ctx, "inputs 0 and ", i, " are sharded differently (", to_string(inputs[0]),
-              ") vs (", to_string(inputs[i]), "); insert a Reshard");
+      fail_at(ctx, "inputs 0 and ", i, " are sharded differently (", to_string(inputs[0]), ") vs (",
+              to_string(inputs[i]), "); insert a Reshard");
   return std::vector<Annotation>(ctx.node.outputs.size(), inputs[0]);
 }
 

@@ -60,9 +60,9 @@ class TierSolver {
   void collect_degrees();
   void collect_coordinates();
   DistStates solve_output(int o) const;
-  std::vector<int> sum_labels_of(int o) const;
+  std::vector<std::string> sum_labels_of(int o) const;
   std::vector<std::vector<int>> candidate_orders(int o, const std::vector<int>& keys,
-                                                 const std::vector<int>& sums) const;
+                                                 const std::vector<std::string>& sums) const;
   bool order_fits(const DistStates& s, const std::vector<std::vector<int>>& chunk,
                   const std::vector<std::vector<int>>& identity) const;
 
@@ -134,13 +134,11 @@ void TierSolver::collect_coordinates() {
 }
 
 // Split labels that output `o` lacks and sums over (checked: the others are
-// collective, or errors), as indices into a sorted list of labels.
-std::vector<int> TierSolver::sum_labels_of(int o) const {
+// collective, or errors).
+std::vector<std::string> TierSolver::sum_labels_of(int o) const {
   const auto& out = rule_.outputs[o];
-  std::vector<int> sums;
-  int index = 0;
+  std::vector<std::string> sums;
   for (const auto& [label, info] : labels_) {
-    ++index;
     if (info.degree <= 1 || std::find(out.begin(), out.end(), label) != out.end()) continue;
     auto it = rule_.reductions.find(label);
     const Reduction r = it == rule_.reductions.end() ? Reduction::kForbidden : it->second;
@@ -151,16 +149,14 @@ std::vector<int> TierSolver::sum_labels_of(int o) const {
       fail_at(ctx_, input_desc(info.input), " is split along dim ", info.dim,
               " across subgroups, but the op reduces over it only inside a subgroup; insert a "
               "Reshard");
-    if (r == Reduction::kSum) sums.push_back(index - 1);
+    if (r == Reduction::kSum) sums.push_back(label);
   }
   return sums;
 }
 
 DistStates TierSolver::solve_output(int o) const {
   const auto& out = rule_.outputs[o];
-  const std::vector<int> sums = sum_labels_of(o);
-  std::vector<std::string> names;
-  for (const auto& [label, info] : labels_) names.push_back(label);
+  const std::vector<std::string> sums = sum_labels_of(o);
 
   DistStates result;
   int splits = 1, partial = partial_input_ >= 0 ? tier_.in[partial_input_].degree(kPartial) : 1;
@@ -172,13 +168,13 @@ DistStates TierSolver::solve_output(int o) const {
     splits *= it->second.degree;
     split_dims.push_back(d);
   }
-  for (int l : sums) partial *= labels_.at(names[l]).degree;
+  for (const auto& l : sums) partial *= labels_.at(l).degree;
   // Per position: the output chunk, and which partial term it holds.
   std::vector<std::vector<int>> chunk(tier_.n), identity(tier_.n);
   std::map<std::vector<int>, std::set<std::vector<int>>> terms;
   for (int p = 0; p < tier_.n; ++p) {
     for (int d : split_dims) chunk[p].push_back(coords_[p].at(out[d]));
-    for (int l : sums) identity[p].push_back(coords_[p].at(names[l]));
+    for (const auto& l : sums) identity[p].push_back(coords_[p].at(l));
     identity[p].push_back(partial_coord_[p]);
     terms[chunk[p]].insert(identity[p]);
   }
@@ -203,13 +199,10 @@ DistStates TierSolver::solve_output(int o) const {
 // Each input's order mapped to the output's keys (split(d) of a kept label ->
 // the output's split, of a summed label -> partial, others -> dup), then
 // every permutation of the keys.
-std::vector<std::vector<int>> TierSolver::candidate_orders(int o, const std::vector<int>& keys,
-                                                           const std::vector<int>& sums) const {
+std::vector<std::vector<int>> TierSolver::candidate_orders(
+    int o, const std::vector<int>& keys, const std::vector<std::string>& sums) const {
   const auto& out = rule_.outputs[o];
-  std::set<std::string> summed;
-  int index = 0;
-  for (const auto& [label, info] : labels_)
-    if (std::find(sums.begin(), sums.end(), index++) != sums.end()) summed.insert(label);
+  const std::set<std::string> summed(sums.begin(), sums.end());
   auto map_key = [&](int i, int key) {
     if (key < 0) return key;
     const std::string& label = key < static_cast<int>(labels_of(i).size()) ? labels_of(i)[key] : "";
@@ -303,8 +296,9 @@ std::map<std::string, std::vector<int64_t>> label_weights(const DeduceContext& c
     if (fresh) {
       source[label] = i;
     } else if (reduced(it->second, a.hsize()) != reduced(a.part_weights, a.hsize())) {
-      fail_at(ctx, "inputs ", source[label], " and ", i, " cut the same dim across subgroups in "
-              "different proportions ", weights_str(reduced(it->second, a.hsize())), " vs ",
+      fail_at(ctx, "inputs ", source[label], " and ", i,
+              " cut the same dim across subgroups in different proportions ",
+              weights_str(reduced(it->second, a.hsize())), " vs ",
               weights_str(reduced(a.part_weights, a.hsize())), "; insert a Reshard");
     }
   }
@@ -322,7 +316,9 @@ std::vector<Annotation> deduce_by_dims(const DeduceContext& ctx, const DimRule& 
   for (auto& a : out) a.subgroups.resize(first.hsize());
 
   for (int g = 0; g < first.hsize(); ++g) {
-    Tier tier{false, first.subgroups[g].devices.size(), {},
+    Tier tier{false,
+              first.subgroups[g].devices.size(),
+              {},
               first.hsize() > 1 ? " in subgroup " + std::to_string(g) : ""};
     for (const Annotation& a : inputs) tier.in.push_back(a.subgroups[g].states);
     std::vector<DistStates> states = TierSolver(ctx, rule, tier).solve();

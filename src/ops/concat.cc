@@ -68,7 +68,8 @@ class ConcatOp final : public Op {
     const Annotation& a = in[0];
     bool split = a.hsize() > 1 && a.hdim == axis;
     for (const Subgroup& g : a.subgroups) split = split || g.states.is_split(axis);
-    if (split) fail_at(ctx, "the parts are split along the concatenation axis ", axis, "; insert a Reshard");
+    if (split)
+      fail_at(ctx, "the parts are split along the concatenation axis ", axis, "; insert a Reshard");
     return out;
   }
 

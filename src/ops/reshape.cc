@@ -80,9 +80,18 @@ int map_split(const DeduceContext& ctx, const std::vector<DimGroup>& groups, con
           " can take the split; insert a Reshard");
 }
 
-int map_key(const DeduceContext& ctx, const std::vector<DimGroup>& groups, const SymShape& in,
-            const SymShape& out, int key, int degree, const std::string& tier) {
-  return key < 0 ? key : map_split(ctx, groups, in, out, key, degree, tier);
+// `s` with every split key renamed to the output dim it becomes.
+DistStates map_states(const DeduceContext& ctx, const std::vector<DimGroup>& groups,
+                      const SymShape& in, const SymShape& out, const DistStates& s,
+                      const std::string& tier) {
+  auto key_of = [&](int key) {
+    return key < 0 ? key : map_split(ctx, groups, in, out, key, s.degree(key), tier);
+  };
+  DistStates mapped;
+  for (const auto& [key, degree] : s.degrees)
+    if (degree > 1) mapped.degrees[key_of(key)] = degree;
+  for (int key : s.order) mapped.order.push_back(key_of(key));
+  return mapped;
 }
 
 class ReshapeOp final : public Op {
@@ -114,17 +123,13 @@ class ReshapeOp final : public Op {
     for (int i = 0; i < out.hsize(); ++i) {
       const std::string tier = out.hsize() > 1 ? " in subgroup " + std::to_string(i) : "";
       const DistStates& s = in[0].subgroups[i].states;
-      DistStates mapped;
-      for (const auto& [key, degree] : s.degrees)
-        if (degree > 1) mapped.degrees[map_key(ctx, groups, from, shape_, key, degree, tier)] = degree;
-      for (int key : s.order)
-        mapped.order.push_back(map_key(ctx, groups, from, shape_, key, s.degree(key), tier));
-      out.subgroups[i].states = mapped;
+      out.subgroups[i].states = map_states(ctx, groups, from, shape_, s, tier);
     }
     // Top-tier parts are proportions, not equal chunks: the engine checks
     // known sizes against them, so no degree is checked here.
     if (out.hsize() == 1) out.hdim = kDup, out.part_weights.clear();
-    if (out.hdim >= 0) out.hdim = map_split(ctx, groups, from, shape_, out.hdim, 1, " across subgroups");
+    if (out.hdim >= 0)
+      out.hdim = map_split(ctx, groups, from, shape_, out.hdim, 1, " across subgroups");
     return {out};
   }
 

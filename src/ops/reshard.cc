@@ -39,14 +39,32 @@ class ReshardOp final : public Op {
   // The forward input's layout, holding the full gradient where the forward
   // input held a partial sum; partial sums across subgroups (hdim -2) of a
   // forward input duplicated across them (hdim -1) stay partial: gradient
-  // sync reduces them later.
+  // sync reduces them later. A parameter's gradient (e.g. tied embeddings
+  // used as LM head on another stage) keeps its bottom-tier partial sums too
+  // when the subgroups have the same sizes: it moves pairwise and gradient
+  // sync reduces it with the parameter's other contributions.
   Annotation mirror(const DeduceContext& ctx, const Annotation& grad) const {
     const Node& forward = ctx.graph.graph().node(mirror_of_);
     const Annotation& source = ctx.graph.of(forward.inputs[0]);
+    if (forward.inputs[0].node().op->type() == "parameter" && has_partial(grad) &&
+        same_sizes(grad, source))
+      return moved_to(grad, source);
     Annotation dst = without_partial(ctx, source);
     if (grad.hdim == kPartial && grad.hsize() > 1 && source.hdim == kDup && dst.hsize() > 1)
       dst.hdim = kPartial;
     return dst;
+  }
+
+  static bool same_sizes(const Annotation& a, const Annotation& b) {
+    if (a.hsize() != b.hsize()) return false;
+    for (int i = 0; i < a.hsize(); ++i)
+      if (a.subgroups[i].devices.size() != b.subgroups[i].devices.size()) return false;
+    return true;
+  }
+  // `grad`'s states on `source`'s devices.
+  static Annotation moved_to(Annotation grad, const Annotation& source) {
+    for (int i = 0; i < grad.hsize(); ++i) grad.subgroups[i].devices = source.subgroups[i].devices;
+    return grad;
   }
 
   int mirror_of_;

@@ -36,7 +36,8 @@ class TransposeOp final : public Op {
     const auto labels = numbered_labels("d", n);
     auto out = labels;
     std::swap(out[norm_axis("transpose", dim0_, n)], out[norm_axis("transpose", dim1_, n)]);
-    const DimRule rule{.inputs = {labels}, .input_names = {"a"}, .outputs = {out}, .linear = {true}};
+    const DimRule rule{
+        .inputs = {labels}, .input_names = {"a"}, .outputs = {out}, .linear = {true}};
     return deduce_by_dims(ctx, rule, in);
   }
 

@@ -29,9 +29,16 @@ std::string kind_name(CommKind kind) {
 
 namespace {
 
+// to_string(annotation) without its trailing ';'.
+std::string describe(const Annotation& a) {
+  std::string s = to_string(a);
+  if (!s.empty() && s.back() == ';') s.pop_back();
+  return s;
+}
+
 [[noreturn]] void unsupported(const ReshardSpec& spec, const std::string& why) {
-  fail("[resolve] reshard '", spec.name, "': unsupported reshard from ", to_string(spec.src), " to ",
-       to_string(spec.dst), ": ", why);
+  fail("[resolve] reshard '", spec.name, "': unsupported reshard from ", describe(spec.src), " to ",
+       describe(spec.dst), ": ", why);
 }
 
 bool same_parts(const Layout& a, const Layout& b) { return a.hdim < 0 || a.parts == b.parts; }

@@ -28,8 +28,10 @@ DistStates ds(std::map<int, int> degrees, std::vector<int> order) {
 }
 
 // One subgroup over `ranks`.
-Annotation on(std::vector<int> ranks, std::map<int, int> degrees = {}, std::vector<int> order = {}) {
-  return Annotation{{Subgroup{DeviceGroup{std::move(ranks)}, ds(std::move(degrees), std::move(order))}}};
+Annotation on(std::vector<int> ranks, std::map<int, int> degrees = {},
+              std::vector<int> order = {}) {
+  return Annotation{
+      {Subgroup{DeviceGroup{std::move(ranks)}, ds(std::move(degrees), std::move(order))}}};
 }
 
 Subgroup sub(std::vector<int> ranks, std::map<int, int> degrees = {}, std::vector<int> order = {}) {
@@ -55,7 +57,8 @@ void expect_error(const Graph& g, const Plan& plan, int world, std::vector<std::
   const std::string msg = error_of([&] { deduce(g, plan, world); });
   ASSERT_FALSE(msg.empty()) << "no error; expected " << parts[0];
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "missing '" << p << "' in: " << msg;
+  for (const auto& p : parts)
+    EXPECT_NE(msg.find(p), std::string::npos) << "missing '" << p << "' in: " << msg;
 }
 
 // The first node of `type` after node `after`.
@@ -89,7 +92,8 @@ TEST(Deduce, MissingPlanAnnotationIsAnError) {
 TEST(Deduce, PlanAnnotationsAreValidated) {
   Graph g;
   g.parameter("w", {4, 4});
-  expect_error(g, {{"w", on({0, 1}, {{kP, 2}}, {kP})}}, 2, {"[annotation] tensor 'w'", "cannot be partial"});
+  expect_error(g, {{"w", on({0, 1}, {{kP, 2}}, {kP})}}, 2,
+               {"[annotation] tensor 'w'", "cannot be partial"});
   expect_error(g, {{"w", on({0, 5})}}, 2, {"[annotation] tensor 'w'"});
 }
 
@@ -100,7 +104,8 @@ TEST(Deduce, KnownSizesMustDivide) {
                {"[deduce] tensor 'w'", "splits dim 0 (size 6) by 4"});
   Graph h;
   h.placeholder("x", {5, B}, DType::F32);
-  expect_error(h, {{"x", hetero({sub({0}), sub({1})}, 0, {1, 1})}}, 2, {"tensor 'x'", "proportions [1, 1]"});
+  expect_error(h, {{"x", hetero({sub({0}), sub({1})}, 0, {1, 1})}}, 2,
+               {"tensor 'x'", "proportions [1, 1]"});
 }
 
 TEST(Deduce, InputsOnDifferentSubgroupsNeedAReshard) {
@@ -108,11 +113,13 @@ TEST(Deduce, InputsOnDifferentSubgroupsNeedAReshard) {
   Tensor a = g.placeholder("a", {B, 4}, DType::F32);
   Tensor b = g.placeholder("b", {B, 4}, DType::F32);
   ops::add(a, b);
-  expect_error(g, {{"a", on({0, 1}, {{kDup, 2}}, {kDup})}, {"b", on({2, 3}, {{kDup, 2}}, {kDup})}}, 4,
-               {"[deduce] op 'add' (node 2): inputs 0 and 1 live on different subgroups", "insert a Reshard"});
+  expect_error(g, {{"a", on({0, 1}, {{kDup, 2}}, {kDup})}, {"b", on({2, 3}, {{kDup, 2}}, {kDup})}},
+               4,
+               {"[deduce] op 'add' (node 2): inputs 0 and 1 live on different subgroups",
+                "insert a Reshard"});
   // Same devices in another order are other positions: also a Reshard.
-  expect_error(g, {{"a", on({0, 1}, {{kDup, 2}}, {kDup})}, {"b", on({1, 0}, {{kDup, 2}}, {kDup})}}, 2,
-               {"live on different subgroups"});
+  expect_error(g, {{"a", on({0, 1}, {{kDup, 2}}, {kDup})}, {"b", on({1, 0}, {{kDup, 2}}, {kDup})}},
+               2, {"live on different subgroups"});
 }
 
 // ---- DimRule, the einsum-style rule most ops use ----
@@ -125,7 +132,8 @@ class RuleOp final : public Op {
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>&) const override {
     return {TensorMeta{out_, DType::F32}};
   }
-  void compute(const OpContext&, const std::vector<NDArray>&, std::vector<NDArray>&) const override {}
+  void compute(const OpContext&, const std::vector<NDArray>&,
+               std::vector<NDArray>&) const override {}
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
     return deduce_by_dims(ctx, rule_, in);
@@ -149,8 +157,9 @@ TEST(DeduceDimRule, WhatAnOutputDoesWithALabelItLacks) {
   EXPECT_EQ(run(Reduction::kSum), on({0, 1, 2, 3}, {{0, 2}, {kP, 2}}, {0, kP}));
   EXPECT_EQ(run(Reduction::kCollective), on({0, 1, 2, 3}, {{0, 2}, {kDup, 2}}, {0, kDup}));
   const std::string msg = error_of([&] { run(Reduction::kForbidden); });
-  EXPECT_NE(msg.find("op 'rule_op' (node 1): input 0 is split along dim 1, which output 0 does not keep"),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find("op 'rule_op' (node 1): input 0 is split along dim 1, which output 0 does not keep"),
+      std::string::npos)
       << msg;
 }
 
@@ -159,8 +168,9 @@ TEST(DeduceDimRule, UnsplittableOnBothTiers) {
   Tensor x = g.placeholder("x", {B, 4}, DType::F32);
   Tensor w = g.parameter("w", {4});
   ops::rms_norm(x, w, 1e-6f);
-  expect_error(g, {{"x", hetero({sub({0}), sub({1})}, 1)}, {"w", hetero({sub({0}), sub({1})}, kDup)}}, 2,
-               {"input 0 (x) is split along dim 1 across subgroups, but rms_norm normalizes over it"});
+  expect_error(
+      g, {{"x", hetero({sub({0}), sub({1})}, 1)}, {"w", hetero({sub({0}), sub({1})}, kDup)}}, 2,
+      {"input 0 (x) is split along dim 1 across subgroups, but rms_norm normalizes over it"});
 }
 
 // ---- elementwise (the default rule) ----
@@ -190,8 +200,9 @@ TEST(Deduce, NonlinearOpWithPartialInputNeedsAReshard) {
   Graph g;
   Tensor a = g.placeholder("a", {B, 4}, DType::F32);
   ops::swiglu(a, a);
-  expect_error(g, {{"a", on({0, 1}, {{kP, 2}}, {kP})}}, 2,
-               {"[deduce] op 'swiglu' (node 1): input 0 is partial; insert a Reshard to reduce it first"});
+  expect_error(
+      g, {{"a", on({0, 1}, {{kP, 2}}, {kP})}}, 2,
+      {"[deduce] op 'swiglu' (node 1): input 0 is partial; insert a Reshard to reduce it first"});
   Graph h;
   Tensor c = h.placeholder("c", {B, 4}, DType::F32);
   ops::swiglu(c, c);
@@ -243,7 +254,8 @@ TEST(DeduceMatmul, BatchAndSequenceSplitsPassThrough) {
                               {"w", on({0, 1, 2, 3}, {{kDup, 2}, {0, 2}}, {kDup, 0})}},
                              4);
   EXPECT_EQ(ag.of(m.y), on({0, 1, 2, 3}, {{0, 2}, {2, 2}}, {0, 2}));
-  AnnotatedGraph cp = deduce(m.g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"w", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
+  AnnotatedGraph cp =
+      deduce(m.g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"w", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
   EXPECT_EQ(cp.of(m.y), on({0, 1}, {{1, 2}}, {1}));
 }
 
@@ -265,8 +277,9 @@ TEST(DeduceMatmul, PartialInBothOperandsIsAnError) {
 
 TEST(DeduceMatmul, ContractedDimSplitInOneOperandOnlyIsAnError) {
   Linear m;
-  expect_error(m.g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"w", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2,
-               {"input 0 (a) splits dim 2 by 2 but input 1 (b) splits dim 1 by 1", "insert a Reshard"});
+  expect_error(
+      m.g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"w", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2,
+      {"input 0 (a) splits dim 2 by 2 but input 1 (b) splits dim 1 by 1", "insert a Reshard"});
 }
 
 TEST(DeduceMatmul, InconsistentDeviceOrdersAreErrors) {
@@ -294,7 +307,8 @@ TEST(DeduceMatmul, WeightGradientOverSplitTokensIsPartial) {
     EXPECT_EQ(ag.of(dw), on({0, 1}, {{kP, 2}}, {kP})) << "split dim " << d;
   }
   // column-parallel dy: the gradient is split like the weight
-  AnnotatedGraph col = deduce(g, {{"dy", on({0, 1}, {{2, 2}}, {2})}, {"x", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
+  AnnotatedGraph col =
+      deduce(g, {{"dy", on({0, 1}, {{2, 2}}, {2})}, {"x", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
   EXPECT_EQ(col.of(dw), on({0, 1}, {{0, 2}}, {0}));
   // tokens cut 3:1 across two subgroups: partial across them
   const Annotation top = hetero({sub({0}), sub({1})}, 0, {3, 1});
@@ -308,7 +322,8 @@ TEST(DeduceMatmul, FlattenedTokensAgainstATwoDimOperand) {
   Tensor a = g.placeholder("a", {B, S, 8}, DType::F32);
   Tensor b = g.placeholder("b", {B * S, 4}, DType::F32);
   Tensor y = ops::matmul(a, b, true, false);
-  AnnotatedGraph ag = deduce(g, {{"a", on({0, 1}, {{0, 2}}, {0})}, {"b", on({0, 1}, {{0, 2}}, {0})}}, 2);
+  AnnotatedGraph ag =
+      deduce(g, {{"a", on({0, 1}, {{0, 2}}, {0})}, {"b", on({0, 1}, {{0, 2}}, {0})}}, 2);
   EXPECT_EQ(ag.of(y), on({0, 1}, {{kP, 2}}, {kP}));
   expect_error(g, {{"a", on({0, 1}, {{1, 2}}, {1})}, {"b", on({0, 1}, {{0, 2}}, {0})}}, 2,
                {"only a's dim 0 may be split"});
@@ -337,18 +352,20 @@ TEST(DeduceTopTier, MismatchedPartWeightsAreAnError) {
   Tensor a = g.placeholder("a", {B, 4}, DType::F32);
   Tensor b = g.placeholder("b", {B, 4}, DType::F32);
   ops::mul(a, b);
-  expect_error(g, {{"a", hetero({sub({0}), sub({1})}, 0, {3, 1})}, {"b", hetero({sub({0}), sub({1})}, 0)}}, 2,
-               {"different proportions [3, 1] vs [1, 1]"});
+  expect_error(
+      g, {{"a", hetero({sub({0}), sub({1})}, 0, {3, 1})}, {"b", hetero({sub({0}), sub({1})}, 0)}},
+      2, {"different proportions [3, 1] vs [1, 1]"});
   AnnotatedGraph ag = deduce(
-      g, {{"a", hetero({sub({0}), sub({1})}, 0, {2, 2})}, {"b", hetero({sub({0}), sub({1})}, 0)}}, 2);
+      g, {{"a", hetero({sub({0}), sub({1})}, 0, {2, 2})}, {"b", hetero({sub({0}), sub({1})}, 0)}},
+      2);
   EXPECT_EQ(ag.of(Tensor(&g, 2, 0)).hdim, 0);
 }
 
 TEST(DeduceTopTier, SplitAcrossSubgroupsMustMatchAcrossInputs) {
   Linear m;
   expect_error(m.g,
-               {{"x", hetero({sub({0}), sub({1})}, 2)}, {"w", hetero({sub({0}), sub({1})}, kDup)}}, 2,
-               {"splits dim 2 by 2 but", "across subgroups"});
+               {{"x", hetero({sub({0}), sub({1})}, 2)}, {"w", hetero({sub({0}), sub({1})}, kDup)}},
+               2, {"splits dim 2 by 2 but", "across subgroups"});
 }
 
 // ---- layout ops ----
@@ -365,7 +382,8 @@ TEST(DeduceReshape, SplitHeadsMapToTheOuterFactor) {
   Graph h;
   Tensor y = h.placeholder("y", {B, 8}, DType::F32);
   ops::reshape(y, {B, 2, 4});
-  expect_error(h, {{"y", on({0, 1, 2, 3}, {{1, 4}}, {1})}}, 4, {"output dim 1", "has size 2", "does not divide"});
+  expect_error(h, {{"y", on({0, 1, 2, 3}, {{1, 4}}, {1})}}, 4,
+               {"output dim 1", "has size 2", "does not divide"});
 }
 
 TEST(DeduceReshape, MergingTokensKeepsTheBatchSplit) {
@@ -375,11 +393,14 @@ TEST(DeduceReshape, MergingTokensKeepsTheBatchSplit) {
   AnnotatedGraph ag = deduce(g, {{"x", on({0, 1, 2, 3}, {{0, 2}, {kP, 2}}, {kP, 0})}}, 4);
   EXPECT_EQ(ag.of(flat), on({0, 1, 2, 3}, {{0, 2}, {kP, 2}}, {kP, 0}));
   // top tier: the 3:1 batch cut survives the flattening
-  AnnotatedGraph top = deduce(g, {{"x", hetero({sub({0, 1}, {{2, 2}}, {2}), sub({2})}, 0, {3, 1})}}, 3);
+  AnnotatedGraph top =
+      deduce(g, {{"x", hetero({sub({0, 1}, {{2, 2}}, {2}), sub({2})}, 0, {3, 1})}}, 3);
   EXPECT_EQ(top.of(flat), hetero({sub({0, 1}, {{1, 2}}, {1}), sub({2})}, 0, {3, 1}));
   // a sequence split is not contiguous in B*S
-  expect_error(g, {{"x", on({0, 1}, {{1, 2}}, {1})}}, 2, {"op 'reshape'", "merges it under dim 0", "not contiguous"});
-  expect_error(g, {{"x", hetero({sub({0}), sub({1})}, 1)}}, 2, {"across subgroups", "not contiguous"});
+  expect_error(g, {{"x", on({0, 1}, {{1, 2}}, {1})}}, 2,
+               {"op 'reshape'", "merges it under dim 0", "not contiguous"});
+  expect_error(g, {{"x", hetero({sub({0}), sub({1})}, 1)}}, 2,
+               {"across subgroups", "not contiguous"});
 }
 
 TEST(DeduceReshape, UnmatchableDimsAreAnError) {
@@ -405,7 +426,8 @@ TEST(DeduceLayout, SliceAndConcatNeedTheirAxisWhole) {
   AnnotatedGraph ag = deduce(g, {{"x", on({0, 1}, {{0, 2}}, {0})}}, 2);
   EXPECT_EQ(ag.of(s), on({0, 1}, {{0, 2}}, {0}));
   EXPECT_EQ(ag.of(c), on({0, 1}, {{0, 2}}, {0}));
-  expect_error(g, {{"x", on({0, 1}, {{1, 2}}, {1})}}, 2, {"op 'slice'", "slice takes a range of it"});
+  expect_error(g, {{"x", on({0, 1}, {{1, 2}}, {1})}}, 2,
+               {"op 'slice'", "slice takes a range of it"});
   Graph h;
   Tensor y = h.placeholder("y", {4, B}, DType::F32);
   ops::concat({y, y}, 0);
@@ -433,9 +455,12 @@ TEST(DeduceEmbedding, VocabHiddenAndTokenSplits) {
   Tensor ids = g.placeholder("ids", {B, S}, DType::I32);
   Tensor y = ops::embedding(w, ids);
   const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
-  EXPECT_EQ(deduce(g, {{"w", on({0, 1}, {{0, 2}}, {0})}, {"ids", dup}}, 2).of(y), on({0, 1}, {{kP, 2}}, {kP}));
-  EXPECT_EQ(deduce(g, {{"w", on({0, 1}, {{1, 2}}, {1})}, {"ids", dup}}, 2).of(y), on({0, 1}, {{2, 2}}, {2}));
-  EXPECT_EQ(deduce(g, {{"w", dup}, {"ids", on({0, 1}, {{0, 2}}, {0})}}, 2).of(y), on({0, 1}, {{0, 2}}, {0}));
+  EXPECT_EQ(deduce(g, {{"w", on({0, 1}, {{0, 2}}, {0})}, {"ids", dup}}, 2).of(y),
+            on({0, 1}, {{kP, 2}}, {kP}));
+  EXPECT_EQ(deduce(g, {{"w", on({0, 1}, {{1, 2}}, {1})}, {"ids", dup}}, 2).of(y),
+            on({0, 1}, {{2, 2}}, {2}));
+  EXPECT_EQ(deduce(g, {{"w", dup}, {"ids", on({0, 1}, {{0, 2}}, {0})}}, 2).of(y),
+            on({0, 1}, {{0, 2}}, {0}));
 }
 
 TEST(DeduceEmbedding, GradientIsPartialOverTokensAndSplitLikeTheVocab) {
@@ -458,9 +483,11 @@ TEST(DeduceNorm, HiddenDimMustBeWholeAndNoPartial) {
   Tensor w = g.parameter("w", {4});
   Tensor y = ops::rms_norm(x, w, 1e-6f);
   const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
-  EXPECT_EQ(deduce(g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"w", dup}}, 2).of(y), on({0, 1}, {{1, 2}}, {1}));
-  expect_error(g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"w", on({0, 1}, {{0, 2}}, {0})}}, 2,
-               {"op 'rms_norm' (node 2): input 0 (x) is split along dim 2", "rms_norm normalizes over it"});
+  EXPECT_EQ(deduce(g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"w", dup}}, 2).of(y),
+            on({0, 1}, {{1, 2}}, {1}));
+  expect_error(
+      g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"w", on({0, 1}, {{0, 2}}, {0})}}, 2,
+      {"op 'rms_norm' (node 2): input 0 (x) is split along dim 2", "rms_norm normalizes over it"});
   expect_error(g, {{"x", on({0, 1}, {{kP, 2}}, {kP})}, {"w", dup}}, 2,
                {"input 0 is partial; insert a Reshard to reduce it first"});
 }
@@ -470,7 +497,8 @@ TEST(DeduceNorm, WeightGradientIsPartialOverTokenSplits) {
   Tensor x = g.placeholder("x", {B, S, 4}, DType::F32);
   Tensor w = g.parameter("w", {4});
   std::vector<Tensor> grads = gradients(ops::reduce_sum(ops::rms_norm(x, w, 1e-6f)), {x, w});
-  AnnotatedGraph ag = deduce(g, {{"x", on({0, 1}, {{0, 2}}, {0})}, {"w", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
+  AnnotatedGraph ag =
+      deduce(g, {{"x", on({0, 1}, {{0, 2}}, {0})}, {"w", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
   EXPECT_EQ(ag.of(grads[0]), on({0, 1}, {{0, 2}}, {0}));
   EXPECT_EQ(ag.of(grads[1]), on({0, 1}, {{kP, 2}}, {kP}));
   EXPECT_EQ(find_node(g, "rms_norm_grad").op->type(), "rms_norm_grad");
@@ -481,11 +509,14 @@ TEST(DeduceRope, PositionsFollowTheTokenSplits) {
   Tensor x = g.placeholder("x", {B, S, 4, 2}, DType::F32);
   Tensor pos = g.placeholder("pos", {B, S}, DType::I32);
   Tensor y = ops::rope(x, pos, 10000.0f);
-  AnnotatedGraph ag = deduce(g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"pos", on({0, 1}, {{1, 2}}, {1})}}, 2);
+  AnnotatedGraph ag =
+      deduce(g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"pos", on({0, 1}, {{1, 2}}, {1})}}, 2);
   EXPECT_EQ(ag.of(y), on({0, 1}, {{1, 2}}, {1}));
-  AnnotatedGraph heads = deduce(g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"pos", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
+  AnnotatedGraph heads =
+      deduce(g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"pos", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
   EXPECT_EQ(heads.of(y), on({0, 1}, {{2, 2}}, {2}));
-  AnnotatedGraph partial = deduce(g, {{"x", on({0, 1}, {{kP, 2}}, {kP})}, {"pos", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
+  AnnotatedGraph partial =
+      deduce(g, {{"x", on({0, 1}, {{kP, 2}}, {kP})}, {"pos", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
   EXPECT_EQ(partial.of(y), on({0, 1}, {{kP, 2}}, {kP}));
   expect_error(g, {{"x", on({0, 1}, {{1, 2}}, {1})}, {"pos", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2,
                {"input 0 (x) splits dim 1 by 2 but input 1 (positions) splits dim 1 by 1"});
@@ -506,10 +537,12 @@ struct AttentionGraph {
 
 TEST(DeduceAttention, HeadsSplitConsistentlyAndBatchPasses) {
   AttentionGraph m(false);
-  AnnotatedGraph ag = deduce(m.g, {{"q", on({0, 1}, {{2, 2}}, {2})}, {"k", on({0, 1}, {{2, 2}}, {2})}}, 2);
+  AnnotatedGraph ag =
+      deduce(m.g, {{"q", on({0, 1}, {{2, 2}}, {2})}, {"k", on({0, 1}, {{2, 2}}, {2})}}, 2);
   EXPECT_EQ(ag.of(m.out), on({0, 1}, {{2, 2}}, {2}));
   EXPECT_EQ(ag.of(m.lse), on({0, 1}, {{1, 2}}, {1}));
-  AnnotatedGraph dp = deduce(m.g, {{"q", on({0, 1}, {{0, 2}}, {0})}, {"k", on({0, 1}, {{0, 2}}, {0})}}, 2);
+  AnnotatedGraph dp =
+      deduce(m.g, {{"q", on({0, 1}, {{0, 2}}, {0})}, {"k", on({0, 1}, {{0, 2}}, {0})}}, 2);
   EXPECT_EQ(dp.of(m.lse), on({0, 1}, {{0, 2}}, {0}));
   expect_error(m.g, {{"q", on({0, 1}, {{2, 2}}, {2})}, {"k", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2,
                {"input 0 (q) splits dim 2 by 2 but input 1 (k) splits dim 2 by 1"});
@@ -550,7 +583,8 @@ struct CrossEntropyGraph {
 TEST(DeduceCrossEntropy, TokenSplitsMakeTheLossPartial) {
   CrossEntropyGraph m;
   const Annotation batch = on({0, 1}, {{0, 2}}, {0});
-  AnnotatedGraph ag = deduce(m.g, {{"logits", batch}, {"targets", batch}, {"norm", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
+  AnnotatedGraph ag = deduce(
+      m.g, {{"logits", batch}, {"targets", batch}, {"norm", on({0, 1}, {{kDup, 2}}, {kDup})}}, 2);
   EXPECT_EQ(ag.of(m.loss), on({0, 1}, {{kP, 2}}, {kP}));
   EXPECT_EQ(ag.of(m.lse), batch);
 }
@@ -593,8 +627,9 @@ TEST(DeduceCrossEntropy, Errors) {
   expect_error(m.g, {{"logits", on({0, 1}, {{0, 2}}, {0})}, {"targets", dup}, {"norm", dup}}, 2,
                {"input 0 (logits) splits dim 0 by 2 but input 1 (targets) splits dim 0 by 1"});
   const Annotation top_dup = hetero({sub({0}), sub({1})}, kDup);
-  expect_error(m.g, {{"logits", hetero({sub({0}), sub({1})}, 2)}, {"targets", top_dup}, {"norm", top_dup}}, 2,
-               {"across subgroups, but the op reduces over it only inside a subgroup"});
+  expect_error(
+      m.g, {{"logits", hetero({sub({0}), sub({1})}, 2)}, {"targets", top_dup}, {"norm", top_dup}},
+      2, {"across subgroups, but the op reduces over it only inside a subgroup"});
 }
 
 // ---- constants ----
@@ -605,13 +640,15 @@ TEST(DeduceFill, FillLikeTurnsPartialIntoDup) {
   Tensor one = ops::fill_like(x, 1.0f);
   EXPECT_EQ(deduce(g, {{"x", on({0, 1, 2, 3}, {{kP, 2}, {kDup, 2}}, {kP, kDup})}}, 4).of(one),
             on({0, 1, 2, 3}, {{kDup, 4}}, {kDup}));
-  EXPECT_EQ(deduce(g, {{"x", hetero({sub({0, 1}, {{kP, 2}}, {kP}), sub({2})}, kPartial)}}, 3).of(one),
-            hetero({sub({0, 1}, {{kDup, 2}}, {kDup}), sub({2})}, kDup));
+  EXPECT_EQ(
+      deduce(g, {{"x", hetero({sub({0, 1}, {{kP, 2}}, {kP}), sub({2})}, kPartial)}}, 3).of(one),
+      hetero({sub({0, 1}, {{kDup, 2}}, {kDup}), sub({2})}, kDup));
   Graph h;
   Tensor y = h.placeholder("y", {B, 4}, DType::F32);
   ops::fill_like(y, 0.0f);
-  expect_error(h, {{"y", on({0, 1, 2, 3, 4, 5, 6, 7}, {{kP, 2}, {0, 2}, {kDup, 2}}, {kP, 0, kDup})}}, 8,
-               {"op 'fill_like'", "not adjacent"});
+  expect_error(h,
+               {{"y", on({0, 1, 2, 3, 4, 5, 6, 7}, {{kP, 2}, {0, 2}, {kDup, 2}}, {kP, 0, kDup})}},
+               8, {"op 'fill_like'", "not adjacent"});
 }
 
 TEST(DeduceFill, FillNeedsANameInThePlan) {
@@ -635,7 +672,8 @@ TEST(DeduceReshard, NamedFromPlanUnnamedIdentity) {
   EXPECT_EQ(ag.of(same), on({0, 1}, {{kDup, 2}}, {kDup}));
   EXPECT_EQ(ag.of(moved), there);
   expect_error(g, {{"x", on({0})}}, 4, {"[deduce] tensor 'moved' has no annotation in the plan"});
-  expect_error(g, {{"x", on({0})}, {"moved", on({0}, {{3, 1}})}}, 4, {"[annotation] tensor 'moved'"});
+  expect_error(g, {{"x", on({0})}, {"moved", on({0}, {{3, 1}})}}, 4,
+               {"[annotation] tensor 'moved'"});
 }
 
 TEST(DeduceReshard, GradientOfAReshardMirrorsTheForwardInput) {
@@ -649,7 +687,8 @@ TEST(DeduceReshard, GradientOfAReshardMirrorsTheForwardInput) {
   EXPECT_EQ(mirror.name, "backward.reduced");
   EXPECT_EQ(ops::reshard_mirror_of(mirror), r.node_id());
   EXPECT_EQ(ops::reshard_mirror_of(r.node()), -1);
-  Plan plan{{"x", on({0, 1}, {{1, 2}}, {1})}, {"w", on({0, 1}, {{1, 2}}, {1})},
+  Plan plan{{"x", on({0, 1}, {{1, 2}}, {1})},
+            {"w", on({0, 1}, {{1, 2}}, {1})},
             {"reduced", on({0, 1}, {{kDup, 2}}, {kDup})}};
   AnnotatedGraph ag = deduce(g, plan, 2);
   EXPECT_EQ(ag.of(y), on({0, 1}, {{kP, 2}}, {kP}));
@@ -755,8 +794,11 @@ TEST(DeduceGradients, DataParallelLlama) {
 // On one device everything is trivially annotated.
 TEST(DeduceGradients, SingleDeviceLlama) {
   LlamaGraph m = build_llama(tiny_llama(), true);
-  Plan plan{{"input_ids", on({0})}, {"targets", on({0})}, {"positions", on({0})},
-            {"normalizer", on({0})}, {"cu_seqlens", on({0})}};
+  Plan plan{{"input_ids", on({0})},
+            {"targets", on({0})},
+            {"positions", on({0})},
+            {"normalizer", on({0})},
+            {"cu_seqlens", on({0})}};
   for (const auto& name : m.names) plan[name] = on({0});
   AnnotatedGraph ag = deduce(*m.graph, plan, 1);
   for (int id = 0; id < m.graph->num_nodes(); ++id)

@@ -144,6 +144,32 @@ TEST(DryRun, ContextParallelStage) {
   EXPECT_EQ(kind_on(find(all, "model.layers.0.attn_input"), 1), CommKind::kAllGather);
 }
 
+// Tied embeddings: the first stage's embedding goes to the last stage as the
+// LM head, and its gradient comes back (still partial across pipelines) to
+// be summed with the embedding's own at gradient sync.
+TEST(DryRun, TiedEmbeddingsTravelBetweenStages) {
+  LlamaConfig c = tiny();
+  c.tie_word_embeddings = true;
+  const auto all = dry_run(compile_plan(c, hetero(), 8), Topology::uniform(8));
+  const CommKind forward = kind_on(find(all, "lm_head.weight"), 2);
+  EXPECT_TRUE(forward == CommKind::kRecv || forward == CommKind::kBsr) << kind_name(forward);
+  EXPECT_EQ(kind_on(find(all, "lm_head.weight"), 4), CommKind::kSend);  // rank 4 -> rank 6
+  EXPECT_EQ(kind_on(find(all, "backward.lm_head.weight"), 6), CommKind::kSend);
+  EXPECT_EQ(kind_on(find(all, "grad.model.embed_tokens.weight"), 0), CommKind::kSplitAllReduce);
+}
+
+// Tied embeddings with cp: the LM head's gradient is partial over the cp
+// ranks; it travels back pairwise and is summed at gradient sync.
+TEST(DryRun, TiedEmbeddingsWithContextParallel) {
+  LlamaConfig c = tiny();
+  c.tie_word_embeddings = true;
+  Strategy s;
+  s.pipelines = {pipeline(1, 2, {stage({0, 1, 2, 3}, 0, 1, 2), stage({4, 5, 6, 7}, 2, 3, 2)})};
+  const auto all = dry_run(compile_plan(c, s, 8), Topology::uniform(8));
+  EXPECT_EQ(kind_on(find(all, "backward.lm_head.weight"), 4), CommKind::kSend);
+  EXPECT_EQ(kind_on(find(all, "grad.model.embed_tokens.weight"), 0), CommKind::kAllReduce);
+}
+
 TEST(PlanJson, RoundTripsAndDryRunsTheSame) {
   const AnnotationPlan plan = compile_plan(tiny(), hetero(true), 8);
   const AnnotationPlan back = plan_from_json(to_json(plan));

@@ -9,8 +9,8 @@
 // holds_partial_sum(src)). A rank's plan is a list of phases, run in order.
 // A phase reads the rank's current buffer (box `in_box`) and writes a fresh
 // buffer (box `out_box`); when the phase ends, the fresh buffer becomes the
-// current one. Inside a phase, ops may run in any order or concurrently
-// (they are matched across ranks by their order in the phase):
+// current one, and every element of out_box has been written. Inside a
+// phase, ops may run in any order or concurrently:
 //   * all_reduce:      reads `box` (⊆ in_box), sums it over `group` and writes
 //                      the sum to `box` (⊆ out_box). contributes=false: this
 //                      rank adds zeros (it holds a copy another member adds).
@@ -21,13 +21,27 @@
 //   * local_slice:     copies `box` from the current to the fresh buffer.
 //   * send / recv / bsr: `sends` are read from the current buffer, `recvs`
 //                      written into the fresh one, `keeps` copied locally.
-//                      One message per peer: same-pair boxes are merged.
+//                      One message per peer and phase: same-pair boxes are
+//                      merged, and both sides list them in the same order.
 // The split_* kinds are the top-tier collectives: each of their ops works
 // like the bottom-tier op of the same name (split_all_reduce = all_reduce
-// over the finest slice `box`), and one rank may take part in several.
+// over the finest slice `box`), and one rank may take part in several. In
+// split ops a piece may be empty (numel 0: that member sends or receives
+// nothing), and split_reduce_scatter pieces repeat where a subgroup holds the
+// slice on several ranks (each of them receives it).
+// Matching. The phases of all ranks come from one global sequence; a rank
+// lists only the phases where it runs an op or its box changes (no phase at
+// all: the buffer is kept as it is). Hence two ranks list the ops they share
+// in the same relative order: a collective is matched across the members of
+// its group by its order among the rank's ops of the same kind and group,
+// and messages per (sender, receiver) pair in order.
 // After the last phase, every rank of the destination holds exactly its
 // local_box(dst) (the sum of its partial terms is the tensor where dst is
 // partial); ranks only in the source hold nothing (out_box empty).
+// Bytes (what a rank puts on / takes off links, ring-algorithm volumes):
+// all_reduce 2(n-1)/n·|box| each way; reduce_scatter sends |box|-|piece|,
+// receives (n-1)·|piece|; all_gather sends (n-1)·|piece|, receives
+// |box|-|piece|; point-to-point the exact transfer sizes; local_slice 0.
 #pragma once
 
 #include <cstdint>
@@ -92,7 +106,11 @@ struct CommPhase {
 // What one rank executes for one Reshard.
 struct RankResolution {
   int rank = -1;
-  CommKind kind = CommKind::kIdentity;  // the headline kind (the top-tier kind when any)
+  // The headline kind: the largest of the rank's ops in the order identity <
+  // local_slice < recv < send < all_gather < reduce_scatter < all_reduce <
+  // bsr < split_all_gather < split_reduce_scatter < split_all_reduce (so the
+  // top-tier kind when any).
+  CommKind kind = CommKind::kIdentity;
   std::vector<CommPhase> phases;
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
@@ -111,33 +129,46 @@ struct ReshardSpec {
 
 struct Resolution {
   std::string name;
-  CommKind kind = CommKind::kIdentity;   // the headline kind over all ranks
-  std::string tier;                      // "bottom", "top" or "bsr"
+  // The headline kind over all ranks (same order as RankResolution::kind):
+  // "send" for point-to-point between one pair or pairwise by position,
+  // "bsr" for a BSR among several pairs, "local_slice" when nothing moves.
+  CommKind kind = CommKind::kIdentity;
+  std::string tier;                      // "bottom" (case 1), "top" (case 2) or "bsr" (case 3 and fallbacks)
   std::map<int, RankResolution> ranks;   // every rank of src or dst
   int64_t total_bytes = 0;               // sum of bytes_sent over ranks
 };
 
-// Resolves `spec` (DESIGN §5):
-//  1. same hsize and hdim, per subgroup: same states -> identity (same
-//     devices) or pairwise send/recv; different states on the same devices
-//     -> all_reduce / reduce_scatter / all_gather / local_slice; otherwise
-//     BSR inside the subgroup;
-//  2. same hsize and subgroup devices, different hdim -> split_all_reduce
-//     (-2 -> -1), split_reduce_scatter (-2 -> d), split_all_gather (d -> -1),
-//     after bottom-tier alignment phases when the states differ;
+// Resolves `spec` (DESIGN §5, docs/resolver.md):
+//  1. same hsize, hdim and top-tier parts, per subgroup: same states ->
+//     identity (same devices) or pairwise send/recv by position; other
+//     states on the same devices -> partial terms reduced first (all_reduce,
+//     or reduce_scatter when the targets tile the box), then local_slice /
+//     all_gather, or a BSR inside the subgroup when neither fits; other
+//     devices and other states (no partial) -> BSR inside the subgroup;
+//  2. same hsize and subgroup device sets, different hdim -> split_all_reduce
+//     (-2 -> -1), split_reduce_scatter (-2 -> d), split_all_gather (d -> -1)
+//     over the finest slices, after bottom-tier alignment phases when the
+//     states differ; -1 -> d: each subgroup keeps its part (local_slice);
+//     no clean rule and no partial -> BSR;
 //  3. anything else without partial -> BSR over the finest slices, choosing
 //     for each needed slice: a copy the receiver already owns, else the owner
-//     with the fastest link, then the fewest bytes sent so far.
+//     with the fastest link, then the fewest bytes sent so far, then the
+//     lowest rank; O(slices x receivers).
+// Cost: boxes only, never per element; O(slices x group sizes) in each tier.
 // Throws hspmd::Error "[resolve] reshard '<name>': unsupported reshard from
 // <src> to <dst>: <why>" when partial values cannot be resolved, and
-// "[resolve] reshard '<name>': ..." when an annotation does not fit the shape
-// or names a rank outside the topology.
+// "[resolve] reshard '<name>': source|destination annotation: <rule>" when an
+// annotation is invalid, does not fit the shape, or names a rank outside the
+// topology.
 Resolution resolve(const ReshardSpec& spec, const Topology& topology);
 
 // JSON report of one resolution (what `plan explain --json` prints for it):
 // {"name", "kind", "tier", "total_bytes", "ranks": [{"rank", "kind",
-// "bytes_sent", "bytes_received", "ops": [{"kind", "group" | "peers",
-// "bytes"}]}]}; `only_rank` >= 0 keeps that rank alone.
+// "bytes_sent", "bytes_received", "ops": [{"phase", "kind", "group" |
+// "peers", "box", "bytes", "bytes_sent", "bytes_received"}]}]}; "group" for
+// collectives, "peers" (sorted, both directions) for send / recv / bsr, "box"
+// for collectives and local slices, "bytes" = sent + received. `only_rank`
+// >= 0 keeps that rank alone (none when it is not in the resolution).
 nlohmann::json to_json(const Resolution& resolution, int only_rank = -1);
 
 }  // namespace hspmd

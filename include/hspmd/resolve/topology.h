@@ -15,10 +15,10 @@ namespace hspmd {
 // CPU/CUDA backend enum of core/device.h.)
 struct DeviceSpec {
   std::string name;
-  double tflops = 0;             // dense bf16 TFLOP/s
-  double memory_gib = 0;         // device memory
-  double intra_node_gbps = 0;    // per-device link bandwidth inside a node (GB/s)
-  double inter_node_gbps = 0;    // per-device network bandwidth across nodes (GB/s)
+  double tflops = 0;             // dense bf16 TFLOP/s (required in JSON)
+  double memory_gib = 0;         // device memory (required in JSON)
+  double intra_node_gbps = 0;    // per-device link bandwidth inside a node (GB/s; JSON default 100)
+  double inter_node_gbps = 0;    // per-device network bandwidth across nodes (GB/s; JSON default 25)
 };
 
 // Per-rank facts.
@@ -43,15 +43,18 @@ class Topology {
   //    "nodes": [{"type": "H800", "ranks": [0, 7]},             // inclusive range
   //              {"type": "H20", "ranks": [8, 15], "slowdown": 2.0,
   //               "memory_cap_gib": 4}]}
-  // Nodes must cover ranks 0 .. N-1 exactly once; N is the world size.
-  // Throws hspmd::Error "[cluster] <where>: <rule>" (one line) for bad JSON
-  // types, unknown fields, an unknown device type, overlapping or missing
-  // ranks, non-positive bandwidths or slowdowns.
+  // Nodes must cover ranks 0 .. N-1 exactly once; N is the world size. Node
+  // i of the cluster is nodes[i]; "slowdown" defaults to 1, "memory_cap_gib"
+  // to 0 (none). Throws hspmd::Error "[cluster] <where>: <rule>" (one line)
+  // for bad JSON types, unknown or missing fields, an unknown device type,
+  // overlapping or missing ranks, non-positive numbers (memory_cap_gib may
+  // be 0).
   static Topology from_json(const nlohmann::json& j);
   // Reads and parses a file; errors name the file.
   static Topology load(const std::string& path);
 
   int world_size() const { return static_cast<int>(ranks_.size()); }
+  // Throw hspmd::Error "[cluster] rank r is outside the world" for a bad rank.
   const RankInfo& rank(int r) const;
   const DeviceSpec& device_type(int r) const;
   int node_of(int r) const { return rank(r).node; }
@@ -62,6 +65,9 @@ class Topology {
   double bandwidth(int a, int b) const;
   int num_nodes() const;
 
+  // The JSON form above (every catalog field written, nodes in rank order);
+  // from_json reads it back to the same topology (nodes renumbered in rank
+  // order).
   nlohmann::json to_json() const;
 
  private:
