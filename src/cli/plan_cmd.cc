@@ -97,9 +97,9 @@ struct ExplainOptions {
 
 // The kind a reshard is listed and counted under: the rank's own with --rank.
 std::optional<CommKind> kind_for(const PlannedReshard& r, const ExplainOptions& o) {
-  if (o.rank < 0) return r.resolution.kind;
-  auto it = r.resolution.ranks.find(o.rank);
-  if (it == r.resolution.ranks.end()) return std::nullopt;
+  if (o.rank < 0) return r.resolution().kind;
+  auto it = r.resolution().ranks.find(o.rank);
+  if (it == r.resolution().ranks.end()) return std::nullopt;
   return it->second.kind;
 }
 
@@ -134,7 +134,7 @@ void print_rank(std::ostream& os, const RankResolution& rr) {
 }
 
 void print_reshard(std::ostream& os, const PlannedReshard& r, const ExplainOptions& o) {
-  const Resolution& res = r.resolution;
+  const Resolution& res = r.resolution();
   os << r.name << "  [" << r.phase << "] " << kind_name(res.kind) << " (" << res.tier << "), total "
      << human_bytes(res.total_bytes) << "\n";
   // Ranks that only keep their data are noise in a big world; --all or --rank shows them.
@@ -168,7 +168,8 @@ void print_json(const std::vector<PlannedReshard>& reshards, const ExplainOption
   if (o.rank >= 0) out["rank"] = o.rank;
   for (const auto& r : reshards) {
     if (!listed(r, o)) continue;
-    nlohmann::json j = to_json(r.resolution, o.rank);
+    nlohmann::json j = to_json(r.resolution(), o.rank);
+    j["name"] = r.name;  // a shared resolution carries the first alike Reshard's name
     j["phase"] = r.phase;
     out["reshards"].push_back(std::move(j));
   }

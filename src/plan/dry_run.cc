@@ -30,6 +30,25 @@ Shape concrete_shape(const SymShape& shape, const Bindings& bindings, const std:
   }
 }
 
+// Layers of one stage repeat the same Reshards: resolve each distinct
+// (shape, dtype, source, destination) once.
+class ResolutionCache {
+ public:
+  explicit ResolutionCache(const Topology& topology) : topology_(topology) {}
+  std::shared_ptr<const Resolution> operator()(const ReshardSpec& spec) {
+    const std::string key = shape_str(spec.shape) + dtype_name(spec.dtype) + to_string(spec.src) +
+                            "|" + to_string(spec.dst);
+    auto it = cache_.find(key);
+    if (it == cache_.end())
+      it = cache_.emplace(key, std::make_shared<const Resolution>(resolve(spec, topology_))).first;
+    return it->second;
+  }
+
+ private:
+  const Topology& topology_;
+  std::map<std::string, std::shared_ptr<const Resolution>> cache_;
+};
+
 }  // namespace
 
 std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology) {
@@ -43,6 +62,7 @@ std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& 
   const Graph& g = *m.graph;
   const AnnotatedGraph annotated = deduce(g, plan.tensors, plan.world_size);
 
+  ResolutionCache resolve_cached(topology);
   std::vector<PlannedReshard> out;
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
@@ -53,13 +73,13 @@ std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& 
     spec.dtype = n.outputs[0].dtype;
     spec.src = annotated.of(n.inputs[0]);
     spec.dst = annotated.of(n.output(0));
-    out.push_back({spec.name, phase_of(n, m.loss.node_id()), resolve(spec, topology)});
+    out.push_back({spec.name, phase_of(n, m.loss.node_id()), resolve_cached(spec)});
   }
   for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
     if (it == plan.optimizer_states.end()) continue;
     ReshardSpec spec{"zero_gather." + name, shape, DType::F32, it->second, plan.tensors.at(name)};
-    out.push_back({spec.name, "zero_gather", resolve(spec, topology)});
+    out.push_back({spec.name, "zero_gather", resolve_cached(spec)});
   }
   return out;
 }

@@ -197,42 +197,35 @@ void plan_subgroup_bsr(PhasePlan& plan, const Layout& src, const Layout& dst, in
 
 }  // namespace
 
-std::optional<BottomTask> make_bottom_task(const Layout& src, int i, const std::map<int, Box>& targets,
-                                           const DistStates* dst_states, const DeviceGroup* dst_devices,
-                                           std::string* why) {
-  const Subgroup& g = src.subgroup(i);
-  const DistStates& s = g.states;
-  BottomTask task;
-  task.ranks = g.devices.ranks;
-  for (int r : task.ranks) {
-    task.from.push_back(src.ranks.at(r).box);
-    task.to.push_back(targets.at(r));
+namespace {
+
+// Partial terms that stay partial: one class per term, each rank keeping its
+// partial coordinate. False (and `why`) when the terms do not line up.
+bool partial_classes(const DistStates& s, const DistStates& d, const DeviceGroup& dst_devices, int i,
+                     BottomTask& task, std::string* why) {
+  const std::string where = "subgroup " + std::to_string(i);
+  if (s.degree(kPartial) != d.degree(kPartial)) {
+    *why = where + (s.has_partial() ? ": the partial degree changes from " + std::to_string(s.degree(kPartial)) +
+                                          " to " + std::to_string(d.degree(kPartial))
+                                    : ": partial destination from a non-partial source");
+    return false;
   }
-  const int n = static_cast<int>(task.ranks.size());
-  if (dst_states && dst_states->has_partial()) {
-    if (s.degree(kPartial) != dst_states->degree(kPartial)) {
-      *why = "subgroup " + std::to_string(i) +
-             (s.has_partial() ? ": the partial degree changes from " + std::to_string(s.degree(kPartial)) + " to " +
-                                    std::to_string(dst_states->degree(kPartial))
-                              : ": partial destination from a non-partial source");
-      return std::nullopt;
+  std::map<int, std::vector<int>> by_term;
+  for (int q = 0; q < static_cast<int>(task.ranks.size()); ++q) {
+    const int term = s.coordinate(q, kPartial);
+    if (term != d.coordinate(dst_devices.index_of(task.ranks[q]), kPartial)) {
+      *why = where + ": rank " + std::to_string(task.ranks[q]) + " would hold a different partial term";
+      return false;
     }
-    std::map<int, std::vector<int>> by_term;
-    for (int q = 0; q < n; ++q) {
-      const int term = s.coordinate(q, kPartial);
-      if (term != dst_states->coordinate(dst_devices->index_of(task.ranks[q]), kPartial)) {
-        *why = "subgroup " + std::to_string(i) + ": rank " + std::to_string(task.ranks[q]) +
-               " would hold a different partial term";
-        return std::nullopt;
-      }
-      by_term[term].push_back(q);
-    }
-    for (auto& [term, members] : by_term) task.classes.push_back(std::move(members));
-    return task;
+    by_term[term].push_back(q);
   }
-  task.classes.emplace_back();
-  for (int q = 0; q < n; ++q) task.classes[0].push_back(q);
-  if (!s.has_partial()) return task;
+  for (auto& [term, members] : by_term) task.classes.push_back(std::move(members));
+  return true;
+}
+
+// The sum sets of a partial source: ranks that differ only in their partial
+// coordinate, each set in partial-coordinate order.
+std::vector<std::vector<int>> sum_sets(const DistStates& s, int n) {
   std::map<std::vector<int>, std::map<int, int>> sets;  // other coordinates -> partial coordinate -> index
   const auto at = std::find(s.order.begin(), s.order.end(), kPartial) - s.order.begin();
   for (int q = 0; q < n; ++q) {
@@ -241,10 +234,33 @@ std::optional<BottomTask> make_bottom_task(const Layout& src, int i, const std::
     digits.erase(digits.begin() + at);
     sets[digits][term] = q;
   }
+  std::vector<std::vector<int>> out;
   for (auto& [key, members] : sets) {
-    task.sum_sets.emplace_back();
-    for (auto [term, q] : members) task.sum_sets.back().push_back(q);
+    out.emplace_back();
+    for (auto [term, q] : members) out.back().push_back(q);
   }
+  return out;
+}
+
+}  // namespace
+
+std::optional<BottomTask> make_bottom_task(const Layout& src, int i, const std::map<int, Box>& targets,
+                                           const DistStates* dst_states, const DeviceGroup* dst_devices,
+                                           std::string* why) {
+  const Subgroup& g = src.subgroup(i);
+  BottomTask task;
+  task.ranks = g.devices.ranks;
+  for (int r : task.ranks) {
+    task.from.push_back(src.ranks.at(r).box);
+    task.to.push_back(targets.at(r));
+  }
+  if (dst_states && dst_states->has_partial()) {
+    if (!partial_classes(g.states, *dst_states, *dst_devices, i, task, why)) return std::nullopt;
+    return task;
+  }
+  task.classes.emplace_back();
+  for (int q = 0; q < static_cast<int>(task.ranks.size()); ++q) task.classes[0].push_back(q);
+  if (g.states.has_partial()) task.sum_sets = sum_sets(g.states, static_cast<int>(task.ranks.size()));
   return task;
 }
 

@@ -177,6 +177,8 @@ class PhasePlan {
   Resolution finish(const std::string& name, const std::string& tier);
 
  private:
+  void emit_step(Step& step, std::map<int, std::optional<Box>>& cur, Resolution& res) const;
+
   const Layout& src_;
   const Layout& dst_;
   int64_t element_size_;

@@ -152,6 +152,34 @@ void PhasePlan::add_local_slice(size_t k, int rank, const Box& box) {
   step(k).ops[rank].push_back(slice_op(box));
 }
 
+// Appends step `s` to the ranks it touches; `cur` tracks each rank's box.
+void PhasePlan::emit_step(Step& s, std::map<int, std::optional<Box>>& cur, Resolution& res) const {
+  bool single_pair = false;
+  const std::map<int, RankMoves> moves = group_moves(s.moves, &single_pair);
+  std::vector<int> touched;
+  for (const auto& [rank, ops] : s.ops) touched.push_back(rank);
+  for (const auto& [rank, box] : s.out) touched.push_back(rank);
+  for (const auto& [rank, rm] : moves) touched.push_back(rank);
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (int rank : touched) {
+    HSPMD_CHECK(cur.count(rank), "rank ", rank, " is in neither annotation");
+    CommPhase ph;
+    std::optional<Box>& now = cur[rank];
+    ph.in_box = now;
+    auto out = s.out.find(rank);
+    ph.out_box = out == s.out.end() ? now : std::move(out->second);
+    auto ops = s.ops.find(rank);
+    if (ops != s.ops.end()) ph.ops = std::move(ops->second);
+    auto rm = moves.find(rank);
+    if (rm != moves.end())
+      append_p2p_ops(rm->second, single_pair, ph.in_box != ph.out_box, !ph.ops.empty(), element_size_, ph.ops);
+    if (ph.ops.empty() && ph.in_box == ph.out_box) continue;
+    now = ph.out_box;
+    res.ranks[rank].phases.push_back(std::move(ph));
+  }
+}
+
 Resolution PhasePlan::finish(const std::string& name, const std::string& tier) {
   Resolution res;
   res.name = name;
@@ -160,32 +188,7 @@ Resolution PhasePlan::finish(const std::string& name, const std::string& tier) {
   for (const auto& [rank, p] : src_.ranks) cur[rank] = p.box;
   for (const auto& [rank, p] : dst_.ranks) cur.emplace(rank, std::nullopt);
   for (const auto& [rank, box] : cur) res.ranks[rank].rank = rank;
-  for (Step& s : steps_) {
-    bool single_pair = false;
-    const std::map<int, RankMoves> moves = group_moves(s.moves, &single_pair);
-    std::vector<int> touched;
-    for (const auto& [rank, ops] : s.ops) touched.push_back(rank);
-    for (const auto& [rank, box] : s.out) touched.push_back(rank);
-    for (const auto& [rank, rm] : moves) touched.push_back(rank);
-    std::sort(touched.begin(), touched.end());
-    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
-    for (int rank : touched) {
-      HSPMD_CHECK(cur.count(rank), "rank ", rank, " is in neither annotation");
-      CommPhase ph;
-      std::optional<Box>& now = cur[rank];
-      ph.in_box = now;
-      auto out = s.out.find(rank);
-      ph.out_box = out == s.out.end() ? now : std::move(out->second);
-      auto ops = s.ops.find(rank);
-      if (ops != s.ops.end()) ph.ops = std::move(ops->second);
-      auto rm = moves.find(rank);
-      if (rm != moves.end())
-        append_p2p_ops(rm->second, single_pair, ph.in_box != ph.out_box, !ph.ops.empty(), element_size_, ph.ops);
-      if (ph.ops.empty() && ph.in_box == ph.out_box) continue;
-      now = ph.out_box;
-      res.ranks[rank].phases.push_back(std::move(ph));
-    }
-  }
+  for (Step& s : steps_) emit_step(s, cur, res);
   for (auto& [rank, rr] : res.ranks) {
     const Placement* want = dst_.find(rank);
     const std::optional<Box>& got = cur[rank];

@@ -24,8 +24,8 @@ std::vector<PlannedReshard> dry_run_example(const std::string& model, const std:
 std::string kind(const std::vector<PlannedReshard>& all, const std::string& name, int rank) {
   for (const auto& r : all)
     if (r.name == name) {
-      auto it = r.resolution.ranks.find(rank);
-      return it == r.resolution.ranks.end() ? "absent" : kind_name(it->second.kind);
+      auto it = r.resolution().ranks.find(rank);
+      return it == r.resolution().ranks.end() ? "absent" : kind_name(it->second.kind);
     }
   return "no reshard " + name;
 }

@@ -58,8 +58,8 @@ const PlannedReshard& find(const std::vector<PlannedReshard>& all, const std::st
 }
 
 CommKind kind_on(const PlannedReshard& r, int rank) {
-  auto it = r.resolution.ranks.find(rank);
-  return it == r.resolution.ranks.end() ? CommKind::kIdentity : it->second.kind;
+  auto it = r.resolution().ranks.find(rank);
+  return it == r.resolution().ranks.end() ? CommKind::kIdentity : it->second.kind;
 }
 
 TEST(CompilePlan, AnnotatesPipelinesAndStages) {
@@ -111,8 +111,8 @@ TEST(DryRun, HeteroPipelinesResolveToTheExpectedPrimitives) {
   EXPECT_EQ(grad.phase, "grad_sync");
   EXPECT_EQ(kind_on(grad, 0), CommKind::kSplitAllReduce);
   EXPECT_EQ(kind_on(grad, 4), CommKind::kSplitAllReduce);
-  EXPECT_GT(grad.resolution.total_bytes, 0);
-  EXPECT_EQ(grad.resolution.ranks.count(7), 0u);  // the idle rank does nothing
+  EXPECT_GT(grad.resolution().total_bytes, 0);
+  EXPECT_EQ(grad.resolution().ranks.count(7), 0u);  // the idle rank does nothing
 }
 
 TEST(DryRun, ZeroUsesSplitReduceScatterAndSplitAllGather) {

@@ -139,6 +139,17 @@ TEST(ResolveBottom, OtherDevicesAndStatesUseBsrInsideTheSubgroup) {
   EXPECT_EQ(r.kind, CommKind::kBsr);
 }
 
+TEST(ResolveBottom, TopTierPartialTermsMoveWithTheirSubgroups) {
+  Annotation src = ann({sg({0}), sg({1, 2}, {{S0, 2}})}, PART);
+  Annotation dst = ann({sg({3}), sg({4, 5}, {{S1, 2}})}, PART);
+  Resolution r = resolve_and_check(spec({4, 4}, src, dst), kWorld8);
+  EXPECT_EQ(r.ranks.at(3).kind, CommKind::kRecv);  // subgroup 0: pairwise
+  EXPECT_EQ(ops_of(r, 3)[0].recvs[0].peer, 0);
+  EXPECT_EQ(r.ranks.at(4).kind, CommKind::kBsr);   // subgroup 1: BSR among its own ranks
+  EXPECT_EQ(r.kind, CommKind::kBsr);
+  EXPECT_EQ(r.tier, "bottom");
+}
+
 // ---- top tier --------------------------------------------------------------
 
 TEST(ResolveTop, SplitAllReduceOverQuartersWithDifferentTpDegrees) {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,7 +62,11 @@ struct PlannedReshard {
   std::string name;       // the Reshard's name ("model.layers.3.input", "grad.<param>",
                           // "zero_gather.<param>", "backward.<name>")
   std::string phase;      // "forward", "backward", "grad_sync", "zero_gather"
-  Resolution resolution;
+  // Shared between Reshards that resolve alike (the layers of one stage);
+  // its `name` is the first such Reshard's: use `name` above.
+  std::shared_ptr<const Resolution> shared;
+
+  const Resolution& resolution() const { return *shared; }
 };
 
 // Deduces the annotated training graph of `plan` and resolves every Reshard
