@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 
 namespace hspmd {
 namespace {
@@ -118,17 +119,7 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
 }
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("[config] ", path, ": cannot open file");
-  std::stringstream text;
-  text << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(text.str());
-  } catch (const json::parse_error& e) {
-    fail("[config] ", path, ": not valid JSON (", e.what(), ")");
-  }
-  return from_json(j, path);
+  return from_json(read_json_file(path, "config"), path);
 }
 
 json LlamaConfig::to_json() const {

@@ -2,9 +2,9 @@
 // annotation against the tensor it names: the tensor must be a leaf or a
 // Reshard point of the model's training graph.
 #include <algorithm>
-#include <fstream>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/ops/ops.h"
 #include "hspmd/plan/plan.h"
@@ -121,14 +121,7 @@ AnnotationPlan plan_from_json(const json& j) {
 }
 
 AnnotationPlan load_plan(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("[plan] cannot read ", path);
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail("[plan] ", path, ": malformed JSON: ", e.what());
-  }
+  const json j = read_json_file(path, "plan");
   try {
     return plan_from_json(j);
   } catch (const Error& e) {

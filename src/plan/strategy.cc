@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 
 namespace hspmd {
 namespace {
@@ -214,17 +215,7 @@ std::vector<int> Strategy::ranks() const {
 Strategy strategy_from_json(const json& j) { return parse_strategy(j, ""); }
 
 Strategy load_strategy(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("[strategy] ", path, ": cannot open file");
-  std::stringstream text;
-  text << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(text.str());
-  } catch (const json::parse_error& e) {
-    fail("[strategy] ", path, ": not valid JSON (", e.what(), ")");
-  }
-  return parse_strategy(j, path);
+  return parse_strategy(read_json_file(path, "strategy"), path);
 }
 
 json to_json(const Strategy& strategy) {

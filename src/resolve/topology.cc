@@ -8,6 +8,7 @@
 #include <map>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 
 namespace hspmd {
 namespace {
@@ -139,16 +140,7 @@ Topology Topology::from_json(const json& j) {
 }
 
 Topology Topology::load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("[cluster] ", path, ": cannot open the file");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    std::string what = e.what();
-    std::replace(what.begin(), what.end(), '\n', ' ');
-    fail("[cluster] ", path, ": invalid JSON: ", what);
-  }
+  const json j = read_json_file(path, "cluster");
   try {
     return from_json(j);
   } catch (const Error& e) {
