@@ -135,6 +135,8 @@ class Communicator {
   void count_broadcast(int64_t count, int root);
   void count_send(int64_t count) { counters_->sent += count * 4; }
   void count_recv(int64_t count) { counters_->received += count * 4; }
+  // For a backend's groups, which share their world's counters.
+  const std::shared_ptr<ByteCounters>& shared_counters() const { return counters_; }
 
  private:
   std::shared_ptr<ByteCounters> counters_;

@@ -1,0 +1,42 @@
+// Runs one rank's part of a resolved Reshard (resolver.h) over a
+// communicator: the distributed twin of simulate() (simulate.h), following
+// the same EXECUTION MODEL phase by phase.
+#pragma once
+
+#include "hspmd/comm/communicator.h"
+#include "hspmd/core/ndarray.h"
+#include "hspmd/resolve/resolver.h"
+
+namespace hspmd {
+
+// Executes the phases of rank `rank` in `resolution` and returns its final
+// buffer: a fresh contiguous f32 array of its local_box(dst) (a partial term
+// where dst is partial), or an empty NDArray (valid() false) when it holds
+// nothing afterwards. `local_input` is its source shard (local_box(src), as
+// make_shards gives; ignored when it holds nothing before).
+//
+// `world` is the communicator whose ranks are the resolution's ranks: with
+// more than one member, `rank` must be world.rank(); a single-process world
+// runs any one rank whose phases need no other rank (identity, local_slice,
+// collectives over a group of one), and throws hspmd::Error "[comm] ... needs
+// MPI" otherwise. Every rank of the resolution must call execute with the
+// same resolution (ranks outside it need not), and ranks that share several
+// resolutions execute them in the same order. Collectives run on
+// world.group(op.group): the groups this rank needs are created up front in
+// sorted member-list order (deadlock-free creation); then in each phase every
+// collective and message is started non-blocking and all are waited together,
+// so ranks in several collectives of one phase cannot deadlock. Collectives of
+// one group are issued in the rank's op order, which the resolver keeps
+// consistent across members; messages use one tag on `world` and are matched
+// per pair in order (MPI's non-overtaking rule).
+//
+// Throws hspmd::Error for a non-f32 input or one whose shape is not the
+// rank's in_box, and on communication failures; InternalError when the
+// resolution is inconsistent (a phase whose in_box is not what the rank
+// holds, a box outside the buffer it reads or writes).
+NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world);
+
+// The point-to-point tag execute() uses on `world`.
+inline constexpr int kReshardTag = 0x5253;
+
+}  // namespace hspmd

@@ -1,0 +1,180 @@
+// The executor of a resolved Reshard over a communicator (execute.h). Each
+// phase: pack what the rank sends, start every collective and message of the
+// phase, wait them all, then unpack what arrived into the fresh buffer.
+#include "hspmd/comm/execute.h"
+
+#include <deque>
+#include <set>
+
+#include "hspmd/comm/pack.h"
+#include "hspmd/core/error.h"
+#include "resolve/internal.h"
+
+namespace hspmd {
+namespace {
+
+using resolve_internal::contains;
+
+bool is_collective(CommKind k) {
+  return k == CommKind::kAllReduce || k == CommKind::kReduceScatter || k == CommKind::kAllGather ||
+         k == CommKind::kSplitAllReduce || k == CommKind::kSplitReduceScatter || k == CommKind::kSplitAllGather;
+}
+bool gathers(CommKind k) { return k == CommKind::kAllGather || k == CommKind::kSplitAllGather; }
+bool scatters(CommKind k) { return k == CommKind::kReduceScatter || k == CommKind::kSplitReduceScatter; }
+
+int member_index(const CommOp& op, int rank) {
+  for (size_t i = 0; i < op.group.size(); ++i)
+    if (op.group[i] == rank) return static_cast<int>(i);
+  HSPMD_CHECK(false, "rank ", rank, " runs a ", kind_name(op.kind), " whose group lacks it");
+  return -1;
+}
+
+// Data that lands in the fresh buffer once the phase's requests complete:
+// `boxes` packed one after the other in `data`.
+struct Arrival {
+  const float* data = nullptr;
+  std::vector<Box> boxes;
+};
+
+class PhaseRun {
+ public:
+  PhaseRun(int rank, const std::optional<Box>& in_box, const NDArray& current, Communicator& world)
+      : rank_(rank), in_box_(in_box), current_(current), world_(world) {}
+
+  void start(const CommOp& op);
+  // Waits everything started and writes the arrivals and local copies.
+  NDArray finish(const std::optional<Box>& out_box);
+
+ private:
+  float* buffer(int64_t count) { return buffers_.emplace_back(static_cast<size_t>(count), 0.0f).data(); }
+  int64_t pack(const Box& region, float* out) const;
+  void start_collective(const CommOp& op);
+
+  int rank_;
+  const std::optional<Box>& in_box_;
+  const NDArray& current_;
+  Communicator& world_;
+  std::deque<std::vector<float>> buffers_;  // deque: pointers stay valid as it grows
+  std::vector<Request> requests_;
+  std::vector<Arrival> arrivals_;
+};
+
+int64_t PhaseRun::pack(const Box& region, float* out) const {
+  HSPMD_CHECK(in_box_ && contains(*in_box_, region), "rank ", rank_, " reads ", to_string(region),
+              " outside its in_box");
+  return pack_box(current_, *in_box_, region, out);
+}
+
+void PhaseRun::start_collective(const CommOp& op) {
+  const int me = member_index(op, rank_);
+  const bool contributes = op.contributes || gathers(op.kind);
+  std::vector<Box> send_boxes = gathers(op.kind) ? std::vector<Box>{op.pieces[me]}
+                                : scatters(op.kind) ? op.pieces
+                                                    : std::vector<Box>{op.box};
+  int64_t send_count = 0;
+  for (const Box& b : send_boxes) send_count += b.numel();
+  float* send = buffer(send_count);
+  if (contributes)
+    for (int64_t off = 0; const Box& b : send_boxes) off += pack(b, send + off);
+  std::vector<int64_t> counts;
+  for (const Box& b : op.pieces) counts.push_back(b.numel());
+  const bool alone = op.group.size() == 1;  // no communicator needed (nor possible on a stub)
+  if (op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce) {
+    if (!alone) requests_.push_back(world_.group(op.group).start_all_reduce(send, send_count));
+    arrivals_.push_back({send, {op.box}});
+  } else if (scatters(op.kind)) {
+    float* recv = alone ? send : buffer(counts[me]);
+    if (!alone) requests_.push_back(world_.group(op.group).start_reduce_scatter(send, recv, counts));
+    arrivals_.push_back({recv, {op.pieces[me]}});
+  } else {
+    HSPMD_CHECK(op.pieces.size() == op.group.size(), "all_gather with ", op.pieces.size(), " pieces");
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    float* recv = alone ? send : buffer(total);
+    if (!alone) requests_.push_back(world_.group(op.group).start_all_gather(send, recv, counts));
+    arrivals_.push_back({recv, op.pieces});
+  }
+}
+
+void PhaseRun::start(const CommOp& op) {
+  if (is_collective(op.kind)) start_collective(op);
+  if (op.kind == CommKind::kLocalSlice) {
+    float* copy = buffer(op.box.numel());
+    pack(op.box, copy);
+    arrivals_.push_back({copy, {op.box}});
+  }
+  for (const Box& b : op.keeps) {
+    float* copy = buffer(b.numel());
+    pack(b, copy);
+    arrivals_.push_back({copy, {b}});
+  }
+  for (const Transfer& t : op.sends) {
+    int64_t count = 0;
+    for (const Box& b : t.boxes) count += b.numel();
+    float* msg = buffer(count);
+    for (int64_t off = 0; const Box& b : t.boxes) off += pack(b, msg + off);
+    requests_.push_back(world_.start_send(msg, count, t.peer, kReshardTag));
+  }
+  for (const Transfer& t : op.recvs) {
+    int64_t count = 0;
+    for (const Box& b : t.boxes) count += b.numel();
+    float* msg = buffer(count);
+    requests_.push_back(world_.start_recv(msg, count, t.peer, kReshardTag));
+    arrivals_.push_back({msg, t.boxes});
+  }
+}
+
+NDArray PhaseRun::finish(const std::optional<Box>& out_box) {
+  world_.wait_all(requests_);
+  if (!out_box) return NDArray();
+  NDArray fresh = NDArray::zeros(out_box->shape(), DType::F32);
+  for (const Arrival& a : arrivals_) {
+    const float* p = a.data;
+    for (const Box& b : a.boxes) {
+      HSPMD_CHECK(contains(*out_box, b), "rank ", rank_, " writes ", to_string(b), " outside its out_box");
+      p += unpack_box(p, fresh, *out_box, b);
+    }
+  }
+  return fresh;
+}
+
+// Creates every group of more than one member this rank will use, in sorted
+// order: with one global order, collective creation cannot deadlock.
+void create_groups(const RankResolution& plan, Communicator& world) {
+  std::set<std::vector<int>> groups;
+  for (const CommPhase& ph : plan.phases)
+    for (const CommOp& op : ph.ops)
+      if (is_collective(op.kind) && op.group.size() > 1) groups.insert(op.group);
+  for (const std::vector<int>& g : groups) world.group(g);
+}
+
+}  // namespace
+
+NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world) {
+  if (world.size() > 1 && rank != world.rank())
+    fail("[comm] reshard '", resolution.name, "': execute for rank ", rank, " on rank ", world.rank());
+  auto it = resolution.ranks.find(rank);
+  if (it == resolution.ranks.end()) return NDArray();
+  const RankResolution& plan = it->second;
+  if (plan.phases.empty()) return local_input.valid() ? local_input.contiguous() : NDArray();
+  std::optional<Box> box = plan.phases[0].in_box;
+  NDArray current;
+  if (box) {
+    if (!local_input.valid() || local_input.dtype() != DType::F32 || local_input.shape() != box->shape())
+      fail("[comm] reshard '", resolution.name, "': rank ", rank, " needs an f32 input of shape ",
+           shape_str(box->shape()), " (its source box ", to_string(*box), ")");
+    current = local_input.contiguous();
+  }
+  create_groups(plan, world);
+  for (size_t p = 0; p < plan.phases.size(); ++p) {
+    const CommPhase& ph = plan.phases[p];
+    HSPMD_CHECK(ph.in_box == box, "rank ", rank, " phase ", p, ": in_box does not match its buffer");
+    PhaseRun run(rank, box, current, world);
+    for (const CommOp& op : ph.ops) run.start(op);
+    current = run.finish(ph.out_box);
+    box = ph.out_box;
+  }
+  return box ? current : NDArray();
+}
+
+}  // namespace hspmd

@@ -1,0 +1,22 @@
+# The communicator layer: the MPI backend when HSPMD_MPI is on and MPI is
+# found, else the single-process stub (no_mpi.cc); the executor either way.
+find_package(MPI COMPONENTS CXX QUIET)
+if(MPI_CXX_FOUND)
+  set(_hspmd_mpi_default ON)
+else()
+  set(_hspmd_mpi_default OFF)
+endif()
+option(HSPMD_MPI "Build the MPI communicator backend" ${_hspmd_mpi_default})
+
+target_sources(hspmd_lib PRIVATE communicator.cc pack.cc execute.cc)
+if(HSPMD_MPI AND MPI_CXX_FOUND)
+  target_sources(hspmd_lib PRIVATE mpi_communicator.cc)
+  target_link_libraries(hspmd_lib PUBLIC MPI::MPI_CXX)
+  set(HSPMD_MPI_ENABLED ON CACHE INTERNAL "Whether hspmd_lib has the MPI backend")
+else()
+  if(HSPMD_MPI)
+    message(WARNING "HSPMD_MPI is on but MPI was not found: building the single-process communicator")
+  endif()
+  target_sources(hspmd_lib PRIVATE no_mpi.cc)
+  set(HSPMD_MPI_ENABLED OFF CACHE INTERNAL "Whether hspmd_lib has the MPI backend")
+endif()

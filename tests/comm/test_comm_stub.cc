@@ -1,0 +1,122 @@
+// The single-process communicator and execute() on a world of one rank:
+// copies for collectives over one member, clear errors for anything needing
+// another rank; box packing.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "hspmd/comm/communicator.h"
+#include "hspmd/comm/execute.h"
+#include "hspmd/comm/pack.h"
+#include "hspmd/core/error.h"
+#include "resolve/resolve_test_util.h"
+
+namespace hspmd {
+namespace {
+
+using namespace hspmd::testing;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(SingleProcessCommunicator, CollectivesOverOneMemberAreCopies) {
+  auto comm = make_single_process_communicator();
+  EXPECT_EQ(comm->rank(), 0);
+  EXPECT_EQ(comm->size(), 1);
+  std::vector<float> a = {1, 2, 3}, b(3, 0.0f);
+  comm->all_reduce(a.data(), 3);
+  EXPECT_EQ(a, (std::vector<float>{1, 2, 3}));
+  comm->reduce_scatter(a.data(), b.data(), {3});
+  EXPECT_EQ(b, a);
+  std::fill(b.begin(), b.end(), 0.0f);
+  comm->all_gather(a.data(), b.data(), {2});
+  EXPECT_EQ(b, (std::vector<float>{1, 2, 0}));
+  comm->broadcast(a.data(), 3, 0);
+  comm->barrier();
+  EXPECT_EQ(&comm->group({0}), comm.get());
+  EXPECT_EQ(comm->bytes().sent, 0);
+}
+
+TEST(SingleProcessCommunicator, AnythingNeedingAnotherRankThrows) {
+  auto comm = make_single_process_communicator();
+  float x = 0;
+  EXPECT_EQ(error_of([&] { comm->group({0, 1}); }), "[comm] group of 2 ranks needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->send(&x, 1, 1); }), "[comm] send to rank 1 needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->recv(&x, 1, 0); }), "[comm] recv from rank 0 needs MPI (single-process communicator)");
+  EXPECT_NE(error_of([&] { comm->all_gather(&x, &x, {1, 1}); }), "");
+}
+
+TEST(SingleProcessCommunicator, WorldWithoutALauncherIsTheStub) {
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) GTEST_SKIP() << "launched by mpirun";
+  EXPECT_EQ(make_world_communicator()->size(), 1);
+}
+
+TEST(Pack, BoxesRoundTrip) {
+  const NDArray global = iota({6, 4});
+  const Box whole{{0, 0}, {6, 4}}, region{{1, 1}, {4, 3}};
+  std::vector<float> buf(6);
+  EXPECT_EQ(pack_box(global, whole, region, buf.data()), 6);
+  EXPECT_EQ(buf, (std::vector<float>{-120, -119, -116, -115, -112, -111}));
+  NDArray back = NDArray::zeros({6, 4}, DType::F32);
+  EXPECT_EQ(unpack_box(buf.data(), back, whole, region), 6);
+  EXPECT_EQ(back.to_vector()[5], -120.0f);
+  EXPECT_EQ(pack_box(global, whole, Box{{2, 0}, {2, 4}}, buf.data()), 0);
+  EXPECT_THROW(pack_box(global, region, whole, buf.data()), InternalError);
+}
+
+// Runs every rank of `s` alone on a single-process world and checks the outputs.
+std::string run_alone(const ReshardSpec& s) {
+  const Resolution res = resolve(s, Topology::uniform(4, 4));
+  const NDArray global = iota(s.shape);
+  std::map<int, NDArray> in = make_shards(global, s.src, 3), out;
+  auto world = make_single_process_communicator();
+  for (const auto& [rank, rr] : res.ranks) {
+    NDArray o = execute(res, rank, in.count(rank) ? in.at(rank) : NDArray(), *world);
+    if (o.valid()) out[rank] = o;
+  }
+  return check_shards(global, s.dst, out);
+}
+
+TEST(ExecuteAlone, IdentityAndLocalSlicesNeedNoOtherRank) {
+  const Annotation split = ann({sg({0, 1, 2, 3}, {{S0, 4}})});
+  const Annotation dup = ann({sg({0, 1, 2, 3}, {{DUP, 4}})});
+  const Annotation dup_split = ann({sg({0, 1, 2, 3}, {{DUP, 2}, {S1, 2}})});
+  EXPECT_EQ(run_alone(spec({8, 4}, split, split)), "");
+  EXPECT_EQ(run_alone(spec({8, 4}, dup, split)), "");
+  EXPECT_EQ(run_alone(spec({8, 4}, dup, dup_split)), "");
+  EXPECT_EQ(run_alone(spec({8, 4}, dup_split, ann({sg({0, 1, 2, 3}, {{S1, 2}, {S0, 2}})}))), "");
+}
+
+TEST(ExecuteAlone, CommunicationNeedsMpi) {
+  const Annotation split = ann({sg({0, 1, 2, 3}, {{S0, 4}})});
+  const Annotation dup = ann({sg({0, 1, 2, 3}, {{DUP, 4}})});
+  const std::string e = error_of([&] { run_alone(spec({8, 4}, split, dup)); });
+  EXPECT_NE(e.find("needs MPI"), std::string::npos) << e;
+}
+
+TEST(ExecuteAlone, RanksOutsideTheResolutionHoldNothing) {
+  const Annotation a = ann({sg({0, 1}, {{S0, 2}})});
+  const Resolution res = resolve(spec({4}, a, a), Topology::uniform(4, 4));
+  auto world = make_single_process_communicator();
+  EXPECT_FALSE(execute(res, 3, NDArray(), *world).valid());
+  const NDArray shard = NDArray::from_vector({2}, {5, 6});
+  EXPECT_EQ(execute(res, 1, shard, *world).to_vector(), shard.to_vector());
+}
+
+TEST(ExecuteAlone, WrongInputShapeThrows) {
+  const Annotation dup = ann({sg({0, 1}, {{DUP, 2}})});
+  const Annotation split = ann({sg({0, 1}, {{S0, 2}})});
+  const Resolution res = resolve(spec({4}, dup, split), Topology::uniform(4, 4));
+  auto world = make_single_process_communicator();
+  const std::string e = error_of([&] { execute(res, 0, NDArray::zeros({3}, DType::F32), *world); });
+  EXPECT_NE(e.find("needs an f32 input of shape [4]"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace hspmd
