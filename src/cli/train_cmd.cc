@@ -1,12 +1,71 @@
 // hspmd train: flags -> TrainOptions -> train().
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <memory>
 #include <thread>
 
 #include "commands.h"
 #include "flags.h"
+#include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/train/trainer.h"
 
+extern char** environ;
+
 namespace hspmd::cli {
+
+namespace {
+
+// Re-runs this command under `mpirun -np N` (without --nproc) and returns its
+// exit code: the job fails when any rank fails.
+int launch_ranks(int64_t nproc, const std::vector<std::string>& args) {
+  if (nproc < 1) fail("[flags] --nproc must be >= 1, got ", nproc);
+  char self[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) fail("[launch] cannot find the hspmd executable");
+  self[n] = '\0';
+  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                   std::to_string(nproc), self, "train"};
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--nproc") {
+      ++i;
+      continue;
+    }
+    if (args[i].rfind("--nproc=", 0) != 0) argv.push_back(args[i]);
+  }
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  pid_t pid;
+  if (posix_spawnp(&pid, "mpirun", nullptr, nullptr, cargv.data(), environ) != 0)
+    fail("[launch] cannot start mpirun (is Open MPI installed?)");
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
+
+// Distributed training on the MPI world: a failing rank prints its error and
+// ends the whole job, never leaving the others waiting.
+int train_on_ranks(const TrainOptions& o) {
+  std::unique_ptr<Communicator> world = make_world_communicator();
+  TrainOptions mine = o;
+  if (world->rank() != 0) mine.progress = false;
+  try {
+    train_distributed(mine, *world);
+  } catch (const std::exception& e) {
+    if (world->size() == 1) throw;
+    std::fprintf(stderr, "hspmd: error: rank %d: %s\n", world->rank(), e.what());
+    std::fflush(stderr);
+    world->abort(1);
+  }
+  return 0;
+}
+
+}  // namespace
 
 int train_command(const std::vector<std::string>& args) {
   TrainOptions o;
@@ -14,11 +73,13 @@ int train_command(const std::vector<std::string>& args) {
   int64_t seed = 0, warmup = 0, threads = std::max(1u, std::thread::hardware_concurrency());
   double lr = 3e-4, min_lr = 0.0;
   bool quiet = false;
+  int64_t nproc = 0;
   FlagSet f("train", "Train a Llama model (Hugging Face config and weights) on a token file.");
   f.add_string("model", &o.model_path, "Hugging Face config.json of the model", true);
   f.add_string("data", &o.data_path, "token file (.bin, little-endian uint32 ids)", true);
   f.add_int("seq-len", &o.seq_len, "tokens per sample", true);
-  f.add_int("global-batch", &o.global_batch, "samples per optimizer step", true);
+  f.add_int("global-batch", &o.global_batch,
+            "samples per optimizer step (required without --strategy; with it, must match)");
   f.add_int("steps", &o.steps, "optimizer steps", true);
   f.add_int("micro-batches", &o.micro_batches, "gradient accumulation steps per optimizer step (default 1)");
   f.add_string("optimizer", &optimizer, "adamw (default) or adam (L2 weight decay)");
@@ -39,6 +100,9 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("dump-grads", &o.dump_grads_path, "write the step-0 gradients here (safetensors)");
   f.add_int("threads", &threads, "CPU threads (default: all cores)");
   f.add_bool("quiet", &quiet, "no progress line on stderr");
+  f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
+  f.add_string("cluster", &o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
+  f.add_int("nproc", &nproc, "start this many local ranks through mpirun (with --strategy)");
   if (!f.parse(args)) return 0;
 
   if (optimizer != "adamw" && optimizer != "adam")
@@ -57,8 +121,15 @@ int train_command(const std::vector<std::string>& args) {
   o.schedule.min_lr = min_lr;
   o.schedule.warmup_steps = warmup;
   o.progress = !quiet;
-  train(o);
-  return 0;
+  if (nproc != 0) {
+    if (o.strategy_path.empty()) fail("[flags] --nproc needs --strategy");
+    return launch_ranks(nproc, args);
+  }
+  if (o.strategy_path.empty()) {
+    train(o);
+    return 0;
+  }
+  return train_on_ranks(o);
 }
 
 }  // namespace hspmd::cli

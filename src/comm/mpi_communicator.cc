@@ -70,6 +70,7 @@ class MpiCommunicator final : public Communicator {
   Request start_recv(float* data, int64_t count, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
 
  private:
   void check_counts(const std::vector<int64_t>& counts, const char* call, MpiRequest& r) const;

@@ -34,10 +34,18 @@ void reduce_sum(const NDArray& a, const std::vector<bool>& reduced, NDArray& out
 void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArray& out);
 
 // ---- model ops ----
-// out[t, :] = weight[ids[t], :]. Throws hspmd::Error on an id outside [0, V).
-void embedding(const NDArray& weight, const NDArray& ids, NDArray& out);
-// dweight = zeros, then dweight[ids[t], :] += grad[t, :] in token order.
-void embedding_backward(const NDArray& grad, const NDArray& ids, NDArray& dweight);
+// `weight` holds vocabulary rows [vocab_begin, vocab_begin + weight.dim(0)) of
+// a vocabulary of `vocab_size` (vocab parallel; the whole of it on one device:
+// 0, weight.dim(0)). out[t, :] = weight[ids[t] - vocab_begin, :] for the ids
+// it holds, zeros for the others (a partial sum over the vocab shards).
+// Throws hspmd::Error on an id outside [0, vocab_size).
+void embedding(const NDArray& weight, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
+               NDArray& out);
+// dweight (rows [vocab_begin, vocab_begin + dweight.dim(0)) of vocab_size) =
+// zeros, then dweight[ids[t] - vocab_begin, :] += grad[t, :] for the ids it
+// holds, in token order. Throws like embedding.
+void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
+                        int64_t vocab_size, NDArray& dweight);
 // out = x * rsqrt(mean(x^2, -1) + eps) * weight.
 void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out);
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
@@ -54,9 +62,29 @@ void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, 
 // Throws hspmd::Error on a target outside [0, V) that is not ignore_index.
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
                    int ignore_index, NDArray& loss, NDArray& lse);
-// dlogits = dloss * (exp(row - lse) - onehot(target)) / normalizer; zero for ignored rows.
+// Vocab-parallel cross-entropy, where `logits` holds vocabulary entries
+// [vocab_begin, vocab_begin + logits.dim(-1)) of vocab_size, in two steps
+// around the vocab group's communication:
+// 1. Per shard: local_lse[r] = logsumexp of the shard's row; target_logit[r]
+//    = row[target - vocab_begin] when the shard holds the target, else 0
+//    (both 0 for ignored rows). Throws hspmd::Error on a target outside
+//    [0, vocab_size) that is not ignore_index.
+void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
+                               int64_t vocab_begin, int64_t vocab_size, int ignore_index,
+                               NDArray& local_lse, NDArray& target_logit);
+// 2. From every shard's local_lse gathered as shard_lse [shards, rows] and
+//    target_logit summed over the shards: lse[r] = m + log Σ_s exp(shard_lse[s, r] - m)
+//    with m the max over shards (0 for ignored rows), and loss as above. The
+//    result depends on the inputs only, so every shard computes the same.
+void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit,
+                           const NDArray& targets, const NDArray& normalizer, int ignore_index,
+                           NDArray& loss, NDArray& lse);
+// dlogits = dloss * (exp(row - lse) - onehot(target)) / normalizer; zero for
+// ignored rows. `logits` holds vocabulary entries [vocab_begin, vocab_begin +
+// logits.dim(-1)) and `lse` the log-sum-exp over the whole vocabulary, so a
+// vocab shard needs no communication.
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
-                            NDArray& dlogits);
+                            int64_t vocab_begin, NDArray& dlogits);
 
 }  // namespace hspmd::kernels

@@ -6,6 +6,13 @@
 // vocab-parallel cross-entropy (the kernel reduces max, sum-exp and target
 // logit over the vocab group): loss and lse are dup there. No partial input;
 // the normalizer is a dup scalar. cross_entropy_grad is linear in dloss.
+// Compute under a distributed executor (ctx.shard) with logits holding vocab
+// [v0, v1) of V: per-shard log-sum-exp and target logit, an all-gather of the
+// one and an all-reduce of the other over the vocab group, then the global
+// lse and loss, the same on every member. The backward reads the global lse
+// and needs no communication.
+#include "hspmd/comm/communicator.h"
+#include "hspmd/core/error.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -13,6 +20,47 @@
 namespace hspmd::ops {
 
 namespace {
+
+// The vocab entries [begin, begin + local) of `size` that the logits (input
+// `input`) hold along their last dim; the whole local dim on one device.
+struct VocabRange {
+  int64_t begin;
+  int64_t size;
+  int64_t local;
+  bool whole() const { return begin == 0 && size == local; }
+};
+
+VocabRange vocab_range(const OpContext& ctx, int input, const NDArray& logits) {
+  const int64_t local = logits.dim(-1);
+  if (ctx.shard == nullptr) return {0, local, local};
+  const Box& box = ctx.shard->input_boxes.at(input);
+  const Shape& global = ctx.shard->input_global_shapes.at(input);
+  const size_t last = global.size() - 1;
+  HSPMD_CHECK(box.end.at(last) - box.begin.at(last) == local,
+              "cross_entropy: the logits' box does not match their local vocab");
+  return {box.begin[last], global[last], local};
+}
+
+// Vocab-parallel forward: local statistics, then the group's collectives
+// (started together, waited together), then the same combine on every member.
+void vocab_parallel_forward(const OpContext& ctx, const std::vector<NDArray>& in, int ignore_index,
+                            const VocabRange& v, std::vector<NDArray>& out) {
+  const NDArray logits = in[0].contiguous(), targets = in[1].contiguous();
+  const int64_t rows = targets.numel();
+  NDArray local_lse = NDArray::empty({rows}, DType::F32, logits.device());
+  NDArray target_logit = NDArray::empty({rows}, DType::F32, logits.device());
+  kernels::cross_entropy_shard_stats(logits, targets, v.begin, v.size, ignore_index, local_lse,
+                                     target_logit);
+  Communicator& group = ctx.shard->group_along(0, logits.ndim() - 1);
+  NDArray shard_lse = NDArray::empty({group.size(), rows}, DType::F32, logits.device());
+  std::vector<Request> pending;
+  pending.push_back(group.start_all_gather(local_lse.data<float>(), shard_lse.data<float>(),
+                                           std::vector<int64_t>(group.size(), rows)));
+  pending.push_back(group.start_all_reduce(target_logit.data<float>(), rows));
+  group.wait_all(pending);
+  kernels::cross_entropy_combine(shard_lse, target_logit, targets, in[2], ignore_index, out[0],
+                                 out[1]);
+}
 
 // Labels: tokens t0.., vocab v. Forward inputs: logits, targets, normalizer;
 // backward: dloss, logits, targets, normalizer, lse.
@@ -47,8 +95,9 @@ class CrossEntropyGradOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3], in[4],
-                                    ignore_index_, out[0]);
+    const VocabRange v = vocab_range(ctx, 1, in[1]);
+    kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3],
+                                    in[4].contiguous(), ignore_index_, v.begin, out[0]);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -81,8 +130,12 @@ class CrossEntropyOp final : public Op {
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
-    kernels::cross_entropy(in[0].contiguous(), in[1].contiguous(), in[2], ignore_index_, out[0],
-                           out[1]);
+    const VocabRange v = vocab_range(ctx, 0, in[0]);
+    if (v.whole())
+      kernels::cross_entropy(in[0].contiguous(), in[1].contiguous(), in[2], ignore_index_, out[0],
+                             out[1]);
+    else
+      vocab_parallel_forward(ctx, in, ignore_index_, v, out);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor logits = node.inputs[0], targets = node.inputs[1], norm = node.inputs[2];

@@ -5,6 +5,10 @@
 // device looks up its own rows, zeros elsewhere) gives a partial output.
 // embedding_grad: the token dims are summed over (partial weight gradient),
 // the hidden dim follows the gradient's, the vocab dim the forward weight's.
+// Under a distributed executor (ctx.shard) a weight holding vocab rows
+// [v0, v1) looks up / accumulates only the ids in that range; no
+// communication (the partial output is summed by a later Reshard).
+#include "hspmd/core/error.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -12,6 +16,23 @@
 namespace hspmd::ops {
 
 namespace {
+
+// The vocab rows a rank's weight (or weight gradient) holds: [begin, begin +
+// local rows) of `size`; the whole local dim on one device.
+struct VocabRange {
+  int64_t begin;
+  int64_t size;
+};
+
+VocabRange vocab_range(const OpContext& ctx, bool of_output, int64_t local_rows) {
+  if (ctx.shard == nullptr) return {0, local_rows};
+  const ShardContext& s = *ctx.shard;
+  const Box& box = of_output ? s.output_boxes.at(0) : s.input_boxes.at(0);
+  const Shape& global = of_output ? s.output_global_shapes.at(0) : s.input_global_shapes.at(0);
+  HSPMD_CHECK(box.end.at(0) - box.begin.at(0) == local_rows,
+              "embedding: the weight's box does not match its local rows");
+  return {box.begin[0], global.at(0)};
+}
 
 // Labels: tokens t0.. (ids' dims), vocab v, hidden h.
 DimRule embedding_rule(int ids_rank) {
@@ -38,7 +59,8 @@ class EmbeddingGradOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::embedding_backward(in[0].contiguous(), in[1].contiguous(), out[0]);
+    const VocabRange v = vocab_range(ctx, /*of_output=*/true, out[0].dim(0));
+    kernels::embedding_backward(in[0].contiguous(), in[1].contiguous(), v.begin, v.size, out[0]);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -80,7 +102,8 @@ class EmbeddingOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::embedding(in[0].contiguous(), in[1].contiguous(), out[0]);
+    const VocabRange v = vocab_range(ctx, /*of_output=*/false, in[0].dim(0));
+    kernels::embedding(in[0].contiguous(), in[1].contiguous(), v.begin, v.size, out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor weight = node.inputs[0], ids = node.inputs[1];

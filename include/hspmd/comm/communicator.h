@@ -110,6 +110,9 @@ class Communicator {
   // that world), then empties `requests`. Throws on the first failure.
   virtual void wait_all(std::vector<Request>& requests) = 0;
   virtual void barrier() = 0;
+  // Ends the whole job with exit code `code` after a rank failed, so that no
+  // other rank waits forever (MPI_Abort). Single process: returns.
+  virtual void abort(int code) = 0;
 
   // Blocking forms: start, then wait.
   void all_reduce(float* data, int64_t count);

@@ -3,9 +3,11 @@
 // kernel calls and its gradient.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "hspmd/annotation/annotation.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/graph/graph.h"
 
@@ -13,14 +15,34 @@ namespace hspmd {
 
 struct Annotation;     // hspmd/annotation/annotation.h
 struct DeduceContext;  // hspmd/annotation/deduce.h
+class Communicator;    // hspmd/comm/communicator.h
+
+// Where a rank's local arrays sit in the global tensors, for the few ops whose
+// local computation depends on it or needs its peers (vocab-parallel
+// embedding and cross-entropy, context-parallel attention). Set by the
+// distributed executor; absent (nullptr) on one device, where every array is
+// the whole tensor.
+struct ShardContext {
+  std::vector<Shape> input_global_shapes;  // one per input
+  std::vector<Box> input_boxes;            // the global box of each local input
+  std::vector<Shape> output_global_shapes;
+  std::vector<Box> output_boxes;
+  // The communicator over the ranks that hold the same data as this rank
+  // except along tensor dim `dim` of input `input` (the ranks sharing its
+  // split along that dim), ordered by their chunk along it. Throws
+  // InternalError when the executor cannot provide one.
+  std::function<Communicator&(int input, int dim)> group_along;
+};
 
 // What compute() gets besides its inputs: the concrete output shapes and
-// dtypes (from the shape rule under the run's symbol bindings) and the device.
+// dtypes (from the shape rule under the run's symbol bindings, or the local
+// shapes under a distributed executor) and the device.
 struct OpContext {
   std::vector<Shape> out_shapes;
   std::vector<DType> out_dtypes;
   Device device;
   const Bindings* bindings = nullptr;
+  const ShardContext* shard = nullptr;
 
   // A new contiguous array for output i (uninitialized).
   NDArray alloc(int i) const { return NDArray::empty(out_shapes[i], out_dtypes[i], device); }

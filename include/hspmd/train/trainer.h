@@ -19,6 +19,8 @@ struct TrainOptions {
   std::string save_path;        // optional safetensors written at the end
   std::string log_path;         // optional JSONL, one object per step
   std::string dump_grads_path;  // optional safetensors of the step-0 gradients
+  std::string strategy_path;    // distributed: strategy JSON (train_distributed)
+  std::string cluster_path;     // distributed: optional cluster JSON
   int64_t seq_len = 0;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
@@ -47,5 +49,18 @@ struct StepRecord {
 // step. Throws hspmd::Error (one line, naming the object and the rule) on any
 // bad input; nothing is written in that case.
 std::vector<StepRecord> train(const TrainOptions& options);
+
+class Communicator;
+
+// Distributed training under a strategy (options.strategy_path) on the ranks
+// of `world`: compiles the annotation plan for world.size() ranks, builds this
+// rank's ExecGraph, feeds each pipeline its own samples of the global batch,
+// syncs gradients by the plan's Reshards, runs AdamW on the rank's own shards
+// (ZeRO-1: on the optimizer-state shards, then gathers the parameters), and
+// reports the global loss. Every rank returns the same records; rank 0 writes
+// the log and the saved weights (full tensors, gathered through Reshards).
+// Throws hspmd::Error before the first step for a bad strategy, a world size
+// that does not fit it, or a --global-batch other than the strategy's.
+std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world);
 
 }  // namespace hspmd

@@ -62,9 +62,65 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
   loss.data<float>()[0] = static_cast<float>(total / normalizer.data<float>()[0]);
 }
 
+void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
+                               int64_t vocab_begin, int64_t vocab_size, int ignore_index,
+                               NDArray& local_lse, NDArray& target_logit) {
+  require_backend("cross_entropy", logits);
+  require_backend("cross_entropy", targets);
+  const int64_t v = logits.dim(-1), rows = targets.numel();
+  HSPMD_CHECK(logits.numel() == rows * v && local_lse.numel() == rows &&
+                  target_logit.numel() == rows,
+              "cross_entropy_shard_stats: sizes");
+  HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + v <= vocab_size,
+              "cross_entropy_shard_stats: vocab range");
+  check_targets(targets, vocab_size, ignore_index);
+  const float* x = logits.data<float>();
+  const int32_t* t = targets.data<int32_t>();
+  float* lse = local_lse.data<float>();
+  float* picked = target_logit.data<float>();
+#pragma omp parallel for schedule(static) if (rows * v > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    lse[r] = 0.0f;
+    picked[r] = 0.0f;
+    if (t[r] == ignore_index) continue;
+    const float* xr = x + r * v;
+    const RowStats st = row_stats(xr, v);
+    lse[r] = static_cast<float>(std::log(static_cast<double>(st.sum)) + st.max);
+    const int64_t local = t[r] - vocab_begin;
+    if (local >= 0 && local < v) picked[r] = xr[local];
+  }
+}
+
+void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit,
+                           const NDArray& targets, const NDArray& normalizer, int ignore_index,
+                           NDArray& loss, NDArray& lse) {
+  require_backend("cross_entropy", shard_lse);
+  const int64_t rows = targets.numel(), shards = shard_lse.dim(0);
+  HSPMD_CHECK(shard_lse.numel() == shards * rows && target_logit.numel() == rows &&
+                  lse.numel() == rows && loss.numel() == 1,
+              "cross_entropy_combine: sizes");
+  const float* part = shard_lse.data<float>();
+  const float* picked = target_logit.data<float>();
+  const int32_t* t = targets.data<int32_t>();
+  float* out_lse = lse.data<float>();
+  double total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    out_lse[r] = 0.0f;
+    if (t[r] == ignore_index) continue;
+    double m = part[r];
+    for (int64_t s = 1; s < shards; ++s) m = std::max(m, static_cast<double>(part[s * rows + r]));
+    double sum = 0;
+    for (int64_t s = 0; s < shards; ++s) sum += std::exp(part[s * rows + r] - m);
+    const double l = m + std::log(sum);
+    out_lse[r] = static_cast<float>(l);
+    total += l - picked[r];
+  }
+  loss.data<float>()[0] = static_cast<float>(total / normalizer.data<float>()[0]);
+}
+
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
-                            NDArray& dlogits) {
+                            int64_t vocab_begin, NDArray& dlogits) {
   require_backend("cross_entropy_backward", logits);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v,
@@ -81,9 +137,9 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
       std::memset(dr, 0, v * sizeof(float));
       continue;
     }
-    const float* xr = x + r * v;
-    vec::exp_scale(xr, v, row_lse[r], g, dr);
-    dr[t[r]] -= g;
+    vec::exp_scale(x + r * v, v, row_lse[r], g, dr);
+    const int64_t local = t[r] - vocab_begin;
+    if (local >= 0 && local < v) dr[local] -= g;
   }
 }
 

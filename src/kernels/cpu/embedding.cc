@@ -21,25 +21,35 @@ void check_ids(const NDArray& ids, int64_t vocab) {
 
 }  // namespace
 
-void embedding(const NDArray& weight, const NDArray& ids, NDArray& out) {
+void embedding(const NDArray& weight, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
+               NDArray& out) {
   require_backend("embedding", weight);
   require_backend("embedding", ids);
-  const int64_t vocab = weight.dim(0), hidden = weight.dim(1), tokens = ids.numel();
+  const int64_t rows = weight.dim(0), hidden = weight.dim(1), tokens = ids.numel();
   HSPMD_CHECK(out.numel() == tokens * hidden, "embedding: output size");
-  check_ids(ids, vocab);
+  HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + rows <= vocab_size, "embedding: vocab range");
+  check_ids(ids, vocab_size);
   const int32_t* id = ids.data<int32_t>();
   const float* w = weight.data<float>();
   float* y = out.data<float>();
 #pragma omp parallel for schedule(static) if (tokens * hidden > 65536)
-  for (int64_t t = 0; t < tokens; ++t)
-    std::memcpy(y + t * hidden, w + static_cast<int64_t>(id[t]) * hidden, hidden * sizeof(float));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t row = id[t] - vocab_begin;
+    if (row >= 0 && row < rows)
+      std::memcpy(y + t * hidden, w + row * hidden, hidden * sizeof(float));
+    else
+      std::memset(y + t * hidden, 0, hidden * sizeof(float));
+  }
 }
 
-void embedding_backward(const NDArray& grad, const NDArray& ids, NDArray& dweight) {
+void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
+                        int64_t vocab_size, NDArray& dweight) {
   require_backend("embedding_backward", grad);
-  const int64_t vocab = dweight.dim(0), hidden = dweight.dim(1), tokens = ids.numel();
+  const int64_t rows = dweight.dim(0), hidden = dweight.dim(1), tokens = ids.numel();
   HSPMD_CHECK(grad.numel() == tokens * hidden, "embedding_backward: grad size");
-  check_ids(ids, vocab);
+  HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + rows <= vocab_size,
+              "embedding_backward: vocab range");
+  check_ids(ids, vocab_size);
   const int32_t* id = ids.data<int32_t>();
   const float* g = grad.data<float>();
   float* dw = dweight.data<float>();
@@ -52,9 +62,11 @@ void embedding_backward(const NDArray& grad, const NDArray& ids, NDArray& dweigh
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t h0 = b * kBlock, h1 = std::min(hidden, h0 + kBlock);
     for (int64_t t = 0; t < tokens; ++t) {
-      float* row = dw + static_cast<int64_t>(id[t]) * hidden;
+      const int64_t row = id[t] - vocab_begin;
+      if (row < 0 || row >= rows) continue;
+      float* dst = dw + row * hidden;
       const float* src = g + t * hidden;
-      for (int64_t h = h0; h < h1; ++h) row[h] += src[h];
+      for (int64_t h = h0; h < h1; ++h) dst[h] += src[h];
     }
   }
 }

@@ -1,0 +1,79 @@
+// ExecGraph: one rank's executable graph (paper §6.2, DESIGN §6). From the
+// annotation plan it builds the Llama training graph with its Reshard points,
+// deduces every annotation, keeps the nodes this rank runs, and resolves every
+// Reshard it takes part in (the same resolver the dry run uses). Running it
+// feeds local arrays, computes local shards, and executes the resolved
+// communication through a Communicator.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hspmd/annotation/deduce.h"
+#include "hspmd/comm/communicator.h"
+#include "hspmd/graph/executor.h"
+#include "hspmd/models/llama.h"
+#include "hspmd/plan/plan.h"
+
+namespace hspmd {
+
+class ExecGraph {
+ public:
+  // `bindings`: the concrete sizes of the symbolic dims of one micro-batch
+  // step ("B": the summed micro-batch sizes of the pipelines, "S": the
+  // sequence length). Throws the deduction's and the resolver's errors.
+  ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank, Bindings bindings);
+
+  int rank() const { return rank_; }
+  const LlamaGraph& model() const { return model_; }
+  // The annotation of a leaf, a named Reshard output or a parameter gradient
+  // after gradient sync ("grad.<param>").
+  const Annotation& annotation(const std::string& name) const;
+  // The global box of `name` this rank holds, or nullopt; `global_shape` is
+  // its full shape.
+  std::optional<Box> local_box(const std::string& name, const Shape& global_shape) const;
+
+  // The loss tensor's annotation (which ranks hold a term of it).
+  const Annotation& loss_annotation() const { return annotated_->of(model_.loss); }
+
+  struct MicroBatch {
+    std::optional<float> loss;                   // this rank's loss term, when it holds one
+    std::map<std::string, NDArray> raw_grads;    // local parameter gradients before sync
+  };
+  // Forward and backward of one micro-batch. `values`: this rank's local
+  // placeholders and parameter shards, by name.
+  MicroBatch run_micro_batch(const ValueMap& values, Communicator& world) const;
+
+  // Gradient sync: each accumulated raw gradient through its grad.<param>
+  // Reshard; returns the synced local gradients (optimizer-state layout).
+  std::map<std::string, NDArray> sync_gradients(const std::map<std::string, NDArray>& raw,
+                                                Communicator& world) const;
+
+  // Moves a local array of `name` from annotation `from` to `to` (e.g. a ZeRO
+  // gather, or gathering a parameter to rank 0 for saving).
+  NDArray reshard(const std::string& name, const Shape& shape, const Annotation& from,
+                  const Annotation& to, const NDArray& local, Communicator& world) const;
+
+ private:
+  struct NodeExec;
+  const AnnotationPlan& plan_;
+  const Topology& topology_;
+  int rank_;
+  Bindings bindings_;
+  LlamaGraph model_;
+  std::unique_ptr<AnnotatedGraph> annotated_;
+  std::vector<int> order_;                         // node ids this rank runs, in graph order
+  std::map<int, Resolution> resolutions_;          // reshard node id -> resolution
+  std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
+};
+
+// Whether `rank` holds the representative copy of its value under `a`: the
+// first subgroup only when subgroups are copies (hdim -1), and inside its
+// subgroup the rank with dup coordinate 0. Summing a quantity over the
+// representatives counts every distinct value (or partial term) once.
+bool is_representative(const Annotation& a, int rank);
+
+}  // namespace hspmd

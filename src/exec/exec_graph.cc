@@ -1,0 +1,188 @@
+#include "hspmd/exec/exec_graph.h"
+
+#include "hspmd/comm/execute.h"
+#include "hspmd/core/error.h"
+#include "hspmd/graph/op.h"
+#include "hspmd/ops/ops.h"
+
+namespace hspmd {
+
+namespace {
+
+bool is_leaf(const Node& n) {
+  const std::string t = n.op->type();
+  return t == "placeholder" || t == "parameter";
+}
+
+bool is_reshard(const Node& n) { return n.op->type() == "reshard"; }
+
+// The communication layer moves f32; token ids and positions (i32, < 2^24)
+// travel exactly as f32.
+NDArray execute_any(const Resolution& r, int rank, const NDArray& in, Communicator& world) {
+  if (!in.valid() || in.dtype() == DType::F32) return execute(r, rank, in, world);
+  NDArray out = execute(r, rank, in.to(DType::F32), world);
+  if (!out.valid()) return out;
+  NDArray back = NDArray::empty(out.shape(), in.dtype());
+  const float* src = out.data<float>();
+  int32_t* dst = back.data<int32_t>();
+  for (int64_t i = 0; i < out.numel(); ++i) dst[i] = static_cast<int32_t>(src[i]);
+  return back;
+}
+
+// The ranks of `rank`'s subgroup under `a` whose coordinates equal its own on
+// every key but split(dim), ordered by their chunk along dim.
+std::vector<int> ranks_along(const Annotation& a, int rank, int dim) {
+  const Subgroup& g = a.subgroups.at(a.subgroup_of(rank));
+  const std::vector<int> mine = g.states.coordinates(g.devices.index_of(rank));
+  std::vector<std::pair<int, int>> found;  // (chunk, rank)
+  for (int q = 0; q < g.devices.size(); ++q) {
+    const std::vector<int> c = g.states.coordinates(q);
+    bool same = true;
+    for (size_t k = 0; k < c.size(); ++k)
+      if (g.states.order[k] != dim && c[k] != mine[k]) same = false;
+    if (same) found.push_back({g.states.coordinate(q, dim), g.devices.ranks[q]});
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<int> ranks;
+  for (auto [chunk, r] : found) ranks.push_back(r);
+  return ranks;
+}
+
+}  // namespace
+
+bool is_representative(const Annotation& a, int rank) {
+  const int g = a.subgroup_of(rank);
+  if (g < 0 || (a.hdim == kDup && g != 0)) return false;
+  const Subgroup& sub = a.subgroups[g];
+  return sub.states.coordinate(sub.devices.index_of(rank), kDup) == 0;
+}
+
+ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank,
+                     Bindings bindings)
+    : plan_(plan), topology_(topology), rank_(rank), bindings_(std::move(bindings)) {
+  LlamaBuildOptions options;
+  options.reshard_points = true;
+  options.context_parallel = true;
+  model_ = build_llama(plan.model, options);
+  const Graph& g = *model_.graph;
+  annotated_ = std::make_unique<AnnotatedGraph>(deduce(g, plan.tensors, plan.world_size));
+  for (int id = 0; id < g.num_nodes(); ++id) {
+    const Node& n = g.node(id);
+    if (is_reshard(n)) {
+      ReshardSpec spec{n.name, eval_shape(n.outputs[0].shape, bindings_), n.outputs[0].dtype,
+                       annotated_->of(n.inputs[0]), annotated_->of(n.output(0))};
+      Resolution r = resolve(spec, topology_);
+      const bool mine = r.ranks.count(rank_) > 0;
+      resolutions_.emplace(id, std::move(r));
+      if (n.name.rfind("grad.", 0) == 0) {
+        grad_sync_node_[n.name.substr(5)] = id;
+        continue;  // gradient sync runs once per step, not per micro-batch
+      }
+      if (mine) order_.push_back(id);
+    } else if (annotated_->of(n.output(0)).contains(rank_)) {
+      order_.push_back(id);
+    }
+  }
+}
+
+const Annotation& ExecGraph::annotation(const std::string& name) const {
+  auto it = plan_.tensors.find(name);
+  if (it == plan_.tensors.end()) fail("[exec] no annotation for '", name, "'");
+  return it->second;
+}
+
+std::optional<Box> ExecGraph::local_box(const std::string& name, const Shape& global_shape) const {
+  return hspmd::local_box(annotation(name), global_shape, rank_);
+}
+
+struct ExecGraph::NodeExec {
+  const ExecGraph& eg;
+  const Node& node;
+
+  Box box_of(const Tensor& t, const Shape& global) const {
+    auto box = hspmd::local_box(eg.annotated_->of(t), global, eg.rank_);
+    HSPMD_CHECK(box.has_value(), "rank ", eg.rank_, " does not hold an input of node ", node.id);
+    return *box;
+  }
+
+  std::vector<NDArray> compute(const std::vector<NDArray>& inputs, Communicator& world) const {
+    ShardContext shard;
+    OpContext ctx;
+    ctx.bindings = &eg.bindings_;
+    ctx.shard = &shard;
+    for (const Tensor& in : node.inputs) {
+      shard.input_global_shapes.push_back(eval_shape(in.shape(), eg.bindings_));
+      shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
+    }
+    for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
+      shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, eg.bindings_));
+      shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
+      ctx.out_shapes.push_back(shard.output_boxes.back().shape());
+      ctx.out_dtypes.push_back(node.outputs[i].dtype);
+    }
+    shard.group_along = [&](int input, int dim) -> Communicator& {
+      return world.group(ranks_along(eg.annotated_->of(node.inputs.at(input)), eg.rank_, dim));
+    };
+    std::vector<NDArray> outputs(node.outputs.size());
+    node.op->compute(ctx, inputs, outputs);
+    for (size_t i = 0; i < outputs.size(); ++i)
+      HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
+                  node.op->type(), " output ", i, " has the wrong local shape");
+    return outputs;
+  }
+};
+
+ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communicator& world) const {
+  const Graph& g = *model_.graph;
+  std::vector<std::vector<NDArray>> slots(g.num_nodes());
+  for (int id : order_) {
+    const Node& n = g.node(id);
+    if (is_leaf(n)) {
+      auto it = values.find(n.name);
+      if (it == values.end()) fail("[exec] rank ", rank_, ": no local value for '", n.name, "'");
+      slots[id] = {it->second};
+      continue;
+    }
+    std::vector<NDArray> inputs;
+    for (const Tensor& in : n.inputs) {
+      const auto& s = slots[in.node_id()];
+      inputs.push_back(s.empty() ? NDArray() : s[in.index()]);
+    }
+    if (is_reshard(n))
+      slots[id] = {execute_any(resolutions_.at(id), rank_, inputs[0], world)};
+    else
+      slots[id] = NodeExec{*this, n}.compute(inputs, world);
+  }
+  MicroBatch out;
+  const auto& loss = slots[model_.loss.node_id()];
+  if (!loss.empty()) out.loss = loss[0].data<float>()[0];
+  for (const auto& [name, id] : grad_sync_node_) {
+    const Tensor raw = g.node(id).inputs[0];
+    const auto& s = slots[raw.node_id()];
+    if (!s.empty() && s[raw.index()].valid()) out.raw_grads[name] = s[raw.index()];
+  }
+  return out;
+}
+
+std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::string, NDArray>& raw,
+                                                         Communicator& world) const {
+  std::map<std::string, NDArray> synced;
+  for (const std::string& name : model_.names) {  // the same order on every rank
+    const int id = grad_sync_node_.at(name);
+    const Resolution& r = resolutions_.at(id);
+    if (!r.ranks.count(rank_)) continue;
+    auto it = raw.find(name);
+    NDArray out = execute(r, rank_, it == raw.end() ? NDArray() : it->second, world);
+    if (out.valid()) synced[name] = out;
+  }
+  return synced;
+}
+
+NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const Annotation& from,
+                           const Annotation& to, const NDArray& local, Communicator& world) const {
+  const Resolution r = resolve(ReshardSpec{name, shape, DType::F32, from, to}, topology_);
+  if (!r.ranks.count(rank_)) return NDArray();
+  return execute(r, rank_, local, world);
+}
+
+}  // namespace hspmd

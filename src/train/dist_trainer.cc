@@ -1,0 +1,236 @@
+// The distributed training loop: one ExecGraph per rank, pipelines fed with
+// their own samples, gradient sync and the ZeRO gathers through the plan's
+// Reshards, AdamW on local shards.
+#include <chrono>
+#include <cmath>
+#include <fstream>
+
+#include "hspmd/comm/communicator.h"
+#include "hspmd/core/error.h"
+#include "hspmd/core/threads.h"
+#include "hspmd/exec/exec_graph.h"
+#include "hspmd/io/safetensors.h"
+#include "hspmd/optim/adam.h"
+#include "hspmd/plan/plan.h"
+#include "train/train_common.h"
+
+namespace hspmd {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+NDArray slice_box(const NDArray& full, const Box& box) {
+  NDArray v = full;
+  for (int d = 0; d < full.ndim(); ++d) v = v.slice(d, box.begin[d], box.end[d]);
+  return v.contiguous().clone();
+}
+
+// The pipeline a rank belongs to, or -1 when idle.
+int pipeline_of(const Strategy& s, int rank) {
+  for (size_t p = 0; p < s.pipelines.size(); ++p)
+    for (const Stage& st : s.pipelines[p].stages)
+      for (int r : st.ranks)
+        if (r == rank) return static_cast<int>(p);
+  return -1;
+}
+
+double all_reduce_scalar(double v, Communicator& world) {
+  float x = static_cast<float>(v);
+  std::vector<Request> req;
+  req.push_back(world.start_all_reduce(&x, 1));
+  world.wait_all(req);
+  return x;
+}
+
+class DistTrainer {
+ public:
+  DistTrainer(const TrainOptions& o, Communicator& world)
+      : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)),
+        strategy_(load_strategy(o.strategy_path)) {
+    if (o.global_batch != 0 && o.global_batch != strategy_.global_batch())
+      fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
+           strategy_.global_batch());
+    CompileOptions co;
+    co.seq_len = o.seq_len;
+    plan_ = compile_plan(config_, strategy_, world.size(), co);
+    topology_ = o.cluster_path.empty() ? Topology::uniform(world.size()) : Topology::load(o.cluster_path);
+    if (topology_.world_size() != world.size())
+      fail("[cluster] ", o.cluster_path, " has ", topology_.world_size(), " ranks but the job has ",
+           world.size());
+    int64_t batch = 0;
+    for (const Pipeline& p : strategy_.pipelines) batch += p.micro_batch_size;
+    graph_ = std::make_unique<ExecGraph>(plan_, topology_, world.rank(),
+                                         Bindings{{"B", batch}, {"S", o.seq_len}});
+    pipeline_ = pipeline_of(strategy_, world.rank());
+  }
+
+  std::vector<StepRecord> run();
+
+ private:
+  void init_parameters();
+  ValueMap feeds(const TokenData& data, int64_t step, int micro) const;
+  double global_grad_norm(std::map<std::string, NDArray>& synced) const;
+  void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
+  void save() const;
+
+  const TrainOptions& o_;
+  Communicator& world_;
+  LlamaConfig config_;
+  Strategy strategy_;
+  AnnotationPlan plan_;
+  Topology topology_ = Topology::uniform(1);
+  std::unique_ptr<ExecGraph> graph_;
+  int pipeline_ = -1;
+  std::map<std::string, Shape> shapes_;
+  std::map<std::string, NDArray> params_;  // local shards, parameter layout
+  std::map<std::string, NDArray> master_;  // ZeRO: local shards, optimizer-state layout
+};
+
+void DistTrainer::init_parameters() {
+  std::map<std::string, NDArray> full =
+      o_.init_path.empty()
+          ? init_llama_parameters(config_, o_.seed)
+          : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
+  for (auto& [name, array] : full) {
+    shapes_[name] = array.shape();
+    if (auto box = graph_->local_box(name, array.shape())) params_[name] = slice_box(array, *box);
+    auto st = plan_.optimizer_states.find(name);
+    if (st == plan_.optimizer_states.end()) continue;
+    if (auto box = hspmd::local_box(st->second, array.shape(), world_.rank()))
+      master_[name] = slice_box(array, *box);
+  }
+}
+
+// This rank's placeholders for micro-batch `micro` of `step`: the conceptual
+// micro-batch step stacks every pipeline's micro-batch (part k = pipeline k's
+// samples), and the rank keeps its local box of it.
+ValueMap DistTrainer::feeds(const TokenData& data, int64_t step, int micro) const {
+  int64_t rows = 0;
+  for (const Pipeline& p : strategy_.pipelines) rows += p.micro_batch_size;
+  NDArray ids = NDArray::zeros({rows, o_.seq_len}, DType::I32);
+  NDArray targets = NDArray::zeros({rows, o_.seq_len}, DType::I32);
+  NDArray positions = NDArray::zeros({rows, o_.seq_len}, DType::I32);
+  int64_t row = 0, first = step * strategy_.global_batch();
+  for (const Pipeline& p : strategy_.pipelines) {
+    for (int b = 0; b < p.micro_batch_size && micro < p.micro_batches; ++b) {
+      const int64_t at = (row + b) * o_.seq_len;
+      data.sample(first + micro * p.micro_batch_size + b, o_.seq_len, ids.data<int32_t>() + at,
+                  targets.data<int32_t>() + at);
+      for (int64_t s = 0; s < o_.seq_len; ++s) positions.data<int32_t>()[at + s] = s;
+    }
+    row += p.micro_batch_size;
+    first += p.batch();
+  }
+  NDArray norm = NDArray::empty({}, DType::F32);
+  norm.fill(static_cast<float>(strategy_.global_batch() * o_.seq_len));
+  ValueMap v(params_.begin(), params_.end());
+  for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
+                                     {"positions", positions}, {"normalizer", norm}})
+    if (auto box = graph_->local_box(name, full.shape())) v[name] = slice_box(full, *box);
+  return v;
+}
+
+double DistTrainer::global_grad_norm(std::map<std::string, NDArray>& synced) const {
+  double sumsq = 0;
+  for (const auto& [name, g] : synced) {
+    if (!is_representative(graph_->annotation("grad." + name), world_.rank())) continue;
+    const float* x = g.data<float>();
+    for (int64_t i = 0; i < g.numel(); ++i) sumsq += static_cast<double>(x[i]) * x[i];
+  }
+  const double norm = std::sqrt(all_reduce_scalar(sumsq, world_));
+  if (o_.clip_grad > 0 && norm > o_.clip_grad) {
+    const float scale = static_cast<float>(o_.clip_grad / (norm + 1e-6));
+    for (auto& [name, g] : synced)
+      for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] *= scale;
+  }
+  return norm;
+}
+
+void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr) {
+  adam.begin_step();
+  for (const std::string& name : graph_->model().names) {  // the same order on every rank
+    const bool decay = shapes_.at(name).size() >= 2;
+    auto st = plan_.optimizer_states.find(name);
+    auto g = synced.find(name);
+    if (st == plan_.optimizer_states.end()) {
+      if (g != synced.end()) adam.update(name, params_.at(name), g->second, lr, decay);
+      continue;
+    }
+    if (g != synced.end()) adam.update(name, master_.at(name), g->second, lr, decay);
+    auto m = master_.find(name);
+    NDArray gathered = graph_->reshard("zero_gather." + name, shapes_.at(name), st->second,
+                                       graph_->annotation(name),
+                                       m == master_.end() ? NDArray() : m->second, world_);
+    if (gathered.valid()) params_[name] = gathered;
+  }
+}
+
+void DistTrainer::save() const {
+  Annotation rank0;
+  rank0.subgroups = {Subgroup{DeviceGroup{{0}}, DistStates{}}};
+  std::map<std::string, NDArray> out;
+  for (const std::string& name : graph_->model().names) {
+    auto p = params_.find(name);
+    NDArray full = graph_->reshard("save." + name, shapes_.at(name), graph_->annotation(name), rank0,
+                                   p == params_.end() ? NDArray() : p->second, world_);
+    if (world_.rank() == 0) out.emplace(name, full.to(o_.save_dtype));
+  }
+  if (world_.rank() == 0) save_safetensors(o_.save_path, out);
+}
+
+std::vector<StepRecord> DistTrainer::run() {
+  const TokenData data = TokenData::load(o_.data_path, config_.vocab_size);
+  data.num_samples(o_.seq_len);
+  init_parameters();
+  Adam adam(o_.adam);
+  LrSchedule schedule = o_.schedule;
+  schedule.total_steps = o_.steps;
+  std::ofstream log;
+  if (world_.rank() == 0 && !o_.log_path.empty()) log.open(o_.log_path);
+  const int micro_batches = pipeline_ < 0 ? 0 : strategy_.pipelines[pipeline_].micro_batches;
+  const Annotation& loss_annotation = graph_->loss_annotation();
+  std::vector<StepRecord> records;
+  const auto start = Clock::now();
+  for (int64_t step = 0; step < o_.steps; ++step) {
+    const auto t0 = Clock::now();
+    std::map<std::string, NDArray> raw;
+    double loss = 0;
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      ExecGraph::MicroBatch mb = graph_->run_micro_batch(feeds(data, step, micro), world_);
+      if (mb.loss) loss += *mb.loss;
+      for (auto& [name, g] : mb.raw_grads) {
+        auto it = raw.find(name);
+        if (it == raw.end()) raw.emplace(name, g.clone());
+        else for (int64_t i = 0; i < g.numel(); ++i) it->second.data<float>()[i] += g.data<float>()[i];
+      }
+    }
+    StepRecord r;
+    r.step = step;
+    r.loss = all_reduce_scalar(is_representative(loss_annotation, world_.rank()) ? loss : 0.0, world_);
+    std::map<std::string, NDArray> synced = graph_->sync_gradients(raw, world_);
+    r.grad_norm = global_grad_norm(synced);
+    r.lr = schedule.at(step);
+    optimizer_step(adam, synced, r.lr);
+    r.tokens = strategy_.global_batch() * o_.seq_len;
+    r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    r.tokens_per_s = r.tokens / r.step_time_s;
+    if (log.is_open()) log << train_common::record_json(r).dump() << "\n" << std::flush;
+    if (world_.rank() == 0 && o_.progress)
+      train_common::print_progress(r, o_.steps,
+                                   std::chrono::duration<double>(Clock::now() - start).count());
+    records.push_back(r);
+  }
+  if (!o_.save_path.empty()) save();
+  return records;
+}
+
+}  // namespace
+
+std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world) {
+  set_num_threads(options.threads);
+  DistTrainer trainer(options, world);
+  return trainer.run();
+}
+
+}  // namespace hspmd
