@@ -28,7 +28,7 @@ int launch_ranks(int64_t nproc, const std::vector<std::string>& args) {
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) fail("[launch] cannot find the hspmd executable");
   self[n] = '\0';
-  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+  std::vector<std::string> argv = {"mpirun", "--quiet", "--allow-run-as-root", "--oversubscribe", "-np",
                                    std::to_string(nproc), self, "train"};
   for (size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--nproc") {
@@ -56,6 +56,10 @@ int train_on_ranks(const TrainOptions& o) {
   if (world->rank() != 0) mine.progress = false;
   try {
     train_distributed(mine, *world);
+  } catch (const SetupFailure& e) {
+    if (world->size() == 1) throw;
+    if (e.reporter()) std::fprintf(stderr, "hspmd: error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     if (world->size() == 1) throw;
     std::fprintf(stderr, "hspmd: error: rank %d: %s\n", world->rank(), e.what());

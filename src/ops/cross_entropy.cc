@@ -3,8 +3,8 @@
 // dlogits; targets and normalizer get no gradient.
 // Deduction: token splits of logits (targets alike) make the loss partial
 // (hdim over tokens: -2) and pass to lse; a vocab split inside a subgroup is
-// vocab-parallel cross-entropy (the kernel reduces max, sum-exp and target
-// logit over the vocab group): loss and lse are dup there. No partial input;
+// vocab-parallel cross-entropy (compute combines log-sum-exps and target
+// logits over the vocab group): loss and lse are dup there. No partial input;
 // the normalizer is a dup scalar. cross_entropy_grad is linear in dloss.
 // Compute under a distributed executor (ctx.shard) with logits holding vocab
 // [v0, v1) of V: per-shard log-sum-exp and target logit, an all-gather of the

@@ -1,6 +1,7 @@
 // The distributed training loop: one ExecGraph per rank, pipelines fed with
 // their own samples, gradient sync and the ZeRO gathers through the plan's
 // Reshards, AdamW on local shards.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -48,6 +49,14 @@ class DistTrainer {
   DistTrainer(const TrainOptions& o, Communicator& world)
       : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)),
         strategy_(load_strategy(o.strategy_path)) {
+    if (o.seq_len <= 0 || o.seq_len > config_.max_position_embeddings)
+      fail("[flags] --seq-len ", o.seq_len, " must be in [1, max_position_embeddings ",
+           config_.max_position_embeddings, "] of ", o.model_path);
+    if (o.steps <= 0) fail("[flags] --steps must be positive, got ", o.steps);
+    if (o.clip_grad < 0) fail("[flags] --clip-grad must be >= 0, got ", o.clip_grad);
+    if (!(o.schedule.lr > 0)) fail("[flags] --lr must be positive, got ", o.schedule.lr);
+    train_common::check_output_path("--save", o.save_path);
+    train_common::check_output_path("--log", o.log_path);
     if (o.global_batch != 0 && o.global_batch != strategy_.global_batch())
       fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
            strategy_.global_batch());
@@ -65,6 +74,8 @@ class DistTrainer {
     pipeline_ = pipeline_of(strategy_, world.rank());
   }
 
+  // Reads the data and the initial weights (errors before any step).
+  void prepare();
   std::vector<StepRecord> run();
 
  private:
@@ -82,6 +93,7 @@ class DistTrainer {
   Topology topology_ = Topology::uniform(1);
   std::unique_ptr<ExecGraph> graph_;
   int pipeline_ = -1;
+  std::unique_ptr<TokenData> data_;
   std::map<std::string, Shape> shapes_;
   std::map<std::string, NDArray> params_;  // local shards, parameter layout
   std::map<std::string, NDArray> master_;  // ZeRO: local shards, optimizer-state layout
@@ -179,10 +191,14 @@ void DistTrainer::save() const {
   if (world_.rank() == 0) save_safetensors(o_.save_path, out);
 }
 
-std::vector<StepRecord> DistTrainer::run() {
-  const TokenData data = TokenData::load(o_.data_path, config_.vocab_size);
-  data.num_samples(o_.seq_len);
+void DistTrainer::prepare() {
+  data_ = std::make_unique<TokenData>(TokenData::load(o_.data_path, config_.vocab_size));
+  data_->num_samples(o_.seq_len);
   init_parameters();
+}
+
+std::vector<StepRecord> DistTrainer::run() {
+  const TokenData& data = *data_;
   Adam adam(o_.adam);
   LrSchedule schedule = o_.schedule;
   schedule.total_steps = o_.steps;
@@ -229,8 +245,24 @@ std::vector<StepRecord> DistTrainer::run() {
 
 std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world) {
   set_num_threads(options.threads);
-  DistTrainer trainer(options, world);
-  return trainer.run();
+  // Setup errors (strategy, world size, data, weights) are agreed on by all
+  // ranks before any step: the lowest failing rank reports, every rank exits.
+  std::unique_ptr<DistTrainer> trainer;
+  std::string error;
+  try {
+    trainer = std::make_unique<DistTrainer>(options, world);
+    trainer->prepare();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  std::vector<float> failed(world.size(), 0.0f);
+  const float mine = error.empty() ? 0.0f : 1.0f;
+  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
+  const auto first = std::find(failed.begin(), failed.end(), 1.0f);
+  if (first != failed.end())
+    throw SetupFailure(error.empty() ? "[train] setup failed on another rank" : error,
+                       first - failed.begin() == world.rank());
+  return trainer->run();
 }
 
 }  // namespace hspmd

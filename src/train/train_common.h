@@ -2,14 +2,23 @@
 #pragma once
 
 #include <cstdio>
+#include <filesystem>
 
 #include <nlohmann/json.hpp>
 
+#include "hspmd/core/error.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/train/trainer.h"
 
 namespace hspmd::train_common {
+
+inline void check_output_path(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  auto dir = std::filesystem::absolute(path).parent_path();
+  if (!std::filesystem::is_directory(dir))
+    fail("[flags] ", flag, " ", path, ": directory ", dir.string(), " does not exist");
+}
 
 // The feeds of one micro-batch: `count` consecutive samples from `first`.
 inline ValueMap make_batch(const TokenData& data, int64_t first, int64_t count, int64_t seq_len,

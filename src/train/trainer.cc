@@ -25,13 +25,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace train_common;
 
-void check_output_path(const std::string& flag, const std::string& path) {
-  if (path.empty()) return;
-  auto dir = std::filesystem::absolute(path).parent_path();
-  if (!std::filesystem::is_directory(dir))
-    fail("[flags] ", flag, " ", path, ": directory ", dir.string(), " does not exist");
-}
-
 void check_options(const TrainOptions& o, const LlamaConfig& c) {
   if (o.seq_len <= 0) fail("[flags] --seq-len must be positive, got ", o.seq_len);
   if (o.seq_len > c.max_position_embeddings)

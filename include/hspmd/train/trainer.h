@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hspmd/core/dtype.h"
+#include "hspmd/core/error.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/optim/lr_schedule.h"
 
@@ -51,6 +52,17 @@ struct StepRecord {
 std::vector<StepRecord> train(const TrainOptions& options);
 
 class Communicator;
+
+// A setup error of distributed training, known to every rank; `reporter` is
+// true on the one rank that should print it (the lowest failing rank).
+class SetupFailure : public Error {
+ public:
+  SetupFailure(const std::string& what, bool reporter) : Error(what), reporter_(reporter) {}
+  bool reporter() const { return reporter_; }
+
+ private:
+  bool reporter_;
+};
 
 // Distributed training under a strategy (options.strategy_path) on the ranks
 // of `world`: compiles the annotation plan for world.size() ranks, builds this
