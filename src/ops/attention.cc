@@ -83,6 +83,18 @@ DimRule attention_rule(size_t n_in, bool backward, bool context_parallel) {
   return rule;
 }
 
+// Under a distributed executor, q (input 0) must hold whole sequences: the
+// context-parallel kernel (exchanging keys and values between the cp ranks)
+// does not exist yet, and attending over a sequence chunk would be wrong.
+void require_whole_sequences(const OpContext& ctx) {
+  if (ctx.shard == nullptr) return;
+  const Box& q = ctx.shard->input_boxes.at(0);
+  const int64_t s = ctx.shard->input_global_shapes.at(0).at(1);
+  if (q.begin.at(1) != 0 || q.end.at(1) != s)
+    fail("[attention] context parallelism (a sequence split over cp ranks) is planned and "
+         "deduced but not executable yet: use cp = 1 to train");
+}
+
 NDArray optional_input(const std::vector<NDArray>& in, size_t i) {
   return i < in.size() ? in[i].contiguous() : NDArray();
 }
@@ -106,6 +118,7 @@ class AttentionGradOp final : public Op {
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
+    require_whole_sequences(ctx);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
     kernels::attention_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(),
                                 in[3].contiguous(), in[4].contiguous(), in[5].contiguous(),
@@ -137,6 +150,7 @@ class AttentionOp final : public Op {
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
+    require_whole_sequences(ctx);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
     kernels::attention_forward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(),

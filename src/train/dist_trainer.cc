@@ -60,6 +60,11 @@ class DistTrainer {
     if (o.global_batch != 0 && o.global_batch != strategy_.global_batch())
       fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
            strategy_.global_batch());
+    for (const Pipeline& p : strategy_.pipelines)
+      for (const Stage& st : p.stages)
+        if (st.cp > 1)
+          fail("[strategy] cp=", st.cp, ": context-parallel attention is planned (hspmd plan) but "
+               "not executable yet; train with cp = 1");
     CompileOptions co;
     co.seq_len = o.seq_len;
     plan_ = compile_plan(config_, strategy_, world.size(), co);
