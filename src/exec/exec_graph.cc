@@ -149,7 +149,7 @@ ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communi
       inputs.push_back(s.empty() ? NDArray() : s[in.index()]);
     }
     if (is_reshard(n))
-      slots[id] = {execute_any(resolutions_.at(id), rank_, inputs[0], world)};
+      slots[id] = {run_reshard(resolutions_.at(id), inputs[0], world)};
     else
       slots[id] = NodeExec{*this, n}.compute(inputs, world);
   }
@@ -172,7 +172,7 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
     const Resolution& r = resolutions_.at(id);
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
-    NDArray out = execute(r, rank_, it == raw.end() ? NDArray() : it->second, world);
+    NDArray out = run_reshard(r, it == raw.end() ? NDArray() : it->second, world);
     if (out.valid()) synced[name] = out;
   }
   return synced;
@@ -182,7 +182,15 @@ NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const An
                            const Annotation& to, const NDArray& local, Communicator& world) const {
   const Resolution r = resolve(ReshardSpec{name, shape, DType::F32, from, to}, topology_);
   if (!r.ranks.count(rank_)) return NDArray();
-  return execute(r, rank_, local, world);
+  return run_reshard(r, local, world);
+}
+
+NDArray ExecGraph::run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const {
+  const int64_t before = world.bytes().sent;
+  NDArray out = execute_any(r, rank_, in, world);
+  ledger_.measured += world.bytes().sent - before;
+  ledger_.predicted += r.ranks.at(rank_).bytes_sent;
+  return out;
 }
 
 }  // namespace hspmd

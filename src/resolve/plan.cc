@@ -136,8 +136,12 @@ void PhasePlan::add_collective(size_t k, CommKind kind, const std::vector<int>& 
     if (is_all_reduce(kind)) {
       op.bytes_sent = op.bytes_received = 2 * (n - 1) * all / n;
     } else if (is_reduce_scatter(kind)) {
+      // Each member's piece is packed on its own (pieces may repeat when a
+      // subgroup holds a slice twice): the send buffer is their sum.
+      int64_t packed = 0;
+      for (const Box& p : pieces) packed += box_bytes(p, element_size_);
       const int64_t mine = box_bytes(pieces[m], element_size_);
-      op.bytes_sent = all - mine;
+      op.bytes_sent = packed - mine;
       op.bytes_received = (n - 1) * mine;
     } else {  // all_gather kinds
       const int64_t mine = box_bytes(pieces[m], element_size_);

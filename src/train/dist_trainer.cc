@@ -36,6 +36,25 @@ int pipeline_of(const Strategy& s, int rank) {
   return -1;
 }
 
+// Every rank's values of `mine`, exactly (int64 travel as two f32 halves).
+std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine,
+                                                Communicator& world) {
+  const int k = static_cast<int>(mine.size());
+  std::vector<float> send;
+  for (int64_t v : mine) {
+    send.push_back(static_cast<float>(v >> 24));
+    send.push_back(static_cast<float>(v & 0xFFFFFF));
+  }
+  std::vector<float> all(send.size() * world.size());
+  world.all_gather(send.data(), all.data(), std::vector<int64_t>(world.size(), 2 * k));
+  std::vector<std::vector<int64_t>> out(k, std::vector<int64_t>(world.size()));
+  for (int r = 0; r < world.size(); ++r)
+    for (int i = 0; i < k; ++i)
+      out[i][r] = (static_cast<int64_t>(all[r * 2 * k + 2 * i]) << 24) +
+                  static_cast<int64_t>(all[r * 2 * k + 2 * i + 1]);
+  return out;
+}
+
 double all_reduce_scalar(double v, Communicator& world) {
   float x = static_cast<float>(v);
   std::vector<Request> req;
@@ -215,6 +234,8 @@ std::vector<StepRecord> DistTrainer::run() {
   const auto start = Clock::now();
   for (int64_t step = 0; step < o_.steps; ++step) {
     const auto t0 = Clock::now();
+    world_.reset_bytes();
+    graph_->reset_ledger();
     std::map<std::string, NDArray> raw;
     double loss = 0;
     for (int micro = 0; micro < micro_batches; ++micro) {
@@ -234,6 +255,11 @@ std::vector<StepRecord> DistTrainer::run() {
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);
     r.tokens = strategy_.global_batch() * o_.seq_len;
+    const auto counts = gather_counts(
+        {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted}, world_);
+    r.bytes_sent = counts[0];
+    r.reshard_bytes_sent = counts[1];
+    r.predicted_reshard_bytes = counts[2];
     r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
     r.tokens_per_s = r.tokens / r.step_time_s;
     if (log.is_open()) log << train_common::record_json(r).dump() << "\n" << std::flush;

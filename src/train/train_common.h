@@ -44,9 +44,15 @@ inline void print_progress(const StepRecord& r, int64_t steps, double elapsed_s)
 }
 
 inline nlohmann::json record_json(const StepRecord& r) {
-  return {{"step", r.step},           {"loss", r.loss}, {"tokens", r.tokens},
-          {"step_time_s", r.step_time_s}, {"tokens_per_s", r.tokens_per_s},
-          {"lr", r.lr},               {"grad_norm", r.grad_norm}};
+  nlohmann::json j = {{"step", r.step},           {"loss", r.loss}, {"tokens", r.tokens},
+                      {"step_time_s", r.step_time_s}, {"tokens_per_s", r.tokens_per_s},
+                      {"lr", r.lr},               {"grad_norm", r.grad_norm}};
+  if (!r.bytes_sent.empty()) {
+    j["bytes_sent"] = r.bytes_sent;
+    j["reshard_bytes_sent"] = r.reshard_bytes_sent;
+    j["predicted_reshard_bytes"] = r.predicted_reshard_bytes;
+  }
+  return j;
 }
 
 }  // namespace hspmd::train_common

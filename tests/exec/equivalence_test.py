@@ -70,9 +70,13 @@ def read_safetensors(path):
     return out
 
 
-def losses(path):
+def records(path):
     with open(path) as f:
-        return [json.loads(line)["loss"] for line in f]
+        return [json.loads(line) for line in f]
+
+
+def losses(path):
+    return [r["loss"] for r in records(path)]
 
 
 def run(cmd):
@@ -122,9 +126,13 @@ def main():
             e = max(abs(x - y) for x, y in zip(ref, got_w[t])) / scale
             if e > werr:
                 werr, worst = e, t
-        ok = len(got) == len(want_loss) and rel <= 1e-5 and werr <= 1e-4 and set(got_w) == set(want_w)
+        # Bytes each rank sent inside Reshards equal the resolver's prediction.
+        bytes_ok = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] for r in records(log))
+        ok = (len(got) == len(want_loss) and rel <= 1e-5 and werr <= 1e-4 and
+              set(got_w) == set(want_w) and bytes_ok)
         print(f"{name:18s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
-              f"(worst {worst}) {'ok' if ok else 'FAIL'}")
+              f"(worst {worst}), bytes {'= predicted' if bytes_ok else '!= predicted'} "
+              f"{'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append(name)
     # Wrong plans fail before training, with one line, on every rank count.

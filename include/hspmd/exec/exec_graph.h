@@ -57,8 +57,19 @@ class ExecGraph {
   NDArray reshard(const std::string& name, const Shape& shape, const Annotation& from,
                   const Annotation& to, const NDArray& local, Communicator& world) const;
 
+  // Bytes this rank sent inside Reshards since reset_ledger(): measured by
+  // the communicator's counters, and predicted by the resolutions.
+  struct ByteLedger {
+    int64_t measured = 0;
+    int64_t predicted = 0;
+  };
+  const ByteLedger& ledger() const { return ledger_; }
+  void reset_ledger() const { ledger_ = {}; }
+
  private:
   struct NodeExec;
+  NDArray run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const;
+  mutable ByteLedger ledger_;
   const AnnotationPlan& plan_;
   const Topology& topology_;
   int rank_;

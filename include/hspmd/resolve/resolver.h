@@ -39,8 +39,9 @@
 // local_box(dst) (the sum of its partial terms is the tensor where dst is
 // partial); ranks only in the source hold nothing (out_box empty).
 // Bytes (what a rank puts on / takes off links, ring-algorithm volumes):
-// all_reduce 2(n-1)/n·|box| each way; reduce_scatter sends |box|-|piece|,
-// receives (n-1)·|piece|; all_gather sends (n-1)·|piece|, receives
+// all_reduce 2(n-1)/n·|box| each way; reduce_scatter sends Σ|pieces|-|piece|
+// (= |box|-|piece| when the pieces tile the box; repeated pieces are packed
+// once per member), receives (n-1)·|piece|; all_gather sends (n-1)·|piece|, receives
 // |box|-|piece|; point-to-point the exact transfer sizes; local_slice 0.
 #pragma once
 

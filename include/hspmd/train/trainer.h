@@ -43,6 +43,9 @@ struct StepRecord {
   double tokens_per_s = 0.0;
   double lr = 0.0;
   double grad_norm = 0.0;
+  // Distributed runs, per rank: bytes sent this step (all communication), the
+  // part sent inside Reshards, and the resolver's prediction of that part.
+  std::vector<int64_t> bytes_sent, reshard_bytes_sent, predicted_reshard_bytes;
 };
 
 // Validates every input before the first step (config, data, initial
