@@ -83,6 +83,18 @@ ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int r
       order_.push_back(id);
     }
   }
+  // Intermediates are released after their last local consumer; the loss and
+  // the raw gradients are kept for the caller.
+  uses_.resize(g.num_nodes());
+  for (int id : order_) uses_[id].assign(g.node(id).outputs.size(), 0);
+  for (int id : order_)
+    for (const Tensor& in : g.node(id).inputs)
+      if (!uses_[in.node_id()].empty()) ++uses_[in.node_id()][in.index()];
+  auto keep = [&](const Tensor& t) {
+    if (!uses_[t.node_id()].empty()) ++uses_[t.node_id()][t.index()];
+  };
+  keep(model_.loss);
+  for (const auto& [name, id] : grad_sync_node_) keep(g.node(id).inputs[0]);
 }
 
 const Annotation& ExecGraph::annotation(const std::string& name) const {
@@ -135,6 +147,7 @@ struct ExecGraph::NodeExec {
 ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communicator& world) const {
   const Graph& g = *model_.graph;
   std::vector<std::vector<NDArray>> slots(g.num_nodes());
+  std::vector<std::vector<int>> remaining = uses_;
   for (int id : order_) {
     const Node& n = g.node(id);
     if (is_leaf(n)) {
@@ -152,6 +165,12 @@ ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communi
       slots[id] = {run_reshard(resolutions_.at(id), inputs[0], world)};
     else
       slots[id] = NodeExec{*this, n}.compute(inputs, world);
+    inputs.clear();
+    for (const Tensor& in : n.inputs) {
+      auto& left = remaining[in.node_id()];
+      if (!left.empty() && --left[in.index()] == 0 && !slots[in.node_id()].empty())
+        slots[in.node_id()][in.index()] = NDArray();
+    }
   }
   MicroBatch out;
   const auto& loss = slots[model_.loss.node_id()];

@@ -77,6 +77,7 @@ class ExecGraph {
   LlamaGraph model_;
   std::unique_ptr<AnnotatedGraph> annotated_;
   std::vector<int> order_;                         // node ids this rank runs, in graph order
+  std::vector<std::vector<int>> uses_;             // per node output: consumers in order_ (+1 kept)
   std::map<int, Resolution> resolutions_;          // reshard node id -> resolution
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
 };
