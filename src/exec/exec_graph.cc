@@ -59,26 +59,20 @@ bool is_representative(const Annotation& a, int rank) {
 
 ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank,
                      Bindings bindings)
-    : plan_(plan), topology_(topology), rank_(rank), bindings_(std::move(bindings)) {
-  LlamaBuildOptions options;
-  options.reshard_points = true;
-  options.context_parallel = true;
-  model_ = build_llama(plan.model, options);
+    : plan_(plan), topology_(topology), rank_(rank), bindings_(std::move(bindings)),
+      training_(annotate_training_graph(plan)) {
+  annotated_ = training_.annotated.get();
   const Graph& g = *model_.graph;
-  annotated_ = std::make_unique<AnnotatedGraph>(deduce(g, plan.tensors, plan.world_size));
+  for (auto& [id, spec] : training_.reshards(bindings_))
+    resolutions_.emplace(id, resolve(spec, topology_));
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
     if (is_reshard(n)) {
-      ReshardSpec spec{n.name, eval_shape(n.outputs[0].shape, bindings_), n.outputs[0].dtype,
-                       annotated_->of(n.inputs[0]), annotated_->of(n.output(0))};
-      Resolution r = resolve(spec, topology_);
-      const bool mine = r.ranks.count(rank_) > 0;
-      resolutions_.emplace(id, std::move(r));
       if (n.name.rfind("grad.", 0) == 0) {
         grad_sync_node_[n.name.substr(5)] = id;
         continue;  // gradient sync runs once per step, not per micro-batch
       }
-      if (mine) order_.push_back(id);
+      if (resolutions_.at(id).ranks.count(rank_)) order_.push_back(id);
     } else if (annotated_->of(n.output(0)).contains(rank_)) {
       order_.push_back(id);
     }

@@ -51,30 +51,42 @@ class ResolutionCache {
 
 }  // namespace
 
-std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology) {
-  if (topology.world_size() != plan.world_size)
-    fail("[plan] the cluster has ", topology.world_size(), " ranks but the plan's world has ",
-         plan.world_size);
+AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
   LlamaBuildOptions options;
   options.reshard_points = true;
   options.context_parallel = true;
-  const LlamaGraph m = build_llama(plan.model, options);
-  const Graph& g = *m.graph;
-  const AnnotatedGraph annotated = deduce(g, plan.tensors, plan.world_size);
+  AnnotatedTraining t{build_llama(plan.model, options), nullptr};
+  t.annotated = std::make_unique<AnnotatedGraph>(deduce(*t.model.graph, plan.tensors, plan.world_size));
+  return t;
+}
 
-  ResolutionCache resolve_cached(topology);
-  std::vector<PlannedReshard> out;
+std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindings& bindings) const {
+  const Graph& g = *model.graph;
+  std::vector<std::pair<int, ReshardSpec>> out;
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
     if (n.op == nullptr || n.op->type() != "reshard") continue;
     ReshardSpec spec;
     spec.name = reshard_name(n);
-    spec.shape = concrete_shape(n.outputs[0].shape, plan.bindings, spec.name);
+    spec.shape = concrete_shape(n.outputs[0].shape, bindings, spec.name);
     spec.dtype = n.outputs[0].dtype;
-    spec.src = annotated.of(n.inputs[0]);
-    spec.dst = annotated.of(n.output(0));
-    out.push_back({spec.name, phase_of(n, m.loss.node_id()), resolve_cached(spec)});
+    spec.src = annotated->of(n.inputs[0]);
+    spec.dst = annotated->of(n.output(0));
+    out.emplace_back(id, std::move(spec));
   }
+  return out;
+}
+
+std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology) {
+  if (topology.world_size() != plan.world_size)
+    fail("[plan] the cluster has ", topology.world_size(), " ranks but the plan's world has ",
+         plan.world_size);
+  const AnnotatedTraining t = annotate_training_graph(plan);
+  ResolutionCache resolve_cached(topology);
+  std::vector<PlannedReshard> out;
+  for (const auto& [id, spec] : t.reshards(plan.bindings))
+    out.push_back({spec.name, phase_of(t.model.graph->node(id), t.model.loss.node_id()),
+                   resolve_cached(spec)});
   for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
     if (it == plan.optimizer_states.end()) continue;

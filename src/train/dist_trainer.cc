@@ -140,7 +140,8 @@ void DistTrainer::init_parameters() {
 
 // This rank's placeholders for micro-batch `micro` of `step`: the conceptual
 // micro-batch step stacks every pipeline's micro-batch (part k = pipeline k's
-// samples), and the rank keeps its local box of it.
+// samples); the rank reads only its own pipeline's samples into it and keeps
+// its local box.
 ValueMap DistTrainer::feeds(const TokenData& data, int64_t step, int micro) const {
   int64_t rows = 0;
   for (const Pipeline& p : strategy_.pipelines) rows += p.micro_batch_size;
@@ -148,8 +149,9 @@ ValueMap DistTrainer::feeds(const TokenData& data, int64_t step, int micro) cons
   NDArray targets = NDArray::zeros({rows, o_.seq_len}, DType::I32);
   NDArray positions = NDArray::zeros({rows, o_.seq_len}, DType::I32);
   int64_t row = 0, first = step * strategy_.global_batch();
-  for (const Pipeline& p : strategy_.pipelines) {
-    for (int b = 0; b < p.micro_batch_size && micro < p.micro_batches; ++b) {
+  for (int k = 0; k < static_cast<int>(strategy_.pipelines.size()); ++k) {
+    const Pipeline& p = strategy_.pipelines[k];
+    for (int b = 0; k == pipeline_ && b < p.micro_batch_size && micro < p.micro_batches; ++b) {
       const int64_t at = (row + b) * o_.seq_len;
       data.sample(first + micro * p.micro_batch_size + b, o_.seq_len, ids.data<int32_t>() + at,
                   targets.data<int32_t>() + at);

@@ -74,8 +74,9 @@ class ExecGraph {
   const Topology& topology_;
   int rank_;
   Bindings bindings_;
-  LlamaGraph model_;
-  std::unique_ptr<AnnotatedGraph> annotated_;
+  AnnotatedTraining training_;
+  const LlamaGraph& model_ = training_.model;
+  const AnnotatedGraph* annotated_ = nullptr;
   std::vector<int> order_;                         // node ids this rank runs, in graph order
   std::vector<std::vector<int>> uses_;             // per node output: consumers in order_ (+1 kept)
   std::map<int, Resolution> resolutions_;          // reshard node id -> resolution

@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/annotation/annotation.h"
+#include "hspmd/annotation/deduce.h"
+#include "hspmd/models/llama.h"
 #include "hspmd/models/config.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/resolver.h"
@@ -56,6 +58,21 @@ AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy,
 nlohmann::json to_json(const AnnotationPlan& plan);
 AnnotationPlan plan_from_json(const nlohmann::json& j);
 AnnotationPlan load_plan(const std::string& path);
+
+// The plan's training graph, annotated: the Llama graph with its Reshard
+// points (docs/plan.md), deduced under the plan. The dry run and each rank's
+// executable graph start from it (one code path).
+struct AnnotatedTraining {
+  LlamaGraph model;
+  std::unique_ptr<AnnotatedGraph> annotated;
+
+  // Every Reshard node in graph order, with its spec (concrete shape under
+  // `bindings`, source and destination annotations). Throws hspmd::Error
+  // "[plan] reshard '<name>': ..." for a symbol missing from `bindings`.
+  std::vector<std::pair<int, ReshardSpec>> reshards(const Bindings& bindings) const;
+};
+// Throws the deduction's errors.
+AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan);
 
 // One Reshard of the dry run.
 struct PlannedReshard {
