@@ -1,6 +1,7 @@
 """Every plan trains the same model: `hspmd train --strategy S --nproc N` on
 the same data and initial weights gives the single-process losses (1e-5
-relative per step) and final weights (1e-4 normalized max error).
+relative per step) and final weights (1e-4 normalized max error); with --init the
+loaded full tensors are sharded into the plan.
 
 Adam's eps is 1e-5 here: with eps 1e-8 an element whose gradient is at the
 level of f32 reduction-order noise still moves by about lr, so the weights
@@ -135,6 +136,21 @@ def main():
               f"{'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append(name)
+    # --init loads full Hugging Face tensors and shards them into the plan.
+    init_log = os.path.join(tmp, "init_single.jsonl")
+    rc, err = run(common + ["--global-batch", "8", "--init", base_w, "--log", init_log])
+    spath = os.path.join(tmp, "init.json")
+    json.dump(CASES["asym7_tp421_zero"][1], open(spath, "w"))
+    dist_log = os.path.join(tmp, "init_dist.jsonl")
+    rc2, err2 = run(common + ["--strategy", spath, "--nproc", "7", "--init", base_w, "--log", dist_log])
+    if rc or rc2:
+        failures.append("init: " + (err or err2).strip()[-300:])
+    else:
+        rel = max(abs(a - b) / abs(a) for a, b in zip(losses(init_log), losses(dist_log)))
+        ok = rel <= 1e-5 and losses(init_log)[0] != want_loss[0]
+        print(f"{'init (7 ranks)':18s} loss rel err {rel:.2e} {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failures.append("init")
     # Wrong plans fail before training, with one line, on every rank count.
     spath = os.path.join(tmp, "wrong.json")
     json.dump(CASES["asym_pp_dp_zero"][1], open(spath, "w"))
