@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "flags.h"
 #include "hspmd/core/error.h"
+#include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/resolver.h"
@@ -151,8 +152,45 @@ std::map<std::string, int> summarize(const std::vector<PlannedReshard>& reshards
   return counts;
 }
 
-void print_text(const std::vector<PlannedReshard>& reshards, const ExplainOptions& o, int world) {
+std::string layer_range(const DiscoveredStage& s) {
+  if (s.first_layer < 0) return "no layers";
+  return "layers " + std::to_string(s.first_layer) + "-" + std::to_string(s.last_layer);
+}
+
+// "pipeline 0: stage 0 ranks 0-3 layers 0-14 -> stage 1 ranks 4-7 layers 15-29", then idle ranks.
+void print_pipelines(std::ostream& os, const std::vector<DiscoveredPipeline>& pipelines, int world) {
+  for (size_t p = 0; p < pipelines.size(); ++p) {
+    os << "pipeline " << p << ":";
+    for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
+      const DiscoveredStage& st = pipelines[p].stages[s];
+      os << (s ? " -> " : " ") << "stage " << s << " ranks " << format_ranks(st.ranks) << " "
+         << layer_range(st);
+    }
+    os << "\n";
+  }
+  std::vector<int> idle;
+  const std::vector<PipelinePosition> where = pipeline_positions(pipelines, world);
+  for (int r = 0; r < world; ++r)
+    if (where[r].idle()) idle.push_back(r);
+  os << "idle ranks: " << (idle.empty() ? "none" : format_ranks(idle)) << "\n";
+}
+
+nlohmann::json pipelines_json(const std::vector<DiscoveredPipeline>& pipelines) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const DiscoveredPipeline& p : pipelines) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (const DiscoveredStage& st : p.stages)
+      stages.push_back({{"ranks", st.ranks}, {"layers", {st.first_layer, st.last_layer}}});
+    out.push_back(std::move(stages));
+  }
+  return out;
+}
+
+void print_text(const std::vector<PlannedReshard>& reshards, const std::vector<DiscoveredPipeline>& pipelines,
+                const ExplainOptions& o, int world) {
   std::ostringstream os;
+  print_pipelines(os, pipelines, world);
+  os << "\n";
   os << "dry run over " << world << " ranks" << (o.rank >= 0 ? ", rank " + std::to_string(o.rank) : "")
      << (o.all ? "" : " (identity reshards hidden; --all shows them)") << "\n\n";
   for (const auto& r : reshards)
@@ -163,8 +201,11 @@ void print_text(const std::vector<PlannedReshard>& reshards, const ExplainOption
   std::fputs(os.str().c_str(), stdout);
 }
 
-void print_json(const std::vector<PlannedReshard>& reshards, const ExplainOptions& o, int world) {
-  nlohmann::json out = {{"world_size", world}, {"reshards", nlohmann::json::array()}};
+void print_json(const std::vector<PlannedReshard>& reshards, const std::vector<DiscoveredPipeline>& pipelines,
+                const ExplainOptions& o, int world) {
+  nlohmann::json out = {{"world_size", world},
+                        {"pipelines", pipelines_json(pipelines)},
+                        {"reshards", nlohmann::json::array()}};
   if (o.rank >= 0) out["rank"] = o.rank;
   for (const auto& r : reshards) {
     if (!listed(r, o)) continue;
@@ -183,9 +224,10 @@ int explain_command(const std::vector<std::string>& args) {
   bool json = false;
   ExplainOptions o;
   FlagSet f("plan explain",
-            "Dry run of an annotation plan: resolve every Reshard of the training graph over a\n"
-            "virtual world and print, for each, its phase, kind and bytes, and what every rank\n"
-            "(or one) executes. Identity reshards are hidden unless --all. Needs no devices.");
+            "Dry run of an annotation plan: the pipelines discovered from it, then every Reshard\n"
+            "of the training graph resolved over a virtual world: its phase, kind and bytes, and\n"
+            "what every rank (or one) executes. Identity reshards are hidden unless --all. Needs\n"
+            "no devices.");
   f.add_int("rank", &rank, "show only this rank's primitives");
   f.add_bool("json", &json, "print one JSON document instead of text");
   f.add_string("cluster", &cluster, "cluster JSON (docs/cluster.md); default: uniform nodes of 8 ranks");
@@ -207,10 +249,11 @@ int explain_command(const std::vector<std::string>& args) {
     fail("[cli] ", cluster, ": the cluster has ", topology.world_size(), " ranks but the plan's world has ",
          world);
   const std::vector<PlannedReshard> reshards = dry_run(plan, topology);
+  const std::vector<DiscoveredPipeline> pipelines = discover_pipelines(plan, reshards);
   if (json)
-    print_json(reshards, o, world);
+    print_json(reshards, pipelines, o, world);
   else
-    print_text(reshards, o, world);
+    print_text(reshards, pipelines, o, world);
   return 0;
 }
 

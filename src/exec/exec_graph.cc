@@ -1,5 +1,7 @@
 #include "hspmd/exec/exec_graph.h"
 
+#include <algorithm>
+
 #include "hspmd/comm/execute.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
@@ -89,6 +91,9 @@ ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int r
   };
   keep(model_.loss);
   for (const auto& [name, id] : grad_sync_node_) keep(g.node(id).inputs[0]);
+  const int loss_id = model_.loss.node_id();
+  forward_end_ = std::find_if(order_.begin(), order_.end(), [&](int id) { return id > loss_id; }) -
+                 order_.begin();
 }
 
 const Annotation& ExecGraph::annotation(const std::string& name) const {
@@ -138,15 +143,17 @@ struct ExecGraph::NodeExec {
   }
 };
 
-ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communicator& world) const {
+void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Activations& a,
+                          Communicator& world) const {
   const Graph& g = *model_.graph;
-  std::vector<std::vector<NDArray>> slots(g.num_nodes());
-  std::vector<std::vector<int>> remaining = uses_;
-  for (int id : order_) {
+  auto& slots = a.slots;
+  for (size_t k = begin; k < end; ++k) {
+    const int id = order_[k];
     const Node& n = g.node(id);
     if (is_leaf(n)) {
-      auto it = values.find(n.name);
-      if (it == values.end()) fail("[exec] rank ", rank_, ": no local value for '", n.name, "'");
+      HSPMD_CHECK(values != nullptr, "leaf '", n.name, "' after the loss");
+      auto it = values->find(n.name);
+      if (it == values->end()) fail("[exec] rank ", rank_, ": no local value for '", n.name, "'");
       slots[id] = {it->second};
       continue;
     }
@@ -161,20 +168,35 @@ ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communi
       slots[id] = NodeExec{*this, n}.compute(inputs, world);
     inputs.clear();
     for (const Tensor& in : n.inputs) {
-      auto& left = remaining[in.node_id()];
+      auto& left = a.remaining[in.node_id()];
       if (!left.empty() && --left[in.index()] == 0 && !slots[in.node_id()].empty())
         slots[in.node_id()][in.index()] = NDArray();
     }
   }
+}
+
+ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& world) const {
+  Activations a{std::vector<std::vector<NDArray>>(model_.graph->num_nodes()), uses_};
+  run_nodes(0, forward_end_, &values, a, world);
+  return a;
+}
+
+ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world) const {
+  run_nodes(forward_end_, order_.size(), nullptr, a, world);
+  const Graph& g = *model_.graph;
   MicroBatch out;
-  const auto& loss = slots[model_.loss.node_id()];
+  const auto& loss = a.slots[model_.loss.node_id()];
   if (!loss.empty()) out.loss = loss[0].data<float>()[0];
   for (const auto& [name, id] : grad_sync_node_) {
     const Tensor raw = g.node(id).inputs[0];
-    const auto& s = slots[raw.node_id()];
+    const auto& s = a.slots[raw.node_id()];
     if (!s.empty() && s[raw.index()].valid()) out.raw_grads[name] = s[raw.index()];
   }
   return out;
+}
+
+ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communicator& world) const {
+  return backward(forward(values, world), world);
 }
 
 std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::string, NDArray>& raw,

@@ -240,14 +240,26 @@ std::vector<StepRecord> DistTrainer::run() {
     graph_->reset_ledger();
     std::map<std::string, NDArray> raw;
     double loss = 0;
-    for (int micro = 0; micro < micro_batches; ++micro) {
-      ExecGraph::MicroBatch mb = graph_->run_micro_batch(feeds(data, step, micro), world_);
+    auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
       if (mb.loss) loss += *mb.loss;
       for (auto& [name, g] : mb.raw_grads) {
         auto it = raw.find(name);
         if (it == raw.end()) raw.emplace(name, g.clone());
         else for (int64_t i = 0; i < g.numel(); ++i) it->second.data<float>()[i] += g.data<float>()[i];
       }
+    };
+    if (strategy_.schedule == "gpipe") {
+      // Every forward, then every backward: stages overlap on different
+      // micro-batches; activations of all micro-batches are kept.
+      std::vector<ExecGraph::Activations> kept;
+      for (int micro = 0; micro < micro_batches; ++micro)
+        kept.push_back(graph_->forward(feeds(data, step, micro), world_));
+      for (auto& a : kept) accumulate(graph_->backward(std::move(a), world_));
+    } else {
+      // "1f1b" without warmup: each micro-batch's backward right after its
+      // forward (memory of one micro-batch; no overlap between stages yet).
+      for (int micro = 0; micro < micro_batches; ++micro)
+        accumulate(graph_->run_micro_batch(feeds(data, step, micro), world_));
     }
     StepRecord r;
     r.step = step;

@@ -204,6 +204,8 @@ def compile_and_explain(c, e, name, basic):
     if not basic:
         return report
     c.check(f"{name}: world_size", report["world_size"] == 8)
+    if name == "tiny_hetero_8":
+        check_pipelines(c, name, report, e)
     listed = len(report["reshards"])
     c.check(f"{name}: summary counts", sum(report["summary"].values()) >= listed > 0,
             f"{report['summary']} vs {listed} listed")
@@ -218,6 +220,16 @@ def compile_and_explain(c, e, name, basic):
     c.error_case(exe, f"{name}: cluster of another size",
                  ["plan", "explain", plan, "--cluster", p("cluster4.json")], "cluster4.json")
     return report
+
+
+def check_pipelines(c, name, report, e):
+    """`explain --json` lists the pipelines discovered from the plan: the strategy's."""
+    with open(os.path.join(e.examples, "strategies", name + ".json")) as f:
+        strategy = json.load(f)
+    want = [[{"ranks": sorted(st["ranks"]), "layers": st["layers"]} for st in pl["stages"]]
+            for pl in strategy["pipelines"]]
+    got = report.get("pipelines")
+    c.check(f"{name}: discovered pipelines", got == want, f"{got} != {want}")
 
 
 def check_resolutions(c, e, reports):

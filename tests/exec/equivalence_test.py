@@ -51,6 +51,14 @@ CASES = {
     # Pipelines of different shapes: TP2 then TP1 stages next to a TP1 pipeline.
     "hetero_pp_tp": (4, {"pipelines": [pipeline(2, 2, [([0, 1], [0, 1], 1), ([2], [2, 3], 1)]),
                                        pipeline(2, 2, [([3], [0, 3], 1)])]}),
+    "pp4_gpipe": (4, {"schedule": "gpipe", "pipelines": [pipeline(1, 8, [
+        ([0], [0, 0], 1), ([1], [1, 1], 1), ([2], [2, 2], 1), ([3], [3, 3], 1)])]}),
+    "pp4_1f1b": (4, {"schedule": "1f1b", "pipelines": [pipeline(2, 4, [
+        ([0], [0, 0], 1), ([1], [1, 1], 1), ([2], [2, 2], 1), ([3], [3, 3], 1)])]}),
+    # Two pipelines x PP=2 with different micro-batch counts, GPipe.
+    "2pp2_gpipe": (4, {"schedule": "gpipe", "pipelines": [
+        pipeline(1, 6, [([0], [0, 1], 1), ([1], [2, 3], 1)]),
+        pipeline(1, 2, [([2], [0, 2], 1), ([3], [3, 3], 1)])]}),
     "idle_rank": (3, {"pipelines": [pipeline(4, 1, [([0], [0, 3], 1)]),
                                     pipeline(2, 2, [([2], [0, 3], 1)])]}),
 }

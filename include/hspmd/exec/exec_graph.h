@@ -43,8 +43,17 @@ class ExecGraph {
     std::optional<float> loss;                   // this rank's loss term, when it holds one
     std::map<std::string, NDArray> raw_grads;    // local parameter gradients before sync
   };
-  // Forward and backward of one micro-batch. `values`: this rank's local
-  // placeholders and parameter shards, by name.
+  // What one micro-batch keeps between its forward and its backward.
+  struct Activations {
+    std::vector<std::vector<NDArray>> slots;
+    std::vector<std::vector<int>> remaining;
+  };
+  // The forward of one micro-batch (nodes up to the loss). `values`: this
+  // rank's local placeholders and parameter shards, by name.
+  Activations forward(const ValueMap& values, Communicator& world) const;
+  // Its backward (the rest, but gradient sync): the loss term and raw grads.
+  MicroBatch backward(Activations activations, Communicator& world) const;
+  // forward then backward.
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world) const;
 
   // Gradient sync: each accumulated raw gradient through its grad.<param>
@@ -69,6 +78,9 @@ class ExecGraph {
  private:
   struct NodeExec;
   NDArray run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const;
+  void run_nodes(size_t begin, size_t end, const ValueMap* values, Activations& a,
+                 Communicator& world) const;
+  size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
   mutable ByteLedger ledger_;
   const AnnotationPlan& plan_;
   const Topology& topology_;

@@ -1,0 +1,234 @@
+// discover_pipelines: stages by union-find over the ranks that share a
+// parameter subgroup or a forward collective, then chains along the
+// point-to-point transfers of the activations (paper appendix A.2).
+#include "hspmd/plan/pipelines.h"
+
+#include <algorithm>
+#include <cctype>
+#include <climits>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "hspmd/core/error.h"
+
+namespace hspmd {
+
+namespace {
+
+// Union-find over the ranks of the world; `present` marks the ranks seen.
+class RankSets {
+ public:
+  explicit RankSets(int world) : parent_(world), present_(world, false) {
+    std::iota(parent_.begin(), parent_.end(), 0);
+  }
+  int find(int r) {
+    HSPMD_CHECK(r >= 0 && r < static_cast<int>(parent_.size()), "rank ", r);
+    while (parent_[r] != r) r = parent_[r] = parent_[parent_[r]];
+    return r;
+  }
+  void mark(int r) {
+    find(r);  // checks the range
+    present_[r] = true;
+  }
+  void join(const std::vector<int>& ranks) {
+    for (int r : ranks) {
+      mark(r);
+      parent_[find(r)] = find(ranks.front());
+    }
+  }
+  bool present(int r) const { return present_[r]; }
+  int world() const { return static_cast<int>(parent_.size()); }
+
+ private:
+  std::vector<int> parent_;
+  std::vector<bool> present_;
+};
+
+bool is_collective(CommKind k) {
+  return k == CommKind::kAllGather || k == CommKind::kReduceScatter || k == CommKind::kAllReduce;
+}
+
+bool is_point_to_point(CommKind k) {
+  return k == CommKind::kSend || k == CommKind::kRecv || k == CommKind::kBsr;
+}
+
+// "model.layers.12.mlp.up_proj.weight" -> 12; -1 for a name outside the blocks.
+int layer_of(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  if (name.rfind(prefix, 0) != 0) return -1;
+  size_t end = prefix.size();
+  while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
+  return end == prefix.size() ? -1 : std::stoi(name.substr(prefix.size(), end - prefix.size()));
+}
+
+// The Reshards that carry the activations from one block (or stage) to the next.
+bool carries_activations(const std::string& name) {
+  const int layer = layer_of(name);
+  return name == "lm_head.input" || (layer >= 0 && name == "model.layers." + std::to_string(layer) + ".input");
+}
+
+template <typename F>
+void for_each_op(const Resolution& res, F&& f) {
+  for (const auto& [rank, rr] : res.ranks)
+    for (const CommPhase& phase : rr.phases)
+      for (const CommOp& op : phase.ops) f(rank, op);
+}
+
+void merge_parameter_subgroups(const AnnotationPlan& plan, RankSets& sets) {
+  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
+    auto it = plan.tensors.find(name);
+    if (it == plan.tensors.end()) continue;
+    for (const Subgroup& sg : it->second.subgroups)
+      if (!sg.devices.ranks.empty()) sets.join(sg.devices.ranks);
+  }
+}
+
+// Layers of one stage repeat alike resolutions: visit each shared one once.
+void merge_forward_collectives(const std::vector<PlannedReshard>& reshards, RankSets& sets) {
+  std::set<const Resolution*> seen;
+  for (const PlannedReshard& r : reshards) {
+    if (r.phase != "forward" || !seen.insert(&r.resolution()).second) continue;
+    for_each_op(r.resolution(), [&](int, const CommOp& op) {
+      if (is_collective(op.kind) && !op.group.empty()) sets.join(op.group);
+    });
+  }
+}
+
+// (sender, receiver) rank pairs of the activation transfers.
+std::set<std::pair<int, int>> activation_transfers(const std::vector<PlannedReshard>& reshards) {
+  std::set<std::pair<int, int>> pairs;
+  std::set<const Resolution*> seen;
+  for (const PlannedReshard& r : reshards) {
+    if (r.phase != "forward" || !carries_activations(r.name) || !seen.insert(&r.resolution()).second)
+      continue;
+    for_each_op(r.resolution(), [&](int rank, const CommOp& op) {
+      if (!is_point_to_point(op.kind)) return;
+      for (const Transfer& t : op.sends) pairs.insert({rank, t.peer});
+      for (const Transfer& t : op.recvs) pairs.insert({t.peer, rank});
+    });
+  }
+  return pairs;
+}
+
+// The stages (roots of the rank sets) and their order.
+struct StageGraph {
+  std::map<int, std::vector<int>> ranks;  // root -> ascending ranks
+  std::map<int, int> next, previous;      // root -> root
+};
+
+std::string stage_name(const StageGraph& g, int root) {
+  return "stage of ranks " + format_ranks(g.ranks.at(root));
+}
+
+void link(StageGraph& g, int from, int to) {
+  auto [it, added] = g.next.emplace(from, to);
+  if (!added && it->second != to)
+    fail("[plan] ", stage_name(g, from), " sends the forward activations to two stages (ranks ",
+         format_ranks(g.ranks.at(it->second)), " and ", format_ranks(g.ranks.at(to)),
+         "): pipelines must be chains");
+  auto [jt, added_back] = g.previous.emplace(to, from);
+  if (!added_back && jt->second != from)
+    fail("[plan] ", stage_name(g, to), " receives the forward activations from two stages (ranks ",
+         format_ranks(g.ranks.at(jt->second)), " and ", format_ranks(g.ranks.at(from)),
+         "): pipelines must be chains");
+}
+
+StageGraph build_stage_graph(RankSets& sets, const std::set<std::pair<int, int>>& transfers) {
+  for (const auto& [from, to] : transfers) sets.mark(from), sets.mark(to);
+  StageGraph g;
+  for (int r = 0; r < sets.world(); ++r)
+    if (sets.present(r)) g.ranks[sets.find(r)].push_back(r);
+  for (const auto& [from, to] : transfers)
+    if (sets.find(from) != sets.find(to)) link(g, sets.find(from), sets.find(to));
+  return g;
+}
+
+// Root -> the blocks whose parameters its ranks hold, ascending.
+std::map<int, std::set<int>> stage_layers(const AnnotationPlan& plan, RankSets& sets) {
+  std::map<int, std::set<int>> layers;
+  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
+    auto it = plan.tensors.find(name);
+    const int layer = layer_of(name);
+    if (it == plan.tensors.end() || layer < 0) continue;
+    for (int r : it->second.all_ranks()) layers[sets.find(r)].insert(layer);
+  }
+  return layers;
+}
+
+DiscoveredStage make_stage(const StageGraph& g, int root, const std::set<int>& layers) {
+  DiscoveredStage s;
+  s.ranks = g.ranks.at(root);
+  if (layers.empty()) return s;
+  s.first_layer = *layers.begin();
+  s.last_layer = *layers.rbegin();
+  if (static_cast<int>(layers.size()) != s.last_layer - s.first_layer + 1)
+    fail("[plan] ", stage_name(g, root), " holds parameters of layers ", s.first_layer, " .. ",
+         s.last_layer, " with gaps: a stage must hold one contiguous range of layers");
+  return s;
+}
+
+// The input_ids subgroup a pipeline head holds: its sort key.
+int input_subgroup(const AnnotationPlan& plan, const StageGraph& g, int root) {
+  auto it = plan.tensors.find("input_ids");
+  int best = INT_MAX;
+  if (it != plan.tensors.end())
+    for (int r : g.ranks.at(root))
+      if (int sg = it->second.subgroup_of(r); sg >= 0) best = std::min(best, sg);
+  if (best == INT_MAX)
+    fail("[plan] ", stage_name(g, root),
+         " starts a pipeline (no stage sends it activations) but holds no input_ids");
+  return best;
+}
+
+}  // namespace
+
+std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan,
+                                                   const std::vector<PlannedReshard>& reshards) {
+  RankSets sets(plan.world_size);
+  merge_parameter_subgroups(plan, sets);
+  merge_forward_collectives(reshards, sets);
+  const StageGraph g = build_stage_graph(sets, activation_transfers(reshards));
+  const std::map<int, std::set<int>> layers = stage_layers(plan, sets);
+
+  std::vector<std::pair<std::pair<int, int>, DiscoveredPipeline>> keyed;
+  std::set<int> placed;
+  for (const auto& [root, ranks] : g.ranks) {
+    if (g.previous.count(root)) continue;
+    DiscoveredPipeline p;
+    for (int s = root;; s = g.next.at(s)) {
+      auto it = layers.find(s);
+      p.stages.push_back(make_stage(g, s, it == layers.end() ? std::set<int>{} : it->second));
+      placed.insert(s);
+      if (!g.next.count(s)) break;
+    }
+    keyed.push_back({{input_subgroup(plan, g, root), ranks.front()}, std::move(p)});
+  }
+  // Every stage has one predecessor at most, so the unplaced ones lie on cycles.
+  if (placed.size() != g.ranks.size()) {
+    std::vector<int> cyclic;
+    for (const auto& [root, ranks] : g.ranks)
+      if (!placed.count(root)) cyclic.insert(cyclic.end(), ranks.begin(), ranks.end());
+    std::sort(cyclic.begin(), cyclic.end());
+    fail("[plan] the forward activations of ranks ", format_ranks(cyclic),
+         " flow in a cycle: pipelines must be chains from a stage holding input_ids");
+  }
+  std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<DiscoveredPipeline> out;
+  for (auto& [key, p] : keyed) out.push_back(std::move(p));
+  return out;
+}
+
+std::vector<PipelinePosition> pipeline_positions(const std::vector<DiscoveredPipeline>& pipelines,
+                                                 int world_size) {
+  std::vector<PipelinePosition> out(std::max(world_size, 0));
+  for (size_t p = 0; p < pipelines.size(); ++p)
+    for (size_t s = 0; s < pipelines[p].stages.size(); ++s)
+      for (int r : pipelines[p].stages[s].ranks) {
+        HSPMD_CHECK(r >= 0 && r < world_size, "rank ", r, " outside the world of ", world_size);
+        out[r] = {static_cast<int>(p), static_cast<int>(s)};
+      }
+  return out;
+}
+
+}  // namespace hspmd
