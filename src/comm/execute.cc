@@ -36,14 +36,17 @@ struct Arrival {
   std::vector<Box> boxes;
 };
 
+}  // namespace
+
 class PhaseRun {
  public:
   PhaseRun(int rank, const std::optional<Box>& in_box, const NDArray& current, Communicator& world)
       : rank_(rank), in_box_(in_box), current_(current), world_(world) {}
 
   void start(const CommOp& op);
-  // Waits everything started and writes the arrivals and local copies.
-  NDArray finish(const std::optional<Box>& out_box);
+  // Waits everything started (but the sends, when `deferred` takes them) and
+  // writes the arrivals and local copies.
+  NDArray finish(const std::optional<Box>& out_box, PendingSends* deferred);
 
  private:
   float* buffer(int64_t count) { return buffers_.emplace_back(static_cast<size_t>(count), 0.0f).data(); }
@@ -56,6 +59,8 @@ class PhaseRun {
   Communicator& world_;
   std::deque<std::vector<float>> buffers_;  // deque: pointers stay valid as it grows
   std::vector<Request> requests_;
+  std::vector<Request> sends_;
+  std::vector<size_t> send_buffers_;  // indices into buffers_
   std::vector<Arrival> arrivals_;
 };
 
@@ -112,8 +117,9 @@ void PhaseRun::start(const CommOp& op) {
     int64_t count = 0;
     for (const Box& b : t.boxes) count += b.numel();
     float* msg = buffer(count);
+    send_buffers_.push_back(buffers_.size() - 1);
     for (int64_t off = 0; const Box& b : t.boxes) off += pack(b, msg + off);
-    requests_.push_back(world_.start_send(msg, count, t.peer, kReshardTag));
+    sends_.push_back(world_.start_send(msg, count, t.peer, kReshardTag));
   }
   for (const Transfer& t : op.recvs) {
     int64_t count = 0;
@@ -124,8 +130,18 @@ void PhaseRun::start(const CommOp& op) {
   }
 }
 
-NDArray PhaseRun::finish(const std::optional<Box>& out_box) {
+NDArray PhaseRun::finish(const std::optional<Box>& out_box, PendingSends* deferred) {
+  if (deferred == nullptr) {
+    for (Request& r : sends_) requests_.push_back(std::move(r));
+    sends_.clear();
+  }
   world_.wait_all(requests_);
+  if (deferred != nullptr && !sends_.empty()) {
+    // Moving a vector keeps its heap buffer: the in-flight sends stay valid.
+    for (size_t i : send_buffers_) deferred->buffers_.push_back(std::move(buffers_[i]));
+    for (Request& r : sends_) deferred->requests_.push_back(std::move(r));
+    deferred->world_ = &world_;
+  }
   if (!out_box) return NDArray();
   NDArray fresh = NDArray::zeros(out_box->shape(), DType::F32);
   for (const Arrival& a : arrivals_) {
@@ -137,6 +153,8 @@ NDArray PhaseRun::finish(const std::optional<Box>& out_box) {
   }
   return fresh;
 }
+
+namespace {
 
 // Creates every group of more than one member this rank will use, in sorted
 // order: with one global order, collective creation cannot deadlock.
@@ -150,7 +168,21 @@ void create_groups(const RankResolution& plan, Communicator& world) {
 
 }  // namespace
 
-NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world) {
+void PendingSends::wait(Communicator& world) {
+  world.wait_all(requests_);
+  buffers_.clear();
+}
+
+PendingSends::~PendingSends() {
+  if (requests_.empty() || world_ == nullptr) return;
+  try {
+    wait(*world_);
+  } catch (...) {  // a destructor must not throw; wait() reports errors
+  }
+}
+
+NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world,
+                PendingSends* deferred) {
   if (world.size() > 1 && rank != world.rank())
     fail("[comm] reshard '", resolution.name, "': execute for rank ", rank, " on rank ", world.rank());
   auto it = resolution.ranks.find(rank);
@@ -171,7 +203,7 @@ NDArray execute(const Resolution& resolution, int rank, const NDArray& local_inp
     HSPMD_CHECK(ph.in_box == box, "rank ", rank, " phase ", p, ": in_box does not match its buffer");
     PhaseRun run(rank, box, current, world);
     for (const CommOp& op : ph.ops) run.start(op);
-    current = run.finish(ph.out_box);
+    current = run.finish(ph.out_box, deferred);
     box = ph.out_box;
   }
   return box ? current : NDArray();

@@ -20,9 +20,10 @@ bool is_reshard(const Node& n) { return n.op->type() == "reshard"; }
 
 // The communication layer moves f32; token ids and positions (i32, < 2^24)
 // travel exactly as f32.
-NDArray execute_any(const Resolution& r, int rank, const NDArray& in, Communicator& world) {
-  if (!in.valid() || in.dtype() == DType::F32) return execute(r, rank, in, world);
-  NDArray out = execute(r, rank, in.to(DType::F32), world);
+NDArray execute_any(const Resolution& r, int rank, const NDArray& in, Communicator& world,
+                    PendingSends* deferred) {
+  if (!in.valid() || in.dtype() == DType::F32) return execute(r, rank, in, world, deferred);
+  NDArray out = execute(r, rank, in.to(DType::F32), world, deferred);
   if (!out.valid()) return out;
   NDArray back = NDArray::empty(out.shape(), in.dtype());
   const float* src = out.data<float>();
@@ -222,7 +223,7 @@ NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const An
 
 NDArray ExecGraph::run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const {
   const int64_t before = world.bytes().sent;
-  NDArray out = execute_any(r, rank_, in, world);
+  NDArray out = execute_any(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr);
   ledger_.measured += world.bytes().sent - before;
   ledger_.predicted += r.ranks.at(rank_).bytes_sent;
   return out;

@@ -3,6 +3,7 @@
 // Reshards, AdamW on local shards.
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <fstream>
 
@@ -96,6 +97,14 @@ class DistTrainer {
     graph_ = std::make_unique<ExecGraph>(plan_, topology_, world.rank(),
                                          Bindings{{"B", batch}, {"S", o.seq_len}});
     pipeline_ = pipeline_of(strategy_, world.rank());
+    if (pipeline_ >= 0) {
+      const auto& stages = strategy_.pipelines[pipeline_].stages;
+      stages_ = static_cast<int>(stages.size());
+      for (int k = 0; k < stages_; ++k)
+        for (int r : stages[k].ranks)
+          if (r == world.rank()) stage_ = k;
+    }
+    graph_->set_deferred_sends(true);
   }
 
   // Reads the data and the initial weights (errors before any step).
@@ -117,6 +126,7 @@ class DistTrainer {
   Topology topology_ = Topology::uniform(1);
   std::unique_ptr<ExecGraph> graph_;
   int pipeline_ = -1;
+  int stage_ = 0, stages_ = 1;  // this rank's stage and its pipeline's stage count
   std::unique_ptr<TokenData> data_;
   std::map<std::string, Shape> shapes_;
   std::map<std::string, NDArray> params_;  // local shards, parameter layout
@@ -256,11 +266,23 @@ std::vector<StepRecord> DistTrainer::run() {
         kept.push_back(graph_->forward(feeds(data, step, micro), world_));
       for (auto& a : kept) accumulate(graph_->backward(std::move(a), world_));
     } else {
-      // "1f1b" without warmup: each micro-batch's backward right after its
-      // forward (memory of one micro-batch; no overlap between stages yet).
-      for (int micro = 0; micro < micro_batches; ++micro)
-        accumulate(graph_->run_micro_batch(feeds(data, step, micro), world_));
+      // 1F1B: stage s of S runs S-s-1 warm-up forwards, then alternates one
+      // forward and one backward, then drains the backwards; at most S-s
+      // micro-batches of activations live at once. Sends are deferred so a
+      // stage sending activations never waits on a neighbour sending
+      // gradients.
+      const int warmup = std::min(stages_ - stage_ - 1, micro_batches);
+      std::deque<ExecGraph::Activations> live;
+      int next = 0;
+      for (; next < warmup; ++next) live.push_back(graph_->forward(feeds(data, step, next), world_));
+      for (; next < micro_batches; ++next) {
+        live.push_back(graph_->forward(feeds(data, step, next), world_));
+        accumulate(graph_->backward(std::move(live.front()), world_));
+        live.pop_front();
+      }
+      for (; !live.empty(); live.pop_front()) accumulate(graph_->backward(std::move(live.front()), world_));
     }
+    graph_->wait_sends(world_);
     StepRecord r;
     r.step = step;
     r.loss = all_reduce_scalar(is_representative(loss_annotation, world_.rank()) ? loss : 0.0, world_);

@@ -34,7 +34,34 @@ namespace hspmd {
 // rank's in_box, and on communication failures; InternalError when the
 // resolution is inconsistent (a phase whose in_box is not what the rank
 // holds, a box outside the buffer it reads or writes).
-NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world);
+//
+// `deferred` (optional): the rank's point-to-point sends are not waited;
+// their requests and packed buffers move into it, and execute returns as soon
+// as its receives and collectives are done. A pipeline schedule uses this so
+// that a stage sending forward activations never blocks on a neighbour that
+// is itself sending backward gradients (1F1B); call deferred->wait() before
+// the buffers' owner goes away (e.g. at the end of the step).
+class PendingSends;
+NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world,
+                PendingSends* deferred = nullptr);
+
+// Sends still in flight after execute(..., deferred): owns their buffers.
+class PendingSends {
+ public:
+  PendingSends() = default;
+  PendingSends(const PendingSends&) = delete;
+  PendingSends& operator=(const PendingSends&) = delete;
+  ~PendingSends();  // waits what is left (errors there are swallowed: call wait())
+  // Waits every pending send, then frees the buffers. Throws like wait_all.
+  void wait(Communicator& world);
+  bool empty() const { return requests_.empty(); }
+
+ private:
+  friend class PhaseRun;
+  std::vector<std::vector<float>> buffers_;
+  std::vector<Request> requests_;
+  Communicator* world_ = nullptr;
+};
 
 // The point-to-point tag execute() uses on `world`.
 inline constexpr int kReshardTag = 0x5253;

@@ -14,6 +14,7 @@
 
 #include "hspmd/annotation/deduce.h"
 #include "hspmd/comm/communicator.h"
+#include "hspmd/comm/execute.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/plan/plan.h"
@@ -73,6 +74,11 @@ class ExecGraph {
     int64_t predicted = 0;
   };
   const ByteLedger& ledger() const { return ledger_; }
+
+  // With deferred sends on, Reshards return without waiting their outgoing
+  // messages (pipeline schedules, see execute()); wait_sends() completes them.
+  void set_deferred_sends(bool on) { defer_sends_ = on; }
+  void wait_sends(Communicator& world) const { pending_.wait(world); }
   void reset_ledger() const { ledger_ = {}; }
 
  private:
@@ -82,6 +88,8 @@ class ExecGraph {
                  Communicator& world) const;
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
   mutable ByteLedger ledger_;
+  bool defer_sends_ = false;
+  mutable PendingSends pending_;
   const AnnotationPlan& plan_;
   const Topology& topology_;
   int rank_;
