@@ -175,10 +175,18 @@ PlannedReshard transfer(const std::string& name, int from, int to) {
   auto res = std::make_shared<Resolution>();
   res->name = name;
   res->kind = CommKind::kSend;
-  CommOp send{.kind = CommKind::kSend, .sends = {Transfer{to, {}, 8}}};
-  CommOp recv{.kind = CommKind::kRecv, .recvs = {Transfer{from, {}, 8}}};
-  res->ranks[from] = {from, CommKind::kSend, {CommPhase{std::nullopt, std::nullopt, {send}}}};
-  res->ranks[to] = {to, CommKind::kRecv, {CommPhase{std::nullopt, std::nullopt, {recv}}}};
+  auto add = [&](int rank, CommKind kind, int peer) {
+    CommOp op;
+    op.kind = kind;
+    (kind == CommKind::kSend ? op.sends : op.recvs).push_back(Transfer{peer, {}, 8});
+    RankResolution& rr = res->ranks[rank];
+    rr.rank = rank;
+    rr.kind = kind;
+    rr.phases.resize(1);
+    rr.phases[0].ops.push_back(op);
+  };
+  add(from, CommKind::kSend, to);
+  add(to, CommKind::kRecv, from);
   return {name, "forward", res};
 }
 
