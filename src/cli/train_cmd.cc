@@ -130,6 +130,7 @@ int train_command(const std::vector<std::string>& args) {
     return launch_ranks(nproc, args);
   }
   if (o.strategy_path.empty()) {
+    if (o.global_batch == 0) fail("[flags] --global-batch is required (without --strategy)");
     train(o);
     return 0;
   }
