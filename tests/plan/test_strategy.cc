@@ -362,6 +362,7 @@ TEST(StrategyExamples, AllValidate) {
       {"tiny_hetero_8", "llama-tiny-8l", 8, 6, {7}},
       {"tiny_zero_8", "llama-tiny-8l", 8, 8, {}},
       {"tiny_cp_8", "llama-tiny-8l", 8, 8, {}},
+      {"tiny_example_hetero_5", "../tiny-llama/config", 5, 16, {}},
   };
   for (const Example& e : examples) {
     SCOPED_TRACE(e.strategy);
