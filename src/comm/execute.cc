@@ -168,6 +168,13 @@ void create_groups(const RankResolution& plan, Communicator& world) {
 
 }  // namespace
 
+void PendingSends::send(std::vector<float> data, int peer, int tag, Communicator& world) {
+  buffers_.push_back(std::move(data));
+  const std::vector<float>& b = buffers_.back();
+  requests_.push_back(world.start_send(b.data(), static_cast<int64_t>(b.size()), peer, tag));
+  world_ = &world;
+}
+
 void PendingSends::wait(Communicator& world) {
   world.wait_all(requests_);
   buffers_.clear();

@@ -1,6 +1,8 @@
 #include "hspmd/exec/exec_graph.h"
 
 #include <algorithm>
+#include <limits>
+#include <set>
 
 #include "hspmd/comm/execute.h"
 #include "hspmd/core/error.h"
@@ -136,7 +138,9 @@ struct ExecGraph::NodeExec {
       return world.group(ranks_along(eg.annotated_->of(node.inputs.at(input)), eg.rank_, dim));
     };
     std::vector<NDArray> outputs(node.outputs.size());
+    if (eg.clock_) eg.clock_->begin_compute();
     node.op->compute(ctx, inputs, outputs);
+    if (eg.clock_) eg.clock_->end_compute();
     for (size_t i = 0; i < outputs.size(); ++i)
       HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
                   node.op->type(), " output ", i, " has the wrong local shape");
@@ -221,7 +225,41 @@ NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const An
   return run_reshard(r, local, world);
 }
 
+// Clock values travel as two floats (hi, lo) on their own tag.
+constexpr int kClockTag = 0x434b;
+
+void ExecGraph::sync_clock(const Resolution& r, Communicator& world) const {
+  const RankResolution& me = r.ranks.at(rank_);
+  std::set<int> to, from;
+  double transfer = 0;
+  auto link = [&](int peer) { return topology_.bandwidth(rank_, peer) * 1e9; };
+  for (const CommPhase& ph : me.phases)
+    for (const CommOp& op : ph.ops) {
+      if (op.group.size() > 1) {
+        double bw = std::numeric_limits<double>::infinity();
+        for (int m : op.group)
+          if (m != rank_) to.insert(m), from.insert(m), bw = std::min(bw, link(m));
+        transfer += static_cast<double>(std::max(op.bytes_sent, op.bytes_received)) / bw;
+      }
+      for (const Transfer& t : op.sends) to.insert(t.peer), transfer += t.bytes / link(t.peer);
+      for (const Transfer& t : op.recvs) from.insert(t.peer), transfer += t.bytes / link(t.peer);
+    }
+  const double now = clock_->now();
+  const float hi = static_cast<float>(now), lo = static_cast<float>(now - hi);
+  for (int peer : to) pending_.send({hi, lo}, peer, kClockTag, world);
+  std::vector<float> theirs(2 * from.size());
+  std::vector<Request> recvs;
+  size_t k = 0;
+  for (int peer : from) recvs.push_back(world.start_recv(theirs.data() + 2 * k++, 2, peer, kClockTag));
+  world.wait_all(recvs);
+  double ready = now;
+  for (size_t i = 0; i < from.size(); ++i)
+    ready = std::max(ready, static_cast<double>(theirs[2 * i]) + theirs[2 * i + 1]);
+  clock_->communicate(ready, transfer);
+}
+
 NDArray ExecGraph::run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const {
+  if (clock_) sync_clock(r, world);
   const int64_t before = world.bytes().sent;
   NDArray out = execute_any(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr);
   ledger_.measured += world.bytes().sent - before;

@@ -11,6 +11,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/exec/exec_graph.h"
+#include "hspmd/exec/virtual_clock.h"
 #include "hspmd/io/safetensors.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/plan/plan.h"
@@ -105,6 +106,10 @@ class DistTrainer {
           if (r == world.rank()) stage_ = k;
     }
     graph_->set_deferred_sends(true);
+    if (!o.cluster_path.empty()) {  // emulate the cluster: a virtual clock per rank
+      clock_ = std::make_unique<VirtualClock>(topology_.rank(world.rank()).slowdown);
+      graph_->set_clock(clock_.get());
+    }
   }
 
   // Reads the data and the initial weights (errors before any step).
@@ -126,7 +131,10 @@ class DistTrainer {
   Topology topology_ = Topology::uniform(1);
   std::unique_ptr<ExecGraph> graph_;
   int pipeline_ = -1;
-  int stage_ = 0, stages_ = 1;  // this rank's stage and its pipeline's stage count
+  int stage_ = 0, stages_ = 1;
+  std::unique_ptr<VirtualClock> clock_;
+  int64_t emulated_end_ = 0;                 // ns, the previous step's end
+  std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step  // this rank's stage and its pipeline's stage count
   std::unique_ptr<TokenData> data_;
   std::map<std::string, Shape> shapes_;
   std::map<std::string, NDArray> params_;  // local shards, parameter layout
@@ -202,10 +210,14 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
     auto st = plan_.optimizer_states.find(name);
     auto g = synced.find(name);
     if (st == plan_.optimizer_states.end()) {
+      if (clock_) clock_->begin_compute();
       if (g != synced.end()) adam.update(name, params_.at(name), g->second, lr, decay);
+      if (clock_) clock_->end_compute();
       continue;
     }
+    if (clock_) clock_->begin_compute();
     if (g != synced.end()) adam.update(name, master_.at(name), g->second, lr, decay);
+    if (clock_) clock_->end_compute();
     auto m = master_.find(name);
     NDArray gathered = graph_->reshard("zero_gather." + name, shapes_.at(name), st->second,
                                        graph_->annotation(name),
@@ -291,11 +303,24 @@ std::vector<StepRecord> DistTrainer::run() {
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);
     r.tokens = strategy_.global_batch() * o_.seq_len;
+    graph_->wait_sends(world_);
+    const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
     const auto counts = gather_counts(
-        {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted}, world_);
+        {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted,
+         clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0}, world_);
     r.bytes_sent = counts[0];
     r.reshard_bytes_sent = counts[1];
     r.predicted_reshard_bytes = counts[2];
+    if (clock_) {  // the emulated cluster's step: from the last rank's end to the last rank's end
+      const int64_t end = *std::max_element(counts[3].begin(), counts[3].end());
+      r.emulated_step_time_s = (end - emulated_end_) * 1e-9;
+      emulated_end_ = end;
+      for (size_t k = 0; k < counts[4].size(); ++k) {
+        if (emulated_compute_.size() < counts[4].size()) emulated_compute_.resize(counts[4].size(), 0);
+        r.emulated_compute_s.push_back((counts[4][k] - emulated_compute_[k]) * 1e-9);
+        emulated_compute_[k] = counts[4][k];
+      }
+    }
     r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
     r.tokens_per_s = r.tokens / r.step_time_s;
     if (log.is_open()) log << train_common::record_json(r).dump() << "\n" << std::flush;

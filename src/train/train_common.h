@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdio>
+#include <string>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -38,9 +39,12 @@ inline ValueMap make_batch(const TokenData& data, int64_t first, int64_t count, 
 
 inline void print_progress(const StepRecord& r, int64_t steps, double elapsed_s) {
   const double eta = elapsed_s / (r.step + 1) * (steps - r.step - 1);
-  std::fprintf(stderr, "step %lld/%lld  loss %.4f  lr %.3g  grad_norm %.3f  %.0f tokens/s  eta %.0fs\n",
+  std::string emulated;
+  if (!r.emulated_compute_s.empty())
+    emulated = "  emulated step " + std::to_string(r.emulated_step_time_s) + "s";
+  std::fprintf(stderr, "step %lld/%lld  loss %.4f  lr %.3g  grad_norm %.3f  %.0f tokens/s%s  eta %.0fs\n",
                static_cast<long long>(r.step + 1), static_cast<long long>(steps), r.loss, r.lr,
-               r.grad_norm, r.tokens_per_s, eta);
+               r.grad_norm, r.tokens_per_s, emulated.c_str(), eta);
 }
 
 inline nlohmann::json record_json(const StepRecord& r) {
@@ -51,6 +55,10 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["bytes_sent"] = r.bytes_sent;
     j["reshard_bytes_sent"] = r.reshard_bytes_sent;
     j["predicted_reshard_bytes"] = r.predicted_reshard_bytes;
+  }
+  if (!r.emulated_compute_s.empty()) {
+    j["emulated_step_time_s"] = r.emulated_step_time_s;
+    j["emulated_compute_s"] = r.emulated_compute_s;
   }
   return j;
 }

@@ -159,6 +159,28 @@ def main():
         print(f"{'init (7 ranks)':18s} loss rel err {rel:.2e} {'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append("init")
+    # The emulated cluster (--cluster: virtual clocks, slowdowns) trains the
+    # same model and reports its emulated step time and per-rank compute.
+    cluster = os.path.join(tmp, "cluster.json")
+    json.dump({"catalog": {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100,
+                                   "inter_node_gbps": 25}},
+               "nodes": [{"type": "gpu", "ranks": [0, 1]},
+                         {"type": "gpu", "ranks": [2, 3], "slowdown": 3.0}]}, open(cluster, "w"))
+    spath = os.path.join(tmp, "emulated.json")
+    json.dump(CASES["asym_pp_dp_zero"][1], open(spath, "w"))
+    elog = os.path.join(tmp, "emulated.jsonl")
+    rc, err = run(common + ["--strategy", spath, "--nproc", "4", "--cluster", cluster, "--log", elog])
+    if rc:
+        failures.append("emulated: " + err.strip()[-300:])
+    else:
+        recs = records(elog)
+        rel = max(abs(a - r["loss"]) / abs(a) for a, r in zip(want_loss, recs))
+        ok = (rel <= 1e-5 and all(r["emulated_step_time_s"] > 0 and len(r["emulated_compute_s"]) == 4
+                                  and min(r["emulated_compute_s"]) > 0 for r in recs))
+        print(f"{'emulated cluster':18s} loss rel err {rel:.2e}, emulated step "
+              f"{recs[-1]['emulated_step_time_s']:.4f}s {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failures.append("emulated")
     # Wrong plans fail before training, with one line, on every rank count.
     spath = os.path.join(tmp, "wrong.json")
     json.dump(CASES["asym_pp_dp_zero"][1], open(spath, "w"))

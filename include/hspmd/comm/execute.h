@@ -55,6 +55,8 @@ class PendingSends {
   // Waits every pending send, then frees the buffers. Throws like wait_all.
   void wait(Communicator& world);
   bool empty() const { return requests_.empty(); }
+  // Starts sending `data` (kept here until it completes) to `peer` of `world`.
+  void send(std::vector<float> data, int peer, int tag, Communicator& world);
 
  private:
   friend class PhaseRun;

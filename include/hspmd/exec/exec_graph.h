@@ -15,6 +15,7 @@
 #include "hspmd/annotation/deduce.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/comm/execute.h"
+#include "hspmd/exec/virtual_clock.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/plan/plan.h"
@@ -79,6 +80,12 @@ class ExecGraph {
   // messages (pipeline schedules, see execute()); wait_sends() completes them.
   void set_deferred_sends(bool on) { defer_sends_ = on; }
   void wait_sends(Communicator& world) const { pending_.wait(world); }
+
+  // Emulation (virtual_clock.h): with a clock, every op's compute advances
+  // it, and every Reshard first synchronizes it with the rank's peers in
+  // that Reshard (senders' clocks travel to receivers; collective members
+  // exchange theirs) and adds the transfer time over the topology's links.
+  void set_clock(VirtualClock* clock) { clock_ = clock; }
   void reset_ledger() const { ledger_ = {}; }
 
  private:
@@ -89,6 +96,8 @@ class ExecGraph {
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
   mutable ByteLedger ledger_;
   bool defer_sends_ = false;
+  VirtualClock* clock_ = nullptr;
+  void sync_clock(const Resolution& r, Communicator& world) const;
   mutable PendingSends pending_;
   const AnnotationPlan& plan_;
   const Topology& topology_;

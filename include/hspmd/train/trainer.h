@@ -46,6 +46,10 @@ struct StepRecord {
   // Distributed runs, per rank: bytes sent this step (all communication), the
   // part sent inside Reshards, and the resolver's prediction of that part.
   std::vector<int64_t> bytes_sent, reshard_bytes_sent, predicted_reshard_bytes;
+  // With --cluster: the EMULATED cluster's step time (virtual clocks) and each
+  // rank's virtual compute seconds in the step; 0 / empty otherwise.
+  double emulated_step_time_s = 0.0;
+  std::vector<double> emulated_compute_s;
 };
 
 // Validates every input before the first step (config, data, initial

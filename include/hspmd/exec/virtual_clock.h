@@ -1,0 +1,47 @@
+// The emulated cluster's per-rank virtual clock (DESIGN §7 "slowdown"): a
+// rank's compute advances it by the CPU time it measured times the rank's
+// slowdown; communication synchronizes it with the peers' clocks and adds
+// the transfer time over the topology's links. Step times read from it are
+// the step times of the EMULATED cluster, independent of how many ranks share
+// this machine's cores.
+#pragma once
+
+#include <ctime>
+
+namespace hspmd {
+
+class VirtualClock {
+ public:
+  explicit VirtualClock(double slowdown = 1.0) : slowdown_(slowdown) {}
+
+  double now() const { return now_; }
+  double compute_s() const { return compute_; }  // virtual seconds spent computing
+  double comm_s() const { return comm_; }        // virtual seconds waiting or transferring
+
+  // Brackets a computation: advances by its process CPU time x slowdown.
+  void begin_compute() { cpu0_ = cpu_seconds(); }
+  void end_compute() {
+    const double dt = (cpu_seconds() - cpu0_) * slowdown_;
+    now_ += dt;
+    compute_ += dt;
+  }
+  // A communication that could start only at `ready` (the peers' clocks) and
+  // takes `transfer` seconds on the links.
+  void communicate(double ready, double transfer) {
+    const double end = (ready > now_ ? ready : now_) + transfer;
+    comm_ += end - now_;
+    now_ = end;
+  }
+
+ private:
+  static double cpu_seconds() {
+    timespec t{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+  }
+
+  double slowdown_;
+  double now_ = 0, compute_ = 0, comm_ = 0, cpu0_ = 0;
+};
+
+}  // namespace hspmd
