@@ -106,6 +106,7 @@ int train_command(const std::vector<std::string>& args) {
   f.add_bool("quiet", &quiet, "no progress line on stderr");
   f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
   f.add_string("cluster", &o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
+  f.add_string("trace", &o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
   f.add_int("nproc", &nproc, "start this many local ranks through mpirun (with --strategy)");
   if (!f.parse(args)) return 0;
 

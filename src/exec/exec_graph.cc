@@ -259,11 +259,14 @@ void ExecGraph::sync_clock(const Resolution& r, Communicator& world) const {
 }
 
 NDArray ExecGraph::run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const {
+  const double t0 = clock_ ? clock_->now() : 0;
   if (clock_) sync_clock(r, world);
   const int64_t before = world.bytes().sent;
   NDArray out = execute_any(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr);
   ledger_.measured += world.bytes().sent - before;
   ledger_.predicted += r.ranks.at(rank_).bytes_sent;
+  if (clock_ && !r.ranks.at(rank_).phases.empty())  // identities are not communication
+    clock_->record(r.name.empty() ? "reshard" : r.name, "comm", t0);
   return out;
 }
 

@@ -5,7 +5,10 @@
 #include <chrono>
 #include <deque>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
@@ -106,10 +109,12 @@ class DistTrainer {
           if (r == world.rank()) stage_ = k;
     }
     graph_->set_deferred_sends(true);
-    if (!o.cluster_path.empty()) {  // emulate the cluster: a virtual clock per rank
+    if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
       clock_ = std::make_unique<VirtualClock>(topology_.rank(world.rank()).slowdown);
+      clock_->set_tracing(!o.trace_path.empty());
       graph_->set_clock(clock_.get());
     }
+    train_common::check_output_path("--trace", o.trace_path);
   }
 
   // Reads the data and the initial weights (errors before any step).
@@ -122,6 +127,7 @@ class DistTrainer {
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void save() const;
+  void write_trace() const;
 
   const TrainOptions& o_;
   Communicator& world_;
@@ -270,13 +276,23 @@ std::vector<StepRecord> DistTrainer::run() {
         else for (int64_t i = 0; i < g.numel(); ++i) it->second.data<float>()[i] += g.data<float>()[i];
       }
     };
+    auto forward = [&](int micro) {
+      const double t0 = clock_ ? clock_->now() : 0;
+      ExecGraph::Activations a = graph_->forward(feeds(data, step, micro), world_);
+      if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
+      return a;
+    };
+    auto backward = [&](ExecGraph::Activations a, int micro) {
+      const double t0 = clock_ ? clock_->now() : 0;
+      accumulate(graph_->backward(std::move(a), world_));
+      if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
+    };
     if (strategy_.schedule == "gpipe") {
       // Every forward, then every backward: stages overlap on different
       // micro-batches; activations of all micro-batches are kept.
       std::vector<ExecGraph::Activations> kept;
-      for (int micro = 0; micro < micro_batches; ++micro)
-        kept.push_back(graph_->forward(feeds(data, step, micro), world_));
-      for (auto& a : kept) accumulate(graph_->backward(std::move(a), world_));
+      for (int micro = 0; micro < micro_batches; ++micro) kept.push_back(forward(micro));
+      for (int micro = 0; micro < micro_batches; ++micro) backward(std::move(kept[micro]), micro);
     } else {
       // 1F1B: stage s of S runs S-s-1 warm-up forwards, then alternates one
       // forward and one backward, then drains the backwards; at most S-s
@@ -285,23 +301,25 @@ std::vector<StepRecord> DistTrainer::run() {
       // gradients.
       const int warmup = std::min(stages_ - stage_ - 1, micro_batches);
       std::deque<ExecGraph::Activations> live;
-      int next = 0;
-      for (; next < warmup; ++next) live.push_back(graph_->forward(feeds(data, step, next), world_));
+      int next = 0, done = 0;
+      for (; next < warmup; ++next) live.push_back(forward(next));
       for (; next < micro_batches; ++next) {
-        live.push_back(graph_->forward(feeds(data, step, next), world_));
-        accumulate(graph_->backward(std::move(live.front()), world_));
+        live.push_back(forward(next));
+        backward(std::move(live.front()), done++);
         live.pop_front();
       }
-      for (; !live.empty(); live.pop_front()) accumulate(graph_->backward(std::move(live.front()), world_));
+      for (; !live.empty(); live.pop_front()) backward(std::move(live.front()), done++);
     }
     graph_->wait_sends(world_);
     StepRecord r;
     r.step = step;
     r.loss = all_reduce_scalar(is_representative(loss_annotation, world_.rank()) ? loss : 0.0, world_);
+    const double post0 = clock_ ? clock_->now() : 0;
     std::map<std::string, NDArray> synced = graph_->sync_gradients(raw, world_);
     r.grad_norm = global_grad_norm(synced);
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);
+    if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
     r.tokens = strategy_.global_batch() * o_.seq_len;
     graph_->wait_sends(world_);
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
@@ -330,7 +348,37 @@ std::vector<StepRecord> DistTrainer::run() {
     records.push_back(r);
   }
   if (!o_.save_path.empty()) save();
+  if (!o_.trace_path.empty()) write_trace();
   return records;
+}
+
+// Each rank writes its spans next to the trace, then rank 0 merges them into
+// one Chrome-trace JSON (one process per rank, virtual microseconds).
+void DistTrainer::write_trace() const {
+  const std::string part = o_.trace_path + ".rank" + std::to_string(world_.rank());
+  {
+    nlohmann::json events = nlohmann::json::array();
+    for (const TraceEvent& e : clock_->events())
+      events.push_back({{"name", e.name}, {"cat", e.category}, {"ph", "X"}, {"pid", world_.rank()},
+                        {"tid", 0}, {"ts", e.begin * 1e6}, {"dur", (e.end - e.begin) * 1e6}});
+    std::ofstream(part) << events.dump();
+  }
+  world_.barrier();
+  if (world_.rank() != 0) return;
+  nlohmann::json all = nlohmann::json::array();
+  for (int r = 0; r < world_.size(); ++r) {
+    const std::string p = o_.trace_path + ".rank" + std::to_string(r);
+    all.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r},
+                   {"args", {{"name", "rank " + std::to_string(r) + " (emulated)"}}}});
+    std::ifstream in(p);
+    for (auto& e : nlohmann::json::parse(in)) all.push_back(std::move(e));
+    std::remove(p.c_str());
+  }
+  std::ofstream(o_.trace_path) << nlohmann::json{
+      {"traceEvents", all},
+      {"displayTimeUnit", "ms"},
+      {"otherData", {{"clock", "virtual time of the EMULATED cluster (hspmd --cluster)"}}}}
+                                      .dump();
 }
 
 }  // namespace

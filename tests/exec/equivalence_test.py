@@ -169,7 +169,9 @@ def main():
     spath = os.path.join(tmp, "emulated.json")
     json.dump(CASES["asym_pp_dp_zero"][1], open(spath, "w"))
     elog = os.path.join(tmp, "emulated.jsonl")
-    rc, err = run(common + ["--strategy", spath, "--nproc", "4", "--cluster", cluster, "--log", elog])
+    trace = os.path.join(tmp, "trace.json")
+    rc, err = run(common + ["--strategy", spath, "--nproc", "4", "--cluster", cluster, "--log", elog,
+                            "--trace", trace])
     if rc:
         failures.append("emulated: " + err.strip()[-300:])
     else:
@@ -177,6 +179,12 @@ def main():
         rel = max(abs(a - r["loss"]) / abs(a) for a, r in zip(want_loss, recs))
         ok = (rel <= 1e-5 and all(r["emulated_step_time_s"] > 0 and len(r["emulated_compute_s"]) == 4
                                   and min(r["emulated_compute_s"]) > 0 for r in recs))
+        # The timeline: per rank its forward / backward spans and communication.
+        events = json.load(open(trace))["traceEvents"]
+        for rank in range(4):
+            cats = {e.get("cat") for e in events if e["pid"] == rank}
+            ok = ok and {"forward", "backward", "comm", "post"} <= cats
+        ok = ok and not any(os.path.exists(trace + ".rank%d" % r) for r in range(4))
         print(f"{'emulated cluster':18s} loss rel err {rel:.2e}, emulated step "
               f"{recs[-1]['emulated_step_time_s']:.4f}s {'ok' if ok else 'FAIL'}")
         if not ok:

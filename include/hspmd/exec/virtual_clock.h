@@ -7,8 +7,17 @@
 #pragma once
 
 #include <ctime>
+#include <string>
+#include <vector>
 
 namespace hspmd {
+
+// One span of a rank's timeline, in virtual seconds.
+struct TraceEvent {
+  std::string name;
+  std::string category;  // "forward", "backward", "comm", "post"
+  double begin = 0, end = 0;
+};
 
 class VirtualClock {
  public:
@@ -33,6 +42,13 @@ class VirtualClock {
     now_ = end;
   }
 
+  // Timeline spans (kept only when tracing is on).
+  void set_tracing(bool on) { tracing_ = on; }
+  void record(std::string name, std::string category, double begin) {
+    if (tracing_) events_.push_back({std::move(name), std::move(category), begin, now_});
+  }
+  const std::vector<TraceEvent>& events() const { return events_; }
+
  private:
   static double cpu_seconds() {
     timespec t{};
@@ -42,6 +58,8 @@ class VirtualClock {
 
   double slowdown_;
   double now_ = 0, compute_ = 0, comm_ = 0, cpu0_ = 0;
+  bool tracing_ = false;
+  std::vector<TraceEvent> events_;
 };
 
 }  // namespace hspmd

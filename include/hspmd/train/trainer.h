@@ -21,7 +21,8 @@ struct TrainOptions {
   std::string log_path;         // optional JSONL, one object per step
   std::string dump_grads_path;  // optional safetensors of the step-0 gradients
   std::string strategy_path;    // distributed: strategy JSON (train_distributed)
-  std::string cluster_path;     // distributed: optional cluster JSON
+  std::string cluster_path;     // distributed: optional cluster JSON (emulated cluster)
+  std::string trace_path;       // distributed: Chrome-trace timeline of the emulated cluster
   int64_t seq_len = 0;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
