@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Symmetric against asymmetric strategies on an EMULATED heterogeneous
+cluster: two nodes of 4 ranks, the second at slowdown 3 (docs/execution.md),
+the reference model scaled to 8 layers, sequence 256, global batch 8.
+
+Prints each strategy's median emulated step time (virtual clocks: CPU time x
+slowdown, communication over the cluster's links), its ratio to the best
+symmetric one, and each rank's virtual compute per step. All figures are of
+the emulated cluster, not of this machine.
+
+usage: bench/emulated_step.py [--hspmd build/src/cli/hspmd] [--steps 4] [--trace-dir DIR]
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+CLUSTER = {"catalog": {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100,
+                               "inter_node_gbps": 25}},
+           "nodes": [{"type": "gpu", "ranks": [0, 3]},
+                     {"type": "gpu", "ranks": [4, 7], "slowdown": 3.0}]}
+
+
+def pipeline(mbs, micro, stages):
+    return {"micro_batch_size": mbs, "micro_batches": micro,
+            "stages": [{"ranks": r, "layers": l} for r, l in stages]}
+
+
+# Symmetric: what Megatron would run (equal pipelines, equal stages).
+# Asymmetric: the fast node's pipeline takes 3x the micro-batches.
+STRATEGIES = {
+    "symmetric DP2 x PP2 x TP2": {"pipelines": [
+        pipeline(1, 4, [([0, 1], [0, 3]), ([2, 3], [4, 7])]),
+        pipeline(1, 4, [([4, 5], [0, 3]), ([6, 7], [4, 7])])]},
+    "symmetric DP2 x TP4": {"pipelines": [
+        pipeline(1, 4, [([0, 1, 2, 3], [0, 7])]),
+        pipeline(1, 4, [([4, 5, 6, 7], [0, 7])])]},
+    "asymmetric micro-batches 6:2": {"pipelines": [
+        pipeline(1, 6, [([0, 1], [0, 3]), ([2, 3], [4, 7])]),
+        pipeline(1, 2, [([4, 5], [0, 3]), ([6, 7], [4, 7])])]},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--trace-dir", default="")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="hspmd_emulated_")
+    cfg = json.load(open(os.path.join(HERE, "configs/reference.json")))
+    cfg["num_hidden_layers"] = 8
+    model = os.path.join(tmp, "model.json")
+    json.dump(cfg, open(model, "w"))
+    cluster = os.path.join(tmp, "cluster.json")
+    json.dump(CLUSTER, open(cluster, "w"))
+    data = os.path.join(tmp, "data.bin")
+    rng = random.Random(0)
+    with open(data, "wb") as f:
+        f.write(b"".join(struct.pack("<I", rng.randrange(cfg["vocab_size"])) for _ in range(100000)))
+    results = {}
+    for name, strategy in STRATEGIES.items():
+        spath = os.path.join(tmp, "strategy.json")
+        json.dump(strategy, open(spath, "w"))
+        log = os.path.join(tmp, "log.jsonl")
+        cmd = [args.hspmd, "train", "--model", model, "--data", data, "--seq-len", "256",
+               "--steps", str(args.steps), "--threads", "1", "--quiet", "--strategy", spath,
+               "--nproc", "8", "--cluster", cluster, "--log", log]
+        if args.trace_dir:
+            cmd += ["--trace", os.path.join(args.trace_dir, name.replace(" ", "_") + ".json")]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"{name}: {r.stderr}")
+        recs = [json.loads(line) for line in open(log)][1:]  # step 0 warms up
+        results[name] = (statistics.median(x["emulated_step_time_s"] for x in recs),
+                         [statistics.median(x["emulated_compute_s"][k] for x in recs) for k in range(8)])
+    best_sym = min(t for n, (t, _) in results.items() if n.startswith("symmetric"))
+    print("EMULATED cluster: ranks 0-3 slowdown 1, ranks 4-7 slowdown 3; reference model, 8 layers")
+    for name, (t, compute) in results.items():
+        print(f"{name:32s} emulated step {t:.3f}s  speedup vs best symmetric {best_sym / t:.2f}x  "
+              f"compute per rank {[round(c, 3) for c in compute]}")
+
+
+if __name__ == "__main__":
+    main()
