@@ -172,6 +172,7 @@ void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Acti
     else
       slots[id] = NodeExec{*this, n}.compute(inputs, world);
     inputs.clear();
+    if (memory_cap_ > 0) check_memory(n);
     for (const Tensor& in : n.inputs) {
       auto& left = a.remaining[in.node_id()];
       if (!left.empty() && --left[in.index()] == 0 && !slots[in.node_id()].empty())
@@ -223,6 +224,14 @@ NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const An
   const Resolution r = resolve(ReshardSpec{name, shape, DType::F32, from, to}, topology_);
   if (!r.ranks.count(rank_)) return NDArray();
   return run_reshard(r, local, world);
+}
+
+void ExecGraph::check_memory(const Node& node) const {
+  const size_t used = allocator_for(Device::cpu()).current_bytes();
+  if (used > memory_cap_)
+    fail("[emulate] rank ", rank_, ": out of memory: ", used / 1048576.0, " MiB in use after ",
+         node.op->type(), node.name.empty() ? "" : " '" + node.name + "'", " exceeds its cap of ",
+         memory_cap_ / 1048576.0, " MiB");
 }
 
 // Clock values travel as two floats (hi, lo) on their own tag.

@@ -113,6 +113,8 @@ class DistTrainer {
       clock_ = std::make_unique<VirtualClock>(topology_.rank(world.rank()).slowdown);
       clock_->set_tracing(!o.trace_path.empty());
       graph_->set_clock(clock_.get());
+      graph_->set_memory_cap(static_cast<size_t>(topology_.rank(world.rank()).memory_cap_gib *
+                                                 1024.0 * 1024.0 * 1024.0));
     }
     train_common::check_output_path("--trace", o.trace_path);
   }
@@ -266,6 +268,7 @@ std::vector<StepRecord> DistTrainer::run() {
     const auto t0 = Clock::now();
     world_.reset_bytes();
     graph_->reset_ledger();
+    allocator_for(Device::cpu()).reset_peak();
     std::map<std::string, NDArray> raw;
     double loss = 0;
     auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
@@ -325,7 +328,9 @@ std::vector<StepRecord> DistTrainer::run() {
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
     const auto counts = gather_counts(
         {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted,
-         clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0}, world_);
+         clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0,
+         static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes())}, world_);
+    r.peak_memory_bytes = counts[5];
     r.bytes_sent = counts[0];
     r.reshard_bytes_sent = counts[1];
     r.predicted_reshard_bytes = counts[2];

@@ -64,6 +64,10 @@ CASES = {
 }
 
 
+CLUSTER_CATALOG = {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100,
+                           "inter_node_gbps": 25}}
+
+
 def read_safetensors(path):
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
@@ -162,8 +166,7 @@ def main():
     # The emulated cluster (--cluster: virtual clocks, slowdowns) trains the
     # same model and reports its emulated step time and per-rank compute.
     cluster = os.path.join(tmp, "cluster.json")
-    json.dump({"catalog": {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100,
-                                   "inter_node_gbps": 25}},
+    json.dump({"catalog": CLUSTER_CATALOG,
                "nodes": [{"type": "gpu", "ranks": [0, 1]},
                          {"type": "gpu", "ranks": [2, 3], "slowdown": 3.0}]}, open(cluster, "w"))
     spath = os.path.join(tmp, "emulated.json")
@@ -192,10 +195,16 @@ def main():
     # Wrong plans fail before training, with one line, on every rank count.
     spath = os.path.join(tmp, "wrong.json")
     json.dump(CASES["asym_pp_dp_zero"][1], open(spath, "w"))
+    capped = os.path.join(tmp, "capped.json")  # rank 2's memory cap is 100 KiB
+    json.dump({"catalog": CLUSTER_CATALOG,
+               "nodes": [{"type": "gpu", "ranks": [0, 1]},
+                         {"type": "gpu", "ranks": [2, 3], "memory_cap_gib": 0.0001}]}, open(capped, "w"))
     for extra, fragment in [(["--seq-len", "16", "--nproc", "2"], "outside the world of 2 ranks"),
                             (["--seq-len", "16", "--nproc", "4", "--global-batch", "6"],
                              "differs from the strategy"),
-                            (["--seq-len", "100", "--nproc", "4"], "max_position_embeddings")]:
+                            (["--seq-len", "100", "--nproc", "4"], "max_position_embeddings"),
+                            (["--seq-len", "16", "--nproc", "4", "--cluster", capped],
+                             "rank 2: out of memory")]:
         cmd = base + ["--strategy", spath] + extra
         rc, err = run(cmd)
         lines = [l for l in err.splitlines() if l.strip()]

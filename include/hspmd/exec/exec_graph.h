@@ -86,6 +86,10 @@ class ExecGraph {
   // that Reshard (senders' clocks travel to receivers; collective members
   // exchange theirs) and adds the transfer time over the topology's links.
   void set_clock(VirtualClock* clock) { clock_ = clock; }
+  // Emulation: after every op and Reshard, the bytes this process holds must
+  // stay within `bytes` (0 = no cap), else hspmd::Error "[emulate] rank R:
+  // out of memory ...".
+  void set_memory_cap(size_t bytes) { memory_cap_ = bytes; }
   void reset_ledger() const { ledger_ = {}; }
 
  private:
@@ -97,6 +101,8 @@ class ExecGraph {
   mutable ByteLedger ledger_;
   bool defer_sends_ = false;
   VirtualClock* clock_ = nullptr;
+  size_t memory_cap_ = 0;
+  void check_memory(const Node& node) const;
   void sync_clock(const Resolution& r, Communicator& world) const;
   mutable PendingSends pending_;
   const AnnotationPlan& plan_;

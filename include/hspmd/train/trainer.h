@@ -49,6 +49,7 @@ struct StepRecord {
   std::vector<int64_t> bytes_sent, reshard_bytes_sent, predicted_reshard_bytes;
   // With --cluster: the EMULATED cluster's step time (virtual clocks) and each
   // rank's virtual compute seconds in the step; 0 / empty otherwise.
+  std::vector<int64_t> peak_memory_bytes;  // per rank: peak bytes of tensors in the step
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };
