@@ -17,6 +17,7 @@
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/io/safetensors.h"
 #include "hspmd/optim/adam.h"
+#include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "train/train_common.h"
 
@@ -100,13 +101,16 @@ class DistTrainer {
     for (const Pipeline& p : strategy_.pipelines) batch += p.micro_batch_size;
     graph_ = std::make_unique<ExecGraph>(plan_, topology_, world.rank(),
                                          Bindings{{"B", batch}, {"S", o.seq_len}});
-    pipeline_ = pipeline_of(strategy_, world.rank());
-    if (pipeline_ >= 0) {
-      const auto& stages = strategy_.pipelines[pipeline_].stages;
-      stages_ = static_cast<int>(stages.size());
-      for (int k = 0; k < stages_; ++k)
-        for (int r : stages[k].ranks)
-          if (r == world.rank()) stage_ = k;
+    // Pipelines are discovered from the resolved plan (appendix A.2), not
+    // read from the strategy; the strategy only gives micro-batch counts.
+    const auto pipelines = discover_pipelines(plan_, dry_run(plan_, topology_));
+    const PipelinePosition at = pipeline_positions(pipelines, world.size()).at(world.rank());
+    HSPMD_CHECK(at.pipeline == pipeline_of(strategy_, world.rank()),
+                "discovered pipeline ", at.pipeline, " of rank ", world.rank(), " differs from the strategy's");
+    pipeline_ = at.pipeline;
+    if (!at.idle()) {
+      stage_ = at.stage;
+      stages_ = static_cast<int>(pipelines[at.pipeline].stages.size());
     }
     graph_->set_deferred_sends(true);
     if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
