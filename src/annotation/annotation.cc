@@ -113,6 +113,14 @@ std::vector<int64_t> part_sizes(const Annotation& a, const std::string& name, in
   return sizes;
 }
 
+NDArray box_slice(const NDArray& array, const Box& box) {
+  HSPMD_CHECK(static_cast<int>(box.begin.size()) == array.ndim(), "box ", to_string(box),
+              " for an array of rank ", array.ndim());
+  NDArray v = array;
+  for (int d = 0; d < array.ndim(); ++d) v = v.slice(d, box.begin[d], box.end[d]);
+  return v.contiguous().clone();
+}
+
 std::string key_name(int key) {
   if (key >= 0) return "split(" + std::to_string(key) + ")";
   if (key == kDup) return "dup";

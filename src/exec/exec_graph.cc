@@ -65,11 +65,11 @@ bool is_representative(const Annotation& a, int rank) {
 ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank,
                      Bindings bindings)
     : plan_(plan), topology_(topology), rank_(rank), bindings_(std::move(bindings)),
-      training_(annotate_training_graph(plan)) {
+      training_(annotate_training_graph(plan)), resolve_(topology) {
   annotated_ = training_.annotated.get();
   const Graph& g = *model_.graph;
   for (auto& [id, spec] : training_.reshards(bindings_))
-    resolutions_.emplace(id, resolve(spec, topology_));
+    resolutions_.emplace(id, resolve_(spec));
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
     if (is_reshard(n)) {
@@ -77,11 +77,14 @@ ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int r
         grad_sync_node_[n.name.substr(5)] = id;
         continue;  // gradient sync runs once per step, not per micro-batch
       }
-      if (resolutions_.at(id).ranks.count(rank_)) order_.push_back(id);
+      if (resolutions_.at(id)->ranks.count(rank_)) order_.push_back(id);
     } else if (annotated_->of(n.output(0)).contains(rank_)) {
       order_.push_back(id);
     }
   }
+  local_ops_.resize(g.num_nodes());
+  for (int id : order_)
+    if (!is_leaf(g.node(id)) && !is_reshard(g.node(id))) local_ops_[id] = make_local_op(g.node(id));
   // Intermediates are released after their last local consumer; the loss and
   // the raw gradients are kept for the caller.
   uses_.resize(g.num_nodes());
@@ -109,49 +112,58 @@ std::optional<Box> ExecGraph::local_box(const std::string& name, const Shape& gl
   return hspmd::local_box(annotation(name), global_shape, rank_);
 }
 
-struct ExecGraph::NodeExec {
-  const ExecGraph& eg;
-  const Node& node;
-
-  Box box_of(const Tensor& t, const Shape& global) const {
-    auto box = hspmd::local_box(eg.annotated_->of(t), global, eg.rank_);
-    HSPMD_CHECK(box.has_value(), "rank ", eg.rank_, " does not hold an input of node ", node.id);
-    return *box;
-  }
-
-  std::vector<NDArray> compute(const std::vector<NDArray>& inputs, Communicator& world) const {
-    ShardContext shard;
-    OpContext ctx;
-    ctx.bindings = &eg.bindings_;
-    ctx.shard = &shard;
-    for (const Tensor& in : node.inputs) {
-      shard.input_global_shapes.push_back(eval_shape(in.shape(), eg.bindings_));
-      shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
-    }
-    for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
-      shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, eg.bindings_));
-      shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
-      ctx.out_shapes.push_back(shard.output_boxes.back().shape());
-      ctx.out_dtypes.push_back(node.outputs[i].dtype);
-    }
-    shard.group_along = [&](int input, int dim) -> Communicator& {
-      return world.group(ranks_along(eg.annotated_->of(node.inputs.at(input)), eg.rank_, dim));
-    };
-    std::vector<NDArray> outputs(node.outputs.size());
-    if (eg.clock_) eg.clock_->begin_compute();
-    node.op->compute(ctx, inputs, outputs);
-    if (eg.clock_) eg.clock_->end_compute();
-    for (size_t i = 0; i < outputs.size(); ++i)
-      HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
-                  node.op->type(), " output ", i, " has the wrong local shape");
-    return outputs;
-  }
+// What an op needs to run on this rank, fixed once the bindings are: its
+// local output shapes and where its arrays sit in the global tensors.
+struct ExecGraph::LocalOp {
+  ShardContext shard;
+  OpContext ctx;
 };
+
+ExecGraph::~ExecGraph() = default;
+
+std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node) const {
+  auto op = std::make_unique<LocalOp>();
+  auto box_of = [&](const Tensor& t, const Shape& global) {
+    auto box = hspmd::local_box(annotated_->of(t), global, rank_);
+    HSPMD_CHECK(box.has_value(), "rank ", rank_, " does not hold a tensor of node ", node.id);
+    return *box;
+  };
+  ShardContext& shard = op->shard;
+  for (const Tensor& in : node.inputs) {
+    shard.input_global_shapes.push_back(eval_shape(in.shape(), bindings_));
+    shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
+  }
+  for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
+    shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, bindings_));
+    shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
+    op->ctx.out_shapes.push_back(shard.output_boxes.back().shape());
+    op->ctx.out_dtypes.push_back(node.outputs[i].dtype);
+  }
+  shard.group_along = [this, &node](int input, int dim) -> Communicator& {
+    return world_->group(ranks_along(annotated_->of(node.inputs.at(input)), rank_, dim));
+  };
+  op->ctx.bindings = &bindings_;
+  op->ctx.shard = &op->shard;
+  return op;
+}
+
+std::vector<NDArray> ExecGraph::compute(const Node& node, const std::vector<NDArray>& inputs) const {
+  const OpContext& ctx = local_ops_.at(node.id)->ctx;
+  std::vector<NDArray> outputs(node.outputs.size());
+  if (clock_) clock_->begin_compute();
+  node.op->compute(ctx, inputs, outputs);
+  if (clock_) clock_->end_compute();
+  for (size_t i = 0; i < outputs.size(); ++i)
+    HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
+                node.op->type(), " output ", i, " has the wrong local shape");
+  return outputs;
+}
 
 void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Activations& a,
                           Communicator& world) const {
   const Graph& g = *model_.graph;
   auto& slots = a.slots;
+  world_ = &world;  // for the ops' group_along
   for (size_t k = begin; k < end; ++k) {
     const int id = order_[k];
     const Node& n = g.node(id);
@@ -168,9 +180,9 @@ void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Acti
       inputs.push_back(s.empty() ? NDArray() : s[in.index()]);
     }
     if (is_reshard(n))
-      slots[id] = {run_reshard(resolutions_.at(id), inputs[0], world)};
+      slots[id] = {run_reshard(*resolutions_.at(id), n.name, inputs[0], world)};
     else
-      slots[id] = NodeExec{*this, n}.compute(inputs, world);
+      slots[id] = compute(n, inputs);
     inputs.clear();
     if (memory_cap_ > 0) check_memory(n);
     for (const Tensor& in : n.inputs) {
@@ -210,10 +222,10 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
   std::map<std::string, NDArray> synced;
   for (const std::string& name : model_.names) {  // the same order on every rank
     const int id = grad_sync_node_.at(name);
-    const Resolution& r = resolutions_.at(id);
+    const Resolution& r = *resolutions_.at(id);
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
-    NDArray out = run_reshard(r, it == raw.end() ? NDArray() : it->second, world);
+    NDArray out = run_reshard(r, "grad." + name, it == raw.end() ? NDArray() : it->second, world);
     if (out.valid()) synced[name] = out;
   }
   return synced;
@@ -221,9 +233,9 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
 
 NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const Annotation& from,
                            const Annotation& to, const NDArray& local, Communicator& world) const {
-  const Resolution r = resolve(ReshardSpec{name, shape, DType::F32, from, to}, topology_);
-  if (!r.ranks.count(rank_)) return NDArray();
-  return run_reshard(r, local, world);
+  const auto r = resolve_(ReshardSpec{name, shape, DType::F32, from, to});
+  if (!r->ranks.count(rank_)) return NDArray();
+  return run_reshard(*r, name, local, world);
 }
 
 void ExecGraph::check_memory(const Node& node) const {
@@ -267,7 +279,8 @@ void ExecGraph::sync_clock(const Resolution& r, Communicator& world) const {
   clock_->communicate(ready, transfer);
 }
 
-NDArray ExecGraph::run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const {
+NDArray ExecGraph::run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
+                               Communicator& world) const {
   const double t0 = clock_ ? clock_->now() : 0;
   if (clock_) sync_clock(r, world);
   const int64_t before = world.bytes().sent;
@@ -275,7 +288,7 @@ NDArray ExecGraph::run_reshard(const Resolution& r, const NDArray& in, Communica
   ledger_.measured += world.bytes().sent - before;
   ledger_.predicted += r.ranks.at(rank_).bytes_sent;
   if (clock_ && !r.ranks.at(rank_).phases.empty())  // identities are not communication
-    clock_->record(r.name.empty() ? "reshard" : r.name, "comm", t0);
+    clock_->record(name.empty() ? "reshard" : name, "comm", t0);
   return out;
 }
 

@@ -30,26 +30,17 @@ Shape concrete_shape(const SymShape& shape, const Bindings& bindings, const std:
   }
 }
 
-// Layers of one stage repeat the same Reshards: resolve each distinct
-// (shape, dtype, source, destination) once.
-class ResolutionCache {
- public:
-  explicit ResolutionCache(const Topology& topology) : topology_(topology) {}
-  std::shared_ptr<const Resolution> operator()(const ReshardSpec& spec) {
-    const std::string key = shape_str(spec.shape) + dtype_name(spec.dtype) + to_string(spec.src) +
-                            "|" + to_string(spec.dst);
-    auto it = cache_.find(key);
-    if (it == cache_.end())
-      it = cache_.emplace(key, std::make_shared<const Resolution>(resolve(spec, topology_))).first;
-    return it->second;
-  }
-
- private:
-  const Topology& topology_;
-  std::map<std::string, std::shared_ptr<const Resolution>> cache_;
-};
 
 }  // namespace
+
+std::shared_ptr<const Resolution> ResolutionCache::operator()(const ReshardSpec& spec) {
+  const std::string key = shape_str(spec.shape) + dtype_name(spec.dtype) + to_string(spec.src) +
+                          "|" + to_string(spec.dst);
+  auto it = cache_.find(key);
+  if (it == cache_.end())
+    it = cache_.emplace(key, std::make_shared<const Resolution>(resolve(spec, topology_))).first;
+  return it->second;
+}
 
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
   LlamaBuildOptions options;

@@ -19,6 +19,7 @@
 #include "hspmd/optim/adam.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
+#include "kernels/kernels.h"
 #include "train/train_common.h"
 
 namespace hspmd {
@@ -26,12 +27,6 @@ namespace hspmd {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-NDArray slice_box(const NDArray& full, const Box& box) {
-  NDArray v = full;
-  for (int d = 0; d < full.ndim(); ++d) v = v.slice(d, box.begin[d], box.end[d]);
-  return v.contiguous().clone();
-}
 
 // The pipeline a rank belongs to, or -1 when idle.
 int pipeline_of(const Strategy& s, int rank) {
@@ -160,11 +155,11 @@ void DistTrainer::init_parameters() {
           : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
   for (auto& [name, array] : full) {
     shapes_[name] = array.shape();
-    if (auto box = graph_->local_box(name, array.shape())) params_[name] = slice_box(array, *box);
+    if (auto box = graph_->local_box(name, array.shape())) params_[name] = box_slice(array, *box);
     auto st = plan_.optimizer_states.find(name);
     if (st == plan_.optimizer_states.end()) continue;
     if (auto box = hspmd::local_box(st->second, array.shape(), world_.rank()))
-      master_[name] = slice_box(array, *box);
+      master_[name] = box_slice(array, *box);
   }
 }
 
@@ -195,7 +190,7 @@ ValueMap DistTrainer::feeds(const TokenData& data, int64_t step, int micro) cons
   ValueMap v(params_.begin(), params_.end());
   for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
                                      {"positions", positions}, {"normalizer", norm}})
-    if (auto box = graph_->local_box(name, full.shape())) v[name] = slice_box(full, *box);
+    if (auto box = graph_->local_box(name, full.shape())) v[name] = box_slice(full, *box);
   return v;
 }
 
@@ -280,7 +275,7 @@ std::vector<StepRecord> DistTrainer::run() {
       for (auto& [name, g] : mb.raw_grads) {
         auto it = raw.find(name);
         if (it == raw.end()) raw.emplace(name, g.clone());
-        else for (int64_t i = 0; i < g.numel(); ++i) it->second.data<float>()[i] += g.data<float>()[i];
+        else kernels::accumulate(g, it->second);
       }
     };
     auto forward = [&](int micro) {

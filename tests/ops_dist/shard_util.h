@@ -40,11 +40,7 @@ inline Box cut(Box box, int d, int i, int n) {
 }
 
 // A contiguous copy of a[box].
-inline NDArray take(const NDArray& a, const Box& box) {
-  NDArray v = a;
-  for (int d = 0; d < a.ndim(); ++d) v = v.slice(d, box.begin[d], box.end[d]);
-  return v.contiguous().clone();
-}
+inline NDArray take(const NDArray& a, const Box& box) { return box_slice(a, box); }
 
 // Elementwise |got - want| <= abs + rel * |want|.
 inline void expect_close(const NDArray& got, const NDArray& want, double rel, double abs) {

@@ -6,30 +6,13 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/plan/plan.h"
+#include "plan/plan_test_util.h"
 
 namespace hspmd {
 namespace {
 
-LlamaConfig tiny(int layers = 4) {
-  LlamaConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 64;
-  c.num_hidden_layers = layers;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 4;
-  c.max_position_embeddings = 16;
-  return c;
-}
-
-Stage stage(std::vector<int> ranks, int first, int last, int cp = 1) {
-  Stage s;
-  s.ranks = std::move(ranks);
-  s.first_layer = first;
-  s.last_layer = last;
-  s.cp = cp;
-  return s;
-}
+LlamaConfig tiny(int layers = 4) { return testing::tiny_config(layers); }
+using testing::stage;
 
 Pipeline pipeline(int mbs, int micro, std::vector<Stage> stages) {
   Pipeline p;

@@ -91,6 +91,10 @@ struct Box {
 };
 std::string to_string(const Box& box);  // "[0:2, 4:8]"
 
+// A contiguous copy of the elements of `array` inside `box` (array
+// coordinates; any dtype). Throws InternalError when the box is outside.
+NDArray box_slice(const NDArray& array, const Box& box);
+
 // The box that device `position` of a subgroup holds inside a part of shape
 // `part_shape`, relative to the part's origin: for every split dim d the
 // chunk coordinate(position, split(d)) of degree(split(d)) equal chunks; the

@@ -28,6 +28,9 @@ class ExecGraph {
   // step ("B": the summed micro-batch sizes of the pipelines, "S": the
   // sequence length). Throws the deduction's and the resolver's errors.
   ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank, Bindings bindings);
+  ~ExecGraph();
+  ExecGraph(const ExecGraph&) = delete;  // its ops' contexts point into it
+  ExecGraph& operator=(const ExecGraph&) = delete;
 
   int rank() const { return rank_; }
   const LlamaGraph& model() const { return model_; }
@@ -93,8 +96,14 @@ class ExecGraph {
   void reset_ledger() const { ledger_ = {}; }
 
  private:
-  struct NodeExec;
-  NDArray run_reshard(const Resolution& r, const NDArray& in, Communicator& world) const;
+  struct LocalOp;
+  std::unique_ptr<LocalOp> make_local_op(const Node& node) const;
+  std::vector<NDArray> compute(const Node& node, const std::vector<NDArray>& inputs) const;
+  std::vector<std::unique_ptr<LocalOp>> local_ops_;  // per node id, for the ops this rank runs
+  mutable Communicator* world_ = nullptr;             // the run's world, for group_along
+  // `name`: the Reshard's own name (a shared resolution carries another's).
+  NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
+                      Communicator& world) const;
   void run_nodes(size_t begin, size_t end, const ValueMap* values, Activations& a,
                  Communicator& world) const;
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
@@ -114,7 +123,8 @@ class ExecGraph {
   const AnnotatedGraph* annotated_ = nullptr;
   std::vector<int> order_;                         // node ids this rank runs, in graph order
   std::vector<std::vector<int>> uses_;             // per node output: consumers in order_ (+1 kept)
-  std::map<int, Resolution> resolutions_;          // reshard node id -> resolution
+  mutable ResolutionCache resolve_;                // alike Reshards resolve once
+  std::map<int, std::shared_ptr<const Resolution>> resolutions_;  // reshard node id ->
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
 };
 

@@ -74,6 +74,19 @@ struct AnnotatedTraining {
 // Throws the deduction's errors.
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan);
 
+// resolve() with memory: Reshards that differ only by name (the layers of a
+// stage, the same ZeRO gather every step) share one resolution, whose `name`
+// is the first one's. Keyed by shape, dtype and both annotations.
+class ResolutionCache {
+ public:
+  explicit ResolutionCache(const Topology& topology) : topology_(topology) {}
+  std::shared_ptr<const Resolution> operator()(const ReshardSpec& spec);
+
+ private:
+  const Topology& topology_;
+  std::map<std::string, std::shared_ptr<const Resolution>> cache_;
+};
+
 // One Reshard of the dry run.
 struct PlannedReshard {
   std::string name;       // the Reshard's name ("model.layers.3.input", "grad.<param>",
