@@ -22,9 +22,23 @@ MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidd
          "eos_token_id": 0}
 
 
-def pipeline(mbs, micro, stages):
+def pipeline(mbs, micro, stages, recompute=False):
     return {"micro_batch_size": mbs, "micro_batches": micro,
-            "stages": [{"ranks": r, "layers": l, **({"cp": c} if c > 1 else {})} for r, l, c in stages]}
+            "stages": [{"ranks": r, "layers": l, **({"cp": c} if c > 1 else {}),
+                        **({"recompute": True} if recompute else {})} for r, l, c in stages]}
+
+
+# A scaled-down copy of the paper's elastic C2 table (appendix C; a pipeline
+# of TP4 stages beside one of TP4 ... TP2, TP1 stages): stages TP2/TP2 beside
+# TP2/TP1/TP1 with uneven layer ranges and micro-batch counts (the TP2 -> TP1
+# boundary is a BSR). Those stages need 8 ranks; "c2_like7" is the 7-rank
+# variant TP2/TP2 beside TP1/TP1/TP1.
+def c2_like(zero, seven=False):
+    short = ([([4], [0, 1], 1), ([5], [2, 2], 1), ([6], [3, 3], 1)] if seven else
+             [([4, 5], [0, 1], 1), ([6], [2, 2], 1), ([7], [3, 3], 1)])
+    return (7 if seven else 8, {"zero": zero, "schedule": "1f1b", "pipelines": [
+        pipeline(1, 5, [([0, 1], [0, 1], 1), ([2, 3], [2, 3], 1)]),
+        pipeline(1, 3, short)]})
 
 
 # name -> (world size, strategy); every strategy has a global batch of 8.
@@ -59,6 +73,9 @@ CASES = {
     "2pp2_gpipe": (4, {"schedule": "gpipe", "pipelines": [
         pipeline(1, 6, [([0], [0, 1], 1), ([1], [2, 3], 1)]),
         pipeline(1, 2, [([2], [0, 2], 1), ([3], [3, 3], 1)])]}),
+    "c2_like": c2_like(False),
+    "c2_like_zero": c2_like(True),
+    "c2_like7_zero": c2_like(True, seven=True),
     "idle_rank": (3, {"pipelines": [pipeline(4, 1, [([0], [0, 3], 1)]),
                                     pipeline(2, 2, [([2], [0, 3], 1)])]}),
 }
