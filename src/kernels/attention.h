@@ -1,13 +1,19 @@
 // Attention kernels: causal grouped-query attention, flash-attention style.
 //
 // Layout: q [B, S, Hq, D], k and v [B, S, Hkv, D], f32, contiguous; query
-// head h reads kv head h / (Hq / Hkv). Scores are q·k * scale; token i of a
-// row attends to keys j <= i of its own document. `cu_seqlens` (i32 [n+1],
-// or an invalid NDArray for one document per row) holds cumulative document
-// lengths over the flattened B*S tokens. See docs/attention.md.
+// head h reads kv head h / (Hq / Hkv). Scores are q·k * scale; query i of a
+// row attends to keys start(i) <= j <= i, where start(i) is where its
+// document begins. `documents` gives the documents (see docs/attention.md):
+//  * an invalid NDArray: one document per row (start = 0);
+//  * i32 [n+1] cu_seqlens: cumulative document lengths over the flattened
+//    B*S tokens;
+//  * i32 [B, S] positions: each token's position in its own document, so
+//    start(i) = max(0, i - positions[i]).
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "hspmd/core/ndarray.h"
 
@@ -26,19 +32,66 @@ struct AttentionTiles {
 AttentionTiles attention_tiles();
 void set_attention_tiles(AttentionTiles tiles);
 
+// Per token of positions [B, S] (i32), the sequence index where its document
+// starts, max(0, first + i - positions[b, i]) for column i: `first` is the
+// global index of column 0 (nonzero for a chunk of a longer sequence).
+// Returned flat, [B*S]. Throws hspmd::Error "[attention] document positions:
+// ..." for a negative position or a positions array that is not 2-D i32.
+std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first);
+
 // Forward: writes out [B, S, Hq, D] and the log-sum-exp of each row's scaled
 // scores, lse [B, Hq, S]. Throws hspmd::Error "[attention] cu_seqlens: ..."
 // when cu_seqlens breaks its contract (first offset 0, nondecreasing, last
-// offset B*S, every multiple of S an offset).
+// offset B*S, every multiple of S an offset), "[attention] document
+// positions: ..." for positions that are negative or not [B, S].
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
-                       const NDArray& cu_seqlens, float scale, NDArray& out, NDArray& lse,
+                       const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles);
 
 // Backward: from the forward's out and lse and the gradient of out, writes
 // dq, dk, dv (shapes of q, k, v; fully overwritten). Throws like the forward.
 void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
-                        const NDArray& lse, const NDArray& grad_out, const NDArray& cu_seqlens,
+                        const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
                         AttentionTiles tiles);
+
+// ---- blocks of context-parallel (ring) attention (cpu/attention_block.cc) ----
+
+// One (query block, key block) pair of a longer sequence. Rows carry their
+// global sequence indices (the same in every batch row), so the two blocks
+// may be any pieces of the sequence, e.g. two zigzag halves each. Query i
+// sees key j iff q_start[b*Sq + i] <= k_index[j] <= q_index[i]. Tiles never
+// straddle a jump in the indices; tiles the mask hides are skipped, and only
+// tiles the mask cuts are masked. The views must outlive the call.
+struct AttentionBlock {
+  NDArray q;                          // [B, Sq, Hq, D]
+  std::span<const int64_t> q_index;   // [Sq]
+  std::span<const int32_t> q_start;   // [B*Sq]: global index where each query's document starts
+  NDArray k, v;                       // [B, Sk, Hkv, D]
+  std::span<const int64_t> k_index;   // [Sk]
+  float scale = 1.0f;
+};
+
+// The block's attention alone: writes out_blk [B, Sq, Hq, D] and lse_blk
+// [B, Hq, Sq] over this block's visible keys. A row that sees none of them
+// gets out 0 and lse -inf.
+void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
+                             AttentionTiles tiles);
+
+// Merges a block's (out_blk, lse_blk) into the running (out, lse), the
+// log-sum-exp way: lse' = log(e^lse + e^lse_blk), out' = (e^lse out +
+// e^lse_blk out_blk) / e^lse'. A row with lse_blk = -inf keeps its values;
+// one with lse = -inf takes the block's.
+void attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk, const NDArray& lse_blk);
+
+// delta [B, Hq, S] = rowsum(grad_out * out) of out, grad_out [B, S, Hq, D].
+void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta);
+
+// The block's share of the backward, from the final lse and delta of the
+// whole attention ([B, Hq, Sq] each) and grad_out [B, Sq, Hq, D]: adds to dq
+// (shape of q) and to dk, dv (shape of k).
+void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
+                              const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
+                              NDArray& dv, AttentionTiles tiles);
 
 }  // namespace hspmd::kernels

@@ -1,11 +1,18 @@
 // attention: causal grouped-query attention, optionally restricted to
-// documents (cu_seqlens); attention_grad: its backward. Outputs of the
-// forward: out [B, S, Hq, D] and the rows' log-sum-exp lse [B, Hq, S], kept
-// for the backward. See docs/attention.md.
+// documents (cu_seqlens or per-token positions); attention_grad: its
+// backward. Outputs of the forward: out [B, S, Hq, D] and the rows'
+// log-sum-exp lse [B, Hq, S], kept for the backward. With q's sequence split
+// over cp ranks, both run as ring attention (context parallelism) over the
+// cp group. See docs/attention.md.
 // Deduction: batch and heads (q's and k/v's heads split by the same degree,
 // which keeps GQA groups together) pass; the head dim must be whole; the
-// sequence may be split (q, k, v alike) only with context_parallel; lse
-// follows; cu_seqlens must be whole. attention_grad is linear in grad_out.
+// sequence may be split (q, k, v and positions alike) only with
+// context_parallel; lse follows; cu_seqlens must be whole. attention_grad is
+// linear in grad_out.
+#include <optional>
+#include <utility>
+
+#include "hspmd/comm/communicator.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
 #include "op_util.h"
@@ -32,9 +39,22 @@ void expect_heads_divide(const SymDim& hq, const SymDim& hkv) {
     fail("[attention] kv heads ", hkv.str(), " must divide query heads ", hq.str());
 }
 
-// Shape rule shared by both ops: q, k, v and the optional cu_seqlens.
+// The documents input: cu_seqlens i32 [n+1] or positions i32 [B, S].
+void check_documents(const TensorMeta& q, const TensorMeta& documents) {
+  expect_dtype(kOp, "documents", documents, DType::I32);
+  if (documents.shape.size() == 2) {
+    if (!(documents.shape[0] == q.shape[0]) || !(documents.shape[1] == q.shape[1]))
+      fail("[attention] document positions must be [B, S] like q's, got ",
+           sym_shape_str(documents.shape), " for q ", sym_shape_str(q.shape));
+  } else if (documents.shape.size() != 1) {
+    fail("[attention] documents must be cu_seqlens [n+1] or positions [B, S], got ",
+         sym_shape_str(documents.shape));
+  }
+}
+
+// Shape rule shared by both ops: q, k, v and the optional documents.
 void check_qkv(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v,
-               const TensorMeta* cu_seqlens) {
+               const TensorMeta* documents) {
   const char* names[] = {"q", "k", "v"};
   const TensorMeta* metas[] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i) {
@@ -51,15 +71,13 @@ void check_qkv(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v,
     fail("[attention] head dims differ: q has ", q.shape[3].str(), ", k has ",
          k.shape[3].str());
   expect_heads_divide(q.shape[2], k.shape[2]);
-  if (cu_seqlens) {
-    expect_dtype(kOp, "cu_seqlens", *cu_seqlens, DType::I32);
-    expect_rank("cu_seqlens", *cu_seqlens, 1);
-  }
+  if (documents) check_documents(q, *documents);
 }
 
 // Labels b, s, h (heads), d; `n_in` inputs: q, k, v[, out, lse, grad_out]
-// [, cu_seqlens]; outputs out, lse (forward) or dq, dk, dv (backward).
-DimRule attention_rule(size_t n_in, bool backward, bool context_parallel) {
+// [, documents]; outputs out, lse (forward) or dq, dk, dv (backward).
+// Positions ([B, S], documents_rank 2) split like q; cu_seqlens stay whole.
+DimRule attention_rule(size_t n_in, bool backward, bool context_parallel, int documents_rank) {
   const std::vector<std::string> qkv = {"b", "s", "h", "d"}, lse = {"b", "h", "s"};
   DimRule rule;
   rule.inputs = {qkv, qkv, qkv};
@@ -73,8 +91,9 @@ DimRule attention_rule(size_t n_in, bool backward, bool context_parallel) {
     rule.outputs = {qkv, lse};
   }
   if (rule.inputs.size() < n_in) {
-    rule.inputs.push_back({"docs"});
-    rule.input_names.push_back("cu_seqlens");
+    rule.inputs.push_back(documents_rank == 2 ? std::vector<std::string>{"b", "s"}
+                                              : std::vector<std::string>{"docs"});
+    rule.input_names.push_back(documents_rank == 2 ? "positions" : "cu_seqlens");
   }
   rule.unsplittable["d"] = "attention contracts the head dim";
   rule.unsplittable["docs"] = "every device needs all document boundaries";
@@ -83,23 +102,333 @@ DimRule attention_rule(size_t n_in, bool backward, bool context_parallel) {
   return rule;
 }
 
-// Under a distributed executor, q (input 0) must hold whole sequences: the
-// context-parallel kernel (exchanging keys and values between the cp ranks)
-// does not exist yet, and attending over a sequence chunk would be wrong.
-void require_whole_sequences(const OpContext& ctx) {
-  if (ctx.shard == nullptr) return;
-  const Box& q = ctx.shard->input_boxes.at(0);
-  const int64_t s = ctx.shard->input_global_shapes.at(0).at(1);
-  if (q.begin.at(1) != 0 || q.end.at(1) != s)
-    fail("[attention] context parallelism (a sequence split over cp ranks) is planned and "
-         "deduced but not executable yet: use cp = 1 to train");
+// Rank of input `i` of the node (0 when absent): tells positions from cu_seqlens.
+int documents_rank(const Node& node, size_t i) {
+  return i < node.inputs.size() ? node.inputs[i].ndim() : 0;
 }
 
 NDArray optional_input(const std::vector<NDArray>& in, size_t i) {
   return i < in.size() ? in[i].contiguous() : NDArray();
 }
 
-// Inputs: q, k, v, out, lse, grad_out[, cu_seqlens]. Outputs: dq, dk, dv.
+// ---- context parallelism: ring attention over the cp group ----
+
+constexpr int kTagRelayout = 7100;  // + the receiver's position (0 or 1)
+constexpr int kTagKv = 7110;
+constexpr int kTagGrad = 7111;
+
+// This rank's place in the ring: n cp ranks, chunk c of a sequence of S
+// tokens, cut into 2n halves of `half` tokens. Rank c holds halves 2c, 2c+1
+// in the annotation's contiguous order and halves c, 2n-1-c in zigzag order,
+// where every rank has the same share of the causal work.
+struct Ring {
+  Communicator* cp = nullptr;
+  int n = 1, c = 0;
+  int64_t S = 0, half = 0;
+  Box q_box;  // q's global box on this rank
+  int next() const { return (c + 1) % n; }
+  int prev() const { return (c + n - 1) % n; }
+  int64_t local() const { return 2 * half; }
+  // The half at zigzag position p of rank r, and where half g sits in zigzag order.
+  int64_t zigzag_half(int r, int p) const { return p == 0 ? r : 2 * n - 1 - r; }
+  std::pair<int, int> zigzag_place(int64_t g) const {
+    if (g < n) return {static_cast<int>(g), 0};
+    return {static_cast<int>(2 * n - 1 - g), 1};
+  }
+  std::pair<int, int> contiguous_place(int64_t g) const {
+    return {static_cast<int>(g / 2), static_cast<int>(g % 2)};
+  }
+  // Global sequence indices of rank r's rows in zigzag order.
+  std::vector<int64_t> zigzag_index(int r) const {
+    std::vector<int64_t> index;
+    for (int p = 0; p < 2; ++p)
+      for (int64_t i = 0; i < half; ++i) index.push_back(zigzag_half(r, p) * half + i);
+    return index;
+  }
+};
+
+// The ring of this call, or none when q holds whole sequences. Every cp
+// rank computes the same errors here (from global sizes), so all throw alike.
+std::optional<Ring> ring_of(const OpContext& ctx, int documents_rank) {
+  if (ctx.shard == nullptr) return std::nullopt;
+  const Box& box = ctx.shard->input_boxes.at(0);
+  const int64_t S = ctx.shard->input_global_shapes.at(0).at(1);
+  if (box.end.at(1) - box.begin.at(1) == S) return std::nullopt;
+  Ring ring;
+  ring.q_box = box;
+  ring.cp = &ctx.shard->group_along(0, 1);
+  ring.n = ring.cp->size();
+  ring.c = ring.cp->rank();
+  ring.S = S;
+  if (S % (2 * ring.n) != 0)
+    fail("[attention] context parallelism over cp=", ring.n,
+         " needs the sequence length S divisible by 2*cp, got S=", S);
+  if (documents_rank == 1)
+    fail("[attention] context parallelism over cp=", ring.n,
+         " needs documents as positions [B, S] or none: cu_seqlens cannot be split along the "
+         "sequence");
+  if (S >= (int64_t{1} << 24))  // document starts travel as f32
+    fail("[attention] context parallelism needs S below 2^24 tokens, got S=", S);
+  ring.half = S / (2 * ring.n);
+  return ring;
+}
+
+// Copies half p (along `dim`) of a contiguous array to / from packed memory.
+void copy_half(const NDArray& a, int dim, int p, float* packed, bool pack) {
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= a.dim(d);
+  for (int d = dim + 1; d < a.ndim(); ++d) inner *= a.dim(d);
+  const int64_t len = a.dim(dim), h = len / 2, n = h * inner;
+  float* base = a.data<float>();
+  for (int64_t o = 0; o < outer; ++o) {
+    float* at = base + (o * len + p * h) * inner;
+    if (pack)
+      std::copy(at, at + n, packed + o * n);
+    else
+      std::copy(packed + o * n, packed + (o + 1) * n, at);
+  }
+}
+
+// Copies half p of every array to / from one packed message.
+void copy_halves(const std::vector<NDArray>& arrays, const std::vector<int>& dims, int p,
+                 float* packed, bool pack) {
+  for (size_t i = 0; i < arrays.size(); packed += arrays[i].numel() / 2, ++i)
+    copy_half(arrays[i], dims[i], p, packed, pack);
+}
+
+// Moves the sequence halves of `arrays` (f32, contiguous, sequence along
+// dims[i]) from contiguous to zigzag order or back, one message per half.
+std::vector<NDArray> relayout(const Ring& ring, const std::vector<NDArray>& arrays,
+                              const std::vector<int>& dims, bool to_zigzag) {
+  int64_t count = 0;
+  for (const NDArray& a : arrays) count += a.numel() / 2;
+  std::vector<float> sent[2], got[2];
+  std::vector<Request> requests;
+  for (int p = 0; p < 2; ++p) {
+    const int64_t g = to_zigzag ? 2 * ring.c + p : ring.zigzag_half(ring.c, p);
+    const auto [peer, pos] = to_zigzag ? ring.zigzag_place(g) : ring.contiguous_place(g);
+    sent[p].resize(count);
+    copy_halves(arrays, dims, p, sent[p].data(), true);
+    if (peer == ring.c)
+      got[pos] = std::move(sent[p]);
+    else
+      requests.push_back(ring.cp->start_send(sent[p].data(), count, peer, kTagRelayout + pos));
+  }
+  for (int p = 0; p < 2; ++p) {
+    const int64_t g = to_zigzag ? ring.zigzag_half(ring.c, p) : 2 * ring.c + p;
+    const int peer = (to_zigzag ? ring.contiguous_place(g) : ring.zigzag_place(g)).first;
+    if (peer == ring.c) continue;
+    got[p].resize(count);
+    requests.push_back(ring.cp->start_recv(got[p].data(), count, peer, kTagRelayout + p));
+  }
+  ring.cp->wait_all(requests);
+  std::vector<NDArray> result;
+  for (const NDArray& a : arrays) result.push_back(NDArray::empty(a.shape(), DType::F32));
+  for (int p = 0; p < 2; ++p) copy_halves(result, dims, p, got[p].data(), false);
+  return result;
+}
+
+// This rank's own problems: a chunk that is not its equal share of the
+// sequence in cp order, or a negative position ("" when none).
+std::string chunk_error(const Ring& ring, const NDArray& positions, std::vector<int32_t>& start) {
+  const int64_t first = ring.c * ring.local();
+  const Box& q_box = ring.q_box;
+  if (q_box.begin.at(1) != first || q_box.end.at(1) != first + ring.local())
+    return detail::concat("[attention] context parallelism over cp=", ring.n,
+                          " needs q's sequence cut into equal chunks in cp order: rank ", ring.c,
+                          " holds [", q_box.begin[1], ", ", q_box.end[1], ") of S=", ring.S);
+  if (!positions.valid()) return "";
+  try {
+    start = kernels::document_starts_from_positions(positions, first);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Global document starts of this rank's chunk, as f32 [B, L] for the
+// relayout (zeros without positions). The cp ranks agree on errors first
+// (one all-reduce of 2 floats), so that none waits forever for another.
+NDArray chunk_starts(const Ring& ring, const NDArray& positions, int64_t B) {
+  std::vector<int32_t> start(B * ring.local(), 0);
+  const std::string error = chunk_error(ring, positions, start);
+  const bool positions_bad = error.rfind("[attention] document positions", 0) == 0;
+  float bad[2] = {!error.empty() && !positions_bad ? 1.0f : 0.0f, positions_bad ? 1.0f : 0.0f};
+  ring.cp->all_reduce(bad, 2);
+  if (!error.empty()) throw Error(error);
+  if (bad[0] > 0)
+    fail("[attention] context parallelism over cp=", ring.n,
+         " needs q's sequence cut into equal chunks in cp order: another cp rank's chunk is not");
+  if (bad[1] > 0)
+    fail("[attention] document positions: a cp rank holds a negative position (rule: "
+         "positions >= 0)");
+  return NDArray::from_vector({B, ring.local()}, std::vector<float>(start.begin(), start.end()));
+}
+
+std::vector<int32_t> starts_of(const NDArray& f) {
+  const std::vector<float> v = f.to_vector();
+  return std::vector<int32_t>(v.begin(), v.end());
+}
+
+// Keys and values of one block, packed to travel as one message: [2, B, L, Hkv, D].
+NDArray kv_pack(const NDArray& k, const NDArray& v) {
+  Shape shape = k.shape();
+  shape.insert(shape.begin(), 2);
+  NDArray kv = NDArray::empty(shape, DType::F32);
+  std::copy(k.data<float>(), k.data<float>() + k.numel(), kv.data<float>());
+  std::copy(v.data<float>(), v.data<float>() + v.numel(), kv.data<float>() + k.numel());
+  return kv;
+}
+
+NDArray part(const NDArray& packed, int i) {
+  const Shape shape(packed.shape().begin() + 1, packed.shape().end());
+  return packed.slice(0, i, i + 1).reshape(shape);
+}
+
+Request send_to_next(const Ring& ring, const NDArray& a, int tag) {
+  return ring.cp->start_send(a.data<float>(), a.numel(), ring.next(), tag);
+}
+
+Request receive_from_prev(const Ring& ring, NDArray& a, int tag) {
+  return ring.cp->start_recv(a.data<float>(), a.numel(), ring.prev(), tag);
+}
+
+// Starts sending `block` to the next rank and receiving the previous rank's into `into`.
+std::vector<Request> pass_on(const Ring& ring, const NDArray& block, NDArray& into, int tag) {
+  std::vector<Request> r;
+  r.push_back(send_to_next(ring, block, tag));
+  r.push_back(receive_from_prev(ring, into, tag));
+  return r;
+}
+
+// The zigzag inputs of one rank: queries (and their rows' data) stay, blocks of k, v travel.
+struct RingInputs {
+  NDArray q, kv;
+  std::vector<int64_t> q_index;
+  std::vector<int32_t> start;
+  float scale;
+  kernels::AttentionBlock block(const Ring& ring, const NDArray& kv_now, int step,
+                                std::vector<int64_t>& k_index) const {
+    k_index = ring.zigzag_index((ring.c - step + ring.n) % ring.n);
+    return {q, q_index, start, part(kv_now, 0), part(kv_now, 1), k_index, scale};
+  }
+};
+
+// Ring forward: out, lse of the local zigzag queries over every block. The
+// first block is x.kv itself, whose storage then receives a later block.
+void ring_forward(const Ring& ring, const RingInputs& x, NDArray& out, NDArray& lse) {
+  const kernels::AttentionTiles tiles = kernels::attention_tiles();
+  const int64_t B = x.q.dim(0), L = x.q.dim(1), Hq = x.q.dim(2);
+  out = NDArray::empty(x.q.shape(), DType::F32);
+  lse = NDArray::empty({B, Hq, L}, DType::F32);
+  NDArray out_blk = NDArray::empty(out.shape(), DType::F32);
+  NDArray lse_blk = NDArray::empty(lse.shape(), DType::F32);
+  NDArray now = x.kv, next = NDArray::empty(x.kv.shape(), DType::F32);
+  std::vector<int64_t> k_index;
+  for (int s = 0; s < ring.n; ++s) {
+    std::vector<Request> moving;
+    if (s + 1 < ring.n) moving = pass_on(ring, now, next, kTagKv);
+    const kernels::AttentionBlock blk = x.block(ring, now, s, k_index);
+    if (s == 0) {
+      kernels::attention_block_forward(blk, out, lse, tiles);
+    } else {
+      kernels::attention_block_forward(blk, out_blk, lse_blk, tiles);
+      kernels::attention_merge(out, lse, out_blk, lse_blk);
+    }
+    ring.cp->wait_all(moving);
+    std::swap(now, next);
+  }
+}
+
+void add_into(NDArray& a, const NDArray& b) {
+  float* pa = a.data<float>();
+  const float* pb = b.data<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) pa[i] += pb[i];
+}
+
+// Ring backward: dq stays; the gradients of each block ([2, ...] like kv)
+// follow it round the ring, each rank adding its share, and reach the
+// block's owner after n hops. Returns dq and the own block's dk, dv (packed).
+std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
+                                          const NDArray& out, const NDArray& lse,
+                                          const NDArray& grad_out) {
+  const kernels::AttentionTiles tiles = kernels::attention_tiles();
+  NDArray delta = NDArray::empty(lse.shape(), DType::F32);
+  kernels::attention_row_dots(out, grad_out, delta);
+  NDArray dq = NDArray::zeros(x.q.shape(), DType::F32);
+  const Shape& shape = x.kv.shape();
+  NDArray now = x.kv, next = NDArray::empty(shape, DType::F32);
+  NDArray grads[2] = {NDArray::empty(shape, DType::F32), NDArray::empty(shape, DType::F32)};
+  NDArray arrived = NDArray::empty(shape, DType::F32);
+  std::vector<Request> sending[2], incoming;
+  std::vector<int64_t> k_index;
+  for (int s = 0; s < ring.n; ++s) {
+    std::vector<Request> moving;
+    if (s + 1 < ring.n) moving = pass_on(ring, now, next, kTagKv);
+    if (s > 0)  // what the ranks before this one added to this block's gradients
+      incoming.push_back(receive_from_prev(ring, arrived, kTagGrad));
+    NDArray& g = grads[s % 2];
+    ring.cp->wait_all(sending[s % 2]);
+    g.fill(0.0f);
+    NDArray dk = part(g, 0), dv = part(g, 1);
+    kernels::attention_block_backward(x.block(ring, now, s, k_index), grad_out, lse, delta, dq,
+                                      dk, dv, tiles);
+    ring.cp->wait_all(incoming);
+    if (s > 0) add_into(g, arrived);
+    sending[s % 2].push_back(send_to_next(ring, g, kTagGrad));
+    ring.cp->wait_all(moving);
+    std::swap(now, next);
+  }
+  incoming.push_back(receive_from_prev(ring, arrived, kTagGrad));
+  ring.cp->wait_all(incoming);
+  ring.cp->wait_all(sending[0]);
+  ring.cp->wait_all(sending[1]);
+  return {dq, arrived};
+}
+
+// Relayouts q, k, v (and the documents' starts) into zigzag order; `extra`
+// (with sequence dims extra_dims) come along.
+RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
+                       float scale, const std::vector<NDArray>& extra,
+                       const std::vector<int>& extra_dims, std::vector<NDArray>& extra_zigzag) {
+  std::vector<NDArray> arrays = {in[0], in[1], in[2], chunk_starts(ring, positions, in[0].dim(0))};
+  std::vector<int> dims = {1, 1, 1, 1};
+  arrays.insert(arrays.end(), extra.begin(), extra.end());
+  dims.insert(dims.end(), extra_dims.begin(), extra_dims.end());
+  std::vector<NDArray> z = relayout(ring, arrays, dims, true);
+  extra_zigzag.assign(z.begin() + 4, z.end());
+  return RingInputs{z[0], kv_pack(z[1], z[2]), ring.zigzag_index(ring.c), starts_of(z[3]), scale};
+}
+
+// Inputs: q, k, v[, documents]. Outputs: out, lse (contiguous order).
+void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
+                    float scale, std::vector<NDArray>& out) {
+  std::vector<NDArray> none;
+  const RingInputs x = ring_inputs(ring, in, positions, scale, {}, {}, none);
+  NDArray o, lse;
+  ring_forward(ring, x, o, lse);
+  std::vector<NDArray> back = relayout(ring, {o, lse}, {1, 2}, false);
+  out[0] = back[0];
+  out[1] = back[1];
+}
+
+// Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
+void ring_attention_grad(const Ring& ring, const std::vector<NDArray>& in,
+                         const NDArray& positions, float scale, std::vector<NDArray>& out) {
+  std::vector<NDArray> z;
+  const RingInputs x = ring_inputs(ring, in, positions, scale, {in[3], in[4], in[5]}, {1, 2, 1}, z);
+  const auto [dq, dkv] = ring_backward(ring, x, z[0], z[1], z[2]);
+  std::vector<NDArray> back = relayout(ring, {dq, part(dkv, 0), part(dkv, 1)}, {1, 1, 1}, false);
+  for (int i = 0; i < 3; ++i) out[i] = back[i];
+}
+
+std::vector<NDArray> contiguous_inputs(const std::vector<NDArray>& in, size_t n) {
+  std::vector<NDArray> c;
+  for (size_t i = 0; i < n; ++i) c.push_back(in[i].contiguous());
+  return c;
+}
+
+// Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 class AttentionGradOp final : public Op {
  public:
   AttentionGradOp(float scale, bool context_parallel)
@@ -118,16 +447,18 @@ class AttentionGradOp final : public Op {
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
-    require_whole_sequences(ctx);
+    const NDArray documents = optional_input(in, 6);
+    const std::vector<NDArray> x = contiguous_inputs(in, 6);
+    if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
+      return ring_attention_grad(*ring, x, documents, scale_, out);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
-    kernels::attention_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(),
-                                in[3].contiguous(), in[4].contiguous(), in[5].contiguous(),
-                                optional_input(in, 6), scale_, out[0], out[1], out[2],
-                                kernels::attention_tiles());
+    kernels::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_, out[0],
+                                out[1], out[2], kernels::attention_tiles());
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
-    return deduce_by_dims(ctx, attention_rule(in.size(), true, context_parallel_), in);
+    return deduce_by_dims(
+        ctx, attention_rule(in.size(), true, context_parallel_, documents_rank(ctx.node, 6)), in);
   }
 
  private:
@@ -135,7 +466,7 @@ class AttentionGradOp final : public Op {
   bool context_parallel_;
 };
 
-// Inputs: q, k, v[, cu_seqlens]. Outputs: out, lse.
+// Inputs: q, k, v[, documents]. Outputs: out, lse.
 class AttentionOp final : public Op {
  public:
   AttentionOp(float scale, bool context_parallel)
@@ -150,11 +481,13 @@ class AttentionOp final : public Op {
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
-    require_whole_sequences(ctx);
+    const NDArray documents = optional_input(in, 3);
+    const std::vector<NDArray> x = contiguous_inputs(in, 3);
+    if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
+      return ring_attention(*ring, x, documents, scale_, out);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
-    kernels::attention_forward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(),
-                               optional_input(in, 3), scale_, out[0], out[1],
+    kernels::attention_forward(x[0], x[1], x[2], documents, scale_, out[0], out[1],
                                kernels::attention_tiles());
   }
   // lse's gradient is never used: it only feeds the backward.
@@ -172,7 +505,8 @@ class AttentionOp final : public Op {
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
-    return deduce_by_dims(ctx, attention_rule(in.size(), false, context_parallel_), in);
+    return deduce_by_dims(
+        ctx, attention_rule(in.size(), false, context_parallel_, documents_rank(ctx.node, 3)), in);
   }
 
  private:
@@ -182,11 +516,11 @@ class AttentionOp final : public Op {
 
 }  // namespace
 
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
                  float softmax_scale, bool context_parallel) {
   if (!q.valid() || !k.valid() || !v.valid()) fail("[attention] q, k and v must be defined");
   std::vector<Tensor> in = {q, k, v};
-  if (cu_seqlens.valid()) in.push_back(cu_seqlens);
+  if (documents.valid()) in.push_back(documents);
   return q.graph()->add(std::make_shared<AttentionOp>(softmax_scale, context_parallel), in)[0];
 }
 

@@ -1,8 +1,12 @@
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "annotation/deduce_test_util.h"
 #include "gradcheck.h"
+#include "hspmd/graph/autodiff.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
@@ -39,8 +43,9 @@ Inputs random_inputs(const Dims& d, uint64_t seed) {
           random_array({d.B, d.S, d.Hkv, d.D}, seed + 2)};
 }
 
-// Attention through the graph with symbolic B and S; cu empty means no cu_seqlens.
-NDArray run_attention(const Inputs& x, const std::vector<int32_t>& cu, float scale) {
+// Attention through the graph with symbolic B and S; `documents` is invalid,
+// cu_seqlens [n+1] or positions [B, S].
+NDArray run_with_documents(const Inputs& x, const NDArray& documents, float scale) {
   Graph g;
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
   Tensor q = g.placeholder("q", {B, S, x.q.dim(2), x.q.dim(3)}, DType::F32);
@@ -48,20 +53,27 @@ NDArray run_attention(const Inputs& x, const std::vector<int32_t>& cu, float sca
   Tensor v = g.placeholder("v", {B, S, x.v.dim(2), x.v.dim(3)}, DType::F32);
   ValueMap values{{"q", x.q}, {"k", x.k}, {"v", x.v}};
   Tensor c;
-  if (!cu.empty()) {
-    c = g.placeholder("cu", {SymDim::symbol("N")}, DType::I32);
-    values["cu"] = NDArray::from_vector_i32({static_cast<int64_t>(cu.size())}, cu);
-  }
+  if (documents.valid() && documents.ndim() == 1)
+    c = g.placeholder("docs", {SymDim::symbol("N")}, DType::I32);
+  if (documents.valid() && documents.ndim() == 2) c = g.placeholder("docs", {B, S}, DType::I32);
+  if (documents.valid()) values["docs"] = documents;
   return Executor(g, {ops::attention(q, k, v, c, scale)}).run(values)[0];
 }
 
-// Naive reference in double: the full masked score matrix per head.
-std::vector<double> reference(const Inputs& x, const std::vector<int32_t>& cu, float scale) {
+NDArray cu_array(const std::vector<int32_t>& cu) {
+  return NDArray::from_vector_i32({static_cast<int64_t>(cu.size())}, cu);
+}
+
+// cu empty means no cu_seqlens.
+NDArray run_attention(const Inputs& x, const std::vector<int32_t>& cu, float scale) {
+  return run_with_documents(x, cu.empty() ? NDArray() : cu_array(cu), scale);
+}
+
+// Naive reference in double: the full masked score matrix per head. Query i
+// of row b sees key j iff start[b * S + i] <= j <= i.
+std::vector<double> reference_starts(const Inputs& x, const std::vector<int64_t>& start,
+                                     float scale) {
   const int64_t B = x.q.dim(0), S = x.q.dim(1), Hq = x.q.dim(2), Hkv = x.k.dim(2), D = x.q.dim(3);
-  std::vector<int64_t> doc(B * S);
-  for (int64_t t = 0; t < B * S; ++t) doc[t] = t / S;
-  for (size_t i = 0; !cu.empty() && i + 1 < cu.size(); ++i)
-    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) doc[t] = static_cast<int64_t>(i) + B;
   const float *q = x.q.data<float>(), *k = x.k.data<float>(), *v = x.v.data<float>();
   std::vector<double> out(B * S * Hq * D, 0.0), p(S);
   for (int64_t b = 0; b < B; ++b)
@@ -71,7 +83,7 @@ std::vector<double> reference(const Inputs& x, const std::vector<int32_t>& cu, f
         double mx = -1e300, sum = 0;
         for (int64_t j = 0; j < S; ++j) {
           p[j] = -1e300;
-          if (j > i || doc[b * S + j] != doc[b * S + i]) continue;
+          if (j > i || j < start[b * S + i]) continue;
           double s = 0;
           for (int64_t e = 0; e < D; ++e)
             s += double(q[((b * S + i) * Hq + h) * D + e]) * k[((b * S + j) * Hkv + hk) * D + e];
@@ -84,6 +96,15 @@ std::vector<double> reference(const Inputs& x, const std::vector<int32_t>& cu, f
             out[((b * S + i) * Hq + h) * D + e] += p[j] / sum * v[((b * S + j) * Hkv + hk) * D + e];
       }
   return out;
+}
+
+// The reference with documents from cu_seqlens (cu empty: one per row).
+std::vector<double> reference(const Inputs& x, const std::vector<int32_t>& cu, float scale) {
+  const int64_t S = x.q.dim(1);
+  std::vector<int64_t> start(x.q.dim(0) * S, 0);
+  for (size_t d = 0; !cu.empty() && d + 1 < cu.size(); ++d)
+    for (int64_t t = cu[d]; t < cu[d + 1]; ++t) start[t] = cu[d] - t / S * S;
+  return reference_starts(x, start, scale);
 }
 
 void expect_close(const NDArray& got, const std::vector<double>& want, double tol,
@@ -270,6 +291,268 @@ TEST(Attention, BadCuSeqlensIsAnError) {
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
   }
   EXPECT_EQ(cu_error({0, 3, 7, 7, 14}), "");
+}
+
+// ---- documents as positions ----
+
+// Positions [B, S] of packed documents: one list of document lengths per row.
+NDArray positions_of(const std::vector<std::vector<int>>& rows) {
+  std::vector<int32_t> pos;
+  for (const auto& lengths : rows)
+    for (int len : lengths)
+      for (int i = 0; i < len; ++i) pos.push_back(i);
+  const int64_t B = static_cast<int64_t>(rows.size());
+  return NDArray::from_vector_i32({B, static_cast<int64_t>(pos.size()) / B}, pos);
+}
+
+// The rule of positions, straight: start = max(0, i - positions[i]).
+std::vector<int64_t> starts_of(const NDArray& positions) {
+  const int64_t S = positions.dim(1);
+  std::vector<int64_t> start(positions.numel());
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    start[t] = std::max<int64_t>(0, t % S - positions.data<int32_t>()[t]);
+  return start;
+}
+
+void expect_equal(const NDArray& a, const NDArray& b, const std::string& what) {
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  for (int64_t e = 0; e < a.numel(); ++e)
+    ASSERT_EQ(a.data<float>()[e], b.data<float>()[e]) << what << ": element " << e;
+}
+
+TEST(Attention, PositionsMatchReferenceAndCuSeqlens) {
+  const Dims d{2, 70, 4, 2, 8};
+  const NDArray pos = positions_of({{10, 35, 25}, {1, 29, 40}});
+  const std::vector<int32_t> cu = {0, 10, 45, 70, 71, 100, 140};
+  const Inputs x = random_inputs(d, 71);
+  for (const auto& tiles : kSmallTiles) {
+    TilesGuard guard(tiles);
+    const std::string what = "tiles=" + std::to_string(tiles.q) + "x" + std::to_string(tiles.k);
+    const NDArray got = run_with_documents(x, pos, 0.3f);
+    expect_close(got, reference(x, cu, 0.3f), 2e-5, what);
+    expect_equal(got, run_attention(x, cu, 0.3f), what + " vs cu_seqlens");
+  }
+}
+
+TEST(Attention, PositionsEqualPerDocumentAttention) {
+  const Dims d{3, 40, 8, 2, 16};
+  const std::vector<std::vector<int>> rows = {{1, 16, 23}, {40}, {5, 5, 30}};
+  const Inputs x = random_inputs(d, 72);
+  TilesGuard guard({8, 8});
+  const NDArray packed = run_with_documents(x, positions_of(rows), 0.25f);
+  int64_t begin = 0;
+  for (const auto& lengths : rows)
+    for (int len : lengths) {
+      const int64_t end = begin + len;
+      const Inputs doc{tokens(x.q, begin, end), tokens(x.k, begin, end), tokens(x.v, begin, end)};
+      const NDArray alone = run_with_documents(doc, NDArray(), 0.25f);
+      const NDArray mine = tokens(packed, begin, end);
+      for (int64_t e = 0; e < alone.numel(); ++e)
+        ASSERT_NEAR(mine.data<float>()[e], alone.data<float>()[e], 1e-5)
+            << "tokens [" << begin << ", " << end << ") element " << e;
+      begin = end;
+    }
+}
+
+TEST(Attention, PositionsFromZeroArePlainCausal) {
+  const Dims d{2, 33, 4, 1, 8};
+  const Inputs x = random_inputs(d, 73);
+  TilesGuard guard({4, 5});
+  expect_equal(run_with_documents(x, positions_of({{33}, {33}}), 0.4f), run_attention(x, {}, 0.4f),
+               "positions 0..S-1");
+}
+
+// Positions that jump up (pos[i+1] > pos[i] + 1) give starts that fall along
+// the row: tiles must take the least / greatest start of their rows.
+TEST(Attention, PositionsWithJumpsFollowTheRule) {
+  const Dims d{1, 40, 2, 1, 8};
+  std::vector<int32_t> p(40);
+  for (int i = 0; i < 40; ++i) p[i] = i < 9 ? i : i < 20 ? i - 9 + 30 : i < 27 ? i - 20 : i % 3 * 5;
+  const NDArray pos = NDArray::from_vector_i32({1, 40}, p);
+  const Inputs x = random_inputs(d, 74);
+  for (const auto& tiles : kSmallTiles) {
+    TilesGuard guard(tiles);
+    expect_close(run_with_documents(x, pos, 0.5f), reference_starts(x, starts_of(pos), 0.5f), 2e-5,
+                 "tiles=" + std::to_string(tiles.q) + "x" + std::to_string(tiles.k));
+  }
+}
+
+TEST(Attention, GradientsWithPositions) {
+  const Dims d{2, 7, 4, 2, 4};
+  const Inputs x = random_inputs(d, 75);
+  for (const NDArray& pos :
+       {positions_of({{3, 4}, {2, 5}}),
+        NDArray::from_vector_i32({2, 7}, {0, 1, 2, 0, 1, 2, 6, 0, 0, 1, 2, 3, 9, 0})}) {
+    for (const auto& tiles : {AttentionTiles{64, 64}, AttentionTiles{3, 2}, AttentionTiles{2, 3}}) {
+      TilesGuard guard(tiles);
+      expect_gradients_match(
+          [](Graph&, const std::vector<Tensor>& t) {
+            return ops::attention(t[0], t[1], t[2], t[3], 0.5f);
+          },
+          {{"q", x.q}, {"k", x.k}, {"v", x.v}, {"pos", pos, false}});
+    }
+  }
+}
+
+TEST(Attention, BadPositionsIsAnError) {
+  const Inputs x = random_inputs({2, 7, 2, 1, 4}, 76);
+  std::vector<int32_t> p(14, 0);
+  p[9] = -1;
+  std::string msg;
+  try {
+    run_with_documents(x, NDArray::from_vector_i32({2, 7}, p), 1.0f);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg.rfind("[attention] document positions: ", 0), 0u) << "'" << msg << "'";
+  EXPECT_NE(msg.find("positions >= 0"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+
+  Graph g;
+  Tensor q = g.placeholder("q", {2, 7, 2, 4}, DType::F32);
+  Tensor kv = g.placeholder("kv", {2, 7, 1, 4}, DType::F32);
+  Tensor long_pos = g.placeholder("p8", {2, 8}, DType::I32);
+  Tensor f32_pos = g.placeholder("pf", {2, 7}, DType::F32);
+  Tensor cube = g.placeholder("p3", {2, 7, 1}, DType::I32);
+  for (const Tensor& bad : {long_pos, f32_pos, cube}) {
+    try {
+      ops::attention(q, kv, kv, bad, 1.0f);
+      ADD_FAILURE() << "no error for documents " << sym_shape_str(bad.shape());
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("[attention] ", 0), 0u) << e.what();
+    }
+  }
+}
+
+// Deduction: positions [B, S] are split exactly like q's batch and sequence.
+TEST(Attention, PositionsSplitLikeTheTokens) {
+  using deduce_test::on;
+  const SymDim B = deduce_test::B, S = deduce_test::S;
+  Graph g;
+  Tensor q = g.placeholder("q", {B, S, 4, 2}, DType::F32);
+  Tensor k = g.placeholder("k", {B, S, 2, 2}, DType::F32);
+  Tensor pos = g.placeholder("pos", {B, S}, DType::I32);
+  Tensor out = ops::attention(q, k, k, pos, 0.5f, true);
+  std::vector<Tensor> grads = gradients(ops::reduce_sum(out), {q, k});
+  const Annotation seq = on({0, 1}, {{1, 2}}, {1}), batch = on({0, 1}, {{0, 2}}, {0});
+  for (const Annotation& a : {seq, batch}) {
+    AnnotatedGraph ag = deduce(g, {{"q", a}, {"k", a}, {"pos", a}}, 2);
+    EXPECT_EQ(ag.of(out), a);
+    EXPECT_EQ(ag.of(grads[0]), a);
+    EXPECT_EQ(ag.of(grads[1]), a);
+  }
+  deduce_test::expect_error(g, {{"q", seq}, {"k", seq}, {"pos", on({0, 1}, {{kDup, 2}}, {kDup})}},
+                            2, {"input 0 (q) splits dim 1 by 2 but input 3 (positions)"});
+  Graph g2;
+  Tensor q2 = g2.placeholder("q", {B, S, 4, 2}, DType::F32);
+  Tensor cu = g2.placeholder("cu", {SymDim::symbol("N")}, DType::I32);
+  ops::attention(q2, q2, q2, cu, 0.5f, true);
+  deduce_test::expect_error(g2, {{"q", seq}, {"cu", on({0, 1}, {{0, 2}}, {0})}}, 2,
+                            {"every device needs all document boundaries"});
+}
+
+// ---- blocks of context-parallel attention, in one process ----
+
+std::vector<double> as_double(const NDArray& a) {
+  return std::vector<double>(a.data<float>(), a.data<float>() + a.numel());
+}
+
+// A sequence of S tokens cut into n zigzag blocks: block r holds halves r and
+// 2n-1-r of the 2n halves.
+struct Zigzag {
+  int n;
+  int64_t S;
+  int64_t half() const { return S / (2 * n); }
+  std::vector<int64_t> rows(int r) const {
+    std::vector<int64_t> idx;
+    for (int64_t h : {int64_t{r}, int64_t{2 * n - 1 - r}})
+      for (int64_t i = 0; i < half(); ++i) idx.push_back(h * half() + i);
+    return idx;
+  }
+  // The rows of block r of `a`, whose sequence is along dim 1 or 2.
+  NDArray take(const NDArray& a, int r, int dim) const {
+    const std::vector<int64_t> idx = rows(r);
+    const int64_t L = static_cast<int64_t>(idx.size());
+    Shape shape = a.shape();
+    shape[dim] = L;
+    NDArray g = NDArray::empty(shape, DType::F32);
+    const int64_t outer = dim == 1 ? a.dim(0) : a.dim(0) * a.dim(1);
+    const int64_t inner = a.numel() / outer / S;
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < L; ++i)
+        std::copy_n(a.data<float>() + (o * S + idx[i]) * inner, inner,
+                    g.data<float>() + (o * L + i) * inner);
+    return g;
+  }
+  // Per query of block r, the global index where its document starts.
+  std::vector<int32_t> starts(const NDArray& positions, int r) const {
+    const std::vector<int64_t> all = starts_of(positions);
+    std::vector<int32_t> start;
+    for (int64_t b = 0; b < positions.dim(0); ++b)
+      for (int64_t i : rows(r)) start.push_back(static_cast<int32_t>(all[b * S + i]));
+    return start;
+  }
+};
+
+// The whole-sequence kernels' results: out, lse, dq, dk, dv.
+std::vector<NDArray> whole_attention(const Inputs& x, const NDArray& pos, const NDArray& dout,
+                                     float scale) {
+  const kernels::AttentionTiles tiles = kernels::attention_tiles();
+  NDArray out = NDArray::empty(x.q.shape(), DType::F32);
+  NDArray lse = NDArray::empty({x.q.dim(0), x.q.dim(2), x.q.dim(1)}, DType::F32);
+  kernels::attention_forward(x.q, x.k, x.v, pos, scale, out, lse, tiles);
+  NDArray dq = NDArray::empty(x.q.shape(), DType::F32);
+  NDArray dk = NDArray::empty(x.k.shape(), DType::F32);
+  NDArray dv = NDArray::empty(x.k.shape(), DType::F32);
+  kernels::attention_backward(x.q, x.k, x.v, out, lse, dout, pos, scale, dq, dk, dv, tiles);
+  return {out, lse, dq, dk, dv};
+}
+
+// Every block's queries over every block, merged, give the whole kernel's
+// out and lse; the blocks' backward shares sum to its gradients.
+TEST(Attention, ZigzagBlocksMatchTheWholeSequence) {
+  const Dims d{2, 24, 4, 2, 8};
+  const Zigzag z{3, d.S};
+  const NDArray pos = positions_of({{4, 9, 11}, {13, 1, 10}});
+  const Inputs x = random_inputs(d, 77);
+  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 78);
+  TilesGuard guard({3, 2});
+  const kernels::AttentionTiles tiles = kernels::attention_tiles();
+  const std::vector<NDArray> want = whole_attention(x, pos, dout, 0.3f);
+  std::vector<NDArray> k(z.n), v(z.n), dk(z.n), dv(z.n);
+  std::vector<std::vector<int64_t>> rows(z.n);
+  for (int r = 0; r < z.n; ++r) {
+    k[r] = z.take(x.k, r, 1), v[r] = z.take(x.v, r, 1), rows[r] = z.rows(r);
+    dk[r] = NDArray::zeros(k[r].shape(), DType::F32);
+    dv[r] = NDArray::zeros(k[r].shape(), DType::F32);
+  }
+  for (int c = 0; c < z.n; ++c) {
+    const std::string rank = " of rank " + std::to_string(c);
+    const std::vector<int32_t> start = z.starts(pos, c);
+    const NDArray q = z.take(x.q, c, 1), go = z.take(dout, c, 1);
+    NDArray o = NDArray::zeros(q.shape(), DType::F32);
+    NDArray l = NDArray::empty({d.B, d.Hq, 2 * z.half()}, DType::F32);
+    l.fill(-std::numeric_limits<float>::infinity());
+    NDArray ob = NDArray::empty(o.shape(), DType::F32), lb = NDArray::empty(l.shape(), DType::F32);
+    for (int r = 0; r < z.n; ++r) {
+      kernels::attention_block_forward({q, rows[c], start, k[r], v[r], rows[r], 0.3f}, ob, lb,
+                                       tiles);
+      kernels::attention_merge(o, l, ob, lb);
+    }
+    expect_close(o, as_double(z.take(want[0], c, 1)), 2e-6, "out" + rank);
+    expect_close(l, as_double(z.take(want[1], c, 2)), 2e-6, "lse" + rank);
+    NDArray delta = NDArray::empty(l.shape(), DType::F32);
+    NDArray dq = NDArray::zeros(q.shape(), DType::F32);
+    kernels::attention_row_dots(o, go, delta);
+    for (int r = 0; r < z.n; ++r)
+      kernels::attention_block_backward({q, rows[c], start, k[r], v[r], rows[r], 0.3f}, go, l,
+                                        delta, dq, dk[r], dv[r], tiles);
+    expect_close(dq, as_double(z.take(want[2], c, 1)), 1e-5, "dq" + rank);
+  }
+  for (int r = 0; r < z.n; ++r) {
+    expect_close(dk[r], as_double(z.take(want[3], r, 1)), 1e-5, "dk of block " + std::to_string(r));
+    expect_close(dv[r], as_double(z.take(want[4], r, 1)), 1e-5, "dv of block " + std::to_string(r));
+  }
 }
 
 }  // namespace

@@ -55,13 +55,22 @@ Tensor rope(const Tensor& x, const Tensor& positions, float theta);
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 // Causal attention with grouped-query heads: q [B, S, Hq, D], k and v
 // [B, S, Hkv, D] with Hkv dividing Hq; returns [B, S, Hq, D]. Scores are
-// scaled by `softmax_scale`. `cu_seqlens` (optional, i32 [n+1]) gives
-// cumulative document lengths over the flattened B*S tokens; a token then
-// attends only to earlier tokens of its own document. Every row boundary
-// (multiples of S) must be a document boundary. `context_parallel` lets
-// deduction accept q, k, v split along the sequence (dim 1), all the same
-// way (the output is then split alike); on one device it changes nothing.
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+// scaled by `softmax_scale`. `documents` (optional, i32) restricts each token
+// to the earlier tokens of its own document; it is either
+//  * cu_seqlens [n+1]: cumulative document lengths over the flattened B*S
+//    tokens; every row boundary (multiple of S) must be a document boundary;
+//  * positions [B, S]: each token's position inside its document (the RoPE
+//    positions of packed documents, 0 at each document start): query i sees
+//    key j of its row iff max(0, i - positions[i]) <= j <= i. Positions
+//    0..S-1 give plain causal attention.
+// Bad documents throw hspmd::Error "[attention] cu_seqlens: ..." or
+// "[attention] document positions: ..." when the op runs. `context_parallel`
+// lets deduction accept q, k, v (and positions) split along the sequence
+// (dim 1), all the same way (the output is then split alike); the op then
+// runs ring attention over the ranks sharing the split (docs/attention.md),
+// which needs S divisible by 2*cp and no cu_seqlens (else hspmd::Error). On
+// one device it changes nothing.
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
                  float softmax_scale, bool context_parallel = false);
 // Softmax cross-entropy: logits [..., V], targets i32 [...]. Returns the
 // scalar sum over tokens with target != ignore_index of -log p(target),

@@ -1,31 +1,25 @@
-// CPU attention: flash-attention tiles of OpenBLAS sgemm with an online
-// softmax. Tiles that the causal / document mask hides entirely are never
-// computed; no S x S matrix is ever materialized.
+// CPU attention over whole sequences: flash-attention tiles of OpenBLAS
+// sgemm with an online softmax. Tiles that the causal / document mask hides
+// entirely are never computed; no S x S matrix is ever materialized.
 #include "kernels/attention.h"
-
-#include <cblas.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <limits>
 #include <vector>
 
+#include "attention_tile.h"
 #include "hspmd/core/error.h"
 #include "kernels/kernels.h"
-#include "vec_math.h"
 
 namespace hspmd::kernels {
 
 namespace {
 
+using namespace attention_tile;
+
 std::atomic<int64_t> g_tile_q{64};
 std::atomic<int64_t> g_tile_k{64};
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Below this many score-tile multiply-adds a call runs on one thread: waking
-// the team would cost more than it saves.
-constexpr int64_t kParallelWork = int64_t{1} << 22;
 
 // The problem's sizes and read-only inputs, shared by all tiles.
 struct Problem {
@@ -36,6 +30,10 @@ struct Problem {
   const float* kt;  // k and v transposed to [B, Hkv, D, S], so Q K^T is a plain product
   const float* vt;
   const int32_t* start;  // [B*S]: position in its row where each token's document starts
+  // Per query tile (b, i0 / tiles.q): the least and greatest start of its
+  // rows. Starts from positions need not grow along a row.
+  const int32_t* tile_min;
+  const int32_t* tile_max;
   float scale;
   AttentionTiles tiles;
   int64_t ldq() const { return Hq * D; }
@@ -46,16 +44,12 @@ struct Problem {
   int64_t row_at(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * S + i; }
   int64_t t_at(int64_t b, int64_t hk, int64_t j) const { return (b * Hkv + hk) * D * S + j; }
   bool parallel() const { return B * Hq * S * S * D > kParallelWork; }
+  int64_t tile_of(int64_t b, int64_t i0) const {
+    return b * ((S + tiles.q - 1) / tiles.q) + i0 / tiles.q;
+  }
+  int32_t min_start(int64_t b, int64_t i0) const { return tile_min[tile_of(b, i0)]; }
+  int32_t max_start(int64_t b, int64_t i0) const { return tile_max[tile_of(b, i0)]; }
 };
-
-void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-           int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-              static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb),
-              beta, c, static_cast<int>(ldc));
-}
 
 // Validates cu_seqlens against its contract (see attention.h).
 void check_cu_seqlens(const NDArray& cu, int64_t total) {
@@ -74,10 +68,9 @@ void check_cu_seqlens(const NDArray& cu, int64_t total) {
     fail("[attention] cu_seqlens: last offset must be B*S=", total, ", got ", c[n - 1]);
 }
 
-// Per flat token, where its document starts within its row of S tokens.
-std::vector<int32_t> document_starts(const NDArray& cu, int64_t B, int64_t S) {
+// Per flat token, where its document starts within its row, from cu_seqlens.
+std::vector<int32_t> starts_from_cu_seqlens(const NDArray& cu, int64_t B, int64_t S) {
   std::vector<int32_t> start(B * S, 0);
-  if (!cu.valid()) return start;
   check_cu_seqlens(cu, B * S);
   const int32_t* c = cu.data<int32_t>();
   for (int64_t d = 0; d + 1 < cu.numel(); ++d)
@@ -90,17 +83,34 @@ std::vector<int32_t> document_starts(const NDArray& cu, int64_t B, int64_t S) {
   return start;
 }
 
-// [B, S, H, D] -> [B, H, D, S].
-std::vector<float> heads_transposed(const NDArray& a, bool parallel) {
-  const int64_t B = a.dim(0), S = a.dim(1), H = a.dim(2), D = a.dim(3);
-  std::vector<float> t(a.numel());
-  const float* src = a.data<float>();
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t j = 0; j < S; ++j)
-      for (int64_t d = 0; d < D; ++d)
-        t[(bh * D + d) * S + j] = src[((bh / H * S + j) * H + bh % H) * D + d];
-  return t;
+// Document starts of every token, and their range per query tile.
+struct Starts {
+  std::vector<int32_t> start, tile_min, tile_max;
+};
+
+Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t tq) {
+  Starts s;
+  if (!documents.valid()) {
+    s.start.assign(B * S, 0);
+  } else if (documents.ndim() == 2) {
+    if (documents.dim(0) != B || documents.dim(1) != S)
+      fail("[attention] document positions: shape [", documents.dim(0), ", ", documents.dim(1),
+           "] must be [B, S] = [", B, ", ", S, "]");
+    s.start = document_starts_from_positions(documents, 0);
+  } else {
+    s.start = starts_from_cu_seqlens(documents, B, S);
+  }
+  const int64_t ntq = (S + tq - 1) / tq;
+  s.tile_min.resize(B * ntq);
+  s.tile_max.resize(B * ntq);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < ntq; ++t) {
+      const auto first = s.start.begin() + b * S + t * tq;
+      const auto [lo, hi] = std::minmax_element(first, first + std::min(tq, S - t * tq));
+      s.tile_min[b * ntq + t] = *lo;
+      s.tile_max[b * ntq + t] = *hi;
+    }
+  return s;
 }
 
 // The problem without its derived buffers (start, kt, vt), which the caller owns.
@@ -110,7 +120,8 @@ Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v, float
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape(), "attention: ranks");
   Problem p{.B = q.dim(0), .S = q.dim(1), .Hq = q.dim(2), .Hkv = k.dim(2), .D = q.dim(3),
             .G = 1, .q = q.data<float>(), .k = k.data<float>(), .v = v.data<float>(),
-            .kt = nullptr, .vt = nullptr, .start = nullptr, .scale = scale, .tiles = tiles};
+            .kt = nullptr, .vt = nullptr, .start = nullptr, .tile_min = nullptr,
+            .tile_max = nullptr, .scale = scale, .tiles = tiles};
   HSPMD_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0 && k.dim(0) == p.B && k.dim(1) == p.S &&
                   k.dim(3) == p.D && tiles.q > 0 && tiles.k > 0,
               "attention: shapes");
@@ -118,17 +129,9 @@ Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v, float
   return p;
 }
 
-// Masks the scores of one query row outside its allowed keys [lo, hi) (key
-// indices relative to the tile's first key).
-inline void mask_row(float* row, int64_t nk, int64_t lo, int64_t hi) {
-  std::fill(row, row + std::clamp<int64_t>(lo, 0, nk), kNegInf);
-  std::fill(row + std::clamp<int64_t>(hi, 0, nk), row + nk, kNegInf);
-}
-
 // True when every (query, key) pair of the tiles is visible: no masking needed.
-inline bool tile_unmasked(const Problem& p, int64_t b, int64_t i0, int64_t i1, int64_t j0,
-                          int64_t j1) {
-  return j1 - 1 <= i0 && j0 >= p.start[b * p.S + i1 - 1];
+inline bool tile_unmasked(const Problem& p, int64_t b, int64_t i0, int64_t j0, int64_t j1) {
+  return j1 - 1 <= i0 && j0 >= p.max_start(b, i0);
 }
 
 // ---- forward ----
@@ -139,41 +142,10 @@ struct ForwardScratch {
       : s(t.q * t.k), acc(t.q * D), m(t.q), l(t.q) {}
 };
 
-// Max of a row, in 16 independent lanes so that it vectorizes.
-inline float row_max(const float* row, int64_t n) {
-  float lane[16];
-  std::fill_n(lane, 16, kNegInf);
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16)
-    for (int u = 0; u < 16; ++u) lane[u] = row[c + u] > lane[u] ? row[c + u] : lane[u];
-  for (; c < n; ++c) lane[0] = row[c] > lane[0] ? row[c] : lane[0];
-  return *std::max_element(lane, lane + 16);
-}
-
-// Online softmax step of one row: turns scores into exp(s - m_new), updates
-// the running max m and sum l, and returns the factor for the row's output.
-inline float softmax_update(float* row, int64_t nk, float& m, float& l) {
-  const float m_new = std::max(m, row_max(row, nk));
-  if (m_new == kNegInf) {  // nothing visible yet in this row
-    std::fill(row, row + nk, 0.0f);
-    return 1.0f;
-  }
-  float sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < nk; ++c) {
-    row[c] = vec::exp_scalar(row[c] - m_new);
-    sum += row[c];
-  }
-  const float corr = vec::exp_scalar(m - m_new);
-  l = l * corr + sum;
-  m = m_new;
-  return corr;
-}
-
 // Softmax of one score tile; rescales the accumulated output rows.
 void softmax_tile(const Problem& p, int64_t b, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
                   ForwardScratch& w) {
-  const bool full = tile_unmasked(p, b, i0, i1, j0, j1);
+  const bool full = tile_unmasked(p, b, i0, j0, j1);
   for (int64_t r = 0; r < i1 - i0; ++r) {
     float* row = w.s.data() + r * p.tiles.k;
     if (!full) mask_row(row, j1 - j0, p.start[b * p.S + i0 + r] - j0, i0 + r + 1 - j0);
@@ -192,7 +164,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t i1
   std::fill_n(w.m.data(), mq, kNegInf);
   std::fill_n(w.l.data(), mq, 0.0f);
   std::fill_n(w.acc.data(), mq * D, 0.0f);
-  for (int64_t j0 = p.start[b * p.S + i0]; j0 < i1; j0 += p.tiles.k) {
+  for (int64_t j0 = p.min_start(b, i0); j0 < i1; j0 += p.tiles.k) {
     const int64_t j1 = std::min(j0 + p.tiles.k, i1);
     sgemm(false, false, mq, j1 - j0, D, p.scale, qt, p.ldq(), p.kt + p.t_at(b, hk, j0), p.S,
           0.0f, w.s.data(), p.tiles.k);
@@ -230,13 +202,11 @@ void recompute_probs(const Problem& p, const Grads& g, int64_t b, int64_t h, int
   const int64_t hk = h / p.G, tk = p.tiles.k, nk = j1 - j0;
   sgemm(false, false, i1 - i0, nk, p.D, p.scale, p.q + p.q_at(b, i0, h), p.ldq(),
         p.kt + p.t_at(b, hk, j0), p.S, 0.0f, probs, tk);
-  const bool full = tile_unmasked(p, b, i0, i1, j0, j1);
+  const bool full = tile_unmasked(p, b, i0, j0, j1);
   for (int64_t r = 0; r < i1 - i0; ++r) {
     float* row = probs + r * tk;
     if (!full) mask_row(row, nk, p.start[b * p.S + i0 + r] - j0, i0 + r + 1 - j0);
-    const float l = g.lse[p.row_at(b, h, i0 + r)];
-#pragma omp simd
-    for (int64_t c = 0; c < nk; ++c) row[c] = vec::exp_scalar(row[c] - l);
+    probs_row(row, nk, g.lse[p.row_at(b, h, i0 + r)]);
   }
 }
 
@@ -271,30 +241,31 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
     const int64_t j1 = std::min(j0 + tk, p.S);
     for (int64_t h = hk * p.G; h < (hk + 1) * p.G; ++h) {
       for (int64_t i0 = j0 / tq * tq; i0 < p.S; i0 += tq) {
-        // Rows from max(i0, j0) on see keys >= j0; their documents start no earlier.
-        if (p.start[b * p.S + std::max(i0, j0)] >= j1) break;
+        if (p.min_start(b, i0) >= j1) continue;  // every row's document starts after the keys
         backward_pair(p, g, b, h, i0, std::min(i0 + tq, p.S), j0, j1, w);
       }
     }
   }
 }
 
-// delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d].
-void row_dots(const Problem& p, const float* out, const float* dout, float* delta) {
-  const int64_t rows = p.B * p.S * p.Hq;
-#pragma omp parallel for schedule(static) if (p.parallel())
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* o = out + t * p.D;
-    const float* d = dout + t * p.D;
-    float s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t e = 0; e < p.D; ++e) s += o[e] * d[e];
-    const int64_t h = t % p.Hq, bi = t / p.Hq;
-    delta[p.row_at(bi / p.S, h, bi % p.S)] = s;
-  }
-}
-
 }  // namespace
+
+std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first) {
+  require_backend("attention", positions);
+  if (positions.dtype() != DType::I32 || positions.ndim() != 2)
+    fail("[attention] document positions: must be a 2-D i32 array [B, S]");
+  const NDArray pos = positions.contiguous();
+  const int64_t B = pos.dim(0), S = pos.dim(1);
+  const int32_t* p = pos.data<int32_t>();
+  std::vector<int32_t> start(B * S);
+  for (int64_t t = 0; t < B * S; ++t) {
+    if (p[t] < 0)
+      fail("[attention] document positions: position ", p[t], " of row ", t / S, ", token ",
+           first + t % S, " is negative (rule: positions >= 0)");
+    start[t] = static_cast<int32_t>(std::max<int64_t>(0, first + t % S - p[t]));
+  }
+  return start;
+}
 
 AttentionTiles attention_tiles() { return {g_tile_q.load(), g_tile_k.load()}; }
 
@@ -306,12 +277,14 @@ void set_attention_tiles(AttentionTiles tiles) {
 }
 
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
-                       const NDArray& cu_seqlens, float scale, NDArray& out, NDArray& lse,
+                       const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles) {
   Problem p = make_problem(q, k, v, scale, tiles);
-  const std::vector<int32_t> start = document_starts(cu_seqlens, p.B, p.S);
+  const Starts starts = document_starts(documents, p.B, p.S, tiles.q);
   const std::vector<float> kt = heads_transposed(k, p.parallel());
-  p.start = start.data();
+  p.start = starts.start.data();
+  p.tile_min = starts.tile_min.data();
+  p.tile_max = starts.tile_max.data();
   p.kt = kt.data();
   HSPMD_CHECK(out.shape() == q.shape() && lse.numel() == p.B * p.Hq * p.S, "attention: outputs");
   float* po = out.data<float>();
@@ -330,25 +303,27 @@ void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
 }
 
 void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
-                        const NDArray& lse, const NDArray& grad_out, const NDArray& cu_seqlens,
+                        const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
                         AttentionTiles tiles) {
   Problem p = make_problem(q, k, v, scale, tiles);
   for (const NDArray* a : {&out, &lse, &grad_out}) require_backend("attention_grad", *a);
-  const std::vector<int32_t> start = document_starts(cu_seqlens, p.B, p.S);
+  const Starts starts = document_starts(documents, p.B, p.S, tiles.q);
   const std::vector<float> kt = heads_transposed(k, p.parallel());
   const std::vector<float> vt = heads_transposed(v, p.parallel());
-  p.start = start.data();
+  p.start = starts.start.data();
+  p.tile_min = starts.tile_min.data();
+  p.tile_max = starts.tile_max.data();
   p.kt = kt.data();
   p.vt = vt.data();
   HSPMD_CHECK(out.shape() == q.shape() && grad_out.shape() == q.shape() &&
                   lse.numel() == p.B * p.Hq * p.S && dq.shape() == q.shape() &&
                   dk.shape() == k.shape() && dv.shape() == v.shape(),
               "attention_grad: shapes");
-  std::vector<float> delta(p.B * p.Hq * p.S);
-  row_dots(p, out.data<float>(), grad_out.data<float>(), delta.data());
+  NDArray delta = NDArray::empty({p.B, p.Hq, p.S}, DType::F32);
+  attention_row_dots(out, grad_out, delta);
   for (NDArray* a : {&dq, &dk, &dv}) a->fill(0.0f);
-  const Grads g{lse.data<float>(), grad_out.data<float>(), delta.data(), dq.data<float>(),
+  const Grads g{lse.data<float>(), grad_out.data<float>(), delta.data<float>(), dq.data<float>(),
                 dk.data<float>(), dv.data<float>()};
 #pragma omp parallel if (p.parallel())
   {
