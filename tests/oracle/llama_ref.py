@@ -13,6 +13,11 @@ Run with /usr/bin/python3 (Debian's python3-torch). Example:
       --clip-grad 1.0 --threads 1 --dump-grads grads.safetensors \
       --log ref.jsonl --save final.safetensors
 
+`--pack-documents` trains on packed documents (docs/data.md), written here
+from the rule in the doc, not from hspmd's code: each step's loss runs every
+document piece through the model on its own and averages over all counted
+targets of the global batch.
+
 `--self-test` runs a tiny end-to-end check in a temporary directory.
 """
 
@@ -48,6 +53,8 @@ def load_config(path):
     cfg["rms_norm_eps"] = float(raw.get("rms_norm_eps", 1e-6))
     cfg["rope_theta"] = float(raw.get("rope_theta", 10000.0))
     cfg["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    eos = raw.get("eos_token_id", 2)  # hspmd's default; a list means its first element
+    cfg["eos_token_id"] = int(eos[0] if isinstance(eos, list) else eos)
     check_config(cfg)
     return cfg
 
@@ -266,6 +273,56 @@ def batch_at(tokens, step, seq_len, batch):
     return arr[:, :-1].contiguous(), arr[:, 1:].contiguous()
 
 
+def split_documents(tokens, eos):
+    """Cuts the stream after each eos (the eos ends its document); tokens after
+    the last eos form a last document."""
+    docs, start = [], 0
+    for i in np.flatnonzero(tokens == eos):
+        docs.append(tokens[start:i + 1])
+        start = i + 1
+    if start < len(tokens):
+        docs.append(tokens[start:])
+    return docs
+
+
+def pack_documents(tokens, seq_len, eos):
+    """docs/data.md packing -> list of samples, each a list of pieces (int64 arrays).
+
+    A document longer than seq_len is cut into pieces of seq_len tokens (the
+    last one shorter); pieces are packed in file order, next-fit: a piece
+    joins the current sample when the sample then holds at most seq_len
+    tokens, otherwise it opens the next sample."""
+    if seq_len <= 0:
+        raise ValueError(f"[data] seq_len {seq_len} must be positive")
+    samples, used = [], None
+    for doc in split_documents(np.asarray(tokens, np.int64), eos):
+        for b in range(0, len(doc), seq_len):
+            piece = doc[b:b + seq_len]
+            if used is None or used + len(piece) > seq_len:
+                samples.append([])
+                used = 0
+            samples[-1].append(piece)
+            used += len(piece)
+    if not samples:
+        raise ValueError("[data] no tokens to pack")
+    return samples
+
+
+def packed_batch_at(samples, step, batch):
+    """Packed samples (s*B + j) mod num_samples, j = 0..B-1."""
+    return [samples[(step * batch + j) % len(samples)] for j in range(batch)]
+
+
+def piece_loss_sum(params, cfg, piece):
+    """Summed cross-entropy of a piece run on its own (positions 0..n-1, causal
+    attention over the piece): its n-1 next-token targets; the last token has none."""
+    if len(piece) < 2:
+        return None
+    ids = torch.from_numpy(np.asarray(piece, np.int64))
+    targets = torch.cat([ids[1:], torch.tensor([IGNORE_INDEX], dtype=torch.int64)])
+    return loss_sum(params, cfg, ids[None, :], targets[None, :])
+
+
 # ----------------------------------------------------------------------------
 # Training
 
@@ -324,6 +381,37 @@ def train_step(named, cfg, opt, inputs, targets, micro_batches, clip, on_grads=N
     return total, norm
 
 
+def train_step_packed(named, cfg, opt, samples, micro_batches, clip, on_grads=None):
+    """train_step for packed documents: `samples` is the global batch (a list of
+    samples, each a list of pieces). Micro-batch m takes samples m*B/M ..; every
+    piece's summed loss is divided by the global count of targets (at least 1)."""
+    batch = len(samples)
+    if batch % micro_batches:
+        raise ValueError(f"[flags] --micro-batches {micro_batches} does not divide batch {batch}")
+    count = sum(max(len(p) - 1, 0) for s in samples for p in s)
+    mb = batch // micro_batches
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for m in range(micro_batches):
+        parts = [piece_loss_sum(named, cfg, p) for s in samples[m * mb:(m + 1) * mb] for p in s]
+        parts = [x for x in parts if x is not None]
+        if not parts:
+            continue
+        part = torch.stack(parts).sum() / max(count, 1)
+        part.backward()
+        total += float(part.detach())
+    for t in named.values():  # a step with no counted target still steps (zero gradients)
+        if t.grad is None:
+            t.grad = torch.zeros_like(t)
+    norm = grad_norm(named)
+    if on_grads:
+        on_grads(named)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(list(named.values()), clip)
+    opt.step()
+    return total, norm
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--model", help="HF config.json")
@@ -331,6 +419,8 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0, help="seed of the random init")
     ap.add_argument("--data", help="token file (little-endian uint32)")
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--pack-documents", action="store_true",
+                    help="pack whole documents (cut at eos) into samples (docs/data.md)")
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -364,6 +454,7 @@ def run(args):
     named = {k: v.to(dtype).clone().requires_grad_(True) for k, v in params.items()}
     opt = make_optimizer(named, args.lr, args.weight_decay, args.beta1, args.beta2, args.eps)
     tokens = load_tokens(args.data)
+    packed = pack_documents(tokens, args.seq_len, cfg["eos_token_id"]) if args.pack_documents else None
 
     def dump(named_params):
         write_safetensors(args.dump_grads, {k: v.grad for k, v in named_params.items()})
@@ -374,12 +465,19 @@ def run(args):
         lr = lr_at(args, step)
         for g in opt.param_groups:
             g["lr"] = lr
-        inputs, targets = batch_at(tokens, step, args.seq_len, args.global_batch)
         on_grads = dump if (step == 0 and args.dump_grads) else None
-        loss, norm = train_step(named, cfg, opt, inputs, targets, args.micro_batches,
-                                args.clip_grad, on_grads)
+        if packed is not None:
+            samples = packed_batch_at(packed, step, args.global_batch)
+            loss, norm = train_step_packed(named, cfg, opt, samples, args.micro_batches,
+                                           args.clip_grad, on_grads)
+            n_tokens = sum(len(p) for s in samples for p in s)
+        else:
+            inputs, targets = batch_at(tokens, step, args.seq_len, args.global_batch)
+            loss, norm = train_step(named, cfg, opt, inputs, targets, args.micro_batches,
+                                    args.clip_grad, on_grads)
+            n_tokens = args.global_batch * args.seq_len
         losses.append(loss)
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm}
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n_tokens}
         print(json.dumps(record), file=sys.stderr)
         if log:
             log.write(json.dumps(record) + "\n")
@@ -461,6 +559,41 @@ def self_test():
         assert set(tied_params) == set(param_shapes(tied))
         with torch.no_grad():
             assert forward(tied_params, tied, x0).shape == (4, 32, cfg["vocab_size"])
+        # Packed documents (docs/data.md), hand-checked: eos 9, L 4. Documents
+        # [1 9] [2 3 4 5 6 9] [9] [3 3 3 9] [7 8] (the last without eos);
+        # pieces [1 9] [2 3 4 5] [6 9] [9] [3 3 3 9] [7 8]; next-fit samples below.
+        stream = np.array([1, 9, 2, 3, 4, 5, 6, 9, 9, 3, 3, 3, 9, 7, 8])
+        got = [[p.tolist() for p in s] for s in pack_documents(stream, 4, 9)]
+        want = [[[1, 9]], [[2, 3, 4, 5]], [[6, 9], [9]], [[3, 3, 3, 9]], [[7, 8]]]
+        assert got == want, f"packing {got}"
+        assert [[p.tolist() for p in s] for s in pack_documents(stream, 2, 9)] == \
+            [[[1, 9]], [[2, 3]], [[4, 5]], [[6, 9]], [[9]], [[3, 3]], [[3, 9]], [[7, 8]]]
+        assert [len(s) for s in pack_documents(np.array([5, 5, 9, 9, 9]), 8, 9)] == [3]
+        batch = packed_batch_at(pack_documents(stream, 4, 9), 1, 3)  # samples 3, 4, 0
+        assert [[p.tolist() for p in s] for s in batch] == [[[3, 3, 3, 9]], [[7, 8]], [[1, 9]]]
+        assert piece_loss_sum(params, cfg, np.array([9])) is None
+        # A piece's loss is that of its own causal run: same as the fixed-length
+        # loss of a window holding exactly its tokens.
+        with torch.no_grad():
+            w = tokens[:33]
+            a = float(piece_loss_sum(params, cfg, w))
+            b = float(loss_sum(params, cfg, torch.from_numpy(w[None, :-1]), torch.from_numpy(w[None, 1:])))
+        assert abs(a - b) < 1e-4 * abs(b), (a, b)
+        # A packed run: the normalizer is the global count, so micro-batching
+        # leaves the step-0 loss and gradients alone.
+        pdata = os.path.join(tmp, "docs.bin")
+        docs = [np.append(rng.integers(3, 256, size=int(n) - 1), cfg["eos_token_id"])
+                for n in rng.integers(1, 80, size=12)]
+        np.concatenate(docs).astype("<u4").tofile(pdata)
+        pcommon = ["--model", cfg_path, "--init", init, "--data", pdata, "--seq-len", "32",
+                   "--global-batch", "4", "--pack-documents", "--steps", "1"]
+        pg1, pg2 = os.path.join(tmp, "pg1.safetensors"), os.path.join(tmp, "pg2.safetensors")
+        p1 = run(parse_args(pcommon + ["--dump-grads", pg1]))
+        p2 = run(parse_args(pcommon + ["--dump-grads", pg2, "--micro-batches", "2"]))
+        assert abs(p1[0] - p2[0]) < 1e-5 and abs(p1[0] - ln_v) < 0.1, (p1, p2)
+        g1, g2 = read_safetensors(pg1), read_safetensors(pg2)
+        for k in g1:
+            assert np.allclose(g1[k], g2[k], rtol=1e-4, atol=1e-7), f"packed accumulated grad {k}"
         print(f"self-test ok: ln(V)={ln_v:.4f} losses={[round(x, 4) for x in losses]}")
 
 

@@ -6,7 +6,13 @@ the step-0 loss (1e-5 relative), every step-0 parameter gradient (1e-4,
 max error normalized by the tensor's max magnitude), the losses of all steps
 after AdamW updates (1e-4 relative) and the final weights (1e-3 normalized).
 
-usage: oracle_test.py --hspmd PATH [--variant base|tied|bf16]
+`packed` trains with --pack-documents on variable-length documents; the
+reference packs them itself (docs/data.md) and runs each document piece on
+its own, so it shares neither hspmd's packing nor its position-based
+attention mask, padding or micro-batch widths. It also checks the logged
+real-token counts.
+
+usage: oracle_test.py --hspmd PATH [--variant base|tied|bf16|packed]
 """
 import argparse
 import json
@@ -58,10 +64,30 @@ def run(cmd):
         sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
 
 
+def packed_documents_data(rng, eos, seq_len, batch, steps):
+    """Documents of 1 .. 2.5 x seq_len tokens (ids 0..255, each ending with eos),
+    including a lone eos, documents of exactly seq_len and 2 x seq_len tokens and a
+    last one without eos; few enough that the steps wrap around the packed samples."""
+    long_docs = rng.integers(1, int(2.5 * seq_len) + 1, size=5)
+    short_docs = rng.integers(1, seq_len // 2 + 1, size=10)  # so that samples hold several
+    lengths = [int(n) for n in rng.permutation(np.concatenate([long_docs, short_docs]))]
+    lengths[3:3] = [1, seq_len, 2 * seq_len, seq_len + 1]
+    docs = [np.append(rng.integers(0, 256, size=n - 1), eos) for n in lengths]
+    docs.append(rng.integers(0, 256, size=5))  # tokens after the last eos
+    tokens = np.concatenate(docs).astype(np.uint32)
+    samples = llama_ref.pack_documents(tokens, seq_len, eos)
+    pieces = sum(len(s) for s in samples)
+    print(f"packed data: {tokens.size} tokens, {len(lengths) + 1} documents, {pieces} pieces, "
+          f"{len(samples)} samples of {[sum(len(x) for x in s) for s in samples]} tokens")
+    assert len(samples) < batch * steps, "the steps should wrap around the packed samples"
+    assert sum(len(s) > 1 for s in samples) >= 3, "samples should hold several pieces"
+    return tokens
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
-    ap.add_argument("--variant", default="base", choices=["base", "tied", "bf16"])
+    ap.add_argument("--variant", default="base", choices=["base", "tied", "bf16", "packed"])
     args = ap.parse_args()
 
     cfg = dict(CONFIG)
@@ -70,6 +96,8 @@ def main():
     if args.variant == "tied":
         cfg["tie_word_embeddings"] = True
         train += ["--micro-batches", "2", "--clip-grad", "0.5"]
+    if args.variant == "packed":
+        train += ["--pack-documents", "--micro-batches", "2"]
 
     rng = np.random.default_rng(1234)
     weights = {}
@@ -82,9 +110,12 @@ def main():
         p = lambda n: os.path.join(tmp, n)  # noqa: E731
         with open(p("config.json"), "w") as f:
             json.dump(cfg, f)
-        # Text-like data: mostly bytes, with EOS separators.
-        tokens = rng.integers(0, 256, size=4 * 32 * 6 + 1).astype(np.uint32)
-        tokens[rng.integers(0, tokens.size, size=20)] = cfg["eos_token_id"]
+        if args.variant == "packed":
+            tokens = packed_documents_data(rng, cfg["eos_token_id"], seq_len=32, batch=4, steps=5)
+        else:
+            # Text-like data: mostly bytes, with EOS separators.
+            tokens = rng.integers(0, 256, size=4 * 32 * 6 + 1).astype(np.uint32)
+            tokens[rng.integers(0, tokens.size, size=20)] = cfg["eos_token_id"]
         tokens.tofile(p("data.bin"))
         llama_ref.save_safetensors(p("init.safetensors"), weights,
                                    dtype="BF16" if args.variant == "bf16" else "F32")
@@ -111,7 +142,8 @@ def main():
             if rel > 1e-4:
                 failures.append(f"step {s} loss differs by {rel:.2e} (> 1e-4)")
         # Final weights: Adam divides by sqrt(v) + eps, so elements with tiny gradients
-        # amplify f32 rounding; 1e-3 is what float32 vs float64 torch itself reaches.
+        # amplify f32 rounding; 1e-3 is what float32 vs float64 torch itself reaches
+        # (packed: torch f32 vs f64 ~1.0e-3 on embed_tokens, hspmd vs torch f32 ~5e-4).
         for what, tol in (("grads", 1e-4), ("final", 1e-3)):
             h = llama_ref.load_safetensors(p(f"h_{what}.safetensors"))
             t = llama_ref.load_safetensors(p(f"t_{what}.safetensors"))
@@ -122,6 +154,12 @@ def main():
             print(f"{what}: worst normalized error {worst[0]:.2e} ({worst[1]})")
             if worst[0] > tol:
                 failures.append(f"{what}: {worst[1]} differs by {worst[0]:.2e} (> {tol})")
+        if args.variant == "packed":
+            h_tok = [json.loads(l)["tokens"] for l in open(p("h.jsonl"))]
+            t_tok = [json.loads(l)["tokens"] for l in open(p("t.jsonl"))]
+            print(f"real tokens per step: hspmd {h_tok} torch {t_tok}")
+            if h_tok != t_tok:
+                failures.append(f"logged tokens differ: hspmd {h_tok}, torch {t_tok}")
         if h_loss[-1] >= h_loss[0]:
             failures.append("loss did not decrease over 5 steps")
         if failures:
