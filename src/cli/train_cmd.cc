@@ -81,7 +81,9 @@ int train_command(const std::vector<std::string>& args) {
   FlagSet f("train", "Train a Llama model (Hugging Face config and weights) on a token file.");
   f.add_string("model", &o.model_path, "Hugging Face config.json of the model", true);
   f.add_string("data", &o.data_path, "token file (.bin, little-endian uint32 ids)", true);
-  f.add_int("seq-len", &o.seq_len, "tokens per sample", true);
+  f.add_int("seq-len", &o.seq_len, "tokens per sample (with --pack-documents: at most)", true);
+  f.add_bool("pack-documents", &o.pack_documents,
+             "pack whole documents (cut at eos) into samples; attention and loss stay inside each document");
   f.add_int("global-batch", &o.global_batch,
             "samples per optimizer step (required without --strategy; with it, must match)");
   f.add_int("steps", &o.steps, "optimizer steps", true);

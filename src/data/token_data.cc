@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
+#include <climits>
 #include <filesystem>
 #include <fstream>
 
@@ -50,6 +52,70 @@ void TokenData::sample(int64_t index, int64_t seq_len, int32_t* inputs, int32_t*
   for (int64_t t = 0; t < seq_len; ++t) {
     inputs[t] = static_cast<int32_t>(s[t]);
     targets[t] = static_cast<int32_t>(s[t + 1]);
+  }
+}
+
+PackedDocuments::PackedDocuments(const TokenData& data, int64_t seq_len, int64_t eos_token_id)
+    : data_(data), seq_len_(seq_len), eos_(static_cast<int32_t>(eos_token_id)) {
+  const std::string& name = data.path_.empty() ? std::string("tokens") : data.path_;
+  if (seq_len <= 0) fail("[data] ", name, ": seq_len ", seq_len, " must be positive");
+  if (eos_token_id < 0 || eos_token_id > INT32_MAX)
+    fail("[data] ", name, ": eos_token_id ", eos_token_id, " is not a valid token id");
+  if (data.size() == 0) fail("[data] ", name, ": no tokens to pack");
+  const std::vector<uint32_t>& t = data.tokens();
+  int64_t used = seq_len;  // tokens in the current sequence; full: the first piece opens one
+  auto add_piece = [&](int64_t begin, int64_t size) {
+    if (used + size > seq_len) {
+      first_piece_.push_back(static_cast<int64_t>(pieces_.size()));
+      used = 0;
+    }
+    pieces_.push_back({begin, size});
+    used += size;
+  };
+  int64_t doc = 0;
+  for (int64_t i = 0; i < data.size(); ++i) {
+    if (t[i] != static_cast<uint32_t>(eos_token_id) && i + 1 < data.size()) continue;
+    for (int64_t b = doc; b <= i; b += seq_len) add_piece(b, std::min(seq_len, i + 1 - b));
+    doc = i + 1;
+  }
+  first_piece_.push_back(static_cast<int64_t>(pieces_.size()));
+}
+
+int64_t PackedDocuments::wrap(int64_t index) const {
+  const int64_t n = num_samples();
+  return ((index % n) + n) % n;
+}
+
+int64_t PackedDocuments::length(int64_t index) const {
+  const int64_t i = wrap(index);
+  int64_t n = 0;
+  for (int64_t p = first_piece_[i]; p < first_piece_[i + 1]; ++p) n += pieces_[p].size;
+  return n;
+}
+
+int64_t PackedDocuments::counted_targets(int64_t index) const {
+  const int64_t i = wrap(index);
+  return length(i) - (first_piece_[i + 1] - first_piece_[i]);
+}
+
+void PackedDocuments::sample(int64_t index, int64_t width, int32_t* inputs, int32_t* targets,
+                             int32_t* positions) const {
+  const int64_t i = wrap(index), n = length(i);
+  if (width < n) fail("[data] packed sample ", i, " has ", n, " tokens, more than the row width ", width);
+  const uint32_t* t = data_.tokens().data();
+  int64_t at = 0;
+  for (int64_t p = first_piece_[i]; p < first_piece_[i + 1]; ++p) {
+    const Piece& piece = pieces_[p];
+    for (int64_t k = 0; k < piece.size; ++k, ++at) {
+      inputs[at] = static_cast<int32_t>(t[piece.begin + k]);
+      targets[at] = k + 1 < piece.size ? static_cast<int32_t>(t[piece.begin + k + 1]) : kIgnore;
+      positions[at] = static_cast<int32_t>(k);
+    }
+  }
+  for (int64_t k = 0; at < width; ++k, ++at) {
+    inputs[at] = eos_;
+    targets[at] = kIgnore;
+    positions[at] = static_cast<int32_t>(k);
   }
 }
 

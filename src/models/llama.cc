@@ -40,8 +40,10 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, int64
   Tensor v = ops::reshape(ops::linear(x, param("self_attn.v_proj.weight")), {B, S, Hkv, D});
   q = ops::rope(q, positions, theta);
   k = ops::rope(k, positions, theta);
-  Tensor a = ops::attention(q, k, v, m.cu_seqlens, static_cast<float>(1.0 / std::sqrt(D)),
-                            o.context_parallel);
+  // Packed documents: the positions (restarting at 0 at each document) also
+  // mask the attention to each token's own document.
+  Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
+                            static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel);
   a = ops::reshape(a, {B, S, Hq * D});
   h = ops::add(h, mark(o, ops::linear(a, param("self_attn.o_proj.weight")), p + "attn_output"));
 
@@ -92,8 +94,6 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
   m.targets = g.placeholder("targets", {B, S}, DType::I32);
   m.positions = g.placeholder("positions", {B, S}, DType::I32);
   m.normalizer = g.placeholder("normalizer", {}, DType::F32);
-  if (o.packed_documents)
-    m.cu_seqlens = g.placeholder("cu_seqlens", {SymDim::symbol("NDOCS1")}, DType::I32);
   for (const auto& [name, shape] : llama_parameter_shapes(c)) {
     m.names.push_back(name);
     m.params.push_back(g.parameter(name, shape));

@@ -46,6 +46,7 @@ AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
   LlamaBuildOptions options;
   options.reshard_points = true;
   options.context_parallel = true;
+  options.packed_documents = true;  // fixed-length samples feed positions 0..S-1: plain causal
   AnnotatedTraining t{build_llama(plan.model, options), nullptr};
   t.annotated = std::make_unique<AnnotatedGraph>(deduce(*t.model.graph, plan.tensors, plan.world_size));
   return t;

@@ -45,6 +45,7 @@ std::map<std::string, Annotatable> annotatable(const LlamaConfig& c) {
   LlamaBuildOptions o;
   o.reshard_points = true;
   o.context_parallel = true;
+  o.packed_documents = true;  // the same graph the dry run and the executor build
   const LlamaGraph m = build_llama(c, o);
   std::map<std::string, Annotatable> out;
   for (int id = 0; id < m.graph->num_nodes(); ++id) {

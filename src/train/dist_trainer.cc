@@ -5,6 +5,7 @@
 #include <chrono>
 #include <deque>
 #include <cmath>
+#include <numeric>
 #include <cstdio>
 #include <fstream>
 
@@ -56,6 +57,18 @@ std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine
   return out;
 }
 
+// The multiple every sequence length of pipeline `p` must be: each stage
+// splits the sequence over cp x tp ranks (sequence parallelism), and
+// context-parallel attention cuts it into 2 x cp chunks.
+int64_t sequence_granularity(const Pipeline& p) {
+  int64_t g = 1;
+  for (const Stage& st : p.stages) {
+    g = std::lcm(g, static_cast<int64_t>(st.cp) * st.tp());
+    if (st.cp > 1) g = std::lcm(g, static_cast<int64_t>(2) * st.cp);
+  }
+  return g;
+}
+
 double all_reduce_scalar(double v, Communicator& world) {
   float x = static_cast<float>(v);
   std::vector<Request> req;
@@ -80,13 +93,17 @@ class DistTrainer {
     if (o.global_batch != 0 && o.global_batch != strategy_.global_batch())
       fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
            strategy_.global_batch());
-    for (const Pipeline& p : strategy_.pipelines)
-      for (const Stage& st : p.stages)
-        if (st.cp > 1)
-          fail("[strategy] cp=", st.cp, ": context-parallel attention is planned (hspmd plan) but "
-               "not executable yet; train with cp = 1");
     CompileOptions co;
     co.seq_len = o.seq_len;
+    // Every rank's view of the stacked micro-batch must divide along every
+    // pipeline's splits, so the granularity is common to all pipelines.
+    for (const Pipeline& p : strategy_.pipelines)
+      granularity_ = std::lcm(granularity_, sequence_granularity(p));
+    if (o.pack_documents)  // lengths vary per micro-batch: compile for the longest, rounded up
+      co.seq_len = (o.seq_len + granularity_ - 1) / granularity_ * granularity_;
+    else if (o.seq_len % granularity_ != 0)
+      fail("[strategy] --seq-len ", o.seq_len, " must be a multiple of ", granularity_,
+           " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
     plan_ = compile_plan(config_, strategy_, world.size(), co);
     topology_ = o.cluster_path.empty() ? Topology::uniform(world.size()) : Topology::load(o.cluster_path);
     if (topology_.world_size() != world.size())
@@ -95,7 +112,7 @@ class DistTrainer {
     int64_t batch = 0;
     for (const Pipeline& p : strategy_.pipelines) batch += p.micro_batch_size;
     graph_ = std::make_unique<ExecGraph>(plan_, topology_, world.rank(),
-                                         Bindings{{"B", batch}, {"S", o.seq_len}});
+                                         Bindings{{"B", batch}, {"S", co.seq_len}});
     // Pipelines are discovered from the resolved plan (appendix A.2), not
     // read from the strategy; the strategy only gives micro-batch counts.
     const auto pipelines = discover_pipelines(plan_, dry_run(plan_, topology_));
@@ -106,6 +123,9 @@ class DistTrainer {
     if (!at.idle()) {
       stage_ = at.stage;
       stages_ = static_cast<int>(pipelines[at.pipeline].stages.size());
+      for (const Stage& st : strategy_.pipelines[pipeline_].stages)
+        if (std::count(st.ranks.begin(), st.ranks.end(), world.rank()))
+          graph_->set_recompute(st.recompute);
     }
     graph_->set_deferred_sends(true);
     if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
@@ -124,7 +144,9 @@ class DistTrainer {
 
  private:
   void init_parameters();
-  ValueMap feeds(const TokenData& data, int64_t step, int micro) const;
+  // This rank's placeholders for micro-batch `micro` of `step`, and the
+  // bindings of their symbolic dims (S varies with packed documents).
+  ValueMap feeds(int64_t step, int micro, Bindings& bindings) const;
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void save() const;
@@ -138,11 +160,13 @@ class DistTrainer {
   Topology topology_ = Topology::uniform(1);
   std::unique_ptr<ExecGraph> graph_;
   int pipeline_ = -1;
-  int stage_ = 0, stages_ = 1;
+  int stage_ = 0, stages_ = 1;         // this rank's stage and its pipeline's stage count
+  int64_t granularity_ = 1;            // every micro-batch's sequence length is a multiple of it
   std::unique_ptr<VirtualClock> clock_;
   int64_t emulated_end_ = 0;                 // ns, the previous step's end
-  std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step  // this rank's stage and its pipeline's stage count
+  std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step
   std::unique_ptr<TokenData> data_;
+  std::unique_ptr<train_common::SampleSource> source_;
   std::map<std::string, Shape> shapes_;
   std::map<std::string, NDArray> params_;  // local shards, parameter layout
   std::map<std::string, NDArray> master_;  // ZeRO: local shards, optimizer-state layout
@@ -163,30 +187,35 @@ void DistTrainer::init_parameters() {
   }
 }
 
-// This rank's placeholders for micro-batch `micro` of `step`: the conceptual
-// micro-batch step stacks every pipeline's micro-batch (part k = pipeline k's
-// samples); the rank reads only its own pipeline's samples into it and keeps
-// its local box.
-ValueMap DistTrainer::feeds(const TokenData& data, int64_t step, int micro) const {
-  int64_t rows = 0;
-  for (const Pipeline& p : strategy_.pipelines) rows += p.micro_batch_size;
-  NDArray ids = NDArray::zeros({rows, o_.seq_len}, DType::I32);
-  NDArray targets = NDArray::zeros({rows, o_.seq_len}, DType::I32);
-  NDArray positions = NDArray::zeros({rows, o_.seq_len}, DType::I32);
-  int64_t row = 0, first = step * strategy_.global_batch();
+// The conceptual micro-batch step stacks every pipeline's micro-batch (part
+// k = pipeline k's samples); the rank reads only its own pipeline's samples
+// into it and keeps its local box. Rows are as wide as the pipeline's
+// widest sample, rounded up to the granularity (packed documents), so
+// pipelines see different lengths; they never exchange activations.
+ValueMap DistTrainer::feeds(int64_t step, int micro, Bindings& bindings) const {
+  int64_t rows = 0, row = 0, mine = 0;
+  int64_t first = step * strategy_.global_batch();
   for (int k = 0; k < static_cast<int>(strategy_.pipelines.size()); ++k) {
     const Pipeline& p = strategy_.pipelines[k];
-    for (int b = 0; k == pipeline_ && b < p.micro_batch_size && micro < p.micro_batches; ++b) {
-      const int64_t at = (row + b) * o_.seq_len;
-      data.sample(first + micro * p.micro_batch_size + b, o_.seq_len, ids.data<int32_t>() + at,
-                  targets.data<int32_t>() + at);
-      for (int64_t s = 0; s < o_.seq_len; ++s) positions.data<int32_t>()[at + s] = s;
-    }
-    row += p.micro_batch_size;
+    if (k == pipeline_) row = rows, mine = first + micro * p.micro_batch_size;
+    rows += p.micro_batch_size;
     first += p.batch();
   }
+  const Pipeline& p = strategy_.pipelines.at(pipeline_);
+  const int64_t width = source_->width(mine, p.micro_batch_size, granularity_);
+  NDArray ids = NDArray::zeros({rows, width}, DType::I32);
+  NDArray targets = NDArray::zeros({rows, width}, DType::I32);
+  NDArray positions = NDArray::zeros({rows, width}, DType::I32);
+  for (int b = 0; b < p.micro_batch_size; ++b) {
+    const int64_t at = (row + b) * width;
+    source_->fill(mine + b, width, ids.data<int32_t>() + at, targets.data<int32_t>() + at,
+                  positions.data<int32_t>() + at);
+  }
+  const int64_t counted =
+      source_->counted_targets(step * strategy_.global_batch(), strategy_.global_batch());
   NDArray norm = NDArray::empty({}, DType::F32);
-  norm.fill(static_cast<float>(strategy_.global_batch() * o_.seq_len));
+  norm.fill(static_cast<float>(std::max<int64_t>(1, counted)));
+  bindings = Bindings{{"B", rows}, {"S", width}};
   ValueMap v(params_.begin(), params_.end());
   for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
                                      {"positions", positions}, {"normalizer", norm}})
@@ -248,12 +277,12 @@ void DistTrainer::save() const {
 
 void DistTrainer::prepare() {
   data_ = std::make_unique<TokenData>(TokenData::load(o_.data_path, config_.vocab_size));
-  data_->num_samples(o_.seq_len);
+  source_ = std::make_unique<train_common::SampleSource>(*data_, o_.seq_len, o_.pack_documents,
+                                                         config_.eos_token_id);
   init_parameters();
 }
 
 std::vector<StepRecord> DistTrainer::run() {
-  const TokenData& data = *data_;
   Adam adam(o_.adam);
   LrSchedule schedule = o_.schedule;
   schedule.total_steps = o_.steps;
@@ -280,7 +309,9 @@ std::vector<StepRecord> DistTrainer::run() {
     };
     auto forward = [&](int micro) {
       const double t0 = clock_ ? clock_->now() : 0;
-      ExecGraph::Activations a = graph_->forward(feeds(data, step, micro), world_);
+      Bindings bindings;
+      const ValueMap values = feeds(step, micro, bindings);
+      ExecGraph::Activations a = graph_->forward(values, world_, bindings);
       if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
       return a;
     };
@@ -322,7 +353,7 @@ std::vector<StepRecord> DistTrainer::run() {
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);
     if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
-    r.tokens = strategy_.global_batch() * o_.seq_len;
+    r.tokens = source_->tokens(step * strategy_.global_batch(), strategy_.global_batch());
     graph_->wait_sends(world_);
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
     const auto counts = gather_counts(

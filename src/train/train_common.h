@@ -1,7 +1,9 @@
 // Pieces shared by the single-process and the distributed training loops.
 #pragma once
 
+#include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <filesystem>
 
@@ -21,17 +23,62 @@ inline void check_output_path(const std::string& flag, const std::string& path) 
     fail("[flags] ", flag, " ", path, ": directory ", dir.string(), " does not exist");
 }
 
-// The feeds of one micro-batch: `count` consecutive samples from `first`.
-inline ValueMap make_batch(const TokenData& data, int64_t first, int64_t count, int64_t seq_len,
-                    float normalizer) {
-  NDArray ids = NDArray::empty({count, seq_len}, DType::I32);
-  NDArray targets = NDArray::empty({count, seq_len}, DType::I32);
-  NDArray positions = NDArray::empty({count, seq_len}, DType::I32);
-  for (int64_t b = 0; b < count; ++b) {
-    data.sample(first + b, seq_len, ids.data<int32_t>() + b * seq_len,
-                targets.data<int32_t>() + b * seq_len);
-    for (int64_t s = 0; s < seq_len; ++s) positions.data<int32_t>()[b * seq_len + s] = s;
+// The samples a run trains on: fixed-length windows of the token file, or
+// packed documents (--pack-documents; docs/data.md).
+class SampleSource {
+ public:
+  SampleSource(const TokenData& data, int64_t seq_len, bool packed, int64_t eos_token_id)
+      : data_(data), seq_len_(seq_len) {
+    data.num_samples(seq_len);  // throws when the file is shorter than one sample
+    if (packed) packed_.emplace(data, seq_len, eos_token_id);
   }
+  bool packed() const { return packed_.has_value(); }
+  // Tokens of sample i.
+  int64_t length(int64_t i) const { return packed_ ? packed_->length(i) : seq_len_; }
+  // Targets of sample i that count in the loss.
+  int64_t counted_targets(int64_t i) const { return packed_ ? packed_->counted_targets(i) : seq_len_; }
+  // The widest of `count` samples from `first`, rounded up to a multiple of
+  // `granularity` (fixed-length samples are seq_len wide).
+  int64_t width(int64_t first, int64_t count, int64_t granularity) const {
+    int64_t w = 1;
+    for (int64_t b = 0; b < count; ++b) w = std::max(w, length(first + b));
+    return (w + granularity - 1) / granularity * granularity;
+  }
+  // Sample i into rows of `width` tokens (packed samples are padded).
+  void fill(int64_t i, int64_t width, int32_t* ids, int32_t* targets, int32_t* positions) const {
+    if (packed_) return packed_->sample(i, width, ids, targets, positions);
+    HSPMD_CHECK(width == seq_len_, "fixed-length samples are seq_len wide");
+    data_.sample(i, seq_len_, ids, targets);
+    for (int64_t s = 0; s < seq_len_; ++s) positions[s] = static_cast<int32_t>(s);
+  }
+  // Loss normalizer and real tokens of the `count` samples from `first`.
+  int64_t counted_targets(int64_t first, int64_t count) const {
+    int64_t n = 0;
+    for (int64_t b = 0; b < count; ++b) n += counted_targets(first + b);
+    return n;
+  }
+  int64_t tokens(int64_t first, int64_t count) const {
+    int64_t n = 0;
+    for (int64_t b = 0; b < count; ++b) n += length(first + b);
+    return n;
+  }
+
+ private:
+  const TokenData& data_;
+  int64_t seq_len_;
+  std::optional<PackedDocuments> packed_;
+};
+
+// The feeds of one micro-batch: `count` consecutive samples from `first`,
+// in rows of `width` tokens.
+inline ValueMap make_batch(const SampleSource& source, int64_t first, int64_t count, int64_t width,
+                           float normalizer) {
+  NDArray ids = NDArray::empty({count, width}, DType::I32);
+  NDArray targets = NDArray::empty({count, width}, DType::I32);
+  NDArray positions = NDArray::empty({count, width}, DType::I32);
+  for (int64_t b = 0; b < count; ++b)
+    source.fill(first + b, width, ids.data<int32_t>() + b * width,
+                targets.data<int32_t>() + b * width, positions.data<int32_t>() + b * width);
   NDArray norm = NDArray::empty({}, DType::F32);
   norm.fill(normalizer);
   return {{"input_ids", ids}, {"targets", targets}, {"positions", positions}, {"normalizer", norm}};

@@ -48,14 +48,14 @@ std::vector<StepRecord> train(const TrainOptions& o) {
   const LlamaConfig config = LlamaConfig::load(o.model_path);
   check_options(o, config);
   const TokenData data = TokenData::load(o.data_path, config.vocab_size);
-  data.num_samples(o.seq_len);  // throws when the file is shorter than one sample
+  const SampleSource source(data, o.seq_len, o.pack_documents, config.eos_token_id);
   std::map<std::string, NDArray> params =
       o.init_path.empty()
           ? init_llama_parameters(config, o.seed)
           : validate_llama_weights(config, load_safetensors(o.init_path), o.init_path);
   set_num_threads(o.threads);
 
-  LlamaGraph model = build_llama(config);
+  LlamaGraph model = build_llama(config, o.pack_documents);
   std::vector<Tensor> fetches = {model.loss};
   fetches.insert(fetches.end(), model.grads.begin(), model.grads.end());
   Executor executor(*model.graph, fetches);
@@ -69,7 +69,6 @@ std::vector<StepRecord> train(const TrainOptions& o) {
     if (!log) fail("[flags] --log ", o.log_path, ": cannot open for writing");
   }
   const int64_t micro = o.global_batch / o.micro_batches;
-  const float normalizer = static_cast<float>(o.global_batch * o.seq_len);
   std::vector<StepRecord> records;
   const auto start = Clock::now();
   for (int64_t step = 0; step < o.steps; ++step) {
@@ -77,9 +76,12 @@ std::vector<StepRecord> train(const TrainOptions& o) {
     ValueMap values(params.begin(), params.end());
     std::map<std::string, NDArray> grads;
     double loss = 0.0;
+    const int64_t first = step * o.global_batch;
+    const float normalizer =
+        static_cast<float>(std::max<int64_t>(1, source.counted_targets(first, o.global_batch)));
     for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
-      ValueMap feeds = make_batch(data, step * o.global_batch + mb * micro, micro, o.seq_len,
-                                  normalizer);
+      const int64_t at = first + mb * micro;
+      ValueMap feeds = make_batch(source, at, micro, source.width(at, micro, 1), normalizer);
       for (auto& [k, v] : feeds) values[k] = v;
       std::vector<NDArray> out = executor.run(values);
       loss += out[0].data<float>()[0];
@@ -100,7 +102,7 @@ std::vector<StepRecord> train(const TrainOptions& o) {
     adam.begin_step();
     for (auto& [name, p] : params)
       adam.update(name, p, grads.at(name), r.lr, /*decay=*/p.ndim() >= 2);
-    r.tokens = o.global_batch * o.seq_len;
+    r.tokens = source.tokens(first, o.global_batch);
     r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
     r.tokens_per_s = r.tokens / r.step_time_s;
     if (log.is_open()) log << record_json(r).dump() << "\n" << std::flush;

@@ -362,8 +362,7 @@ TEST(DeduceGradients, SingleDeviceLlama) {
   Plan plan{{"input_ids", on({0})},
             {"targets", on({0})},
             {"positions", on({0})},
-            {"normalizer", on({0})},
-            {"cu_seqlens", on({0})}};
+            {"normalizer", on({0})}};
   for (const auto& name : m.names) plan[name] = on({0});
   AnnotatedGraph ag = deduce(*m.graph, plan, 1);
   for (int id = 0; id < m.graph->num_nodes(); ++id)

@@ -127,6 +127,75 @@ TEST(TokenData, TokenIdOutsideVocabulary) {
   EXPECT_EQ(TokenData::load(path, 513).size(), 20);
 }
 
+// Documents (eos = 0): [5 6 0] [7 0] [1 2 3 4 5 6 7 0] [8 9] (no final eos).
+std::vector<uint32_t> doc_tokens() { return {5, 6, 0, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 8, 9}; }
+
+struct Row {
+  std::vector<int32_t> in, tg, pos;
+};
+
+Row packed_row(const PackedDocuments& p, int64_t index, int64_t width) {
+  Row r{std::vector<int32_t>(width), std::vector<int32_t>(width), std::vector<int32_t>(width)};
+  p.sample(index, width, r.in.data(), r.tg.data(), r.pos.data());
+  return r;
+}
+
+TEST(PackedDocuments, NextFitPackingCutsLongDocuments) {
+  TokenData d(doc_tokens());
+  PackedDocuments p(d, 6, 0);
+  // Pieces: [5 6 0] [7 0] | [1 2 3 4 5 6] | [7 0] [8 9]: the 8-token document
+  // is cut into 6 + 2; next-fit opens a sequence when a piece does not fit.
+  ASSERT_EQ(p.num_samples(), 3);
+  EXPECT_EQ(p.length(0), 5);
+  EXPECT_EQ(p.length(1), 6);
+  EXPECT_EQ(p.length(2), 4);
+  EXPECT_EQ(p.counted_targets(0), 3);  // 5 tokens, 2 pieces
+  EXPECT_EQ(p.counted_targets(1), 5);
+  EXPECT_EQ(p.counted_targets(2), 2);
+  const int32_t X = PackedDocuments::kIgnore;
+  Row r = packed_row(p, 0, 6);
+  EXPECT_EQ(r.in, (std::vector<int32_t>{5, 6, 0, 7, 0, 0}));
+  EXPECT_EQ(r.tg, (std::vector<int32_t>{6, 0, X, 0, X, X}));  // no target crosses a document
+  EXPECT_EQ(r.pos, (std::vector<int32_t>{0, 1, 2, 0, 1, 0}));  // the pad is its own document
+  r = packed_row(p, 2, 4);
+  EXPECT_EQ(r.in, (std::vector<int32_t>{7, 0, 8, 9}));
+  EXPECT_EQ(r.tg, (std::vector<int32_t>{0, X, 9, X}));
+  EXPECT_EQ(r.pos, (std::vector<int32_t>{0, 1, 0, 1}));
+  // Wrapping like fixed-length samples; a row narrower than its sample fails.
+  EXPECT_EQ(packed_row(p, 4, 6).in, packed_row(p, 1, 6).in);
+  EXPECT_EQ(packed_row(p, -1, 4).in, r.in);
+  expect_error([&] { packed_row(p, 1, 5); },
+               "[data] packed sample 1 has 6 tokens, more than the row width 5");
+}
+
+TEST(PackedDocuments, EveryTokenOnceInFileOrder) {
+  std::vector<uint32_t> t;
+  uint32_t next = 1;
+  for (int doc = 0; doc < 40; ++doc) {  // document lengths 1 .. 13, each ending in eos 0
+    for (int k = 0; k < doc % 13; ++k) t.push_back(next++);
+    t.push_back(0);
+  }
+  TokenData d(t);
+  PackedDocuments p(d, 8, 0);
+  std::vector<uint32_t> seen;
+  for (int64_t i = 0; i < p.num_samples(); ++i) {
+    Row r = packed_row(p, i, 8);
+    ASSERT_LE(p.length(i), 8);
+    if (i + 1 < p.num_samples()) {  // next-fit: the next sample's first piece did not fit
+      EXPECT_GT(p.length(i) + p.length(i + 1), 8);
+    }
+    for (int64_t k = 0; k < p.length(i); ++k) seen.push_back(static_cast<uint32_t>(r.in[k]));
+  }
+  EXPECT_EQ(seen, t);
+}
+
+TEST(PackedDocuments, Errors) {
+  TokenData d(doc_tokens());
+  expect_error([&] { PackedDocuments(d, 0, 0); }, "[data] tokens: seq_len 0 must be positive");
+  expect_error([&] { PackedDocuments(d, 4, -1); },
+               "[data] tokens: eos_token_id -1 is not a valid token id");
+}
+
 TEST(Tokenizer, BytesAreTokens) {
   EXPECT_EQ(byte_tokenize("Hi\n"), (std::vector<uint32_t>{72, 105, 10}));
   EXPECT_EQ(byte_tokenize("\xc3\xa9"), (std::vector<uint32_t>{0xc3, 0xa9}));  // UTF-8 bytes, unsigned

@@ -76,9 +76,45 @@ CASES = {
     "c2_like": c2_like(False),
     "c2_like_zero": c2_like(True),
     "c2_like7_zero": c2_like(True, seven=True),
+    # Context parallelism (ring attention inside the attention op), alone and
+    # under tensor parallelism, and a CP stage feeding a TP stage.
+    "cp2": (2, {"pipelines": [pipeline(2, 4, [([0, 1], [0, 3], 2)])]}),
+    "cp2_tp2": (4, {"pipelines": [pipeline(2, 4, [([0, 1, 2, 3], [0, 3], 2)])]}),
+    # Activation recomputation on every stage of heterogeneous pipelines.
+    "hetero_pp_tp_recompute": (4, {"pipelines": [
+        pipeline(2, 2, [([0, 1], [0, 1], 1), ([2], [2, 3], 1)], recompute=True),
+        pipeline(2, 2, [([3], [0, 3], 1)], recompute=True)]}),
     "idle_rank": (3, {"pipelines": [pipeline(4, 1, [([0], [0, 3], 1)]),
                                     pipeline(2, 2, [([2], [0, 3], 1)])]}),
 }
+
+
+# Packed documents (--pack-documents): variable-length documents packed into
+# samples of at most seq_len tokens; every micro-batch is as long as its
+# longest sample (rounded up to the pipeline's cp x tp granularity), so the
+# pipelines run micro-batches of different lengths through one executable
+# graph. name -> (world size, strategy).
+PACKED_CASES = {
+    "packed_dp2_tp2": CASES["dp2_tp2"],
+    "packed_2pp2_gpipe": CASES["2pp2_gpipe"],
+    "packed_cp2": CASES["cp2"],
+    "packed_cp2_tp2": CASES["cp2_tp2"],
+    # A CP x TP stage then a TP stage, beside a plain pipeline of other
+    # micro-batch sizes, with ZeRO-1 and recomputation on the CP stage.
+    "packed_cp_hetero_zero": (7, {"zero": True, "pipelines": [
+        {"micro_batch_size": 2, "micro_batches": 2, "stages": [
+            {"ranks": [0, 1, 2, 3], "layers": [0, 1], "cp": 2, "recompute": True},
+            {"ranks": [4, 5], "layers": [2, 3]}]},
+        pipeline(1, 4, [([6], [0, 3], 1)])]}),
+}
+
+
+def packed_tokens(rng, n):
+    """Documents of 1 to 24 tokens (ids 1..63), each ending in eos 0."""
+    out = []
+    while len(out) < n:
+        out += [rng.randrange(1, 64) for _ in range(rng.randrange(0, 24))] + [0]
+    return out
 
 
 CLUSTER_CATALOG = {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100,
@@ -117,7 +153,7 @@ def run(cmd):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(list(CASES) + list(PACKED_CASES)))
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_equiv_")
     model = os.path.join(tmp, "model.json")
@@ -135,15 +171,28 @@ def main():
                             "--save", base_w])
     if rc:
         sys.exit("single-process run failed: " + err)
-    want_loss, want_w = losses(base_log), read_safetensors(base_w)
+    want = {"fixed": (losses(base_log), read_safetensors(base_w))}
+    packed_data = os.path.join(tmp, "packed.bin")
+    with open(packed_data, "wb") as f:
+        f.write(b"".join(struct.pack("<I", t) for t in packed_tokens(rng, 4096)))
+    packed = [a if a != data else packed_data for a in common] + ["--pack-documents"]
+    packed_log, packed_w = os.path.join(tmp, "packed.jsonl"), os.path.join(tmp, "packed.safetensors")
+    rc, err = run(packed + ["--global-batch", "8", "--micro-batches", "4", "--log", packed_log,
+                            "--save", packed_w])
+    if rc:
+        sys.exit("single-process packed run failed: " + err)
+    want["packed"] = (losses(packed_log), read_safetensors(packed_w))
+    want_loss = want["fixed"][0]
     failures = []
     for name in args.cases.split(","):
-        world, strategy = CASES[name]
+        mode = "packed" if name in PACKED_CASES else "fixed"
+        world, strategy = (PACKED_CASES if mode == "packed" else CASES)[name]
+        want_loss, want_w = want[mode]
         spath = os.path.join(tmp, name + ".json")
         json.dump(strategy, open(spath, "w"))
         log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
-        rc, err = run(common + ["--strategy", spath, "--nproc", str(world), "--log", log,
-                                "--save", weights])
+        rc, err = run((packed if mode == "packed" else common) +
+                      ["--strategy", spath, "--nproc", str(world), "--log", log, "--save", weights])
         if rc:
             failures.append(f"{name}: exit {rc}: {err.strip()[-400:]}")
             continue
@@ -160,11 +209,12 @@ def main():
         bytes_ok = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] for r in records(log))
         ok = (len(got) == len(want_loss) and rel <= 1e-5 and werr <= 1e-4 and
               set(got_w) == set(want_w) and bytes_ok)
-        print(f"{name:18s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
+        print(f"{name:22s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
               f"(worst {worst}), bytes {'= predicted' if bytes_ok else '!= predicted'} "
               f"{'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append(name)
+    want_loss, want_w = want["fixed"]
     # --init loads full Hugging Face tensors and shards them into the plan.
     init_log = os.path.join(tmp, "init_single.jsonl")
     rc, err = run(common + ["--global-batch", "8", "--init", base_w, "--log", init_log])
@@ -216,17 +266,21 @@ def main():
     json.dump({"catalog": CLUSTER_CATALOG,
                "nodes": [{"type": "gpu", "ranks": [0, 1]},
                          {"type": "gpu", "ranks": [2, 3], "memory_cap_gib": 0.0001}]}, open(capped, "w"))
+    cp_path = os.path.join(tmp, "wrong_cp.json")
+    json.dump(CASES["cp2_tp2"][1], open(cp_path, "w"))
     for extra, fragment in [(["--seq-len", "16", "--nproc", "2"], "outside the world of 2 ranks"),
+                            (["--seq-len", "14", "--nproc", "4", "CP"],
+                             "--seq-len 14 must be a multiple of 4"),
                             (["--seq-len", "16", "--nproc", "4", "--global-batch", "6"],
                              "differs from the strategy"),
                             (["--seq-len", "100", "--nproc", "4"], "max_position_embeddings"),
                             (["--seq-len", "16", "--nproc", "4", "--cluster", capped],
                              "rank 2: out of memory")]:
-        cmd = base + ["--strategy", spath] + extra
+        cmd = base + ["--strategy", cp_path if "CP" in extra else spath] + [a for a in extra if a != "CP"]
         rc, err = run(cmd)
         lines = [l for l in err.splitlines() if l.strip()]
         ok = rc != 0 and len(lines) == 1 and fragment in lines[0] and lines[0].startswith("hspmd: error:")
-        print(f"error case {' '.join(extra):32s} {'ok' if ok else 'FAIL: ' + repr(err[-300:])}")
+        print(f"error case {' '.join(extra):36s} {'ok' if ok else 'FAIL: ' + repr(err[-300:])}")
         if not ok:
             failures.append("error case " + " ".join(extra))
     if failures:

@@ -43,6 +43,50 @@ class TokenData {
  private:
   std::vector<uint32_t> tokens_;
   std::string path_;
+  friend class PackedDocuments;
+};
+
+// Packed-documents mode (`hspmd train --pack-documents`, docs/data.md).
+// Documents end at each eos token (the eos belongs to its document; tokens
+// after the last eos form a last document). A document longer than seq_len
+// is cut into pieces of seq_len tokens. Pieces are packed in file order:
+// a piece joins the current sequence when it fits in seq_len tokens, else
+// it starts the next one (next-fit). Sample i is packed sequence i (modulo
+// their number); its length varies up to seq_len. In a sample, positions
+// restart at 0 at each piece, every token's target is the next token of its
+// piece, and a piece's last token has no target (ignore_index), so neither
+// attention (masked by positions) nor the loss crosses a document boundary.
+class PackedDocuments {
+ public:
+  static constexpr int32_t kIgnore = -100;  // the cross-entropy's ignore_index
+
+  // Throws hspmd::Error "[data] <path>: ..." for seq_len <= 0 or an eos id
+  // outside [0, 2^31).
+  PackedDocuments(const TokenData& data, int64_t seq_len, int64_t eos_token_id);
+
+  int64_t num_samples() const { return static_cast<int64_t>(first_piece_.size()) - 1; }
+  int64_t seq_len() const { return seq_len_; }
+  // Tokens of sample `index` (wrapping like TokenData::sample).
+  int64_t length(int64_t index) const;
+  // Targets of sample `index` that count in the loss: length - pieces.
+  int64_t counted_targets(int64_t index) const;
+  // Writes sample `index` into rows of `width` >= length(index) entries.
+  // Padding after the sample: input eos, target ignore_index, positions
+  // 0, 1, ... (a document of its own, which no real token attends to).
+  // Throws hspmd::Error when width is too small.
+  void sample(int64_t index, int64_t width, int32_t* inputs, int32_t* targets,
+              int32_t* positions) const;
+
+ private:
+  struct Piece {
+    int64_t begin, size;  // a range of the token file
+  };
+  int64_t wrap(int64_t index) const;
+  const TokenData& data_;
+  int64_t seq_len_;
+  int32_t eos_;
+  std::vector<Piece> pieces_;
+  std::vector<int64_t> first_piece_;  // per sample, its first piece; one past the end last
 };
 
 }  // namespace hspmd

@@ -20,11 +20,12 @@ std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaCon
 
 // The training graph of one model replica. Placeholders (B, S symbolic):
 //   input_ids, targets, positions: i32 [B, S]; normalizer: f32 scalar (number
-//   of target tokens of the whole global batch); cu_seqlens: i32 [n+1] when
-//   built with packed documents.
+//   of counted target tokens of the whole global batch). With packed
+//   documents, positions restart at 0 at each document and also mask the
+//   attention to each token's own document (docs/data.md).
 struct LlamaGraph {
   std::unique_ptr<Graph> graph = std::make_unique<Graph>();
-  Tensor input_ids, targets, positions, normalizer, cu_seqlens;
+  Tensor input_ids, targets, positions, normalizer;
   Tensor loss;                       // scalar: sum of token losses / normalizer
   std::vector<std::string> names;    // parameter names, same order as params/grads
   std::vector<Tensor> params;
@@ -32,7 +33,7 @@ struct LlamaGraph {
 };
 
 struct LlamaBuildOptions {
-  bool packed_documents = false;  // add the cu_seqlens placeholder
+  bool packed_documents = false;  // attention masked per document by the positions
   // Add the named Reshard points an annotation plan refers to (docs/plan.md):
   //   model.embed_tokens.out                 embedding output (vocab-parallel sum)
   //   model.layers.{i}.input                 hidden state entering block i

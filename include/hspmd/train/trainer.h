@@ -34,6 +34,7 @@ struct TrainOptions {
   int threads = 1;
   DType save_dtype = DType::F32;
   bool progress = true;         // progress line on stderr
+  bool pack_documents = false;  // packed-documents samples (docs/data.md)
 };
 
 struct StepRecord {
