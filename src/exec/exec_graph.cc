@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <set>
+#include <span>
 
 #include "hspmd/comm/execute.h"
 #include "hspmd/core/error.h"
@@ -53,6 +54,58 @@ std::vector<int> ranks_along(const Annotation& a, int rank, int dim) {
   return ranks;
 }
 
+// The ranks `rank` exchanges data with in its part of a resolution.
+std::set<int> peers(const RankResolution& me, int rank) {
+  std::set<int> out;
+  for (const CommPhase& ph : me.phases)
+    for (const CommOp& op : ph.ops) {
+      out.insert(op.group.begin(), op.group.end());
+      for (const Transfer& t : op.sends) out.insert(t.peer);
+      for (const Transfer& t : op.recvs) out.insert(t.peer);
+    }
+  out.erase(rank);
+  return out;
+}
+
+std::vector<int> device_set(const Annotation& a) {
+  std::vector<int> ranks = a.all_ranks();
+  std::sort(ranks.begin(), ranks.end());
+  return ranks;
+}
+
+// A forward Reshard is a stage boundary when its source and destination live
+// on different devices, or when some rank of it talks to a rank of another
+// subgroup (another pipeline): those peers run it at other times, so the
+// recomputation must reuse its output instead of running it again.
+bool is_boundary(const Annotation& src, const Annotation& dst, const Resolution& r) {
+  if (device_set(src) != device_set(dst)) return true;
+  for (const auto& [rank, me] : r.ranks)
+    for (int peer : peers(me, rank))
+      if (src.subgroup_of(peer) != src.subgroup_of(rank) || dst.subgroup_of(peer) != dst.subgroup_of(rank))
+        return true;
+  return false;
+}
+
+using Slots = std::vector<std::vector<int>>;
+
+// Per output of each node of `runs`: how many nodes of `consumers` read it
+// (empty for the nodes outside `runs`).
+Slots count_consumers(const Graph& g, const std::vector<int>& runs,
+                      std::initializer_list<std::span<const int>> consumers) {
+  Slots uses(g.num_nodes());
+  for (int id : runs) uses[id].assign(g.node(id).outputs.size(), 0);
+  for (std::span<const int> ids : consumers)
+    for (int id : ids)
+      for (const Tensor& in : g.node(id).inputs)
+        if (!uses[in.node_id()].empty()) ++uses[in.node_id()][in.index()];
+  return uses;
+}
+
+// One more use of `t`: it outlives its consumers.
+void keep(Slots& uses, const Tensor& t) {
+  if (!uses[t.node_id()].empty()) ++uses[t.node_id()][t.index()];
+}
+
 }  // namespace
 
 bool is_representative(const Annotation& a, int rank) {
@@ -67,39 +120,71 @@ ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int r
     : plan_(plan), topology_(topology), rank_(rank), bindings_(std::move(bindings)),
       training_(annotate_training_graph(plan)), resolve_(topology) {
   annotated_ = training_.annotated.get();
+  std::map<int, std::shared_ptr<const Resolution>> resolved;  // forward and backward Reshards
+  for (auto& [id, spec] : training_.reshards(bindings_)) {
+    const Node& n = model_.graph->node(id);
+    if (n.name.rfind("grad.", 0) == 0) {  // gradient sync: once per step, on parameter shapes
+      grad_sync_node_[n.name.substr(5)] = id;
+      grad_resolutions_.emplace(id, resolve_(spec));
+    } else {
+      resolved.emplace(id, resolve_(spec));
+    }
+  }
+  select_nodes(resolved);
+  plan_recompute(resolved);
+  count_uses();
+  instance(bindings_);  // built now, so that its errors surface at construction
+}
+
+void ExecGraph::select_nodes(const std::map<int, std::shared_ptr<const Resolution>>& resolved) {
   const Graph& g = *model_.graph;
-  for (auto& [id, spec] : training_.reshards(bindings_))
-    resolutions_.emplace(id, resolve_(spec));
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
     if (is_reshard(n)) {
-      if (n.name.rfind("grad.", 0) == 0) {
-        grad_sync_node_[n.name.substr(5)] = id;
-        continue;  // gradient sync runs once per step, not per micro-batch
-      }
-      if (resolutions_.at(id)->ranks.count(rank_)) order_.push_back(id);
+      auto it = resolved.find(id);
+      if (it != resolved.end() && it->second->ranks.count(rank_)) order_.push_back(id);
     } else if (annotated_->of(n.output(0)).contains(rank_)) {
       order_.push_back(id);
     }
   }
-  local_ops_.resize(g.num_nodes());
-  for (int id : order_)
-    if (!is_leaf(g.node(id)) && !is_reshard(g.node(id))) local_ops_[id] = make_local_op(g.node(id));
-  // Intermediates are released after their last local consumer; the loss and
-  // the raw gradients are kept for the caller.
-  uses_.resize(g.num_nodes());
-  for (int id : order_) uses_[id].assign(g.node(id).outputs.size(), 0);
-  for (int id : order_)
-    for (const Tensor& in : g.node(id).inputs)
-      if (!uses_[in.node_id()].empty()) ++uses_[in.node_id()][in.index()];
-  auto keep = [&](const Tensor& t) {
-    if (!uses_[t.node_id()].empty()) ++uses_[t.node_id()][t.index()];
-  };
-  keep(model_.loss);
-  for (const auto& [name, id] : grad_sync_node_) keep(g.node(id).inputs[0]);
   const int loss_id = model_.loss.node_id();
   forward_end_ = std::find_if(order_.begin(), order_.end(), [&](int id) { return id > loss_id; }) -
                  order_.begin();
+}
+
+// With recompute the forward keeps the leaves, the loss and the boundary
+// Reshards' outputs; backward() re-runs every other forward node.
+void ExecGraph::plan_recompute(const std::map<int, std::shared_ptr<const Resolution>>& resolved) {
+  const Graph& g = *model_.graph;
+  saved_.assign(g.num_nodes(), false);
+  for (size_t k = 0; k < forward_end_; ++k) {
+    const int id = order_[k];
+    const Node& n = g.node(id);
+    const bool boundary = is_reshard(n) && is_boundary(annotated_->of(n.inputs[0]),
+                                                       annotated_->of(n.output(0)), *resolved.at(id));
+    saved_[id] = is_leaf(n) || boundary || id == model_.loss.node_id();
+    if (!saved_[id]) recompute_order_.push_back(id);
+  }
+}
+
+// Intermediates are released after their last local consumer; the loss and
+// the raw gradients are kept for the caller.
+void ExecGraph::count_uses() {
+  const Graph& g = *model_.graph;
+  const std::span<const int> all(order_);
+  const std::span<const int> fwd = all.first(forward_end_), bwd = all.subspan(forward_end_);
+  auto keep_results = [&](Slots& uses) {
+    keep(uses, model_.loss);
+    for (const auto& [name, id] : grad_sync_node_) keep(uses, g.node(id).inputs[0]);
+  };
+  uses_ = count_consumers(g, order_, {all});
+  keep_results(uses_);
+  recompute_forward_uses_ = count_consumers(g, order_, {fwd});
+  for (int id : fwd)  // every output of a saved node (the loss's statistics too)
+    if (saved_[id])
+      for (int& n : recompute_forward_uses_[id]) ++n;
+  recompute_backward_uses_ = count_consumers(g, order_, {recompute_order_, bwd});
+  keep_results(recompute_backward_uses_);
 }
 
 const Annotation& ExecGraph::annotation(const std::string& name) const {
@@ -112,16 +197,51 @@ std::optional<Box> ExecGraph::local_box(const std::string& name, const Shape& gl
   return hspmd::local_box(annotation(name), global_shape, rank_);
 }
 
-// What an op needs to run on this rank, fixed once the bindings are: its
-// local output shapes and where its arrays sit in the global tensors.
+// What an op needs to run on this rank under one shape instance: its local
+// output shapes and where its arrays sit in the global tensors.
 struct ExecGraph::LocalOp {
   ShardContext shard;
   OpContext ctx;
 };
 
+// Everything of this rank's graph that depends on the symbol bindings.
+struct ExecGraph::Instance {
+  Bindings bindings;                                            // the ops' ctx.bindings point here
+  std::map<int, Shape> leaf_shapes;                             // leaf node id -> local shape
+  std::vector<std::unique_ptr<LocalOp>> local_ops;              // per node id, for this rank's ops
+  std::map<int, std::shared_ptr<const Resolution>> resolutions;  // this rank's Reshard node ids ->
+};
+
 ExecGraph::~ExecGraph() = default;
 
-std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node) const {
+const ExecGraph::Instance& ExecGraph::instance(const Bindings& bindings) const {
+  auto found = instances_.find(bindings);
+  if (found != instances_.end()) return *found->second;
+  auto inst = std::make_unique<Instance>();
+  inst->bindings = bindings;
+  const Graph& g = *model_.graph;
+  inst->local_ops.resize(g.num_nodes());
+  for (int id : order_) {  // leaves first: an unbound symbol is named by eval_shape
+    const Node& n = g.node(id);
+    if (is_leaf(n)) {
+      auto box = hspmd::local_box(annotated_->of(n.output(0)), eval_shape(n.outputs[0].shape, bindings),
+                                  rank_);
+      HSPMD_CHECK(box.has_value(), "rank ", rank_, " does not hold leaf '", n.name, "'");
+      inst->leaf_shapes.emplace(id, box->shape());
+    }
+  }
+  std::vector<bool> runs(g.num_nodes(), false);
+  for (int id : order_) runs[id] = true;
+  for (auto& [id, spec] : training_.reshards(bindings))
+    if (runs[id]) inst->resolutions.emplace(id, resolve_(spec));
+  for (int id : order_)
+    if (!is_leaf(g.node(id)) && !is_reshard(g.node(id)))
+      inst->local_ops[id] = make_local_op(g.node(id), inst->bindings);
+  return *instances_.emplace(bindings, std::move(inst)).first->second;
+}
+
+std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
+                                                             const Bindings& bindings) const {
   auto op = std::make_unique<LocalOp>();
   auto box_of = [&](const Tensor& t, const Shape& global) {
     auto box = hspmd::local_box(annotated_->of(t), global, rank_);
@@ -130,11 +250,11 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node) c
   };
   ShardContext& shard = op->shard;
   for (const Tensor& in : node.inputs) {
-    shard.input_global_shapes.push_back(eval_shape(in.shape(), bindings_));
+    shard.input_global_shapes.push_back(eval_shape(in.shape(), bindings));
     shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
   }
   for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
-    shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, bindings_));
+    shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, bindings));
     shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
     op->ctx.out_shapes.push_back(shard.output_boxes.back().shape());
     op->ctx.out_dtypes.push_back(node.outputs[i].dtype);
@@ -142,13 +262,14 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node) c
   shard.group_along = [this, &node](int input, int dim) -> Communicator& {
     return world_->group(ranks_along(annotated_->of(node.inputs.at(input)), rank_, dim));
   };
-  op->ctx.bindings = &bindings_;
+  op->ctx.bindings = &bindings;
   op->ctx.shard = &op->shard;
   return op;
 }
 
-std::vector<NDArray> ExecGraph::compute(const Node& node, const std::vector<NDArray>& inputs) const {
-  const OpContext& ctx = local_ops_.at(node.id)->ctx;
+std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
+                                        const std::vector<NDArray>& inputs) const {
+  const OpContext& ctx = op.ctx;
   std::vector<NDArray> outputs(node.outputs.size());
   if (clock_) clock_->begin_compute();
   node.op->compute(ctx, inputs, outputs);
@@ -159,19 +280,28 @@ std::vector<NDArray> ExecGraph::compute(const Node& node, const std::vector<NDAr
   return outputs;
 }
 
-void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Activations& a,
-                          Communicator& world) const {
+void ExecGraph::check_feeds(const ValueMap& values, const Instance& inst) const {
+  for (const auto& [id, want] : inst.leaf_shapes) {
+    const std::string& name = model_.graph->node(id).name;
+    auto it = values.find(name);
+    if (it == values.end()) fail("[exec] rank ", rank_, ": no local value for '", name, "'");
+    if (it->second.shape() != want)
+      fail("[exec] rank ", rank_, ": '", name, "' has local shape ", shape_str(it->second.shape()),
+           " but the bindings give ", shape_str(want));
+  }
+}
+
+void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
+                          Communicator& world, const char* trace_prefix) const {
   const Graph& g = *model_.graph;
+  const Instance& inst = *a.instance;
   auto& slots = a.slots;
   world_ = &world;  // for the ops' group_along
-  for (size_t k = begin; k < end; ++k) {
-    const int id = order_[k];
+  for (int id : ids) {
     const Node& n = g.node(id);
     if (is_leaf(n)) {
       HSPMD_CHECK(values != nullptr, "leaf '", n.name, "' after the loss");
-      auto it = values->find(n.name);
-      if (it == values->end()) fail("[exec] rank ", rank_, ": no local value for '", n.name, "'");
-      slots[id] = {it->second};
+      slots[id] = {values->at(n.name)};  // check_feeds found it
       continue;
     }
     std::vector<NDArray> inputs;
@@ -180,10 +310,14 @@ void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Acti
       inputs.push_back(s.empty() ? NDArray() : s[in.index()]);
     }
     if (is_reshard(n))
-      slots[id] = {run_reshard(*resolutions_.at(id), n.name, inputs[0], world)};
+      slots[id] = {run_reshard(*inst.resolutions.at(id),
+                               trace_prefix + (n.name.empty() ? std::string("reshard") : n.name),
+                               inputs[0], world)};
     else
-      slots[id] = compute(n, inputs);
+      slots[id] = compute(*inst.local_ops.at(id), n, inputs);
     inputs.clear();
+    for (size_t i = 0; i < slots[id].size(); ++i)  // outputs nothing here reads
+      if (a.remaining[id][i] == 0) slots[id][i] = NDArray();
     if (memory_cap_ > 0) check_memory(n);
     for (const Tensor& in : n.inputs) {
       auto& left = a.remaining[in.node_id()];
@@ -194,17 +328,30 @@ void ExecGraph::run_nodes(size_t begin, size_t end, const ValueMap* values, Acti
 }
 
 ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& world) const {
-  Activations a{std::vector<std::vector<NDArray>>(model_.graph->num_nodes()), uses_};
-  run_nodes(0, forward_end_, &values, a, world);
+  return forward(values, world, bindings_);
+}
+
+ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& world,
+                                          const Bindings& bindings) const {
+  const Instance& inst = instance(bindings);
+  check_feeds(values, inst);
+  Activations a{std::vector<std::vector<NDArray>>(model_.graph->num_nodes()),
+                recompute_ ? recompute_forward_uses_ : uses_, &inst, recompute_};
+  run_nodes(std::span<const int>(order_).first(forward_end_), &values, a, world);
   return a;
 }
 
 ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world) const {
-  run_nodes(forward_end_, order_.size(), nullptr, a, world);
+  HSPMD_CHECK(a.instance != nullptr, "backward() of activations no forward() produced");
+  if (a.recompute) {  // the forward kept only the saved values: rebuild the rest first
+    a.remaining = recompute_backward_uses_;
+    run_nodes(recompute_order_, nullptr, a, world, "recompute.");
+  }
+  run_nodes(std::span<const int>(order_).subspan(forward_end_), nullptr, a, world);
   const Graph& g = *model_.graph;
   MicroBatch out;
   const auto& loss = a.slots[model_.loss.node_id()];
-  if (!loss.empty()) out.loss = loss[0].data<float>()[0];
+  if (!loss.empty() && loss[0].valid()) out.loss = loss[0].data<float>()[0];
   for (const auto& [name, id] : grad_sync_node_) {
     const Tensor raw = g.node(id).inputs[0];
     const auto& s = a.slots[raw.node_id()];
@@ -217,12 +364,16 @@ ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communi
   return backward(forward(values, world), world);
 }
 
+ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communicator& world,
+                                                 const Bindings& bindings) const {
+  return backward(forward(values, world, bindings), world);
+}
+
 std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::string, NDArray>& raw,
                                                          Communicator& world) const {
   std::map<std::string, NDArray> synced;
   for (const std::string& name : model_.names) {  // the same order on every rank
-    const int id = grad_sync_node_.at(name);
-    const Resolution& r = *resolutions_.at(id);
+    const Resolution& r = *grad_resolutions_.at(grad_sync_node_.at(name));
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
     NDArray out = run_reshard(r, "grad." + name, it == raw.end() ? NDArray() : it->second, world);

@@ -88,7 +88,7 @@ std::string place(int p, int s = -1) {
 
 Stage parse_stage(const json& j, int p, int s, const std::string& source) {
   ObjectReader r(j, place(p, s), source);
-  r.reject_unknown({"ranks", "layers", "cp"});
+  r.reject_unknown({"ranks", "layers", "cp", "recompute"});
   Stage stage;
   for (const json& rank : r.array("ranks")) stage.ranks.push_back(r.integer(rank, "field 'ranks' entry"));
   const json& layers = r.array("layers");
@@ -96,6 +96,7 @@ Stage parse_stage(const json& j, int p, int s, const std::string& source) {
   stage.first_layer = r.integer(layers[0], "field 'layers' entry");
   stage.last_layer = r.integer(layers[1], "field 'layers' entry");
   r.integer("cp", stage.cp, false);
+  r.boolean("recompute", stage.recompute);
   return stage;
 }
 
@@ -225,6 +226,7 @@ json to_json(const Strategy& strategy) {
     for (const auto& s : p.stages) {
       json stage = {{"ranks", s.ranks}, {"layers", {s.first_layer, s.last_layer}}};
       if (s.cp != 1) stage["cp"] = s.cp;
+      if (s.recompute) stage["recompute"] = true;
       stages.push_back(std::move(stage));
     }
     pipelines.push_back(

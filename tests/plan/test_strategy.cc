@@ -118,6 +118,25 @@ TEST(StrategyParse, RoundTrip) {
   EXPECT_FALSE(out["pipelines"][0]["stages"][0].contains("cp"));
 }
 
+TEST(StrategyParse, Recompute) {
+  json j = hetero();
+  j["pipelines"][0]["stages"][1]["recompute"] = true;
+  j["pipelines"][1]["stages"][0]["recompute"] = false;
+  const Strategy s = strategy_from_json(j);
+  EXPECT_FALSE(s.pipelines[0].stages[0].recompute);  // the default
+  EXPECT_TRUE(s.pipelines[0].stages[1].recompute);
+  EXPECT_FALSE(s.pipelines[1].stages[0].recompute);
+  const json out = to_json(s);
+  EXPECT_EQ(out["pipelines"][0]["stages"][1]["recompute"], true);
+  EXPECT_FALSE(out["pipelines"][1]["stages"][0].contains("recompute"));  // false is not written
+  EXPECT_EQ(strategy_from_json(out), s);
+  EXPECT_NO_THROW(validate(s, tiny(), 8));
+  j["pipelines"][1]["stages"][2]["recompute"] = "yes";
+  EXPECT_MESSAGE(parse_error(j), "[strategy] pipeline 1 stage 2: field 'recompute' must be true or false");
+  j["pipelines"][1]["stages"][2]["recompute"] = 1;
+  EXPECT_MESSAGE(parse_error(j), "pipeline 1 stage 2: field 'recompute' must be true or false, got number");
+}
+
 TEST(StrategyParse, UnknownFields) {
   json j = hetero();
   j["pipelines"][1]["stages"][2]["tp"] = 1;

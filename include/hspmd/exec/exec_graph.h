@@ -4,11 +4,17 @@
 // Reshard it takes part in (the same resolver the dry run uses). Running it
 // feeds local arrays, computes local shards, and executes the resolved
 // communication through a Communicator.
+//
+// One ExecGraph serves micro-batches of any size: the parts that depend on
+// the symbolic dims (local op shapes, forward and backward Reshard
+// resolutions) form a shape instance, built on first use per distinct
+// Bindings and cached. Not thread-safe: use one ExecGraph from one thread.
 #pragma once
 
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,10 +29,15 @@
 namespace hspmd {
 
 class ExecGraph {
+  struct Instance;  // the shape-dependent part, per Bindings (exec_graph.cc)
+
  public:
-  // `bindings`: the concrete sizes of the symbolic dims of one micro-batch
-  // step ("B": the summed micro-batch sizes of the pipelines, "S": the
-  // sequence length). Throws the deduction's and the resolver's errors.
+  // `bindings`: the default sizes of the symbolic dims ("B": the summed
+  // micro-batch sizes of the pipelines, "S": the sequence length). Which
+  // nodes and Reshards this rank runs is decided under them, the
+  // gradient-sync Reshards (parameter shapes) are resolved under them, and
+  // their shape instance is built at once. Throws the deduction's and the
+  // resolver's errors.
   ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank, Bindings bindings);
   ~ExecGraph();
   ExecGraph(const ExecGraph&) = delete;  // its ops' contexts point into it
@@ -34,6 +45,7 @@ class ExecGraph {
 
   int rank() const { return rank_; }
   const LlamaGraph& model() const { return model_; }
+  const Bindings& bindings() const { return bindings_; }  // the constructor's
   // The annotation of a leaf, a named Reshard output or a parameter gradient
   // after gradient sync ("grad.<param>").
   const Annotation& annotation(const std::string& name) const;
@@ -48,18 +60,44 @@ class ExecGraph {
     std::optional<float> loss;                   // this rank's loss term, when it holds one
     std::map<std::string, NDArray> raw_grads;    // local parameter gradients before sync
   };
-  // What one micro-batch keeps between its forward and its backward.
+  // What one micro-batch keeps between its forward and its backward, and
+  // the shape instance and recompute setting it ran with. Move-only in
+  // practice (copies share the arrays); consumed by backward().
   struct Activations {
     std::vector<std::vector<NDArray>> slots;
     std::vector<std::vector<int>> remaining;
+    const Instance* instance = nullptr;
+    bool recompute = false;
   };
-  // The forward of one micro-batch (nodes up to the loss). `values`: this
-  // rank's local placeholders and parameter shards, by name.
+  // The forward of one micro-batch (nodes up to the loss) under `bindings`
+  // (the constructor's when omitted). `values`: this rank's local
+  // placeholders and parameter shards, by name. Throws hspmd::Error "[exec]
+  // rank R: no local value for '<name>'" for a missing leaf and "[exec] rank
+  // R: '<name>' has local shape [..] but the bindings give [..]" for a leaf
+  // whose shape disagrees with the bindings (both before any communication),
+  // eval_shape's error for a symbol missing from `bindings`, and local_box's
+  // for sizes the leaves' layouts cannot cut.
   Activations forward(const ValueMap& values, Communicator& world) const;
-  // Its backward (the rest, but gradient sync): the loss term and raw grads.
+  Activations forward(const ValueMap& values, Communicator& world, const Bindings& bindings) const;
+  // Its backward (the rest, but gradient sync), under the forward's shape
+  // instance: the loss term and raw grads. With recompute (set_recompute),
+  // first re-runs the forward nodes that the forward released.
   MicroBatch backward(Activations activations, Communicator& world) const;
   // forward then backward.
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world) const;
+  MicroBatch run_micro_batch(const ValueMap& values, Communicator& world,
+                             const Bindings& bindings) const;
+
+  // Activation recomputation (docs/execution.md), for the forwards started
+  // after the call. On: forward() keeps only the leaves, the loss and the
+  // outputs of the Reshards that bring data from other stages (or send it
+  // there), and releases every other value once the forward no longer needs
+  // it; backward() re-runs this rank's other forward nodes (compute and
+  // intra-stage Reshards, in graph order, so a stage's ranks match their
+  // collectives) but never those boundary Reshards. Losses and gradients are
+  // bitwise the same as with it off. Every rank of a stage must agree.
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
 
   // Gradient sync: each accumulated raw gradient through its grad.<param>
   // Reshard; returns the synced local gradients (optimizer-state layout).
@@ -97,18 +135,27 @@ class ExecGraph {
 
  private:
   struct LocalOp;
-  std::unique_ptr<LocalOp> make_local_op(const Node& node) const;
-  std::vector<NDArray> compute(const Node& node, const std::vector<NDArray>& inputs) const;
-  std::vector<std::unique_ptr<LocalOp>> local_ops_;  // per node id, for the ops this rank runs
-  mutable Communicator* world_ = nullptr;             // the run's world, for group_along
+  using Slots = std::vector<std::vector<int>>;
+  // The shape instance of `bindings`, built and cached on first use.
+  const Instance& instance(const Bindings& bindings) const;
+  std::unique_ptr<LocalOp> make_local_op(const Node& node, const Bindings& bindings) const;
+  void select_nodes(const std::map<int, std::shared_ptr<const Resolution>>& forward);
+  void count_uses();
+  void plan_recompute(const std::map<int, std::shared_ptr<const Resolution>>& forward);
+  void check_feeds(const ValueMap& values, const Instance& inst) const;
+  std::vector<NDArray> compute(const LocalOp& op, const Node& node,
+                               const std::vector<NDArray>& inputs) const;
+  mutable Communicator* world_ = nullptr;  // the run's world, for group_along
   // `name`: the Reshard's own name (a shared resolution carries another's).
   NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
                       Communicator& world) const;
-  void run_nodes(size_t begin, size_t end, const ValueMap* values, Activations& a,
-                 Communicator& world) const;
+  // Runs `ids` in order; `values` feeds the leaves (nullptr after the loss).
+  void run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
+                 Communicator& world, const char* trace_prefix = "") const;
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
   mutable ByteLedger ledger_;
   bool defer_sends_ = false;
+  bool recompute_ = false;
   VirtualClock* clock_ = nullptr;
   size_t memory_cap_ = 0;
   void check_memory(const Node& node) const;
@@ -121,11 +168,20 @@ class ExecGraph {
   AnnotatedTraining training_;
   const LlamaGraph& model_ = training_.model;
   const AnnotatedGraph* annotated_ = nullptr;
-  std::vector<int> order_;                         // node ids this rank runs, in graph order
-  std::vector<std::vector<int>> uses_;             // per node output: consumers in order_ (+1 kept)
   mutable ResolutionCache resolve_;                // alike Reshards resolve once
-  std::map<int, std::shared_ptr<const Resolution>> resolutions_;  // reshard node id ->
+  mutable std::map<Bindings, std::unique_ptr<const Instance>> instances_;
+  // Shape-independent, built once under the constructor's bindings:
+  std::vector<int> order_;                         // node ids this rank runs, in graph order
+  Slots uses_;                                     // per node output: consumers in order_ (+1 kept)
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
+  std::map<int, std::shared_ptr<const Resolution>> grad_resolutions_;  // grad.<param> node id ->
+  // Recomputation: the forward nodes whose outputs the forward keeps
+  // (leaves, loss, boundary Reshards), the forward nodes backward() re-runs,
+  // and the use counts of the forward and of re-run + backward.
+  std::vector<bool> saved_;
+  std::vector<int> recompute_order_;
+  Slots recompute_forward_uses_;
+  Slots recompute_backward_uses_;
 };
 
 // Whether `rank` holds the representative copy of its value under `a`: the

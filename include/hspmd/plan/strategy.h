@@ -19,6 +19,10 @@ struct Stage {
   int first_layer = 0;     // inclusive
   int last_layer = 0;      // inclusive
   int cp = 1;              // context-parallel degree; tp = ranks.size() / cp
+  // Activation recomputation: the stage's forward keeps only what its
+  // backward cannot recompute locally and re-runs the rest before the
+  // backward (docs/execution.md).
+  bool recompute = false;
 
   int tp() const { return static_cast<int>(ranks.size()) / cp; }
   int num_layers() const { return last_layer - first_layer + 1; }
@@ -49,7 +53,8 @@ struct Strategy {
 // Parses the strategy JSON of DESIGN §7 (docs/strategy.md): top level
 // {"description"?, "schedule"? = "1f1b", "zero"? = false, "pipelines"}, each
 // pipeline {"micro_batch_size", "micro_batches", "stages"}, each stage
-// {"ranks", "layers": [first, last] (inclusive), "cp"? = 1}. Checks the JSON
+// {"ranks", "layers": [first, last] (inclusive), "cp"? = 1, "recompute"? =
+// false}. Checks the JSON
 // structure and types only (see validate() for the rules). Unknown fields
 // are errors. Throws hspmd::Error "[strategy] <where>: <rule>" (one line),
 // e.g. "[strategy] pipeline 1 stage 0: field 'layers' must be [first, last]".
@@ -58,7 +63,8 @@ Strategy strategy_from_json(const nlohmann::json& j);
 // cannot open file", "[strategy] <path>: not valid JSON (...)", "[strategy]
 // <path>: pipeline 1 stage 0: ...".
 Strategy load_strategy(const std::string& path);
-// Every field, "cp" only when not 1, "description" only when not empty;
+// Every field, "cp" only when not 1, "recompute" only when true,
+// "description" only when not empty;
 // strategy_from_json reads it back to an equal Strategy.
 nlohmann::json to_json(const Strategy& strategy);
 
