@@ -8,7 +8,12 @@ slowdown, communication over the cluster's links), its ratio to the best
 symmetric one, and each rank's virtual compute per step. All figures are of
 the emulated cluster, not of this machine.
 
+Also the peak tensor memory of the busiest rank, and with --repeat N the
+largest change of any rank's virtual compute between N runs of the same
+strategy (the emulation's stability).
+
 usage: bench/emulated_step.py [--hspmd build/src/cli/hspmd] [--steps 4] [--trace-dir DIR]
+                              [--repeat N] [--only NAME,...]
 """
 import argparse
 import json
@@ -29,9 +34,10 @@ CLUSTER = {"catalog": {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps
                      {"type": "gpu", "ranks": [4, 7], "slowdown": 3.0}]}
 
 
-def pipeline(mbs, micro, stages):
+def pipeline(mbs, micro, stages, recompute=False):
     return {"micro_batch_size": mbs, "micro_batches": micro,
-            "stages": [{"ranks": r, "layers": l} for r, l in stages]}
+            "stages": [{"ranks": r, "layers": l, **({"recompute": True} if recompute else {})}
+                       for r, l in stages]}
 
 
 # Symmetric: what Megatron would run (equal pipelines, equal stages).
@@ -50,6 +56,12 @@ STRATEGIES = {
     "asymmetric PP2 x TP2 6:2": {"pipelines": [
         pipeline(1, 6, [([0, 1], [0, 3]), ([2, 3], [4, 7])]),
         pipeline(1, 2, [([4, 5], [0, 3]), ([6, 7], [4, 7])])]},
+    # The same with activation recomputation on every stage: less activation
+    # memory on the first stages (1F1B keeps two micro-batches alive there),
+    # one more forward per micro-batch.
+    "asymmetric PP2 x TP2 6:2 recompute": {"pipelines": [
+        pipeline(1, 6, [([0, 1], [0, 3]), ([2, 3], [4, 7])], recompute=True),
+        pipeline(1, 2, [([4, 5], [0, 3]), ([6, 7], [4, 7])], recompute=True)]},
 }
 
 
@@ -58,6 +70,8 @@ def main():
     ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--trace-dir", default="")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated strategy names")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_emulated_")
     cfg = json.load(open(os.path.join(HERE, "configs/reference.json")))
@@ -70,8 +84,10 @@ def main():
     rng = random.Random(0)
     with open(data, "wb") as f:
         f.write(b"".join(struct.pack("<I", rng.randrange(cfg["vocab_size"])) for _ in range(100000)))
-    results = {}
-    for name, strategy in STRATEGIES.items():
+    results, runs = {}, {}
+    names = args.only.split(",") if args.only else list(STRATEGIES)
+    for name in [n for _ in range(args.repeat) for n in names]:
+        strategy = STRATEGIES[name]
         spath = os.path.join(tmp, "strategy.json")
         json.dump(strategy, open(spath, "w"))
         log = os.path.join(tmp, "log.jsonl")
@@ -85,16 +101,27 @@ def main():
             sys.exit(f"{name}: {r.stderr}")
         recs = [json.loads(line) for line in open(log)][1:]  # step 0 warms up
         results[name] = (statistics.median(x["emulated_step_time_s"] for x in recs),
-                         [statistics.median(x["emulated_compute_s"][k] for x in recs) for k in range(8)])
-    best_sym = min(t for n, (t, _) in results.items() if n.startswith("symmetric"))
+                         [statistics.median(x["emulated_compute_s"][k] for x in recs) for k in range(8)],
+                         max(statistics.median(x["peak_memory_bytes"][k] for x in recs)
+                             for k in range(8)) / 2**20)
+        runs.setdefault(name, []).append(results[name][1])
+    sym = [t for n, (t, _, _) in results.items() if n.startswith("symmetric")]
+    best_sym = min(sym) if sym else float("nan")
     slowdown = [1.0] * 4 + [3.0] * 4
     print("EMULATED cluster: ranks 0-3 slowdown 1, ranks 4-7 slowdown 3; reference model, 8 layers")
-    for name, (t, compute) in results.items():
+    for name, (t, compute, peak) in results.items():
         # Ideal: the strategy's work (compute at slowdown 1) over the total speed.
         work = sum(c / k for c, k in zip(compute, slowdown))
         ideal = work / sum(1 / k for k in slowdown)
-        print(f"{name:32s} emulated step {t:.3f}s  vs best symmetric {best_sym / t:.2f}x  "
-              f"ideal {ideal:.3f}s ({ideal / t:.0%} of it)  compute per rank {[round(c, 3) for c in compute]}")
+        print(f"{name:36s} emulated step {t:.3f}s  vs best symmetric {best_sym / t:.2f}x  "
+              f"ideal {ideal:.3f}s ({ideal / t:.0%} of it)  peak {peak:.1f} MiB  "
+              f"compute per rank {[round(c, 3) for c in compute]}")
+    if args.repeat > 1:
+        for name, rs in runs.items():
+            spread = max((max(r[k] for r in rs) - min(r[k] for r in rs)) / min(r[k] for r in rs)
+                         for k in range(8))
+            print(f"{name:36s} virtual compute over {len(rs)} runs: largest per-rank change "
+                  f"{spread:.1%}")
 
 
 if __name__ == "__main__":
