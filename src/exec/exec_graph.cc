@@ -5,6 +5,7 @@
 #include <set>
 #include <span>
 
+#include "exec/clocked_comm.h"
 #include "hspmd/comm/execute.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
@@ -260,7 +261,13 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
     op->ctx.out_dtypes.push_back(node.outputs[i].dtype);
   }
   shard.group_along = [this, &node](int input, int dim) -> Communicator& {
-    return world_->group(ranks_along(annotated_->of(node.inputs.at(input)), rank_, dim));
+    const std::vector<int> ranks = ranks_along(annotated_->of(node.inputs.at(input)), rank_, dim);
+    Communicator& group = world_->group(ranks);
+    if (!clock_) return group;
+    // Emulation: op-internal communication advances the virtual clock too.
+    auto& clocked = clocked_groups_[ranks];
+    if (!clocked) clocked = std::make_unique<ClockedCommunicator>(group, *clock_, topology_, ranks);
+    return *clocked;
   };
   op->ctx.bindings = &bindings;
   op->ctx.shard = &op->shard;

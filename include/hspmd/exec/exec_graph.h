@@ -126,6 +126,8 @@ class ExecGraph {
   // it, and every Reshard first synchronizes it with the rank's peers in
   // that Reshard (senders' clocks travel to receivers; collective members
   // exchange theirs) and adds the transfer time over the topology's links.
+  // Ops that communicate inside their kernels get, through group_along, a
+  // ClockedCommunicator (src/exec/clocked_comm.h) billing that to the clock.
   void set_clock(VirtualClock* clock) { clock_ = clock; }
   // Emulation: after every op and Reshard, the bytes this process holds must
   // stay within `bytes` (0 = no cap), else hspmd::Error "[emulate] rank R:
@@ -146,6 +148,8 @@ class ExecGraph {
   std::vector<NDArray> compute(const LocalOp& op, const Node& node,
                                const std::vector<NDArray>& inputs) const;
   mutable Communicator* world_ = nullptr;  // the run's world, for group_along
+  // With a clock: the ops' groups, wrapped to bill their communication to it.
+  mutable std::map<std::vector<int>, std::unique_ptr<Communicator>> clocked_groups_;
   // `name`: the Reshard's own name (a shared resolution carries another's).
   NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
                       Communicator& world) const;
