@@ -8,7 +8,8 @@ slowdown, communication over the cluster's links), its ratio to the best
 symmetric one, and each rank's virtual compute per step. All figures are of
 the emulated cluster, not of this machine.
 
-Also the peak tensor memory of the busiest rank, and with --repeat N the
+Also the peak tensor memory of the busiest rank (and the largest per-rank
+peak of activations above the parameters and optimizer states), and with --repeat N the
 largest change of any rank's virtual compute between N runs of the same
 strategy (the emulation's stability).
 
@@ -103,18 +104,20 @@ def main():
         results[name] = (statistics.median(x["emulated_step_time_s"] for x in recs),
                          [statistics.median(x["emulated_compute_s"][k] for x in recs) for k in range(8)],
                          max(statistics.median(x["peak_memory_bytes"][k] for x in recs)
+                             for k in range(8)) / 2**20,
+                         max(statistics.median(x["peak_activation_bytes"][k] for x in recs)
                              for k in range(8)) / 2**20)
         runs.setdefault(name, []).append(results[name][1])
-    sym = [t for n, (t, _, _) in results.items() if n.startswith("symmetric")]
+    sym = [t for n, (t, _, _, _) in results.items() if n.startswith("symmetric")]
     best_sym = min(sym) if sym else float("nan")
     slowdown = [1.0] * 4 + [3.0] * 4
     print("EMULATED cluster: ranks 0-3 slowdown 1, ranks 4-7 slowdown 3; reference model, 8 layers")
-    for name, (t, compute, peak) in results.items():
+    for name, (t, compute, peak, act) in results.items():
         # Ideal: the strategy's work (compute at slowdown 1) over the total speed.
         work = sum(c / k for c, k in zip(compute, slowdown))
         ideal = work / sum(1 / k for k in slowdown)
         print(f"{name:36s} emulated step {t:.3f}s  vs best symmetric {best_sym / t:.2f}x  "
-              f"ideal {ideal:.3f}s ({ideal / t:.0%} of it)  peak {peak:.1f} MiB  "
+              f"ideal {ideal:.3f}s ({ideal / t:.0%} of it)  peak {peak:.1f} MiB (activations {act:.1f})  "
               f"compute per rank {[round(c, 3) for c in compute]}")
     if args.repeat > 1:
         for name, rs in runs.items():

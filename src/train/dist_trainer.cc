@@ -297,6 +297,9 @@ std::vector<StepRecord> DistTrainer::run() {
     world_.reset_bytes();
     graph_->reset_ledger();
     allocator_for(Device::cpu()).reset_peak();
+    // What the rank holds before its micro-batches: parameters, optimizer
+    // states; the schedule's peak above it is activations (and raw grads).
+    const size_t held = allocator_for(Device::cpu()).current_bytes();
     std::map<std::string, NDArray> raw;
     double loss = 0;
     auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
@@ -344,6 +347,7 @@ std::vector<StepRecord> DistTrainer::run() {
       for (; !live.empty(); live.pop_front()) backward(std::move(live.front()), done++);
     }
     graph_->wait_sends(world_);
+    const size_t activations = allocator_for(Device::cpu()).peak_bytes() - held;
     StepRecord r;
     r.step = step;
     r.loss = all_reduce_scalar(is_representative(loss_annotation, world_.rank()) ? loss : 0.0, world_);
@@ -359,8 +363,10 @@ std::vector<StepRecord> DistTrainer::run() {
     const auto counts = gather_counts(
         {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted,
          clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0,
-         static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes())}, world_);
+         static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes()),
+         static_cast<int64_t>(activations)}, world_);
     r.peak_memory_bytes = counts[5];
+    r.peak_activation_bytes = counts[6];
     r.bytes_sent = counts[0];
     r.reshard_bytes_sent = counts[1];
     r.predicted_reshard_bytes = counts[2];

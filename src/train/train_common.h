@@ -103,6 +103,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["reshard_bytes_sent"] = r.reshard_bytes_sent;
     j["predicted_reshard_bytes"] = r.predicted_reshard_bytes;
     j["peak_memory_bytes"] = r.peak_memory_bytes;
+    j["peak_activation_bytes"] = r.peak_activation_bytes;
   }
   if (!r.emulated_compute_s.empty()) {
     j["emulated_step_time_s"] = r.emulated_step_time_s;

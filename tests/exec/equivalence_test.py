@@ -214,6 +214,17 @@ def main():
               f"{'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append(name)
+    # Recomputation keeps fewer activations: the first stage of the TP2 -> TP1
+    # pipeline (ranks 0, 1; 1F1B keeps two micro-batches there) peaks lower.
+    names = args.cases.split(",")
+    if "hetero_pp_tp" in names and "hetero_pp_tp_recompute" in names:
+        act = {n: max(max(r["peak_activation_bytes"][:2]) for r in records(os.path.join(tmp, n + ".jsonl")))
+               for n in ("hetero_pp_tp", "hetero_pp_tp_recompute")}
+        ok = act["hetero_pp_tp_recompute"] < act["hetero_pp_tp"]
+        print(f"{'recompute memory':18s} first-stage activation peak {act['hetero_pp_tp']} -> "
+              f"{act['hetero_pp_tp_recompute']} bytes {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failures.append("recompute memory")
     want_loss, want_w = want["fixed"]
     # --init loads full Hugging Face tensors and shards them into the plan.
     init_log = os.path.join(tmp, "init_single.jsonl")

@@ -51,6 +51,9 @@ struct StepRecord {
   // With --cluster: the EMULATED cluster's step time (virtual clocks) and each
   // rank's virtual compute seconds in the step; 0 / empty otherwise.
   std::vector<int64_t> peak_memory_bytes;  // per rank: peak bytes of tensors in the step
+  // per rank: the micro-batches' peak above what the rank held before them
+  // (activations, kept for the backward or recomputed, and raw gradients)
+  std::vector<int64_t> peak_activation_bytes;
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };
