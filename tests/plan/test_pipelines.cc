@@ -111,6 +111,7 @@ TEST(DiscoverPipelines, EveryExampleStrategy) {
       {"elastic_c7_8h800_24h20", "llama-32b", 40},  {"tiny_hetero_8", "llama-tiny-8l", 8},
       {"tiny_zero_8", "llama-tiny-8l", 8},          {"tiny_cp_8", "llama-tiny-8l", 8},
       {"tiny_example_hetero_5", "../tiny-llama/config", 5},
+      {"tiny_cp_packed_6", "../tiny-llama/config", 6},
   };
   const auto start = std::chrono::steady_clock::now();
   for (const Example& e : examples) {

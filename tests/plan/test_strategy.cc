@@ -382,6 +382,7 @@ TEST(StrategyExamples, AllValidate) {
       {"tiny_zero_8", "llama-tiny-8l", 8, 8, {}},
       {"tiny_cp_8", "llama-tiny-8l", 8, 8, {}},
       {"tiny_example_hetero_5", "../tiny-llama/config", 5, 16, {}},
+      {"tiny_cp_packed_6", "../tiny-llama/config", 6, 16, {}},
   };
   for (const Example& e : examples) {
     SCOPED_TRACE(e.strategy);
