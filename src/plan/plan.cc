@@ -185,10 +185,10 @@ AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy,
                             const CompileOptions& options) {
   validate(strategy, config, world_size);
   const int64_t seq_len = options.seq_len > 0 ? options.seq_len : config.max_position_embeddings;
-  for (const Pipeline& p : strategy.pipelines)
-    for (const Stage& st : p.stages)
-      if (seq_len % st.cp != 0)
-        fail("[plan] sequence length ", seq_len, " is not divisible by cp=", st.cp);
+  const int64_t g = sequence_granularity(strategy);
+  if (seq_len % g != 0)
+    fail("[plan] sequence length ", seq_len, " must be a multiple of ", g,
+         " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
   return Compiler(config, strategy).compile(world_size, seq_len);
 }
 

@@ -1,6 +1,7 @@
 #include "hspmd/plan/strategy.h"
 
 #include <algorithm>
+#include <numeric>
 #include <climits>
 #include <fstream>
 #include <map>
@@ -245,6 +246,16 @@ void validate(const Strategy& strategy, const LlamaConfig& config, int world_siz
   RankOwners owners;
   for (size_t p = 0; p < strategy.pipelines.size(); ++p)
     validate_pipeline(strategy.pipelines[p], static_cast<int>(p), config, world_size, owners);
+}
+
+int64_t sequence_granularity(const Strategy& strategy) {
+  int64_t g = 1;
+  for (const Pipeline& p : strategy.pipelines)
+    for (const Stage& st : p.stages) {
+      g = std::lcm(g, static_cast<int64_t>(st.cp) * st.tp());
+      if (st.cp > 1) g = std::lcm(g, int64_t{2} * st.cp);
+    }
+  return g;
 }
 
 std::vector<int> idle_ranks(const Strategy& strategy, int world_size) {

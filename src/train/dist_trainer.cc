@@ -5,7 +5,6 @@
 #include <chrono>
 #include <deque>
 #include <cmath>
-#include <numeric>
 #include <cstdio>
 #include <fstream>
 
@@ -57,18 +56,6 @@ std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine
   return out;
 }
 
-// The multiple every sequence length of pipeline `p` must be: each stage
-// splits the sequence over cp x tp ranks (sequence parallelism), and
-// context-parallel attention cuts it into 2 x cp chunks.
-int64_t sequence_granularity(const Pipeline& p) {
-  int64_t g = 1;
-  for (const Stage& st : p.stages) {
-    g = std::lcm(g, static_cast<int64_t>(st.cp) * st.tp());
-    if (st.cp > 1) g = std::lcm(g, static_cast<int64_t>(2) * st.cp);
-  }
-  return g;
-}
-
 double all_reduce_scalar(double v, Communicator& world) {
   float x = static_cast<float>(v);
   std::vector<Request> req;
@@ -97,8 +84,7 @@ class DistTrainer {
     co.seq_len = o.seq_len;
     // Every rank's view of the stacked micro-batch must divide along every
     // pipeline's splits, so the granularity is common to all pipelines.
-    for (const Pipeline& p : strategy_.pipelines)
-      granularity_ = std::lcm(granularity_, sequence_granularity(p));
+    granularity_ = sequence_granularity(strategy_);
     if (o.pack_documents)  // lengths vary per micro-batch: compile for the longest, rounded up
       co.seq_len = (o.seq_len + granularity_ - 1) / granularity_ * granularity_;
     else if (o.seq_len % granularity_ != 0)

@@ -32,6 +32,13 @@ Strategy hetero(bool zero = false) {
   return s;
 }
 
+// One pipeline of one stage: tp 2 x cp 2 over ranks 0-3.
+Strategy strategy_with_cp() {
+  Strategy s;
+  s.pipelines = {pipeline(2, 2, {stage({0, 1, 2, 3}, 0, 3, 2)})};
+  return s;
+}
+
 const PlannedReshard& find(const std::vector<PlannedReshard>& all, const std::string& name) {
   for (const auto& r : all)
     if (r.name == name) return r;
@@ -68,6 +75,26 @@ TEST(CompilePlan, RejectsAnInvalidStrategy) {
   s.pipelines[1].stages[1].first_layer = 3;  // gap after layer 1
   EXPECT_THROW(compile_plan(tiny(), s, 8), Error);
   EXPECT_THROW(compile_plan(tiny(), hetero(), 6), Error);  // rank 6 outside the world
+}
+
+// Sequence lengths must divide along every stage's splits: cp x tp, and
+// 2 x cp for context-parallel attention's chunks.
+TEST(CompilePlan, SequenceGranularity) {
+  EXPECT_EQ(sequence_granularity(hetero()), 2);  // TP2 stages
+  Strategy s;
+  s.pipelines = {pipeline(1, 2, {stage({0, 1, 2, 3}, 0, 3, 2)}), pipeline(1, 2, {stage({4, 5, 6}, 0, 3)})};
+  EXPECT_EQ(sequence_granularity(s), 12);  // lcm(cp 2 x tp 2, 2 x cp 2, tp 3)
+  CompileOptions o;
+  o.seq_len = 6;
+  try {
+    compile_plan(tiny(), strategy_with_cp(), 4, o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "[plan] sequence length 6 must be a multiple of 4 (stages split the "
+                           "sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
+  }
+  o.seq_len = 8;
+  EXPECT_NO_THROW(compile_plan(tiny(), strategy_with_cp(), 4, o));
 }
 
 TEST(DryRun, HeteroPipelinesResolveToTheExpectedPrimitives) {

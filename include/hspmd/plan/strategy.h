@@ -84,6 +84,12 @@ void validate(const Strategy& strategy, const LlamaConfig& config, int world_siz
 // Ranks outside the world are ignored (validate() rejects them).
 std::vector<int> idle_ranks(const Strategy& strategy, int world_size);
 
+// The multiple every sequence length under the strategy must be: the least
+// common multiple, over every stage of every pipeline, of cp x tp (sequence
+// parallelism splits the sequence over the stage's ranks) and, when cp > 1,
+// 2 x cp (context-parallel attention's load-balanced chunks).
+int64_t sequence_granularity(const Strategy& strategy);
+
 // Compact range form of a sorted rank list: {0,1,2,3,5,8,9} -> "0-3,5,8-9";
 // "" for an empty list. Used in reports (idle ranks, stage ranks).
 std::string format_ranks(const std::vector<int>& ranks);
