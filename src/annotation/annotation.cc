@@ -320,4 +320,22 @@ bool holds_partial_sum(const Annotation& a, int rank) {
   return a.subgroups[i].states.has_partial() || (a.hdim == kPartial && a.hsize() > 1);
 }
 
+std::vector<int> ranks_along(const Annotation& a, int rank, int dim) {
+  if (a.subgroup_of(rank) < 0) fail("[annotation] rank ", rank, " holds no part of the tensor");
+  const Subgroup& g = a.subgroups.at(a.subgroup_of(rank));
+  const std::vector<int> mine = g.states.coordinates(g.devices.index_of(rank));
+  std::vector<std::pair<int, int>> found;  // (chunk, rank)
+  for (int q = 0; q < g.devices.size(); ++q) {
+    const std::vector<int> c = g.states.coordinates(q);
+    bool same = true;
+    for (size_t k = 0; k < c.size(); ++k)
+      if (g.states.order[k] != dim && c[k] != mine[k]) same = false;
+    if (same) found.push_back({g.states.coordinate(q, dim), g.devices.ranks[q]});
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<int> ranks;
+  for (auto [chunk, r] : found) ranks.push_back(r);
+  return ranks;
+}
+
 }  // namespace hspmd

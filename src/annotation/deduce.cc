@@ -215,4 +215,28 @@ std::vector<Annotation> Op::deduce(const DeduceContext& ctx,
   return std::vector<Annotation>(ctx.node.outputs.size(), inputs[0]);
 }
 
+ShardContext shard_context(const AnnotatedGraph& annotated, const Node& node,
+                           const Bindings& bindings, int rank) {
+  auto box_of = [&](const Tensor& t, const Shape& global) {
+    auto box = local_box(annotated.of(t), global, rank);
+    HSPMD_CHECK(box.has_value(), "rank ", rank, " does not hold a tensor of node ", node.id);
+    return *box;
+  };
+  ShardContext shard;
+  for (const Tensor& in : node.inputs) {
+    shard.input_global_shapes.push_back(eval_shape(in.shape(), bindings));
+    shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
+  }
+  for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
+    shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, bindings));
+    shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
+  }
+  const AnnotatedGraph* ag = &annotated;
+  std::vector<Tensor> inputs = node.inputs;
+  shard.ranks_along = [ag, inputs, rank](int input, int dim) {
+    return ranks_along(ag->of(inputs.at(input)), rank, dim);
+  };
+  return shard;
+}
+
 }  // namespace hspmd

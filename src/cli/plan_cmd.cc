@@ -186,8 +186,40 @@ nlohmann::json pipelines_json(const std::vector<DiscoveredPipeline>& pipelines) 
   return out;
 }
 
+// Op-internal communication: per op type and phase, each rank's group and bytes.
+void print_op_traffic(std::ostream& os, const std::vector<PlannedOpTraffic>& traffic,
+                      const ExplainOptions& o) {
+  os << "\nop-internal communication (inside ops, not Reshards; per micro-batch):\n";
+  bool any = false;
+  for (const PlannedOpTraffic& t : traffic) {
+    if (o.rank >= 0 && !t.ranks.count(o.rank)) continue;
+    any = true;
+    os << t.op << "  [" << t.phase << "] " << t.kind << ", " << t.calls << " call(s)\n";
+    for (const auto& [rank, r] : t.ranks)
+      if (o.rank < 0 || rank == o.rank)
+        os << "    rank " << rank << ": group " << list(r.group) << ", sent " << human_bytes(r.sent)
+           << ", received " << human_bytes(r.received) << "\n";
+  }
+  if (!any) os << "  none\n";
+}
+
+nlohmann::json op_traffic_json(const std::vector<PlannedOpTraffic>& traffic, const ExplainOptions& o) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const PlannedOpTraffic& t : traffic) {
+    nlohmann::json ranks = nlohmann::json::object();
+    for (const auto& [rank, r] : t.ranks)
+      if (o.rank < 0 || rank == o.rank)
+        ranks[std::to_string(rank)] = {{"group", r.group}, {"bytes_sent", r.sent},
+                                       {"bytes_received", r.received}};
+    if (ranks.empty()) continue;
+    out.push_back({{"op", t.op}, {"kind", t.kind}, {"phase", t.phase}, {"calls", t.calls},
+                   {"ranks", ranks}});
+  }
+  return out;
+}
+
 void print_text(const std::vector<PlannedReshard>& reshards, const std::vector<DiscoveredPipeline>& pipelines,
-                const ExplainOptions& o, int world) {
+                const std::vector<PlannedOpTraffic>& traffic, const ExplainOptions& o, int world) {
   std::ostringstream os;
   print_pipelines(os, pipelines, world);
   os << "\n";
@@ -198,11 +230,12 @@ void print_text(const std::vector<PlannedReshard>& reshards, const std::vector<D
   os << "\nsummary (reshards per kind" << (o.rank >= 0 ? " for rank " + std::to_string(o.rank) : "")
      << "):\n";
   for (const auto& [kind, n] : summarize(reshards, o)) os << "  " << kind << ": " << n << "\n";
+  print_op_traffic(os, traffic, o);
   std::fputs(os.str().c_str(), stdout);
 }
 
 void print_json(const std::vector<PlannedReshard>& reshards, const std::vector<DiscoveredPipeline>& pipelines,
-                const ExplainOptions& o, int world) {
+                const std::vector<PlannedOpTraffic>& traffic, const ExplainOptions& o, int world) {
   nlohmann::json out = {{"world_size", world},
                         {"pipelines", pipelines_json(pipelines)},
                         {"reshards", nlohmann::json::array()}};
@@ -215,6 +248,7 @@ void print_json(const std::vector<PlannedReshard>& reshards, const std::vector<D
     out["reshards"].push_back(std::move(j));
   }
   out["summary"] = summarize(reshards, o);
+  out["op_traffic"] = op_traffic_json(traffic, o);
   std::fputs((out.dump(1) + "\n").c_str(), stdout);
 }
 
@@ -226,7 +260,8 @@ int explain_command(const std::vector<std::string>& args) {
   FlagSet f("plan explain",
             "Dry run of an annotation plan: the pipelines discovered from it, then every Reshard\n"
             "of the training graph resolved over a virtual world: its phase, kind and bytes, and\n"
-            "what every rank (or one) executes. Identity reshards are hidden unless --all. Needs\n"
+            "what every rank (or one) executes, then the communication inside ops (ring\n"
+            "attention, vocab-parallel loss). Identity reshards are hidden unless --all. Needs\n"
             "no devices.");
   f.add_int("rank", &rank, "show only this rank's primitives");
   f.add_bool("json", &json, "print one JSON document instead of text");
@@ -250,10 +285,11 @@ int explain_command(const std::vector<std::string>& args) {
          world);
   const std::vector<PlannedReshard> reshards = dry_run(plan, topology);
   const std::vector<DiscoveredPipeline> pipelines = discover_pipelines(plan, reshards);
+  const std::vector<PlannedOpTraffic> traffic = op_traffic(plan);
   if (json)
-    print_json(reshards, pipelines, o, world);
+    print_json(reshards, pipelines, traffic, o, world);
   else
-    print_text(reshards, pipelines, o, world);
+    print_text(reshards, pipelines, traffic, o, world);
   return 0;
 }
 

@@ -36,25 +36,6 @@ NDArray execute_any(const Resolution& r, int rank, const NDArray& in, Communicat
   return back;
 }
 
-// The ranks of `rank`'s subgroup under `a` whose coordinates equal its own on
-// every key but split(dim), ordered by their chunk along dim.
-std::vector<int> ranks_along(const Annotation& a, int rank, int dim) {
-  const Subgroup& g = a.subgroups.at(a.subgroup_of(rank));
-  const std::vector<int> mine = g.states.coordinates(g.devices.index_of(rank));
-  std::vector<std::pair<int, int>> found;  // (chunk, rank)
-  for (int q = 0; q < g.devices.size(); ++q) {
-    const std::vector<int> c = g.states.coordinates(q);
-    bool same = true;
-    for (size_t k = 0; k < c.size(); ++k)
-      if (g.states.order[k] != dim && c[k] != mine[k]) same = false;
-    if (same) found.push_back({g.states.coordinate(q, dim), g.devices.ranks[q]});
-  }
-  std::sort(found.begin(), found.end());
-  std::vector<int> ranks;
-  for (auto [chunk, r] : found) ranks.push_back(r);
-  return ranks;
-}
-
 // The ranks `rank` exchanges data with in its part of a resolution.
 std::set<int> peers(const RankResolution& me, int rank) {
   std::set<int> out;
@@ -203,6 +184,7 @@ std::optional<Box> ExecGraph::local_box(const std::string& name, const Shape& gl
 struct ExecGraph::LocalOp {
   ShardContext shard;
   OpContext ctx;
+  OpTraffic traffic;  // the op's own prediction of its communication per call
 };
 
 // Everything of this rank's graph that depends on the symbol bindings.
@@ -244,22 +226,13 @@ const ExecGraph::Instance& ExecGraph::instance(const Bindings& bindings) const {
 std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
                                                              const Bindings& bindings) const {
   auto op = std::make_unique<LocalOp>();
-  auto box_of = [&](const Tensor& t, const Shape& global) {
-    auto box = hspmd::local_box(annotated_->of(t), global, rank_);
-    HSPMD_CHECK(box.has_value(), "rank ", rank_, " does not hold a tensor of node ", node.id);
-    return *box;
-  };
+  op->shard = shard_context(*annotated_, node, bindings, rank_);
   ShardContext& shard = op->shard;
-  for (const Tensor& in : node.inputs) {
-    shard.input_global_shapes.push_back(eval_shape(in.shape(), bindings));
-    shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
-  }
   for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
-    shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, bindings));
-    shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
-    op->ctx.out_shapes.push_back(shard.output_boxes.back().shape());
+    op->ctx.out_shapes.push_back(shard.output_boxes[i].shape());
     op->ctx.out_dtypes.push_back(node.outputs[i].dtype);
   }
+  op->traffic = node.op->traffic(shard);
   shard.group_along = [this, &node](int input, int dim) -> Communicator& {
     const std::vector<int> ranks = ranks_along(annotated_->of(node.inputs.at(input)), rank_, dim);
     Communicator& group = world_->group(ranks);
@@ -278,9 +251,12 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
                                         const std::vector<NDArray>& inputs) const {
   const OpContext& ctx = op.ctx;
   std::vector<NDArray> outputs(node.outputs.size());
+  const int64_t before = world_->bytes().sent;
   if (clock_) clock_->begin_compute();
   node.op->compute(ctx, inputs, outputs);
   if (clock_) clock_->end_compute();
+  ledger_.op_measured += world_->bytes().sent - before;
+  ledger_.op_predicted += op.traffic.sent;
   for (size_t i = 0; i < outputs.size(); ++i)
     HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
                 node.op->type(), " output ", i, " has the wrong local shape");

@@ -196,6 +196,25 @@ void copy_halves(const std::vector<NDArray>& arrays, const std::vector<int>& dim
     copy_half(arrays[i], dims[i], p, packed, pack);
 }
 
+// Where the local half p goes in a relayout (its new owner and position
+// there), and where the half that lands at position p comes from.
+std::pair<int, int> relayout_destination(const Ring& ring, int p, bool to_zigzag) {
+  const int64_t g = to_zigzag ? 2 * ring.c + p : ring.zigzag_half(ring.c, p);
+  return to_zigzag ? ring.zigzag_place(g) : ring.contiguous_place(g);
+}
+int relayout_source(const Ring& ring, int p, bool to_zigzag) {
+  const int64_t g = to_zigzag ? ring.zigzag_half(ring.c, p) : 2 * ring.c + p;
+  return (to_zigzag ? ring.contiguous_place(g) : ring.zigzag_place(g)).first;
+}
+
+// Bytes a relayout of `count` floats per half sends and receives.
+void relayout_bytes(const Ring& ring, int64_t count, bool to_zigzag, OpTraffic& t) {
+  for (int p = 0; p < 2; ++p) {
+    if (relayout_destination(ring, p, to_zigzag).first != ring.c) t.sent += count * 4;
+    if (relayout_source(ring, p, to_zigzag) != ring.c) t.received += count * 4;
+  }
+}
+
 // Moves the sequence halves of `arrays` (f32, contiguous, sequence along
 // dims[i]) from contiguous to zigzag order or back, one message per half.
 std::vector<NDArray> relayout(const Ring& ring, const std::vector<NDArray>& arrays,
@@ -205,8 +224,7 @@ std::vector<NDArray> relayout(const Ring& ring, const std::vector<NDArray>& arra
   std::vector<float> sent[2], got[2];
   std::vector<Request> requests;
   for (int p = 0; p < 2; ++p) {
-    const int64_t g = to_zigzag ? 2 * ring.c + p : ring.zigzag_half(ring.c, p);
-    const auto [peer, pos] = to_zigzag ? ring.zigzag_place(g) : ring.contiguous_place(g);
+    const auto [peer, pos] = relayout_destination(ring, p, to_zigzag);
     sent[p].resize(count);
     copy_halves(arrays, dims, p, sent[p].data(), true);
     if (peer == ring.c)
@@ -215,8 +233,7 @@ std::vector<NDArray> relayout(const Ring& ring, const std::vector<NDArray>& arra
       requests.push_back(ring.cp->start_send(sent[p].data(), count, peer, kTagRelayout + pos));
   }
   for (int p = 0; p < 2; ++p) {
-    const int64_t g = to_zigzag ? ring.zigzag_half(ring.c, p) : 2 * ring.c + p;
-    const int peer = (to_zigzag ? ring.contiguous_place(g) : ring.zigzag_place(g)).first;
+    const int peer = relayout_source(ring, p, to_zigzag);
     if (peer == ring.c) continue;
     got[p].resize(count);
     requests.push_back(ring.cp->start_recv(got[p].data(), count, peer, kTagRelayout + p));
@@ -422,6 +439,36 @@ void ring_attention_grad(const Ring& ring, const std::vector<NDArray>& in,
   for (int i = 0; i < 3; ++i) out[i] = back[i];
 }
 
+// What ring_attention (or ring_attention_grad) sends and receives on this
+// rank per call: the error agreement (an all-reduce of 2 floats), the
+// relayouts into zigzag order and back, and the ring: n - 1 hops of the
+// packed keys and values, and in the backward n hops of their gradients.
+OpTraffic ring_traffic(const ShardContext& shard, bool backward) {
+  const Box& q = shard.input_boxes.at(0);
+  const int64_t S = shard.input_global_shapes.at(0).at(1);
+  if (q.end.at(1) - q.begin.at(1) == S) return {};
+  OpTraffic t{"ring_attention", shard.ranks_along(0, 1)};
+  Ring ring;
+  ring.n = static_cast<int>(t.group.size());
+  ring.S = S;
+  if (S % (2 * ring.n) != 0) return t;  // the op refuses it before sending anything
+  ring.half = S / (2 * ring.n);
+  ring.c = static_cast<int>(q.begin[1] / ring.local());
+  const Shape ql = q.shape(), kl = shard.input_boxes.at(1).shape();
+  const int64_t qn = ql[0] * ql[1] * ql[2] * ql[3], kn = kl[0] * kl[1] * kl[2] * kl[3];
+  const int64_t rows = ql[0] * ql[1], lse = ql[0] * ql[2] * ql[1];
+  const int64_t agree = 2 * 4 * 2 * (ring.n - 1) / ring.n;
+  t.sent += agree;
+  t.received += agree;
+  const int64_t in = qn + 2 * kn + rows + (backward ? qn + lse + qn : 0);  // q, k, v, starts[, out, lse, dout]
+  relayout_bytes(ring, in / 2, true, t);
+  const int64_t hops = (ring.n - 1) * 2 * kn * 4 + (backward ? ring.n * 2 * kn * 4 : 0);
+  t.sent += hops;
+  t.received += hops;
+  relayout_bytes(ring, (backward ? qn + 2 * kn : qn + lse) / 2, false, t);  // dq, dk, dv / out, lse
+  return t;
+}
+
 std::vector<NDArray> contiguous_inputs(const std::vector<NDArray>& in, size_t n) {
   std::vector<NDArray> c;
   for (size_t i = 0; i < n; ++i) c.push_back(in[i].contiguous());
@@ -445,6 +492,8 @@ class AttentionGradOp final : public Op {
       fail("[attention_grad] lse must be [B, Hq, S], got ", sym_shape_str(in[4].shape));
     return {in[0], in[1], in[2]};
   }
+  OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, true); }
+  bool may_communicate() const override { return context_parallel_; }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     const NDArray documents = optional_input(in, 6);
@@ -479,6 +528,8 @@ class AttentionOp final : public Op {
     const SymShape& q = in[0].shape;
     return {in[0], TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
   }
+  OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, false); }
+  bool may_communicate() const override { return context_parallel_; }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     const NDArray documents = optional_input(in, 3);

@@ -126,6 +126,20 @@ class CrossEntropyOp final : public Op {
     // Output 1: the per-row log-sum-exp, saved for the backward.
     return {TensorMeta{{}, DType::F32}, TensorMeta{in[1].shape, DType::F32}};
   }
+  // Vocab-parallel: vocab_parallel_forward's all-gather and all-reduce of
+  // one f32 per row over the vocab-split ranks.
+  bool may_communicate() const override { return true; }
+  OpTraffic traffic(const ShardContext& shard) const override {
+    const Box& logits = shard.input_boxes.at(0);
+    const int last = static_cast<int>(logits.begin.size()) - 1;
+    if (logits.end[last] - logits.begin[last] == shard.input_global_shapes.at(0).at(last)) return {};
+    OpTraffic t{"vocab_parallel_loss", shard.ranks_along(0, last)};
+    const int64_t n = static_cast<int64_t>(t.group.size()), rows = shard.input_boxes.at(1).numel();
+    const int64_t all_reduce = rows * 4 * 2 * (n - 1) / n;
+    t.sent = (n - 1) * rows * 4 + all_reduce;
+    t.received = (n - 1) * rows * 4 + all_reduce;
+    return t;
+  }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);

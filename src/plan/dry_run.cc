@@ -88,4 +88,35 @@ std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& 
   return out;
 }
 
+std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan) {
+  const AnnotatedTraining t = annotate_training_graph(plan);
+  const Graph& g = *t.model.graph;
+  const int loss = t.model.loss.node_id();
+  std::map<std::pair<std::string, std::string>, PlannedOpTraffic> by_op;  // (phase, op type)
+  for (int id = 0; id < g.num_nodes(); ++id) {
+    const Node& node = g.node(id);
+    if (!node.op->may_communicate()) continue;
+    const std::string phase = id <= loss ? "forward" : "backward";
+    bool counted = false;
+    for (int rank : t.annotated->of(node.output(0)).all_ranks()) {
+      const OpTraffic traffic = node.op->traffic(shard_context(*t.annotated, node, plan.bindings, rank));
+      if (!traffic.any()) continue;
+      PlannedOpTraffic& entry = by_op[{phase, node.op->type()}];
+      entry.op = node.op->type();
+      entry.kind = traffic.kind;
+      entry.phase = phase;
+      if (!counted) ++entry.calls, counted = true;
+      OpTraffic& mine = entry.ranks[rank];
+      if (mine.group.empty()) mine.kind = traffic.kind, mine.group = traffic.group;
+      mine.sent += traffic.sent;
+      mine.received += traffic.received;
+    }
+  }
+  std::vector<PlannedOpTraffic> out;
+  for (const std::string phase : {"forward", "backward"})
+    for (auto& [key, entry] : by_op)
+      if (key.first == phase) out.push_back(std::move(entry));
+  return out;
+}
+
 }  // namespace hspmd

@@ -350,9 +350,12 @@ std::vector<StepRecord> DistTrainer::run() {
         {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted,
          clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0,
          static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes()),
-         static_cast<int64_t>(activations)}, world_);
+         static_cast<int64_t>(activations), graph_->ledger().op_measured,
+         graph_->ledger().op_predicted}, world_);
     r.peak_memory_bytes = counts[5];
     r.peak_activation_bytes = counts[6];
+    r.op_bytes_sent = counts[7];
+    r.predicted_op_bytes = counts[8];
     r.bytes_sent = counts[0];
     r.reshard_bytes_sent = counts[1];
     r.predicted_reshard_bytes = counts[2];

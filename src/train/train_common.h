@@ -102,6 +102,8 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["bytes_sent"] = r.bytes_sent;
     j["reshard_bytes_sent"] = r.reshard_bytes_sent;
     j["predicted_reshard_bytes"] = r.predicted_reshard_bytes;
+    j["op_bytes_sent"] = r.op_bytes_sent;
+    j["predicted_op_bytes"] = r.predicted_op_bytes;
     j["peak_memory_bytes"] = r.peak_memory_bytes;
     j["peak_activation_bytes"] = r.peak_activation_bytes;
   }

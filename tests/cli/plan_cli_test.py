@@ -247,6 +247,16 @@ def check_resolutions(c, e, reports):
         c.check("tiny_zero_8: grad sync by split_reduce_scatter", "split_reduce_scatter" in grad,
                 str(sorted(grad)))
         c.check("tiny_zero_8: parameters by split_all_gather", "split_all_gather" in gather, str(sorted(gather)))
+    if reports.get("tiny_cp_8"):
+        # Communication inside ops: the tp 2 x cp 2 stage's ring attention
+        # over cp pairs in its 4 layers, forward and backward.
+        traffic = {(t["op"], t["phase"]): t for t in reports["tiny_cp_8"].get("op_traffic", [])}
+        ring = traffic.get(("attention", "forward"))
+        ok = (ring is not None and ring["kind"] == "ring_attention" and ring["calls"] == 4 and
+              sorted(ring["ranks"]) == ["0", "1", "2", "3"] and
+              ring["ranks"]["0"]["group"] == [0, 2] and ring["ranks"]["0"]["bytes_sent"] > 0 and
+              ("attention_grad", "backward") in traffic)
+        c.check("tiny_cp_8: ring attention inside ops", ok, str(sorted(traffic)))
 
 
 def main():

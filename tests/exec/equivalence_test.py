@@ -205,8 +205,10 @@ def main():
             e = max(abs(x - y) for x, y in zip(ref, got_w[t])) / scale
             if e > werr:
                 werr, worst = e, t
-        # Bytes each rank sent inside Reshards equal the resolver's prediction.
-        bytes_ok = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] for r in records(log))
+        # Bytes each rank sent inside Reshards equal the resolver's prediction,
+        # and inside ops (ring attention, vocab-parallel loss) the ops' own.
+        bytes_ok = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] and
+                       r["op_bytes_sent"] == r["predicted_op_bytes"] for r in records(log))
         ok = (len(got) == len(want_loss) and rel <= 1e-5 and werr <= 1e-4 and
               set(got_w) == set(want_w) and bytes_ok)
         print(f"{name:22s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
@@ -225,6 +227,20 @@ def main():
               f"{act['hetero_pp_tp_recompute']} bytes {'ok' if ok else 'FAIL'}")
         if not ok:
             failures.append("recompute memory")
+    # The dry run (plan explain) predicts the op-internal bytes the run sent:
+    # per micro-batch, times the micro-batches of a step.
+    if "cp2_tp2" in names:
+        spath, ppath = os.path.join(tmp, "cp2_tp2.json"), os.path.join(tmp, "cp2_tp2.plan.json")
+        rc, err = run([args.hspmd, "plan", "compile", "--model", model, "--strategy", spath,
+                       "--world", "4", "--seq-len", "16", "-o", ppath])
+        r = subprocess.run([args.hspmd, "plan", "explain", ppath, "--json"], capture_output=True, text=True)
+        traffic = json.loads(r.stdout)["op_traffic"] if r.returncode == 0 and rc == 0 else []
+        planned = [4 * sum(t["ranks"].get(str(k), {}).get("bytes_sent", 0) for t in traffic) for k in range(4)]
+        sent = records(os.path.join(tmp, "cp2_tp2.jsonl"))[0]["op_bytes_sent"]
+        ok = planned == sent and min(sent) > 0
+        print(f"{'dry-run op bytes':18s} planned {planned} sent {sent} {'ok' if ok else 'FAIL'}")
+        if not ok:
+            failures.append("dry-run op bytes")
     want_loss, want_w = want["fixed"]
     # --init loads full Hugging Face tensors and shards them into the plan.
     init_log = os.path.join(tmp, "init_single.jsonl")

@@ -78,7 +78,8 @@ Data make_data(const Dims& d, const std::vector<int32_t>& pos, uint64_t seed) {
 ShardContext shard(const std::vector<Shape>& in, const std::vector<Box>& in_boxes,
                    const std::vector<Shape>& out, const std::vector<Box>& out_boxes,
                    Communicator& world, const Place& p) {
-  ShardContext s{in, in_boxes, out, out_boxes, {}};
+  ShardContext s{in, in_boxes, out, out_boxes, {}, {}};
+  s.ranks_along = [p](int, int) { return p.members(); };
   s.group_along = [&world, p](int input, int dim) -> Communicator& {
     EXPECT_EQ(input, 0);
     EXPECT_EQ(dim, 1);
@@ -113,7 +114,13 @@ void check_ring(const Dims& d, const std::vector<int32_t>& pos, int cp, uint64_t
   std::vector<Box> boxes = {qb, kb, kb};
   if (docs) lin.push_back(take(x.pos, tb)), shapes.push_back(d.tokens()), boxes.push_back(tb);
   const ShardContext fs = shard(shapes, boxes, {d.q(), d.lse()}, {qb, lb}, world, p);
+  // The op's own prediction of its communication is what the counters see.
+  const ByteCounters before = world.bytes();
   const auto got = run_op(part.out.node(), lin, {qb.shape(), lb.shape()}, &fs);
+  const OpTraffic ft = part.out.node().op->traffic(fs);
+  EXPECT_EQ(ft.sent, world.bytes().sent - before.sent);
+  EXPECT_EQ(ft.received, world.bytes().received - before.received);
+  EXPECT_EQ(ft.group, p.members());
   expect_close(got[0], take(want[0], qb), 1e-5, 1e-6);
   expect_close(got[1], take(want[1], lb), 1e-5, 1e-6);
 
@@ -122,7 +129,11 @@ void check_ring(const Dims& d, const std::vector<int32_t>& pos, int cp, uint64_t
   std::vector<Box> gboxes = {qb, kb, kb, qb, lb, qb};
   if (docs) lgin.push_back(lin[3]), gshapes.push_back(d.tokens()), gboxes.push_back(tb);
   const ShardContext gs = shard(gshapes, gboxes, {d.q(), d.kv(), d.kv()}, {qb, kb, kb}, world, p);
+  const ByteCounters gbefore = world.bytes();
   const auto grads = run_op(part.dq.node(), lgin, {qb.shape(), kb.shape(), kb.shape()}, &gs);
+  const OpTraffic gt = part.dq.node().op->traffic(gs);
+  EXPECT_EQ(gt.sent, world.bytes().sent - gbefore.sent);
+  EXPECT_EQ(gt.received, world.bytes().received - gbefore.received);
   const Box gb[] = {qb, kb, kb};
   for (int i = 0; i < 3; ++i) expect_close(grads[i], take(want_grads[i], gb[i]), 1e-5, 2e-6);
 }

@@ -97,6 +97,38 @@ TEST(CompilePlan, SequenceGranularity) {
   EXPECT_NO_THROW(compile_plan(tiny(), strategy_with_cp(), 4, o));
 }
 
+// The communication inside ops, per micro-batch: ring attention over the cp
+// pairs {0, 2} and {1, 3} in every layer, the vocab-parallel loss over the
+// tp pairs {0, 1} and {2, 3}. Sizes worked by hand: S 16 in halves of 4, a
+// rank's chunk of 8 tokens, B 2, 2 local heads (q and kv) of 8.
+TEST(DryRun, OpTrafficOfContextAndVocabParallelism) {
+  const std::vector<PlannedOpTraffic> traffic = op_traffic(compile_plan(tiny(), strategy_with_cp(), 4));
+  ASSERT_EQ(traffic.size(), 3u);  // attention, cross_entropy forward; attention_grad backward
+  std::map<std::string, const PlannedOpTraffic*> by_op;
+  for (const auto& t : traffic) by_op[t.op] = &t;
+  const PlannedOpTraffic& fwd = *by_op.at("attention");
+  EXPECT_EQ(fwd.phase, "forward");
+  EXPECT_EQ(fwd.kind, "ring_attention");
+  EXPECT_EQ(fwd.calls, 4);
+  ASSERT_EQ(fwd.ranks.size(), 4u);
+  EXPECT_EQ(fwd.ranks.at(0).group, (std::vector<int>{0, 2}));
+  EXPECT_EQ(fwd.ranks.at(3).group, (std::vector<int>{1, 3}));
+  // Per call: 8 B agreeing on errors, one half of q, k, v and the document
+  // starts to the zigzag owner (392 floats), one hop of k, v (512 floats),
+  // one half of out and lse back (144 floats).
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(fwd.ranks.at(r).sent, 4 * (8 + 392 * 4 + 512 * 4 + 144 * 4));
+  EXPECT_EQ(by_op.at("attention_grad")->phase, "backward");
+  const PlannedOpTraffic& loss = *by_op.at("cross_entropy");
+  EXPECT_EQ(loss.kind, "vocab_parallel_loss");
+  EXPECT_EQ(loss.calls, 1);
+  EXPECT_EQ(loss.ranks.at(2).group, (std::vector<int>{2, 3}));
+  EXPECT_EQ(loss.ranks.at(2).sent, 16 * 4 + 16 * 4);  // all-gather and all-reduce of 16 rows
+  // Without cp or vocab-parallel heads nothing communicates inside ops.
+  Strategy dp;
+  dp.pipelines = {pipeline(1, 2, {stage({0}, 0, 3)}), pipeline(1, 2, {stage({1}, 0, 3)})};
+  EXPECT_TRUE(op_traffic(compile_plan(tiny(), dp, 2)).empty());
+}
+
 TEST(DryRun, HeteroPipelinesResolveToTheExpectedPrimitives) {
   const AnnotationPlan plan = compile_plan(tiny(), hetero(), 8);
   const auto all = dry_run(plan, Topology::uniform(8));

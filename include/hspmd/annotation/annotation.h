@@ -170,6 +170,12 @@ Box part_box(const Annotation& annotation, const Shape& global_shape, int subgro
 std::optional<Box> local_box(const Annotation& annotation, const Shape& global_shape, int rank,
                              const std::vector<int64_t>& part_sizes = {});
 
+// The ranks of `rank`'s subgroup under `annotation` whose coordinates equal
+// its own on every key but split(dim) (the ranks sharing its split along
+// tensor dim `dim`), ordered by their chunk along dim; {rank} when dim is
+// not split there. Throws hspmd::Error for a rank outside the annotation.
+std::vector<int> ranks_along(const Annotation& annotation, int rank, int dim);
+
 // The sizes of the top-tier parts along hdim >= 0 for a dim of `dim_size`:
 // from part_weights (exact proportions) or equal. Throws hspmd::Error
 // "[annotation] tensor '<name>': ..." when the weights are not one positive

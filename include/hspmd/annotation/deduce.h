@@ -70,6 +70,14 @@ class AnnotatedGraph {
 AnnotatedGraph deduce(const Graph& graph, const std::map<std::string, Annotation>& plan,
                       int world_size);
 
+// Where `rank`'s local arrays of `node` sit in the global tensors under the
+// symbol bindings: global shapes and boxes of every input and output, and
+// ranks_along (group_along is left to an executor). Throws InternalError
+// when the rank does not hold one of them.
+struct ShardContext;
+ShardContext shard_context(const AnnotatedGraph& annotated, const Node& node,
+                           const Bindings& bindings, int rank);
+
 // ---- helpers shared by the rules ----
 
 // plan[name], validated against `tensor_rank` and ctx.world_size. Throws

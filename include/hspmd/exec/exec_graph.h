@@ -114,6 +114,11 @@ class ExecGraph {
   struct ByteLedger {
     int64_t measured = 0;
     int64_t predicted = 0;
+    // Inside ops (Op::traffic: ring attention, vocab-parallel loss): measured
+    // by the counters around each op's compute, predicted by the op. Under
+    // an emulated clock the measured side also holds the clock messages.
+    int64_t op_measured = 0;
+    int64_t op_predicted = 0;
   };
   const ByteLedger& ledger() const { return ledger_; }
 

@@ -32,6 +32,19 @@ struct ShardContext {
   // split along that dim), ordered by their chunk along it. Throws
   // InternalError when the executor cannot provide one.
   std::function<Communicator&(int input, int dim)> group_along;
+  // The world ranks of that group, in the same order (also set by the dry
+  // run, which has no communicators).
+  std::function<std::vector<int>(int input, int dim)> ranks_along;
+};
+
+// Communication an op does inside compute() on one rank (op-internal, not a
+// Reshard), per call, in bytes as the communicator's counters count them
+// (collectives by their ring volumes, communicator.h).
+struct OpTraffic {
+  std::string kind;        // e.g. "ring_attention", "vocab_parallel_all_reduce"
+  std::vector<int> group;  // the world ranks it talks with (itself included)
+  int64_t sent = 0, received = 0;
+  bool any() const { return !group.empty(); }
 };
 
 // What compute() gets besides its inputs: the concrete output shapes and
@@ -87,6 +100,14 @@ class Op {
   // op(a') with a, a' lists of inputs), as add and concat are: the default
   // rule then lets identical partial inputs through to a partial output.
   virtual bool is_linear() const { return false; }
+
+  // The op-internal communication of one call on the rank described by
+  // `shard` (its boxes and ranks_along); none by default. Ops that talk to
+  // their group in compute() override it with the exact volumes, so the dry
+  // run can list them and the executor can check its counters against them.
+  virtual OpTraffic traffic(const ShardContext& /*shard*/) const { return {}; }
+  // Whether traffic() may return any (lets the dry run skip the other ops).
+  virtual bool may_communicate() const { return false; }
 };
 
 }  // namespace hspmd

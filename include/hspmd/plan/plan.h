@@ -17,6 +17,7 @@
 
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/annotation/deduce.h"
+#include "hspmd/graph/op.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/models/config.h"
 #include "hspmd/plan/strategy.h"
@@ -98,6 +99,21 @@ struct PlannedReshard {
 
   const Resolution& resolution() const { return *shared; }
 };
+
+// Communication inside ops (Op::traffic: context-parallel attention's ring,
+// vocab-parallel cross-entropy), which no Reshard shows: per op type and
+// phase, the number of such calls in one micro-batch and, per rank, their
+// bytes summed (the group is the first call's).
+struct PlannedOpTraffic {
+  std::string op;     // the op type: "attention", "attention_grad", "cross_entropy"
+  std::string kind;   // OpTraffic::kind: "ring_attention", "vocab_parallel_loss"
+  std::string phase;  // "forward" or "backward"
+  int calls = 0;
+  std::map<int, OpTraffic> ranks;
+};
+
+// The op-internal communication of one micro-batch under the plan's bindings.
+std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan);
 
 // Deduces the annotated training graph of `plan` and resolves every Reshard
 // over `topology` (its world size must equal the plan's). Throws the

@@ -48,6 +48,9 @@ struct StepRecord {
   // Distributed runs, per rank: bytes sent this step (all communication), the
   // part sent inside Reshards, and the resolver's prediction of that part.
   std::vector<int64_t> bytes_sent, reshard_bytes_sent, predicted_reshard_bytes;
+  // ... and the part sent inside ops (ring attention, vocab-parallel loss),
+  // measured and as the ops predict it (Op::traffic).
+  std::vector<int64_t> op_bytes_sent, predicted_op_bytes;
   // With --cluster: the EMULATED cluster's step time (virtual clocks) and each
   // rank's virtual compute seconds in the step; 0 / empty otherwise.
   std::vector<int64_t> peak_memory_bytes;  // per rank: peak bytes of tensors in the step
