@@ -283,9 +283,9 @@ int explain_command(const std::vector<std::string>& args) {
   if (topology.world_size() != world)
     fail("[cli] ", cluster, ": the cluster has ", topology.world_size(), " ranks but the plan's world has ",
          world);
-  const std::vector<PlannedReshard> reshards = dry_run(plan, topology);
+  std::vector<PlannedOpTraffic> traffic;
+  const std::vector<PlannedReshard> reshards = dry_run(plan, topology, &traffic);
   const std::vector<DiscoveredPipeline> pipelines = discover_pipelines(plan, reshards);
-  const std::vector<PlannedOpTraffic> traffic = op_traffic(plan);
   if (json)
     print_json(reshards, pipelines, traffic, o, world);
   else

@@ -69,11 +69,13 @@ std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindi
   return out;
 }
 
-std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology) {
+std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology,
+                                    std::vector<PlannedOpTraffic>* traffic) {
   if (topology.world_size() != plan.world_size)
     fail("[plan] the cluster has ", topology.world_size(), " ranks but the plan's world has ",
          plan.world_size);
   const AnnotatedTraining t = annotate_training_graph(plan);
+  if (traffic) *traffic = op_traffic(plan, t);
   ResolutionCache resolve_cached(topology);
   std::vector<PlannedReshard> out;
   for (const auto& [id, spec] : t.reshards(plan.bindings))
@@ -89,7 +91,10 @@ std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& 
 }
 
 std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan) {
-  const AnnotatedTraining t = annotate_training_graph(plan);
+  return op_traffic(plan, annotate_training_graph(plan));
+}
+
+std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const AnnotatedTraining& t) {
   const Graph& g = *t.model.graph;
   const int loss = t.model.loss.node_id();
   std::map<std::pair<std::string, std::string>, PlannedOpTraffic> by_op;  // (phase, op type)

@@ -112,12 +112,17 @@ struct PlannedOpTraffic {
   std::map<int, OpTraffic> ranks;
 };
 
-// The op-internal communication of one micro-batch under the plan's bindings.
+// The op-internal communication of one micro-batch under the plan's
+// bindings (of an already annotated training graph of the plan, or deducing
+// one).
 std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan);
+std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const AnnotatedTraining& t);
 
 // Deduces the annotated training graph of `plan` and resolves every Reshard
 // over `topology` (its world size must equal the plan's). Throws the
 // deduction's and the resolver's errors.
-std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology);
+// With `traffic`, also fills in op_traffic() from the same deduction.
+std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology,
+                                    std::vector<PlannedOpTraffic>* traffic = nullptr);
 
 }  // namespace hspmd
