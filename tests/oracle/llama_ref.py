@@ -354,6 +354,18 @@ def grad_norm(named):
     return math.sqrt(total)
 
 
+def finish_step(named, opt, clip, on_grads):
+    """The end of a step: gradient norm, the caller's look at the gradients,
+    clipping, the optimizer. Returns the norm before clipping."""
+    norm = grad_norm(named)
+    if on_grads:
+        on_grads(named)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(list(named.values()), clip)
+    opt.step()
+    return norm
+
+
 def train_step(named, cfg, opt, inputs, targets, micro_batches, clip, on_grads=None):
     """One optimizer step with gradient accumulation; returns (loss, grad_norm).
 
@@ -372,13 +384,7 @@ def train_step(named, cfg, opt, inputs, targets, micro_batches, clip, on_grads=N
         part = loss_sum(named, cfg, inputs[rows], targets[rows]) / max(count, 1)
         part.backward()
         total += float(part.detach())
-    norm = grad_norm(named)
-    if on_grads:
-        on_grads(named)
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(list(named.values()), clip)
-    opt.step()
-    return total, norm
+    return total, finish_step(named, opt, clip, on_grads)
 
 
 def train_step_packed(named, cfg, opt, samples, micro_batches, clip, on_grads=None):
@@ -403,13 +409,7 @@ def train_step_packed(named, cfg, opt, samples, micro_batches, clip, on_grads=No
     for t in named.values():  # a step with no counted target still steps (zero gradients)
         if t.grad is None:
             t.grad = torch.zeros_like(t)
-    norm = grad_norm(named)
-    if on_grads:
-        on_grads(named)
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_(list(named.values()), clip)
-    opt.step()
-    return total, norm
+    return total, finish_step(named, opt, clip, on_grads)
 
 
 def parse_args(argv):
