@@ -3,6 +3,8 @@
 // communication. Deduction: a named Reshard takes its annotation from the
 // plan, an unnamed one keeps its input's; the gradient of a Reshard is a
 // mirror, which sends the gradient back to the layout of the forward input.
+#include <algorithm>
+
 #include "hspmd/ops/ops.h"
 #include "op_util.h"
 
@@ -42,17 +44,33 @@ class ReshardOp final : public Op {
   // sync reduces them later. A parameter's gradient (e.g. tied embeddings
   // used as LM head on another stage) keeps its bottom-tier partial sums too
   // when the subgroups have the same sizes: it moves pairwise and gradient
-  // sync reduces it with the parameter's other contributions.
+  // sync reduces it with the parameter's other contributions; otherwise a
+  // parameter's gradient turns the source's dup into partial (see below).
   Annotation mirror(const DeduceContext& ctx, const Annotation& grad) const {
     const Node& forward = ctx.graph.graph().node(mirror_of_);
     const Annotation& source = ctx.graph.of(forward.inputs[0]);
-    if (forward.inputs[0].node().op->type() == "parameter" && has_partial(grad) &&
-        same_sizes(grad, source))
-      return moved_to(grad, source);
+    const bool parameter = forward.inputs[0].node().op->type() == "parameter";
+    if (parameter && has_partial(grad) && same_sizes(grad, source)) return moved_to(grad, source);
     Annotation dst = without_partial(ctx, source);
     if (grad.hdim == kPartial && grad.hsize() > 1 && source.hdim == kDup && dst.hsize() > 1)
       dst.hdim = kPartial;
+    // A parameter replicated over ranks that see different tokens (dup over
+    // cp) gets partial gradients there from its other uses: its gradient from
+    // this use joins them as one partial term (the resolver places it on
+    // partial coordinate 0, zeros elsewhere).
+    if (parameter) dup_as_partial(dst);
     return dst;
+  }
+
+  static void dup_as_partial(Annotation& a) {
+    for (Subgroup& g : a.subgroups) {
+      DistStates& s = g.states;
+      const int n = s.degree(kDup);
+      if (n <= 1 || s.has_partial()) continue;
+      s.degrees.erase(kDup);
+      s.degrees[kPartial] = n;
+      std::replace(s.order.begin(), s.order.end(), kDup, kPartial);
+    }
   }
 
   static bool same_sizes(const Annotation& a, const Annotation& b) {

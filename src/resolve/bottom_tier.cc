@@ -160,19 +160,19 @@ bool move_class(PhasePlan& plan, size_t k, const BottomTask& task, const std::ve
   return true;
 }
 
-// Every rank of subgroup i (either side) ends this phase with its destination box.
-void set_outs(PhasePlan& plan, const Layout& src, const Layout& dst, int i) {
-  Step& s = plan.step(0);
+// Every rank of subgroup i (either side) ends phase k with its destination box.
+void set_outs(PhasePlan& plan, const Layout& src, const Layout& dst, int i, size_t k = 0) {
+  Step& s = plan.step(k);
   for (int r : src.subgroup(i).devices.ranks) s.out[r] = dst.box_of(r);
   for (int r : dst.subgroup(i).devices.ranks) s.out[r] = dst.box_of(r);
 }
 
 // Same states, other devices: position p sends its box to position p. A
 // receiver that already holds the same (non-partial) box of this subgroup keeps it.
-void plan_pairwise(PhasePlan& plan, const Layout& src, const Layout& dst, int i) {
+void plan_pairwise(PhasePlan& plan, const Layout& src, const Layout& dst, int i, size_t k = 0) {
   const Subgroup& s = src.subgroup(i);
   const Subgroup& d = dst.subgroup(i);
-  Step& step = plan.step(0);
+  Step& step = plan.step(k);
   for (int p = 0; p < s.devices.size(); ++p) {
     const int a = s.devices.ranks[p];
     const int b = d.devices.ranks[p];
@@ -181,18 +181,41 @@ void plan_pairwise(PhasePlan& plan, const Layout& src, const Layout& dst, int i)
     const bool keeps = !src.bottom_partial(i) && own && own->subgroup == i && own->box == box;
     step.moves.push_back(Move{keeps ? b : a, b, box, true});
   }
-  set_outs(plan, src, dst, i);
+  set_outs(plan, src, dst, i, k);
+}
+
+// A non-partial source into partial destination states (e.g. a gradient
+// joining a parameter's partial gradients): the value is one partial term,
+// so the ranks of partial coordinate 0 receive their boxes by a BSR and the
+// others hold zeros.
+void plan_partial_from_whole(PhasePlan& plan, const Layout& src, const Layout& dst, int i,
+                             const Topology& topology, size_t k = 0) {
+  const Subgroup& d = dst.subgroup(i);
+  std::vector<Holding> owners, needers;
+  for (int r : src.subgroup(i).devices.ranks) owners.push_back(Holding{r, src.ranks.at(r).box});
+  Step& step = plan.step(k);
+  for (int p = 0; p < d.devices.size(); ++p) {
+    const int r = d.devices.ranks[p];
+    if (d.states.coordinate(p, kPartial) == 0)
+      needers.push_back(Holding{r, dst.ranks.at(r).box});
+    else
+      step.zero_fill.insert(r);
+  }
+  std::vector<Move> moves = bsr_moves(plan.shape(), owners, needers, topology, plan.element_size());
+  step.moves.insert(step.moves.end(), moves.begin(), moves.end());
+  set_outs(plan, src, dst, i, k);
 }
 
 // Other devices and other states, no partial: a BSR inside the subgroup.
-void plan_subgroup_bsr(PhasePlan& plan, const Layout& src, const Layout& dst, int i, const Topology& topology) {
+void plan_subgroup_bsr(PhasePlan& plan, const Layout& src, const Layout& dst, int i, const Topology& topology,
+                       size_t k = 0) {
   std::vector<Holding> owners, needers;
   for (int r : src.subgroup(i).devices.ranks) owners.push_back(Holding{r, src.ranks.at(r).box});
   for (int r : dst.subgroup(i).devices.ranks) needers.push_back(Holding{r, dst.ranks.at(r).box});
   std::vector<Move> moves = bsr_moves(plan.shape(), owners, needers, topology, plan.element_size());
-  Step& step = plan.step(0);
+  Step& step = plan.step(k);
   step.moves.insert(step.moves.end(), moves.begin(), moves.end());
-  set_outs(plan, src, dst, i);
+  set_outs(plan, src, dst, i, k);
 }
 
 }  // namespace
@@ -273,14 +296,69 @@ size_t plan_bottom(PhasePlan& plan, size_t first, const BottomTask& task, const 
   return k + (moved ? 1 : 0) - first;
 }
 
+namespace {
+
+// A partial source whose subgroup moves to other devices reduces its partial
+// sums inside the source subgroup first (phase 0, into copies); the result
+// is the source annotation with subgroup i's partial read as dup, or nullopt
+// (and `why`) when the subgroup holds copies already.
+std::optional<Annotation> reduce_in_place(PhasePlan& plan, const Layout& src, int i,
+                                          const Topology& topology, std::string* why) {
+  Annotation reduced = *src.annotation;
+  DistStates& r = reduced.subgroups[i].states;
+  if (r.degree(kDup) > 1) {
+    *why = "subgroup " + std::to_string(i) + " changes its devices and holds both partial sums and copies";
+    return std::nullopt;
+  }
+  r.degrees[kDup] = r.degrees.at(kPartial);
+  r.degrees.erase(kPartial);
+  std::replace(r.order.begin(), r.order.end(), kPartial, kDup);
+  const Layout mid = make_layout(reduced, src.shape, "", "intermediate", topology.world_size());
+  std::map<int, Box> targets;
+  for (int rank : src.subgroup(i).devices.ranks) targets[rank] = mid.ranks.at(rank).box;
+  const Subgroup& m = mid.subgroup(i);
+  std::optional<BottomTask> task = make_bottom_task(src, i, targets, &m.states, &m.devices, why);
+  if (!task) return std::nullopt;
+  plan_bottom(plan, 0, *task, topology);
+  return reduced;
+}
+
+}  // namespace
+
 bool plan_bottom_tier(PhasePlan& plan, const Layout& src, const Layout& dst, const Topology& topology,
                       std::string* why) {
+  // Subgroups whose partial sums must be reduced before they move to other
+  // devices take phase 0 for that; every other movement then runs in
+  // phase k = 1, so no rank is asked for two boxes in one phase.
+  std::map<int, Annotation> reduced;
+  for (int i = 0; i < src.hsize(); ++i) {
+    const Subgroup& s = src.subgroup(i);
+    const Subgroup& d = dst.subgroup(i);
+    if (src.bottom_partial(i) && !(s.states == d.states) && !same_device_set(s.devices, d.devices)) {
+      std::optional<Annotation> r = reduce_in_place(plan, src, i, topology, why);
+      if (!r) return false;
+      reduced.emplace(i, std::move(*r));
+    }
+  }
+  const size_t k = reduced.empty() ? 0 : 1;
   for (int i = 0; i < src.hsize(); ++i) {
     const Subgroup& s = src.subgroup(i);
     const Subgroup& d = dst.subgroup(i);
     if (s.states == d.states && s.devices == d.devices) continue;
+    if (reduced.count(i)) {
+      const Layout mid = make_layout(reduced.at(i), src.shape, "", "intermediate", topology.world_size());
+      if (dst.bottom_partial(i))
+        plan_partial_from_whole(plan, mid, dst, i, topology, k);
+      else
+        plan_subgroup_bsr(plan, mid, dst, i, topology, k);
+      continue;
+    }
     if (s.states == d.states) {
-      plan_pairwise(plan, src, dst, i);
+      plan_pairwise(plan, src, dst, i, k);
+      continue;
+    }
+    if (!src.bottom_partial(i) && dst.bottom_partial(i)) {
+      plan_partial_from_whole(plan, src, dst, i, topology, k);
       continue;
     }
     if (same_device_set(s.devices, d.devices)) {
@@ -288,14 +366,10 @@ bool plan_bottom_tier(PhasePlan& plan, const Layout& src, const Layout& dst, con
       for (int r : d.devices.ranks) targets[r] = dst.ranks.at(r).box;
       std::optional<BottomTask> task = make_bottom_task(src, i, targets, &d.states, &d.devices, why);
       if (!task) return false;
-      plan_bottom(plan, 0, *task, topology);
+      plan_bottom(plan, k, *task, topology);
       continue;
     }
-    if (src.bottom_partial(i) || dst.bottom_partial(i)) {
-      *why = "subgroup " + std::to_string(i) + " changes both its devices and its partial states";
-      return false;
-    }
-    plan_subgroup_bsr(plan, src, dst, i, topology);
+    plan_subgroup_bsr(plan, src, dst, i, topology, k);
   }
   return true;
 }

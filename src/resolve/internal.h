@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <optional>
 #include <string>
 #include <vector>
@@ -158,6 +159,7 @@ struct Step {
   std::map<int, std::vector<CommOp>> ops;        // collectives and local slices
   std::map<int, std::optional<Box>> out;         // ranks whose box is set by this phase
   std::vector<Move> moves;                       // point-to-point, emitted by finish()
+  std::set<int> zero_fill;                       // ranks whose out box starts as zeros
 };
 
 class PhasePlan {

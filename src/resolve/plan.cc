@@ -173,12 +173,13 @@ void PhasePlan::emit_step(Step& s, std::map<int, std::optional<Box>>& cur, Resol
     ph.in_box = now;
     auto out = s.out.find(rank);
     ph.out_box = out == s.out.end() ? now : std::move(out->second);
+    ph.zero_fill = s.zero_fill.count(rank) > 0;
     auto ops = s.ops.find(rank);
     if (ops != s.ops.end()) ph.ops = std::move(ops->second);
     auto rm = moves.find(rank);
     if (rm != moves.end())
       append_p2p_ops(rm->second, single_pair, ph.in_box != ph.out_box, !ph.ops.empty(), element_size_, ph.ops);
-    if (ph.ops.empty() && ph.in_box == ph.out_box) continue;
+    if (ph.ops.empty() && ph.in_box == ph.out_box && !ph.zero_fill) continue;
     now = ph.out_box;
     res.ranks[rank].phases.push_back(std::move(ph));
   }

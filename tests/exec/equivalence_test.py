@@ -109,6 +109,16 @@ PACKED_CASES = {
 }
 
 
+# Tied embeddings (the LM head is the embedding): its gradient travels back
+# from the last stage to the first, where context parallelism makes the
+# embedding's own gradient a partial sum over the cp ranks.
+TIED_CASES = {
+    "tied_cp2tp2_to_cp2tp1": (6, {"pipelines": [pipeline(2, 4, [([0, 1, 2, 3], [0, 1], 2), ([4, 5], [2, 3], 2)])]}),
+    "tied_tp1_to_cp2tp2": (5, {"pipelines": [pipeline(2, 4, [([0], [0, 1], 1), ([1, 2, 3, 4], [2, 3], 2)])]}),
+    "tied_cp_hetero_zero": PACKED_CASES["packed_cp_hetero_zero"],
+}
+
+
 def packed_tokens(rng, n):
     """Documents of 1 to 24 tokens (ids 1..63), each ending in eos 0."""
     out = []
@@ -153,7 +163,7 @@ def run(cmd):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
-    ap.add_argument("--cases", default=",".join(list(CASES) + list(PACKED_CASES)))
+    ap.add_argument("--cases", default=",".join(list(CASES) + list(PACKED_CASES) + list(TIED_CASES)))
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_equiv_")
     model = os.path.join(tmp, "model.json")
@@ -182,16 +192,24 @@ def main():
     if rc:
         sys.exit("single-process packed run failed: " + err)
     want["packed"] = (losses(packed_log), read_safetensors(packed_w))
+    tied_model = os.path.join(tmp, "tied.json")
+    json.dump({**MODEL, "tie_word_embeddings": True}, open(tied_model, "w"))
+    tied = [a if a != model else tied_model for a in common]
+    tied_log, tied_w = os.path.join(tmp, "tied.jsonl"), os.path.join(tmp, "tied.safetensors")
+    rc, err = run(tied + ["--global-batch", "8", "--micro-batches", "4", "--log", tied_log, "--save", tied_w])
+    if rc:
+        sys.exit("single-process tied run failed: " + err)
+    want["tied"] = (losses(tied_log), read_safetensors(tied_w))
     want_loss = want["fixed"][0]
     failures = []
     for name in args.cases.split(","):
-        mode = "packed" if name in PACKED_CASES else "fixed"
-        world, strategy = (PACKED_CASES if mode == "packed" else CASES)[name]
+        mode = "packed" if name in PACKED_CASES else "tied" if name in TIED_CASES else "fixed"
+        world, strategy = {"packed": PACKED_CASES, "tied": TIED_CASES, "fixed": CASES}[mode][name]
         want_loss, want_w = want[mode]
         spath = os.path.join(tmp, name + ".json")
         json.dump(strategy, open(spath, "w"))
         log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
-        rc, err = run((packed if mode == "packed" else common) +
+        rc, err = run({"packed": packed, "tied": tied, "fixed": common}[mode] +
                       ["--strategy", spath, "--nproc", str(world), "--log", log, "--save", weights])
         if rc:
             failures.append(f"{name}: exit {rc}: {err.strip()[-400:]}")

@@ -262,14 +262,50 @@ TEST(ResolveBsr, NothingMovesButBoxesShrink) {
 // ---- errors ----------------------------------------------------------------
 
 TEST(ResolveErrors, PartialWithoutRule) {
-  expect_unsupported(spec({4, 4}, ann({sg({0, 1}, {{PART, 2}})}), ann({sg({2, 3}, {{S0, 2}})})),
-                     "unsupported reshard from hdim -1: [0,1] {partial:2}");
-  expect_unsupported(spec({4, 4}, ann({sg({0, 1}, {{DUP, 2}})}), ann({sg({0, 1}, {{PART, 2}})})),
-                     "partial destination from a non-partial source");
+  expect_unsupported(spec({4, 4}, ann({sg({0, 1, 2, 3}, {{PART, 2}, {DUP, 2}})}), ann({sg({4, 5}, {{S0, 2}})})),
+                     "changes its devices and holds both partial sums and copies");
   expect_unsupported(spec({4, 4}, ann({sg({0}), sg({1})}, PART), ann({sg({0, 1}, {{DUP, 2}})})),
                      "hsize changes from 2 to 1");
   expect_unsupported(spec({4, 4}, ann({sg({0}), sg({1})}, DUP), ann({sg({0}), sg({1})}, PART)),
                      "the destination is partial across subgroups");
+}
+
+// A non-partial value into partial states (a parameter's gradient from one
+// use joining its partial gradients from others): the ranks of partial
+// coordinate 0 receive it, the others hold zeros, and the terms add up.
+TEST(ResolvePartial, WholeValueBecomesOnePartialTerm) {
+  const Resolution same = resolve_and_check(
+      spec({4, 4}, ann({sg({0, 1}, {{DUP, 2}})}), ann({sg({0, 1}, {{PART, 2}})})), kWorld8);
+  EXPECT_EQ(same.total_bytes, 0);
+  ASSERT_EQ(same.ranks.at(1).phases.size(), 1u);
+  EXPECT_TRUE(same.ranks.at(1).phases[0].zero_fill);
+  EXPECT_TRUE(same.ranks.at(0).phases.empty());  // keeps its copy
+  // Other devices, a split kept: [4, 5] row halves -> partial 2 x row halves
+  // on [0..3] (the tied LM head's gradient back to a cp x tp first stage).
+  const Resolution moved = resolve_and_check(
+      spec({4, 4}, ann({sg({4, 5}, {{S0, 2}})}), ann({sg({0, 1, 2, 3}, {{PART, 2}, {S0, 2}}, {PART, S0})})),
+      kWorld8);
+  EXPECT_EQ(moved.total_bytes, 64);  // each row half once, to partial coordinate 0
+  for (int r : {2, 3}) {
+    ASSERT_EQ(moved.ranks.at(r).phases.size(), 1u);
+    EXPECT_TRUE(moved.ranks.at(r).phases[0].zero_fill);
+    EXPECT_TRUE(moved.ranks.at(r).phases[0].ops.empty());
+  }
+}
+
+// Partial sums that move to other devices are reduced inside their subgroup
+// first (phase 0), then moved (phase 1): e.g. a tied LM head's partial
+// gradient on a cp stage going back to the embedding's stage.
+TEST(ResolvePartial, PartialSumsReduceBeforeTheyMove) {
+  const Resolution r = resolve_and_check(
+      spec({4, 4}, ann({sg({0, 1}, {{PART, 2}})}), ann({sg({2, 3}, {{S0, 2}})})), kWorld8);
+  ASSERT_EQ(r.ranks.at(0).phases.size(), 2u);
+  EXPECT_EQ(r.ranks.at(0).phases[0].ops.at(0).kind, CommKind::kAllReduce);
+  EXPECT_EQ(r.ranks.at(2).phases.size(), 1u);
+  // Into partial terms on other devices: reduce, then place on coordinate 0.
+  resolve_and_check(spec({4, 4}, ann({sg({4, 5}, {{PART, 2}})}),
+                         ann({sg({0, 1, 2, 3}, {{PART, 2}, {S0, 2}}, {PART, S0})})),
+                    kWorld8);
 }
 
 TEST(ResolveErrors, ShapesAndRanks) {

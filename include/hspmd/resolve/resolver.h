@@ -102,6 +102,10 @@ struct CommPhase {
   std::optional<Box> in_box;     // nullopt: the rank holds nothing before the phase
   std::optional<Box> out_box;    // nullopt: the rank holds nothing after it
   std::vector<CommOp> ops;
+  // The parts of out_box that no op writes are zeros: the rank holds a zero
+  // partial term (a non-partial value made partial keeps it on the ranks of
+  // partial coordinate 0 only).
+  bool zero_fill = false;
 };
 
 // What one rank executes for one Reshard.
