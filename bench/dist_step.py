@@ -33,6 +33,9 @@ def pipeline(mbs, micro, stages):
 PLANS = {
     "DP=2": (2, {"pipelines": [pipeline(2, 2, [([0], [0, 3])]), pipeline(2, 2, [([1], [0, 3])])]}),
     "TP=2": (2, {"pipelines": [pipeline(2, 4, [([0, 1], [0, 3])])]}),
+    # Context parallelism: ring attention over the two ranks (zigzag halves).
+    "CP=2": (2, {"pipelines": [{"micro_batch_size": 2, "micro_batches": 4,
+                                "stages": [{"ranks": [0, 1], "layers": [0, 3], "cp": 2}]}]}),
     "7 ranks TP 4/2/1": (7, {"pipelines": [pipeline(2, 2, [([0, 1, 2, 3], [0, 3])]),
                                            pipeline(1, 2, [([4, 5], [0, 3])]),
                                            pipeline(2, 1, [([6], [0, 3])])]}),
@@ -72,8 +75,8 @@ def main():
     run(common + ["--global-batch", "8", "--log", single])
     # The first step warms caches and allocators: medians of the others.
     base = statistics.median(r["step_time_s"] for r in records(single)[1:])
-    print(f"{'plan':24s} {'ranks':>5s} {'median step':>12s} {'vs 1 process':>13s}  bytes sent per rank "
-          f"(Reshards / resolver's prediction)")
+    print(f"{'plan':24s} {'ranks':>5s} {'median step':>12s} {'vs 1 process':>13s}  MiB sent per rank "
+          f"inside Reshards / the resolver's prediction [+ inside ops / the ops' prediction]")
     print(f"{'single process':24s} {1:5d} {base:11.3f}s {1.0:12.2f}x")
     for name, (world, strategy) in PLANS.items():
         spath = os.path.join(tmp, "plan.json")
@@ -83,9 +86,11 @@ def main():
         recs = records(log)
         step = statistics.median(r["step_time_s"] for r in recs[1:])
         last = recs[-1]
-        same = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] for r in recs)
-        per_rank = ", ".join(f"{m / 2**20:.2f}/{p / 2**20:.2f}"
-                             for m, p in zip(last["reshard_bytes_sent"], last["predicted_reshard_bytes"]))
+        same = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] and
+                   r["op_bytes_sent"] == r["predicted_op_bytes"] for r in recs)
+        per_rank = ", ".join(f"{m / 2**20:.2f}/{p / 2**20:.2f}" + (f" + {om / 2**20:.2f}/{op / 2**20:.2f}" if om else "")
+                             for m, p, om, op in zip(last["reshard_bytes_sent"], last["predicted_reshard_bytes"],
+                                                     last["op_bytes_sent"], last["predicted_op_bytes"]))
         print(f"{name:24s} {world:5d} {step:11.3f}s {base / step:12.2f}x  [{per_rank}] MiB "
               f"{'(all steps equal)' if same else '(MISMATCH)'}")
 
