@@ -12,7 +12,8 @@
 //     ring volume over the group's slowest link.
 // wait_all stops billing compute, waits, moves the clock to the latest
 // completion (computation that overlapped a transfer hides it, as on real
-// hardware) and resumes billing compute. Byte counters stay with the real
+// hardware), draws the wait as a "comm" span in the trace when it took
+// virtual time, and resumes billing compute. Byte counters stay with the real
 // communicator; group() returns the real communicator's group (unclocked).
 #pragma once
 
