@@ -41,24 +41,19 @@ class ReshardOp final : public Op {
   // The forward input's layout, holding the full gradient where the forward
   // input held a partial sum; partial sums across subgroups (hdim -2) of a
   // forward input duplicated across them (hdim -1) stay partial: gradient
-  // sync reduces them later. A parameter's gradient (e.g. tied embeddings
-  // used as LM head on another stage) keeps its bottom-tier partial sums too
-  // when the subgroups have the same sizes: it moves pairwise and gradient
-  // sync reduces it with the parameter's other contributions; otherwise a
-  // parameter's gradient turns the source's dup into partial (see below).
+  // sync reduces them later. A parameter (e.g. tied embeddings used as LM
+  // head on another stage) replicated over ranks that see different tokens
+  // (dup over cp) gets partial gradients there from its other uses: this
+  // gradient joins them as one partial term, so its dup becomes partial (the
+  // resolver moves partial terms pairwise when the layouts match, else
+  // reduces them first, and puts a whole value on partial coordinate 0).
   Annotation mirror(const DeduceContext& ctx, const Annotation& grad) const {
     const Node& forward = ctx.graph.graph().node(mirror_of_);
     const Annotation& source = ctx.graph.of(forward.inputs[0]);
-    const bool parameter = forward.inputs[0].node().op->type() == "parameter";
-    if (parameter && has_partial(grad) && same_sizes(grad, source)) return moved_to(grad, source);
     Annotation dst = without_partial(ctx, source);
     if (grad.hdim == kPartial && grad.hsize() > 1 && source.hdim == kDup && dst.hsize() > 1)
       dst.hdim = kPartial;
-    // A parameter replicated over ranks that see different tokens (dup over
-    // cp) gets partial gradients there from its other uses: its gradient from
-    // this use joins them as one partial term (the resolver places it on
-    // partial coordinate 0, zeros elsewhere).
-    if (parameter) dup_as_partial(dst);
+    if (forward.inputs[0].node().op->type() == "parameter") dup_as_partial(dst);
     return dst;
   }
 
@@ -71,18 +66,6 @@ class ReshardOp final : public Op {
       s.degrees[kPartial] = n;
       std::replace(s.order.begin(), s.order.end(), kDup, kPartial);
     }
-  }
-
-  static bool same_sizes(const Annotation& a, const Annotation& b) {
-    if (a.hsize() != b.hsize()) return false;
-    for (int i = 0; i < a.hsize(); ++i)
-      if (a.subgroups[i].devices.size() != b.subgroups[i].devices.size()) return false;
-    return true;
-  }
-  // `grad`'s states on `source`'s devices.
-  static Annotation moved_to(Annotation grad, const Annotation& source) {
-    for (int i = 0; i < grad.hsize(); ++i) grad.subgroups[i].devices = source.subgroups[i].devices;
-    return grad;
   }
 
   int mirror_of_;

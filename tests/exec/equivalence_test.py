@@ -119,6 +119,40 @@ TIED_CASES = {
 }
 
 
+def random_strategy(rng, max_world=8, layers=4, kv_heads=4, global_batch=8):
+    """A random valid strategy of at most max_world ranks: 1-3 pipelines
+    sharing the global batch in random proportions and micro-batch sizes,
+    1-4 stages each with random layer cuts, tp in {1, 2, 4} (dividing the KV
+    heads), cp in {1, 2}, recomputation, ZeRO-1 and the schedule drawn at
+    random. Returns (world, strategy)."""
+    while True:
+        shares, left = [], global_batch
+        pipes = rng.choice([1, 2, 2, 3])
+        for p in range(pipes - 1):
+            shares.append(rng.randint(1, left - (pipes - 1 - p)))
+            left -= shares[-1]
+        shares.append(left)
+        pipelines, rank = [], 0
+        for share in shares:
+            mbs = rng.choice([d for d in (1, 2, 4) if share % d == 0])
+            n = rng.randint(1, layers)
+            bounds = [0] + sorted(rng.sample(range(1, layers), n - 1)) + [layers]
+            stages = []
+            for s in range(n):
+                cp, tp = rng.choice([1, 1, 2]), rng.choice([t for t in (1, 2, 4) if kv_heads % t == 0])
+                stage = {"ranks": list(range(rank, rank + cp * tp)), "layers": [bounds[s], bounds[s + 1] - 1]}
+                if cp > 1:
+                    stage["cp"] = cp
+                if rng.random() < 0.3:
+                    stage["recompute"] = True
+                stages.append(stage)
+                rank += cp * tp
+            pipelines.append({"micro_batch_size": mbs, "micro_batches": share // mbs, "stages": stages})
+        if rank <= max_world:
+            return rank, {"schedule": rng.choice(["1f1b", "gpipe"]), "zero": rng.random() < 0.4,
+                          "pipelines": pipelines}
+
+
 def packed_tokens(rng, n):
     """Documents of 1 to 24 tokens (ids 1..63), each ending in eos 0."""
     out = []
@@ -164,6 +198,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--cases", default=",".join(list(CASES) + list(PACKED_CASES) + list(TIED_CASES)))
+    ap.add_argument("--random", type=int, default=6,
+                    help="also this many random strategies (random_strategy), fixed, packed or tied data")
+    ap.add_argument("--seed", type=int, default=2026, help="seed of the random strategies")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_equiv_")
     model = os.path.join(tmp, "model.json")
@@ -202,7 +239,15 @@ def main():
     want["tied"] = (losses(tied_log), read_safetensors(tied_w))
     want_loss = want["fixed"][0]
     failures = []
-    for name in args.cases.split(","):
+    names = args.cases.split(",") if args.cases else []
+    pick = random.Random(args.seed)
+    for k in range(args.random):  # plans nobody wrote by hand
+        name = f"random{args.seed}_{k}"
+        world, strategy = random_strategy(pick)
+        {"fixed": CASES, "packed": PACKED_CASES, "tied": TIED_CASES}[pick.choice(["fixed", "packed", "tied"])][name] = \
+            (world, strategy)
+        names.append(name)
+    for name in names:
         mode = "packed" if name in PACKED_CASES else "tied" if name in TIED_CASES else "fixed"
         world, strategy = {"packed": PACKED_CASES, "tied": TIED_CASES, "fixed": CASES}[mode][name]
         want_loss, want_w = want[mode]
@@ -212,7 +257,7 @@ def main():
         rc, err = run({"packed": packed, "tied": tied, "fixed": common}[mode] +
                       ["--strategy", spath, "--nproc", str(world), "--log", log, "--save", weights])
         if rc:
-            failures.append(f"{name}: exit {rc}: {err.strip()[-400:]}")
+            failures.append(f"{name}: exit {rc}: {err.strip()[-400:]}" + (" " + json.dumps(strategy) if name.startswith("random") else ""))
             continue
         got = losses(log)
         rel = max(abs(a - b) / abs(a) for a, b in zip(want_loss, got))
@@ -232,11 +277,10 @@ def main():
         print(f"{name:22s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
               f"(worst {worst}), bytes {'= predicted' if bytes_ok else '!= predicted'} "
               f"{'ok' if ok else 'FAIL'}")
-        if not ok:
-            failures.append(name)
+        if not ok:  # a random plan is printed so that it can be replayed
+            failures.append(name + (" " + json.dumps(strategy) if name.startswith("random") else ""))
     # Recomputation keeps fewer activations: the first stage of the TP2 -> TP1
     # pipeline (ranks 0, 1; 1F1B keeps two micro-batches there) peaks lower.
-    names = args.cases.split(",")
     if "hetero_pp_tp" in names and "hetero_pp_tp_recompute" in names:
         act = {n: max(max(r["peak_activation_bytes"][:2]) for r in records(os.path.join(tmp, n + ".jsonl")))
                for n in ("hetero_pp_tp", "hetero_pp_tp_recompute")}
