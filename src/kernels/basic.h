@@ -60,8 +60,10 @@ void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, 
 // loss (scalar) = Σ_{targets != ignore} (logsumexp(row) - row[target]) / normalizer;
 // lse [rows] receives logsumexp(row) (0 for ignored rows) for the backward.
 // Throws hspmd::Error on a target outside [0, V) that is not ignore_index.
+// `classes` > 0: only the first `classes` columns are classes (a padded
+// vocabulary); the others are left out of the softmax.
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
-                   int ignore_index, NDArray& loss, NDArray& lse);
+                   int ignore_index, NDArray& loss, NDArray& lse, int64_t classes = 0);
 // Vocab-parallel cross-entropy, where `logits` holds vocabulary entries
 // [vocab_begin, vocab_begin + logits.dim(-1)) of vocab_size, in two steps
 // around the vocab group's communication:
@@ -69,9 +71,11 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
 //    = row[target - vocab_begin] when the shard holds the target, else 0
 //    (both 0 for ignored rows). Throws hspmd::Error on a target outside
 //    [0, vocab_size) that is not ignore_index.
+//    With `classes` > 0, entries >= classes are left out (a shard holding
+//    none of them gets local_lse -inf).
 void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
                                int64_t vocab_begin, int64_t vocab_size, int ignore_index,
-                               NDArray& local_lse, NDArray& target_logit);
+                               NDArray& local_lse, NDArray& target_logit, int64_t classes = 0);
 // 2. From every shard's local_lse gathered as shard_lse [shards, rows] and
 //    target_logit summed over the shards: lse[r] = m + log Σ_s exp(shard_lse[s, r] - m)
 //    with m the max over shards (0 for ignored rows), and loss as above. The
@@ -83,8 +87,9 @@ void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit
 // ignored rows. `logits` holds vocabulary entries [vocab_begin, vocab_begin +
 // logits.dim(-1)) and `lse` the log-sum-exp over the whole vocabulary, so a
 // vocab shard needs no communication.
+// Entries >= classes (when > 0) get zero gradient.
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
-                            int64_t vocab_begin, NDArray& dlogits);
+                            int64_t vocab_begin, NDArray& dlogits, int64_t classes = 0);
 
 }  // namespace hspmd::kernels

@@ -114,7 +114,10 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   r.boolean("tie_word_embeddings", c.tie_word_embeddings);
   r.integer_or_first_of_list("eos_token_id", c.eos_token_id);
   r.number("initializer_range", c.initializer_range);
+  r.integer("padded_vocab_size", c.padded_vocab_size, false);
   validate(c, r);
+  if (c.padded_vocab_size != 0 && c.padded_vocab_size < c.vocab_size)
+    r.fail_rule("padded_vocab_size=", c.padded_vocab_size, " is smaller than vocab_size=", c.vocab_size);
   return c;
 }
 
@@ -123,7 +126,7 @@ LlamaConfig LlamaConfig::load(const std::string& path) {
 }
 
 json LlamaConfig::to_json() const {
-  return {{"vocab_size", vocab_size},
+  json j = {{"vocab_size", vocab_size},
           {"hidden_size", hidden_size},
           {"intermediate_size", intermediate_size},
           {"num_hidden_layers", num_hidden_layers},
@@ -135,6 +138,8 @@ json LlamaConfig::to_json() const {
           {"tie_word_embeddings", tie_word_embeddings},
           {"eos_token_id", eos_token_id},
           {"initializer_range", initializer_range}};
+  if (table_rows() != vocab_size) j["padded_vocab_size"] = padded_vocab_size;
+  return j;
 }
 
 }  // namespace hspmd

@@ -62,7 +62,7 @@ std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaCon
   const int64_t H = c.hidden_size, D = c.head_dim(), F = c.intermediate_size;
   const int64_t q_out = c.num_attention_heads * D, kv_out = c.kv_heads() * D;
   std::vector<std::pair<std::string, Shape>> shapes = {{"model.embed_tokens.weight",
-                                                        {c.vocab_size, H}}};
+                                                        {c.table_rows(), H}}};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = layer_prefix(i);
     shapes.push_back({p + "self_attn.q_proj.weight", {q_out, H}});
@@ -76,7 +76,7 @@ std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaCon
     shapes.push_back({p + "post_attention_layernorm.weight", {H}});
   }
   shapes.push_back({"model.norm.weight", {H}});
-  if (!c.tie_word_embeddings) shapes.push_back({"lm_head.weight", {c.vocab_size, H}});
+  if (!c.tie_word_embeddings) shapes.push_back({"lm_head.weight", {c.table_rows(), H}});
   return shapes;
 }
 
@@ -108,7 +108,9 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
                     ? mark(o, g.find("model.embed_tokens.weight"), "lm_head.weight")
                     : g.find("lm_head.weight");
   Tensor logits = ops::linear(h, head);
-  m.loss = ops::cross_entropy(logits, m.targets, m.normalizer);
+  // Padded vocabulary: only the first vocab_size logits are classes.
+  m.loss = ops::cross_entropy(logits, m.targets, m.normalizer, -100,
+                              c.table_rows() != c.vocab_size ? c.vocab_size : 0);
   m.grads = gradients(m.loss, m.params);
   for (size_t i = 0; i < m.grads.size(); ++i) {
     HSPMD_CHECK(m.grads[i].valid(), "parameter ", m.names[i], " does not reach the loss");

@@ -44,13 +44,13 @@ VocabRange vocab_range(const OpContext& ctx, int input, const NDArray& logits) {
 // Vocab-parallel forward: local statistics, then the group's collectives
 // (started together, waited together), then the same combine on every member.
 void vocab_parallel_forward(const OpContext& ctx, const std::vector<NDArray>& in, int ignore_index,
-                            const VocabRange& v, std::vector<NDArray>& out) {
+                            int64_t classes, const VocabRange& v, std::vector<NDArray>& out) {
   const NDArray logits = in[0].contiguous(), targets = in[1].contiguous();
   const int64_t rows = targets.numel();
   NDArray local_lse = NDArray::empty({rows}, DType::F32, logits.device());
   NDArray target_logit = NDArray::empty({rows}, DType::F32, logits.device());
   kernels::cross_entropy_shard_stats(logits, targets, v.begin, v.size, ignore_index, local_lse,
-                                     target_logit);
+                                     target_logit, classes);
   Communicator& group = ctx.shard->group_along(0, logits.ndim() - 1);
   NDArray shard_lse = NDArray::empty({group.size(), rows}, DType::F32, logits.device());
   std::vector<Request> pending;
@@ -86,7 +86,8 @@ DimRule cross_entropy_rule(int targets_rank, bool backward) {
 // (dloss, logits, targets, normalizer, lse) -> dlogits.
 class CrossEntropyGradOp final : public Op {
  public:
-  explicit CrossEntropyGradOp(int ignore_index) : ignore_index_(ignore_index) {}
+  CrossEntropyGradOp(int ignore_index, int64_t classes)
+      : ignore_index_(ignore_index), classes_(classes) {}
   std::string type() const override { return "cross_entropy_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("cross_entropy_grad", in, 5);
@@ -97,7 +98,7 @@ class CrossEntropyGradOp final : public Op {
     out[0] = ctx.alloc(0);
     const VocabRange v = vocab_range(ctx, 1, in[1]);
     kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3],
-                                    in[4].contiguous(), ignore_index_, v.begin, out[0]);
+                                    in[4].contiguous(), ignore_index_, v.begin, out[0], classes_);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -106,11 +107,12 @@ class CrossEntropyGradOp final : public Op {
 
  private:
   int ignore_index_;
+  int64_t classes_;
 };
 
 class CrossEntropyOp final : public Op {
  public:
-  explicit CrossEntropyOp(int ignore_index) : ignore_index_(ignore_index) {}
+  CrossEntropyOp(int ignore_index, int64_t classes) : ignore_index_(ignore_index), classes_(classes) {}
   std::string type() const override { return "cross_entropy"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("cross_entropy", in, 3);
@@ -147,13 +149,13 @@ class CrossEntropyOp final : public Op {
     const VocabRange v = vocab_range(ctx, 0, in[0]);
     if (v.whole())
       kernels::cross_entropy(in[0].contiguous(), in[1].contiguous(), in[2], ignore_index_, out[0],
-                             out[1]);
+                             out[1], classes_);
     else
-      vocab_parallel_forward(ctx, in, ignore_index_, v, out);
+      vocab_parallel_forward(ctx, in, ignore_index_, classes_, v, out);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor logits = node.inputs[0], targets = node.inputs[1], norm = node.inputs[2];
-    auto op = std::make_shared<CrossEntropyGradOp>(ignore_index_);
+    auto op = std::make_shared<CrossEntropyGradOp>(ignore_index_, classes_);
     return {g[0].graph()->add1(op, {g[0], logits, targets, norm, node.output(1)}), Tensor(),
             Tensor()};
   }
@@ -164,13 +166,15 @@ class CrossEntropyOp final : public Op {
 
  private:
   int ignore_index_;
+  int64_t classes_;
 };
 
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& normalizer,
-                     int ignore_index) {
-  return logits.graph()->add(std::make_shared<CrossEntropyOp>(ignore_index),
+                     int ignore_index, int64_t classes) {
+  if (classes < 0) fail("[cross_entropy] classes must be >= 0, got ", classes);
+  return logits.graph()->add(std::make_shared<CrossEntropyOp>(ignore_index, classes),
                              {logits, targets, normalizer})[0];
 }
 

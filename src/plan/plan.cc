@@ -5,6 +5,7 @@
 #include "hspmd/plan/plan.h"
 
 #include <functional>
+#include <numeric>
 
 #include "hspmd/core/error.h"
 #include "hspmd/models/llama.h"
@@ -189,7 +190,15 @@ AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy,
   if (seq_len % g != 0)
     fail("[plan] sequence length ", seq_len, " must be a multiple of ", g,
          " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
-  return Compiler(config, strategy).compile(world_size, seq_len);
+  // Vocab-parallel embedding and LM head split the vocabulary over every
+  // stage's tp ranks: pad it to a multiple of all tp degrees (Megatron's
+  // make-vocab-size-divisible-by), with zero rows and masked logits.
+  LlamaConfig model = config;
+  int64_t tp = 1;
+  for (const Pipeline& p : strategy.pipelines)
+    for (const Stage& st : p.stages) tp = std::lcm(tp, static_cast<int64_t>(st.tp()));
+  if (model.table_rows() % tp != 0) model.padded_vocab_size = (model.vocab_size + tp - 1) / tp * tp;
+  return Compiler(model, strategy).compile(world_size, seq_len);
 }
 
 }  // namespace hspmd

@@ -159,8 +159,7 @@ void validate_tp(const Stage& st, int p, int s, const LlamaConfig& c) {
   const int64_t tp = st.tp();
   const std::pair<const char*, int64_t> sizes[] = {{"num_attention_heads", c.num_attention_heads},
                                                    {"num_key_value_heads", c.kv_heads()},
-                                                   {"intermediate_size", c.intermediate_size},
-                                                   {"vocab_size", c.vocab_size}};
+                                                   {"intermediate_size", c.intermediate_size}};
   for (const auto& [name, size] : sizes)
     if (size % tp != 0) fail_at(p, s, "tp=", tp, " does not divide ", name, "=", size);
 }

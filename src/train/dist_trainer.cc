@@ -56,6 +56,12 @@ std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine
   return out;
 }
 
+// The tensors with one row per vocabulary entry (padded by the plan when tp
+// does not divide the vocabulary).
+bool is_vocab_table(const std::string& name) {
+  return name == "model.embed_tokens.weight" || name == "lm_head.weight";
+}
+
 double all_reduce_scalar(double v, Communicator& world) {
   float x = static_cast<float>(v);
   std::vector<Request> req;
@@ -163,7 +169,14 @@ void DistTrainer::init_parameters() {
       o_.init_path.empty()
           ? init_llama_parameters(config_, o_.seed)
           : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
+  const int64_t rows = plan_.model.table_rows();
   for (auto& [name, array] : full) {
+    if (is_vocab_table(name) && rows != array.dim(0)) {
+      // The plan pads the vocabulary (docs/vocab_parallel.md): zero rows.
+      NDArray padded = NDArray::zeros({rows, array.dim(1)}, DType::F32);
+      std::copy(array.data<float>(), array.data<float>() + array.numel(), padded.data<float>());
+      array = padded;
+    }
     shapes_[name] = array.shape();
     if (auto box = graph_->local_box(name, array.shape())) params_[name] = box_slice(array, *box);
     auto st = plan_.optimizer_states.find(name);
@@ -256,6 +269,8 @@ void DistTrainer::save() const {
     auto p = params_.find(name);
     NDArray full = graph_->reshard("save." + name, shapes_.at(name), graph_->annotation(name), rank0,
                                    p == params_.end() ? NDArray() : p->second, world_);
+    if (world_.rank() == 0 && is_vocab_table(name) && full.dim(0) != config_.vocab_size)
+      full = full.slice(0, 0, config_.vocab_size).contiguous();  // drop the padding rows
     if (world_.rank() == 0) out.emplace(name, full.to(o_.save_dtype));
   }
   if (world_.rank() == 0) save_safetensors(o_.save_path, out);

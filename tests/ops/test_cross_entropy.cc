@@ -1,5 +1,6 @@
 #include "gradcheck.h"
 #include "hspmd/ops/ops.h"
+#include "kernels/basic.h"
 
 namespace hspmd {
 namespace {
@@ -26,12 +27,12 @@ double reference_loss(const NDArray& logits, const std::vector<int32_t>& targets
 struct CeGraph {
   Graph g;
   Tensor logits, targets, norm, loss;
-  CeGraph(const Shape& lshape, int ignore = -100) {
+  CeGraph(const Shape& lshape, int ignore = -100, int64_t classes = 0) {
     SymShape ls = sym_shape(lshape);
     logits = g.placeholder("logits", ls, DType::F32);
     targets = g.placeholder("targets", SymShape(ls.begin(), ls.end() - 1), DType::I32);
     norm = g.placeholder("norm", {}, DType::F32);
-    loss = ops::cross_entropy(logits, targets, norm, ignore);
+    loss = ops::cross_entropy(logits, targets, norm, ignore, classes);
   }
   ValueMap values(const NDArray& l, const std::vector<int32_t>& t, float n) const {
     Shape ts(l.shape().begin(), l.shape().end() - 1);
@@ -59,6 +60,47 @@ TEST(CrossEntropy, IgnoredRowsAndNormalizer) {
   NDArray grad = Executor(c.g, {dl}).run(c.values(logits, t, 4.0f))[0];
   for (int i = 5; i < 10; ++i) EXPECT_EQ(grad.data<float>()[i], 0.0f);
   for (int i = 25; i < 30; ++i) EXPECT_EQ(grad.data<float>()[i], 0.0f);
+}
+
+// A padded vocabulary: with classes = 5 of 8 columns, the loss is that of the
+// first 5 columns alone, whatever the other 3 hold, and they get no gradient.
+TEST(CrossEntropy, ClassesLeaveThePaddingOut) {
+  NDArray logits = random_array({3, 8}, 6, 2.0f);
+  const std::vector<int32_t> t = {4, 0, 2};
+  CeGraph c({3, 8}, -100, 5);
+  Executor exec(c.g, {c.loss});
+  const float l = exec.run(c.values(logits, t, 3.0f))[0].data<float>()[0];
+  EXPECT_NEAR(l, reference_loss(logits.slice(1, 0, 5).contiguous(), t, 3.0, -100), 1e-5);
+  NDArray changed = logits.clone();
+  for (int r = 0; r < 3; ++r) changed.data<float>()[r * 8 + 6] = 50.0f;
+  EXPECT_EQ(exec.run(c.values(changed, t, 3.0f))[0].data<float>()[0], l);
+  Tensor dl = gradients(c.loss, {c.logits})[0];
+  NDArray grad = Executor(c.g, {dl}).run(c.values(logits, t, 3.0f))[0];
+  for (int r = 0; r < 3; ++r)
+    for (int k = 5; k < 8; ++k) EXPECT_EQ(grad.data<float>()[r * 8 + k], 0.0f);
+  // A target among the padding is outside the classes.
+  EXPECT_THROW(exec.run(c.values(logits, {6, 0, 2}, 3.0f)), Error);
+}
+
+// Vocab-parallel statistics with a shard that holds padding only: it adds
+// nothing, and the combined loss equals the one-device loss over the classes.
+TEST(CrossEntropy, ShardOfPaddingOnly) {
+  NDArray logits = random_array({2, 8}, 7, 2.0f);  // vocab 5 padded to 8, shards of 4 (tp 2)
+  const std::vector<int32_t> t = {1, 4};
+  const NDArray targets = NDArray::from_vector_i32({2}, t), norm = NDArray::from_vector({}, {2.0f});
+  NDArray shard_lse = NDArray::empty({2, 2}, DType::F32), picked = NDArray::zeros({2}, DType::F32);
+  for (int s = 0; s < 2; ++s) {
+    NDArray lse = NDArray::empty({2}, DType::F32), tl = NDArray::empty({2}, DType::F32);
+    kernels::cross_entropy_shard_stats(logits.slice(1, 4 * s, 4 * s + 4).contiguous(), targets, 4 * s, 8,
+                                       -100, lse, tl, 5);
+    for (int r = 0; r < 2; ++r) {
+      shard_lse.data<float>()[s * 2 + r] = lse.data<float>()[r];
+      picked.data<float>()[r] += tl.data<float>()[r];
+    }
+  }
+  NDArray loss = NDArray::empty({}, DType::F32), lse = NDArray::empty({2}, DType::F32);
+  kernels::cross_entropy_combine(shard_lse, picked, targets, norm, -100, loss, lse);
+  EXPECT_NEAR(loss.data<float>()[0], reference_loss(logits.slice(1, 0, 5).contiguous(), t, 2.0, -100), 1e-5);
 }
 
 TEST(CrossEntropy, CustomIgnoreIndex) {

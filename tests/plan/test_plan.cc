@@ -70,6 +70,24 @@ TEST(CompilePlan, AnnotatesPipelinesAndStages) {
   EXPECT_TRUE(plan.optimizer_states.empty());
 }
 
+// A vocabulary tp does not divide is padded to a multiple of every stage's
+// tp: the tables gain zero rows, the loss masks their logits, and the plan's
+// JSON keeps the padding.
+TEST(CompilePlan, PadsTheVocabularyForTensorParallelism) {
+  LlamaConfig c = tiny();
+  c.vocab_size = 63;
+  const AnnotationPlan plan = compile_plan(c, hetero(), 8);  // tp 2 and 1
+  EXPECT_EQ(plan.model.vocab_size, 63);
+  EXPECT_EQ(plan.model.table_rows(), 64);
+  const AnnotationPlan back = plan_from_json(to_json(plan));
+  EXPECT_EQ(back.model.table_rows(), 64);
+  const LlamaGraph m = build_llama(plan.model);
+  EXPECT_EQ(m.params[0].shape()[0], SymDim(64));  // model.embed_tokens.weight
+  EXPECT_NO_THROW(dry_run(plan, Topology::uniform(8)));
+  EXPECT_EQ(compile_plan(tiny(), hetero(), 8).model.table_rows(), 64);  // 64 divides: no padding
+  EXPECT_EQ(compile_plan(tiny(), hetero(), 8).model.padded_vocab_size, 0);
+}
+
 TEST(CompilePlan, RejectsAnInvalidStrategy) {
   Strategy s = hetero();
   s.pipelines[1].stages[1].first_layer = 3;  // gap after layer 1

@@ -27,7 +27,14 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   int64_t eos_token_id = 2;  // a list in the file: its first element
   double initializer_range = 0.02;
+  // Rows of the embedding and LM-head tables when a plan pads the vocabulary
+  // so that tensor parallelism divides it (0 = vocab_size). The padded rows
+  // are zeros, never looked up, and their logits are masked: the model is
+  // the same (docs/vocab_parallel.md). Not a Hugging Face field; a plan's
+  // JSON carries it as "padded_vocab_size".
+  int64_t padded_vocab_size = 0;
 
+  int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
 

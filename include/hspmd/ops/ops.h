@@ -76,8 +76,11 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 // scalar sum over tokens with target != ignore_index of -log p(target),
 // divided by `normalizer` (an f32 scalar tensor, usually the number of target
 // tokens of the whole global batch).
+// `classes` > 0: only the first `classes` vocabulary entries are classes
+// (a vocabulary padded for tensor parallelism); the others are left out of
+// the softmax and get zero gradient.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& normalizer,
-                     int ignore_index = -100);
+                     int ignore_index = -100, int64_t classes = 0);
 
 // ---- distribution ----
 // Marks a point where the tensor may change layout (DESIGN §1). Identity on

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "hspmd/core/error.h"
@@ -34,15 +35,21 @@ void check_targets(const NDArray& targets, int64_t v, int ignore_index) {
            v, ") and is not ignore_index ", ignore_index);
 }
 
+// How many of a shard's `v` entries, from global entry `begin`, are classes.
+int64_t class_columns(int64_t v, int64_t begin, int64_t classes) {
+  return classes > 0 ? std::clamp<int64_t>(classes - begin, 0, v) : v;
+}
+
 }  // namespace
 
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
-                   int ignore_index, NDArray& loss, NDArray& lse) {
+                   int ignore_index, NDArray& loss, NDArray& lse, int64_t classes) {
   require_backend("cross_entropy", logits);
   require_backend("cross_entropy", targets);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && loss.numel() == 1, "cross_entropy: sizes");
-  check_targets(targets, v, ignore_index);
+  const int64_t n = class_columns(v, 0, classes);
+  check_targets(targets, n, ignore_index);
   const float* x = logits.data<float>();
   const int32_t* t = targets.data<int32_t>();
   float* row_lse = lse.data<float>();
@@ -52,7 +59,7 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
     row_lse[r] = 0.0f;
     if (t[r] == ignore_index) continue;
     const float* xr = x + r * v;
-    const RowStats st = row_stats(xr, v);
+    const RowStats st = row_stats(xr, n);
     const double l = std::log(static_cast<double>(st.sum)) + st.max;
     row_lse[r] = static_cast<float>(l);
     row_loss[r] = l - xr[t[r]];
@@ -64,7 +71,7 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
 
 void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
                                int64_t vocab_begin, int64_t vocab_size, int ignore_index,
-                               NDArray& local_lse, NDArray& target_logit) {
+                               NDArray& local_lse, NDArray& target_logit, int64_t classes) {
   require_backend("cross_entropy", logits);
   require_backend("cross_entropy", targets);
   const int64_t v = logits.dim(-1), rows = targets.numel();
@@ -73,7 +80,8 @@ void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
               "cross_entropy_shard_stats: sizes");
   HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + v <= vocab_size,
               "cross_entropy_shard_stats: vocab range");
-  check_targets(targets, vocab_size, ignore_index);
+  check_targets(targets, classes > 0 ? classes : vocab_size, ignore_index);
+  const int64_t n = class_columns(v, vocab_begin, classes);
   const float* x = logits.data<float>();
   const int32_t* t = targets.data<int32_t>();
   float* lse = local_lse.data<float>();
@@ -84,10 +92,14 @@ void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
     picked[r] = 0.0f;
     if (t[r] == ignore_index) continue;
     const float* xr = x + r * v;
-    const RowStats st = row_stats(xr, v);
+    if (n == 0) {  // a shard of padding only: no class, nothing to add
+      lse[r] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const RowStats st = row_stats(xr, n);
     lse[r] = static_cast<float>(std::log(static_cast<double>(st.sum)) + st.max);
     const int64_t local = t[r] - vocab_begin;
-    if (local >= 0 && local < v) picked[r] = xr[local];
+    if (local >= 0 && local < n) picked[r] = xr[local];
   }
 }
 
@@ -120,7 +132,7 @@ void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit
 
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
-                            int64_t vocab_begin, NDArray& dlogits) {
+                            int64_t vocab_begin, NDArray& dlogits, int64_t classes) {
   require_backend("cross_entropy_backward", logits);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v,
@@ -130,6 +142,7 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
   const float* row_lse = lse.data<float>();
   float* dx = dlogits.data<float>();
   const float g = dloss.data<float>()[0] / normalizer.data<float>()[0];
+  const int64_t n = class_columns(v, vocab_begin, classes);
 #pragma omp parallel for schedule(static) if (rows * v > 32768)
   for (int64_t r = 0; r < rows; ++r) {
     float* dr = dx + r * v;
@@ -137,9 +150,10 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
       std::memset(dr, 0, v * sizeof(float));
       continue;
     }
-    vec::exp_scale(x + r * v, v, row_lse[r], g, dr);
+    vec::exp_scale(x + r * v, n, row_lse[r], g, dr);
+    std::memset(dr + n, 0, (v - n) * sizeof(float));
     const int64_t local = t[r] - vocab_begin;
-    if (local >= 0 && local < v) dr[local] -= g;
+    if (local >= 0 && local < n) dr[local] -= g;
   }
 }
 
