@@ -210,7 +210,8 @@ def main():
     ap.add_argument("--cases", default=",".join(list(CASES) + list(PACKED_CASES) + list(TIED_CASES) +
                                                 list(VOCAB66_CASES)))
     ap.add_argument("--random", type=int, default=6,
-                    help="also this many random strategies (random_strategy), fixed, packed or tied data")
+                    help="also this many random strategies (random_strategy) on fixed, packed, tied or "
+                         "vocab-66 data")
     ap.add_argument("--seed", type=int, default=2026, help="seed of the random strategies")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_equiv_")
@@ -263,7 +264,8 @@ def main():
     for k in range(args.random):  # plans nobody wrote by hand
         name = f"random{args.seed}_{k}"
         world, strategy = random_strategy(pick)
-        {"fixed": CASES, "packed": PACKED_CASES, "tied": TIED_CASES}[pick.choice(["fixed", "packed", "tied"])][name] = \
+        mode = pick.choice(["fixed", "packed", "tied", "vocab66"])
+        {"fixed": CASES, "packed": PACKED_CASES, "tied": TIED_CASES, "vocab66": VOCAB66_CASES}[mode][name] = \
             (world, strategy)
         names.append(name)
     for name in names:
