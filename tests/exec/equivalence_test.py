@@ -225,38 +225,28 @@ def main():
             "--eps", os.environ.get("HSPMD_EQ_EPS", "1e-5"), "--weight-decay", "0.1", "--clip-grad", "0.5", "--threads", "1",
             "--quiet"]
     common = base + ["--seq-len", "16"]
-    base_log, base_w = os.path.join(tmp, "single.jsonl"), os.path.join(tmp, "single.safetensors")
-    rc, err = run(common + ["--global-batch", "8", "--micro-batches", "4", "--log", base_log,
-                            "--save", base_w])
-    if rc:
-        sys.exit("single-process run failed: " + err)
-    want = {"fixed": (losses(base_log), read_safetensors(base_w))}
+    base_w = os.path.join(tmp, "fixed.safetensors")  # --init below loads it
+
+    def model_variant(name, **fields):
+        path = os.path.join(tmp, name + ".json")
+        json.dump({**MODEL, **fields}, open(path, "w"))
+        return [a if a != model else path for a in common]
+
     packed_data = os.path.join(tmp, "packed.bin")
     with open(packed_data, "wb") as f:
         f.write(b"".join(struct.pack("<I", t) for t in packed_tokens(rng, 4096)))
-    packed = [a if a != data else packed_data for a in common] + ["--pack-documents"]
-    packed_log, packed_w = os.path.join(tmp, "packed.jsonl"), os.path.join(tmp, "packed.safetensors")
-    rc, err = run(packed + ["--global-batch", "8", "--micro-batches", "4", "--log", packed_log,
-                            "--save", packed_w])
-    if rc:
-        sys.exit("single-process packed run failed: " + err)
-    want["packed"] = (losses(packed_log), read_safetensors(packed_w))
-    tied_model = os.path.join(tmp, "tied.json")
-    json.dump({**MODEL, "tie_word_embeddings": True}, open(tied_model, "w"))
-    tied = [a if a != model else tied_model for a in common]
-    tied_log, tied_w = os.path.join(tmp, "tied.jsonl"), os.path.join(tmp, "tied.safetensors")
-    rc, err = run(tied + ["--global-batch", "8", "--micro-batches", "4", "--log", tied_log, "--save", tied_w])
-    if rc:
-        sys.exit("single-process tied run failed: " + err)
-    want["tied"] = (losses(tied_log), read_safetensors(tied_w))
-    v66_model = os.path.join(tmp, "vocab66.json")
-    json.dump({**MODEL, "vocab_size": 66}, open(v66_model, "w"))
-    v66 = [a if a != model else v66_model for a in common]
-    v66_log, v66_w = os.path.join(tmp, "vocab66.jsonl"), os.path.join(tmp, "vocab66.safetensors")
-    rc, err = run(v66 + ["--global-batch", "8", "--micro-batches", "4", "--log", v66_log, "--save", v66_w])
-    if rc:
-        sys.exit("single-process vocab-66 run failed: " + err)
-    want["vocab66"] = (losses(v66_log), read_safetensors(v66_w))
+    # The command of each data / model mode; its single-process run is the reference.
+    modes = {"fixed": common,
+             "packed": [a if a != data else packed_data for a in common] + ["--pack-documents"],
+             "tied": model_variant("tied", tie_word_embeddings=True),
+             "vocab66": model_variant("vocab66", vocab_size=66)}
+    want = {}
+    for mode, cmd in modes.items():
+        log, weights = os.path.join(tmp, mode + ".jsonl"), os.path.join(tmp, mode + ".safetensors")
+        rc, err = run(cmd + ["--global-batch", "8", "--micro-batches", "4", "--log", log, "--save", weights])
+        if rc:
+            sys.exit(f"single-process {mode} run failed: " + err)
+        want[mode] = (losses(log), read_safetensors(weights))
     want_loss = want["fixed"][0]
     failures = []
     names = args.cases.split(",") if args.cases else []
@@ -277,7 +267,7 @@ def main():
         spath = os.path.join(tmp, name + ".json")
         json.dump(strategy, open(spath, "w"))
         log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
-        rc, err = run({"packed": packed, "tied": tied, "vocab66": v66, "fixed": common}[mode] +
+        rc, err = run(modes[mode] +
                       ["--strategy", spath, "--nproc", str(world), "--log", log, "--save", weights])
         if rc:
             failures.append(f"{name}: exit {rc}: {err.strip()[-400:]}" + (" " + json.dumps(strategy) if name.startswith("random") else ""))
@@ -360,7 +350,7 @@ def main():
         json.dump(CASES[case][1], open(spath, "w"))
         elog = os.path.join(tmp, "emulated.jsonl")
         trace = os.path.join(tmp, "trace.json")
-        rc, err = run((packed if mode == "packed" else common) +
+        rc, err = run(modes[mode] +
                       ["--strategy", spath, "--nproc", "4", "--cluster", cluster, "--log", elog,
                        "--trace", trace])
         if rc:
