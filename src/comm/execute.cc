@@ -14,20 +14,7 @@ namespace hspmd {
 namespace {
 
 using resolve_internal::contains;
-
-bool is_collective(CommKind k) {
-  return k == CommKind::kAllReduce || k == CommKind::kReduceScatter || k == CommKind::kAllGather ||
-         k == CommKind::kSplitAllReduce || k == CommKind::kSplitReduceScatter || k == CommKind::kSplitAllGather;
-}
-bool gathers(CommKind k) { return k == CommKind::kAllGather || k == CommKind::kSplitAllGather; }
-bool scatters(CommKind k) { return k == CommKind::kReduceScatter || k == CommKind::kSplitReduceScatter; }
-
-int member_index(const CommOp& op, int rank) {
-  for (size_t i = 0; i < op.group.size(); ++i)
-    if (op.group[i] == rank) return static_cast<int>(i);
-  HSPMD_CHECK(false, "rank ", rank, " runs a ", kind_name(op.kind), " whose group lacks it");
-  return -1;
-}
+using resolve_internal::member_index;
 
 // Data that lands in the fresh buffer once the phase's requests complete:
 // `boxes` packed one after the other in `data`.
@@ -72,9 +59,9 @@ int64_t PhaseRun::pack(const Box& region, float* out) const {
 
 void PhaseRun::start_collective(const CommOp& op) {
   const int me = member_index(op, rank_);
-  const bool contributes = op.contributes || gathers(op.kind);
-  std::vector<Box> send_boxes = gathers(op.kind) ? std::vector<Box>{op.pieces[me]}
-                                : scatters(op.kind) ? op.pieces
+  const bool contributes = op.contributes || is_all_gather(op.kind);
+  std::vector<Box> send_boxes = is_all_gather(op.kind) ? std::vector<Box>{op.pieces[me]}
+                                : is_reduce_scatter(op.kind) ? op.pieces
                                                     : std::vector<Box>{op.box};
   int64_t send_count = 0;
   for (const Box& b : send_boxes) send_count += b.numel();
@@ -87,7 +74,7 @@ void PhaseRun::start_collective(const CommOp& op) {
   if (op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce) {
     if (!alone) requests_.push_back(world_.group(op.group).start_all_reduce(send, send_count));
     arrivals_.push_back({send, {op.box}});
-  } else if (scatters(op.kind)) {
+  } else if (is_reduce_scatter(op.kind)) {
     float* recv = alone ? send : buffer(counts[me]);
     if (!alone) requests_.push_back(world_.group(op.group).start_reduce_scatter(send, recv, counts));
     arrivals_.push_back({recv, {op.pieces[me]}});

@@ -45,7 +45,9 @@ class RankSets {
   std::vector<bool> present_;
 };
 
-bool is_collective(CommKind k) {
+// Bottom-tier collectives only: their members form one stage (split_*
+// collectives join pipelines, e.g. in gradient sync).
+bool is_stage_collective(CommKind k) {
   return k == CommKind::kAllGather || k == CommKind::kReduceScatter || k == CommKind::kAllReduce;
 }
 
@@ -90,7 +92,7 @@ void merge_forward_collectives(const std::vector<PlannedReshard>& reshards, Rank
   for (const PlannedReshard& r : reshards) {
     if (r.phase != "forward" || !seen.insert(&r.resolution()).second) continue;
     for_each_op(r.resolution(), [&](int, const CommOp& op) {
-      if (is_collective(op.kind) && !op.group.empty()) sets.join(op.group);
+      if (is_stage_collective(op.kind) && !op.group.empty()) sets.join(op.group);
     });
   }
 }

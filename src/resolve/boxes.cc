@@ -10,6 +10,12 @@ Box whole_box(const Shape& shape) { return Box{Shape(shape.size(), 0), shape}; }
 
 Box empty_box_at(const Box& at) { return Box{at.begin, at.begin}; }
 
+int member_index(const CommOp& op, int rank) {
+  auto it = std::find(op.group.begin(), op.group.end(), rank);
+  HSPMD_CHECK(it != op.group.end(), "rank ", rank, " runs a ", kind_name(op.kind), " whose group lacks it");
+  return static_cast<int>(it - op.group.begin());
+}
+
 bool is_empty(const Box& box) {
   for (size_t d = 0; d < box.begin.size(); ++d)
     if (box.end[d] <= box.begin[d]) return true;

@@ -22,6 +22,8 @@ Box whole_box(const Shape& shape);
 // A zero-volume box anchored at `at`'s begin (an "empty piece").
 Box empty_box_at(const Box& at);
 bool is_empty(const Box& box);
+// `rank`'s position in the group of collective `op` (InternalError if absent).
+int member_index(const CommOp& op, int rank);
 bool contains(const Box& outer, const Box& inner);
 // Whether a and b share an element (no allocation).
 bool overlaps(const Box& a, const Box& b);

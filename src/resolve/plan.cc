@@ -26,8 +26,6 @@ int priority(CommKind kind) {
   return 0;
 }
 
-bool is_all_reduce(CommKind k) { return k == CommKind::kAllReduce || k == CommKind::kSplitAllReduce; }
-bool is_reduce_scatter(CommKind k) { return k == CommKind::kReduceScatter || k == CommKind::kSplitReduceScatter; }
 
 CommOp slice_op(const Box& box) {
   CommOp op;

@@ -10,6 +10,11 @@ namespace hspmd {
 
 using namespace resolve_internal;
 
+bool is_all_reduce(CommKind k) { return k == CommKind::kAllReduce || k == CommKind::kSplitAllReduce; }
+bool is_reduce_scatter(CommKind k) { return k == CommKind::kReduceScatter || k == CommKind::kSplitReduceScatter; }
+bool is_all_gather(CommKind k) { return k == CommKind::kAllGather || k == CommKind::kSplitAllGather; }
+bool is_collective(CommKind k) { return is_all_reduce(k) || is_reduce_scatter(k) || is_all_gather(k); }
+
 std::string kind_name(CommKind kind) {
   switch (kind) {
     case CommKind::kIdentity: return "identity";

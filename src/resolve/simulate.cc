@@ -38,19 +38,6 @@ struct RankRun {
   std::vector<std::pair<CollKey, size_t>> waits;  // per collective op of the posted phase
 };
 
-bool is_collective(CommKind k) {
-  return k == CommKind::kAllReduce || k == CommKind::kReduceScatter || k == CommKind::kAllGather ||
-         k == CommKind::kSplitAllReduce || k == CommKind::kSplitReduceScatter || k == CommKind::kSplitAllGather;
-}
-bool gathers(CommKind k) { return k == CommKind::kAllGather || k == CommKind::kSplitAllGather; }
-bool scatters(CommKind k) { return k == CommKind::kReduceScatter || k == CommKind::kSplitReduceScatter; }
-
-int member_index(const CommOp& op, int rank) {
-  auto it = std::find(op.group.begin(), op.group.end(), rank);
-  HSPMD_CHECK(it != op.group.end(), "rank ", rank, " runs a ", kind_name(op.kind), " whose group lacks it");
-  return static_cast<int>(it - op.group.begin());
-}
-
 // The fresh buffer of a phase and which of its elements were written.
 struct Fresh {
   std::optional<Box> box;
@@ -128,7 +115,7 @@ void Simulator::post(int rank, RankRun& run) {
       if (list.size() <= idx) list.resize(idx + 1);
       Contribution c;
       c.op = &op;
-      if (gathers(op.kind)) {
+      if (is_all_gather(op.kind)) {
         HSPMD_CHECK(op.pieces.size() == op.group.size(), "all_gather with ", op.pieces.size(), " pieces");
         if (!is_empty(op.pieces[m])) c.data = read(rank, run, op.pieces[m]);
       } else {
@@ -165,14 +152,14 @@ void Simulator::run_collective(int rank, const CommOp& op, const std::pair<CollK
   for (const auto& [member, c] : inst)
     HSPMD_CHECK(c.op->box == op.box && c.op->pieces == op.pieces, "rank ", rank, " and rank ", member,
                 " disagree on a ", kind_name(op.kind), " over ", to_string(op.box));
-  if (gathers(op.kind)) {
+  if (is_all_gather(op.kind)) {
     for (size_t j = 0; j < op.group.size(); ++j)
       fresh.write(rank, inst.at(op.group[j]).data, op.pieces[j], op.pieces[j]);
     return;
   }
   NDArray sum = NDArray::zeros(op.box.shape(), DType::F32);
   for (const auto& [member, c] : inst) add_region(c.data, op.box, sum, op.box, op.box);
-  const Box& mine = scatters(op.kind) ? op.pieces[member_index(op, rank)] : op.box;
+  const Box& mine = is_reduce_scatter(op.kind) ? op.pieces[member_index(op, rank)] : op.box;
   fresh.write(rank, sum, op.box, mine);
 }
 

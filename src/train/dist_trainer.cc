@@ -136,9 +136,10 @@ class DistTrainer {
 
  private:
   void init_parameters();
-  // This rank's placeholders for micro-batch `micro` of `step`, and the
-  // bindings of their symbolic dims (S varies with packed documents).
-  ValueMap feeds(int64_t step, int micro, Bindings& bindings) const;
+  // This rank's placeholders for micro-batch `micro` of `step` (the loss
+  // divided by `normalizer`), and the bindings of their symbolic dims (S
+  // varies with packed documents).
+  ValueMap feeds(int64_t step, int micro, float normalizer, Bindings& bindings) const;
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void save() const;
@@ -191,7 +192,7 @@ void DistTrainer::init_parameters() {
 // into it and keeps its local box. Rows are as wide as the pipeline's
 // widest sample, rounded up to the granularity (packed documents), so
 // pipelines see different lengths; they never exchange activations.
-ValueMap DistTrainer::feeds(int64_t step, int micro, Bindings& bindings) const {
+ValueMap DistTrainer::feeds(int64_t step, int micro, float normalizer, Bindings& bindings) const {
   int64_t rows = 0, row = 0, mine = 0;
   int64_t first = step * strategy_.global_batch();
   for (int k = 0; k < static_cast<int>(strategy_.pipelines.size()); ++k) {
@@ -210,10 +211,8 @@ ValueMap DistTrainer::feeds(int64_t step, int micro, Bindings& bindings) const {
     source_->fill(mine + b, width, ids.data<int32_t>() + at, targets.data<int32_t>() + at,
                   positions.data<int32_t>() + at);
   }
-  const int64_t counted =
-      source_->counted_targets(step * strategy_.global_batch(), strategy_.global_batch());
   NDArray norm = NDArray::empty({}, DType::F32);
-  norm.fill(static_cast<float>(std::max<int64_t>(1, counted)));
+  norm.fill(normalizer);
   bindings = Bindings{{"B", rows}, {"S", width}};
   ValueMap v(params_.begin(), params_.end());
   for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
@@ -298,6 +297,8 @@ std::vector<StepRecord> DistTrainer::run() {
     world_.reset_bytes();
     graph_->reset_ledger();
     allocator_for(Device::cpu()).reset_peak();
+    const int64_t first = step * strategy_.global_batch();
+    const float normalizer = source_->normalizer(first, strategy_.global_batch());
     // What the rank holds before its micro-batches: parameters, optimizer
     // states; the schedule's peak above it is activations (and raw grads).
     const size_t held = allocator_for(Device::cpu()).current_bytes();
@@ -314,7 +315,7 @@ std::vector<StepRecord> DistTrainer::run() {
     auto forward = [&](int micro) {
       const double t0 = clock_ ? clock_->now() : 0;
       Bindings bindings;
-      const ValueMap values = feeds(step, micro, bindings);
+      const ValueMap values = feeds(step, micro, normalizer, bindings);
       ExecGraph::Activations a = graph_->forward(values, world_, bindings);
       if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
       return a;
@@ -358,7 +359,7 @@ std::vector<StepRecord> DistTrainer::run() {
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);
     if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
-    r.tokens = source_->tokens(step * strategy_.global_batch(), strategy_.global_batch());
+    r.tokens = source_->tokens(first, strategy_.global_batch());
     graph_->wait_sends(world_);
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
     const auto counts = gather_counts(

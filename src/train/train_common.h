@@ -51,11 +51,12 @@ class SampleSource {
     data_.sample(i, seq_len_, ids, targets);
     for (int64_t s = 0; s < seq_len_; ++s) positions[s] = static_cast<int32_t>(s);
   }
-  // Loss normalizer and real tokens of the `count` samples from `first`.
-  int64_t counted_targets(int64_t first, int64_t count) const {
+  // The loss normalizer of the `count` samples from `first` (a global
+  // batch): their counted targets, at least 1; and their real tokens.
+  float normalizer(int64_t first, int64_t count) const {
     int64_t n = 0;
     for (int64_t b = 0; b < count; ++b) n += counted_targets(first + b);
-    return n;
+    return static_cast<float>(std::max<int64_t>(1, n));
   }
   int64_t tokens(int64_t first, int64_t count) const {
     int64_t n = 0;

@@ -77,8 +77,7 @@ std::vector<StepRecord> train(const TrainOptions& o) {
     std::map<std::string, NDArray> grads;
     double loss = 0.0;
     const int64_t first = step * o.global_batch;
-    const float normalizer =
-        static_cast<float>(std::max<int64_t>(1, source.counted_targets(first, o.global_batch)));
+    const float normalizer = source.normalizer(first, o.global_batch);
     for (int64_t mb = 0; mb < o.micro_batches; ++mb) {
       const int64_t at = first + mb * micro;
       ValueMap feeds = make_batch(source, at, micro, source.width(at, micro, 1), normalizer);

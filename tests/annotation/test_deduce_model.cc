@@ -331,14 +331,12 @@ TEST(DeduceGradients, TensorParallelMlp) {
 }
 
 LlamaConfig tiny_llama() {
-  LlamaConfig c;
-  c.vocab_size = 32;
-  c.hidden_size = 16;
-  c.intermediate_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  return c;
+  return LlamaConfig{.vocab_size = 32,
+                     .hidden_size = 16,
+                     .intermediate_size = 32,
+                     .num_hidden_layers = 2,
+                     .num_attention_heads = 4,
+                     .num_key_value_heads = 2};
 }
 
 // Data parallel over 2 ranks needs no Reshard: the whole training graph

@@ -94,31 +94,22 @@ std::string execute_case(const ReshardSpec& s, const Topology& topology, uint64_
 TEST(ExecuteProperty, RandomPairsEndWithTheirDestinationShards) {
   Communicator& world = test_world();
   if (world.size() != kWorld) GTEST_SKIP() << "needs mpirun -np " << kWorld;
-  const char* seed = std::getenv("HSPMD_COMM_SEED");
-  const char* soak = std::getenv("HSPMD_COMM_CASES");
-  Generator gen(seed ? std::strtoull(seed, nullptr, 10) : 20240611);
-  const int cases = soak ? std::atoi(soak) : 300;
   const Topology topology = Topology::uniform(kWorld, 4);
   ExecTally tally;
-  for (int n = 0; n < cases;) {
-    const Shape shape = gen.shape();
-    auto [src, dst] = gen.pair(static_cast<int>(shape.size()));
-    if (!fits(src, shape) || !fits(dst, shape)) continue;
-    ++n;
-    const ReshardSpec s = testing::spec(shape, src, dst, "case" + std::to_string(n));
+  const int cases = for_each_random_pair("HSPMD_COMM_SEED", "HSPMD_COMM_CASES", 300,
+                                         [&](const ReshardSpec& s, int n) {
     const std::string diff = execute_case(s, topology, n, tally);
     float failed = diff.empty() ? 0.0f : 1.0f;
     world.all_reduce(&failed, 1);
     if (!diff.empty()) std::cerr << "[rank " << world.rank() << "] " << s.name << ": " << diff << "\n";
-    if (failed > 0) {
-      if (world.rank() == 0)
-        ADD_FAILURE() << s.name << " failed on " << failed << " rank(s): " << to_string(src) << " -> "
-                      << to_string(dst) << " shape " << shape_str(shape);
-      else
-        ADD_FAILURE();
-      return;
-    }
-  }
+    if (failed == 0) return true;
+    if (world.rank() == 0)
+      ADD_FAILURE() << s.name << " failed on " << failed << " rank(s): " << to_string(s.src) << " -> "
+                    << to_string(s.dst) << " shape " << shape_str(s.shape);
+    else
+      ADD_FAILURE();
+    return false;
+  });
   EXPECT_GE(tally.checked, cases * 6 / 10);
   for (const char* kind : {"identity", "send", "local_slice", "all_reduce", "reduce_scatter", "all_gather",
                            "split_all_reduce", "split_reduce_scatter", "split_all_gather", "bsr"})

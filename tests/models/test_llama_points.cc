@@ -9,15 +9,13 @@ namespace hspmd {
 namespace {
 
 LlamaConfig tiny(bool tied) {
-  LlamaConfig c;
-  c.vocab_size = 32;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.tie_word_embeddings = tied;
-  return c;
+  return LlamaConfig{.vocab_size = 32,
+                     .hidden_size = 16,
+                     .intermediate_size = 24,
+                     .num_hidden_layers = 2,
+                     .num_attention_heads = 4,
+                     .num_key_value_heads = 2,
+                     .tie_word_embeddings = tied};
 }
 
 ValueMap feeds(const LlamaConfig& c) {

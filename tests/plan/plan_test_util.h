@@ -10,15 +10,13 @@
 namespace hspmd::testing {
 
 inline LlamaConfig tiny_config(int layers = 4) {
-  LlamaConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 64;
-  c.num_hidden_layers = layers;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 4;
-  c.max_position_embeddings = 16;
-  return c;
+  return LlamaConfig{.vocab_size = 64,
+                     .hidden_size = 32,
+                     .intermediate_size = 64,
+                     .num_hidden_layers = layers,
+                     .num_attention_heads = 4,
+                     .num_key_value_heads = 4,
+                     .max_position_embeddings = 16};
 }
 
 inline Stage stage(std::vector<int> ranks, int first, int last, int cp = 1) {

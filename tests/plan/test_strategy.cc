@@ -15,14 +15,12 @@ using nlohmann::json;
 
 // The tiny test model: 8 layers, 8 heads, 4 KV heads, FFN 128, vocab 256.
 LlamaConfig tiny() {
-  LlamaConfig c;
-  c.vocab_size = 256;
-  c.hidden_size = 64;
-  c.intermediate_size = 128;
-  c.num_hidden_layers = 8;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 4;
-  return c;
+  return LlamaConfig{.vocab_size = 256,
+                     .hidden_size = 64,
+                     .intermediate_size = 128,
+                     .num_hidden_layers = 8,
+                     .num_attention_heads = 8,
+                     .num_key_value_heads = 4};
 }
 
 // DESIGN §7's example adapted to 8 layers: two pipelines, tp 2 vs tp 1, uneven layers.

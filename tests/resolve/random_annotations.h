@@ -1,8 +1,11 @@
 // Random annotation pairs for the property tests (the resolver's, executed
-// by the simulator, and the MPI executor's): Generator, fits, involves_partial.
+// by the simulator, and the MPI executor's): Generator, fits, involves_partial,
+// for_each_random_pair.
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <numeric>
 #include <random>
 
@@ -197,6 +200,26 @@ inline bool fits(const Annotation& a, const Shape& shape) {
   } catch (const Error&) {
     return false;
   }
+}
+
+// Runs f(spec, n) on up to `cases` random (source, destination) pairs that
+// fit their random shapes, named "case1", "case2", ..., until f returns
+// false. The environment variables `seed_var` and `cases_var` replace the
+// seed and the count (a longer soak). Returns the count asked for.
+template <typename F>
+int for_each_random_pair(const char* seed_var, const char* cases_var, int cases, F&& f) {
+  const char* seed = std::getenv(seed_var);
+  const char* soak = std::getenv(cases_var);
+  Generator gen(seed ? std::strtoull(seed, nullptr, 10) : 20240611);
+  if (soak) cases = std::atoi(soak);
+  for (int n = 0; n < cases;) {
+    const Shape shape = gen.shape();
+    auto [src, dst] = gen.pair(static_cast<int>(shape.size()));
+    if (!fits(src, shape) || !fits(dst, shape)) continue;
+    ++n;
+    if (!f(spec(shape, src, dst, "case" + std::to_string(n)), n)) break;
+  }
+  return cases;
 }
 
 }  // namespace hspmd::testing

@@ -63,19 +63,13 @@ void run_case(const ReshardSpec& s, const Topology& topology, uint64_t seed, Tal
 // HSPMD_RESOLVE_CASES (e.g. 100000) and HSPMD_RESOLVE_SEED run a longer soak
 // locally; HSPMD_RESOLVE_VERBOSE prints the unsupported pairs' messages.
 TEST(ResolveProperty, RandomPairsEndWithTheirDestinationShards) {
-  const char* seed = std::getenv("HSPMD_RESOLVE_SEED");
-  const char* soak = std::getenv("HSPMD_RESOLVE_CASES");
-  Generator gen(seed ? std::strtoull(seed, nullptr, 10) : 20240611);
-  const int cases = soak ? std::atoi(soak) : 500;
   const Topology topology = Topology::uniform(kWorld, 4);
   Tally tally;
-  for (int n = 0; n < cases;) {
-    const Shape shape = gen.shape();
-    auto [src, dst] = gen.pair(static_cast<int>(shape.size()));
-    if (!fits(src, shape) || !fits(dst, shape)) continue;
-    ++n;
-    run_case(spec(shape, src, dst, "case" + std::to_string(n)), topology, n, tally);
-  }
+  const int cases = for_each_random_pair("HSPMD_RESOLVE_SEED", "HSPMD_RESOLVE_CASES", 500,
+                                         [&](const ReshardSpec& s, int n) {
+                                           run_case(s, topology, n, tally);
+                                           return true;
+                                         });
   EXPECT_GE(tally.checked, cases * 6 / 10) << tally.summary();
   EXPECT_GE(tally.partial_checked, cases / 8) << tally.summary();
   for (const char* tier : {"bottom", "top", "bsr"}) EXPECT_GE(tally.tiers[tier], cases / 25) << tier;

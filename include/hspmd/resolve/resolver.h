@@ -76,6 +76,11 @@ enum class CommKind {
 // "all_gather", "split_all_reduce", "split_reduce_scatter", "split_all_gather",
 // "bsr" (the names `plan explain` prints).
 std::string kind_name(CommKind kind);
+// Families of collective kinds (bottom and top tier alike).
+bool is_collective(CommKind kind);
+bool is_all_reduce(CommKind kind);      // all_reduce, split_all_reduce
+bool is_reduce_scatter(CommKind kind);  // reduce_scatter, split_reduce_scatter
+bool is_all_gather(CommKind kind);      // all_gather, split_all_gather
 
 // Boxes exchanged with one peer in one message.
 struct Transfer {
