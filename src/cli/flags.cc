@@ -8,8 +8,6 @@
 
 namespace hspmd::cli {
 
-namespace {
-
 int64_t parse_int(const std::string& flag, const std::string& v) {
   int64_t out = 0;
   auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
@@ -17,6 +15,8 @@ int64_t parse_int(const std::string& flag, const std::string& v) {
     fail("[flags] --", flag, ": '", v, "' is not an integer");
   return out;
 }
+
+namespace {
 
 double parse_double(const std::string& flag, const std::string& v) {
   try {
@@ -33,6 +33,11 @@ double parse_double(const std::string& flag, const std::string& v) {
 void FlagSet::add_string(const std::string& name, std::string* target, const std::string& help,
                          bool required) {
   flags_.push_back({name, help, "STR", required, false, [target](const std::string& v) { *target = v; }});
+}
+
+void FlagSet::add_list(const std::string& name, std::vector<std::string>* target, const std::string& help) {
+  flags_.push_back({name, help, "STR", false, false, [target](const std::string& v) { target->push_back(v); }});
+  flags_.back().repeats = true;
 }
 
 void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help,
@@ -77,7 +82,7 @@ bool FlagSet::parse(const std::vector<std::string>& args) {
     }
     Flag* f = find(name);
     if (f == nullptr) fail("[flags] ", command_, ": unknown flag --", name, " (see --help)");
-    if (f->seen) fail("[flags] --", name, " given twice");
+    if (f->seen && !f->repeats) fail("[flags] --", name, " given twice");
     f->seen = true;
     if (f->kind.empty()) {
       if (inline_value) fail("[flags] --", name, " takes no value");
@@ -103,7 +108,7 @@ std::string FlagSet::help() const {
   for (const auto& f : flags_) {
     std::string lhs = "  --" + f.name + (f.kind.empty() ? "" : " " + f.kind);
     if (lhs.size() < 28) lhs.resize(28, ' ');
-    os << lhs << " " << f.help << (f.required ? " (required)" : "") << "\n";
+    os << lhs << " " << f.help << (f.required ? " (required)" : "") << (f.repeats ? " (repeatable)" : "") << "\n";
   }
   os << "  --help                       show this help\n";
   return os.str();

@@ -9,6 +9,9 @@
 
 namespace hspmd::cli {
 
+// `v` as an integer; hspmd::Error "[flags] --<flag>: '<v>' is not an integer".
+int64_t parse_int(const std::string& flag, const std::string& v);
+
 class FlagSet {
  public:
   FlagSet(std::string command, std::string summary)
@@ -21,6 +24,8 @@ class FlagSet {
   void add_double(const std::string& name, double* target, const std::string& help,
                   bool required = false);
   void add_bool(const std::string& name, bool* target, const std::string& help);
+  // A flag that may repeat: each value is appended to `target`.
+  void add_list(const std::string& name, std::vector<std::string>* target, const std::string& help);
   // Positional arguments are collected when allowed, with this usage text.
   void allow_positional(const std::string& usage) { positional_usage_ = usage; }
 
@@ -38,6 +43,7 @@ class FlagSet {
     bool required = false;
     bool seen = false;
     std::function<void(const std::string&)> set;
+    bool repeats = false;
   };
   Flag* find(const std::string& name);
 

@@ -5,7 +5,9 @@
 
 #include <climits>
 #include <cstdio>
+#include <algorithm>
 #include <memory>
+#include <sstream>
 #include <thread>
 
 #include "commands.h"
@@ -69,6 +71,30 @@ int train_on_ranks(const TrainOptions& o) {
   return 0;
 }
 
+// "STEP:FILE" switches, and "STEP:R1,R2" lost ranks attached to them.
+std::vector<TrainOptions::Switch> parse_switches(const std::vector<std::string>& specs,
+                                                 const std::vector<std::string>& lost) {
+  auto split = [](const std::string& spec, const char* flag) {
+    const size_t colon = spec.find(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == spec.size())
+      fail("[flags] --", flag, " '", spec, "': expected STEP:", std::string(flag) == "switch" ? "FILE" : "RANKS");
+    return std::pair{parse_int(flag, spec.substr(0, colon)), spec.substr(colon + 1)};
+  };
+  std::vector<TrainOptions::Switch> out;
+  for (const std::string& s : specs) {
+    auto [step, path] = split(s, "switch");
+    out.push_back({step, path, {}});
+  }
+  for (const std::string& s : lost) {
+    auto [step, ranks] = split(s, "switch-lost");
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& sw) { return sw.step == step; });
+    if (it == out.end()) fail("[flags] --switch-lost ", s, ": no --switch at step ", step);
+    std::stringstream in(ranks);
+    for (std::string r; std::getline(in, r, ',');) it->lost_ranks.push_back(static_cast<int>(parse_int("switch-lost", r)));
+  }
+  return out;
+}
+
 }  // namespace
 
 int train_command(const std::vector<std::string>& args) {
@@ -109,6 +135,20 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
   f.add_string("cluster", &o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
   f.add_string("trace", &o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
+  f.add_string("plan", &o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
+  std::vector<std::string> switches, lost;
+  f.add_list("switch", &switches,
+             "STEP:FILE: from step STEP on, train under FILE (a strategy or plan), moving the training state "
+             "without a restart (docs/switching.md)");
+  f.add_string("switch-algorithm", &o.switch_algorithm, "naive, per-tensor or fused (default)");
+  f.add_double("switch-bucket-mb", &o.switch_bucket_mb,
+               "fused switches: MiB of state tensors per round (default 0: one layer group per round)");
+  f.add_list("switch-lost", &lost,
+             "STEP:R1,R2,...: at the switch of step STEP, the memory of these ranks counts as gone (their "
+             "slices come from the --checkpoint)");
+  f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md)");
+  f.add_int("save-every", &o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
+  f.add_string("resume", &o.resume_dir, "continue from the training checkpoint in this directory");
   f.add_int("nproc", &nproc, "start this many local ranks through mpirun (with --strategy)");
   if (!f.parse(args)) return 0;
 
@@ -128,11 +168,21 @@ int train_command(const std::vector<std::string>& args) {
   o.schedule.min_lr = min_lr;
   o.schedule.warmup_steps = warmup;
   o.progress = !quiet;
+  o.switches = parse_switches(switches, lost);
+  const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
+  if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
+  if (!distributed) {
+    for (const char* flag : {"switch", "checkpoint", "resume"})
+      if ((std::string(flag) == "switch" && !o.switches.empty()) ||
+          (std::string(flag) == "checkpoint" && !o.checkpoint_dir.empty()) ||
+          (std::string(flag) == "resume" && !o.resume_dir.empty()))
+        fail("[flags] --", flag, " needs --strategy or --plan (a single process: a strategy of one rank)");
+  }
   if (nproc != 0) {
-    if (o.strategy_path.empty()) fail("[flags] --nproc needs --strategy");
+    if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
     return launch_ranks(nproc, args);
   }
-  if (o.strategy_path.empty()) {
+  if (!distributed) {
     if (o.global_batch == 0) fail("[flags] --global-batch is required (without --strategy)");
     train(o);
     return 0;

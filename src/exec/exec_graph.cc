@@ -99,8 +99,13 @@ bool is_representative(const Annotation& a, int rank) {
 
 ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank,
                      Bindings bindings)
-    : plan_(plan), topology_(topology), rank_(rank), bindings_(std::move(bindings)),
-      training_(annotate_training_graph(plan)), resolve_(topology) {
+    : ExecGraph(std::make_shared<const AnnotationPlan>(plan), std::make_shared<const Topology>(topology), rank,
+                std::move(bindings)) {}
+
+ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr<const Topology> topology,
+                     int rank, Bindings bindings)
+    : plan_(std::move(plan)), topology_(std::move(topology)), rank_(rank), bindings_(std::move(bindings)),
+      training_(annotate_training_graph(*plan_)), resolve_(*topology_) {
   annotated_ = training_.annotated.get();
   std::map<int, std::shared_ptr<const Resolution>> resolved;  // forward and backward Reshards
   for (auto& [id, spec] : training_.reshards(bindings_)) {
@@ -170,8 +175,8 @@ void ExecGraph::count_uses() {
 }
 
 const Annotation& ExecGraph::annotation(const std::string& name) const {
-  auto it = plan_.tensors.find(name);
-  if (it == plan_.tensors.end()) fail("[exec] no annotation for '", name, "'");
+  auto it = plan_->tensors.find(name);
+  if (it == plan_->tensors.end()) fail("[exec] no annotation for '", name, "'");
   return it->second;
 }
 
@@ -239,7 +244,7 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
     if (!clock_) return group;
     // Emulation: op-internal communication advances the virtual clock too.
     auto& clocked = clocked_groups_[ranks];
-    if (!clocked) clocked = std::make_unique<ClockedCommunicator>(group, *clock_, topology_, ranks);
+    if (!clocked) clocked = std::make_unique<ClockedCommunicator>(group, *clock_, *topology_, ranks);
     return *clocked;
   };
   op->ctx.bindings = &bindings;
@@ -387,7 +392,7 @@ void ExecGraph::sync_clock(const Resolution& r, Communicator& world) const {
   const RankResolution& me = r.ranks.at(rank_);
   std::set<int> to, from;
   double transfer = 0;
-  auto link = [&](int peer) { return topology_.bandwidth(rank_, peer) * 1e9; };
+  auto link = [&](int peer) { return topology_->bandwidth(rank_, peer) * 1e9; };
   for (const CommPhase& ph : me.phases)
     for (const CommOp& op : ph.ops) {
       if (op.group.size() > 1) {

@@ -85,4 +85,23 @@ void Adam::update(const std::string& name, NDArray& param, const NDArray& grad, 
               param.numel(), step_factors(config_, step_, lr, decay));
 }
 
+void Adam::import_moments(const std::string& name, NDArray exp_avg, NDArray exp_avg_sq) {
+  for (const NDArray* a : {&exp_avg, &exp_avg_sq})
+    HSPMD_CHECK(a->dtype() == DType::F32 && a->is_contiguous(), "Adam::import_moments('", name,
+                "') needs contiguous f32 moments");
+  HSPMD_CHECK(exp_avg.shape() == exp_avg_sq.shape(), "Adam::import_moments('", name, "'): shapes differ");
+  m_[name] = std::move(exp_avg);
+  v_[name] = std::move(exp_avg_sq);
+}
+
+std::pair<NDArray, NDArray> Adam::export_moments(const std::string& name) {
+  auto m = m_.find(name);
+  auto v = v_.find(name);
+  if (m == m_.end() || v == v_.end()) return {};
+  std::pair<NDArray, NDArray> out{std::move(m->second), std::move(v->second)};
+  m_.erase(m);
+  v_.erase(v);
+  return out;
+}
+
 }  // namespace hspmd

@@ -6,7 +6,10 @@
 #include <deque>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <optional>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -15,10 +18,14 @@
 #include "hspmd/core/threads.h"
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/exec/virtual_clock.h"
+#include "hspmd/core/json_file.h"
+#include "hspmd/io/checkpoint.h"
 #include "hspmd/io/safetensors.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
+#include "hspmd/plan/switch.h"
+#include "hspmd/train/training_state.h"
 #include "kernels/kernels.h"
 #include "train/train_common.h"
 
@@ -70,121 +77,169 @@ double all_reduce_scalar(double v, Communicator& world) {
   return x;
 }
 
+// One plan made executable on this rank: its ExecGraph and what the
+// schedule needs (the pipeline and stage of the rank, micro-batches).
+struct Runtime {
+  std::shared_ptr<const AnnotationPlan> plan;
+  Strategy strategy;                 // execution: schedule, micro-batches, recompute
+  std::unique_ptr<ExecGraph> graph;
+  std::map<std::string, Shape> shapes;  // parameters' global shapes (vocabulary padded for the plan)
+  int pipeline = -1;
+  int stage = 0, stages = 1;         // this rank's stage and its pipeline's stage count
+  int64_t granularity = 1;           // every micro-batch's sequence length is a multiple of it
+  int micro_batches() const { return pipeline < 0 ? 0 : strategy.pipelines[pipeline].micro_batches; }
+};
+
+bool is_plan_json(const nlohmann::json& j) { return j.is_object() && j.contains("tensors"); }
+bool is_plan_flag(const char* flag) { return std::string(flag) == "--plan"; }
+
 class DistTrainer {
  public:
   DistTrainer(const TrainOptions& o, Communicator& world)
-      : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)),
-        strategy_(load_strategy(o.strategy_path)) {
+      : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)) {
     if (o.seq_len <= 0 || o.seq_len > config_.max_position_embeddings)
       fail("[flags] --seq-len ", o.seq_len, " must be in [1, max_position_embeddings ",
            config_.max_position_embeddings, "] of ", o.model_path);
     if (o.steps <= 0) fail("[flags] --steps must be positive, got ", o.steps);
     if (o.clip_grad < 0) fail("[flags] --clip-grad must be >= 0, got ", o.clip_grad);
     if (!(o.schedule.lr > 0)) fail("[flags] --lr must be positive, got ", o.schedule.lr);
+    if (o.save_every < 0) fail("[flags] --save-every must be >= 0, got ", o.save_every);
+    if (o.save_every > 0 && o.checkpoint_dir.empty()) fail("[flags] --save-every needs --checkpoint DIR");
     train_common::check_output_path("--save", o.save_path);
     train_common::check_output_path("--log", o.log_path);
-    if (o.global_batch != 0 && o.global_batch != strategy_.global_batch())
-      fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
-           strategy_.global_batch());
-    CompileOptions co;
-    co.seq_len = o.seq_len;
-    // Every rank's view of the stacked micro-batch must divide along every
-    // pipeline's splits, so the granularity is common to all pipelines.
-    granularity_ = sequence_granularity(strategy_);
-    if (o.pack_documents)  // lengths vary per micro-batch: compile for the longest, rounded up
-      co.seq_len = (o.seq_len + granularity_ - 1) / granularity_ * granularity_;
-    else if (o.seq_len % granularity_ != 0)
-      fail("[strategy] --seq-len ", o.seq_len, " must be a multiple of ", granularity_,
-           " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
-    plan_ = compile_plan(config_, strategy_, world.size(), co);
-    topology_ = o.cluster_path.empty() ? Topology::uniform(world.size()) : Topology::load(o.cluster_path);
-    if (topology_.world_size() != world.size())
-      fail("[cluster] ", o.cluster_path, " has ", topology_.world_size(), " ranks but the job has ",
-           world.size());
-    int64_t batch = 0;
-    for (const Pipeline& p : strategy_.pipelines) batch += p.micro_batch_size;
-    graph_ = std::make_unique<ExecGraph>(plan_, topology_, world.rank(),
-                                         Bindings{{"B", batch}, {"S", co.seq_len}});
-    // Pipelines are discovered from the resolved plan (appendix A.2), not
-    // read from the strategy; the strategy only gives micro-batch counts.
-    const auto pipelines = discover_pipelines(plan_, dry_run(plan_, topology_));
-    const PipelinePosition at = pipeline_positions(pipelines, world.size()).at(world.rank());
-    HSPMD_CHECK(at.pipeline == pipeline_of(strategy_, world.rank()),
-                "discovered pipeline ", at.pipeline, " of rank ", world.rank(), " differs from the strategy's");
-    pipeline_ = at.pipeline;
-    if (!at.idle()) {
-      stage_ = at.stage;
-      stages_ = static_cast<int>(pipelines[at.pipeline].stages.size());
-      for (const Stage& st : strategy_.pipelines[pipeline_].stages)
-        if (std::count(st.ranks.begin(), st.ranks.end(), world.rank()))
-          graph_->set_recompute(st.recompute);
-    }
-    graph_->set_deferred_sends(true);
-    if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
-      clock_ = std::make_unique<VirtualClock>(topology_.rank(world.rank()).slowdown);
-      clock_->set_tracing(!o.trace_path.empty());
-      graph_->set_clock(clock_.get());
-      graph_->set_memory_cap(static_cast<size_t>(topology_.rank(world.rank()).memory_cap_gib *
-                                                 1024.0 * 1024.0 * 1024.0));
-    }
     train_common::check_output_path("--trace", o.trace_path);
+    algorithm_ = parse_switch_algorithm(o.switch_algorithm);
+    topology_ = std::make_shared<const Topology>(o.cluster_path.empty() ? Topology::uniform(world.size())
+                                                                        : Topology::load(o.cluster_path));
+    if (topology_->world_size() != world.size())
+      fail("[cluster] ", o.cluster_path, " has ", topology_->world_size(), " ranks but the job has ",
+           world.size());
+    if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
+      clock_ = std::make_unique<VirtualClock>(topology_->rank(world.rank()).slowdown);
+      clock_->set_tracing(!o.trace_path.empty());
+    }
+    plans_.push_back(load_plan_file(o.plan_path.empty() ? o.strategy_path : o.plan_path,
+                                    o.plan_path.empty() ? "--strategy" : "--plan"));
+    int64_t last = 0;
+    for (const TrainOptions::Switch& sw : o.switches) {
+      if (sw.step <= last || sw.step >= o.steps)
+        fail("[flags] --switch ", sw.step, ":", sw.path, ": steps must ascend within (0, --steps ", o.steps, ")");
+      for (int r : sw.lost_ranks)
+        if (r < 0 || r >= world.size()) fail("[flags] --switch-lost ", sw.step, ": rank ", r, " is outside the world");
+      last = sw.step;
+      plans_.push_back(load_plan_file(sw.path, "--switch"));
+    }
+    for (const auto& p : plans_)  // every plan is checked before the first step
+      if (o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
+        fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
+             p->strategy->global_batch());
   }
 
-  // Reads the data and the initial weights (errors before any step).
+  // Reads the data and the initial weights or checkpoint, specializes the
+  // first plan (errors before any step).
   void prepare();
   std::vector<StepRecord> run();
 
  private:
-  void init_parameters();
-  // This rank's placeholders for micro-batch `micro` of `step` (the loss
+  std::shared_ptr<const AnnotationPlan> load_plan_file(const std::string& path, const char* flag) const;
+  std::unique_ptr<Runtime> specialize(std::shared_ptr<const AnnotationPlan> plan) const;
+  // The index into plans_ in force at `step`.
+  size_t plan_at(int64_t step) const;
+  void switch_to(size_t index, int64_t step, std::ofstream& log);
+  // This rank's placeholders for micro-batch `micro` of the step (the loss
   // divided by `normalizer`), and the bindings of their symbolic dims (S
   // varies with packed documents).
-  ValueMap feeds(int64_t step, int micro, float normalizer, Bindings& bindings) const;
+  ValueMap feeds(int micro, float normalizer, Bindings& bindings) const;
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
+  void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
+  void save_checkpoint();
   void save() const;
   void write_trace() const;
 
   const TrainOptions& o_;
   Communicator& world_;
   LlamaConfig config_;
-  Strategy strategy_;
-  AnnotationPlan plan_;
-  Topology topology_ = Topology::uniform(1);
-  std::unique_ptr<ExecGraph> graph_;
-  int pipeline_ = -1;
-  int stage_ = 0, stages_ = 1;         // this rank's stage and its pipeline's stage count
-  int64_t granularity_ = 1;            // every micro-batch's sequence length is a multiple of it
+  SwitchAlgorithm algorithm_ = SwitchAlgorithm::kFused;
+  std::shared_ptr<const Topology> topology_;
+  std::vector<std::shared_ptr<const AnnotationPlan>> plans_;  // the first, then one per switch
+  std::unique_ptr<Runtime> rt_;
+  size_t plan_index_ = 0;
+  std::optional<TrainingState> state_;
+  SwitchPlanCache switch_plans_;
   std::unique_ptr<VirtualClock> clock_;
   int64_t emulated_end_ = 0;                 // ns, the previous step's end
   std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step
   std::unique_ptr<TokenData> data_;
   std::unique_ptr<train_common::SampleSource> source_;
-  std::map<std::string, Shape> shapes_;
-  std::map<std::string, NDArray> params_;  // local shards, parameter layout
-  std::map<std::string, NDArray> master_;  // ZeRO: local shards, optimizer-state layout
 };
 
-void DistTrainer::init_parameters() {
-  std::map<std::string, NDArray> full =
-      o_.init_path.empty()
-          ? init_llama_parameters(config_, o_.seed)
-          : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
-  const int64_t rows = plan_.model.table_rows();
-  for (auto& [name, array] : full) {
-    if (is_vocab_table(name) && rows != array.dim(0)) {
-      // The plan pads the vocabulary (docs/vocab_parallel.md): zero rows.
-      NDArray padded = NDArray::zeros({rows, array.dim(1)}, DType::F32);
-      std::copy(array.data<float>(), array.data<float>() + array.numel(), padded.data<float>());
-      array = padded;
-    }
-    shapes_[name] = array.shape();
-    if (auto box = graph_->local_box(name, array.shape())) params_[name] = box_slice(array, *box);
-    auto st = plan_.optimizer_states.find(name);
-    if (st == plan_.optimizer_states.end()) continue;
-    if (auto box = hspmd::local_box(st->second, array.shape(), world_.rank()))
-      master_[name] = box_slice(array, *box);
+std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::string& path, const char* flag) const {
+  const nlohmann::json j = read_json_file(path, is_plan_flag(flag) ? "plan" : "strategy");
+  AnnotationPlan plan;
+  if (is_plan_json(j)) {
+    plan = load_plan(path);
+    if (!plan.strategy)
+      fail("[plan] ", path, ": no \"strategy\" field: a trainable plan carries its execution (schedule, "
+           "pipelines' micro-batches, recompute); compile one with `hspmd plan compile`");
+    if (plan.world_size != world_.size())
+      fail("[plan] ", path, ": compiled for ", plan.world_size, " ranks but the job has ", world_.size());
+    LlamaConfig padded = config_;
+    padded.padded_vocab_size = plan.model.padded_vocab_size;
+    if (plan.model.to_json() != padded.to_json())
+      fail("[plan] ", path, ": its model differs from --model ", o_.model_path);
+  } else {
+    const Strategy strategy = load_strategy(path);
+    const int64_t g = sequence_granularity(strategy);
+    if (!o_.pack_documents && o_.seq_len % g != 0)
+      fail("[strategy] --seq-len ", o_.seq_len, " must be a multiple of ", g,
+           " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
+    CompileOptions co;
+    co.seq_len = (o_.seq_len + g - 1) / g * g;  // packed lengths vary: compile for the longest, rounded up
+    plan = compile_plan(config_, strategy, world_.size(), co);
   }
+  return std::make_shared<const AnnotationPlan>(std::move(plan));
+}
+
+std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const AnnotationPlan> plan) const {
+  auto rt = std::make_unique<Runtime>();
+  rt->plan = plan;
+  rt->strategy = *plan->strategy;
+  for (auto& [name, shape] : state_shapes(*plan)) rt->shapes[name] = shape;
+  // Every rank's view of the stacked micro-batch must divide along every
+  // pipeline's splits, so the granularity is common to all pipelines.
+  rt->granularity = sequence_granularity(rt->strategy);
+  const int64_t seq = (o_.seq_len + rt->granularity - 1) / rt->granularity * rt->granularity;
+  int64_t batch = 0;
+  for (const Pipeline& p : rt->strategy.pipelines) batch += p.micro_batch_size;
+  rt->graph = std::make_unique<ExecGraph>(plan, topology_, world_.rank(), Bindings{{"B", batch}, {"S", seq}});
+  // Pipelines are discovered from the resolved plan (appendix A.2), not
+  // read from the strategy; the strategy only gives micro-batch counts.
+  const auto pipelines = discover_pipelines(*plan, dry_run(*plan, *topology_));
+  const PipelinePosition at = pipeline_positions(pipelines, world_.size()).at(world_.rank());
+  HSPMD_CHECK(at.pipeline == pipeline_of(rt->strategy, world_.rank()),
+              "discovered pipeline ", at.pipeline, " of rank ", world_.rank(), " differs from the strategy's");
+  rt->pipeline = at.pipeline;
+  if (!at.idle()) {
+    rt->stage = at.stage;
+    rt->stages = static_cast<int>(pipelines[at.pipeline].stages.size());
+    for (const Stage& st : rt->strategy.pipelines[rt->pipeline].stages)
+      if (std::count(st.ranks.begin(), st.ranks.end(), world_.rank())) rt->graph->set_recompute(st.recompute);
+  }
+  rt->graph->set_deferred_sends(true);
+  if (clock_) {
+    rt->graph->set_clock(clock_.get());
+    rt->graph->set_memory_cap(static_cast<size_t>(topology_->rank(world_.rank()).memory_cap_gib * 1024.0 *
+                                                  1024.0 * 1024.0));
+  }
+  return rt;
+}
+
+size_t DistTrainer::plan_at(int64_t step) const {
+  size_t k = 0;
+  for (size_t i = 0; i < o_.switches.size(); ++i)
+    if (o_.switches[i].step <= step) k = i + 1;
+  return k;
 }
 
 // The conceptual micro-batch step stacks every pipeline's micro-batch (part
@@ -192,17 +247,18 @@ void DistTrainer::init_parameters() {
 // into it and keeps its local box. Rows are as wide as the pipeline's
 // widest sample, rounded up to the granularity (packed documents), so
 // pipelines see different lengths; they never exchange activations.
-ValueMap DistTrainer::feeds(int64_t step, int micro, float normalizer, Bindings& bindings) const {
+ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) const {
+  const Strategy& strategy = rt_->strategy;
   int64_t rows = 0, row = 0, mine = 0;
-  int64_t first = step * strategy_.global_batch();
-  for (int k = 0; k < static_cast<int>(strategy_.pipelines.size()); ++k) {
-    const Pipeline& p = strategy_.pipelines[k];
-    if (k == pipeline_) row = rows, mine = first + micro * p.micro_batch_size;
+  int64_t first = state_->samples;
+  for (int k = 0; k < static_cast<int>(strategy.pipelines.size()); ++k) {
+    const Pipeline& p = strategy.pipelines[k];
+    if (k == rt_->pipeline) row = rows, mine = first + micro * p.micro_batch_size;
     rows += p.micro_batch_size;
     first += p.batch();
   }
-  const Pipeline& p = strategy_.pipelines.at(pipeline_);
-  const int64_t width = source_->width(mine, p.micro_batch_size, granularity_);
+  const Pipeline& p = strategy.pipelines.at(rt_->pipeline);
+  const int64_t width = source_->width(mine, p.micro_batch_size, rt_->granularity);
   NDArray ids = NDArray::zeros({rows, width}, DType::I32);
   NDArray targets = NDArray::zeros({rows, width}, DType::I32);
   NDArray positions = NDArray::zeros({rows, width}, DType::I32);
@@ -214,17 +270,21 @@ ValueMap DistTrainer::feeds(int64_t step, int micro, float normalizer, Bindings&
   NDArray norm = NDArray::empty({}, DType::F32);
   norm.fill(normalizer);
   bindings = Bindings{{"B", rows}, {"S", width}};
-  ValueMap v(params_.begin(), params_.end());
+  ValueMap v;
+  for (const std::string& name : rt_->graph->model().names) {
+    const Shard& sh = state_->slot(name, StateSlot::kParam);
+    if (sh.held()) v[name] = sh.data;
+  }
   for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
                                      {"positions", positions}, {"normalizer", norm}})
-    if (auto box = graph_->local_box(name, full.shape())) v[name] = box_slice(full, *box);
+    if (auto box = rt_->graph->local_box(name, full.shape())) v[name] = box_slice(full, *box);
   return v;
 }
 
 double DistTrainer::global_grad_norm(std::map<std::string, NDArray>& synced) const {
   double sumsq = 0;
   for (const auto& [name, g] : synced) {
-    if (!is_representative(graph_->annotation("grad." + name), world_.rank())) continue;
+    if (!is_representative(rt_->graph->annotation("grad." + name), world_.rank())) continue;
     const float* x = g.data<float>();
     for (int64_t i = 0; i < g.numel(); ++i) sumsq += static_cast<double>(x[i]) * x[i];
   }
@@ -237,37 +297,44 @@ double DistTrainer::global_grad_norm(std::map<std::string, NDArray>& synced) con
   return norm;
 }
 
+// AdamW on the rank's optimized shards, with the state's moments (imported
+// into the optimizer for the update only); ZeRO then gathers the parameter.
 void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr) {
+  adam.set_step_count(state_->step);
   adam.begin_step();
-  for (const std::string& name : graph_->model().names) {  // the same order on every rank
-    const bool decay = shapes_.at(name).size() >= 2;
-    auto st = plan_.optimizer_states.find(name);
+  state_->step = adam.step_count();
+  const AnnotationPlan& plan = *rt_->plan;
+  for (const std::string& name : rt_->graph->model().names) {  // the same order on every rank
+    const bool decay = rt_->shapes.at(name).size() >= 2;
+    Shard& target = state_->optimized(name);
     auto g = synced.find(name);
-    if (st == plan_.optimizer_states.end()) {
+    if (g != synced.end() && target.held()) {
       if (clock_) clock_->begin_compute();
-      if (g != synced.end()) adam.update(name, params_.at(name), g->second, lr, decay);
+      adam.import_moments(name, state_->slot(name, StateSlot::kExpAvg).data,
+                          state_->slot(name, StateSlot::kExpAvgSq).data);
+      adam.update(name, target.data, g->second, lr, decay);
+      adam.export_moments(name);
       if (clock_) clock_->end_compute();
-      continue;
     }
-    if (clock_) clock_->begin_compute();
-    if (g != synced.end()) adam.update(name, master_.at(name), g->second, lr, decay);
-    if (clock_) clock_->end_compute();
-    auto m = master_.find(name);
-    NDArray gathered = graph_->reshard("zero_gather." + name, shapes_.at(name), st->second,
-                                       graph_->annotation(name),
-                                       m == master_.end() ? NDArray() : m->second, world_);
-    if (gathered.valid()) params_[name] = gathered;
+    auto st = plan.optimizer_states.find(name);
+    if (st == plan.optimizer_states.end()) continue;
+    Shard& param = state_->slot(name, StateSlot::kParam);
+    NDArray gathered = rt_->graph->reshard("zero_gather." + name, rt_->shapes.at(name), st->second,
+                                           rt_->graph->annotation(name), target.data, world_);
+    if (gathered.valid()) param.data = gathered;
   }
 }
 
+// The parameters' full tensors on rank 0, one at a time, then written as one
+// Hugging Face safetensors file (padding rows dropped).
 void DistTrainer::save() const {
   Annotation rank0;
   rank0.subgroups = {Subgroup{DeviceGroup{{0}}, DistStates{}}};
   std::map<std::string, NDArray> out;
-  for (const std::string& name : graph_->model().names) {
-    auto p = params_.find(name);
-    NDArray full = graph_->reshard("save." + name, shapes_.at(name), graph_->annotation(name), rank0,
-                                   p == params_.end() ? NDArray() : p->second, world_);
+  for (const std::string& name : rt_->graph->model().names) {
+    const Shard& p = state_->slot(name, StateSlot::kParam);
+    NDArray full = rt_->graph->reshard("save." + name, rt_->shapes.at(name), rt_->graph->annotation(name), rank0,
+                                       p.data, world_);
     if (world_.rank() == 0 && is_vocab_table(name) && full.dim(0) != config_.vocab_size)
       full = full.slice(0, 0, config_.vocab_size).contiguous();  // drop the padding rows
     if (world_.rank() == 0) out.emplace(name, full.to(o_.save_dtype));
@@ -279,7 +346,129 @@ void DistTrainer::prepare() {
   data_ = std::make_unique<TokenData>(TokenData::load(o_.data_path, config_.vocab_size));
   source_ = std::make_unique<train_common::SampleSource>(*data_, o_.seq_len, o_.pack_documents,
                                                          config_.eos_token_id);
-  init_parameters();
+  int64_t start = 0;
+  std::unique_ptr<CheckpointReader> reader;
+  if (!o_.resume_dir.empty()) {
+    reader = std::make_unique<CheckpointReader>(o_.resume_dir);
+    start = reader->index().step;
+    if (start >= o_.steps)
+      fail("[checkpoint] ", o_.resume_dir, ": it is at step ", start, ", not before --steps ", o_.steps);
+  }
+  plan_index_ = plan_at(start);
+  rt_ = specialize(plans_[plan_index_]);
+  if (reader) {
+    state_ = TrainingState::load(rt_->plan, world_.rank(), *reader);
+    const nlohmann::json& meta = reader->index().meta;
+    state_->step = start;
+    state_->samples = meta.at("samples").get<int64_t>();
+    state_->seed = meta.at("seed").get<uint64_t>();
+    return;
+  }
+  std::map<std::string, NDArray> full =
+      o_.init_path.empty()
+          ? init_llama_parameters(config_, o_.seed)
+          : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
+  state_ = TrainingState::from_full(rt_->plan, world_.rank(), full);
+  state_->seed = o_.seed;
+}
+
+// Moves the run to plans_[index] at `step`: specializes its ExecGraph, then
+// reshards the training state with the cached switch plan.
+void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
+  const auto t0 = Clock::now();
+  std::unique_ptr<Runtime> next = specialize(plans_[index]);
+  const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  const TrainOptions::Switch& sw = o_.switches.at(index - 1);
+  so.lost_ranks = std::set<int>(sw.lost_ranks.begin(), sw.lost_ranks.end());
+  std::unique_ptr<CheckpointReader> reader;
+  if (!o_.checkpoint_dir.empty() && std::filesystem::exists(o_.checkpoint_dir + "/index.json")) {
+    reader = std::make_unique<CheckpointReader>(o_.checkpoint_dir);
+    so.have_checkpoint = reader->index().step == state_->step;  // only a checkpoint of this very state
+  }
+  const SwitchPlan& sp = switch_plans_.get(*rt_->plan, *next->plan, *topology_, so);
+  rt_.reset();  // the old graph goes before the state moves: less memory at the peak
+  SwitchReport rep;
+  state_ = std::move(*state_).reshard_to(next->plan, sp, *topology_, world_, reader.get(), clock_.get(), &rep);
+  rt_ = std::move(next);
+  plan_index_ = index;
+  const auto all = gather_counts({rep.bytes_sent, rep.predicted_bytes, rep.checkpoint_bytes, rep.peak_extra_bytes,
+                                  rep.bound_bytes}, world_);
+  if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
+  nlohmann::json j = {{"event", "switch"},        {"step", step},
+                      {"algorithm", algorithm_name(algorithm_)},
+                      {"specialize_s", specialize_s}, {"switch_s", rep.switch_s},
+                      {"bytes_sent", all[0]},     {"predicted_bytes", all[1]},
+                      {"checkpoint_bytes", all[2]}, {"peak_extra_bytes", all[3]},
+                      {"extra_bytes_bound", all[4]}, {"rounds", sp.rounds.size()}};
+  if (clock_) j["emulated_switch_s"] = rep.emulated_s;
+  if (log.is_open()) log << j.dump() << "\n" << std::flush;
+}
+
+// Every rank writes its shards, then rank 0 commits the index (the
+// checkpoint's atomic point) once all have.
+void DistTrainer::save_checkpoint() {
+  std::vector<CheckpointShard> shards;
+  for (TrainingState::NamedShard& s : state_->checkpoint_shards())
+    shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, s.shard.data});
+  write_checkpoint_shards(o_.checkpoint_dir, state_->step, world_.rank(), shards);
+  world_.barrier();
+  if (world_.rank() == 0)
+    commit_checkpoint(o_.checkpoint_dir, state_->step, world_.size(),
+                      {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
+                       {"strategy", to_json(rt_->strategy)}});
+  world_.barrier();
+}
+
+// One step's micro-batches under the plan's schedule.
+void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer) {
+  ExecGraph& graph = *rt_->graph;
+  auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
+    if (mb.loss) loss += *mb.loss;
+    for (auto& [name, g] : mb.raw_grads) {
+      auto it = raw.find(name);
+      if (it == raw.end()) raw.emplace(name, g.clone());
+      else kernels::accumulate(g, it->second);
+    }
+  };
+  auto forward = [&](int micro) {
+    const double t0 = clock_ ? clock_->now() : 0;
+    Bindings bindings;
+    const ValueMap values = feeds(micro, normalizer, bindings);
+    ExecGraph::Activations a = graph.forward(values, world_, bindings);
+    if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
+    return a;
+  };
+  auto backward = [&](ExecGraph::Activations a, int micro) {
+    const double t0 = clock_ ? clock_->now() : 0;
+    accumulate(graph.backward(std::move(a), world_));
+    if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
+  };
+  const int micro_batches = rt_->micro_batches();
+  if (rt_->strategy.schedule == "gpipe") {
+    // Every forward, then every backward: stages overlap on different
+    // micro-batches; activations of all micro-batches are kept.
+    std::vector<ExecGraph::Activations> kept;
+    for (int micro = 0; micro < micro_batches; ++micro) kept.push_back(forward(micro));
+    for (int micro = 0; micro < micro_batches; ++micro) backward(std::move(kept[micro]), micro);
+    return;
+  }
+  // 1F1B: stage s of S runs S-s-1 warm-up forwards, then alternates one
+  // forward and one backward, then drains the backwards; at most S-s
+  // micro-batches of activations live at once. Sends are deferred so a
+  // stage sending activations never waits on a neighbour sending gradients.
+  const int warmup = std::min(rt_->stages - rt_->stage - 1, micro_batches);
+  std::deque<ExecGraph::Activations> live;
+  int next = 0, done = 0;
+  for (; next < warmup; ++next) live.push_back(forward(next));
+  for (; next < micro_batches; ++next) {
+    live.push_back(forward(next));
+    backward(std::move(live.front()), done++);
+    live.pop_front();
+  }
+  for (; !live.empty(); live.pop_front()) backward(std::move(live.front()), done++);
 }
 
 std::vector<StepRecord> DistTrainer::run() {
@@ -287,87 +476,46 @@ std::vector<StepRecord> DistTrainer::run() {
   LrSchedule schedule = o_.schedule;
   schedule.total_steps = o_.steps;
   std::ofstream log;
-  if (world_.rank() == 0 && !o_.log_path.empty()) log.open(o_.log_path);
-  const int micro_batches = pipeline_ < 0 ? 0 : strategy_.pipelines[pipeline_].micro_batches;
-  const Annotation& loss_annotation = graph_->loss_annotation();
+  if (world_.rank() == 0 && !o_.log_path.empty()) log.open(o_.log_path, state_->step > 0 ? std::ios::app : std::ios::trunc);
   std::vector<StepRecord> records;
   const auto start = Clock::now();
-  for (int64_t step = 0; step < o_.steps; ++step) {
+  for (int64_t step = state_->step; step < o_.steps; ++step) {
+    if (plan_at(step) != plan_index_) switch_to(plan_at(step), step, log);
     const auto t0 = Clock::now();
     world_.reset_bytes();
-    graph_->reset_ledger();
+    rt_->graph->reset_ledger();
     allocator_for(Device::cpu()).reset_peak();
-    const int64_t first = step * strategy_.global_batch();
-    const float normalizer = source_->normalizer(first, strategy_.global_batch());
+    const int64_t global_batch = rt_->strategy.global_batch();
+    const int64_t first = state_->samples;
+    const float normalizer = source_->normalizer(first, global_batch);
     // What the rank holds before its micro-batches: parameters, optimizer
     // states; the schedule's peak above it is activations (and raw grads).
     const size_t held = allocator_for(Device::cpu()).current_bytes();
     std::map<std::string, NDArray> raw;
     double loss = 0;
-    auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
-      if (mb.loss) loss += *mb.loss;
-      for (auto& [name, g] : mb.raw_grads) {
-        auto it = raw.find(name);
-        if (it == raw.end()) raw.emplace(name, g.clone());
-        else kernels::accumulate(g, it->second);
-      }
-    };
-    auto forward = [&](int micro) {
-      const double t0 = clock_ ? clock_->now() : 0;
-      Bindings bindings;
-      const ValueMap values = feeds(step, micro, normalizer, bindings);
-      ExecGraph::Activations a = graph_->forward(values, world_, bindings);
-      if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
-      return a;
-    };
-    auto backward = [&](ExecGraph::Activations a, int micro) {
-      const double t0 = clock_ ? clock_->now() : 0;
-      accumulate(graph_->backward(std::move(a), world_));
-      if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
-    };
-    if (strategy_.schedule == "gpipe") {
-      // Every forward, then every backward: stages overlap on different
-      // micro-batches; activations of all micro-batches are kept.
-      std::vector<ExecGraph::Activations> kept;
-      for (int micro = 0; micro < micro_batches; ++micro) kept.push_back(forward(micro));
-      for (int micro = 0; micro < micro_batches; ++micro) backward(std::move(kept[micro]), micro);
-    } else {
-      // 1F1B: stage s of S runs S-s-1 warm-up forwards, then alternates one
-      // forward and one backward, then drains the backwards; at most S-s
-      // micro-batches of activations live at once. Sends are deferred so a
-      // stage sending activations never waits on a neighbour sending
-      // gradients.
-      const int warmup = std::min(stages_ - stage_ - 1, micro_batches);
-      std::deque<ExecGraph::Activations> live;
-      int next = 0, done = 0;
-      for (; next < warmup; ++next) live.push_back(forward(next));
-      for (; next < micro_batches; ++next) {
-        live.push_back(forward(next));
-        backward(std::move(live.front()), done++);
-        live.pop_front();
-      }
-      for (; !live.empty(); live.pop_front()) backward(std::move(live.front()), done++);
-    }
-    graph_->wait_sends(world_);
+    accumulate_schedule(raw, loss, normalizer);
+    ExecGraph& graph = *rt_->graph;
+    graph.wait_sends(world_);
     const size_t activations = allocator_for(Device::cpu()).peak_bytes() - held;
     StepRecord r;
     r.step = step;
-    r.loss = all_reduce_scalar(is_representative(loss_annotation, world_.rank()) ? loss : 0.0, world_);
+    r.loss = all_reduce_scalar(is_representative(graph.loss_annotation(), world_.rank()) ? loss : 0.0, world_);
     const double post0 = clock_ ? clock_->now() : 0;
-    std::map<std::string, NDArray> synced = graph_->sync_gradients(raw, world_);
+    std::map<std::string, NDArray> synced = graph.sync_gradients(raw, world_);
     r.grad_norm = global_grad_norm(synced);
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);
+    state_->samples += global_batch;
     if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
-    r.tokens = source_->tokens(first, strategy_.global_batch());
-    graph_->wait_sends(world_);
+    r.tokens = source_->tokens(first, global_batch);
+    graph.wait_sends(world_);
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
     const auto counts = gather_counts(
-        {world_.bytes().sent, graph_->ledger().measured, graph_->ledger().predicted,
+        {world_.bytes().sent, graph.ledger().measured, graph.ledger().predicted,
          clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0,
          static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes()),
-         static_cast<int64_t>(activations), graph_->ledger().op_measured,
-         graph_->ledger().op_predicted}, world_);
+         static_cast<int64_t>(activations), graph.ledger().op_measured,
+         graph.ledger().op_predicted}, world_);
     r.peak_memory_bytes = counts[5];
     r.peak_activation_bytes = counts[6];
     r.op_bytes_sent = counts[7];
@@ -392,6 +540,7 @@ std::vector<StepRecord> DistTrainer::run() {
       train_common::print_progress(r, o_.steps,
                                    std::chrono::duration<double>(Clock::now() - start).count());
     records.push_back(r);
+    if (o_.save_every > 0 && (step + 1) % o_.save_every == 0) save_checkpoint();
   }
   if (!o_.save_path.empty()) save();
   if (!o_.trace_path.empty()) write_trace();

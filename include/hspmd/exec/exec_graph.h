@@ -38,12 +38,19 @@ class ExecGraph {
   // gradient-sync Reshards (parameter shapes) are resolved under them, and
   // their shape instance is built at once. Throws the deduction's and the
   // resolver's errors.
+  // The graph shares ownership of `plan` and `topology`: graphs of several
+  // plans may live at once (a plan switch builds the next beside the last).
+  ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr<const Topology> topology, int rank,
+            Bindings bindings);
+  // Copies `plan` and `topology`.
   ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank, Bindings bindings);
   ~ExecGraph();
   ExecGraph(const ExecGraph&) = delete;  // its ops' contexts point into it
   ExecGraph& operator=(const ExecGraph&) = delete;
 
   int rank() const { return rank_; }
+  const AnnotationPlan& plan() const { return *plan_; }
+  const Topology& topology() const { return *topology_; }
   const LlamaGraph& model() const { return model_; }
   const Bindings& bindings() const { return bindings_; }  // the constructor's
   // The annotation of a leaf, a named Reshard output or a parameter gradient
@@ -170,8 +177,8 @@ class ExecGraph {
   void check_memory(const Node& node) const;
   void sync_clock(const Resolution& r, Communicator& world) const;
   mutable PendingSends pending_;
-  const AnnotationPlan& plan_;
-  const Topology& topology_;
+  std::shared_ptr<const AnnotationPlan> plan_;
+  std::shared_ptr<const Topology> topology_;
   int rank_;
   Bindings bindings_;
   AnnotatedTraining training_;

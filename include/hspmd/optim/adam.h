@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 
 #include "hspmd/core/ndarray.h"
 
@@ -37,6 +38,15 @@ class Adam {
   // another shape.
   void update(const std::string& name, NDArray& param, const NDArray& grad, double lr,
               bool decay);
+
+  // The moments of `name` move in and out of the optimizer (a training
+  // state resharded to another plan, a checkpoint): import replaces them
+  // (f32, contiguous, the parameter's shape; InternalError otherwise),
+  // export removes and returns them ({} when `name` has none).
+  void import_moments(const std::string& name, NDArray exp_avg, NDArray exp_avg_sq);
+  std::pair<NDArray, NDArray> export_moments(const std::string& name);
+  // The bias-correction step count (a resumed or switched run continues it).
+  void set_step_count(int64_t step) { step_ = step; }
 
   const std::map<std::string, NDArray>& exp_avg() const { return m_; }
   const std::map<std::string, NDArray>& exp_avg_sq() const { return v_; }

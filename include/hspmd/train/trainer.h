@@ -23,6 +23,20 @@ struct TrainOptions {
   std::string strategy_path;    // distributed: strategy JSON (train_distributed)
   std::string cluster_path;     // distributed: optional cluster JSON (emulated cluster)
   std::string trace_path;       // distributed: Chrome-trace timeline of the emulated cluster
+  std::string plan_path;        // distributed: an annotation plan JSON to train (instead of a strategy)
+  // Plan switches (docs/switching.md): from step `step` on, train under
+  // `path` (a strategy or an annotation plan); ascending steps.
+  struct Switch {
+    int64_t step = 0;
+    std::string path;
+    std::vector<int> lost_ranks;  // ranks whose memory counts as gone at this switch
+  };
+  std::vector<Switch> switches;
+  std::string switch_algorithm = "fused";  // naive, per-tensor or fused
+  double switch_bucket_mb = 0;  // fused: bytes of state tensors per round (0: one layer group per round)
+  std::string checkpoint_dir;   // sharded training checkpoints are written here ...
+  int64_t save_every = 0;       // ... after every this many steps (0: never)
+  std::string resume_dir;       // continue from the checkpoint in this directory
   int64_t seq_len = 0;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
@@ -89,6 +103,12 @@ class SetupFailure : public Error {
 // the log and the saved weights (full tensors, gathered through Reshards).
 // Throws hspmd::Error before the first step for a bad strategy, a world size
 // that does not fit it, or a --global-batch other than the strategy's.
+// With switches, the run changes plans at the given steps without a
+// restart: it specializes the next plan's ExecGraph and moves the training
+// state to it (TrainingState::reshard_to), and logs one
+// {"event": "switch", ...} record per switch. With --checkpoint and
+// --save-every, every rank writes its shards of the training state; with
+// --resume, the state is loaded under the run's plan (any plan and world).
 std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world);
 
 }  // namespace hspmd

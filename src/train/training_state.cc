@@ -1,0 +1,320 @@
+// TrainingState: slots of one rank, the switch executor and the checkpoint
+// shards (docs/switching.md).
+#include "hspmd/train/training_state.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "hspmd/comm/communicator.h"
+#include "hspmd/core/device.h"
+#include "hspmd/core/error.h"
+#include "hspmd/exec/exec_graph.h"
+#include "hspmd/exec/virtual_clock.h"
+#include "hspmd/io/checkpoint.h"
+#include "hspmd/models/llama.h"
+
+namespace hspmd {
+
+std::vector<std::pair<std::string, Shape>> state_shapes(const AnnotationPlan& plan) {
+  auto shapes = llama_parameter_shapes(plan.model);
+  for (auto& [name, shape] : shapes)
+    if (name == "model.embed_tokens.weight" || name == "lm_head.weight") shape[0] = plan.model.table_rows();
+  return shapes;
+}
+
+namespace {
+
+constexpr int kSwitchTag = 0x5357;
+
+// The layout of each slot of `param` under `plan` (nullptr: no such slot).
+const Annotation* slot_layout(const AnnotationPlan& plan, const std::string& param, StateSlot slot) {
+  auto opt = plan.optimizer_states.find(param);
+  const Annotation& p = plan.tensors.at(param);
+  if (slot == StateSlot::kParam) return &p;
+  if (slot == StateSlot::kMaster) return opt == plan.optimizer_states.end() ? nullptr : &opt->second;
+  return opt == plan.optimizer_states.end() ? &p : &opt->second;
+}
+
+constexpr std::array<StateSlot, 4> kSlots = {StateSlot::kParam, StateSlot::kMaster, StateSlot::kExpAvg,
+                                             StateSlot::kExpAvgSq};
+
+// The slots holding state tensor `kind` (the weights live in two).
+bool slot_of_kind(StateSlot slot, StateSlot kind) {
+  if (kind == StateSlot::kParam) return slot == StateSlot::kParam || slot == StateSlot::kMaster;
+  return slot == kind;
+}
+
+std::string state_name(const std::string& param, StateSlot kind) {
+  StateTensor t;
+  t.param = param;
+  t.kind = kind;
+  return t.name();
+}
+
+// Copies `box` (global coordinates, inside both) from an array holding
+// `src_box` to one holding `dst_box`; f32, row-major, contiguous.
+void copy_box(const float* src, const Box& src_box, float* dst, const Box& dst_box, const Box& box) {
+  const size_t n = box.begin.size();
+  if (box.numel() == 0) return;
+  if (n == 0) {
+    *dst = *src;
+    return;
+  }
+  const Shape ss = src_box.shape(), ds = dst_box.shape();
+  const int64_t row = box.end[n - 1] - box.begin[n - 1];
+  Shape idx = box.begin;
+  while (true) {
+    int64_t so = 0, dof = 0;
+    for (size_t d = 0; d < n; ++d) {
+      so = so * ss[d] + (idx[d] - src_box.begin[d]);
+      dof = dof * ds[d] + (idx[d] - dst_box.begin[d]);
+    }
+    std::memcpy(dst + dof, src + so, static_cast<size_t>(row) * sizeof(float));
+    size_t d = n - 1;
+    while (d > 0) {
+      --d;
+      if (++idx[d] < box.end[d]) break;
+      idx[d] = box.begin[d];
+      if (d == 0) return;
+    }
+    if (n == 1) return;
+  }
+}
+
+}  // namespace
+
+TrainingState::TrainingState(std::shared_ptr<const AnnotationPlan> plan, int rank)
+    : plan_(std::move(plan)), rank_(rank) {
+  for (const auto& [name, shape] : state_shapes(*plan_)) {
+    auto& slots = params_[name];
+    for (StateSlot s : kSlots) {
+      const Annotation* a = slot_layout(*plan_, name, s);
+      if (!a) continue;
+      if (auto box = local_box(*a, shape, rank_)) slots[static_cast<int>(s)].box = *box;
+    }
+  }
+}
+
+Shard& TrainingState::slot(const std::string& param, StateSlot s) {
+  auto it = params_.find(param);
+  HSPMD_CHECK(it != params_.end(), "no training state for parameter '", param, "'");
+  return it->second[static_cast<int>(s)];
+}
+
+const Shard& TrainingState::slot(const std::string& param, StateSlot s) const {
+  return const_cast<TrainingState*>(this)->slot(param, s);
+}
+
+Shard& TrainingState::optimized(const std::string& param) {
+  return slot(param, zero(param) ? StateSlot::kMaster : StateSlot::kParam);
+}
+
+int64_t TrainingState::bytes() const {
+  int64_t n = 0;
+  for (const auto& [name, slots] : params_)
+    for (const Shard& s : slots)
+      if (s.held()) n += static_cast<int64_t>(s.data.nbytes());
+  return n;
+}
+
+TrainingState TrainingState::from_full(std::shared_ptr<const AnnotationPlan> plan, int rank,
+                                       const std::map<std::string, NDArray>& full) {
+  TrainingState st(std::move(plan), rank);
+  for (const auto& [name, shape] : state_shapes(*st.plan_)) {
+    NDArray array = full.at(name);
+    if (array.dim(0) != shape[0]) {  // a padded vocabulary: zero rows (docs/vocab_parallel.md)
+      NDArray padded = NDArray::zeros(shape, DType::F32);
+      std::copy(array.data<float>(), array.data<float>() + array.numel(), padded.data<float>());
+      array = padded;
+    }
+    for (StateSlot s : kSlots) {
+      Shard& sh = st.slot(name, s);
+      if (!slot_layout(*st.plan_, name, s) || !local_box(*slot_layout(*st.plan_, name, s), shape, rank))
+        continue;
+      sh.data = s == StateSlot::kParam || s == StateSlot::kMaster ? box_slice(array, sh.box)
+                                                                  : NDArray::zeros(sh.box.shape(), DType::F32);
+    }
+  }
+  return st;
+}
+
+namespace {
+
+// Writes every part of a slice (box `box` of state tensor `t`, data laid out
+// as `box` at `src`) into the new state's shards of that tensor it overlaps.
+void deliver(TrainingState& to, const StateTensor& t, const float* src, const Box& box) {
+  for (StateSlot s : kSlots) {
+    if (!slot_of_kind(s, t.kind)) continue;
+    Shard& sh = to.slot(t.param, s);
+    if (!sh.held()) continue;
+    Box part = box;
+    bool empty = false;
+    for (size_t d = 0; d < box.begin.size(); ++d) {
+      part.begin[d] = std::max(box.begin[d], sh.box.begin[d]);
+      part.end[d] = std::min(box.end[d], sh.box.end[d]);
+      empty = empty || part.begin[d] >= part.end[d];
+    }
+    if (!empty) copy_box(src, box, sh.data.data<float>(), sh.box, part);
+  }
+}
+
+// The round's transfer time on this rank's links (the predicted_s rule).
+double link_seconds(const RankSwitchRound& r, int rank, const Topology& topology) {
+  int64_t intra[2] = {0, 0}, inter[2] = {0, 0};
+  for (int dir = 0; dir < 2; ++dir)
+    for (const SwitchMessage& m : dir == 0 ? r.sends : r.recvs)
+      (topology.same_node(rank, m.peer) ? intra : inter)[dir] += m.bytes;
+  const DeviceSpec& dev = topology.device_type(rank);
+  return std::max(std::max(intra[0], intra[1]) / (dev.intra_node_gbps * 1e9),
+                  std::max(inter[0], inter[1]) / (dev.inter_node_gbps * 1e9));
+}
+
+// The latest clock of every rank (emulation only).
+std::vector<float> all_clocks(const VirtualClock& clock, Communicator& world) {
+  std::vector<float> all(world.size());
+  const float mine = static_cast<float>(clock.now());
+  world.all_gather(&mine, all.data(), std::vector<int64_t>(world.size(), 1));
+  return all;
+}
+
+}  // namespace
+
+TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to, const SwitchPlan& sp,
+                                        const Topology& topology, Communicator& world,
+                                        CheckpointReader* checkpoint, VirtualClock* clock,
+                                        SwitchReport* report) && {
+  const auto t0 = std::chrono::steady_clock::now();
+  Allocator& alloc = allocator_for(Device::cpu());
+  const int64_t before = static_cast<int64_t>(alloc.current_bytes());
+  alloc.reset_peak();
+  const int64_t sent0 = world.bytes().sent;
+  TrainingState next(std::move(to), rank_);
+  next.step = step;
+  next.samples = samples;
+  next.seed = seed;
+  SwitchReport rep;
+  double start = 0;
+  if (clock) {
+    const auto clocks = all_clocks(*clock, world);
+    start = *std::max_element(clocks.begin(), clocks.end());
+    clock->communicate(start, 0);
+  }
+  for (const SwitchRound& round : sp.rounds) {
+    for (int t : round.tensors)  // this rank's new arrays of the round's tensors, zero-filled
+      for (const StateHolding& h : sp.tensors[t].needers) {
+        if (h.rank != rank_) continue;
+        Shard& sh = next.slot(sp.tensors[t].param, h.slot);
+        if (!sh.held()) sh.data = NDArray::zeros(h.box.shape(), DType::F32);
+      }
+    auto mine = round.ranks.find(rank_);
+    std::vector<float> clocks;
+    if (clock) clocks = all_clocks(*clock, world);
+    if (mine != round.ranks.end()) {
+      const RankSwitchRound& r = mine->second;
+      if (clock) clock->begin_compute();
+      std::vector<NDArray> out, in;
+      std::vector<SendBuffer> sends;
+      std::vector<RecvBuffer> recvs;
+      for (const SwitchMessage& m : r.sends) {
+        out.push_back(NDArray::empty({m.bytes / 4}, DType::F32));
+        float* p = out.back().data<float>();
+        for (const SliceRef& s : m.slices) {
+          const Shard& src = slot(sp.tensors[s.tensor].param, s.src_slot);
+          HSPMD_CHECK(src.held(), "rank ", rank_, " sends a slot it does not hold");
+          copy_box(src.data.data<float>(), src.box, p, s.box, s.box);
+          p += s.box.numel();
+        }
+        rep.predicted_bytes += m.bytes;
+        sends.push_back(SendBuffer{m.peer, out.back().data<float>(), m.bytes / 4});
+      }
+      for (const SwitchMessage& m : r.recvs) {
+        in.push_back(NDArray::empty({m.bytes / 4}, DType::F32));
+        recvs.push_back(RecvBuffer{m.peer, in.back().data<float>(), m.bytes / 4});
+      }
+      for (const SliceRef& s : r.keeps) {
+        const Shard& src = slot(sp.tensors[s.tensor].param, s.src_slot);
+        NDArray tmp = NDArray::empty(s.box.shape(), DType::F32);
+        copy_box(src.data.data<float>(), src.box, tmp.data<float>(), s.box, s.box);
+        deliver(next, sp.tensors[s.tensor], tmp.data<float>(), s.box);
+      }
+      for (const SliceRef& s : r.checkpoint) {
+        if (!checkpoint) fail("[switch] rank ", rank_, ": slices of '", sp.tensors[s.tensor].name(),
+                              "' must come from a checkpoint but none was given (--checkpoint)");
+        NDArray got = checkpoint->read(sp.tensors[s.tensor].name(), s.box);
+        rep.checkpoint_bytes += static_cast<int64_t>(got.nbytes());
+        deliver(next, sp.tensors[s.tensor], got.data<float>(), s.box);
+      }
+      if (clock) {
+        clock->end_compute();
+        double ready = clock->now();
+        for (const auto* list : {&r.sends, &r.recvs})
+          for (const SwitchMessage& m : *list) ready = std::max(ready, static_cast<double>(clocks[m.peer]));
+        clock->communicate(ready, link_seconds(r, rank_, topology));
+      }
+      world.batched_send_recv(sends, recvs, kSwitchTag);
+      if (clock) clock->begin_compute();
+      for (size_t k = 0; k < r.recvs.size(); ++k) {
+        const float* p = in[k].data<float>();
+        for (const SliceRef& s : r.recvs[k].slices) {
+          deliver(next, sp.tensors[s.tensor], p, s.box);
+          p += s.box.numel();
+        }
+      }
+      if (clock) clock->end_compute();
+    }
+    for (int t : round.tensors)  // the old arrays of the round's tensors are no longer needed
+      for (StateSlot s : kSlots)
+        if (slot_of_kind(s, sp.tensors[t].kind)) slot(sp.tensors[t].param, s).data = NDArray();
+  }
+  const int64_t after = static_cast<int64_t>(alloc.current_bytes());
+  rep.peak_extra_bytes = static_cast<int64_t>(alloc.peak_bytes()) - std::max(before, after);
+  rep.bound_bytes = sp.round_peak_bytes.empty() ? 0 : sp.round_peak_bytes.at(rank_);
+  rep.bytes_sent = world.bytes().sent - sent0;
+  rep.switch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (clock) {
+    const auto clocks = all_clocks(*clock, world);
+    rep.emulated_s = *std::max_element(clocks.begin(), clocks.end()) - start;
+  }
+  if (report) *report = rep;
+  return next;
+}
+
+TrainingState TrainingState::load(std::shared_ptr<const AnnotationPlan> plan, int rank,
+                                  CheckpointReader& checkpoint) {
+  TrainingState st(std::move(plan), rank);
+  for (auto& [name, slots] : st.params_)
+    for (StateSlot s : kSlots) {
+      Shard& sh = slots[static_cast<int>(s)];
+      if (!slot_layout(*st.plan_, name, s) || sh.box.begin.empty()) continue;  // not held here
+      const StateSlot kind = s == StateSlot::kMaster ? StateSlot::kParam : s;
+      const std::string tensor = state_name(name, kind);
+      sh.data = NDArray::zeros(sh.box.shape(), DType::F32);
+      // A vocabulary padded otherwise: rows beyond the checkpoint's stay zero.
+      Box box = sh.box;
+      const Shape& stored = checkpoint.index().tensors.at(tensor).shape;
+      if (stored.empty() || box.begin[0] >= stored[0]) continue;
+      box.end[0] = std::min(box.end[0], stored[0]);
+      NDArray got = checkpoint.read(tensor, box);
+      copy_box(got.data<float>(), box, sh.data.data<float>(), sh.box, box);
+    }
+  return st;
+}
+
+std::vector<TrainingState::NamedShard> TrainingState::checkpoint_shards() const {
+  std::vector<NamedShard> out;
+  for (const auto& [name, shape] : state_shapes(*plan_)) {
+    const bool z = zero(name);
+    const Annotation& opt = *slot_layout(*plan_, name, StateSlot::kExpAvg);
+    if (!is_representative(opt, rank_)) continue;
+    const StateSlot weights = z ? StateSlot::kMaster : StateSlot::kParam;
+    for (auto [kind, s] : {std::pair{StateSlot::kParam, weights}, std::pair{StateSlot::kExpAvg, StateSlot::kExpAvg},
+                           std::pair{StateSlot::kExpAvgSq, StateSlot::kExpAvgSq}}) {
+      const Shard& sh = slot(name, s);
+      if (sh.held()) out.push_back(NamedShard{state_name(name, kind), shape, sh});
+    }
+  }
+  return out;
+}
+
+}  // namespace hspmd
