@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -215,6 +216,75 @@ void save_safetensors(const std::string& path, const std::map<std::string, NDArr
     std::filesystem::remove(tmp, ec);
     fail_file(path, "cannot rename ", tmp, " into place: ", why);
   }
+}
+
+struct SafetensorsWriter::Impl {
+  std::string path, tmp;
+  std::map<std::string, Declared> tensors;
+  std::map<std::string, uint64_t> offsets;  // absolute file offsets of each tensor's data
+  std::set<std::string> written;
+  std::ofstream out;
+  bool finished = false;
+};
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::map<std::string, Declared> tensors)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& w = *impl_;
+  w.path = std::move(path);
+  w.tensors = std::move(tensors);
+  json header = json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  uint64_t offset = 0;
+  for (const auto& [name, d] : w.tensors) {
+    if (name == "__metadata__") fail_file(w.path, "'__metadata__' is reserved and cannot name a tensor");
+    const uint64_t bytes = static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
+    header[name] = {{"dtype", dtype_to_name(d.dtype)}, {"shape", d.shape}, {"data_offsets", {offset, offset + bytes}}};
+    w.offsets[name] = offset;
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  for (auto& [name, o] : w.offsets) o += kHeaderLengthBytes + text.size();
+  w.tmp = w.path + ".tmp." + std::to_string(::getpid());
+  w.out.open(w.tmp, std::ios::binary | std::ios::trunc);
+  if (!w.out) fail_file(w.path, "cannot open ", w.tmp, " for writing");
+  unsigned char len[kHeaderLengthBytes];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(uint64_t{text.size()} >> (8 * i));
+  w.out.write(reinterpret_cast<const char*>(len), kHeaderLengthBytes);
+  w.out.write(text.data(), static_cast<std::streamsize>(text.size()));
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (impl_->finished) return;
+  impl_->out.close();
+  std::error_code ec;
+  std::filesystem::remove(impl_->tmp, ec);
+}
+
+void SafetensorsWriter::write(const std::string& name, const NDArray& tensor) {
+  Impl& w = *impl_;
+  auto it = w.tensors.find(name);
+  if (it == w.tensors.end()) fail_file(w.path, "tensor '", name, "' was not declared");
+  if (!w.written.insert(name).second) fail_file(w.path, "tensor '", name, "' written twice");
+  if (!tensor.valid() || tensor.dtype() != it->second.dtype || tensor.shape() != it->second.shape)
+    fail_file(w.path, "tensor '", name, "' is not the declared ", dtype_to_name(it->second.dtype), " ",
+              shape_str(it->second.shape));
+  const NDArray c = tensor.contiguous();
+  w.out.seekp(static_cast<std::streamoff>(w.offsets.at(name)));
+  w.out.write(static_cast<const char*>(c.raw_data()), static_cast<std::streamsize>(c.nbytes()));
+  if (!w.out) fail_file(w.path, "writing ", w.tmp, " failed (disk full or I/O error)");
+}
+
+void SafetensorsWriter::finish() {
+  Impl& w = *impl_;
+  for (const auto& [name, d] : w.tensors)
+    if (!w.written.count(name)) fail_file(w.path, "tensor '", name, "' was declared but never written");
+  w.out.close();
+  if (!w.out) fail_file(w.path, "writing ", w.tmp, " failed (disk full or I/O error)");
+  std::error_code ec;
+  std::filesystem::rename(w.tmp, w.path, ec);
+  if (ec) fail_file(w.path, "cannot rename ", w.tmp, " into place: ", ec.message());
+  w.finished = true;
 }
 
 }  // namespace hspmd

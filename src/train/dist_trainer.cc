@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <set>
 
@@ -108,6 +109,7 @@ class DistTrainer {
     train_common::check_output_path("--save", o.save_path);
     train_common::check_output_path("--log", o.log_path);
     train_common::check_output_path("--trace", o.trace_path);
+    train_common::check_output_path("--dump-grads", o.dump_grads_path);
     algorithm_ = parse_switch_algorithm(o.switch_algorithm);
     topology_ = std::make_shared<const Topology>(o.cluster_path.empty() ? Topology::uniform(world.size())
                                                                         : Topology::load(o.cluster_path));
@@ -118,8 +120,9 @@ class DistTrainer {
       clock_ = std::make_unique<VirtualClock>(topology_->rank(world.rank()).slowdown);
       clock_->set_tracing(!o.trace_path.empty());
     }
-    plans_.push_back(load_plan_file(o.plan_path.empty() ? o.strategy_path : o.plan_path,
-                                    o.plan_path.empty() ? "--strategy" : "--plan"));
+    plans_.push_back(o.strategy ? compile(*o.strategy)
+                                : load_plan_file(o.plan_path.empty() ? o.strategy_path : o.plan_path,
+                                                 o.plan_path.empty() ? "--strategy" : "--plan"));
     int64_t last = 0;
     for (const TrainOptions::Switch& sw : o.switches) {
       if (sw.step <= last || sw.step >= o.steps)
@@ -142,7 +145,11 @@ class DistTrainer {
 
  private:
   std::shared_ptr<const AnnotationPlan> load_plan_file(const std::string& path, const char* flag) const;
+  std::shared_ptr<const AnnotationPlan> compile(const Strategy& strategy) const;
   std::unique_ptr<Runtime> specialize(std::shared_ptr<const AnnotationPlan> plan) const;
+  // How the switch to plans_[index] is planned: the checkpoint serves lost
+  // ranks' slices when one is written at that very step.
+  SwitchOptions switch_options(size_t index) const;
   // The index into plans_ in force at `step`.
   size_t plan_at(int64_t step) const;
   void switch_to(size_t index, int64_t step, std::ofstream& log);
@@ -155,6 +162,9 @@ class DistTrainer {
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
   void save_checkpoint();
   void save() const;
+  void gather_and_write(const std::string& path, const std::string& prefix,
+                        const std::function<std::pair<Annotation, NDArray>(const std::string&)>& local,
+                        DType dtype) const;
   void write_trace() const;
 
   const TrainOptions& o_;
@@ -188,17 +198,19 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::str
     padded.padded_vocab_size = plan.model.padded_vocab_size;
     if (plan.model.to_json() != padded.to_json())
       fail("[plan] ", path, ": its model differs from --model ", o_.model_path);
-  } else {
-    const Strategy strategy = load_strategy(path);
-    const int64_t g = sequence_granularity(strategy);
-    if (!o_.pack_documents && o_.seq_len % g != 0)
-      fail("[strategy] --seq-len ", o_.seq_len, " must be a multiple of ", g,
-           " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
-    CompileOptions co;
-    co.seq_len = (o_.seq_len + g - 1) / g * g;  // packed lengths vary: compile for the longest, rounded up
-    plan = compile_plan(config_, strategy, world_.size(), co);
+    return std::make_shared<const AnnotationPlan>(std::move(plan));
   }
-  return std::make_shared<const AnnotationPlan>(std::move(plan));
+  return compile(load_strategy(path));
+}
+
+std::shared_ptr<const AnnotationPlan> DistTrainer::compile(const Strategy& strategy) const {
+  const int64_t g = sequence_granularity(strategy);
+  if (!o_.pack_documents && o_.seq_len % g != 0)
+    fail("[strategy] --seq-len ", o_.seq_len, " must be a multiple of ", g,
+         " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
+  CompileOptions co;
+  co.seq_len = (o_.seq_len + g - 1) / g * g;  // packed lengths vary: compile for the longest, rounded up
+  return std::make_shared<const AnnotationPlan>(compile_plan(config_, strategy, world_.size(), co));
 }
 
 std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const AnnotationPlan> plan) const {
@@ -233,6 +245,16 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
                                                   1024.0 * 1024.0));
   }
   return rt;
+}
+
+SwitchOptions DistTrainer::switch_options(size_t index) const {
+  const TrainOptions::Switch& sw = o_.switches.at(index - 1);
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  so.lost_ranks = std::set<int>(sw.lost_ranks.begin(), sw.lost_ranks.end());
+  so.have_checkpoint = !o_.checkpoint_dir.empty() && o_.save_every > 0 && sw.step % o_.save_every == 0;
+  return so;
 }
 
 size_t DistTrainer::plan_at(int64_t step) const {
@@ -325,21 +347,35 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
   }
 }
 
-// The parameters' full tensors on rank 0, one at a time, then written as one
-// Hugging Face safetensors file (padding rows dropped).
-void DistTrainer::save() const {
+// Per parameter, its local array under `layout(name)` gathered to rank 0
+// (padding rows dropped) and written there at once: rank 0 holds one full
+// tensor at a time.
+void DistTrainer::gather_and_write(const std::string& path, const std::string& prefix,
+                                   const std::function<std::pair<Annotation, NDArray>(const std::string&)>& local,
+                                   DType dtype) const {
   Annotation rank0;
   rank0.subgroups = {Subgroup{DeviceGroup{{0}}, DistStates{}}};
-  std::map<std::string, NDArray> out;
-  for (const std::string& name : rt_->graph->model().names) {
-    const Shard& p = state_->slot(name, StateSlot::kParam);
-    NDArray full = rt_->graph->reshard("save." + name, rt_->shapes.at(name), rt_->graph->annotation(name), rank0,
-                                       p.data, world_);
-    if (world_.rank() == 0 && is_vocab_table(name) && full.dim(0) != config_.vocab_size)
-      full = full.slice(0, 0, config_.vocab_size).contiguous();  // drop the padding rows
-    if (world_.rank() == 0) out.emplace(name, full.to(o_.save_dtype));
+  std::unique_ptr<SafetensorsWriter> writer;
+  if (world_.rank() == 0) {
+    std::map<std::string, SafetensorsWriter::Declared> declared;
+    for (const auto& [name, shape] : llama_parameter_shapes(config_)) declared[name] = {dtype, shape};
+    writer = std::make_unique<SafetensorsWriter>(path, declared);
   }
-  if (world_.rank() == 0) save_safetensors(o_.save_path, out);
+  for (const std::string& name : rt_->graph->model().names) {
+    auto [layout, array] = local(name);
+    NDArray full = rt_->graph->reshard(prefix + name, rt_->shapes.at(name), layout, rank0, array, world_);
+    if (!writer) continue;
+    if (is_vocab_table(name) && full.dim(0) != config_.vocab_size)
+      full = full.slice(0, 0, config_.vocab_size).contiguous();  // drop the padding rows
+    writer->write(name, full.to(dtype));
+  }
+  if (writer) writer->finish();
+}
+
+void DistTrainer::save() const {
+  gather_and_write(o_.save_path, "save.", [&](const std::string& name) {
+    return std::pair{rt_->graph->annotation(name), state_->slot(name, StateSlot::kParam).data};
+  }, o_.save_dtype);
 }
 
 void DistTrainer::prepare() {
@@ -356,6 +392,10 @@ void DistTrainer::prepare() {
   }
   plan_index_ = plan_at(start);
   rt_ = specialize(plans_[plan_index_]);
+  // Every switch is planned now, so that one that cannot be done (a lost
+  // rank's slices with no checkpoint) fails before the first step.
+  for (size_t k = plan_index_ + 1; k < plans_.size(); ++k)
+    switch_plans_.get(*plans_[k - 1], *plans_[k], *topology_, switch_options(k));
   if (reader) {
     state_ = TrainingState::load(rt_->plan, world_.rank(), *reader);
     const nlohmann::json& meta = reader->index().meta;
@@ -378,16 +418,9 @@ void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
   const auto t0 = Clock::now();
   std::unique_ptr<Runtime> next = specialize(plans_[index]);
   const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  SwitchOptions so;
-  so.algorithm = algorithm_;
-  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
-  const TrainOptions::Switch& sw = o_.switches.at(index - 1);
-  so.lost_ranks = std::set<int>(sw.lost_ranks.begin(), sw.lost_ranks.end());
+  const SwitchOptions so = switch_options(index);
   std::unique_ptr<CheckpointReader> reader;
-  if (!o_.checkpoint_dir.empty() && std::filesystem::exists(o_.checkpoint_dir + "/index.json")) {
-    reader = std::make_unique<CheckpointReader>(o_.checkpoint_dir);
-    so.have_checkpoint = reader->index().step == state_->step;  // only a checkpoint of this very state
-  }
+  if (so.have_checkpoint) reader = std::make_unique<CheckpointReader>(o_.checkpoint_dir);
   const SwitchPlan& sp = switch_plans_.get(*rt_->plan, *next->plan, *topology_, so);
   rt_.reset();  // the old graph goes before the state moves: less memory at the peak
   SwitchReport rep;
@@ -502,6 +535,11 @@ std::vector<StepRecord> DistTrainer::run() {
     r.loss = all_reduce_scalar(is_representative(graph.loss_annotation(), world_.rank()) ? loss : 0.0, world_);
     const double post0 = clock_ ? clock_->now() : 0;
     std::map<std::string, NDArray> synced = graph.sync_gradients(raw, world_);
+    if (step == 0 && !o_.dump_grads_path.empty())
+      gather_and_write(o_.dump_grads_path, "dump.", [&](const std::string& name) {
+        auto g = synced.find(name);
+        return std::pair{graph.annotation("grad." + name), g == synced.end() ? NDArray() : g->second};
+      }, DType::F32);
     r.grad_norm = global_grad_norm(synced);
     r.lr = schedule.at(step);
     optimizer_step(adam, synced, r.lr);

@@ -188,7 +188,6 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
   Allocator& alloc = allocator_for(Device::cpu());
   const int64_t before = static_cast<int64_t>(alloc.current_bytes());
   alloc.reset_peak();
-  const int64_t sent0 = world.bytes().sent;
   TrainingState next(std::move(to), rank_);
   next.step = step;
   next.samples = samples;
@@ -252,7 +251,9 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
           for (const SwitchMessage& m : *list) ready = std::max(ready, static_cast<double>(clocks[m.peer]));
         clock->communicate(ready, link_seconds(r, rank_, topology));
       }
+      const int64_t sent0 = world.bytes().sent;  // the clocks' exchanges are not the switch's
       world.batched_send_recv(sends, recvs, kSwitchTag);
+      rep.bytes_sent += world.bytes().sent - sent0;
       if (clock) clock->begin_compute();
       for (size_t k = 0; k < r.recvs.size(); ++k) {
         const float* p = in[k].data<float>();
@@ -270,7 +271,6 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
   const int64_t after = static_cast<int64_t>(alloc.current_bytes());
   rep.peak_extra_bytes = static_cast<int64_t>(alloc.peak_bytes()) - std::max(before, after);
   rep.bound_bytes = sp.round_peak_bytes.empty() ? 0 : sp.round_peak_bytes.at(rank_);
-  rep.bytes_sent = world.bytes().sent - sent0;
   rep.switch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (clock) {
     const auto clocks = all_clocks(*clock, world);

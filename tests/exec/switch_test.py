@@ -173,7 +173,7 @@ def fallback_case(h):
 def resume_cases(h):
     """--resume under another plan and world equals uninterrupted training."""
     ckpt = h.path("resume_ckpt")
-    rc, err, *_ = h.train("resume_a", 7, S["asym7_tp421_zero"], [], ["--checkpoint", ckpt, "--save-every", "3"])
+    rc, err, *_ = h.train("resume_a", 7, S["asym7_tp421_zero"], [], ["--checkpoint", ckpt, "--save-every", "4"])
     if rc:
         return h.check("resume", False, f"exit {rc}: {err.strip()[-300:]}")
     index = json.load(open(os.path.join(ckpt, "index.json")))
@@ -199,7 +199,7 @@ def emulated_case(h):
     cluster = h.path("cluster.json")
     json.dump({"catalog": CLUSTER_CATALOG,
                "nodes": [{"type": "gpu", "ranks": [0, 1]}, {"type": "gpu", "ranks": [2, 3]}]}, open(cluster, "w"))
-    rc, err, steps, sw, weights = h.train("emulated", 4, S["dp4"], [(2, S["tp4"])], ["--cluster", cluster])
+    rc, err, steps, sw, weights = h.train("emulated", 4, S["tp4"], [(2, S["dp2_tp2"])], ["--cluster", cluster])
     if rc:
         return h.check("emulated switch", False, f"exit {rc}: {err.strip()[-300:]}")
     h.compare("emulated switch", steps, sw, weights, want_switches=1)

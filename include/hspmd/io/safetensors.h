@@ -4,6 +4,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 
 #include "hspmd/core/ndarray.h"
@@ -25,5 +26,32 @@ std::map<std::string, NDArray> load_safetensors(const std::string& path);
 // file cannot be written, a tensor is invalid or not on the CPU, or a tensor
 // is named "__metadata__".
 void save_safetensors(const std::string& path, const std::map<std::string, NDArray>& tensors);
+
+// Writes one safetensors file tensor by tensor, so that the writer never
+// holds more than one tensor (a distributed --save gathers them one at a
+// time). The header (every name, dtype and shape, sorted by name as
+// save_safetensors writes it) goes first; write() places each tensor's data
+// at its offset, in any order. Data go to a temporary file beside `path`;
+// finish() checks that every tensor was written and renames it into place,
+// so a failure leaves an existing file intact. Throws hspmd::Error
+// "[safetensors] <path>: ..." like save_safetensors, and for a tensor that is
+// not declared, written twice, or of another dtype or shape.
+class SafetensorsWriter {
+ public:
+  struct Declared {
+    DType dtype = DType::F32;
+    Shape shape;
+  };
+  SafetensorsWriter(std::string path, std::map<std::string, Declared> tensors);
+  ~SafetensorsWriter();  // removes the temporary file unless finished
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void write(const std::string& name, const NDArray& tensor);
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace hspmd

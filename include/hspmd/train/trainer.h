@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/optim/lr_schedule.h"
+#include "hspmd/plan/strategy.h"
 
 namespace hspmd {
 
@@ -24,6 +26,7 @@ struct TrainOptions {
   std::string cluster_path;     // distributed: optional cluster JSON (emulated cluster)
   std::string trace_path;       // distributed: Chrome-trace timeline of the emulated cluster
   std::string plan_path;        // distributed: an annotation plan JSON to train (instead of a strategy)
+  std::optional<Strategy> strategy;  // a strategy given as a value (instead of strategy_path)
   // Plan switches (docs/switching.md): from step `step` on, train under
   // `path` (a strategy or an annotation plan); ascending steps.
   struct Switch {
@@ -75,10 +78,12 @@ struct StepRecord {
   std::vector<double> emulated_compute_s;
 };
 
-// Validates every input before the first step (config, data, initial
-// weights, batch sizes, output paths), then trains. Returns one record per
-// step. Throws hspmd::Error (one line, naming the object and the rule) on any
-// bad input; nothing is written in that case.
+// Single-process training: a world of one. Validates the single-process
+// flags (--global-batch, --micro-batches), then runs train_distributed on the
+// single-process communicator under a strategy of one rank (one pipeline of
+// one stage; micro-batches of global_batch / micro_batches samples). Returns
+// one record per step. Throws hspmd::Error (one line, naming the object and
+// the rule) on any bad input, before the first step; nothing is written then.
 std::vector<StepRecord> train(const TrainOptions& options);
 
 class Communicator;
