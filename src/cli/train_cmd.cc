@@ -142,7 +142,8 @@ int train_command(const std::vector<std::string>& args) {
              "without a restart (docs/switching.md)");
   f.add_string("switch-algorithm", &o.switch_algorithm, "naive, per-tensor or fused (default)");
   f.add_double("switch-bucket-mb", &o.switch_bucket_mb,
-               "fused switches: MiB of state tensors per round (default 0: one layer group per round)");
+               "fused switches: MiB of state tensors (full logical size) per round, at least one layer group "
+               "(default 256; 0: everything in one round)");
   f.add_list("switch-lost", &lost,
              "STEP:R1,R2,...: at the switch of step STEP, the memory of these ranks counts as gone (their "
              "slices come from the --checkpoint)");

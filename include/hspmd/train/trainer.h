@@ -36,7 +36,7 @@ struct TrainOptions {
   };
   std::vector<Switch> switches;
   std::string switch_algorithm = "fused";  // naive, per-tensor or fused
-  double switch_bucket_mb = 0;  // fused: bytes of state tensors per round (0: one layer group per round)
+  double switch_bucket_mb = 256;  // fused: MiB of state tensors per round (0: all in one round)
   std::string checkpoint_dir;   // sharded training checkpoints are written here ...
   int64_t save_every = 0;       // ... after every this many steps (0: never)
   std::string resume_dir;       // continue from the checkpoint in this directory

@@ -42,10 +42,18 @@ struct SwitchReport {
   int64_t predicted_bytes = 0;       // the switch plan's
   int64_t checkpoint_bytes = 0;      // read from the checkpoint
   int64_t peak_extra_bytes = 0;      // the allocator's peak above max(old, new) state
-  int64_t bound_bytes = 0;           // the switch plan's round_peak_bytes for this rank
+  int64_t bound_bytes = 0;           // switch_memory_bound for this rank
   double switch_s = 0;               // wall time of the transfer
   double emulated_s = 0;             // under a clock: virtual seconds from the switch's start
 };
+
+// The most memory `rank` holds during the switch beyond max(old state, new
+// state): while round r runs, the rank holds the new arrays of the rounds up
+// to r, the old arrays of the rounds from r on, round r's message buffers and
+// one keep / checkpoint-read temporary. Small rounds (buckets) keep it near
+// one round's new arrays and buffers; one round for everything costs up to
+// min(old, new) plus all buffers.
+int64_t switch_memory_bound(const SwitchPlan& sp, int rank);
 
 class TrainingState {
  public:
