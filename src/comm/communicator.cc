@@ -2,46 +2,46 @@
 // accounting, and the single-process stub.
 #include "hspmd/comm/communicator.h"
 
-#include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "hspmd/core/error.h"
 
 namespace hspmd {
 
-void Communicator::all_reduce(float* data, int64_t count) {
+void Communicator::all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
   std::vector<Request> r;
-  r.push_back(start_all_reduce(data, count));
+  r.push_back(start_all_reduce(data, count, dtype, op));
   wait_all(r);
 }
 
-void Communicator::reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) {
+void Communicator::reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
   std::vector<Request> r;
-  r.push_back(start_reduce_scatter(send, recv, counts));
+  r.push_back(start_reduce_scatter(send, recv, counts, dtype));
   wait_all(r);
 }
 
-void Communicator::all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) {
+void Communicator::all_gather(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
   std::vector<Request> r;
-  r.push_back(start_all_gather(send, recv, counts));
+  r.push_back(start_all_gather(send, recv, counts, dtype));
   wait_all(r);
 }
 
-void Communicator::broadcast(float* data, int64_t count, int root) {
+void Communicator::broadcast(void* data, int64_t count, DType dtype, int root) {
   std::vector<Request> r;
-  r.push_back(start_broadcast(data, count, root));
+  r.push_back(start_broadcast(data, count, dtype, root));
   wait_all(r);
 }
 
-void Communicator::send(const float* data, int64_t count, int peer, int tag) {
+void Communicator::send(const void* data, int64_t count, DType dtype, int peer, int tag) {
   std::vector<Request> r;
-  r.push_back(start_send(data, count, peer, tag));
+  r.push_back(start_send(data, count, dtype, peer, tag));
   wait_all(r);
 }
 
-void Communicator::recv(float* data, int64_t count, int peer, int tag) {
+void Communicator::recv(void* data, int64_t count, DType dtype, int peer, int tag) {
   std::vector<Request> r;
-  r.push_back(start_recv(data, count, peer, tag));
+  r.push_back(start_recv(data, count, dtype, peer, tag));
   wait_all(r);
 }
 
@@ -49,39 +49,39 @@ void Communicator::batched_send_recv(const std::vector<SendBuffer>& sends, const
                                      int tag) {
   std::vector<Request> r;
   // Receives first: a library may then match incoming data without buffering.
-  for (const RecvBuffer& b : recvs) r.push_back(start_recv(b.data, b.count, b.peer, tag));
-  for (const SendBuffer& b : sends) r.push_back(start_send(b.data, b.count, b.peer, tag));
+  for (const RecvBuffer& b : recvs) r.push_back(start_recv(b.data, b.count, b.dtype, b.peer, tag));
+  for (const SendBuffer& b : sends) r.push_back(start_send(b.data, b.count, b.dtype, b.peer, tag));
   wait_all(r);
 }
 
-void Communicator::count_all_reduce(int64_t count) {
+void Communicator::count_all_reduce(int64_t count, DType dtype) {
   const int64_t n = size();
-  const int64_t bytes = count * 4 * 2 * (n - 1) / n;
+  const int64_t bytes = count * element_bytes(dtype) * 2 * (n - 1) / n;
   counters_->sent += bytes;
   counters_->received += bytes;
 }
 
-void Communicator::count_reduce_scatter(const std::vector<int64_t>& counts) {
+void Communicator::count_reduce_scatter(const std::vector<int64_t>& counts, DType dtype) {
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  const int64_t mine = counts[rank()];
-  counters_->sent += (total - mine) * 4;
-  counters_->received += (size() - 1) * mine * 4;
+  const int64_t mine = counts[rank()], e = element_bytes(dtype);
+  counters_->sent += (total - mine) * e;
+  counters_->received += (size() - 1) * mine * e;
 }
 
-void Communicator::count_all_gather(const std::vector<int64_t>& counts) {
+void Communicator::count_all_gather(const std::vector<int64_t>& counts, DType dtype) {
   int64_t total = 0;
   for (int64_t c : counts) total += c;
-  const int64_t mine = counts[rank()];
-  counters_->sent += (size() - 1) * mine * 4;
-  counters_->received += (total - mine) * 4;
+  const int64_t mine = counts[rank()], e = element_bytes(dtype);
+  counters_->sent += (size() - 1) * mine * e;
+  counters_->received += (total - mine) * e;
 }
 
-void Communicator::count_broadcast(int64_t count, int root) {
+void Communicator::count_broadcast(int64_t count, DType dtype, int root) {
   if (rank() == root)
-    counters_->sent += (size() - 1) * count * 4;
+    counters_->sent += (size() - 1) * count * element_bytes(dtype);
   else
-    counters_->received += count * 4;
+    counters_->received += count * element_bytes(dtype);
 }
 
 namespace {
@@ -93,6 +93,13 @@ class SingleProcessCommunicator final : public Communicator {
  public:
   SingleProcessCommunicator() : Communicator(std::make_shared<ByteCounters>()) {}
 
+  using Communicator::start_all_gather;
+  using Communicator::start_all_reduce;
+  using Communicator::start_broadcast;
+  using Communicator::start_recv;
+  using Communicator::start_reduce_scatter;
+  using Communicator::start_send;
+
   int rank() const override { return 0; }
   int size() const override { return 1; }
 
@@ -101,29 +108,31 @@ class SingleProcessCommunicator final : public Communicator {
     return *this;
   }
 
-  Request start_all_reduce(float*, int64_t count) override {
+  Request start_all_reduce(void*, int64_t count, DType, ReduceOp) override {
     check_count(count, "all_reduce");
     return {};
   }
-  Request start_reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) override {
+  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                               DType dtype) override {
     check_counts(counts, "reduce_scatter");
-    std::copy(send, send + counts[0], recv);
+    copy(send, recv, counts[0], dtype);
     return {};
   }
-  Request start_all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) override {
+  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+                           DType dtype) override {
     check_counts(counts, "all_gather");
-    std::copy(send, send + counts[0], recv);
+    copy(send, recv, counts[0], dtype);
     return {};
   }
-  Request start_broadcast(float*, int64_t count, int root) override {
+  Request start_broadcast(void*, int64_t count, DType, int root) override {
     check_count(count, "broadcast");
     if (root != 0) fail("[comm] broadcast from rank ", root, " ", kNeedsMpi);
     return {};
   }
-  Request start_send(const float*, int64_t, int peer, int) override {
+  Request start_send(const void*, int64_t, DType, int peer, int) override {
     fail("[comm] send to rank ", peer, " ", kNeedsMpi);
   }
-  Request start_recv(float*, int64_t, int peer, int) override {
+  Request start_recv(void*, int64_t, DType, int peer, int) override {
     fail("[comm] recv from rank ", peer, " ", kNeedsMpi);
   }
   void wait_all(std::vector<Request>& requests) override { requests.clear(); }
@@ -137,6 +146,11 @@ class SingleProcessCommunicator final : public Communicator {
   static void check_counts(const std::vector<int64_t>& counts, const char* call) {
     if (counts.size() != 1) fail("[comm] ", call, ": ", counts.size(), " counts for a communicator of 1 rank");
     check_count(counts[0], call);
+  }
+  // The one member's piece: a byte copy (in place when send is recv).
+  static void copy(const void* send, void* recv, int64_t count, DType dtype) {
+    const size_t bytes = static_cast<size_t>(count) * dtype_size(dtype);
+    if (bytes > 0 && send != recv) std::memmove(recv, send, bytes);
   }
 };
 

@@ -2,9 +2,12 @@
 // returned (never aborting), sub-communicators made by MPI_Comm_create_group
 // (collective over the members only) and cached by member list, and
 // non-blocking operations throughout so that callers can overlap several.
+// Every dtype maps to an MPI type; bf16, which MPI lacks, travels as
+// MPI_UINT16_T and is reduced by user-defined operations (bf16_sum, bf16_max).
 #include <mpi.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -34,6 +37,49 @@ int to_int(int64_t count, const char* call) {
   return static_cast<int>(count);
 }
 
+MPI_Datatype mpi_type(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return MPI_FLOAT;
+    case DType::F64: return MPI_DOUBLE;
+    case DType::I32: return MPI_INT32_T;
+    case DType::I64: return MPI_INT64_T;
+    case DType::BF16: return MPI_UINT16_T;  // the bit pattern; reductions by bf16_op
+  }
+  HSPMD_CHECK(false, "no MPI type for dtype ", static_cast<int>(dtype));
+}
+
+// bf16 reductions: each combining step widens both operands to f32, adds
+// (or compares) there and rounds back to bf16 with f32_to_bf16 (nearest
+// even). MPI may apply the step in any tree order (the ops are commutative),
+// so a sum is exact whenever every partial sum is representable in bf16.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+void bf16_max(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);
+    if (!std::isnan(y) && (std::isnan(x) || x > y)) b[i] = a[i];  // NaN wins in any order
+  }
+}
+
+// The user-defined bf16 operations, created on first use (after MPI_Init)
+// and freed before MPI_Finalize when hspmd finalizes MPI.
+MPI_Op bf16_ops[2] = {MPI_OP_NULL, MPI_OP_NULL};  // kSum, kMax
+
+MPI_Op mpi_op(DType dtype, ReduceOp op) {
+  HSPMD_CHECK(op == ReduceOp::kSum || op == ReduceOp::kMax, "unknown reduce op ", static_cast<int>(op));
+  const bool max = op == ReduceOp::kMax;
+  if (dtype != DType::BF16) return max ? MPI_MAX : MPI_SUM;
+  MPI_Op& made = bf16_ops[max ? 1 : 0];
+  if (made == MPI_OP_NULL) check(MPI_Op_create(max ? bf16_max : bf16_sum, 1, &made), "MPI_Op_create");
+  return made;
+}
+
 // One pending MPI operation and what must outlive it (v-collective arrays).
 class MpiRequest final : public Request::Impl {
  public:
@@ -41,7 +87,8 @@ class MpiRequest final : public Request::Impl {
   std::vector<int> counts, displs;
   const char* call = "";
   int peer = -1;
-  int64_t expected = -1;  // recv: the exact message size
+  int64_t expected = -1;  // recv: the exact message size, in elements of dtype
+  DType dtype = DType::F32;
 };
 
 class MpiCommunicator final : public Communicator {
@@ -59,15 +106,24 @@ class MpiCommunicator final : public Communicator {
     if (!finalized) MPI_Comm_free(&comm_);
   }
 
+  using Communicator::start_all_gather;
+  using Communicator::start_all_reduce;
+  using Communicator::start_broadcast;
+  using Communicator::start_recv;
+  using Communicator::start_reduce_scatter;
+  using Communicator::start_send;
+
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Communicator& group(const std::vector<int>& ranks) override;
-  Request start_all_reduce(float* data, int64_t count) override;
-  Request start_reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) override;
-  Request start_all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) override;
-  Request start_broadcast(float* data, int64_t count, int root) override;
-  Request start_send(const float* data, int64_t count, int peer, int tag) override;
-  Request start_recv(float* data, int64_t count, int peer, int tag) override;
+  Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
+  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                               DType dtype) override;
+  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+                           DType dtype) override;
+  Request start_broadcast(void* data, int64_t count, DType dtype, int root) override;
+  Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
   void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
@@ -114,57 +170,63 @@ void MpiCommunicator::check_counts(const std::vector<int64_t>& counts, const cha
   to_int(offset, call);
 }
 
-Request MpiCommunicator::start_all_reduce(float* data, int64_t count) {
+Request MpiCommunicator::start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
   auto r = std::make_unique<MpiRequest>();
-  check(MPI_Iallreduce(MPI_IN_PLACE, data, to_int(count, "MPI_Iallreduce"), MPI_FLOAT, MPI_SUM, comm_, &r->request),
+  check(MPI_Iallreduce(MPI_IN_PLACE, data, to_int(count, "MPI_Iallreduce"), mpi_type(dtype), mpi_op(dtype, op), comm_,
+                       &r->request),
         "MPI_Iallreduce");
-  count_all_reduce(count);
+  count_all_reduce(count, dtype);
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) {
+Request MpiCommunicator::start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                              DType dtype) {
   auto r = std::make_unique<MpiRequest>();
   check_counts(counts, "MPI_Ireduce_scatter", *r);
-  check(MPI_Ireduce_scatter(send, recv, r->counts.data(), MPI_FLOAT, MPI_SUM, comm_, &r->request),
+  check(MPI_Ireduce_scatter(send, recv, r->counts.data(), mpi_type(dtype), mpi_op(dtype, ReduceOp::kSum), comm_,
+                            &r->request),
         "MPI_Ireduce_scatter");
-  count_reduce_scatter(counts);
+  count_reduce_scatter(counts, dtype);
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) {
+Request MpiCommunicator::start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                          DType dtype) {
   auto r = std::make_unique<MpiRequest>();
   check_counts(counts, "MPI_Iallgatherv", *r);
-  check(MPI_Iallgatherv(send, r->counts[rank_], MPI_FLOAT, recv, r->counts.data(), r->displs.data(), MPI_FLOAT,
-                        comm_, &r->request),
+  const MPI_Datatype type = mpi_type(dtype);
+  check(MPI_Iallgatherv(send, r->counts[rank_], type, recv, r->counts.data(), r->displs.data(), type, comm_,
+                        &r->request),
         "MPI_Iallgatherv");
-  count_all_gather(counts);
+  count_all_gather(counts, dtype);
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_broadcast(float* data, int64_t count, int root) {
+Request MpiCommunicator::start_broadcast(void* data, int64_t count, DType dtype, int root) {
   check_peer(root, "MPI_Ibcast");
   auto r = std::make_unique<MpiRequest>();
-  check(MPI_Ibcast(data, to_int(count, "MPI_Ibcast"), MPI_FLOAT, root, comm_, &r->request), "MPI_Ibcast");
-  count_broadcast(count, root);
+  check(MPI_Ibcast(data, to_int(count, "MPI_Ibcast"), mpi_type(dtype), root, comm_, &r->request), "MPI_Ibcast");
+  count_broadcast(count, dtype, root);
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_send(const float* data, int64_t count, int peer, int tag) {
+Request MpiCommunicator::start_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
   check_peer(peer, "MPI_Isend");
   auto r = std::make_unique<MpiRequest>();
-  check(MPI_Isend(data, to_int(count, "MPI_Isend"), MPI_FLOAT, peer, tag, comm_, &r->request), "MPI_Isend");
-  count_send(count);
+  check(MPI_Isend(data, to_int(count, "MPI_Isend"), mpi_type(dtype), peer, tag, comm_, &r->request), "MPI_Isend");
+  count_send(count, dtype);
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_recv(float* data, int64_t count, int peer, int tag) {
+Request MpiCommunicator::start_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
   check_peer(peer, "MPI_Irecv");
   auto r = std::make_unique<MpiRequest>();
   r->call = "MPI_Irecv";
   r->peer = peer;
   r->expected = count;
-  check(MPI_Irecv(data, to_int(count, "MPI_Irecv"), MPI_FLOAT, peer, tag, comm_, &r->request), "MPI_Irecv");
-  count_recv(count);
+  r->dtype = dtype;
+  check(MPI_Irecv(data, to_int(count, "MPI_Irecv"), mpi_type(dtype), peer, tag, comm_, &r->request), "MPI_Irecv");
+  count_recv(count, dtype);
   return Request(std::move(r));
 }
 
@@ -186,12 +248,19 @@ void MpiCommunicator::wait_all(std::vector<Request>& requests) {
   }
   check(rc, "MPI_Waitall");
   for (size_t i = 0; i < pending.size(); ++i) {
-    if (pending[i]->expected < 0) continue;
+    const MpiRequest& p = *pending[i];
+    if (p.expected < 0) continue;
     int got = 0;
-    check(MPI_Get_count(&statuses[i], MPI_FLOAT, &got), "MPI_Get_count");
-    if (got != pending[i]->expected)
-      fail("[comm] ", pending[i]->call, ": a message of ", got, " floats from rank ", pending[i]->peer,
-           " where ", pending[i]->expected, " were expected");
+    check(MPI_Get_count(&statuses[i], mpi_type(p.dtype), &got), "MPI_Get_count");
+    if (got == MPI_UNDEFINED) {  // a sender of another dtype
+      check(MPI_Get_count(&statuses[i], MPI_BYTE, &got), "MPI_Get_count");
+      const char* name = dtype_name(p.dtype);
+      fail("[comm] ", p.call, ": a message of ", got, " bytes (not whole ", name, " elements) from rank ", p.peer,
+           " where ", p.expected, " ", name, " elements were expected");
+    }
+    if (got != p.expected)
+      fail("[comm] ", p.call, ": a message of ", got, " ", dtype_name(p.dtype), " elements from rank ", p.peer,
+           " where ", p.expected, " were expected");
   }
   requests.clear();
 }
@@ -205,7 +274,10 @@ bool launched_by_mpi() {
 void finalize_mpi() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  for (MPI_Op& op : bf16_ops)
+    if (op != MPI_OP_NULL) MPI_Op_free(&op);
+  MPI_Finalize();
 }
 
 }  // namespace

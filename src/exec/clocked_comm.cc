@@ -11,12 +11,7 @@ namespace hspmd {
 
 namespace {
 
-// A virtual time as two floats (hi, lo): f32 is what the communicator moves.
-void encode(double t, float* out) {
-  out[0] = static_cast<float>(t);
-  out[1] = static_cast<float>(t - out[0]);
-}
-double decode(const float* in) { return static_cast<double>(in[0]) + in[1]; }
+int64_t bytes_of(int64_t count, DType dtype) { return count * static_cast<int64_t>(dtype_size(dtype)); }
 
 }  // namespace
 
@@ -25,9 +20,9 @@ double decode(const float* in) { return static_cast<double>(in[0]) + in[1]; }
 struct ClockedCommunicator::Impl : Request::Impl {
   enum Kind { kSend, kRecv, kCollective } kind = kSend;
   Request data, clock;
-  std::vector<float> clocks;  // send: own start clock; recv: the sender's; collective: all members'
-  double start = 0;           // own clock at the start
-  double seconds = 0;         // transfer time on the link(s)
+  std::vector<double> clocks;  // send: own start clock; recv: the sender's; collective: [own, all members']
+  double start = 0;            // own clock at the start
+  double seconds = 0;          // transfer time on the link(s)
 };
 
 ClockedCommunicator::ClockedCommunicator(Communicator& inner, VirtualClock& clock,
@@ -64,60 +59,62 @@ Request ClockedCommunicator::collective(Request data, int64_t bytes) {
   impl->data = std::move(data);
   impl->start = clock_.now();
   impl->seconds = group_seconds(bytes);
-  impl->clocks.resize(2 * (size() + 1));
-  encode(impl->start, impl->clocks.data());
-  impl->clock = inner_.start_all_gather(impl->clocks.data(), impl->clocks.data() + 2,
-                                        std::vector<int64_t>(size(), 2));
+  impl->clocks.resize(size() + 1);
+  impl->clocks[0] = impl->start;
+  impl->clock = inner_.start_all_gather(impl->clocks.data(), impl->clocks.data() + 1,
+                                        std::vector<int64_t>(size(), 1), DType::F64);
   return Request(std::move(impl));
 }
 
-Request ClockedCommunicator::start_all_reduce(float* data, int64_t count) {
+Request ClockedCommunicator::start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
   start_clock();
   const int n = size();
-  return collective(inner_.start_all_reduce(data, count), 2 * (n - 1) * count * 4 / std::max(n, 1));
+  return collective(inner_.start_all_reduce(data, count, dtype, op),
+                    2 * (n - 1) * bytes_of(count, dtype) / std::max(n, 1));
 }
 
-Request ClockedCommunicator::start_reduce_scatter(const float* send, float* recv,
-                                                  const std::vector<int64_t>& counts) {
+Request ClockedCommunicator::start_reduce_scatter(const void* send, void* recv,
+                                                  const std::vector<int64_t>& counts, DType dtype) {
   start_clock();
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  return collective(inner_.start_reduce_scatter(send, recv, counts), (total - counts.at(rank())) * 4);
+  return collective(inner_.start_reduce_scatter(send, recv, counts, dtype),
+                    bytes_of(total - counts.at(rank()), dtype));
 }
 
-Request ClockedCommunicator::start_all_gather(const float* send, float* recv,
-                                              const std::vector<int64_t>& counts) {
+Request ClockedCommunicator::start_all_gather(const void* send, void* recv,
+                                              const std::vector<int64_t>& counts, DType dtype) {
   start_clock();
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  return collective(inner_.start_all_gather(send, recv, counts), (total - counts.at(rank())) * 4);
+  return collective(inner_.start_all_gather(send, recv, counts, dtype),
+                    bytes_of(total - counts.at(rank()), dtype));
 }
 
-Request ClockedCommunicator::start_broadcast(float* data, int64_t count, int root) {
+Request ClockedCommunicator::start_broadcast(void* data, int64_t count, DType dtype, int root) {
   start_clock();
-  return collective(inner_.start_broadcast(data, count, root), count * 4);
+  return collective(inner_.start_broadcast(data, count, dtype, root), bytes_of(count, dtype));
 }
 
-Request ClockedCommunicator::start_send(const float* data, int64_t count, int peer, int tag) {
+Request ClockedCommunicator::start_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
   HSPMD_CHECK(tag >= 0 && tag < kClockTagOffset, "clocked communicator: tag ", tag, " too large");
   auto impl = std::make_unique<Impl>();
   impl->kind = Impl::kSend;
   impl->start = start_clock();
-  impl->seconds = link_seconds(peer, count * 4);
-  impl->data = inner_.start_send(data, count, peer, tag);
-  impl->clocks.resize(2);
-  encode(impl->start, impl->clocks.data());
-  impl->clock = inner_.start_send(impl->clocks.data(), 2, peer, tag + kClockTagOffset);
+  impl->seconds = link_seconds(peer, bytes_of(count, dtype));
+  impl->data = inner_.start_send(data, count, dtype, peer, tag);
+  impl->clocks = {impl->start};
+  impl->clock = inner_.start_send(impl->clocks.data(), 1, DType::F64, peer, tag + kClockTagOffset);
   return Request(std::move(impl));
 }
 
-Request ClockedCommunicator::start_recv(float* data, int64_t count, int peer, int tag) {
+Request ClockedCommunicator::start_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
   HSPMD_CHECK(tag >= 0 && tag < kClockTagOffset, "clocked communicator: tag ", tag, " too large");
   auto impl = std::make_unique<Impl>();
   impl->kind = Impl::kRecv;
   impl->start = start_clock();
-  impl->seconds = link_seconds(peer, count * 4);
-  impl->data = inner_.start_recv(data, count, peer, tag);
-  impl->clocks.resize(2);
-  impl->clock = inner_.start_recv(impl->clocks.data(), 2, peer, tag + kClockTagOffset);
+  impl->seconds = link_seconds(peer, bytes_of(count, dtype));
+  impl->data = inner_.start_recv(data, count, dtype, peer, tag);
+  impl->clocks.resize(1);
+  impl->clock = inner_.start_recv(impl->clocks.data(), 1, DType::F64, peer, tag + kClockTagOffset);
   return Request(std::move(impl));
 }
 
@@ -139,9 +136,9 @@ void ClockedCommunicator::wait_all(std::vector<Request>& requests) {
   double done = clock_.now();
   for (const Impl* op : ops) {
     double from = op->start;
-    if (op->kind == Impl::kRecv) from = decode(op->clocks.data());
+    if (op->kind == Impl::kRecv) from = op->clocks[0];
     if (op->kind == Impl::kCollective)
-      for (int m = 0; m < size(); ++m) from = std::max(from, decode(op->clocks.data() + 2 * (m + 1)));
+      for (int m = 0; m < size(); ++m) from = std::max(from, op->clocks[m + 1]);
     done = std::max(done, from + op->seconds);
   }
   requests.clear();

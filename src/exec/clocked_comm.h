@@ -10,6 +10,8 @@
 //   * a send completes at the sender's own start clock plus that time;
 //   * a collective completes at the latest member's start clock plus its
 //     ring volume over the group's slowest link.
+// Volumes are in bytes of the operation's dtype (elements times its size);
+// the clocks themselves travel as one f64 per member and message.
 // wait_all stops billing compute, waits, moves the clock to the latest
 // completion (computation that overlapped a transfer hides it, as on real
 // hardware), draws the wait as a "comm" span in the trace when it took
@@ -33,18 +35,25 @@ class ClockedCommunicator final : public Communicator {
   ClockedCommunicator(Communicator& inner, VirtualClock& clock, const Topology& topology,
                       std::vector<int> world_ranks);
 
+  using Communicator::start_all_gather;
+  using Communicator::start_all_reduce;
+  using Communicator::start_broadcast;
+  using Communicator::start_recv;
+  using Communicator::start_reduce_scatter;
+  using Communicator::start_send;
+
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   Communicator& group(const std::vector<int>& ranks) override { return inner_.group(ranks); }
-  Request start_all_reduce(float* data, int64_t count) override;
-  Request start_reduce_scatter(const float* send, float* recv,
-                               const std::vector<int64_t>& counts) override;
-  Request start_all_gather(const float* send, float* recv,
-                           const std::vector<int64_t>& counts) override;
-  Request start_broadcast(float* data, int64_t count, int root) override;
+  Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
+  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                               DType dtype) override;
+  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+                           DType dtype) override;
+  Request start_broadcast(void* data, int64_t count, DType dtype, int root) override;
   // Tags must be below kClockTagOffset: the clock travels on tag + offset.
-  Request start_send(const float* data, int64_t count, int peer, int tag) override;
-  Request start_recv(float* data, int64_t count, int peer, int tag) override;
+  Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { inner_.barrier(); }
   void abort(int code) override { inner_.abort(code); }

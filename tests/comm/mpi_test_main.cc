@@ -41,8 +41,8 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new hspmd::testing::FailurePrinter(rank));
   }
-  float failed = RUN_ALL_TESTS() != 0 ? 1.0f : 0.0f;
-  g_world->all_reduce(&failed, 1);
+  int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  g_world->all_reduce(&failed, 1);  // an i32 sum: the number of failed ranks
   if (rank == 0 && failed > 0) std::cerr << failed << " rank(s) failed" << std::endl;
   g_world.reset();
   return failed > 0 ? 1 : 0;

@@ -1,6 +1,6 @@
 // The single-process communicator and execute() on a world of one rank:
-// copies for collectives over one member, clear errors for anything needing
-// another rank; box packing.
+// copies for collectives over one member (every dtype), clear errors for
+// anything needing another rank; box packing.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -50,6 +50,77 @@ TEST(SingleProcessCommunicator, AnythingNeedingAnotherRankThrows) {
   EXPECT_EQ(error_of([&] { comm->send(&x, 1, 1); }), "[comm] send to rank 1 needs MPI (single-process communicator)");
   EXPECT_EQ(error_of([&] { comm->recv(&x, 1, 0); }), "[comm] recv from rank 0 needs MPI (single-process communicator)");
   EXPECT_NE(error_of([&] { comm->all_gather(&x, &x, {1, 1}); }), "");
+}
+
+static_assert(comm_dtype<float>() == DType::F32 && comm_dtype<double>() == DType::F64 &&
+              comm_dtype<int32_t>() == DType::I32 && comm_dtype<int64_t>() == DType::I64 &&
+              comm_dtype<uint16_t>() == DType::BF16);
+static_assert(!CommElement<int8_t> && !CommElement<const float> && !CommElement<uint32_t>);
+
+TEST(SingleProcessCommunicator, EveryDtypeThroughEveryCollectiveIsACopy) {
+  auto comm = make_single_process_communicator();
+  const int64_t big = (int64_t{1} << 62) + 1;  // beyond f64's 2^53: must stay exact
+  std::vector<int64_t> i64 = {big, -big, 7}, i64_out(3, 0);
+  comm->all_reduce(i64.data(), 3);
+  comm->all_reduce(i64.data(), 3, ReduceOp::kMax);
+  EXPECT_EQ(i64, (std::vector<int64_t>{big, -big, 7}));
+  comm->reduce_scatter(i64.data(), i64_out.data(), {3});
+  EXPECT_EQ(i64_out, i64);
+  std::fill(i64_out.begin(), i64_out.end(), 0);
+  comm->all_gather(i64.data(), i64_out.data(), {2});
+  EXPECT_EQ(i64_out, (std::vector<int64_t>{big, -big, 0}));
+  comm->broadcast(i64.data(), 3, 0);
+  EXPECT_EQ(i64[0], big);
+
+  std::vector<double> f64 = {1.0 + 0x1p-40, 3.5}, f64_out(2);
+  comm->all_reduce(f64.data(), 2);
+  comm->all_gather(f64.data(), f64_out.data(), {2});
+  EXPECT_EQ(f64_out, f64);
+  std::vector<int32_t> i32 = {-5, 1 << 30}, i32_out(2);
+  comm->reduce_scatter(i32.data(), i32_out.data(), {2});
+  EXPECT_EQ(i32_out, i32);
+  std::vector<uint16_t> bf16 = {f32_to_bf16(1.5f), f32_to_bf16(-2.0f)}, bf16_out(2);
+  comm->all_reduce(bf16.data(), 2);
+  comm->all_gather(bf16.data(), bf16_out.data(), {2});
+  EXPECT_EQ(bf16_out, bf16);
+
+  // The void* forms take the dtype explicitly; in-place pieces are fine.
+  comm->reduce_scatter(f64.data(), f64.data(), {2}, DType::F64);
+  comm->all_gather(static_cast<const void*>(bf16.data()), bf16_out.data(), {1}, DType::BF16);
+  EXPECT_EQ(f64[1], 3.5);
+  std::vector<Request> r;
+  r.push_back(comm->start_all_reduce(i32.data(), 2, DType::I32, ReduceOp::kMax));
+  r.push_back(comm->start_broadcast(bf16.data(), 2, DType::BF16, 0));
+  comm->wait_all(r);
+  EXPECT_EQ(i32, (std::vector<int32_t>{-5, 1 << 30}));
+  comm->batched_send_recv({}, {});
+  EXPECT_EQ(comm->bytes().sent, 0);
+  EXPECT_EQ(comm->bytes().received, 0);
+}
+
+TEST(SingleProcessCommunicator, TypedCallsNeedingAnotherRankThrow) {
+  auto comm = make_single_process_communicator();
+  int64_t x = 0;
+  EXPECT_EQ(error_of([&] { comm->send(&x, 1, 1); }), "[comm] send to rank 1 needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->recv(&x, 1, DType::I64, 2); }),
+            "[comm] recv from rank 2 needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->batched_send_recv({SendBuffer{1, &x, 1, DType::I64}}, {}); }),
+            "[comm] send to rank 1 needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->broadcast(&x, 1, 1); }),
+            "[comm] broadcast from rank 1 needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->all_reduce(&x, -1); }), "[comm] all_reduce: negative count -1");
+  EXPECT_EQ(error_of([&] { comm->all_gather(&x, &x, {1, 1}); }),
+            "[comm] all_gather: 2 counts for a communicator of 1 rank");
+}
+
+TEST(SingleProcessCommunicator, BuffersDefaultToF32) {
+  float f = 1.0f;
+  const SendBuffer s{0, &f, 1};
+  const RecvBuffer r{0, &f, 1};
+  EXPECT_EQ(s.dtype, DType::F32);
+  EXPECT_EQ(r.dtype, DType::F32);
+  EXPECT_EQ(dtype_size(DType::F64), 8u);
+  EXPECT_STREQ(dtype_name(DType::F64), "f64");
 }
 
 TEST(SingleProcessCommunicator, WorldWithoutALauncherIsTheStub) {

@@ -1,8 +1,9 @@
 // ClockedCommunicator under mpirun (2 ranks, one node per rank, 1 GB/s
 // links): data arrives intact, a receiver's clock moves to the sender's
 // clock at its send plus the transfer time, waiting is not billed as
-// compute, computation overlapping a transfer hides it, and collectives
-// complete at the latest member's start plus their ring volume's time.
+// compute, computation overlapping a transfer hides it, collectives
+// complete at the latest member's start plus their ring volume's time, and
+// typed buffers are billed by their bytes (elements times dtype size).
 #include <gtest/gtest.h>
 
 #include <ctime>
@@ -110,6 +111,51 @@ TEST(ClockedComm, CollectiveCompletesAtTheLatestMemberPlusItsVolume) {
   const double all_reduce_time = 2.0 * (2 - 1) / 2 * kFloats * 4 / 1e9;
   EXPECT_GE(clock.now(), std::max(both[0], both[1]) + all_reduce_time - 1e-6);
   EXPECT_GE(std::max(both[0], both[1]), 0.05);  // 0.02 s of CPU x slowdown 3
+}
+
+TEST(ClockedComm, TypedBuffersAreBilledByTheirBytes) {
+  Communicator& world = testing::test_world();
+  const Topology topo = two_nodes();
+  VirtualClock clock(1.0);
+  ClockedCommunicator comm(world, clock, topo, {0, 1});
+  constexpr int64_t kCount = 1 << 20;  // 8 MiB of i64: 8.4 ms at 1 GB/s (f32 would be 4.2 ms)
+  constexpr double kI64Transfer = kCount * 8 / 1e9;
+  const int64_t big = (int64_t{1} << 62) + 1;
+  std::vector<int64_t> buf(kCount, world.rank() == 0 ? big : 0);
+  world.barrier();
+  world.reset_bytes();
+  clock.begin_compute();
+  std::vector<Request> r;
+  double sent_at = 0;
+  if (world.rank() == 0) {
+    r.push_back(comm.start_send(buf.data(), kCount, DType::I64, 1, 7));
+    sent_at = clock.now();
+  } else {
+    r.push_back(comm.start_recv(buf.data(), kCount, DType::I64, 0, 7));
+  }
+  comm.wait_all(r);
+  clock.end_compute();
+  // The data and one f64 clock went through the real communicator.
+  EXPECT_EQ(world.bytes().sent, world.rank() == 0 ? kCount * 8 + 8 : 0);
+  EXPECT_EQ(world.bytes().received, world.rank() == 1 ? kCount * 8 + 8 : 0);
+  double theirs = sent_at;
+  world.broadcast(&theirs, 1, 0);
+  EXPECT_GE(clock.now(), theirs + kI64Transfer - 1e-4);
+  if (world.rank() == 1) {
+    EXPECT_EQ(buf[kCount - 1], big);
+  }
+
+  // A bf16 sum and an f64 max through the clocked communicator.
+  std::vector<uint16_t> h(1000, f32_to_bf16(world.rank() + 1.0f));
+  std::vector<double> d = {1.0 + world.rank() * 0x1p-50};
+  const double before = clock.now();
+  clock.begin_compute();
+  comm.all_reduce(h.data(), 1000);
+  comm.all_reduce(d.data(), 1, ReduceOp::kMax);
+  clock.end_compute();
+  EXPECT_EQ(bf16_to_f32(h[999]), 3.0f);
+  EXPECT_EQ(d[0], 1.0 + 0x1p-50);
+  EXPECT_GE(clock.now(), before + 2.0 * (2 - 1) / 2 * 1000 * 2 / 1e9);
 }
 
 }  // namespace

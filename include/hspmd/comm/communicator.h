@@ -1,13 +1,25 @@
 // The communicator: the one seam between hspmd and a communication library
-// (STYLE §4). The resolver and planner never see it; the executor of resolved
-// Reshards (execute.h) and the trainer talk to it only. Two backends: MPI
-// (mpi_communicator.cc, when built with HSPMD_MPI and launched under mpirun)
-// and a single-process stub (size 1) that runs everything a lone rank can.
+// (docs/comm.md). The resolver and planner never see it; the executor of
+// resolved Reshards (execute.h) and the trainer talk to it only. Two
+// backends: MPI (mpi_communicator.cc, when built with HSPMD_MPI and launched
+// under mpirun) and a single-process stub (size 1) that runs everything a
+// lone rank can.
 //
 // Contract shared by every backend:
-//  * Data is f32 and contiguous; counts are in elements. Buffers handed to a
-//    start_* call belong to the caller and must stay alive and untouched
-//    until the request is waited.
+//  * Data is typed and contiguous: every operation takes a DType (f32, bf16,
+//    i32, i64, f64) and counts in elements of it; bf16 travels as its
+//    16-bit pattern (uint16_t, as NDArray stores it). All members of a
+//    collective, and both ends of a message, use the same dtype. Buffers
+//    handed to a start_* call belong to the caller and must stay alive and
+//    untouched until the request is waited. The float* overloads are the
+//    f32 forms of the typed calls.
+//  * Reductions (all_reduce, reduce_scatter) combine in the buffer's own type:
+//    f32 and f64 sums in floating point, i32 and i64 sums exact (they must
+//    stay in range), bf16 through a user-defined operation that adds two
+//    values in f32 and rounds the result back to bf16 (nearest even,
+//    f32_to_bf16) at every combining step, so a bf16 sum is exact when every
+//    partial sum is representable in bf16 and otherwise depends on the
+//    library's reduction order. all_reduce also takes ReduceOp::kMax.
 //  * Collectives are issued by every member of the communicator, in the same
 //    order on every member (MPI's rule). Non-blocking collectives of several
 //    communicators may be in flight at once; wait them together with
@@ -23,9 +35,30 @@
 
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
+#include "hspmd/core/dtype.h"
+
 namespace hspmd {
+
+// The C++ element types the typed helpers accept, and their DType: float,
+// double, int32_t, int64_t, and uint16_t for bf16 (its bit pattern).
+template <class T>
+concept CommElement = std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, int32_t> ||
+                      std::is_same_v<T, int64_t> || std::is_same_v<T, uint16_t>;
+
+template <CommElement T>
+constexpr DType comm_dtype() {
+  if constexpr (std::is_same_v<T, float>) return DType::F32;
+  else if constexpr (std::is_same_v<T, double>) return DType::F64;
+  else if constexpr (std::is_same_v<T, int32_t>) return DType::I32;
+  else if constexpr (std::is_same_v<T, int64_t>) return DType::I64;
+  else return DType::BF16;
+}
+
+// How all_reduce combines the members' values (elementwise).
+enum class ReduceOp : uint8_t { kSum, kMax };
 
 // A pending non-blocking operation, waited through Communicator::wait_all.
 // Move-only; an empty Request (the stub's, or an operation that completed at
@@ -47,26 +80,29 @@ class Request {
   std::unique_ptr<Impl> impl_;
 };
 
-// One message of a batch: `count` floats at `data` to / from `peer`.
+// One message of a batch: `count` elements of `dtype` at `data` to / from
+// `peer`. A float* converts to `data`; dtype defaults to f32.
 struct SendBuffer {
   int peer = -1;
-  const float* data = nullptr;
+  const void* data = nullptr;
   int64_t count = 0;
+  DType dtype = DType::F32;
 };
 struct RecvBuffer {
   int peer = -1;
-  float* data = nullptr;
+  void* data = nullptr;
   int64_t count = 0;
+  DType dtype = DType::F32;
 };
 
 // Bytes this rank handed to the library since the last reset, over a world
-// communicator and all its groups. Collectives count the ring-algorithm
-// volumes of resolver.h (all_reduce 2(n-1)/n·bytes each way; reduce_scatter
-// sends total - own piece, receives (n-1)·own piece; all_gather sends
-// (n-1)·own piece, receives total - own piece; broadcast: the root sends the
-// buffer once per other member), point-to-point the exact message sizes, so
-// that they compare with the resolver's predictions whatever algorithm the
-// library picks.
+// communicator and all its groups, as elements times their dtype's size.
+// Collectives count the ring-algorithm volumes of resolver.h (all_reduce
+// 2(n-1)/n·bytes each way; reduce_scatter sends total - own piece, receives
+// (n-1)·own piece; all_gather sends (n-1)·own piece, receives total - own
+// piece; broadcast: the root sends the buffer once per other member),
+// point-to-point the exact message sizes, so that they compare with the
+// resolver's predictions (f32 bytes) whatever algorithm the library picks.
 struct ByteCounters {
   int64_t sent = 0;
   int64_t received = 0;
@@ -90,22 +126,26 @@ class Communicator {
   // bad member list.
   virtual Communicator& group(const std::vector<int>& ranks) = 0;
 
-  // Non-blocking collectives and point-to-point (see the contract above).
-  // all_reduce: sums `count` floats in place over the members.
-  virtual Request start_all_reduce(float* data, int64_t count) = 0;
+  // Non-blocking collectives and point-to-point (see the contract above),
+  // over `count` elements of `dtype`. Backends implement these and re-export
+  // the start_* conveniences below with `using` (an override hides them).
+  // all_reduce: combines `count` elements in place over the members (`op`).
+  virtual Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) = 0;
   // reduce_scatter: `send` holds size() consecutive pieces, piece i of
-  // counts[i] floats (0 allowed); member i receives the sum of piece i into
-  // `recv` (counts[rank()] floats). Every member passes the same counts.
-  virtual Request start_reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) = 0;
-  // all_gather: member i contributes counts[i] floats from `send`; every
+  // counts[i] elements (0 allowed); member i receives the sum of piece i into
+  // `recv` (counts[rank()] elements). Every member passes the same counts.
+  virtual Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                       DType dtype) = 0;
+  // all_gather: member i contributes counts[i] elements from `send`; every
   // member receives all pieces, consecutive in member order, into `recv`.
-  virtual Request start_all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) = 0;
-  // broadcast: `count` floats from member `root` to every member, in place.
-  virtual Request start_broadcast(float* data, int64_t count, int root) = 0;
+  virtual Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                   DType dtype) = 0;
+  // broadcast: `count` elements from member `root` to every member, in place.
+  virtual Request start_broadcast(void* data, int64_t count, DType dtype, int root) = 0;
   // send / recv: one message to / from `peer` (a rank of this communicator).
-  // A received message must have exactly `count` floats (else hspmd::Error).
-  virtual Request start_send(const float* data, int64_t count, int peer, int tag) = 0;
-  virtual Request start_recv(float* data, int64_t count, int peer, int tag) = 0;
+  // A received message must have exactly `count` elements (else hspmd::Error).
+  virtual Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) = 0;
+  virtual Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) = 0;
   // Waits every request (of this communicator, its world or any group of
   // that world), then empties `requests`. Throws on the first failure.
   virtual void wait_all(std::vector<Request>& requests) = 0;
@@ -114,16 +154,77 @@ class Communicator {
   // other rank waits forever (MPI_Abort). Single process: returns.
   virtual void abort(int code) = 0;
 
+  // Non-blocking conveniences: the sum, and the f32 forms.
+  Request start_all_reduce(void* data, int64_t count, DType dtype) {
+    return start_all_reduce(data, count, dtype, ReduceOp::kSum);
+  }
+  Request start_all_reduce(float* data, int64_t count) { return start_all_reduce(data, count, DType::F32); }
+  Request start_reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) {
+    return start_reduce_scatter(send, recv, counts, DType::F32);
+  }
+  Request start_all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) {
+    return start_all_gather(send, recv, counts, DType::F32);
+  }
+  Request start_broadcast(float* data, int64_t count, int root) {
+    return start_broadcast(data, count, DType::F32, root);
+  }
+  Request start_send(const float* data, int64_t count, int peer, int tag) {
+    return start_send(data, count, DType::F32, peer, tag);
+  }
+  Request start_recv(float* data, int64_t count, int peer, int tag) {
+    return start_recv(data, count, DType::F32, peer, tag);
+  }
+
   // Blocking forms: start, then wait.
-  void all_reduce(float* data, int64_t count);
-  void reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts);
-  void all_gather(const float* send, float* recv, const std::vector<int64_t>& counts);
-  void broadcast(float* data, int64_t count, int root);
-  void send(const float* data, int64_t count, int peer, int tag = 0);
-  void recv(float* data, int64_t count, int peer, int tag = 0);
-  // Every send and receive of the batch started at once, then waited
-  // together: any pattern of pairwise exchanges completes without deadlock.
+  void all_reduce(void* data, int64_t count, DType dtype, ReduceOp op = ReduceOp::kSum);
+  void reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype);
+  void all_gather(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype);
+  void broadcast(void* data, int64_t count, DType dtype, int root);
+  void send(const void* data, int64_t count, DType dtype, int peer, int tag = 0);
+  void recv(void* data, int64_t count, DType dtype, int peer, int tag = 0);
+  // Every send and receive of the batch (each with its own dtype) started at
+  // once, then waited together: any pattern of pairwise exchanges completes
+  // without deadlock.
   void batched_send_recv(const std::vector<SendBuffer>& sends, const std::vector<RecvBuffer>& recvs, int tag = 0);
+
+  // Blocking f32 forms.
+  void all_reduce(float* data, int64_t count) { all_reduce(data, count, DType::F32); }
+  void reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) {
+    reduce_scatter(send, recv, counts, DType::F32);
+  }
+  void all_gather(const float* send, float* recv, const std::vector<int64_t>& counts) {
+    all_gather(send, recv, counts, DType::F32);
+  }
+  void broadcast(float* data, int64_t count, int root) { broadcast(data, count, DType::F32, root); }
+  void send(const float* data, int64_t count, int peer, int tag = 0) { send(data, count, DType::F32, peer, tag); }
+  void recv(float* data, int64_t count, int peer, int tag = 0) { recv(data, count, DType::F32, peer, tag); }
+
+  // Blocking forms with the dtype taken from the element type, e.g.
+  // all_reduce(int64_t* data, n) or all_reduce(double* data, n, ReduceOp::kMax).
+  template <CommElement T>
+  void all_reduce(T* data, int64_t count, ReduceOp op = ReduceOp::kSum) {
+    all_reduce(static_cast<void*>(data), count, comm_dtype<T>(), op);
+  }
+  template <CommElement T>
+  void reduce_scatter(const T* send, T* recv, const std::vector<int64_t>& counts) {
+    reduce_scatter(static_cast<const void*>(send), static_cast<void*>(recv), counts, comm_dtype<T>());
+  }
+  template <CommElement T>
+  void all_gather(const T* send, T* recv, const std::vector<int64_t>& counts) {
+    all_gather(static_cast<const void*>(send), static_cast<void*>(recv), counts, comm_dtype<T>());
+  }
+  template <CommElement T>
+  void broadcast(T* data, int64_t count, int root) {
+    broadcast(static_cast<void*>(data), count, comm_dtype<T>(), root);
+  }
+  template <CommElement T>
+  void send(const T* data, int64_t count, int peer, int tag = 0) {
+    send(static_cast<const void*>(data), count, comm_dtype<T>(), peer, tag);
+  }
+  template <CommElement T>
+  void recv(T* data, int64_t count, int peer, int tag = 0) {
+    recv(static_cast<void*>(data), count, comm_dtype<T>(), peer, tag);
+  }
 
   // This rank's byte counters (shared by a world and all its groups).
   ByteCounters bytes() const { return *counters_; }
@@ -131,13 +232,15 @@ class Communicator {
 
  protected:
   explicit Communicator(std::shared_ptr<ByteCounters> counters) : counters_(std::move(counters)) {}
-  // Adds the ring-model volumes of one operation to the counters.
-  void count_all_reduce(int64_t count);
-  void count_reduce_scatter(const std::vector<int64_t>& counts);
-  void count_all_gather(const std::vector<int64_t>& counts);
-  void count_broadcast(int64_t count, int root);
-  void count_send(int64_t count) { counters_->sent += count * 4; }
-  void count_recv(int64_t count) { counters_->received += count * 4; }
+  // Adds the ring-model volumes of one operation (counts in elements of
+  // `dtype`) to the counters.
+  void count_all_reduce(int64_t count, DType dtype);
+  void count_reduce_scatter(const std::vector<int64_t>& counts, DType dtype);
+  void count_all_gather(const std::vector<int64_t>& counts, DType dtype);
+  void count_broadcast(int64_t count, DType dtype, int root);
+  void count_send(int64_t count, DType dtype) { counters_->sent += count * element_bytes(dtype); }
+  void count_recv(int64_t count, DType dtype) { counters_->received += count * element_bytes(dtype); }
+  static int64_t element_bytes(DType dtype) { return static_cast<int64_t>(dtype_size(dtype)); }
   // For a backend's groups, which share their world's counters.
   const std::shared_ptr<ByteCounters>& shared_counters() const { return counters_; }
 

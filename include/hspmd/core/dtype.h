@@ -1,5 +1,7 @@
 // Element types. f32 is the compute type; bf16 is a storage type (weights on
-// disk, later mixed precision); i32/i64 hold token ids, positions and offsets.
+// disk, later mixed precision); i32/i64 hold token ids, positions and offsets;
+// f64 is for exact reductions of counters and statistics across ranks (the
+// communicator moves every dtype; NDArray does not hold f64 yet).
 #pragma once
 
 #include <cstddef>
@@ -9,11 +11,11 @@
 
 namespace hspmd {
 
-enum class DType : uint8_t { F32, BF16, I32, I64 };
+enum class DType : uint8_t { F32, BF16, I32, I64, F64 };
 
 // Size of one element in bytes.
 size_t dtype_size(DType t);
-// Lower-case name ("f32", "bf16", "i32", "i64").
+// Lower-case name ("f32", "bf16", "i32", "i64", "f64").
 const char* dtype_name(DType t);
 
 // bf16 <-> f32. Conversion to bf16 rounds to nearest even; NaN stays NaN.
