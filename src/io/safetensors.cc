@@ -42,6 +42,7 @@ const char* dtype_to_name(DType t) {
     case DType::BF16: return "BF16";
     case DType::I32: return "I32";
     case DType::I64: return "I64";
+    case DType::F64: return "F64";
   }
   HSPMD_CHECK(false, "unknown dtype");
 }

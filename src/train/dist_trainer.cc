@@ -45,22 +45,14 @@ int pipeline_of(const Strategy& s, int rank) {
   return -1;
 }
 
-// Every rank's values of `mine`, exactly (int64 travel as two f32 halves).
-std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine,
-                                                Communicator& world) {
+// Every rank's values of `mine`: out[i][r] is rank r's mine[i].
+std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine, Communicator& world) {
   const int k = static_cast<int>(mine.size());
-  std::vector<float> send;
-  for (int64_t v : mine) {
-    send.push_back(static_cast<float>(v >> 24));
-    send.push_back(static_cast<float>(v & 0xFFFFFF));
-  }
-  std::vector<float> all(send.size() * world.size());
-  world.all_gather(send.data(), all.data(), std::vector<int64_t>(world.size(), 2 * k));
+  std::vector<int64_t> all(static_cast<size_t>(k) * world.size());
+  world.all_gather(mine.data(), all.data(), std::vector<int64_t>(world.size(), k));
   std::vector<std::vector<int64_t>> out(k, std::vector<int64_t>(world.size()));
   for (int r = 0; r < world.size(); ++r)
-    for (int i = 0; i < k; ++i)
-      out[i][r] = (static_cast<int64_t>(all[r * 2 * k + 2 * i]) << 24) +
-                  static_cast<int64_t>(all[r * 2 * k + 2 * i + 1]);
+    for (int i = 0; i < k; ++i) out[i][r] = all[static_cast<size_t>(r) * k + i];
   return out;
 }
 
@@ -71,11 +63,8 @@ bool is_vocab_table(const std::string& name) {
 }
 
 double all_reduce_scalar(double v, Communicator& world) {
-  float x = static_cast<float>(v);
-  std::vector<Request> req;
-  req.push_back(world.start_all_reduce(&x, 1));
-  world.wait_all(req);
-  return x;
+  world.all_reduce(&v, 1);
+  return v;
 }
 
 // One plan made executable on this rank: its ExecGraph and what the
@@ -628,10 +617,10 @@ std::vector<StepRecord> train_distributed(const TrainOptions& options, Communica
   } catch (const Error& e) {
     error = e.what();
   }
-  std::vector<float> failed(world.size(), 0.0f);
-  const float mine = error.empty() ? 0.0f : 1.0f;
+  std::vector<int32_t> failed(world.size(), 0);
+  const int32_t mine = error.empty() ? 0 : 1;
   world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
-  const auto first = std::find(failed.begin(), failed.end(), 1.0f);
+  const auto first = std::find(failed.begin(), failed.end(), 1);
   if (first != failed.end())
     throw SetupFailure(error.empty() ? "[train] setup failed on another rank" : error,
                        first - failed.begin() == world.rank());

@@ -172,9 +172,9 @@ double link_seconds(const RankSwitchRound& r, int rank, const Topology& topology
 }
 
 // The latest clock of every rank (emulation only).
-std::vector<float> all_clocks(const VirtualClock& clock, Communicator& world) {
-  std::vector<float> all(world.size());
-  const float mine = static_cast<float>(clock.now());
+std::vector<double> all_clocks(const VirtualClock& clock, Communicator& world) {
+  std::vector<double> all(world.size());
+  const double mine = clock.now();
   world.all_gather(&mine, all.data(), std::vector<int64_t>(world.size(), 1));
   return all;
 }
@@ -243,7 +243,7 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
         if (!sh.held()) sh.data = NDArray::zeros(h.box.shape(), DType::F32);
       }
     auto mine = round.ranks.find(rank_);
-    std::vector<float> clocks;
+    std::vector<double> clocks;
     if (clock) clocks = all_clocks(*clock, world);
     if (mine != round.ranks.end()) {
       const RankSwitchRound& r = mine->second;
@@ -284,7 +284,7 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
         clock->end_compute();
         double ready = clock->now();
         for (const auto* list : {&r.sends, &r.recvs})
-          for (const SwitchMessage& m : *list) ready = std::max(ready, static_cast<double>(clocks[m.peer]));
+          for (const SwitchMessage& m : *list) ready = std::max(ready, clocks[m.peer]);
         clock->communicate(ready, link_seconds(r, rank_, topology));
       }
       const int64_t sent0 = world.bytes().sent;  // the clocks' exchanges are not the switch's
