@@ -1,10 +1,13 @@
-// hspmd plan compile | explain: strategy -> annotation plan, and the dry run
-// of a plan's communication, rank by rank.
+// hspmd plan compile | explain | switch: strategy -> annotation plan, the
+// dry run of a plan's communication rank by rank, and the plan that moves the
+// training state from one plan to another (docs/switching.md).
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "commands.h"
@@ -13,6 +16,7 @@
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/strategy.h"
+#include "hspmd/plan/switch.h"
 #include "hspmd/resolve/resolver.h"
 #include "hspmd/resolve/topology.h"
 
@@ -24,7 +28,8 @@ constexpr const char* kPlanUsage =
     "Annotation plans: compile a strategy into one, and show the communication it implies.\n\n"
     "subcommands:\n"
     "  compile    strategy JSON + model config -> annotation plan JSON\n"
-    "  explain    dry run of a plan: every Reshard, each rank's primitives and bytes\n\n"
+    "  explain    dry run of a plan: every Reshard, each rank's primitives and bytes\n"
+    "  switch     how the training state moves from one plan to another: volumes, time\n\n"
     "Run 'hspmd plan <subcommand> --help' for its flags.\n";
 
 // FlagSet knows only long flags; `-o X` is the conventional spelling of --output.
@@ -293,10 +298,178 @@ int explain_command(const std::vector<std::string>& args) {
   return 0;
 }
 
+// ---- switch ----
+
+// "3,5,8-15" -> ranks, each inside the world.
+std::set<int> parse_ranks(const std::string& text, int world, const char* flag) {
+  std::set<int> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    int first = 0, last = 0;
+    char tail = 0;
+    const bool range = std::sscanf(item.c_str(), "%d-%d%c", &first, &last, &tail) == 2;
+    if (!range && std::sscanf(item.c_str(), "%d%c", &first, &tail) != 1)
+      fail("[flags] ", flag, ": '", item, "' is not a rank or a range first-last");
+    if (!range) last = first;
+    if (last < first) fail("[flags] ", flag, ": range '", item, "' ends before it begins");
+    for (int r = first; r <= last; ++r) {
+      if (r < 0 || r >= world) fail("[flags] ", flag, ": rank ", r, " is outside the world of ", world, " ranks");
+      out.insert(r);
+    }
+  }
+  return out;
+}
+
+// A plan JSON has "tensors"; anything else is read as a strategy (whose
+// loader reports missing files and bad JSON, naming the file).
+bool is_plan_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return false;
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  return j.is_object() && j.contains("tensors");
+}
+
+AnnotationPlan load_side(const std::string& path, const std::string& model, int world, int64_t seq_len,
+                         const char* flag) {
+  if (is_plan_file(path)) {
+    AnnotationPlan plan = load_plan(path);
+    if (plan.world_size != world)
+      fail("[flags] ", flag, " ", path, ": the plan's world has ", plan.world_size, " ranks, --world is ", world);
+    return plan;
+  }
+  if (model.empty()) fail("[flags] ", flag, " ", path, " is a strategy: --model is required to compile it");
+  const Strategy strategy = load_strategy(path);
+  return compile_plan(LlamaConfig::load(model), strategy, world, {seq_len});
+}
+
+std::vector<SwitchAlgorithm> switch_algorithms(const std::string& name) {
+  if (name == "all") return {SwitchAlgorithm::kNaive, SwitchAlgorithm::kPerTensor, SwitchAlgorithm::kFused};
+  return {parse_switch_algorithm(name, "--algorithm")};
+}
+
+std::string gb(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", static_cast<double>(bytes) / 1e9);
+  return buf;
+}
+
+// One row of the volume table: GB over NVLink and the network, messages.
+std::string switch_row(const std::string& label, const RankSwitchStats& s) {
+  char line[256];
+  std::snprintf(line, sizeof line, "  %4s  %10s  %10s  %10s  %10s  %9d  %9d  %9s\n", label.c_str(),
+                gb(s.intra_sent).c_str(), gb(s.intra_received).c_str(), gb(s.inter_sent).c_str(),
+                gb(s.inter_received).c_str(), s.messages_sent, s.messages_received, gb(s.checkpoint_read).c_str());
+  return line;
+}
+
+// The paper's communication-volume table: per rank the GB sent and received
+// over NVLink (intra-node) and the network (inter-node), and messages; ranks
+// that neither send, receive nor read are left out.
+void print_switch_table(std::ostream& os, const SwitchPlan& sp, double bound, double sender_bound) {
+  RankSwitchStats total;
+  int64_t max_sent = 0;
+  std::string rows;
+  for (size_t r = 0; r < sp.stats.size(); ++r) {
+    const RankSwitchStats& s = sp.stats[r];
+    max_sent = std::max(max_sent, s.sent());
+    total.intra_sent += s.intra_sent, total.intra_received += s.intra_received;
+    total.inter_sent += s.inter_sent, total.inter_received += s.inter_received;
+    total.messages_sent += s.messages_sent, total.messages_received += s.messages_received;
+    total.checkpoint_read += s.checkpoint_read;
+    if (s.sent() + s.received() + s.checkpoint_read > 0) rows += switch_row(std::to_string(r), s);
+  }
+  const double best = std::max(bound, sender_bound);
+  char head[256];
+  std::snprintf(head, sizeof head,
+                "%s: %zu round(s), predicted %.4g s (%.2fx the lower bound, %.2fx the larger bound)\n",
+                algorithm_name(sp.algorithm).c_str(), sp.rounds.size(), sp.predicted_s,
+                bound > 0 ? sp.predicted_s / bound : 1.0, best > 0 ? sp.predicted_s / best : 1.0);
+  os << head << "  total sent " << gb(total.sent()) << " GB, most by one rank " << gb(max_sent) << " GB\n"
+     << "  rank  intra sent  intra recv  inter sent  inter recv  msgs sent  msgs recv  ckpt read  (GB)\n"
+     << rows << switch_row("all", total) << "\n";
+}
+
+struct SwitchFlags {
+  std::string model, from, to, cluster, algorithm = "all", lost;
+  int64_t world = 0, seq_len = 0;
+  double bucket_mb = 0;
+  bool json = false, no_checkpoint = false;
+};
+
+// Parses and checks the flags; false when --help was given.
+bool parse_switch_flags(const std::vector<std::string>& args, SwitchFlags& s) {
+  FlagSet f("plan switch",
+            "Plan a switch of the training state (weights, ZeRO master weights, Adam moments)\n"
+            "from one parallel plan to another (docs/switching.md) and report each algorithm's\n"
+            "per-rank link volumes and predicted time against the lower bounds. --from and --to\n"
+            "are each a strategy JSON (compiled for --world) or an annotation plan JSON. Needs\n"
+            "no devices.");
+  f.add_string("model", &s.model, "Hugging Face config.json (required for a strategy)");
+  f.add_string("from", &s.from, "the current strategy or plan JSON", true);
+  f.add_string("to", &s.to, "the next strategy or plan JSON", true);
+  f.add_int("world", &s.world, "number of ranks of the world (both plans)", true);
+  f.add_string("cluster", &s.cluster, "cluster JSON (docs/cluster.md); default: uniform nodes of 8 ranks");
+  f.add_string("algorithm", &s.algorithm, "naive, per-tensor, fused or all (default all)");
+  f.add_int("seq-len", &s.seq_len, "sequence length to compile strategies with (default: max_position_embeddings)");
+  f.add_double("bucket-mb", &s.bucket_mb, "fused: MiB of state per round, whole layers (default 0: one round)");
+  f.add_string("lost-ranks", &s.lost,
+               "ranks whose memory is gone, e.g. 3,5 or 8-15; what only they held is read from the checkpoint");
+  f.add_bool("no-checkpoint", &s.no_checkpoint, "there is no training checkpoint: slices only lost ranks held fail");
+  f.add_bool("json", &s.json, "print one JSON document instead of text");
+  if (!f.parse(args)) return false;
+  if (s.world < 1) fail("[flags] --world must be >= 1, got ", s.world);
+  if (s.seq_len < 0) fail("[flags] --seq-len must be >= 0, got ", s.seq_len);
+  if (s.bucket_mb < 0) fail("[flags] --bucket-mb must be >= 0, got ", s.bucket_mb);
+  return true;
+}
+
+std::string switch_header(const SwitchFlags& s, size_t tensors, const Topology& topology, double bound,
+                          double sender_bound) {
+  char bounds[256];
+  std::snprintf(bounds, sizeof bounds,
+                "lower bound %.4g s (receivers' links, unlimited senders); sender bound %.4g s (senders' links)\n\n",
+                bound, sender_bound);
+  return "switch " + s.from + " -> " + s.to + ": " + std::to_string(tensors) + " state tensors over " +
+         std::to_string(s.world) + " ranks in " + std::to_string(topology.num_nodes()) + " node(s)\n" + bounds;
+}
+
+int switch_command(const std::vector<std::string>& args) {
+  SwitchFlags s;
+  if (!parse_switch_flags(args, s)) return 0;
+  const std::vector<SwitchAlgorithm> algorithms = switch_algorithms(s.algorithm);
+  const int n = static_cast<int>(s.world);
+  SwitchOptions o;
+  o.lost_ranks = parse_ranks(s.lost, n, "--lost-ranks");
+  o.have_checkpoint = !s.no_checkpoint;
+  o.bucket_bytes = static_cast<int64_t>(s.bucket_mb * 1024 * 1024);
+  const Topology topology = s.cluster.empty() ? Topology::uniform(n) : Topology::load(s.cluster);
+  if (topology.world_size() != n)
+    fail("[cli] ", s.cluster, ": the cluster has ", topology.world_size(), " ranks but --world is ", n);
+  const AnnotationPlan from = load_side(s.from, s.model, n, s.seq_len, "--from");
+  const AnnotationPlan to = load_side(s.to, s.model, n, s.seq_len, "--to");
+  const std::vector<StateTensor> tensors = state_tensors(from, to);
+  const double bound = switch_lower_bound(tensors, topology, o.lost_ranks);
+  const double sender_bound = switch_sender_bound(tensors, topology, o.lost_ranks);
+  nlohmann::json out = {{"world_size", n},
+                        {"lower_bound_s", bound},
+                        {"sender_bound_s", sender_bound},
+                        {"algorithms", nlohmann::json::object()}};
+  std::ostringstream text;
+  text << switch_header(s, tensors.size(), topology, bound, sender_bound);
+  for (SwitchAlgorithm a : algorithms) {
+    o.algorithm = a;
+    const SwitchPlan sp = plan_switch(tensors, topology, o);
+    out["algorithms"][algorithm_name(a)] = to_json(sp);
+    print_switch_table(text, sp, bound, sender_bound);
+  }
+  std::fputs(s.json ? (out.dump(1) + "\n").c_str() : text.str().c_str(), stdout);
+  return 0;
+}
+
 }  // namespace
 
 int plan_command(const std::vector<std::string>& args) {
-  if (args.empty()) fail("[flags] plan: missing subcommand (compile or explain; see hspmd plan --help)");
+  if (args.empty()) fail("[flags] plan: missing subcommand (compile, explain or switch; see hspmd plan --help)");
   const std::string& sub = args[0];
   if (sub == "--help" || sub == "-h") {
     std::fputs(kPlanUsage, stdout);
@@ -305,7 +478,8 @@ int plan_command(const std::vector<std::string>& args) {
   const std::vector<std::string> rest(args.begin() + 1, args.end());
   if (sub == "compile") return compile_command(rest);
   if (sub == "explain") return explain_command(rest);
-  fail("[flags] plan: unknown subcommand '", sub, "' (expected compile or explain)");
+  if (sub == "switch") return switch_command(rest);
+  fail("[flags] plan: unknown subcommand '", sub, "' (expected compile, explain or switch)");
 }
 
 }  // namespace hspmd::cli

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""`hspmd plan compile` / `hspmd plan explain`: bad input gives one stderr line
-and a non-zero exit (and writes nothing); the example strategies of the tiny
-model compile, and their dry runs show the communication the design promises.
+"""`hspmd plan compile` / `hspmd plan explain` / `hspmd plan switch`: bad input
+gives one stderr line and a non-zero exit (and writes nothing); the example
+strategies of the tiny model compile, their dry runs show the communication
+the design promises, and switching between them reports every algorithm
+against the lower bounds.
 
 usage: plan_cli_test.py --hspmd PATH --examples DIR [--part basic|kinds]
 
---part basic (default): help, bad input, and that compile / explain succeed
-on the tiny examples; --part kinds: what the tiny examples' dry runs resolve
+--part basic (default): help, bad input, that compile / explain succeed
+on the tiny examples, and plan switch between them; --part kinds: what the tiny examples' dry runs resolve
 to (collectives inside stages, point-to-point between stages, split_* kinds
 for gradient sync and ZeRO). Two CTest entries, so that a resolution
 regression does not hide behind the CLI checks.
@@ -145,7 +147,8 @@ class Env:
 
 
 def check_help(c, e):
-    for args in (["plan", "--help"], ["plan", "compile", "--help"], ["plan", "explain", "--help"]):
+    for args in (["plan", "--help"], ["plan", "compile", "--help"], ["plan", "explain", "--help"],
+                 ["plan", "switch", "--help"]):
         r = run(e.exe, args)
         c.check(" ".join(args), r.returncode == 0 and r.stdout.startswith("usage: hspmd"), r.stderr)
 
@@ -175,6 +178,74 @@ def check_bad_input(c, e):
     c.error_case(exe, "explain: missing plan", ["plan", "explain", p("nope_plan.json")], "nope_plan.json")
     c.error_case(exe, "explain: no plan given", ["plan", "explain"], "PLAN.json")
     c.error_case(exe, "explain: bad JSON plan", ["plan", "explain", p("bad_json.json")], "bad_json.json")
+
+
+SWITCH_KEYS = {"predicted_s", "max_rank_bytes", "total_bytes", "ranks"}
+ALGORITHMS = {"naive", "per-tensor", "fused"}
+
+
+def check_switch_report(c, name, report, world, algorithms=ALGORITHMS):
+    """The JSON of `plan switch`: bounds, then per algorithm its figures and ranks."""
+    got = set(report.get("algorithms", {}))
+    c.check(f"{name}: algorithms", got == algorithms, str(sorted(got)))
+    for alg, a in report.get("algorithms", {}).items():
+        c.check(f"{name}: {alg} fields", SWITCH_KEYS <= set(a) and len(a["ranks"]) == world, str(sorted(a)))
+        # The sender bound assumes the same-node rule, which naive ignores.
+        bound = max(report["lower_bound_s"], 0 if alg == "naive" else report["sender_bound_s"])
+        c.check(f"{name}: {alg} bounds <= predicted", 0 <= bound <= a["predicted_s"] * (1 + 1e-9),
+                f"{bound} > {a['predicted_s']}")
+        sent = sum(r["intra_sent"] + r["inter_sent"] for r in a["ranks"])
+        received = sum(r["intra_received"] + r["inter_received"] for r in a["ranks"])
+        most = max(r["intra_sent"] + r["inter_sent"] for r in a["ranks"])
+        c.check(f"{name}: {alg} sent == received",
+                sent == received == a["total_bytes"] and most == a["max_rank_bytes"],
+                f"{sent} {received} {a['total_bytes']}")
+
+
+def check_switch(c, e):
+    """`plan switch` between the tiny examples: a plan JSON and a strategy JSON."""
+    exe, strategies = e.exe, os.path.join(e.examples, "strategies")
+    hetero, zero = os.path.join(strategies, "tiny_hetero_8.json"), os.path.join(strategies, "tiny_zero_8.json")
+    plan = e.p("switch_from.plan.json")
+    r = run(exe, e.compile_args(hetero, out=plan))
+    c.check("switch: compile the source plan", r.returncode == 0, r.stderr.strip()[:300])
+    base = ["plan", "switch", "--model", e.model, "--world", "8"]
+    r = run(exe, base + ["--from", plan, "--to", zero, "--json", "--cluster", e.p("cluster8.json")])
+    c.check("switch: plan -> strategy --json", r.returncode == 0, r.stderr.strip()[:300])
+    if r.returncode == 0:
+        report = json.loads(r.stdout)
+        check_switch_report(c, "switch", report, 8)
+        fused, naive = report["algorithms"]["fused"], report["algorithms"]["naive"]
+        c.check("switch: fused no slower than naive", fused["predicted_s"] <= naive["predicted_s"])
+        c.check("switch: bytes move", fused["total_bytes"] > 0)
+    r = run(exe, base + ["--from", zero, "--to", hetero, "--algorithm", "fused", "--bucket-mb", "0.01", "--json"])
+    if r.returncode == 0:
+        check_switch_report(c, "switch --algorithm fused", json.loads(r.stdout), 8, {"fused"})
+    else:
+        c.check("switch --algorithm fused", False, r.stderr.strip()[:300])
+    r = run(exe, base + ["--from", zero, "--to", hetero, "--lost-ranks", "0,4"])
+    c.check("switch: text, lost ranks and a checkpoint", r.returncode == 0 and "lower bound" in r.stdout
+            and "fused:" in r.stdout and "naive:" in r.stdout, r.stderr.strip()[:300])
+    r = run(exe, base + ["--from", zero, "--to", hetero, "--lost-ranks", "0,4", "--json"])
+    reads = [sum(x["checkpoint_read"] for x in a["ranks"]) for a in json.loads(r.stdout)["algorithms"].values()] \
+        if r.returncode == 0 else []
+    c.check("switch: lost shards read from the checkpoint", len(reads) == 3 and min(reads) > 0, str(reads))
+    c.error_case(exe, "switch: lost shard without checkpoint",
+                 base + ["--from", zero, "--to", hetero, "--lost-ranks", "0,4", "--no-checkpoint"],
+                 "is held by no available rank (lost: 0,4) and there is no checkpoint")
+    c.error_case(exe, "switch: unknown algorithm", base + ["--from", zero, "--to", hetero, "--algorithm", "fast"],
+                 "unknown switch algorithm 'fast'")
+    c.error_case(exe, "switch: lost rank outside the world",
+                 base + ["--from", zero, "--to", hetero, "--lost-ranks", "3,9"], "rank 9 is outside the world of 8")
+    c.error_case(exe, "switch: bad rank list", base + ["--from", zero, "--to", hetero, "--lost-ranks", "3,x"],
+                 "'x' is not a rank")
+    c.error_case(exe, "switch: strategy without --model",
+                 ["plan", "switch", "--world", "8", "--from", plan, "--to", zero], "--model is required")
+    c.error_case(exe, "switch: plan of another world",
+                 base[:-1] + ["9", "--from", plan, "--to", zero], "the plan's world has 8 ranks")
+    c.error_case(exe, "switch: missing --to", base + ["--from", plan], "--to")
+    c.error_case(exe, "switch: missing strategy file", base + ["--from", plan, "--to", e.p("nope.json")],
+                 "nope.json")
 
 
 def write_clusters(e):
@@ -271,6 +342,7 @@ def main():
         check_help(c, e)
         check_bad_input(c, e)
         write_clusters(e)
+        check_switch(c, e)
     reports = {name: compile_and_explain(c, e, name, basic)
                for name in ("tiny_hetero_8", "tiny_zero_8", "tiny_cp_8")}
     if not basic:

@@ -1,0 +1,216 @@
+// The state tensors of a plan switch (docs/switching.md): which boxes of a
+// run's training state every rank holds before and after, the names of
+// algorithms and slots, the JSON report and the switch-plan cache.
+#include <algorithm>
+#include <string>
+
+#include "hspmd/core/error.h"
+#include "hspmd/models/llama.h"
+#include "hspmd/plan/plan.h"
+#include "hspmd/plan/switch.h"
+
+namespace hspmd {
+namespace {
+
+constexpr const char* kEmbedding = "model.embed_tokens.weight";
+constexpr const char* kLmHead = "lm_head.weight";
+
+bool is_table(const std::string& name) { return name == kEmbedding || name == kLmHead; }
+
+// Embedding 0, model.layers.i.* -> i + 1, the final norm and LM head L + 1.
+int layer_group(const std::string& name, int64_t layers) {
+  static const std::string prefix = "model.layers.";
+  if (name == kEmbedding) return 0;
+  if (name.rfind(prefix, 0) == 0) return std::stoi(name.substr(prefix.size())) + 1;
+  return static_cast<int>(layers) + 1;
+}
+
+using ParamShapes = std::vector<std::pair<std::string, Shape>>;
+
+// Same parameters in the same order with the same shapes, except the rows of
+// the vocabulary tables (a vocabulary padded for another tp).
+void check_same_model(const ParamShapes& from, const ParamShapes& to) {
+  if (from.size() != to.size())
+    fail("[switch] plans of different models: ", from.size(), " parameters in the source plan, ", to.size(),
+         " in the destination plan");
+  for (size_t i = 0; i < from.size(); ++i) {
+    const auto& [a, sa] = from[i];
+    const auto& [b, sb] = to[i];
+    if (a != b)
+      fail("[switch] plans of different models: parameter ", i, " is '", a, "' in the source plan and '", b,
+           "' in the destination plan");
+    Shape ra = sa, rb = sb;
+    if (is_table(a) && !ra.empty() && !rb.empty()) ra[0] = rb[0] = 0;
+    if (ra != rb)
+      fail("[switch] plans of different models: parameter '", a, "' has shape ", shape_str(sa),
+           " in the source plan and ", shape_str(sb), " in the destination plan");
+  }
+}
+
+const Annotation& param_layout(const AnnotationPlan& plan, const std::string& name, const char* side) {
+  auto it = plan.tensors.find(name);
+  if (it == plan.tensors.end()) fail("[switch] ", side, " plan: parameter '", name, "' has no annotation");
+  return it->second;
+}
+
+const Annotation* zero_layout(const AnnotationPlan& plan, const std::string& name) {
+  auto it = plan.optimizer_states.find(name);
+  return it == plan.optimizer_states.end() ? nullptr : &it->second;
+}
+
+void add_holdings(const Annotation& a, const Shape& shape, StateSlot slot, std::vector<StateHolding>& out) {
+  for (int rank : a.all_ranks()) {
+    std::optional<Box> box = local_box(a, shape, rank);
+    HSPMD_CHECK(box.has_value(), "rank ", rank, " of an annotation holds no box");
+    out.push_back(StateHolding{rank, std::move(*box), slot});
+  }
+}
+
+void sort_holdings(std::vector<StateHolding>& hs) {
+  std::sort(hs.begin(), hs.end(), [](const StateHolding& a, const StateHolding& b) {
+    return a.rank != b.rank ? a.rank < b.rank : a.slot < b.slot;
+  });
+}
+
+// The holdings of `kind` for one parameter under one plan.
+std::vector<StateHolding> holdings(const AnnotationPlan& plan, const std::string& name, const Shape& shape,
+                                   StateSlot kind, const char* side) {
+  const Annotation& param = param_layout(plan, name, side);
+  const Annotation* zero = zero_layout(plan, name);
+  std::vector<StateHolding> out;
+  if (kind == StateSlot::kParam) {
+    add_holdings(param, shape, StateSlot::kParam, out);
+    if (zero) add_holdings(*zero, shape, StateSlot::kMaster, out);
+  } else {
+    add_holdings(zero ? *zero : param, shape, kind, out);
+  }
+  sort_holdings(out);
+  return out;
+}
+
+}  // namespace
+
+std::string algorithm_name(SwitchAlgorithm algorithm) {
+  switch (algorithm) {
+    case SwitchAlgorithm::kNaive:
+      return "naive";
+    case SwitchAlgorithm::kPerTensor:
+      return "per-tensor";
+    case SwitchAlgorithm::kFused:
+      return "fused";
+  }
+  HSPMD_CHECK(false, "unknown switch algorithm ", static_cast<int>(algorithm));
+  return {};
+}
+
+SwitchAlgorithm parse_switch_algorithm(const std::string& s, const std::string& flag) {
+  for (SwitchAlgorithm a : {SwitchAlgorithm::kNaive, SwitchAlgorithm::kPerTensor, SwitchAlgorithm::kFused})
+    if (s == algorithm_name(a)) return a;
+  fail("[flags] ", flag, ": unknown switch algorithm '", s, "' (expected naive, per-tensor or fused)");
+}
+
+std::string slot_name(StateSlot slot) {
+  switch (slot) {
+    case StateSlot::kParam:
+      return "param";
+    case StateSlot::kMaster:
+      return "master";
+    case StateSlot::kExpAvg:
+      return "exp_avg";
+    case StateSlot::kExpAvgSq:
+      return "exp_avg_sq";
+  }
+  HSPMD_CHECK(false, "unknown state slot ", static_cast<int>(slot));
+  return {};
+}
+
+std::string StateTensor::name() const {
+  if (kind == StateSlot::kExpAvg) return param + ".exp_avg";
+  if (kind == StateSlot::kExpAvgSq) return param + ".exp_avg_sq";
+  return param;
+}
+
+std::vector<StateTensor> state_tensors(const AnnotationPlan& from, const AnnotationPlan& to) {
+  if (from.world_size != to.world_size)
+    fail("[switch] plans of different world sizes: ", from.world_size, " ranks in the source plan, ", to.world_size,
+         " in the destination plan");
+  const ParamShapes src = llama_parameter_shapes(from.model);
+  const ParamShapes dst = llama_parameter_shapes(to.model);
+  check_same_model(src, dst);
+  std::vector<StateTensor> out;
+  out.reserve(3 * dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const std::string& name = dst[i].first;
+    for (StateSlot kind : {StateSlot::kParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq}) {
+      StateTensor t;
+      t.param = name;
+      t.kind = kind;
+      t.shape = dst[i].second;
+      t.source_shape = src[i].second;
+      t.group = layer_group(name, to.model.num_hidden_layers);
+      t.owners = holdings(from, name, t.source_shape, kind, "source");
+      t.needers = holdings(to, name, t.shape, kind, "destination");
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+nlohmann::json to_json(const SwitchPlan& plan) {
+  nlohmann::json ranks = nlohmann::json::array();
+  int64_t max_rank = 0, total = 0;
+  for (size_t r = 0; r < plan.stats.size(); ++r) {
+    const RankSwitchStats& s = plan.stats[r];
+    max_rank = std::max(max_rank, s.sent());
+    total += s.sent();
+    ranks.push_back({{"rank", static_cast<int>(r)},
+                     {"intra_sent", s.intra_sent},
+                     {"intra_received", s.intra_received},
+                     {"inter_sent", s.inter_sent},
+                     {"inter_received", s.inter_received},
+                     {"messages_sent", s.messages_sent},
+                     {"messages_received", s.messages_received},
+                     {"checkpoint_read", s.checkpoint_read}});
+  }
+  return {{"algorithm", algorithm_name(plan.algorithm)},
+          {"predicted_s", plan.predicted_s},
+          {"max_rank_bytes", max_rank},
+          {"total_bytes", total},
+          {"rounds", plan.rounds.size()},
+          {"ranks", std::move(ranks)}};
+}
+
+namespace {
+
+// What a switch plan depends on: both plans' models and state layouts, the
+// topology and the options.
+std::string cache_key(const AnnotationPlan& from, const AnnotationPlan& to, const Topology& topology,
+                      const SwitchOptions& o) {
+  nlohmann::json key = nlohmann::json::array();
+  for (const AnnotationPlan* p : {&from, &to}) {
+    nlohmann::json side = {{"model", p->model.to_json()}, {"world", p->world_size}};
+    for (const auto& [name, shape] : llama_parameter_shapes(p->model)) {
+      auto it = p->tensors.find(name);
+      side["param"][name] = it == p->tensors.end() ? nlohmann::json() : to_json(it->second);
+      if (const Annotation* z = zero_layout(*p, name)) side["zero"][name] = to_json(*z);
+    }
+    key.push_back(std::move(side));
+  }
+  key.push_back(topology.to_json());
+  key.push_back({algorithm_name(o.algorithm), o.lost_ranks, o.have_checkpoint, o.bucket_bytes});
+  return key.dump();
+}
+
+}  // namespace
+
+const SwitchPlan& SwitchPlanCache::get(const AnnotationPlan& from, const AnnotationPlan& to, const Topology& topology,
+                                       const SwitchOptions& options) {
+  std::string key = cache_key(from, to, topology, options);
+  auto it = cache_.find(key);
+  if (it != cache_.end()) return it->second;
+  ++misses_;
+  SwitchPlan plan = plan_switch(state_tensors(from, to), topology, options);
+  return cache_.emplace(std::move(key), std::move(plan)).first->second;
+}
+
+}  // namespace hspmd
