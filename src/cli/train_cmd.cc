@@ -1,10 +1,12 @@
 // hspmd train: flags -> TrainOptions -> train().
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <memory>
 #include <sstream>
@@ -39,6 +41,15 @@ int launch_ranks(int64_t nproc, const std::vector<std::string>& args) {
     }
     if (args[i].rfind("--nproc=", 0) != 0) argv.push_back(args[i]);
   }
+  // Ranks failing at once (say two out of memory) report once: the first to
+  // create this file prints (claim_report below); the launcher removes it.
+  char report[] = "/tmp/hspmd-report-XXXXXX";
+  const int fd = mkstemp(report);
+  if (fd >= 0) {
+    close(fd);
+    std::remove(report);
+    setenv("HSPMD_REPORT_FILE", report, 1);
+  }
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
@@ -47,7 +58,19 @@ int launch_ranks(int64_t nproc, const std::vector<std::string>& args) {
     fail("[launch] cannot start mpirun (is Open MPI installed?)");
   int status = 0;
   waitpid(pid, &status, 0);
+  if (fd >= 0) std::remove(report);
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
+
+// Whether this rank prints its failure: under the launcher, only the first
+// failing rank of the job (O_EXCL creation of the job's report file).
+bool claim_report() {
+  const char* path = std::getenv("HSPMD_REPORT_FILE");
+  if (path == nullptr) return true;
+  const int fd = open(path, O_CREAT | O_EXCL | O_WRONLY, 0600);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
 }
 
 // Distributed training on the MPI world: a failing rank prints its error and
@@ -64,8 +87,10 @@ int train_on_ranks(const TrainOptions& o) {
     return 1;
   } catch (const std::exception& e) {
     if (world->size() == 1) throw;
-    std::fprintf(stderr, "hspmd: error: rank %d: %s\n", world->rank(), e.what());
-    std::fflush(stderr);
+    if (claim_report()) {
+      std::fprintf(stderr, "hspmd: error: rank %d: %s\n", world->rank(), e.what());
+      std::fflush(stderr);
+    }
     world->abort(1);
   }
   return 0;
@@ -172,13 +197,6 @@ int train_command(const std::vector<std::string>& args) {
   o.switches = parse_switches(switches, lost);
   const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
   if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
-  if (!distributed) {
-    for (const char* flag : {"switch", "checkpoint", "resume"})
-      if ((std::string(flag) == "switch" && !o.switches.empty()) ||
-          (std::string(flag) == "checkpoint" && !o.checkpoint_dir.empty()) ||
-          (std::string(flag) == "resume" && !o.resume_dir.empty()))
-        fail("[flags] --", flag, " needs --strategy or --plan (a single process: a strategy of one rank)");
-  }
   if (nproc != 0) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
     return launch_ranks(nproc, args);
