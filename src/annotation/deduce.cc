@@ -7,15 +7,11 @@
 #include <numeric>
 
 #include "hspmd/graph/op.h"
+#include "hspmd/ops/ops.h"
 
 namespace hspmd {
 
 namespace {
-
-bool is_leaf(const Node& node) {
-  const std::string type = node.op->type();
-  return node.inputs.empty() && (type == "placeholder" || type == "parameter");
-}
 
 // Part weights reduced to lowest terms; equal parts (or hsize 1) -> empty.
 std::vector<int64_t> normalized_weights(const Annotation& a) {
@@ -67,10 +63,10 @@ std::vector<Annotation> deduce_node(const DeduceContext& ctx) {
   const Node& node = ctx.node;
   if (is_leaf(node))
     return {annotation_from_plan(ctx, node.name, static_cast<int>(node.outputs[0].shape.size()),
-                                 node.op->type() == "parameter")};
+                                 is_parameter(node))};
   std::vector<Annotation> inputs;
   for (const Tensor& t : node.inputs) inputs.push_back(ctx.graph.of(t));
-  if (node.op->type() != "reshard")
+  if (!ops::is_reshard(node))
     for (size_t i = 1; i < inputs.size(); ++i)
       if (!same_devices(inputs[0], inputs[i]))
         fail_at(ctx, "inputs 0 and ", i, " live on different subgroups (", to_string(inputs[0]),

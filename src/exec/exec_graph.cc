@@ -15,12 +15,7 @@ namespace hspmd {
 
 namespace {
 
-bool is_leaf(const Node& n) {
-  const std::string t = n.op->type();
-  return t == "placeholder" || t == "parameter";
-}
-
-bool is_reshard(const Node& n) { return n.op->type() == "reshard"; }
+using ops::is_reshard;
 
 // The communication layer moves f32; token ids and positions (i32, < 2^24)
 // travel exactly as f32.
@@ -109,9 +104,9 @@ ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr
   annotated_ = training_.annotated.get();
   std::map<int, std::shared_ptr<const Resolution>> resolved;  // forward and backward Reshards
   for (auto& [id, spec] : training_.reshards(bindings_)) {
-    const Node& n = model_.graph->node(id);
-    if (n.name.rfind("grad.", 0) == 0) {  // gradient sync: once per step, on parameter shapes
-      grad_sync_node_[n.name.substr(5)] = id;
+    const ReshardPoint* point = model_.point(id);
+    if (point && point->kind == ReshardKind::kGradSync) {  // once per step, on parameter shapes
+      grad_sync_node_[point->parameter] = id;
       grad_resolutions_.emplace(id, resolve_(spec));
     } else {
       resolved.emplace(id, resolve_(spec));
@@ -361,10 +356,12 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
                                                          Communicator& world) const {
   std::map<std::string, NDArray> synced;
   for (const std::string& name : model_.names) {  // the same order on every rank
-    const Resolution& r = *grad_resolutions_.at(grad_sync_node_.at(name));
+    const int id = grad_sync_node_.at(name);
+    const Resolution& r = *grad_resolutions_.at(id);
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
-    NDArray out = run_reshard(r, "grad." + name, it == raw.end() ? NDArray() : it->second, world);
+    const NDArray local = it == raw.end() ? NDArray() : it->second;
+    NDArray out = run_reshard(r, model_.graph->node(id).name, local, world);
     if (out.valid()) synced[name] = out;
   }
   return synced;

@@ -57,11 +57,10 @@ std::vector<NDArray> Executor::run(const ValueMap& values) const {
   // Bind leaves first so every symbol is known before any shape is evaluated.
   for (int id : order_) {
     const Node& node = graph_.node(id);
-    const std::string type = node.op->type();
-    if (type != "placeholder" && type != "parameter") continue;
+    if (!is_leaf(node)) continue;
     auto it = values.find(node.name);
-    if (it == values.end()) fail("[input] no value given for ", type, " '", node.name, "'");
-    if (type == "placeholder") bind_placeholder(node, it->second, bindings);
+    if (it == values.end()) fail("[input] no value given for ", node.op->type(), " '", node.name, "'");
+    if (is_placeholder(node)) bind_placeholder(node, it->second, bindings);
     slots[id] = {it->second};
   }
   for (int id : order_) {

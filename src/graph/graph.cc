@@ -1,5 +1,7 @@
 #include "hspmd/graph/graph.h"
 
+#include <optional>
+
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
 #include "leaf_ops.h"
@@ -51,7 +53,8 @@ Tensor Graph::add1(std::shared_ptr<const Op> op, const std::vector<Tensor>& inpu
 Tensor Graph::placeholder(const std::string& name, const SymShape& shape, DType dtype) {
   for (const auto& t : placeholders_)
     if (t.node().name == name) fail("[graph] placeholder '", name, "' defined twice");
-  Tensor t = add1(std::make_shared<LeafOp>("placeholder", TensorMeta{shape, dtype}), {}, name);
+  Tensor t =
+      add1(std::make_shared<LeafOp>(LeafOp::Kind::kPlaceholder, TensorMeta{shape, dtype}), {}, name);
   placeholders_.push_back(t);
   return t;
 }
@@ -59,8 +62,8 @@ Tensor Graph::placeholder(const std::string& name, const SymShape& shape, DType 
 Tensor Graph::parameter(const std::string& name, const Shape& shape, DType dtype) {
   for (const auto& t : parameters_)
     if (t.node().name == name) fail("[graph] parameter '", name, "' defined twice");
-  Tensor t =
-      add1(std::make_shared<LeafOp>("parameter", TensorMeta{sym_shape(shape), dtype}), {}, name);
+  const TensorMeta meta{sym_shape(shape), dtype};
+  Tensor t = add1(std::make_shared<LeafOp>(LeafOp::Kind::kParameter, meta), {}, name);
   parameters_.push_back(t);
   return t;
 }
@@ -71,6 +74,21 @@ Tensor Graph::find(const std::string& name) const {
       if (t.node().name == name) return t;
   fail("[graph] no placeholder or parameter named '", name, "'");
 }
+
+namespace {
+
+// The leaf kind of `node`, or none when it is no leaf.
+std::optional<LeafOp::Kind> leaf_kind(const Node& node) {
+  const auto* leaf = dynamic_cast<const LeafOp*>(node.op.get());
+  if (leaf == nullptr) return std::nullopt;
+  return leaf->kind();
+}
+
+}  // namespace
+
+bool is_placeholder(const Node& node) { return leaf_kind(node) == LeafOp::Kind::kPlaceholder; }
+bool is_parameter(const Node& node) { return leaf_kind(node) == LeafOp::Kind::kParameter; }
+bool is_leaf(const Node& node) { return leaf_kind(node).has_value(); }
 
 void LeafOp::compute(const OpContext&, const std::vector<NDArray>&, std::vector<NDArray>&) const {
   HSPMD_CHECK(false, "leaf ops are bound by the executor, not computed");

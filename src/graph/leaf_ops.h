@@ -6,20 +6,21 @@
 
 namespace hspmd {
 
-class LeafOp : public Op {
+class LeafOp final : public Op {
  public:
-  LeafOp(std::string type, TensorMeta meta) : type_(std::move(type)), meta_(std::move(meta)) {}
-  std::string type() const override { return type_; }
+  enum class Kind { kPlaceholder, kParameter };
+  LeafOp(Kind kind, TensorMeta meta) : kind_(kind), meta_(std::move(meta)) {}
+  std::string type() const override { return kind_ == Kind::kParameter ? "parameter" : "placeholder"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>&) const override { return {meta_}; }
   void compute(const OpContext&, const std::vector<NDArray>&, std::vector<NDArray>&) const override;
   // Leaves end the backward pass: no inputs, nothing to return.
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>&) const override {
     return {};
   }
-  bool is_parameter() const { return type_ == "parameter"; }
+  Kind kind() const { return kind_; }
 
  private:
-  std::string type_;
+  Kind kind_;
   TensorMeta meta_;
 };
 

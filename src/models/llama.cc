@@ -13,28 +13,69 @@ namespace {
 
 std::string layer_prefix(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
 
-bool is_norm_weight(const std::string& name) {
-  return name.find("norm.weight") != std::string::npos;
+// The named Reshard points of block i.
+struct BlockPoints {
+  ReshardPoint input, positions, attn_input, attn_output, mlp_input, mlp_output;
+};
+
+BlockPoints block_points(int64_t i) {
+  auto point = [i](ReshardKind kind, const char* local) {
+    return ReshardPoint{layer_prefix(i) + local, kind, LlamaPart::kBlock, i, ""};
+  };
+  return {point(ReshardKind::kBlockInput, "input"),
+          point(ReshardKind::kPositions, "positions"),
+          point(ReshardKind::kSublayerInput, "attn_input"),
+          point(ReshardKind::kSublayerOutput, "attn_output"),
+          point(ReshardKind::kSublayerInput, "mlp_input"),
+          point(ReshardKind::kSublayerOutput, "mlp_output")};
 }
 
-// A named Reshard point when the options ask for them, else `t` itself.
-Tensor mark(const LlamaBuildOptions& o, const Tensor& t, const std::string& name) {
-  return o.reshard_points ? ops::reshard(t, name) : t;
+const char* const kEmbedding = "model.embed_tokens.weight";
+
+ReshardPoint embedding_output_point() {
+  return {"model.embed_tokens.out", ReshardKind::kEmbeddingOutput, LlamaPart::kEmbedding, -1, ""};
 }
+ReshardPoint head_input_point() {
+  return {"lm_head.input", ReshardKind::kHeadInput, LlamaPart::kHead, -1, ""};
+}
+ReshardPoint tied_head_point() {
+  return {"lm_head.weight", ReshardKind::kTiedHead, LlamaPart::kHead, -1, kEmbedding};
+}
+ReshardPoint grad_point(const LlamaParameter& p) {
+  return {"grad." + p.name, ReshardKind::kGradSync, p.part, p.layer, p.name};
+}
+
+// Adds a named Reshard point when the options ask for them (recording it in
+// the model's points), else returns `t` itself.
+class Marker {
+ public:
+  Marker(const LlamaBuildOptions& o, LlamaGraph& m) : on_(o.reshard_points), m_(m) {}
+  Tensor operator()(const Tensor& t, ReshardPoint point) const {
+    if (!on_) return t;
+    const Tensor out = ops::reshard(t, point.name);
+    m_.points.emplace(out.node_id(), std::move(point));
+    return out;
+  }
+
+ private:
+  bool on_;
+  LlamaGraph& m_;
+};
 
 // One transformer block: pre-norm attention and SwiGLU MLP with residuals.
-Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, int64_t i, Tensor h,
-                         const LlamaGraph& m, Graph& g) {
+Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const Marker& mark,
+                         int64_t i, Tensor h, const Tensor& block_positions, Graph& g) {
   const std::string p = layer_prefix(i);
+  const BlockPoints points = block_points(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
-  h = mark(o, h, p + "input");
-  const Tensor positions = mark(o, m.positions, p + "positions");
+  h = mark(h, points.input);
+  const Tensor positions = mark(block_positions, points.positions);
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
   const int64_t D = c.head_dim(), Hq = c.num_attention_heads, Hkv = c.kv_heads();
   const float theta = static_cast<float>(c.rope_theta);
+  const float eps = static_cast<float>(c.rms_norm_eps);
 
-  Tensor x = mark(o, ops::rms_norm(h, param("input_layernorm.weight"), static_cast<float>(c.rms_norm_eps)),
-                  p + "attn_input");
+  Tensor x = mark(ops::rms_norm(h, param("input_layernorm.weight"), eps), points.attn_input);
   Tensor q = ops::reshape(ops::linear(x, param("self_attn.q_proj.weight")), {B, S, Hq, D});
   Tensor k = ops::reshape(ops::linear(x, param("self_attn.k_proj.weight")), {B, S, Hkv, D});
   Tensor v = ops::reshape(ops::linear(x, param("self_attn.v_proj.weight")), {B, S, Hkv, D});
@@ -45,39 +86,66 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, int64
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
                             static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel);
   a = ops::reshape(a, {B, S, Hq * D});
-  h = ops::add(h, mark(o, ops::linear(a, param("self_attn.o_proj.weight")), p + "attn_output"));
+  h = ops::add(h, mark(ops::linear(a, param("self_attn.o_proj.weight")), points.attn_output));
 
-  x = mark(o, ops::rms_norm(h, param("post_attention_layernorm.weight"),
-                            static_cast<float>(c.rms_norm_eps)),
-           p + "mlp_input");
+  x = mark(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps), points.mlp_input);
   Tensor gate = ops::linear(x, param("mlp.gate_proj.weight"));
   Tensor up = ops::linear(x, param("mlp.up_proj.weight"));
   Tensor down = ops::linear(ops::swiglu(gate, up), param("mlp.down_proj.weight"));
-  return ops::add(h, mark(o, down, p + "mlp_output"));
+  return ops::add(h, mark(down, points.mlp_output));
+}
+
+// The nine parameters of block i, in Hugging Face order.
+void append_block_parameters(const LlamaConfig& c, int64_t i, std::vector<LlamaParameter>& out) {
+  const int64_t H = c.hidden_size, D = c.head_dim(), F = c.intermediate_size;
+  const int64_t q_out = c.num_attention_heads * D, kv_out = c.kv_heads() * D;
+  const ParamRole col = ParamRole::kColumnParallel, row = ParamRole::kRowParallel;
+  auto add = [&](const char* local, Shape shape, ParamRole role, ParamInit init = ParamInit::kNormal) {
+    out.push_back({layer_prefix(i) + local, std::move(shape), role, init, LlamaPart::kBlock, i});
+  };
+  add("self_attn.q_proj.weight", {q_out, H}, col);
+  add("self_attn.k_proj.weight", {kv_out, H}, col);
+  add("self_attn.v_proj.weight", {kv_out, H}, col);
+  add("self_attn.o_proj.weight", {H, q_out}, row);
+  add("mlp.gate_proj.weight", {F, H}, col);
+  add("mlp.up_proj.weight", {F, H}, col);
+  add("mlp.down_proj.weight", {H, F}, row);
+  add("input_layernorm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes);
+  add("post_attention_layernorm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes);
 }
 
 }  // namespace
 
+std::vector<LlamaParameter> llama_parameters(const LlamaConfig& c) {
+  const int64_t H = c.hidden_size, V = c.table_rows();
+  const ParamRole vocab = ParamRole::kVocabulary;
+  std::vector<LlamaParameter> out = {
+      {kEmbedding, {V, H}, vocab, ParamInit::kNormal, LlamaPart::kEmbedding, -1}};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) append_block_parameters(c, i, out);
+  out.push_back(
+      {"model.norm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes, LlamaPart::kHead, -1});
+  if (!c.tie_word_embeddings)
+    out.push_back({"lm_head.weight", {V, H}, vocab, ParamInit::kNormal, LlamaPart::kHead, -1});
+  return out;
+}
+
 std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaConfig& c) {
-  const int64_t H = c.hidden_size, D = c.head_dim(), F = c.intermediate_size;
-  const int64_t q_out = c.num_attention_heads * D, kv_out = c.kv_heads() * D;
-  std::vector<std::pair<std::string, Shape>> shapes = {{"model.embed_tokens.weight",
-                                                        {c.table_rows(), H}}};
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = layer_prefix(i);
-    shapes.push_back({p + "self_attn.q_proj.weight", {q_out, H}});
-    shapes.push_back({p + "self_attn.k_proj.weight", {kv_out, H}});
-    shapes.push_back({p + "self_attn.v_proj.weight", {kv_out, H}});
-    shapes.push_back({p + "self_attn.o_proj.weight", {H, q_out}});
-    shapes.push_back({p + "mlp.gate_proj.weight", {F, H}});
-    shapes.push_back({p + "mlp.up_proj.weight", {F, H}});
-    shapes.push_back({p + "mlp.down_proj.weight", {H, F}});
-    shapes.push_back({p + "input_layernorm.weight", {H}});
-    shapes.push_back({p + "post_attention_layernorm.weight", {H}});
-  }
-  shapes.push_back({"model.norm.weight", {H}});
-  if (!c.tie_word_embeddings) shapes.push_back({"lm_head.weight", {c.table_rows(), H}});
+  std::vector<std::pair<std::string, Shape>> shapes;
+  for (LlamaParameter& p : llama_parameters(c))
+    shapes.emplace_back(std::move(p.name), std::move(p.shape));
   return shapes;
+}
+
+std::vector<ReshardPoint> llama_reshard_points(const LlamaConfig& c) {
+  std::vector<ReshardPoint> out = {embedding_output_point()};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const BlockPoints b = block_points(i);  // in the order transformer_block marks them
+    out.insert(out.end(), {b.input, b.positions, b.attn_input, b.attn_output, b.mlp_input, b.mlp_output});
+  }
+  out.push_back(head_input_point());
+  if (c.tie_word_embeddings) out.push_back(tied_head_point());
+  for (const LlamaParameter& p : llama_parameters(c)) out.push_back(grad_point(p));
+  return out;
 }
 
 LlamaGraph build_llama(const LlamaConfig& c, bool packed_documents) {
@@ -89,24 +157,25 @@ LlamaGraph build_llama(const LlamaConfig& c, bool packed_documents) {
 LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
   LlamaGraph m;
   Graph& g = *m.graph;
+  const Marker mark(o, m);
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
   m.input_ids = g.placeholder("input_ids", {B, S}, DType::I32);
   m.targets = g.placeholder("targets", {B, S}, DType::I32);
   m.positions = g.placeholder("positions", {B, S}, DType::I32);
   m.normalizer = g.placeholder("normalizer", {}, DType::F32);
-  for (const auto& [name, shape] : llama_parameter_shapes(c)) {
-    m.names.push_back(name);
-    m.params.push_back(g.parameter(name, shape));
+  m.parameters = llama_parameters(c);
+  for (const LlamaParameter& p : m.parameters) {
+    m.names.push_back(p.name);
+    m.params.push_back(g.parameter(p.name, p.shape));
   }
 
-  Tensor h = mark(o, ops::embedding(g.find("model.embed_tokens.weight"), m.input_ids),
-                  "model.embed_tokens.out");
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) h = transformer_block(c, o, i, h, m, g);
-  h = mark(o, ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps)),
-           "lm_head.input");
-  Tensor head = c.tie_word_embeddings
-                    ? mark(o, g.find("model.embed_tokens.weight"), "lm_head.weight")
-                    : g.find("lm_head.weight");
+  Tensor h = mark(ops::embedding(g.find(kEmbedding), m.input_ids), embedding_output_point());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    h = transformer_block(c, o, mark, i, h, m.positions, g);
+  h = mark(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps)),
+           head_input_point());
+  Tensor head = c.tie_word_embeddings ? mark(g.find(kEmbedding), tied_head_point())
+                                      : g.find("lm_head.weight");
   Tensor logits = ops::linear(h, head);
   // Padded vocabulary: only the first vocab_size logits are classes.
   m.loss = ops::cross_entropy(logits, m.targets, m.normalizer, -100,
@@ -114,20 +183,20 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
   m.grads = gradients(m.loss, m.params);
   for (size_t i = 0; i < m.grads.size(); ++i) {
     HSPMD_CHECK(m.grads[i].valid(), "parameter ", m.names[i], " does not reach the loss");
-    m.grads[i] = mark(o, m.grads[i], "grad." + m.names[i]);
+    m.grads[i] = mark(m.grads[i], grad_point(m.parameters[i]));
   }
   return m;
 }
 
 std::map<std::string, NDArray> init_llama_parameters(const LlamaConfig& c, uint64_t seed) {
   std::map<std::string, NDArray> params;
-  for (const auto& [name, shape] : llama_parameter_shapes(c)) {
-    NDArray a = NDArray::empty(shape, DType::F32);
-    if (is_norm_weight(name))
+  for (const LlamaParameter& p : llama_parameters(c)) {
+    NDArray a = NDArray::empty(p.shape, DType::F32);
+    if (p.init == ParamInit::kOnes)
       a.fill(1.0f);
     else
-      fill_normal(a, seed, name, static_cast<float>(c.initializer_range));
-    params.emplace(name, std::move(a));
+      fill_normal(a, seed, p.name, static_cast<float>(c.initializer_range));
+    params.emplace(p.name, std::move(a));
   }
   return params;
 }

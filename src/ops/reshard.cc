@@ -53,7 +53,7 @@ class ReshardOp final : public Op {
     Annotation dst = without_partial(ctx, source);
     if (grad.hdim == kPartial && grad.hsize() > 1 && source.hdim == kDup && dst.hsize() > 1)
       dst.hdim = kPartial;
-    if (forward.inputs[0].node().op->type() == "parameter") dup_as_partial(dst);
+    if (is_parameter(forward.inputs[0].node())) dup_as_partial(dst);
     return dst;
   }
 
@@ -77,6 +77,8 @@ Tensor reshard(const Tensor& x, const std::string& name) {
   if (!x.valid()) fail("[reshard] the input tensor is undefined");
   return x.graph()->add1(std::make_shared<ReshardOp>(), {x}, name);
 }
+
+bool is_reshard(const Node& node) { return dynamic_cast<const ReshardOp*>(node.op.get()) != nullptr; }
 
 int reshard_mirror_of(const Node& node) {
   const auto* op = dynamic_cast<const ReshardOp*>(node.op.get());

@@ -12,9 +12,10 @@ namespace hspmd {
 
 namespace {
 
-std::string phase_of(const Node& n, int loss_node) {
-  if (n.name.rfind("grad.", 0) == 0) return "grad_sync";
-  return n.id < loss_node ? "forward" : "backward";
+std::string phase_of(const LlamaGraph& model, int id) {
+  const ReshardPoint* point = model.point(id);
+  if (point && point->kind == ReshardKind::kGradSync) return "grad_sync";
+  return id < model.loss.node_id() ? "forward" : "backward";
 }
 
 // Named Reshards carry their plan name, mirrors "backward.<name>".
@@ -57,7 +58,7 @@ std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindi
   std::vector<std::pair<int, ReshardSpec>> out;
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
-    if (n.op == nullptr || n.op->type() != "reshard") continue;
+    if (n.op == nullptr || !ops::is_reshard(n)) continue;
     ReshardSpec spec;
     spec.name = reshard_name(n);
     spec.shape = concrete_shape(n.outputs[0].shape, bindings, spec.name);
@@ -79,8 +80,7 @@ std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& 
   ResolutionCache resolve_cached(topology);
   std::vector<PlannedReshard> out;
   for (const auto& [id, spec] : t.reshards(plan.bindings))
-    out.push_back({spec.name, phase_of(t.model.graph->node(id), t.model.loss.node_id()),
-                   resolve_cached(spec)});
+    out.push_back({spec.name, phase_of(t.model, id), resolve_cached(spec)});
   for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
     if (it == plan.optimizer_states.end()) continue;

@@ -4,7 +4,6 @@
 #include "hspmd/plan/pipelines.h"
 
 #include <algorithm>
-#include <cctype>
 #include <climits>
 #include <map>
 #include <numeric>
@@ -55,19 +54,13 @@ bool is_point_to_point(CommKind k) {
   return k == CommKind::kSend || k == CommKind::kRecv || k == CommKind::kBsr;
 }
 
-// "model.layers.12.mlp.up_proj.weight" -> 12; -1 for a name outside the blocks.
-int layer_of(const std::string& name) {
-  const std::string prefix = "model.layers.";
-  if (name.rfind(prefix, 0) != 0) return -1;
-  size_t end = prefix.size();
-  while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
-  return end == prefix.size() ? -1 : std::stoi(name.substr(prefix.size(), end - prefix.size()));
-}
-
-// The Reshards that carry the activations from one block (or stage) to the next.
-bool carries_activations(const std::string& name) {
-  const int layer = layer_of(name);
-  return name == "lm_head.input" || (layer >= 0 && name == "model.layers." + std::to_string(layer) + ".input");
+// The names of the Reshard points that carry the activations from one block
+// (or stage) to the next.
+std::set<std::string> activation_points(const LlamaConfig& model) {
+  std::set<std::string> names;
+  for (const ReshardPoint& p : llama_reshard_points(model))
+    if (p.carries_activations()) names.insert(p.name);
+  return names;
 }
 
 template <typename F>
@@ -98,11 +91,12 @@ void merge_forward_collectives(const std::vector<PlannedReshard>& reshards, Rank
 }
 
 // (sender, receiver) rank pairs of the activation transfers.
-std::set<std::pair<int, int>> activation_transfers(const std::vector<PlannedReshard>& reshards) {
+std::set<std::pair<int, int>> activation_transfers(const std::vector<PlannedReshard>& reshards,
+                                                   const std::set<std::string>& activations) {
   std::set<std::pair<int, int>> pairs;
   std::set<const Resolution*> seen;
   for (const PlannedReshard& r : reshards) {
-    if (r.phase != "forward" || !carries_activations(r.name) || !seen.insert(&r.resolution()).second)
+    if (r.phase != "forward" || !activations.count(r.name) || !seen.insert(&r.resolution()).second)
       continue;
     for_each_op(r.resolution(), [&](int rank, const CommOp& op) {
       if (!is_point_to_point(op.kind)) return;
@@ -149,11 +143,10 @@ StageGraph build_stage_graph(RankSets& sets, const std::set<std::pair<int, int>>
 // Root -> the blocks whose parameters its ranks hold, ascending.
 std::map<int, std::set<int>> stage_layers(const AnnotationPlan& plan, RankSets& sets) {
   std::map<int, std::set<int>> layers;
-  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
-    auto it = plan.tensors.find(name);
-    const int layer = layer_of(name);
-    if (it == plan.tensors.end() || layer < 0) continue;
-    for (int r : it->second.all_ranks()) layers[sets.find(r)].insert(layer);
+  for (const LlamaParameter& p : llama_parameters(plan.model)) {
+    auto it = plan.tensors.find(p.name);
+    if (it == plan.tensors.end() || p.part != LlamaPart::kBlock) continue;
+    for (int r : it->second.all_ranks()) layers[sets.find(r)].insert(static_cast<int>(p.layer));
   }
   return layers;
 }
@@ -190,7 +183,8 @@ std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan,
   RankSets sets(plan.world_size);
   merge_parameter_subgroups(plan, sets);
   merge_forward_collectives(reshards, sets);
-  const StageGraph g = build_stage_graph(sets, activation_transfers(reshards));
+  const StageGraph g =
+      build_stage_graph(sets, activation_transfers(reshards, activation_points(plan.model)));
   const std::map<int, std::set<int>> layers = stage_layers(plan, sets);
 
   std::vector<std::pair<std::pair<int, int>, DiscoveredPipeline>> keyed;

@@ -95,26 +95,54 @@ class Compiler {
     return a;
   }
 
-  Annotation parameter(const std::string& name) const {
-    const std::string layers = "model.layers.";
-    if (name == "model.embed_tokens.weight") return across(first, split_on(0), false);
-    if (name == "lm_head.weight") return across(last, split_on(0), false);
-    if (name == "model.norm.weight") return across(last, split_on(-1), false);
-    HSPMD_CHECK(name.rfind(layers, 0) == 0, "unexpected parameter ", name);
-    const size_t dot = name.find('.', layers.size());
-    const int64_t l = std::stoll(name.substr(layers.size(), dot - layers.size()));
-    return across(layer(l), split_on(tp_dim(name.substr(dot + 1))), false);
+  // The stage of each pipeline that holds a part of the model.
+  StagePick place(LlamaPart part, int64_t l) const {
+    switch (part) {
+      case LlamaPart::kEmbedding: return first;
+      case LlamaPart::kHead: return last;
+      case LlamaPart::kBlock: return layer(l);
+    }
+    HSPMD_CHECK(false, "unknown model part");
   }
 
-  // Megatron: q/k/v/gate/up are column parallel (split the output rows), o/down
-  // row parallel (split the input columns), norms replicated.
-  static int tp_dim(const std::string& local) {
-    for (const char* col : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-      if (local.find(col) != std::string::npos) return 0;
-    for (const char* row : {"o_proj", "down_proj"})
-      if (local.find(row) != std::string::npos) return 1;
-    return -1;
+  Annotation parameter(const LlamaParameter& p) const {
+    return across(place(p.part, p.layer), split_on(tp_dim(p.role)), false);
   }
+
+  // Megatron: column-parallel weights split their output rows, row-parallel
+  // ones their input columns, vocabulary tables their rows; norms replicated.
+  static int tp_dim(ParamRole role) {
+    switch (role) {
+      case ParamRole::kColumnParallel: return 0;
+      case ParamRole::kRowParallel: return 1;
+      case ParamRole::kVocabulary: return 0;
+      case ParamRole::kReplicated: return -1;
+    }
+    HSPMD_CHECK(false, "unknown parameter role");
+  }
+
+  // A Reshard point other than gradient sync (which takes its parameter's
+  // optimizer-state layout): the residual stream is sequence-parallel, the
+  // inputs of attention, the MLP and the LM head are gathered over tp.
+  Annotation point(const ReshardPoint& p) const {
+    const StagePick where = place(p.part, p.layer);
+    switch (p.kind) {
+      case ReshardKind::kEmbeddingOutput:
+      case ReshardKind::kBlockInput:
+      case ReshardKind::kSublayerOutput:
+        return across(where, residual_states, true);
+      case ReshardKind::kPositions:
+      case ReshardKind::kSublayerInput:
+      case ReshardKind::kHeadInput:
+        return across(where, token_states, true);
+      case ReshardKind::kTiedHead:
+        return across(where, split_on(tp_dim(ParamRole::kVocabulary)), false);
+      case ReshardKind::kGradSync:
+        break;
+    }
+    HSPMD_CHECK(false, "no layout for Reshard point ", p.name);
+  }
+
   static StatesOf split_on(int dim) {
     return [dim](const Stage& st) { return weight_states(st, dim); };
   }
@@ -152,26 +180,15 @@ class Compiler {
     t["targets"] = across(last, token_states, true);
     t["positions"] = whole_pipelines();
     t["normalizer"] = across(last, split_on(-1), false);
-    t["model.embed_tokens.out"] = across(first, residual_states, true);
-    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      const Annotation tokens = across(layer(l), token_states, true);
-      const Annotation residual = across(layer(l), residual_states, true);
-      for (const char* point : {"positions", "attn_input", "mlp_input"}) t[p + point] = tokens;
-      for (const char* point : {"input", "attn_output", "mlp_output"}) t[p + point] = residual;
+    std::map<std::string, Annotation> sync;  // parameter -> its synced gradient's annotation
+    for (const LlamaParameter& p : llama_parameters(c_)) {
+      const Annotation a = parameter(p);
+      t[p.name] = sync[p.name] = a;
+      if (s_.zero && a.hsize() > 1)
+        sync[p.name] = plan.optimizer_states[p.name] = optimizer_state(a, p.shape);
     }
-    t["lm_head.input"] = across(last, token_states, true);
-    if (c_.tie_word_embeddings) t["lm_head.weight"] = across(last, split_on(0), false);
-    for (const auto& [name, shape] : llama_parameter_shapes(c_)) {
-      const Annotation a = parameter(name);
-      t[name] = a;
-      Annotation sync = a;
-      if (s_.zero && a.hsize() > 1) {
-        sync = optimizer_state(a, shape);
-        plan.optimizer_states[name] = sync;
-      }
-      t["grad." + name] = sync;
-    }
+    for (const ReshardPoint& p : llama_reshard_points(c_))
+      t[p.name] = p.kind == ReshardKind::kGradSync ? sync.at(p.parameter) : point(p);
     return plan;
   }
 

@@ -1,4 +1,4 @@
-// Bottom tier (paper §5.1, DESIGN §5 case 1): communication inside one
+// Bottom tier (paper §5.1; docs/resolver.md, rule 1): communication inside one
 // sharding subgroup whose devices do not change. Box-based: partial terms are
 // reduced first (reduce_scatter when the targets tile the reduced box, else
 // all_reduce), then data moves by local slices, all_gathers, or a BSR inside

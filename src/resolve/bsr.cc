@@ -1,4 +1,4 @@
-// The BSR table and scheme (paper §5.3, DESIGN §5 case 3).
+// The BSR table and scheme (paper §5.3; docs/resolver.md, rule 3).
 #include <algorithm>
 #include <map>
 

@@ -1,4 +1,5 @@
-// resolve(): validation and the choice between the three cases of DESIGN §5.
+// resolve(): validation and the choice between the three cases of docs/resolver.md
+// ("The rules").
 #include "hspmd/resolve/resolver.h"
 
 #include <set>

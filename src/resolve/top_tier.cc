@@ -1,4 +1,4 @@
-// Top tier (paper §5.2, DESIGN §5 case 2): the subgroups keep their devices
+// Top tier (paper §5.2; docs/resolver.md, rule 2): the subgroups keep their devices
 // and the top-tier relation (hdim) changes. Each subgroup is first aligned by
 // bottom-tier phases to the boxes the top-tier op needs ("held" boxes), then
 // one phase runs split_all_reduce / split_reduce_scatter / split_all_gather

@@ -12,7 +12,7 @@ Subgroup subgroup(std::vector<int> ranks, std::map<int, int> degrees, std::vecto
   return Subgroup{DeviceGroup{std::move(ranks)}, DistStates{std::move(degrees), std::move(order)}};
 }
 
-// The DESIGN §3 example: Di = [4,5,6,7], split(0): 2, dup: 2, order [split(0), dup].
+// The example of docs/annotation.md ("Order"): Di = [4,5,6,7], split(0): 2, dup: 2, order [split(0), dup].
 Annotation design_example() {
   return Annotation{{subgroup({4, 5, 6, 7}, {{split_key(0), 2}, {kDup, 2}}, {split_key(0), kDup})}, kDup};
 }

@@ -320,7 +320,7 @@ TEST(DeduceGradients, TensorParallelMlp) {
   int mirrors = 0;
   for (int id = forward_nodes; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
-    if (n.op->type() != "reshard") continue;
+    if (!ops::is_reshard(n)) continue;
     ++mirrors;
     ASSERT_GE(ops::reshard_mirror_of(n), 0);
     if (n.name != "backward.mlp.input") continue;

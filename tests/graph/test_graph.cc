@@ -3,6 +3,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/graph/autodiff.h"
 #include "hspmd/graph/executor.h"
+#include "hspmd/graph/op.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {
@@ -48,6 +49,21 @@ TEST(Autodiff, SumsGradientsOfSeveralPathsAndSkipsUnrelatedInputs) {
                                               {"w", NDArray::from_vector({2}, {3, 5})}})[0];
   EXPECT_EQ(out.to_vector(), (std::vector<float>{7, 12}));
   EXPECT_THROW(gradients(ops::add(x, w), {w}), Error);  // not a scalar
+}
+
+TEST(Graph, LeafPredicatesFollowTheOpNotTheName) {
+  Graph g;
+  Tensor x = g.placeholder("parameter", {2}, DType::F32);  // names do not matter
+  Tensor w = g.parameter("placeholder", {2});
+  Tensor y = ops::add(x, w);
+  EXPECT_TRUE(is_placeholder(x.node()));
+  EXPECT_FALSE(is_parameter(x.node()));
+  EXPECT_TRUE(is_parameter(w.node()));
+  EXPECT_FALSE(is_placeholder(w.node()));
+  EXPECT_TRUE(is_leaf(x.node()) && is_leaf(w.node()));
+  EXPECT_FALSE(is_leaf(y.node()) || is_parameter(y.node()) || is_placeholder(y.node()));
+  EXPECT_EQ(x.node().op->type(), "placeholder");  // type() stays for reports
+  EXPECT_EQ(w.node().op->type(), "parameter");
 }
 
 TEST(Graph, DuplicateLeafNamesAndUnknownNamesAreErrors) {

@@ -184,6 +184,9 @@ TEST(Reshard, IsTheIdentityWithoutCopy) {
   Tensor loss = ops::reduce_sum(y);
   Tensor dx = gradients(loss, {x})[0];
   EXPECT_EQ(dx.node().op->type(), "reshard");
+  EXPECT_TRUE(ops::is_reshard(y.node()));
+  EXPECT_TRUE(ops::is_reshard(dx.node()));  // the mirror
+  EXPECT_FALSE(ops::is_reshard(x.node()) || ops::is_reshard(loss.node()));
   expect_gradients_match([](Graph&, const std::vector<Tensor>& t) { return ops::reshard(t[0]); },
                          {{"x", a}});
 }

@@ -33,7 +33,7 @@ Strategy strategy(std::vector<Pipeline> pipelines, bool zero = false) {
   return s;
 }
 
-// DESIGN §7's example: TP2 x 2 stages, then 3 single devices; rank 7 idle.
+// docs/strategy.md's example on 4 layers: TP2 x 2 stages, then 3 single devices; rank 7 idle.
 Strategy hetero(bool zero = false) {
   return strategy({pipeline({stage({0, 1}, 0, 1), stage({2, 3}, 2, 3)}, 2),
                    pipeline({stage({4}, 0, 1), stage({5}, 2, 2), stage({6}, 3, 3)})},

@@ -22,7 +22,7 @@ Pipeline pipeline(int mbs, int micro, std::vector<Stage> stages) {
   return p;
 }
 
-// DESIGN §7's example: pipeline 0 = TP2 x 2 stages, pipeline 1 = 3 single
+// docs/strategy.md's example on 4 layers: pipeline 0 = TP2 x 2 stages, pipeline 1 = 3 single
 // devices with uneven layers; rank 7 idle.
 Strategy hetero(bool zero = false) {
   Strategy s;
@@ -68,6 +68,42 @@ TEST(CompilePlan, AnnotatesPipelinesAndStages) {
   EXPECT_EQ(plan.bindings.at("B"), 3);
   EXPECT_EQ(plan.bindings.at("S"), 16);
   EXPECT_TRUE(plan.optimizer_states.empty());
+}
+
+// The compiler annotates exactly the model's leaves and declared Reshard
+// points, each parameter split as its declared role says on the stage of its
+// declared layer, and the dry run's grad_sync phase is the declared
+// gradient-sync points.
+TEST(CompilePlan, FollowsTheModelsDeclarations) {
+  for (bool tied : {false, true}) {
+    LlamaConfig c = tiny();
+    c.tie_word_embeddings = tied;
+    const AnnotationPlan plan = compile_plan(c, hetero(), 8);
+    std::set<std::string> expected = {"input_ids", "targets", "positions", "normalizer"};
+    for (const LlamaParameter& p : llama_parameters(plan.model)) {
+      expected.insert(p.name);
+      const Subgroup& pipeline1 = plan.tensors.at(p.name).subgroups[1];  // ranks 4, 5, 6: one each
+      const int rank = p.part == LlamaPart::kEmbedding ? 4
+                       : p.part == LlamaPart::kHead    ? 6
+                                                       : (p.layer < 2 ? 4 : p.layer == 2 ? 5 : 6);
+      EXPECT_EQ(pipeline1.devices.ranks, std::vector<int>{rank}) << p.name;
+      const DistStates& tp2 = plan.tensors.at(p.name).subgroups[0].states;  // a tp-2 stage
+      const int dim = p.role == ParamRole::kRowParallel ? 1 : p.role == ParamRole::kReplicated ? -1 : 0;
+      EXPECT_EQ(dim < 0 ? tp2.degree(kDup) : tp2.degree(dim), 2) << p.name;
+    }
+    std::set<std::string> grad_syncs;
+    for (const ReshardPoint& p : llama_reshard_points(plan.model)) {
+      expected.insert(p.name);
+      if (p.kind == ReshardKind::kGradSync) grad_syncs.insert(p.name);
+    }
+    std::set<std::string> annotated;
+    for (const auto& [name, a] : plan.tensors) annotated.insert(name);
+    EXPECT_EQ(annotated, expected);
+    std::set<std::string> synced;
+    for (const PlannedReshard& r : dry_run(plan, Topology::uniform(8)))
+      if (r.phase == "grad_sync") synced.insert(r.name);
+    EXPECT_EQ(synced, grad_syncs);
+  }
 }
 
 // A vocabulary tp does not divide is padded to a multiple of every stage's

@@ -23,7 +23,7 @@ LlamaConfig tiny() {
                      .num_key_value_heads = 4};
 }
 
-// DESIGN §7's example adapted to 8 layers: two pipelines, tp 2 vs tp 1, uneven layers.
+// docs/strategy.md's example with other layer ranges: two pipelines, tp 2 vs tp 1, uneven layers.
 json hetero() {
   return json::parse(R"({
     "schedule": "1f1b", "zero": false,

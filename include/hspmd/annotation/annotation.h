@@ -1,4 +1,4 @@
-// HSPMD annotations: the layout of one tensor over the devices (DESIGN §3,
+// HSPMD annotations: the layout of one tensor over the devices (docs/annotation.md,
 // paper §3). Pure data and arithmetic: no MPI, no processes.
 //
 // A tensor of global shape G is annotated by Annotation{subgroups, hdim}:
@@ -131,7 +131,8 @@ struct Annotation {
 std::string to_string(const DistStates& states);   // "{split(0):2, dup:2} order [split(0), dup]"
 std::string to_string(const Annotation& annotation);
 
-// Structural checks (DESIGN §3 invariants that need no concrete shape).
+// Structural checks (the rules of docs/annotation.md, "Checks",
+// that need no concrete shape).
 // Throws hspmd::Error, one line "[annotation] tensor '<name>': <rule>", for:
 // no subgroups; an empty device group; a rank twice in one group; a rank
 // shared by two subgroups; a rank outside [0, world_size); a key that is

@@ -1,4 +1,4 @@
-// Annotation deduction (paper §6.1, DESIGN §4, docs/deduction.md): from the
+// Annotation deduction (paper §6.1, docs/deduction.md): from the
 // annotations of the leaf tensors (placeholders, parameters) and of the named
 // Reshard outputs, derive the annotation of every tensor of a graph, forward
 // and backward. Each op owns its rule (Op::deduce, next to its shape rule);

@@ -1,4 +1,4 @@
-// ExecGraph: one rank's executable graph (paper §6.2, DESIGN §6). From the
+// ExecGraph: one rank's executable graph (paper §6.2, docs/execution.md). From the
 // annotation plan it builds the Llama training graph with its Reshard points,
 // deduces every annotation, keeps the nodes this rank runs, and resolves every
 // Reshard it takes part in (the same resolver the dry run uses). Running it

@@ -89,4 +89,12 @@ class Graph {
   std::vector<Tensor> placeholders_;
 };
 
+// What a node is, by the op it applies (not by its type() string, which is
+// for reports): a placeholder or a parameter made by Graph::placeholder() or
+// Graph::parameter(); a leaf is either. Ops of other kinds declare their own
+// predicates next to their builders (e.g. ops::is_reshard).
+bool is_placeholder(const Node& node);
+bool is_parameter(const Node& node);
+bool is_leaf(const Node& node);
+
 }  // namespace hspmd

@@ -65,7 +65,9 @@ class Op {
  public:
   virtual ~Op() = default;
 
-  // Short type name, e.g. "matmul".
+  // Short type name, e.g. "matmul", for messages, reports and JSON. Code
+  // that must recognize an op uses its typed predicate instead (is_parameter,
+  // is_placeholder in graph.h; ops::is_reshard in hspmd/ops/ops.h).
   virtual std::string type() const = 0;
 
   // Shape rule: output metas from input metas. Throws hspmd::Error
@@ -84,9 +86,9 @@ class Op {
   virtual std::vector<Tensor> gradient(const Node& node,
                                        const std::vector<Tensor>& grad_outputs) const;
 
-  // Annotation deduction (DESIGN §4, docs/deduction.md): one annotation per
-  // output from the inputs' annotations, which the engine has already checked
-  // to live on the same subgroups (same device groups, same hsize). Throws
+  // Annotation deduction (docs/deduction.md): one annotation per output
+  // from the inputs' annotations, which the engine has already checked to
+  // live on the same subgroups (same device groups, same hsize). Throws
   // hspmd::Error "[deduce] <ctx.where()>: <rule>" when the inputs' layouts do
   // not fit the op. The default is the elementwise rule: every input must
   // have the same annotation (else "inputs 0 and I are sharded differently"),

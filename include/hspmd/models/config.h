@@ -1,5 +1,5 @@
 // The model configuration: the Hugging Face Llama config.json fields hspmd
-// reads (DESIGN §7). Unknown fields are ignored.
+// reads (docs/architecture.md, "The Llama model"). Unknown fields are ignored.
 #pragma once
 
 #include <cstdint>

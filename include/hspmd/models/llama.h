@@ -14,9 +14,88 @@
 
 namespace hspmd {
 
-// Names and shapes of the model's parameters, in Hugging Face order and naming
-// (lm_head.weight only when the embeddings are not tied).
+// Where a parameter or a Reshard point sits in the model: the embedding
+// (before the blocks), a transformer block, or the head (final norm, LM
+// head, loss). A pipeline places the embedding on its first stage, block i
+// on the stage holding layer i, and the head on its last stage.
+enum class LlamaPart { kEmbedding, kBlock, kHead };
+
+// A parameter's tensor-parallel role (Megatron-style, docs/plan.md):
+//   kColumnParallel  a linear weight [out, in] whose output rows may be split
+//                    (q, k, v, gate, up projections)
+//   kRowParallel     a linear weight [out, in] whose input columns may be
+//                    split; its output is a partial sum (o, down projections)
+//   kVocabulary      an embedding table [vocab, hidden] whose vocabulary rows
+//                    may be split (embedding, untied LM head)
+//   kReplicated      never split (the RMSNorm scales)
+enum class ParamRole { kColumnParallel, kRowParallel, kVocabulary, kReplicated };
+
+// How a parameter starts without a checkpoint (init_llama_parameters):
+// N(0, initializer_range^2), or all ones (the RMSNorm scales).
+enum class ParamInit { kNormal, kOnes };
+
+// One parameter as the model declares it.
+struct LlamaParameter {
+  std::string name;  // Hugging Face name
+  Shape shape;
+  ParamRole role = ParamRole::kReplicated;
+  ParamInit init = ParamInit::kNormal;
+  LlamaPart part = LlamaPart::kBlock;
+  int64_t layer = -1;  // the block's index for kBlock, else -1
+  bool operator==(const LlamaParameter&) const = default;
+};
+
+// The model's parameters, in Hugging Face order and naming (lm_head.weight
+// only when the embeddings are not tied). Cheap: builds no graph.
+std::vector<LlamaParameter> llama_parameters(const LlamaConfig& config);
+// Their names and shapes, in the same order.
 std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaConfig& config);
+
+// What a named Reshard point of the training graph carries (docs/plan.md):
+//   kEmbeddingOutput  model.embed_tokens.out: the embedding's output (partial
+//                     sums under a vocabulary-parallel embedding)
+//   kBlockInput       model.layers.{i}.input: the hidden state entering block
+//                     i, an activation boundary (between pipeline stages)
+//   kPositions        model.layers.{i}.positions: block i's RoPE positions
+//                     (and document mask)
+//   kSublayerInput    model.layers.{i}.attn_input / mlp_input: the normed
+//                     input of attention / the MLP (enters column-parallel weights)
+//   kSublayerOutput   model.layers.{i}.attn_output / mlp_output: the output of
+//                     o_proj / down_proj (row-parallel partial sums)
+//   kHeadInput        lm_head.input: the normed hidden state entering the LM
+//                     head, an activation boundary
+//   kTiedHead         lm_head.weight (tied embeddings only): the embedding
+//                     table used as LM head
+//   kGradSync         grad.{parameter}: the parameter's gradient, to be
+//                     synchronized between the replicas that computed it
+enum class ReshardKind {
+  kEmbeddingOutput,
+  kBlockInput,
+  kPositions,
+  kSublayerInput,
+  kSublayerOutput,
+  kHeadInput,
+  kTiedHead,
+  kGradSync,
+};
+
+struct ReshardPoint {
+  std::string name;  // the plan's handle, e.g. "model.layers.3.input"
+  ReshardKind kind = ReshardKind::kBlockInput;
+  LlamaPart part = LlamaPart::kBlock;  // kGradSync: its parameter's
+  int64_t layer = -1;                  // the block's index for kBlock, else -1
+  std::string parameter;               // kGradSync, kTiedHead: the parameter it carries
+  bool operator==(const ReshardPoint&) const = default;
+  // Whether it carries the forward activations from one block (or pipeline
+  // stage) to the next: kBlockInput and kHeadInput.
+  bool carries_activations() const {
+    return kind == ReshardKind::kBlockInput || kind == ReshardKind::kHeadInput;
+  }
+};
+
+// The named Reshard points build_llama adds with `reshard_points`, in graph
+// order (the order of their nodes). Cheap: builds no graph.
+std::vector<ReshardPoint> llama_reshard_points(const LlamaConfig& config);
 
 // The training graph of one model replica. Placeholders (B, S symbolic):
 //   input_ids, targets, positions: i32 [B, S]; normalizer: f32 scalar (number
@@ -28,22 +107,25 @@ struct LlamaGraph {
   Tensor input_ids, targets, positions, normalizer;
   Tensor loss;                       // scalar: sum of token losses / normalizer
   std::vector<std::string> names;    // parameter names, same order as params/grads
+  std::vector<LlamaParameter> parameters;  // their declarations, same order
   std::vector<Tensor> params;
   std::vector<Tensor> grads;         // d(loss)/d(param)
+  // With reshard points: Reshard node id -> the point it is (mirrors and
+  // unnamed Reshards are absent). Empty otherwise.
+  std::map<int, ReshardPoint> points;
+
+  // The point node `id` is, or nullptr.
+  const ReshardPoint* point(int id) const {
+    auto it = points.find(id);
+    return it == points.end() ? nullptr : &it->second;
+  }
 };
 
 struct LlamaBuildOptions {
   bool packed_documents = false;  // attention masked per document by the positions
-  // Add the named Reshard points an annotation plan refers to (docs/plan.md):
-  //   model.embed_tokens.out                 embedding output (vocab-parallel sum)
-  //   model.layers.{i}.input                 hidden state entering block i
-  //   model.layers.{i}.positions             positions used by block i
-  //   model.layers.{i}.attn_input / mlp_input    normed input of attention / MLP
-  //   model.layers.{i}.attn_output / mlp_output  o_proj / down_proj output
-  //   lm_head.input                          normed hidden state entering the LM head
-  //   lm_head.weight                         (tied embeddings) the embedding as LM head
-  //   grad.{parameter}                       each parameter's gradient (gradient sync)
-  // On one device every Reshard is the identity: the loss is unchanged.
+  // Add the named Reshard points an annotation plan refers to (docs/plan.md;
+  // ReshardKind lists them), recorded in LlamaGraph::points. On one device
+  // every Reshard is the identity: the loss is unchanged.
   bool reshard_points = false;
   bool context_parallel = false;  // attention may take a sequence-split input
 };

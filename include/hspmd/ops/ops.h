@@ -83,14 +83,19 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& 
                      int ignore_index = -100, int64_t classes = 0);
 
 // ---- distribution ----
-// Marks a point where the tensor may change layout (DESIGN §1). Identity on
-// one device; resolved into communication by the annotation layer. A named
-// Reshard is a handle of the annotation plan: deduction takes its output's
-// annotation from the plan under `name`. An unnamed one keeps its input's
-// annotation. Its gradient is a *mirror* Reshard (named "backward.<name>"
-// when `name` is set) whose destination deduction derives from the forward
-// Reshard's input (docs/deduction.md).
+// Marks a point where the tensor may change layout (docs/architecture.md,
+// "Defined graph"). Identity on one device; resolved into communication by
+// the annotation layer (docs/resolver.md). A named Reshard is a handle of
+// the annotation plan: deduction takes its output's annotation from the plan
+// under `name`. An unnamed one keeps its input's annotation. Its gradient is
+// a *mirror* Reshard (named "backward.<name>" when `name` is set) whose
+// destination deduction derives from the forward Reshard's input
+// (docs/deduction.md).
 Tensor reshard(const Tensor& x, const std::string& name = "");
+
+// Whether `node` applies a Reshard (named, unnamed or mirror): the only op
+// whose output may live on other devices than its input.
+bool is_reshard(const Node& node);
 
 // The id of the forward Reshard node that `node` mirrors (node is a Reshard
 // made by the gradient of that one), or -1 for any other node.

@@ -1,4 +1,4 @@
-// AnnotationPlan: the low-level plan (DESIGN §2, docs/plan.md) — the
+// AnnotationPlan: the low-level plan (docs/plan.md) — the
 // annotations of every leaf tensor (inputs, parameters), of every named
 // Reshard output, and of the optimizer states, for one model and one world.
 // compile_plan() derives it from a Strategy; users may also write or edit it

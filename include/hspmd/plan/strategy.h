@@ -50,7 +50,7 @@ struct Strategy {
   bool operator==(const Strategy&) const = default;
 };
 
-// Parses the strategy JSON of DESIGN §7 (docs/strategy.md): top level
+// Parses the strategy JSON of docs/strategy.md: top level
 // {"description"?, "schedule"? = "1f1b", "zero"? = false, "pipelines"}, each
 // pipeline {"micro_batch_size", "micro_batches", "stages"}, each stage
 // {"ranks", "layers": [first, last] (inclusive), "cp"? = 1, "recompute"? =

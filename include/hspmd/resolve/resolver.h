@@ -1,4 +1,4 @@
-// Communication resolution (paper §5, DESIGN §5): turns one Reshard — a
+// Communication resolution (paper §5, docs/resolver.md): turns one Reshard — a
 // tensor moving from a source annotation to a destination annotation — into
 // the primitives every rank executes. A pure function of the annotations, the
 // concrete global shape and the topology: no process, no MPI.
@@ -148,7 +148,7 @@ struct Resolution {
   int64_t total_bytes = 0;               // sum of bytes_sent over ranks
 };
 
-// Resolves `spec` (DESIGN §5, docs/resolver.md):
+// Resolves `spec` (docs/resolver.md, "The rules"):
 //  1. same hsize, hdim and top-tier parts, per subgroup: same states ->
 //     identity (same devices) or pairwise send/recv by position; other
 //     states on the same devices -> partial terms reduced first (all_reduce,

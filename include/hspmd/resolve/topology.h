@@ -1,5 +1,5 @@
 // Topology: which node each rank lives on, what device it is, and how fast
-// the link between two ranks is (DESIGN §7 "Cluster"). Pure data; the
+// the link between two ranks is (docs/cluster.md). Pure data; the
 // resolver uses it to prefer fast links, the planner and the emulator read
 // the device facts.
 #pragma once
