@@ -3,7 +3,6 @@
 // Reshards, AdamW on local shards.
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -28,6 +27,7 @@
 #include "hspmd/plan/switch.h"
 #include "hspmd/train/training_state.h"
 #include "kernels/kernels.h"
+#include "train/schedules.h"
 #include "train/train_common.h"
 
 namespace hspmd {
@@ -54,6 +54,29 @@ std::vector<std::vector<int64_t>> gather_counts(const std::vector<int64_t>& mine
   for (int r = 0; r < world.size(); ++r)
     for (int i = 0; i < k; ++i) out[i][r] = all[static_cast<size_t>(r) * k + i];
   return out;
+}
+
+// What one rank measured in a step; every field an int64, gathered from all
+// ranks in one all-gather.
+struct StepMetrics {
+  int64_t bytes_sent = 0;         // all communication
+  int64_t reshard_sent = 0;       // inside Reshards, measured ...
+  int64_t reshard_predicted = 0;  // ... and as the resolutions predict
+  int64_t op_sent = 0;            // inside ops, measured ...
+  int64_t op_predicted = 0;       // ... and as Op::traffic predicts
+  int64_t clock_ns = 0;           // emulation: the virtual clock at the step's end
+  int64_t compute_ns = 0;         // emulation: virtual compute so far
+  int64_t peak_bytes = 0;         // peak bytes of tensors in the step
+  int64_t activation_bytes = 0;   // the micro-batches' peak above what the rank held before them
+};
+constexpr int kStepMetricFields = sizeof(StepMetrics) / sizeof(int64_t);
+static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));
+
+std::vector<StepMetrics> gather_metrics(const StepMetrics& mine, Communicator& world) {
+  std::vector<StepMetrics> all(world.size());
+  world.all_gather(reinterpret_cast<const int64_t*>(&mine), reinterpret_cast<int64_t*>(all.data()),
+                   std::vector<int64_t>(world.size(), kStepMetricFields));
+  return all;
 }
 
 // The tensors with one row per vocabulary entry (padded by the plan when tp
@@ -150,6 +173,8 @@ class DistTrainer {
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
   void save_checkpoint();
+  // The ranks' metrics into the record (the emulated step from the clocks).
+  void fill_record(const std::vector<StepMetrics>& all, StepRecord& r);
   void save() const;
   void gather_and_write(const std::string& path, const std::string& prefix,
                         const std::function<std::pair<Annotation, NDArray>(const std::string&)>& local,
@@ -444,6 +469,29 @@ void DistTrainer::save_checkpoint() {
   world_.barrier();
 }
 
+void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r) {
+  int64_t end = 0;
+  emulated_compute_.resize(all.size(), 0);
+  for (size_t k = 0; k < all.size(); ++k) {
+    const StepMetrics& m = all[k];
+    r.bytes_sent.push_back(m.bytes_sent);
+    r.reshard_bytes_sent.push_back(m.reshard_sent);
+    r.predicted_reshard_bytes.push_back(m.reshard_predicted);
+    r.op_bytes_sent.push_back(m.op_sent);
+    r.predicted_op_bytes.push_back(m.op_predicted);
+    r.peak_memory_bytes.push_back(m.peak_bytes);
+    r.peak_activation_bytes.push_back(m.activation_bytes);
+    end = std::max(end, m.clock_ns);
+    if (!clock_) continue;
+    r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);
+    emulated_compute_[k] = m.compute_ns;
+  }
+  if (!clock_) return;
+  // The emulated cluster's step: from the last rank's end to the last rank's end.
+  r.emulated_step_time_s = (end - emulated_end_) * 1e-9;
+  emulated_end_ = end;
+}
+
 // One step's micro-batches under the plan's schedule.
 void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer) {
   ExecGraph& graph = *rt_->graph;
@@ -468,29 +516,10 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     accumulate(graph.backward(std::move(a), world_));
     if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
   };
-  const int micro_batches = rt_->micro_batches();
-  if (rt_->strategy.schedule == "gpipe") {
-    // Every forward, then every backward: stages overlap on different
-    // micro-batches; activations of all micro-batches are kept.
-    std::vector<ExecGraph::Activations> kept;
-    for (int micro = 0; micro < micro_batches; ++micro) kept.push_back(forward(micro));
-    for (int micro = 0; micro < micro_batches; ++micro) backward(std::move(kept[micro]), micro);
-    return;
-  }
-  // 1F1B: stage s of S runs S-s-1 warm-up forwards, then alternates one
-  // forward and one backward, then drains the backwards; at most S-s
-  // micro-batches of activations live at once. Sends are deferred so a
-  // stage sending activations never waits on a neighbour sending gradients.
-  const int warmup = std::min(rt_->stages - rt_->stage - 1, micro_batches);
-  std::deque<ExecGraph::Activations> live;
-  int next = 0, done = 0;
-  for (; next < warmup; ++next) live.push_back(forward(next));
-  for (; next < micro_batches; ++next) {
-    live.push_back(forward(next));
-    backward(std::move(live.front()), done++);
-    live.pop_front();
-  }
-  for (; !live.empty(); live.pop_front()) backward(std::move(live.front()), done++);
+  // Sends are deferred (set_deferred_sends): a stage sending activations
+  // never waits on a neighbour sending gradients.
+  schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, rt_->micro_batches()},
+                                           forward, backward);
 }
 
 std::vector<StepRecord> DistTrainer::run() {
@@ -537,29 +566,17 @@ std::vector<StepRecord> DistTrainer::run() {
     r.tokens = source_->tokens(first, global_batch);
     graph.wait_sends(world_);
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
-    const auto counts = gather_counts(
-        {world_.bytes().sent, graph.ledger().measured, graph.ledger().predicted,
-         clock_ ? ns(clock_->now()) : 0, clock_ ? ns(clock_->compute_s()) : 0,
-         static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes()),
-         static_cast<int64_t>(activations), graph.ledger().op_measured,
-         graph.ledger().op_predicted}, world_);
-    r.peak_memory_bytes = counts[5];
-    r.peak_activation_bytes = counts[6];
-    r.op_bytes_sent = counts[7];
-    r.predicted_op_bytes = counts[8];
-    r.bytes_sent = counts[0];
-    r.reshard_bytes_sent = counts[1];
-    r.predicted_reshard_bytes = counts[2];
-    if (clock_) {  // the emulated cluster's step: from the last rank's end to the last rank's end
-      const int64_t end = *std::max_element(counts[3].begin(), counts[3].end());
-      r.emulated_step_time_s = (end - emulated_end_) * 1e-9;
-      emulated_end_ = end;
-      for (size_t k = 0; k < counts[4].size(); ++k) {
-        if (emulated_compute_.size() < counts[4].size()) emulated_compute_.resize(counts[4].size(), 0);
-        r.emulated_compute_s.push_back((counts[4][k] - emulated_compute_[k]) * 1e-9);
-        emulated_compute_[k] = counts[4][k];
-      }
-    }
+    StepMetrics mine;
+    mine.bytes_sent = world_.bytes().sent;
+    mine.reshard_sent = graph.ledger().measured;
+    mine.reshard_predicted = graph.ledger().predicted;
+    mine.op_sent = graph.ledger().op_measured;
+    mine.op_predicted = graph.ledger().op_predicted;
+    mine.clock_ns = clock_ ? ns(clock_->now()) : 0;
+    mine.compute_ns = clock_ ? ns(clock_->compute_s()) : 0;
+    mine.peak_bytes = static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes());
+    mine.activation_bytes = static_cast<int64_t>(activations);
+    fill_record(gather_metrics(mine, world_), r);
     r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
     r.tokens_per_s = r.tokens / r.step_time_s;
     if (log.is_open()) log << train_common::record_json(r).dump() << "\n" << std::flush;
