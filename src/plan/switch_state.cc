@@ -17,11 +17,11 @@ constexpr const char* kLmHead = "lm_head.weight";
 
 bool is_table(const std::string& name) { return name == kEmbedding || name == kLmHead; }
 
-// Embedding 0, model.layers.i.* -> i + 1, the final norm and LM head L + 1.
-int layer_group(const std::string& name, int64_t layers) {
-  static const std::string prefix = "model.layers.";
-  if (name == kEmbedding) return 0;
-  if (name.rfind(prefix, 0) == 0) return std::stoi(name.substr(prefix.size())) + 1;
+// Embedding 0, block i -> i + 1, the final norm and LM head L + 1 (the
+// model's declared parts, not its names).
+int layer_group(const LlamaParameter& p, int64_t layers) {
+  if (p.part == LlamaPart::kEmbedding) return 0;
+  if (p.part == LlamaPart::kBlock) return static_cast<int>(p.layer) + 1;
   return static_cast<int>(layers) + 1;
 }
 
@@ -137,6 +137,7 @@ std::vector<StateTensor> state_tensors(const AnnotationPlan& from, const Annotat
   const ParamShapes src = llama_parameter_shapes(from.model);
   const ParamShapes dst = llama_parameter_shapes(to.model);
   check_same_model(src, dst);
+  const std::vector<LlamaParameter> declared = llama_parameters(to.model);
   std::vector<StateTensor> out;
   out.reserve(3 * dst.size());
   for (size_t i = 0; i < dst.size(); ++i) {
@@ -147,7 +148,7 @@ std::vector<StateTensor> state_tensors(const AnnotationPlan& from, const Annotat
       t.kind = kind;
       t.shape = dst[i].second;
       t.source_shape = src[i].second;
-      t.group = layer_group(name, to.model.num_hidden_layers);
+      t.group = layer_group(declared[i], to.model.num_hidden_layers);
       t.owners = holdings(from, name, t.source_shape, kind, "source");
       t.needers = holdings(to, name, t.shape, kind, "destination");
       out.push_back(std::move(t));

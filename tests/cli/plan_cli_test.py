@@ -34,7 +34,7 @@ def write_json(path, obj):
 
 
 def hetero():
-    """DESIGN §7's example for the 8-layer tiny model."""
+    """docs/strategy.md's example for the 8-layer tiny model."""
     return {"schedule": "1f1b", "zero": False, "pipelines": [
         {"micro_batch_size": 1, "micro_batches": 4,
          "stages": [{"ranks": [0, 1], "layers": [0, 3]}, {"ranks": [2, 3], "layers": [4, 7]}]},
@@ -304,7 +304,7 @@ def check_pipelines(c, name, report, e):
 
 
 def check_resolutions(c, e, reports):
-    """What the dry runs resolve to (DESIGN §5, docs/plan.md)."""
+    """What the dry runs resolve to (docs/resolver.md, docs/plan.md)."""
     with open(os.path.join(e.examples, "strategies", "tiny_hetero_8.json")) as f:
         hetero_strategy = json.load(f)
     if reports.get("tiny_hetero_8"):

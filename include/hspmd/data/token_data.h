@@ -1,4 +1,4 @@
-// Token files and fixed-length sampling (DESIGN §7).
+// Token files and fixed-length sampling (docs/data.md).
 //
 // A token file (.bin) is a flat array of little-endian uint32 token ids;
 // documents are separated by eos_token_id. In fixed-length mode, sample i is

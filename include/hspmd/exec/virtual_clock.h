@@ -1,4 +1,4 @@
-// The emulated cluster's per-rank virtual clock (DESIGN §7 "slowdown"): a
+// The emulated cluster's per-rank virtual clock (docs/cluster.md "slowdown", docs/execution.md "Emulated cluster"): a
 // rank's compute advances it by the CPU time it measured times the rank's
 // slowdown; communication synchronizes it with the peers' clocks and adds
 // the transfer time over the topology's links. Step times read from it are
