@@ -195,6 +195,34 @@ def resume_cases(h):
     h.compare("resume after kill @2", steps, sw, weights, first_step=2)
 
 
+def plan_cases(h):
+    """--plan trains compiled annotation plans (and switches between them);
+    a plan without its execution section is refused in one line."""
+    plans = []
+    for name in ("dp2_tp2", "pp4_1f1b"):
+        out = h.path(name + ".plan.json")
+        rc, err = run([h.hspmd, "plan", "compile", "--model", h.model, "--strategy", h.strategy_file(name, S[name]),
+                       "--world", "4", "--seq-len", "16", "-o", out])
+        if rc:
+            return h.check("--plan", False, "plan compile: " + err.strip()[-300:])
+        plans.append(out)
+    log, weights = h.path("plan.jsonl"), h.path("plan.safetensors")
+    rc, err = run(h.base + ["--plan", plans[0], "--switch", f"3:{plans[1]}", "--nproc", "4", "--log", log,
+                            "--save", weights])
+    if rc:
+        return h.check("--plan with a switch", False, f"exit {rc}: {err.strip()[-300:]}")
+    recs = records(log)
+    h.compare("--plan with a switch", [r for r in recs if "loss" in r], [r for r in recs if "event" in r],
+              read_safetensors(weights), want_switches=1)
+    bare = json.load(open(plans[0]))
+    del bare["strategy"]
+    json.dump(bare, open(h.path("bare.plan.json"), "w"))
+    rc, err = run(h.base + ["--plan", h.path("bare.plan.json"), "--nproc", "4"])
+    lines = [l for l in err.splitlines() if l.strip()]
+    h.check("--plan without execution", rc != 0 and len(lines) == 1 and "no \"strategy\" field" in err,
+            repr(err.strip()[-200:]))
+
+
 def emulated_case(h):
     cluster = h.path("cluster.json")
     json.dump({"catalog": CLUSTER_CATALOG,
@@ -215,11 +243,12 @@ def main():
                     help="switch algorithms of the named cases (the first case runs all three)")
     ap.add_argument("--random", type=int, default=4, help="random (plan A, plan B, switch step) triples")
     ap.add_argument("--seed", type=int, default=2027)
-    ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,emulated")
+    ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,plan,emulated")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_switch_")
     h = Harness(args.hspmd, tmp, steps=6)
-    parts = set(args.only.split(",")) if args.only else {"cases", "random", "fallback", "resume", "emulated"}
+    parts = set(args.only.split(",")) if args.only else {"cases", "random", "fallback", "resume", "plan",
+                                                                "emulated"}
     names = [n for n in args.cases.split(",") if n]
     if "cases" in parts and names:
         switch_cases(h, names[:1], ["naive", "per-tensor", "fused"])
@@ -230,6 +259,8 @@ def main():
         fallback_case(h)
     if "resume" in parts:
         resume_cases(h)
+    if "plan" in parts:
+        plan_cases(h)
     if "emulated" in parts:
         emulated_case(h)
     if h.failures:
