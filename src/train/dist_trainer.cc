@@ -162,6 +162,8 @@ class DistTrainer {
   // How the switch to plans_[index] is planned: the checkpoint serves lost
   // ranks' slices when one is written at that very step.
   SwitchOptions switch_options(size_t index) const;
+  void create_groups(const std::vector<PlannedReshard>& reshards,
+                     const std::vector<PlannedOpTraffic>& traffic) const;
   // The index into plans_ in force at `step`.
   size_t plan_at(int64_t step) const;
   void switch_to(size_t index, int64_t step, std::ofstream& log);
@@ -241,7 +243,10 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   rt->graph = std::make_unique<ExecGraph>(plan, topology_, world_.rank(), Bindings{{"B", batch}, {"S", seq}});
   // Pipelines are discovered from the resolved plan (appendix A.2), not
   // read from the strategy; the strategy only gives micro-batch counts.
-  const auto pipelines = discover_pipelines(*plan, dry_run(*plan, *topology_));
+  std::vector<PlannedOpTraffic> traffic;
+  const std::vector<PlannedReshard> reshards = dry_run(*plan, *topology_, &traffic);
+  create_groups(reshards, traffic);
+  const auto pipelines = discover_pipelines(*plan, reshards);
   const PipelinePosition at = pipeline_positions(pipelines, world_.size()).at(world_.rank());
   HSPMD_CHECK(at.pipeline == pipeline_of(rt->strategy, world_.rank()),
               "discovered pipeline ", at.pipeline, " of rank ", world_.rank(), " differs from the strategy's");
@@ -269,6 +274,27 @@ SwitchOptions DistTrainer::switch_options(size_t index) const {
   so.lost_ranks = std::set<int>(sw.lost_ranks.begin(), sw.lost_ranks.end());
   so.have_checkpoint = !o_.checkpoint_dir.empty() && o_.save_every > 0 && sw.step % o_.save_every == 0;
   return so;
+}
+
+// Every communicator group the plan's Reshards and ops use on this rank,
+// created now in sorted member-list order: creation is collective over the
+// members, and one global order on every rank cannot deadlock (the smallest
+// group still waited for has all its members at it).
+void DistTrainer::create_groups(const std::vector<PlannedReshard>& reshards,
+                                const std::vector<PlannedOpTraffic>& traffic) const {
+  std::set<std::vector<int>> groups;
+  for (const PlannedReshard& r : reshards) {
+    auto it = r.resolution().ranks.find(world_.rank());
+    if (it == r.resolution().ranks.end()) continue;
+    for (const CommPhase& phase : it->second.phases)
+      for (const CommOp& op : phase.ops)
+        if (is_collective(op.kind) && op.group.size() > 1) groups.insert(op.group);
+  }
+  for (const PlannedOpTraffic& t : traffic) {
+    auto it = t.ranks.find(world_.rank());
+    if (it != t.ranks.end() && it->second.group.size() > 1) groups.insert(it->second.group);
+  }
+  for (const std::vector<int>& g : groups) world_.group(g);
 }
 
 size_t DistTrainer::plan_at(int64_t step) const {
