@@ -1,4 +1,5 @@
 #include "hspmd/io/checkpoint.h"
+#include "hspmd/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -85,25 +86,11 @@ std::string box_text(const Box& box) {
 }
 std::string shard_key(const std::string& tensor, const Box& box) { return tensor + "@" + box_text(box); }
 
-std::optional<DType> dtype_from_name(const std::string& name) {
-  if (name == "F32") return DType::F32;
-  if (name == "BF16") return DType::BF16;
-  if (name == "I32") return DType::I32;
-  if (name == "I64") return DType::I64;
-  return std::nullopt;
-}
+std::optional<DType> dtype_from_name(const std::string& name) { return safetensors_dtype(name); }
 
 // The safetensors name of `t`, or nullptr for a dtype that shard files do
 // not hold.
-const char* st_dtype_name(DType t) {
-  switch (t) {
-    case DType::F32: return "F32";
-    case DType::BF16: return "BF16";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-    default: return nullptr;
-  }
-}
+const char* st_dtype_name(DType t) { return t == DType::F64 ? nullptr : safetensors_dtype_name(t); }
 
 const char* dtype_to_name(DType t) {
   const char* name = st_dtype_name(t);

@@ -28,7 +28,9 @@ template <typename... Args>
   fail("[safetensors] ", path, ": ", args...);
 }
 
-std::optional<DType> dtype_from_name(const std::string& name) {
+}  // namespace
+
+std::optional<DType> safetensors_dtype(const std::string& name) {
   if (name == "F32") return DType::F32;
   if (name == "BF16") return DType::BF16;
   if (name == "I32") return DType::I32;
@@ -36,7 +38,7 @@ std::optional<DType> dtype_from_name(const std::string& name) {
   return std::nullopt;
 }
 
-const char* dtype_to_name(DType t) {
+const char* safetensors_dtype_name(DType t) {
   switch (t) {
     case DType::F32: return "F32";
     case DType::BF16: return "BF16";
@@ -46,6 +48,8 @@ const char* dtype_to_name(DType t) {
   }
   HSPMD_CHECK(false, "unknown dtype");
 }
+
+namespace {
 
 bool is_count(const json& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0); }
 
@@ -81,7 +85,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
     if (!v.contains(field)) fail_file(path, "tensor '", name, "': missing field \"", field, "\"");
   if (!v["dtype"].is_string()) fail_file(path, "tensor '", name, "': \"dtype\" is not a string");
   const std::string dtype_str = v["dtype"].get<std::string>();
-  std::optional<DType> dtype = dtype_from_name(dtype_str);
+  std::optional<DType> dtype = safetensors_dtype(dtype_str);
   if (!dtype) fail_file(path, "tensor '", name, "': unsupported dtype '", dtype_str, "' (supported: F32, BF16, I32, I64)");
   Entry e{*dtype, parse_shape(path, name, v["shape"])};
   const json& offs = v["data_offsets"];
@@ -168,7 +172,7 @@ std::string make_header(const std::map<std::string, NDArray>& tensors) {
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     const uint64_t bytes = t.nbytes();
-    header[name] = {{"dtype", dtype_to_name(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {{"dtype", safetensors_dtype_name(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -239,7 +243,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::map<std::string, Dec
   for (const auto& [name, d] : w.tensors) {
     if (name == "__metadata__") fail_file(w.path, "'__metadata__' is reserved and cannot name a tensor");
     const uint64_t bytes = static_cast<uint64_t>(shape_numel(d.shape)) * dtype_size(d.dtype);
-    header[name] = {{"dtype", dtype_to_name(d.dtype)}, {"shape", d.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {{"dtype", safetensors_dtype_name(d.dtype)}, {"shape", d.shape}, {"data_offsets", {offset, offset + bytes}}};
     w.offsets[name] = offset;
     offset += bytes;
   }
@@ -268,7 +272,7 @@ void SafetensorsWriter::write(const std::string& name, const NDArray& tensor) {
   if (it == w.tensors.end()) fail_file(w.path, "tensor '", name, "' was not declared");
   if (!w.written.insert(name).second) fail_file(w.path, "tensor '", name, "' written twice");
   if (!tensor.valid() || tensor.dtype() != it->second.dtype || tensor.shape() != it->second.shape)
-    fail_file(w.path, "tensor '", name, "' is not the declared ", dtype_to_name(it->second.dtype), " ",
+    fail_file(w.path, "tensor '", name, "' is not the declared ", safetensors_dtype_name(it->second.dtype), " ",
               shape_str(it->second.shape));
   const NDArray c = tensor.contiguous();
   w.out.seekp(static_cast<std::streamoff>(w.offsets.at(name)));

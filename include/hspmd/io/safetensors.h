@@ -5,11 +5,18 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "hspmd/core/ndarray.h"
 
 namespace hspmd {
+
+// The safetensors dtype names: "F32", "BF16", "I32", "I64", "F64"
+// (InternalError for another dtype), and back: the dtype of a name that
+// load_safetensors reads (F32, BF16, I32, I64), nullopt for any other.
+const char* safetensors_dtype_name(DType dtype);
+std::optional<DType> safetensors_dtype(const std::string& name);
 
 // Reads every tensor of `path`, in its stored dtype (F32, BF16, I32, I64 are
 // supported). Throws hspmd::Error "[safetensors] <path>: <rule>" for a missing
