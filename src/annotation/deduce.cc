@@ -7,7 +7,6 @@
 #include <numeric>
 
 #include "hspmd/graph/op.h"
-#include "hspmd/ops/ops.h"
 
 namespace hspmd {
 
@@ -66,11 +65,12 @@ std::vector<Annotation> deduce_node(const DeduceContext& ctx) {
                                  is_parameter(node))};
   std::vector<Annotation> inputs;
   for (const Tensor& t : node.inputs) inputs.push_back(ctx.graph.of(t));
-  if (!ops::is_reshard(node))
-    for (size_t i = 1; i < inputs.size(); ++i)
-      if (!same_devices(inputs[0], inputs[i]))
-        fail_at(ctx, "inputs 0 and ", i, " live on different subgroups (", to_string(inputs[0]),
-                ") vs (", to_string(inputs[i]), "); insert a Reshard");
+  // A Reshard is exempt without being named here: it has exactly one input
+  // (its shape rule rejects any other count), so it never enters this loop.
+  for (size_t i = 1; i < inputs.size(); ++i)
+    if (!same_devices(inputs[0], inputs[i]))
+      fail_at(ctx, "inputs 0 and ", i, " live on different subgroups (", to_string(inputs[0]),
+              ") vs (", to_string(inputs[i]), "); insert a Reshard");
   return node.op->deduce(ctx, inputs);
 }
 

@@ -4,7 +4,7 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/rng.h"
-#include "hspmd/graph/autodiff.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {

@@ -1,9 +1,9 @@
 #include <gtest/gtest.h>
 
 #include "hspmd/core/error.h"
-#include "hspmd/graph/autodiff.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/graph/op.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {

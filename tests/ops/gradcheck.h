@@ -15,9 +15,9 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/rng.h"
-#include "hspmd/graph/autodiff.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/graph/op.h"
+#include "hspmd/ops/autodiff.h"
 
 namespace hspmd::testing {
 

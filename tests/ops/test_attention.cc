@@ -6,8 +6,8 @@
 
 #include "annotation/deduce_test_util.h"
 #include "gradcheck.h"
-#include "hspmd/graph/autodiff.h"
 #include "hspmd/core/threads.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
 

@@ -1,4 +1,4 @@
-#include "hspmd/graph/autodiff.h"
+#include "hspmd/ops/autodiff.h"
 
 #include <map>
 #include <utility>

@@ -1,4 +1,6 @@
-// Reverse-mode automatic differentiation over the defined graph.
+// Reverse-mode automatic differentiation over the defined graph. It sits in
+// the ops layer, not in graph: it builds nodes with ops (add sums the
+// gradients of a tensor, fill_like seeds the loss's gradient).
 #pragma once
 
 #include <vector>

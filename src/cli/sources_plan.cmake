@@ -1,1 +1,0 @@
-target_sources(hspmd PRIVATE plan_cmd.cc)

@@ -1,2 +1,0 @@
-target_sources(hspmd_lib PRIVATE cpu/attention.cc)
-target_sources(hspmd_lib PRIVATE cpu/attention_block.cc)

@@ -1,1 +1,0 @@
-target_sources(hspmd_lib PRIVATE config.cc)

@@ -1,1 +1,0 @@
-hspmd_test(test_models_config test_config.cc)

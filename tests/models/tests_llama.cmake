@@ -1,2 +1,0 @@
-hspmd_test(test_llama_points test_llama_points.cc)
-hspmd_test(test_llama_declarations test_llama_declarations.cc)

@@ -1,1 +1,0 @@
-hspmd_test(test_ops_attention test_attention.cc)

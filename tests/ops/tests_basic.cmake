@@ -1,8 +1,0 @@
-hspmd_test(test_ops_mul_scale test_mul_scale.cc)
-hspmd_test(test_ops_matmul test_matmul.cc)
-hspmd_test(test_ops_layout test_layout.cc)
-hspmd_test(test_ops_embedding test_embedding.cc)
-hspmd_test(test_ops_rms_norm test_rms_norm.cc)
-hspmd_test(test_ops_rope test_rope.cc)
-hspmd_test(test_ops_swiglu test_swiglu.cc)
-hspmd_test(test_ops_cross_entropy test_cross_entropy.cc)
