@@ -63,26 +63,6 @@ bool is_boundary(const Annotation& src, const Annotation& dst, const Resolution&
   return false;
 }
 
-using Slots = std::vector<std::vector<int>>;
-
-// Per output of each node of `runs`: how many nodes of `consumers` read it
-// (empty for the nodes outside `runs`).
-Slots count_consumers(const Graph& g, const std::vector<int>& runs,
-                      std::initializer_list<std::span<const int>> consumers) {
-  Slots uses(g.num_nodes());
-  for (int id : runs) uses[id].assign(g.node(id).outputs.size(), 0);
-  for (std::span<const int> ids : consumers)
-    for (int id : ids)
-      for (const Tensor& in : g.node(id).inputs)
-        if (!uses[in.node_id()].empty()) ++uses[in.node_id()][in.index()];
-  return uses;
-}
-
-// One more use of `t`: it outlives its consumers.
-void keep(Slots& uses, const Tensor& t) {
-  if (!uses[t.node_id()].empty()) ++uses[t.node_id()][t.index()];
-}
-
 }  // namespace
 
 bool is_representative(const Annotation& a, int rank) {
@@ -155,9 +135,9 @@ void ExecGraph::count_uses() {
   const Graph& g = *model_.graph;
   const std::span<const int> all(order_);
   const std::span<const int> fwd = all.first(forward_end_), bwd = all.subspan(forward_end_);
-  auto keep_results = [&](Slots& uses) {
-    keep(uses, model_.loss);
-    for (const auto& [name, id] : grad_sync_node_) keep(uses, g.node(id).inputs[0]);
+  auto keep_results = [&](UseCounts& uses) {
+    keep_value(uses, model_.loss);
+    for (const auto& [name, id] : grad_sync_node_) keep_value(uses, g.node(id).inputs[0]);
   };
   uses_ = count_consumers(g, order_, {all});
   keep_results(uses_);
@@ -249,17 +229,12 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
 
 std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
                                         const std::vector<NDArray>& inputs) const {
-  const OpContext& ctx = op.ctx;
-  std::vector<NDArray> outputs(node.outputs.size());
   const int64_t before = world_->bytes().sent;
   if (clock_) clock_->begin_compute();
-  node.op->compute(ctx, inputs, outputs);
+  std::vector<NDArray> outputs = run_op(node, op.ctx, inputs);
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
   ledger_.op_predicted += op.traffic.sent;
-  for (size_t i = 0; i < outputs.size(); ++i)
-    HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
-                node.op->type(), " output ", i, " has the wrong local shape");
   return outputs;
 }
 
@@ -276,38 +251,20 @@ void ExecGraph::check_feeds(const ValueMap& values, const Instance& inst) const 
 
 void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
                           Communicator& world, const char* trace_prefix) const {
-  const Graph& g = *model_.graph;
   const Instance& inst = *a.instance;
-  auto& slots = a.slots;
   world_ = &world;  // for the ops' group_along
-  for (int id : ids) {
-    const Node& n = g.node(id);
-    if (is_leaf(n)) {
-      HSPMD_CHECK(values != nullptr, "leaf '", n.name, "' after the loss");
-      slots[id] = {values->at(n.name)};  // check_feeds found it
-      continue;
-    }
-    std::vector<NDArray> inputs;
-    for (const Tensor& in : n.inputs) {
-      const auto& s = slots[in.node_id()];
-      inputs.push_back(s.empty() ? NDArray() : s[in.index()]);
-    }
-    if (is_reshard(n))
-      slots[id] = {run_reshard(*inst.resolutions.at(id),
-                               trace_prefix + (n.name.empty() ? std::string("reshard") : n.name),
-                               inputs[0], world)};
-    else
-      slots[id] = compute(*inst.local_ops.at(id), n, inputs);
-    inputs.clear();
-    for (size_t i = 0; i < slots[id].size(); ++i)  // outputs nothing here reads
-      if (a.remaining[id][i] == 0) slots[id][i] = NDArray();
-    if (memory_cap_ > 0) check_memory(n);
-    for (const Tensor& in : n.inputs) {
-      auto& left = a.remaining[in.node_id()];
-      if (!left.empty() && --left[in.index()] == 0 && !slots[in.node_id()].empty())
-        slots[in.node_id()][in.index()] = NDArray();
-    }
-  }
+  NodeRunner runner;
+  runner.leaf = [&](const Node& n) {
+    HSPMD_CHECK(values != nullptr, "leaf '", n.name, "' after the loss");
+    return std::vector<NDArray>{values->at(n.name)};  // check_feeds found it
+  };
+  runner.compute = [&](const Node& n, const std::vector<NDArray>& inputs) {
+    if (!is_reshard(n)) return compute(*inst.local_ops.at(n.id), n, inputs);
+    const std::string name = trace_prefix + (n.name.empty() ? std::string("reshard") : n.name);
+    return std::vector<NDArray>{run_reshard(*inst.resolutions.at(n.id), name, inputs[0], world)};
+  };
+  if (memory_cap_ > 0) runner.after = [this](const Node& n) { check_memory(n); };
+  hspmd::run_nodes(*model_.graph, ids, a, runner);
 }
 
 ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& world) const {
@@ -318,8 +275,10 @@ ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& 
                                           const Bindings& bindings) const {
   const Instance& inst = instance(bindings);
   check_feeds(values, inst);
-  Activations a{std::vector<std::vector<NDArray>>(model_.graph->num_nodes()),
-                recompute_ ? recompute_forward_uses_ : uses_, &inst, recompute_};
+  Activations a{{std::vector<std::vector<NDArray>>(model_.graph->num_nodes()),
+                 recompute_ ? recompute_forward_uses_ : uses_},
+                &inst,
+                recompute_};
   run_nodes(std::span<const int>(order_).first(forward_end_), &values, a, world);
   return a;
 }

@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
+#include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/graph/op.h"
@@ -33,6 +37,71 @@ TEST(Executor, BindsSymbolsFromFeedsAndChecksThem) {
   EXPECT_THROW(ex.run({{"a", x}, {"b", y}}), Error);                  // B = 3 vs 2
   EXPECT_THROW(ex.run({{"a", x}}), Error);                            // b missing
   EXPECT_THROW(ex.run({{"a", NDArray::from_vector({3, 1}, {1, 2, 3})}, {"b", x}}), Error);
+}
+
+// A chain of adds holds at most the array being read and the one being
+// written: each intermediate is freed after its last consumer.
+TEST(Executor, PeakIsTheLiveSetNotTheGraph) {
+  Graph g;
+  Tensor x = g.placeholder("x", {1024}, DType::F32);
+  Tensor y = x;
+  for (int i = 0; i < 8; ++i) y = ops::add(y, y);
+  const NDArray fed = NDArray::from_vector({1024}, std::vector<float>(1024, 1.0f));
+  Allocator& memory = allocator_for(Device::cpu());
+  const size_t base = memory.current_bytes();
+  memory.reset_peak();
+  const NDArray out = Executor(g, {y}).run({{"x", fed}})[0];
+  EXPECT_EQ(out.data<float>()[0], 256.0f);
+  EXPECT_EQ(memory.peak_bytes() - base, 2 * 1024 * sizeof(float));
+  EXPECT_EQ(memory.current_bytes() - base, 1024 * sizeof(float));  // the fetch
+}
+
+// The loop both executors share: values are released after their last
+// counted read, an output nothing reads at once, a kept one never; an input
+// from a node without slots arrives invalid.
+TEST(RunNodes, ReleasesAfterTheLastCountedRead) {
+  Graph g;
+  Tensor x = g.placeholder("x", {2}, DType::F32);
+  Tensor y = ops::add(x, x);  // read by z and w
+  Tensor z = ops::add(y, x);  // read by w
+  Tensor u = ops::add(x, x);  // read by nothing
+  Tensor w = ops::add(z, y);  // kept
+  const std::vector<int> ids = {x.node_id(), y.node_id(), z.node_id(), u.node_id(), w.node_id()};
+  UseCounts uses = count_consumers(g, ids, {ids});
+  EXPECT_EQ(uses[x.node_id()], std::vector<int>{5});
+  EXPECT_EQ(uses[y.node_id()], std::vector<int>{2});
+  keep_value(uses, w);
+  NodeValues values{std::vector<std::vector<NDArray>>(g.num_nodes()), uses};
+  auto live = [&](const Tensor& t) { return values.slots[t.node_id()][t.index()].valid(); };
+  std::vector<std::string> seen;  // after each node: which of x y z u are live
+  NodeRunner runner;
+  runner.leaf = [](const Node&) { return std::vector<NDArray>{NDArray::from_vector({2}, {1, 2})}; };
+  runner.compute = [](const Node& n, const std::vector<NDArray>& inputs) {
+    OpContext ctx;
+    ctx.out_shapes = {{2}};
+    ctx.out_dtypes = {DType::F32};
+    return run_op(n, ctx, inputs);
+  };
+  runner.after = [&](const Node&) {
+    std::string s;
+    for (const Tensor& t : {x, y, z, u})
+      s += values.slots[t.node_id()].empty() ? '-' : live(t) ? '1' : '0';
+    seen.push_back(s);
+  };
+  run_nodes(g, ids, values, runner);
+  EXPECT_EQ(seen, (std::vector<std::string>{"11--", "111-", "1110", "0110"}));
+  EXPECT_FALSE(live(x) || live(y) || live(z) || live(u));
+  EXPECT_EQ(values.slots[w.node_id()][0].to_vector(), (std::vector<float>{5, 10}));
+
+  NodeValues alone{std::vector<std::vector<NDArray>>(g.num_nodes()),
+                   count_consumers(g, std::vector<int>{y.node_id()}, {})};
+  runner.after = nullptr;
+  runner.compute = [](const Node& n, const std::vector<NDArray>& inputs) {
+    EXPECT_FALSE(inputs[0].valid() || inputs[1].valid());
+    return std::vector<NDArray>(n.outputs.size());
+  };
+  run_nodes(g, std::vector<int>{y.node_id()}, alone, runner);
+  EXPECT_TRUE(alone.slots[x.node_id()].empty());
 }
 
 TEST(Autodiff, SumsGradientsOfSeveralPathsAndSkipsUnrelatedInputs) {

@@ -70,9 +70,9 @@ class ExecGraph {
   // What one micro-batch keeps between its forward and its backward, and
   // the shape instance and recompute setting it ran with. Move-only in
   // practice (copies share the arrays); consumed by backward().
-  struct Activations {
-    std::vector<std::vector<NDArray>> slots;
-    std::vector<std::vector<int>> remaining;
+  // `slots` and `remaining` (NodeValues, hspmd/graph/executor.h) are the
+  // values and reads left that run_nodes works on.
+  struct Activations : NodeValues {
     const Instance* instance = nullptr;
     bool recompute = false;
   };
@@ -149,7 +149,6 @@ class ExecGraph {
 
  private:
   struct LocalOp;
-  using Slots = std::vector<std::vector<int>>;
   // The shape instance of `bindings`, built and cached on first use.
   const Instance& instance(const Bindings& bindings) const;
   std::unique_ptr<LocalOp> make_local_op(const Node& node, const Bindings& bindings) const;
@@ -165,7 +164,8 @@ class ExecGraph {
   // `name`: the Reshard's own name (a shared resolution carries another's).
   NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
                       Communicator& world) const;
-  // Runs `ids` in order; `values` feeds the leaves (nullptr after the loss).
+  // Runs `ids` in order through hspmd::run_nodes (release after the last
+  // local consumer); `values` feeds the leaves (nullptr after the loss).
   void run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
                  Communicator& world, const char* trace_prefix = "") const;
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
@@ -188,7 +188,7 @@ class ExecGraph {
   mutable std::map<Bindings, std::unique_ptr<const Instance>> instances_;
   // Shape-independent, built once under the constructor's bindings:
   std::vector<int> order_;                         // node ids this rank runs, in graph order
-  Slots uses_;                                     // per node output: consumers in order_ (+1 kept)
+  UseCounts uses_;                                 // per node output: consumers in order_ (+1 kept)
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
   std::map<int, std::shared_ptr<const Resolution>> grad_resolutions_;  // grad.<param> node id ->
   // Recomputation: the forward nodes whose outputs the forward keeps
@@ -196,8 +196,8 @@ class ExecGraph {
   // and the use counts of the forward and of re-run + backward.
   std::vector<bool> saved_;
   std::vector<int> recompute_order_;
-  Slots recompute_forward_uses_;
-  Slots recompute_backward_uses_;
+  UseCounts recompute_forward_uses_;
+  UseCounts recompute_backward_uses_;
 };
 
 // Whether `rank` holds the representative copy of its value under `a`: the
