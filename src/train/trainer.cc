@@ -1,30 +1,17 @@
 #include "hspmd/train/trainer.h"
 
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <map>
-
-#include <nlohmann/json.hpp>
+#include <memory>
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
-#include "hspmd/core/threads.h"
-#include "hspmd/data/token_data.h"
-#include "hspmd/graph/executor.h"
-#include "hspmd/io/safetensors.h"
-#include "hspmd/models/llama.h"
-#include "kernels/kernels.h"
+#include "hspmd/models/config.h"
 #include "train/train_common.h"
 
 namespace hspmd {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using namespace train_common;
+using train_common::check_output_path;
 
 void check_options(const TrainOptions& o, const LlamaConfig& c) {
   if (o.seq_len <= 0) fail("[flags] --seq-len must be positive, got ", o.seq_len);
@@ -54,7 +41,7 @@ std::vector<StepRecord> train(const TrainOptions& o) {
   Pipeline p;
   p.micro_batch_size = static_cast<int>(o.global_batch / o.micro_batches);
   p.micro_batches = static_cast<int>(o.micro_batches);
-  p.stages.push_back(Stage{{0}, 0, config.num_hidden_layers - 1});
+  p.stages.push_back(Stage{{0}, 0, static_cast<int>(config.num_hidden_layers) - 1});
   strategy.pipelines.push_back(p);
   one.strategy = strategy;
   std::unique_ptr<Communicator> world = make_single_process_communicator();

@@ -1,5 +1,5 @@
-// Single-process training loop: data, gradient accumulation, clipping,
-// AdamW, logging and checkpoints.
+// Training: options, step records, and the one training loop (a single
+// process is a world of one) over data, pipelines, AdamW and checkpoints.
 #pragma once
 
 #include <cstdint>
