@@ -16,6 +16,26 @@ int64_t parse_int(const std::string& flag, const std::string& v) {
   return out;
 }
 
+std::set<int> parse_ranks(const std::string& text, int world, const char* flag) {
+  std::set<int> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    int first = 0, last = 0;
+    char tail = 0;
+    const bool range = std::sscanf(item.c_str(), "%d-%d%c", &first, &last, &tail) == 2;
+    if (!range && std::sscanf(item.c_str(), "%d%c", &first, &tail) != 1)
+      fail("[flags] ", flag, ": '", item, "' is not a rank or a range first-last");
+    if (!range) last = first;
+    if (last < first) fail("[flags] ", flag, ": range '", item, "' ends before it begins");
+    for (int r = first; r <= last; ++r) {
+      if (r < 0 || (world > 0 && r >= world))
+        fail("[flags] ", flag, ": rank ", r, " is outside the world of ", world, " ranks");
+      out.insert(r);
+    }
+  }
+  return out;
+}
+
 namespace {
 
 double parse_double(const std::string& flag, const std::string& v) {

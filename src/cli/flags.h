@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,10 @@ namespace hspmd::cli {
 
 // `v` as an integer; hspmd::Error "[flags] --<flag>: '<v>' is not an integer".
 int64_t parse_int(const std::string& flag, const std::string& v);
+
+// "3,5,8-15" -> ranks; each must lie in [0, world) when world > 0.
+// hspmd::Error "[flags] <flag>: ..." for an item that is no rank or range.
+std::set<int> parse_ranks(const std::string& text, int world, const char* flag);
 
 class FlagSet {
  public:

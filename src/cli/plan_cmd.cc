@@ -300,35 +300,6 @@ int explain_command(const std::vector<std::string>& args) {
 
 // ---- switch ----
 
-// "3,5,8-15" -> ranks, each inside the world.
-std::set<int> parse_ranks(const std::string& text, int world, const char* flag) {
-  std::set<int> out;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, ',');) {
-    int first = 0, last = 0;
-    char tail = 0;
-    const bool range = std::sscanf(item.c_str(), "%d-%d%c", &first, &last, &tail) == 2;
-    if (!range && std::sscanf(item.c_str(), "%d%c", &first, &tail) != 1)
-      fail("[flags] ", flag, ": '", item, "' is not a rank or a range first-last");
-    if (!range) last = first;
-    if (last < first) fail("[flags] ", flag, ": range '", item, "' ends before it begins");
-    for (int r = first; r <= last; ++r) {
-      if (r < 0 || r >= world) fail("[flags] ", flag, ": rank ", r, " is outside the world of ", world, " ranks");
-      out.insert(r);
-    }
-  }
-  return out;
-}
-
-// A plan JSON has "tensors"; anything else is read as a strategy (whose
-// loader reports missing files and bad JSON, naming the file).
-bool is_plan_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return false;
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  return j.is_object() && j.contains("tensors");
-}
-
 AnnotationPlan load_side(const std::string& path, const std::string& model, int world, int64_t seq_len,
                          const char* flag) {
   if (is_plan_file(path)) {

@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <algorithm>
 #include <memory>
-#include <sstream>
 #include <thread>
 
 #include "commands.h"
@@ -114,8 +113,7 @@ std::vector<TrainOptions::Switch> parse_switches(const std::vector<std::string>&
     auto [step, ranks] = split(s, "switch-lost");
     auto it = std::find_if(out.begin(), out.end(), [&](const auto& sw) { return sw.step == step; });
     if (it == out.end()) fail("[flags] --switch-lost ", s, ": no --switch at step ", step);
-    std::stringstream in(ranks);
-    for (std::string r; std::getline(in, r, ',');) it->lost_ranks.push_back(static_cast<int>(parse_int("switch-lost", r)));
+    for (int r : parse_ranks(ranks, 0, "--switch-lost")) it->lost_ranks.push_back(r);
   }
   return out;
 }

@@ -93,12 +93,6 @@ class SingleProcessCommunicator final : public Communicator {
  public:
   SingleProcessCommunicator() : Communicator(std::make_shared<ByteCounters>()) {}
 
-  using Communicator::start_all_gather;
-  using Communicator::start_all_reduce;
-  using Communicator::start_broadcast;
-  using Communicator::start_recv;
-  using Communicator::start_reduce_scatter;
-  using Communicator::start_send;
 
   int rank() const override { return 0; }
   int size() const override { return 1; }
@@ -108,31 +102,31 @@ class SingleProcessCommunicator final : public Communicator {
     return *this;
   }
 
-  Request start_all_reduce(void*, int64_t count, DType, ReduceOp) override {
+  Request do_all_reduce(void*, int64_t count, DType, ReduceOp) override {
     check_count(count, "all_reduce");
     return {};
   }
-  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
                                DType dtype) override {
     check_counts(counts, "reduce_scatter");
     copy(send, recv, counts[0], dtype);
     return {};
   }
-  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
                            DType dtype) override {
     check_counts(counts, "all_gather");
     copy(send, recv, counts[0], dtype);
     return {};
   }
-  Request start_broadcast(void*, int64_t count, DType, int root) override {
+  Request do_broadcast(void*, int64_t count, DType, int root) override {
     check_count(count, "broadcast");
     if (root != 0) fail("[comm] broadcast from rank ", root, " ", kNeedsMpi);
     return {};
   }
-  Request start_send(const void*, int64_t, DType, int peer, int) override {
+  Request do_send(const void*, int64_t, DType, int peer, int) override {
     fail("[comm] send to rank ", peer, " ", kNeedsMpi);
   }
-  Request start_recv(void*, int64_t, DType, int peer, int) override {
+  Request do_recv(void*, int64_t, DType, int peer, int) override {
     fail("[comm] recv from rank ", peer, " ", kNeedsMpi);
   }
   void wait_all(std::vector<Request>& requests) override { requests.clear(); }

@@ -106,24 +106,18 @@ class MpiCommunicator final : public Communicator {
     if (!finalized) MPI_Comm_free(&comm_);
   }
 
-  using Communicator::start_all_gather;
-  using Communicator::start_all_reduce;
-  using Communicator::start_broadcast;
-  using Communicator::start_recv;
-  using Communicator::start_reduce_scatter;
-  using Communicator::start_send;
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Communicator& group(const std::vector<int>& ranks) override;
-  Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
-  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
+  Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
                                DType dtype) override;
-  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
                            DType dtype) override;
-  Request start_broadcast(void* data, int64_t count, DType dtype, int root) override;
-  Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) override;
-  Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request do_broadcast(void* data, int64_t count, DType dtype, int root) override;
+  Request do_send(const void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request do_recv(void* data, int64_t count, DType dtype, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
   void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
@@ -170,7 +164,7 @@ void MpiCommunicator::check_counts(const std::vector<int64_t>& counts, const cha
   to_int(offset, call);
 }
 
-Request MpiCommunicator::start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
+Request MpiCommunicator::do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
   auto r = std::make_unique<MpiRequest>();
   check(MPI_Iallreduce(MPI_IN_PLACE, data, to_int(count, "MPI_Iallreduce"), mpi_type(dtype), mpi_op(dtype, op), comm_,
                        &r->request),
@@ -179,7 +173,7 @@ Request MpiCommunicator::start_all_reduce(void* data, int64_t count, DType dtype
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+Request MpiCommunicator::do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
                                               DType dtype) {
   auto r = std::make_unique<MpiRequest>();
   check_counts(counts, "MPI_Ireduce_scatter", *r);
@@ -190,7 +184,7 @@ Request MpiCommunicator::start_reduce_scatter(const void* send, void* recv, cons
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+Request MpiCommunicator::do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
                                           DType dtype) {
   auto r = std::make_unique<MpiRequest>();
   check_counts(counts, "MPI_Iallgatherv", *r);
@@ -202,7 +196,7 @@ Request MpiCommunicator::start_all_gather(const void* send, void* recv, const st
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_broadcast(void* data, int64_t count, DType dtype, int root) {
+Request MpiCommunicator::do_broadcast(void* data, int64_t count, DType dtype, int root) {
   check_peer(root, "MPI_Ibcast");
   auto r = std::make_unique<MpiRequest>();
   check(MPI_Ibcast(data, to_int(count, "MPI_Ibcast"), mpi_type(dtype), root, comm_, &r->request), "MPI_Ibcast");
@@ -210,7 +204,7 @@ Request MpiCommunicator::start_broadcast(void* data, int64_t count, DType dtype,
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
+Request MpiCommunicator::do_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
   check_peer(peer, "MPI_Isend");
   auto r = std::make_unique<MpiRequest>();
   check(MPI_Isend(data, to_int(count, "MPI_Isend"), mpi_type(dtype), peer, tag, comm_, &r->request), "MPI_Isend");
@@ -218,7 +212,7 @@ Request MpiCommunicator::start_send(const void* data, int64_t count, DType dtype
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::start_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
+Request MpiCommunicator::do_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
   check_peer(peer, "MPI_Irecv");
   auto r = std::make_unique<MpiRequest>();
   r->call = "MPI_Irecv";

@@ -66,14 +66,14 @@ Request ClockedCommunicator::collective(Request data, int64_t bytes) {
   return Request(std::move(impl));
 }
 
-Request ClockedCommunicator::start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
+Request ClockedCommunicator::do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
   start_clock();
   const int n = size();
   return collective(inner_.start_all_reduce(data, count, dtype, op),
                     2 * (n - 1) * bytes_of(count, dtype) / std::max(n, 1));
 }
 
-Request ClockedCommunicator::start_reduce_scatter(const void* send, void* recv,
+Request ClockedCommunicator::do_reduce_scatter(const void* send, void* recv,
                                                   const std::vector<int64_t>& counts, DType dtype) {
   start_clock();
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
@@ -81,7 +81,7 @@ Request ClockedCommunicator::start_reduce_scatter(const void* send, void* recv,
                     bytes_of(total - counts.at(rank()), dtype));
 }
 
-Request ClockedCommunicator::start_all_gather(const void* send, void* recv,
+Request ClockedCommunicator::do_all_gather(const void* send, void* recv,
                                               const std::vector<int64_t>& counts, DType dtype) {
   start_clock();
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
@@ -89,12 +89,12 @@ Request ClockedCommunicator::start_all_gather(const void* send, void* recv,
                     bytes_of(total - counts.at(rank()), dtype));
 }
 
-Request ClockedCommunicator::start_broadcast(void* data, int64_t count, DType dtype, int root) {
+Request ClockedCommunicator::do_broadcast(void* data, int64_t count, DType dtype, int root) {
   start_clock();
   return collective(inner_.start_broadcast(data, count, dtype, root), bytes_of(count, dtype));
 }
 
-Request ClockedCommunicator::start_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
+Request ClockedCommunicator::do_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
   HSPMD_CHECK(tag >= 0 && tag < kClockTagOffset, "clocked communicator: tag ", tag, " too large");
   auto impl = std::make_unique<Impl>();
   impl->kind = Impl::kSend;
@@ -106,7 +106,7 @@ Request ClockedCommunicator::start_send(const void* data, int64_t count, DType d
   return Request(std::move(impl));
 }
 
-Request ClockedCommunicator::start_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
+Request ClockedCommunicator::do_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
   HSPMD_CHECK(tag >= 0 && tag < kClockTagOffset, "clocked communicator: tag ", tag, " too large");
   auto impl = std::make_unique<Impl>();
   impl->kind = Impl::kRecv;

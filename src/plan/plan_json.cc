@@ -9,6 +9,8 @@
 #include "hspmd/ops/ops.h"
 #include "hspmd/plan/plan.h"
 
+#include <fstream>
+
 namespace hspmd {
 
 using nlohmann::json;
@@ -119,6 +121,13 @@ AnnotationPlan plan_from_json(const json& j) {
     validate(*plan.strategy, plan.model, plan.world_size);
   }
   return plan;
+}
+
+bool is_plan_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return false;
+  const json j = json::parse(in, nullptr, false);
+  return j.is_object() && j.contains("tensors");
 }
 
 AnnotationPlan load_plan(const std::string& path) {

@@ -4,6 +4,7 @@
 // with one message per (sender, receiver) pair, their link volumes and the
 // predicted time. Works on boxes and cells, never on elements.
 #include <algorithm>
+#include <numeric>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -436,6 +437,45 @@ double switch_sender_bound(const std::vector<StateTensor>& tensors, const Topolo
       worst = std::max(worst, static_cast<double>(bytes) / rate);
     }
   return worst;
+}
+
+namespace {
+
+// Bytes of `rank`'s holdings in a list (each holding is one local array).
+int64_t held_bytes(const std::vector<StateHolding>& list, int rank) {
+  int64_t n = 0;
+  for (const StateHolding& h : list)
+    if (h.rank == rank) n += h.box.numel() * 4;
+  return n;
+}
+
+}  // namespace
+
+int64_t switch_memory_bound(const SwitchPlan& sp, int rank) {
+  std::vector<int64_t> old_b(sp.rounds.size()), new_b(sp.rounds.size()), work(sp.rounds.size());
+  for (size_t r = 0; r < sp.rounds.size(); ++r) {
+    for (int t : sp.rounds[r].tensors) {
+      old_b[r] += held_bytes(sp.tensors[t].owners, rank);
+      new_b[r] += held_bytes(sp.tensors[t].needers, rank);
+    }
+    auto it = sp.rounds[r].ranks.find(rank);
+    if (it == sp.rounds[r].ranks.end()) continue;
+    int64_t temp = 0;  // keeps and checkpoint reads go through one temporary at a time
+    for (const auto* list : {&it->second.keeps, &it->second.checkpoint})
+      for (const SliceRef& s : *list) temp = std::max(temp, s.box.numel() * 4);
+    for (const auto* list : {&it->second.sends, &it->second.recvs})
+      for (const SwitchMessage& m : *list) work[r] += m.bytes;
+    work[r] += temp;
+  }
+  const int64_t old_total = std::accumulate(old_b.begin(), old_b.end(), int64_t{0});
+  const int64_t new_total = std::accumulate(new_b.begin(), new_b.end(), int64_t{0});
+  int64_t peak = 0, done_new = 0, left_old = old_total;
+  for (size_t r = 0; r < sp.rounds.size(); ++r) {  // during round r: rounds before moved, r both, later old
+    peak = std::max(peak, done_new + new_b[r] + left_old + work[r]);
+    done_new += new_b[r];
+    left_old -= old_b[r];
+  }
+  return std::max<int64_t>(0, peak - std::max(old_total, new_total));
 }
 
 }  // namespace hspmd

@@ -12,11 +12,6 @@
 namespace hspmd {
 namespace {
 
-constexpr const char* kEmbedding = "model.embed_tokens.weight";
-constexpr const char* kLmHead = "lm_head.weight";
-
-bool is_table(const std::string& name) { return name == kEmbedding || name == kLmHead; }
-
 // Embedding 0, block i -> i + 1, the final norm and LM head L + 1 (the
 // model's declared parts, not its names).
 int layer_group(const LlamaParameter& p, int64_t layers) {
@@ -25,37 +20,26 @@ int layer_group(const LlamaParameter& p, int64_t layers) {
   return static_cast<int>(layers) + 1;
 }
 
-using ParamShapes = std::vector<std::pair<std::string, Shape>>;
+using Params = std::vector<LlamaParameter>;
 
 // Same parameters in the same order with the same shapes, except the rows of
 // the vocabulary tables (a vocabulary padded for another tp).
-void check_same_model(const ParamShapes& from, const ParamShapes& to) {
+void check_same_model(const Params& from, const Params& to) {
   if (from.size() != to.size())
     fail("[switch] plans of different models: ", from.size(), " parameters in the source plan, ", to.size(),
          " in the destination plan");
   for (size_t i = 0; i < from.size(); ++i) {
-    const auto& [a, sa] = from[i];
-    const auto& [b, sb] = to[i];
+    const std::string &a = from[i].name, &b = to[i].name;
+    const Shape &sa = from[i].shape, &sb = to[i].shape;
     if (a != b)
       fail("[switch] plans of different models: parameter ", i, " is '", a, "' in the source plan and '", b,
            "' in the destination plan");
     Shape ra = sa, rb = sb;
-    if (is_table(a) && !ra.empty() && !rb.empty()) ra[0] = rb[0] = 0;
+    if (from[i].role == ParamRole::kVocabulary && !ra.empty() && !rb.empty()) ra[0] = rb[0] = 0;
     if (ra != rb)
       fail("[switch] plans of different models: parameter '", a, "' has shape ", shape_str(sa),
            " in the source plan and ", shape_str(sb), " in the destination plan");
   }
-}
-
-const Annotation& param_layout(const AnnotationPlan& plan, const std::string& name, const char* side) {
-  auto it = plan.tensors.find(name);
-  if (it == plan.tensors.end()) fail("[switch] ", side, " plan: parameter '", name, "' has no annotation");
-  return it->second;
-}
-
-const Annotation* zero_layout(const AnnotationPlan& plan, const std::string& name) {
-  auto it = plan.optimizer_states.find(name);
-  return it == plan.optimizer_states.end() ? nullptr : &it->second;
 }
 
 void add_holdings(const Annotation& a, const Shape& shape, StateSlot slot, std::vector<StateHolding>& out) {
@@ -74,16 +58,13 @@ void sort_holdings(std::vector<StateHolding>& hs) {
 
 // The holdings of `kind` for one parameter under one plan.
 std::vector<StateHolding> holdings(const AnnotationPlan& plan, const std::string& name, const Shape& shape,
-                                   StateSlot kind, const char* side) {
-  const Annotation& param = param_layout(plan, name, side);
-  const Annotation* zero = zero_layout(plan, name);
+                                   StateSlot kind) {
+  const std::vector<StateSlot> slots =
+      kind == StateSlot::kParam ? std::vector<StateSlot>{StateSlot::kParam, StateSlot::kMaster}
+                                : std::vector<StateSlot>{kind};
   std::vector<StateHolding> out;
-  if (kind == StateSlot::kParam) {
-    add_holdings(param, shape, StateSlot::kParam, out);
-    if (zero) add_holdings(*zero, shape, StateSlot::kMaster, out);
-  } else {
-    add_holdings(zero ? *zero : param, shape, kind, out);
-  }
+  for (StateSlot slot : slots)
+    if (const Annotation* a = slot_layout(plan, name, slot)) add_holdings(*a, shape, slot, out);
   sort_holdings(out);
   return out;
 }
@@ -124,7 +105,17 @@ std::string slot_name(StateSlot slot) {
   return {};
 }
 
-std::string StateTensor::name() const {
+const Annotation* slot_layout(const AnnotationPlan& plan, const std::string& param, StateSlot slot) {
+  auto p = plan.tensors.find(param);
+  if (p == plan.tensors.end()) fail("[switch] plan: parameter '", param, "' has no annotation");
+  auto z = plan.optimizer_states.find(param);
+  const Annotation* zero = z == plan.optimizer_states.end() ? nullptr : &z->second;
+  if (slot == StateSlot::kParam) return &p->second;
+  if (slot == StateSlot::kMaster) return zero;
+  return zero ? zero : &p->second;
+}
+
+std::string state_tensor_name(const std::string& param, StateSlot kind) {
   if (kind == StateSlot::kExpAvg) return param + ".exp_avg";
   if (kind == StateSlot::kExpAvgSq) return param + ".exp_avg_sq";
   return param;
@@ -134,23 +125,22 @@ std::vector<StateTensor> state_tensors(const AnnotationPlan& from, const Annotat
   if (from.world_size != to.world_size)
     fail("[switch] plans of different world sizes: ", from.world_size, " ranks in the source plan, ", to.world_size,
          " in the destination plan");
-  const ParamShapes src = llama_parameter_shapes(from.model);
-  const ParamShapes dst = llama_parameter_shapes(to.model);
+  const Params src = llama_parameters(from.model);
+  const Params dst = llama_parameters(to.model);
   check_same_model(src, dst);
-  const std::vector<LlamaParameter> declared = llama_parameters(to.model);
   std::vector<StateTensor> out;
   out.reserve(3 * dst.size());
   for (size_t i = 0; i < dst.size(); ++i) {
-    const std::string& name = dst[i].first;
+    const std::string& name = dst[i].name;
     for (StateSlot kind : {StateSlot::kParam, StateSlot::kExpAvg, StateSlot::kExpAvgSq}) {
       StateTensor t;
       t.param = name;
       t.kind = kind;
-      t.shape = dst[i].second;
-      t.source_shape = src[i].second;
-      t.group = layer_group(declared[i], to.model.num_hidden_layers);
-      t.owners = holdings(from, name, t.source_shape, kind, "source");
-      t.needers = holdings(to, name, t.shape, kind, "destination");
+      t.shape = dst[i].shape;
+      t.source_shape = src[i].shape;
+      t.group = layer_group(dst[i], to.model.num_hidden_layers);
+      t.owners = holdings(from, name, t.source_shape, kind);
+      t.needers = holdings(to, name, t.shape, kind);
       out.push_back(std::move(t));
     }
   }
@@ -193,7 +183,7 @@ std::string cache_key(const AnnotationPlan& from, const AnnotationPlan& to, cons
     for (const auto& [name, shape] : llama_parameter_shapes(p->model)) {
       auto it = p->tensors.find(name);
       side["param"][name] = it == p->tensors.end() ? nlohmann::json() : to_json(it->second);
-      if (const Annotation* z = zero_layout(*p, name)) side["zero"][name] = to_json(*z);
+      if (const Annotation* z = slot_layout(*p, name, StateSlot::kMaster)) side["zero"][name] = to_json(*z);
     }
     key.push_back(std::move(side));
   }

@@ -18,7 +18,6 @@
 #include "hspmd/core/threads.h"
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/exec/virtual_clock.h"
-#include "hspmd/core/json_file.h"
 #include "hspmd/io/checkpoint.h"
 #include "hspmd/io/safetensors.h"
 #include "hspmd/optim/adam.h"
@@ -79,11 +78,6 @@ std::vector<StepMetrics> gather_metrics(const StepMetrics& mine, Communicator& w
   return all;
 }
 
-// The tensors with one row per vocabulary entry (padded by the plan when tp
-// does not divide the vocabulary).
-bool is_vocab_table(const std::string& name) {
-  return name == "model.embed_tokens.weight" || name == "lm_head.weight";
-}
 
 double all_reduce_scalar(double v, Communicator& world) {
   world.all_reduce(&v, 1);
@@ -103,8 +97,6 @@ struct Runtime {
   int micro_batches() const { return pipeline < 0 ? 0 : strategy.pipelines[pipeline].micro_batches; }
 };
 
-bool is_plan_json(const nlohmann::json& j) { return j.is_object() && j.contains("tensors"); }
-bool is_plan_flag(const char* flag) { return std::string(flag) == "--plan"; }
 
 class DistTrainer {
  public:
@@ -133,8 +125,7 @@ class DistTrainer {
       clock_->set_tracing(!o.trace_path.empty());
     }
     plans_.push_back(o.strategy ? compile(*o.strategy)
-                                : load_plan_file(o.plan_path.empty() ? o.strategy_path : o.plan_path,
-                                                 o.plan_path.empty() ? "--strategy" : "--plan"));
+                                : load_plan_file(o.plan_path.empty() ? o.strategy_path : o.plan_path));
     int64_t last = 0;
     for (const TrainOptions::Switch& sw : o.switches) {
       if (sw.step <= last || sw.step >= o.steps)
@@ -142,7 +133,7 @@ class DistTrainer {
       for (int r : sw.lost_ranks)
         if (r < 0 || r >= world.size()) fail("[flags] --switch-lost ", sw.step, ": rank ", r, " is outside the world");
       last = sw.step;
-      plans_.push_back(load_plan_file(sw.path, "--switch"));
+      plans_.push_back(load_plan_file(sw.path));
     }
     for (const auto& p : plans_)  // every plan is checked before the first step
       if (o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
@@ -156,7 +147,8 @@ class DistTrainer {
   std::vector<StepRecord> run();
 
  private:
-  std::shared_ptr<const AnnotationPlan> load_plan_file(const std::string& path, const char* flag) const;
+  // A strategy (compiled) or a trainable plan for this job.
+  std::shared_ptr<const AnnotationPlan> load_plan_file(const std::string& path) const;
   std::shared_ptr<const AnnotationPlan> compile(const Strategy& strategy) const;
   std::unique_ptr<Runtime> specialize(std::shared_ptr<const AnnotationPlan> plan) const;
   // How the switch to plans_[index] is planned: the checkpoint serves lost
@@ -200,11 +192,9 @@ class DistTrainer {
   std::unique_ptr<train_common::SampleSource> source_;
 };
 
-std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::string& path, const char* flag) const {
-  const nlohmann::json j = read_json_file(path, is_plan_flag(flag) ? "plan" : "strategy");
-  AnnotationPlan plan;
-  if (is_plan_json(j)) {
-    plan = load_plan(path);
+std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::string& path) const {
+  if (is_plan_file(path)) {
+    AnnotationPlan plan = load_plan(path);
     if (!plan.strategy)
       fail("[plan] ", path, ": no \"strategy\" field: a trainable plan carries its execution (schedule, "
            "pipelines' micro-batches, recompute); compile one with `hspmd plan compile`");
@@ -233,7 +223,7 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   auto rt = std::make_unique<Runtime>();
   rt->plan = plan;
   rt->strategy = *plan->strategy;
-  for (auto& [name, shape] : state_shapes(*plan)) rt->shapes[name] = shape;
+  for (auto& [name, shape] : llama_parameter_shapes(plan->model)) rt->shapes[name] = shape;
   // Every rank's view of the stacked micro-batch must divide along every
   // pipeline's splits, so the granularity is common to all pipelines.
   rt->granularity = sequence_granularity(rt->strategy);
@@ -401,11 +391,12 @@ void DistTrainer::gather_and_write(const std::string& path, const std::string& p
     for (const auto& [name, shape] : llama_parameter_shapes(config_)) declared[name] = {dtype, shape};
     writer = std::make_unique<SafetensorsWriter>(path, declared);
   }
-  for (const std::string& name : rt_->graph->model().names) {
+  for (const LlamaParameter& p : llama_parameters(rt_->plan->model)) {
+    const std::string& name = p.name;
     auto [layout, array] = local(name);
-    NDArray full = rt_->graph->reshard(prefix + name, rt_->shapes.at(name), layout, rank0, array, world_);
+    NDArray full = rt_->graph->reshard(prefix + name, p.shape, layout, rank0, array, world_);
     if (!writer) continue;
-    if (is_vocab_table(name) && full.dim(0) != config_.vocab_size)
+    if (p.role == ParamRole::kVocabulary && full.dim(0) != config_.vocab_size)
       full = full.slice(0, 0, config_.vocab_size).contiguous();  // drop the padding rows
     writer->write(name, full.to(dtype));
   }

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <numeric>
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/device.h"
@@ -17,25 +16,9 @@
 
 namespace hspmd {
 
-std::vector<std::pair<std::string, Shape>> state_shapes(const AnnotationPlan& plan) {
-  auto shapes = llama_parameter_shapes(plan.model);
-  for (auto& [name, shape] : shapes)
-    if (name == "model.embed_tokens.weight" || name == "lm_head.weight") shape[0] = plan.model.table_rows();
-  return shapes;
-}
-
 namespace {
 
 constexpr int kSwitchTag = 0x5357;
-
-// The layout of each slot of `param` under `plan` (nullptr: no such slot).
-const Annotation* slot_layout(const AnnotationPlan& plan, const std::string& param, StateSlot slot) {
-  auto opt = plan.optimizer_states.find(param);
-  const Annotation& p = plan.tensors.at(param);
-  if (slot == StateSlot::kParam) return &p;
-  if (slot == StateSlot::kMaster) return opt == plan.optimizer_states.end() ? nullptr : &opt->second;
-  return opt == plan.optimizer_states.end() ? &p : &opt->second;
-}
 
 constexpr std::array<StateSlot, 4> kSlots = {StateSlot::kParam, StateSlot::kMaster, StateSlot::kExpAvg,
                                              StateSlot::kExpAvgSq};
@@ -44,13 +27,6 @@ constexpr std::array<StateSlot, 4> kSlots = {StateSlot::kParam, StateSlot::kMast
 bool slot_of_kind(StateSlot slot, StateSlot kind) {
   if (kind == StateSlot::kParam) return slot == StateSlot::kParam || slot == StateSlot::kMaster;
   return slot == kind;
-}
-
-std::string state_name(const std::string& param, StateSlot kind) {
-  StateTensor t;
-  t.param = param;
-  t.kind = kind;
-  return t.name();
 }
 
 // Copies `box` (global coordinates, inside both) from an array holding
@@ -87,7 +63,7 @@ void copy_box(const float* src, const Box& src_box, float* dst, const Box& dst_b
 
 TrainingState::TrainingState(std::shared_ptr<const AnnotationPlan> plan, int rank)
     : plan_(std::move(plan)), rank_(rank) {
-  for (const auto& [name, shape] : state_shapes(*plan_)) {
+  for (const auto& [name, shape] : llama_parameter_shapes(plan_->model)) {
     auto& slots = params_[name];
     for (StateSlot s : kSlots) {
       const Annotation* a = slot_layout(*plan_, name, s);
@@ -122,7 +98,7 @@ int64_t TrainingState::bytes() const {
 TrainingState TrainingState::from_full(std::shared_ptr<const AnnotationPlan> plan, int rank,
                                        const std::map<std::string, NDArray>& full) {
   TrainingState st(std::move(plan), rank);
-  for (const auto& [name, shape] : state_shapes(*st.plan_)) {
+  for (const auto& [name, shape] : llama_parameter_shapes(st.plan_->model)) {
     NDArray array = full.at(name);
     if (array.dim(0) != shape[0]) {  // a padded vocabulary: zero rows (docs/vocab_parallel.md)
       NDArray padded = NDArray::zeros(shape, DType::F32);
@@ -131,8 +107,7 @@ TrainingState TrainingState::from_full(std::shared_ptr<const AnnotationPlan> pla
     }
     for (StateSlot s : kSlots) {
       Shard& sh = st.slot(name, s);
-      if (!slot_layout(*st.plan_, name, s) || !local_box(*slot_layout(*st.plan_, name, s), shape, rank))
-        continue;
+      if (!sh.placed()) continue;
       sh.data = s == StateSlot::kParam || s == StateSlot::kMaster ? box_slice(array, sh.box)
                                                                   : NDArray::zeros(sh.box.shape(), DType::F32);
     }
@@ -179,41 +154,107 @@ std::vector<double> all_clocks(const VirtualClock& clock, Communicator& world) {
   return all;
 }
 
-// Bytes of `rank`'s holdings in a list (each holding is one local array).
-int64_t held_bytes(const std::vector<StateHolding>& list, int rank) {
-  int64_t n = 0;
-  for (const StateHolding& h : list)
-    if (h.rank == rank) n += h.box.numel() * 4;
-  return n;
+}  // namespace
+
+
+namespace {
+
+// One message of a round, packed from `from`'s slots in the message's order.
+NDArray pack(const TrainingState& from, const SwitchPlan& sp, const SwitchMessage& m) {
+  NDArray out = NDArray::empty({m.bytes / 4}, DType::F32);
+  float* p = out.data<float>();
+  for (const SliceRef& s : m.slices) {
+    const Shard& src = from.slot(sp.tensors[s.tensor].param, s.src_slot);
+    HSPMD_CHECK(src.held(), "rank ", from.rank(), " sends a slot it does not hold");
+    copy_box(src.data.data<float>(), src.box, p, s.box, s.box);
+    p += s.box.numel();
+  }
+  return out;
+}
+
+void unpack(TrainingState& to, const SwitchPlan& sp, const SwitchMessage& m, const NDArray& buffer) {
+  const float* p = buffer.data<float>();
+  for (const SliceRef& s : m.slices) {
+    deliver(to, sp.tensors[s.tensor], p, s.box);
+    p += s.box.numel();
+  }
+}
+
+// The rank's new arrays of the round's tensors, zero-filled (padding rows
+// of a vocabulary need no transfer).
+void allocate_round(TrainingState& next, const SwitchPlan& sp, const SwitchRound& round) {
+  for (int t : round.tensors)
+    for (const StateHolding& h : sp.tensors[t].needers) {
+      if (h.rank != next.rank()) continue;
+      Shard& sh = next.slot(sp.tensors[t].param, h.slot);
+      if (!sh.held()) sh.data = NDArray::zeros(h.box.shape(), DType::F32);
+    }
 }
 
 }  // namespace
 
-int64_t switch_memory_bound(const SwitchPlan& sp, int rank) {
-  std::vector<int64_t> old_b(sp.rounds.size()), new_b(sp.rounds.size()), work(sp.rounds.size());
-  for (size_t r = 0; r < sp.rounds.size(); ++r) {
-    for (int t : sp.rounds[r].tensors) {
-      old_b[r] += held_bytes(sp.tensors[t].owners, rank);
-      new_b[r] += held_bytes(sp.tensors[t].needers, rank);
+// Keeps and checkpoint reads of one round (no communication).
+void TrainingState::copy_local(const RankSwitchRound& r, const SwitchPlan& sp, TrainingState& next,
+                               CheckpointReader* checkpoint, SwitchReport& rep) const {
+  for (const SliceRef& s : r.keeps) {
+    const Shard& src = slot(sp.tensors[s.tensor].param, s.src_slot);
+    NDArray tmp = NDArray::empty(s.box.shape(), DType::F32);
+    copy_box(src.data.data<float>(), src.box, tmp.data<float>(), s.box, s.box);
+    deliver(next, sp.tensors[s.tensor], tmp.data<float>(), s.box);
+  }
+  for (const SliceRef& s : r.checkpoint) {
+    if (!checkpoint)
+      fail("[switch] rank ", rank_, ": slices of '", sp.tensors[s.tensor].name(),
+           "' must come from a checkpoint but none was given (--checkpoint)");
+    NDArray got = checkpoint->read(sp.tensors[s.tensor].name(), s.box);
+    rep.checkpoint_bytes += static_cast<int64_t>(got.nbytes());
+    deliver(next, sp.tensors[s.tensor], got.data<float>(), s.box);
+  }
+}
+
+// One round on this rank: pack, keep and read, exchange every message at
+// once, unpack; then free the old arrays of the round's tensors. Under a
+// clock, packing and unpacking are compute and the exchange waits for the
+// peers' clocks, then takes the rank's link time.
+void TrainingState::run_round(const SwitchRound& round, const SwitchPlan& sp, TrainingState& next,
+                              const Topology& topology, Communicator& world, CheckpointReader* checkpoint,
+                              VirtualClock* clock, SwitchReport& rep) {
+  allocate_round(next, sp, round);
+  std::vector<double> clocks;
+  if (clock) clocks = all_clocks(*clock, world);
+  auto mine = round.ranks.find(rank_);
+  if (mine != round.ranks.end()) {
+    const RankSwitchRound& r = mine->second;
+    if (clock) clock->begin_compute();
+    std::vector<NDArray> out, in;
+    std::vector<SendBuffer> sends;
+    std::vector<RecvBuffer> recvs;
+    for (const SwitchMessage& m : r.sends) {
+      out.push_back(pack(*this, sp, m));
+      sends.push_back(SendBuffer{m.peer, out.back().data<float>(), m.bytes / 4});
     }
-    auto it = sp.rounds[r].ranks.find(rank);
-    if (it == sp.rounds[r].ranks.end()) continue;
-    int64_t temp = 0;  // keeps and checkpoint reads go through one temporary at a time
-    for (const auto* list : {&it->second.keeps, &it->second.checkpoint})
-      for (const SliceRef& s : *list) temp = std::max(temp, s.box.numel() * 4);
-    for (const auto* list : {&it->second.sends, &it->second.recvs})
-      for (const SwitchMessage& m : *list) work[r] += m.bytes;
-    work[r] += temp;
+    for (const SwitchMessage& m : r.recvs) {
+      in.push_back(NDArray::empty({m.bytes / 4}, DType::F32));
+      recvs.push_back(RecvBuffer{m.peer, in.back().data<float>(), m.bytes / 4});
+    }
+    copy_local(r, sp, next, checkpoint, rep);
+    if (clock) {
+      clock->end_compute();
+      double ready = clock->now();
+      for (const auto* list : {&r.sends, &r.recvs})
+        for (const SwitchMessage& m : *list) ready = std::max(ready, clocks[m.peer]);
+      clock->communicate(ready, link_seconds(r, rank_, topology));
+    }
+    const int64_t sent0 = world.bytes().sent;  // the clocks' exchanges are not the switch's
+    world.batched_send_recv(sends, recvs, kSwitchTag);
+    rep.bytes_sent += world.bytes().sent - sent0;
+    if (clock) clock->begin_compute();
+    for (size_t k = 0; k < r.recvs.size(); ++k) unpack(next, sp, r.recvs[k], in[k]);
+    if (clock) clock->end_compute();
   }
-  const int64_t old_total = std::accumulate(old_b.begin(), old_b.end(), int64_t{0});
-  const int64_t new_total = std::accumulate(new_b.begin(), new_b.end(), int64_t{0});
-  int64_t peak = 0, done_new = 0, left_old = old_total;
-  for (size_t r = 0; r < sp.rounds.size(); ++r) {  // during round r: rounds before moved, r both, later old
-    peak = std::max(peak, done_new + new_b[r] + left_old + work[r]);
-    done_new += new_b[r];
-    left_old -= old_b[r];
-  }
-  return std::max<int64_t>(0, peak - std::max(old_total, new_total));
+  for (int t : round.tensors)
+    for (StateSlot s : kSlots)
+      if (slot_of_kind(s, sp.tensors[t].kind)) slot(sp.tensors[t].param, s).data = NDArray();
 }
 
 TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to, const SwitchPlan& sp,
@@ -229,81 +270,15 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
   next.samples = samples;
   next.seed = seed;
   SwitchReport rep;
+  rep.predicted_bytes = sp.stats.at(rank_).sent();
   double start = 0;
   if (clock) {
     const auto clocks = all_clocks(*clock, world);
     start = *std::max_element(clocks.begin(), clocks.end());
     clock->communicate(start, 0);
   }
-  for (const SwitchRound& round : sp.rounds) {
-    for (int t : round.tensors)  // this rank's new arrays of the round's tensors, zero-filled
-      for (const StateHolding& h : sp.tensors[t].needers) {
-        if (h.rank != rank_) continue;
-        Shard& sh = next.slot(sp.tensors[t].param, h.slot);
-        if (!sh.held()) sh.data = NDArray::zeros(h.box.shape(), DType::F32);
-      }
-    auto mine = round.ranks.find(rank_);
-    std::vector<double> clocks;
-    if (clock) clocks = all_clocks(*clock, world);
-    if (mine != round.ranks.end()) {
-      const RankSwitchRound& r = mine->second;
-      if (clock) clock->begin_compute();
-      std::vector<NDArray> out, in;
-      std::vector<SendBuffer> sends;
-      std::vector<RecvBuffer> recvs;
-      for (const SwitchMessage& m : r.sends) {
-        out.push_back(NDArray::empty({m.bytes / 4}, DType::F32));
-        float* p = out.back().data<float>();
-        for (const SliceRef& s : m.slices) {
-          const Shard& src = slot(sp.tensors[s.tensor].param, s.src_slot);
-          HSPMD_CHECK(src.held(), "rank ", rank_, " sends a slot it does not hold");
-          copy_box(src.data.data<float>(), src.box, p, s.box, s.box);
-          p += s.box.numel();
-        }
-        rep.predicted_bytes += m.bytes;
-        sends.push_back(SendBuffer{m.peer, out.back().data<float>(), m.bytes / 4});
-      }
-      for (const SwitchMessage& m : r.recvs) {
-        in.push_back(NDArray::empty({m.bytes / 4}, DType::F32));
-        recvs.push_back(RecvBuffer{m.peer, in.back().data<float>(), m.bytes / 4});
-      }
-      for (const SliceRef& s : r.keeps) {
-        const Shard& src = slot(sp.tensors[s.tensor].param, s.src_slot);
-        NDArray tmp = NDArray::empty(s.box.shape(), DType::F32);
-        copy_box(src.data.data<float>(), src.box, tmp.data<float>(), s.box, s.box);
-        deliver(next, sp.tensors[s.tensor], tmp.data<float>(), s.box);
-      }
-      for (const SliceRef& s : r.checkpoint) {
-        if (!checkpoint) fail("[switch] rank ", rank_, ": slices of '", sp.tensors[s.tensor].name(),
-                              "' must come from a checkpoint but none was given (--checkpoint)");
-        NDArray got = checkpoint->read(sp.tensors[s.tensor].name(), s.box);
-        rep.checkpoint_bytes += static_cast<int64_t>(got.nbytes());
-        deliver(next, sp.tensors[s.tensor], got.data<float>(), s.box);
-      }
-      if (clock) {
-        clock->end_compute();
-        double ready = clock->now();
-        for (const auto* list : {&r.sends, &r.recvs})
-          for (const SwitchMessage& m : *list) ready = std::max(ready, clocks[m.peer]);
-        clock->communicate(ready, link_seconds(r, rank_, topology));
-      }
-      const int64_t sent0 = world.bytes().sent;  // the clocks' exchanges are not the switch's
-      world.batched_send_recv(sends, recvs, kSwitchTag);
-      rep.bytes_sent += world.bytes().sent - sent0;
-      if (clock) clock->begin_compute();
-      for (size_t k = 0; k < r.recvs.size(); ++k) {
-        const float* p = in[k].data<float>();
-        for (const SliceRef& s : r.recvs[k].slices) {
-          deliver(next, sp.tensors[s.tensor], p, s.box);
-          p += s.box.numel();
-        }
-      }
-      if (clock) clock->end_compute();
-    }
-    for (int t : round.tensors)  // the old arrays of the round's tensors are no longer needed
-      for (StateSlot s : kSlots)
-        if (slot_of_kind(s, sp.tensors[t].kind)) slot(sp.tensors[t].param, s).data = NDArray();
-  }
+  for (const SwitchRound& round : sp.rounds)
+    run_round(round, sp, next, topology, world, checkpoint, clock, rep);
   const int64_t after = static_cast<int64_t>(alloc.current_bytes());
   rep.peak_extra_bytes = static_cast<int64_t>(alloc.peak_bytes()) - std::max(before, after);
   rep.bound_bytes = switch_memory_bound(sp, rank_);
@@ -322,9 +297,9 @@ TrainingState TrainingState::load(std::shared_ptr<const AnnotationPlan> plan, in
   for (auto& [name, slots] : st.params_)
     for (StateSlot s : kSlots) {
       Shard& sh = slots[static_cast<int>(s)];
-      if (!slot_layout(*st.plan_, name, s) || sh.box.begin.empty()) continue;  // not held here
+      if (!sh.placed()) continue;
       const StateSlot kind = s == StateSlot::kMaster ? StateSlot::kParam : s;
-      const std::string tensor = state_name(name, kind);
+      const std::string tensor = state_tensor_name(name, kind);
       sh.data = NDArray::zeros(sh.box.shape(), DType::F32);
       // A vocabulary padded otherwise: rows beyond the checkpoint's stay zero.
       Box box = sh.box;
@@ -339,7 +314,7 @@ TrainingState TrainingState::load(std::shared_ptr<const AnnotationPlan> plan, in
 
 std::vector<TrainingState::NamedShard> TrainingState::checkpoint_shards() const {
   std::vector<NamedShard> out;
-  for (const auto& [name, shape] : state_shapes(*plan_)) {
+  for (const auto& [name, shape] : llama_parameter_shapes(plan_->model)) {
     const bool z = zero(name);
     const Annotation& opt = *slot_layout(*plan_, name, StateSlot::kExpAvg);
     if (!is_representative(opt, rank_)) continue;
@@ -347,7 +322,7 @@ std::vector<TrainingState::NamedShard> TrainingState::checkpoint_shards() const 
     for (auto [kind, s] : {std::pair{StateSlot::kParam, weights}, std::pair{StateSlot::kExpAvg, StateSlot::kExpAvg},
                            std::pair{StateSlot::kExpAvgSq, StateSlot::kExpAvgSq}}) {
       const Shard& sh = slot(name, s);
-      if (sh.held()) out.push_back(NamedShard{state_name(name, kind), shape, sh});
+      if (sh.held()) out.push_back(NamedShard{state_tensor_name(name, kind), shape, sh});
     }
   }
   return out;

@@ -1,4 +1,5 @@
-// Builders shared by the plan tests: a tiny Llama config and strategy stages.
+// Builders shared by the plan tests: a tiny Llama config, stages, pipelines
+// and strategies.
 #pragma once
 
 #include <utility>
@@ -25,6 +26,22 @@ inline Stage stage(std::vector<int> ranks, int first, int last, int cp = 1) {
   s.first_layer = first;
   s.last_layer = last;
   s.cp = cp;
+  return s;
+}
+
+// A pipeline of two micro-batches of `micro_batch_size` samples.
+inline Pipeline pipeline(std::vector<Stage> stages, int micro_batch_size = 1) {
+  Pipeline p;
+  p.micro_batch_size = micro_batch_size;
+  p.micro_batches = 2;
+  p.stages = std::move(stages);
+  return p;
+}
+
+inline Strategy strategy(std::vector<Pipeline> pipelines, bool zero = false) {
+  Strategy s;
+  s.zero = zero;
+  s.pipelines = std::move(pipelines);
   return s;
 }
 

@@ -18,20 +18,8 @@ const std::string kRoot = HSPMD_SOURCE_DIR;
 LlamaConfig tiny(int layers = 4) { return testing::tiny_config(layers); }
 using testing::stage;
 
-Pipeline pipeline(std::vector<Stage> stages, int micro_batch_size = 1) {
-  Pipeline p;
-  p.micro_batch_size = micro_batch_size;
-  p.micro_batches = 2;
-  p.stages = std::move(stages);
-  return p;
-}
-
-Strategy strategy(std::vector<Pipeline> pipelines, bool zero = false) {
-  Strategy s;
-  s.zero = zero;
-  s.pipelines = std::move(pipelines);
-  return s;
-}
+using testing::pipeline;
+using testing::strategy;
 
 // docs/strategy.md's example on 4 layers: TP2 x 2 stages, then 3 single devices; rank 7 idle.
 Strategy hetero(bool zero = false) {

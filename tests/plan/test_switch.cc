@@ -26,20 +26,8 @@ using testing::stage;
 constexpr SwitchAlgorithm kAlgorithms[] = {SwitchAlgorithm::kNaive, SwitchAlgorithm::kPerTensor,
                                            SwitchAlgorithm::kFused};
 
-Pipeline pipeline(std::vector<Stage> stages, int mbs = 1) {
-  Pipeline p;
-  p.micro_batch_size = mbs;
-  p.micro_batches = 2;
-  p.stages = std::move(stages);
-  return p;
-}
-
-Strategy strategy(std::vector<Pipeline> pipelines, bool zero = false) {
-  Strategy s;
-  s.zero = zero;
-  s.pipelines = std::move(pipelines);
-  return s;
-}
+using testing::pipeline;
+using testing::strategy;
 
 // Data parallel: one single-rank pipeline per rank.
 Strategy dp(const std::vector<int>& ranks, int layers = 4, bool zero = false) {

@@ -127,25 +127,35 @@ class Communicator {
   virtual Communicator& group(const std::vector<int>& ranks) = 0;
 
   // Non-blocking collectives and point-to-point (see the contract above),
-  // over `count` elements of `dtype`. Backends implement these and re-export
-  // the start_* conveniences below with `using` (an override hides them).
+  // over `count` elements of `dtype`; each forwards to its do_* (what a
+  // backend implements, below), so overloads never hide one another.
   // all_reduce: combines `count` elements in place over the members (`op`).
-  virtual Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) = 0;
+  Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op = ReduceOp::kSum) {
+    return do_all_reduce(data, count, dtype, op);
+  }
   // reduce_scatter: `send` holds size() consecutive pieces, piece i of
   // counts[i] elements (0 allowed); member i receives the sum of piece i into
   // `recv` (counts[rank()] elements). Every member passes the same counts.
-  virtual Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
-                                       DType dtype) = 0;
+  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
+    return do_reduce_scatter(send, recv, counts, dtype);
+  }
   // all_gather: member i contributes counts[i] elements from `send`; every
   // member receives all pieces, consecutive in member order, into `recv`.
-  virtual Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
-                                   DType dtype) = 0;
+  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
+    return do_all_gather(send, recv, counts, dtype);
+  }
   // broadcast: `count` elements from member `root` to every member, in place.
-  virtual Request start_broadcast(void* data, int64_t count, DType dtype, int root) = 0;
+  Request start_broadcast(void* data, int64_t count, DType dtype, int root) {
+    return do_broadcast(data, count, dtype, root);
+  }
   // send / recv: one message to / from `peer` (a rank of this communicator).
   // A received message must have exactly `count` elements (else hspmd::Error).
-  virtual Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) = 0;
-  virtual Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) = 0;
+  Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
+    return do_send(data, count, dtype, peer, tag);
+  }
+  Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
+    return do_recv(data, count, dtype, peer, tag);
+  }
   // Waits every request (of this communicator, its world or any group of
   // that world), then empties `requests`. Throws on the first failure.
   virtual void wait_all(std::vector<Request>& requests) = 0;
@@ -154,10 +164,7 @@ class Communicator {
   // other rank waits forever (MPI_Abort). Single process: returns.
   virtual void abort(int code) = 0;
 
-  // Non-blocking conveniences: the sum, and the f32 forms.
-  Request start_all_reduce(void* data, int64_t count, DType dtype) {
-    return start_all_reduce(data, count, dtype, ReduceOp::kSum);
-  }
+  // Non-blocking conveniences: the f32 forms.
   Request start_all_reduce(float* data, int64_t count) { return start_all_reduce(data, count, DType::F32); }
   Request start_reduce_scatter(const float* send, float* recv, const std::vector<int64_t>& counts) {
     return start_reduce_scatter(send, recv, counts, DType::F32);
@@ -231,6 +238,16 @@ class Communicator {
   void reset_bytes() { *counters_ = ByteCounters{}; }
 
  protected:
+  // The backend's operations behind start_* (same contracts).
+  virtual Request do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) = 0;
+  virtual Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                    DType dtype) = 0;
+  virtual Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+                                DType dtype) = 0;
+  virtual Request do_broadcast(void* data, int64_t count, DType dtype, int root) = 0;
+  virtual Request do_send(const void* data, int64_t count, DType dtype, int peer, int tag) = 0;
+  virtual Request do_recv(void* data, int64_t count, DType dtype, int peer, int tag) = 0;
+
   explicit Communicator(std::shared_ptr<ByteCounters> counters) : counters_(std::move(counters)) {}
   // Adds the ring-model volumes of one operation (counts in elements of
   // `dtype`) to the counters.

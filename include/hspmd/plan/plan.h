@@ -59,6 +59,10 @@ AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy,
 nlohmann::json to_json(const AnnotationPlan& plan);
 AnnotationPlan plan_from_json(const nlohmann::json& j);
 AnnotationPlan load_plan(const std::string& path);
+// Whether `path` holds an annotation plan (a JSON object with "tensors")
+// rather than a strategy; false for a file that cannot be read or parsed
+// (the strategy loader then reports it, naming the file).
+bool is_plan_file(const std::string& path);
 
 // The plan's training graph, annotated: the Llama graph with its Reshard
 // points (docs/plan.md), deduced under the plan. The dry run and each rank's

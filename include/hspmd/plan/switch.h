@@ -45,6 +45,16 @@ enum class StateSlot : int {
 };
 std::string slot_name(StateSlot slot);  // "param", "master", "exp_avg", "exp_avg_sq"
 
+// The layout of `param`'s slot under `plan`: kParam the parameter's
+// annotation; kMaster the optimizer-state annotation (nullptr without ZeRO);
+// the moments the optimizer-state annotation, or the parameter's without
+// ZeRO. Throws hspmd::Error "[switch] plan: parameter '<name>' has no
+// annotation".
+const Annotation* slot_layout(const AnnotationPlan& plan, const std::string& param, StateSlot slot);
+// The name of a state tensor: `param` for the weights (kParam, kMaster),
+// param + ".exp_avg" / ".exp_avg_sq" for the moments.
+std::string state_tensor_name(const std::string& param, StateSlot kind);
+
 // One box of a state tensor in one of a rank's slots.
 struct StateHolding {
   int rank = -1;
@@ -70,7 +80,7 @@ struct StateTensor {
   std::vector<StateHolding> owners;
   std::vector<StateHolding> needers;
 
-  std::string name() const;   // param, or param + ".exp_avg" / ".exp_avg_sq"
+  std::string name() const { return state_tensor_name(param, kind); }
 };
 
 // Every state tensor of a switch from plan `from` to plan `to` (same model,
@@ -154,6 +164,14 @@ struct SwitchPlan {
 // have_checkpoint is false; "[switch] tensor '<name>': ..." for a box outside
 // its shape or a rank outside the topology.
 SwitchPlan plan_switch(std::vector<StateTensor> tensors, const Topology& topology, const SwitchOptions& options);
+
+// The most memory `rank` holds during the switch beyond max(old state, new
+// state): while round r runs, the rank holds the new arrays of the rounds up
+// to r, the old arrays of the rounds from r on, round r's message buffers and
+// one keep / checkpoint-read temporary. Small rounds (buckets) keep it near
+// one round's new arrays and buffers; one round for everything costs up to
+// min(old, new) plus all buffers.
+int64_t switch_memory_bound(const SwitchPlan& sp, int rank);
 
 // The lower bound of the issue: every needer takes each slice it lacks from
 // its own node when any available rank there holds it, else over the

@@ -25,15 +25,13 @@ class Communicator;
 class CheckpointReader;
 class VirtualClock;
 
-// The global shapes of the plan's parameters, in Hugging Face order, with
-// the vocabulary tables at the plan's padded row count.
-std::vector<std::pair<std::string, Shape>> state_shapes(const AnnotationPlan& plan);
-
 // One local array of a slot and the global box it holds.
 struct Shard {
   Box box;
   NDArray data;  // f32, contiguous, shape == box.shape(); invalid when the rank holds none
   bool held() const { return data.valid(); }
+  // Whether the plan gives the rank this slot at all (`box` is set).
+  bool placed() const { return !box.begin.empty(); }
 };
 
 // What a switch did on this rank (for the log's switch record).
@@ -42,18 +40,11 @@ struct SwitchReport {
   int64_t predicted_bytes = 0;       // the switch plan's
   int64_t checkpoint_bytes = 0;      // read from the checkpoint
   int64_t peak_extra_bytes = 0;      // the allocator's peak above max(old, new) state
-  int64_t bound_bytes = 0;           // switch_memory_bound for this rank
+  int64_t bound_bytes = 0;           // switch_memory_bound (plan/switch.h) for this rank
   double switch_s = 0;               // wall time of the transfer
   double emulated_s = 0;             // under a clock: virtual seconds from the switch's start
 };
 
-// The most memory `rank` holds during the switch beyond max(old state, new
-// state): while round r runs, the rank holds the new arrays of the rounds up
-// to r, the old arrays of the rounds from r on, round r's message buffers and
-// one keep / checkpoint-read temporary. Small rounds (buckets) keep it near
-// one round's new arrays and buffers; one round for everything costs up to
-// min(old, new) plus all buffers.
-int64_t switch_memory_bound(const SwitchPlan& sp, int rank);
 
 class TrainingState {
  public:
@@ -107,6 +98,10 @@ class TrainingState {
 
  private:
   TrainingState(std::shared_ptr<const AnnotationPlan> plan, int rank);
+  void run_round(const SwitchRound& round, const SwitchPlan& sp, TrainingState& next, const Topology& topology,
+                 Communicator& world, CheckpointReader* checkpoint, VirtualClock* clock, SwitchReport& rep);
+  void copy_local(const RankSwitchRound& r, const SwitchPlan& sp, TrainingState& next,
+                  CheckpointReader* checkpoint, SwitchReport& rep) const;
   std::shared_ptr<const AnnotationPlan> plan_;
   int rank_ = 0;
   std::map<std::string, std::array<Shard, 4>> params_;  // indexed by StateSlot
