@@ -1,0 +1,106 @@
+// A measured profile of one model on one device (docs/planner.md
+// "Profiling"): what `hspmd profile` writes and the cost model reads.
+//
+// Times are seconds of one rank of a tensor-parallel (x context-parallel)
+// group, measured with the real executor; each part is fitted in the
+// sequence length s and micro-batch size b as
+//     t(s, b) = a * b * s^2 + c * b * s + d
+// (least squares over the measured samples). The fit error of every part is
+// kept beside it, so a reader sees how far the regression is from what was
+// measured.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "hspmd/models/config.h"
+
+namespace hspmd {
+
+// The parts of a model the profile times (forward and backward each).
+//   embed: the token embedding (vocabulary-parallel under TP)
+//   block: one transformer block
+//   head:  the final norm, LM head and loss
+inline constexpr const char* kProfileParts[] = {"embed_fwd", "embed_bwd", "block_fwd",
+                                                "block_bwd", "head_fwd",  "head_bwd"};
+
+struct FitSample {
+  int64_t s = 0, b = 0;
+  double seconds = 0;  // the median of the repetitions
+};
+
+struct PartFit {
+  double a = 0, c = 0, d = 0;  // t = a*b*s^2 + c*b*s + d
+  double max_rel_error = 0;    // max over samples of |fit - measured| / measured
+  double mean_rel_error = 0;
+  std::vector<FitSample> samples;
+
+  double at(int64_t s, int64_t b) const {
+    const double bs = static_cast<double>(b) * static_cast<double>(s);
+    return a * bs * static_cast<double>(s) + c * bs + d;
+  }
+  // Least squares over `samples` (sets a, c, d and the errors); with fewer
+  // than three distinct (s, b) points the higher terms are dropped first.
+  void fit();
+};
+
+// One tensor-parallel x context-parallel configuration.
+struct ProfileEntry {
+  int tp = 1, cp = 1;
+  std::map<std::string, PartFit> parts;  // keys: kProfileParts
+};
+
+// The optimizer step (AdamW, fp32) on n parameters: t = per_param_s * n + fixed_s.
+struct OptimizerFit {
+  double per_param_s = 0, fixed_s = 0;
+  double max_rel_error = 0;
+  std::vector<std::pair<int64_t, double>> samples;  // (n, seconds)
+};
+
+// Per-op-type model for `hspmd train --clock model`:
+//   t = overhead_s + s_per_flop * flops + s_per_element * elements
+// where flops and elements are those op_work() (exec layer) counts for one
+// op run on its local shapes.
+struct OpFit {
+  double overhead_s = 0, s_per_flop = 0, s_per_element = 0;
+  double max_rel_error = 0;
+  int samples = 0;
+};
+
+// Bytes of one transformer block on one rank at tp x cp (docs/planner.md
+// "Memory"): measured by the profiler, next to the cost model's formula.
+struct LayerMemory {
+  int tp = 1, cp = 1;
+  int64_t param_bytes = 0;                      // the layer's parameters on the rank (fp32)
+  int64_t grad_bytes = 0;
+  int64_t optimizer_bytes = 0;                  // Adam states without ZeRO
+  double activation_bytes_per_token = 0;        // kept by the forward for the backward
+  double activation_bytes_per_token_recompute = 0;
+};
+
+struct Profile {
+  std::string model;        // the model file the profile was made for (informational)
+  LlamaConfig config;       // its dimensions: a profile only serves the same shapes
+  std::string device;       // e.g. the CPU model name
+  int threads = 1;          // kernel threads per rank during the measurement
+  int repetitions = 0;
+  std::vector<ProfileEntry> entries;
+  OptimizerFit optimizer;
+  std::map<std::string, OpFit> ops;  // op type -> fit
+  std::vector<LayerMemory> memory;
+
+  // The entry for (tp, cp), or nullptr.
+  const ProfileEntry* find(int tp, int cp) const;
+
+  nlohmann::json to_json() const;
+  // Throws hspmd::Error "[profile] <source>: <rule>" for a malformed document.
+  static Profile from_json(const nlohmann::json& j, const std::string& source);
+  static Profile load(const std::string& path);
+  void save(const std::string& path) const;
+};
+
+}  // namespace hspmd

@@ -1,0 +1,251 @@
+#include "hspmd/plan/profile.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <set>
+
+#include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
+
+namespace hspmd {
+
+namespace {
+
+using nlohmann::json;
+
+// Solves the n x n system m * x = r (n <= 3) by Gaussian elimination with
+// partial pivoting; false when it is singular.
+bool solve(std::vector<std::vector<double>> m, std::vector<double> r, std::vector<double>& x) {
+  const size_t n = r.size();
+  for (size_t col = 0; col < n; ++col) {
+    size_t piv = col;
+    for (size_t i = col + 1; i < n; ++i)
+      if (std::abs(m[i][col]) > std::abs(m[piv][col])) piv = i;
+    if (std::abs(m[piv][col]) < 1e-300) return false;
+    std::swap(m[piv], m[col]);
+    std::swap(r[piv], r[col]);
+    for (size_t i = 0; i < n; ++i) {
+      if (i == col) continue;
+      const double f = m[i][col] / m[col][col];
+      for (size_t k = col; k < n; ++k) m[i][k] -= f * m[col][k];
+      r[i] -= f * r[col];
+    }
+  }
+  x.resize(n);
+  for (size_t i = 0; i < n; ++i) x[i] = r[i] / m[i][i];
+  return true;
+}
+
+// Weighted least squares of `y` on the feature columns, minimising the sum
+// of squared RELATIVE errors (each row weighted by 1/y^2): a profile spans
+// orders of magnitude and every point should be fitted equally well.
+std::vector<double> least_squares(const std::vector<std::vector<double>>& rows,
+                                  const std::vector<double>& y) {
+  const size_t n = rows.empty() ? 0 : rows[0].size();
+  std::vector<std::vector<double>> ata(n, std::vector<double>(n, 0));
+  std::vector<double> aty(n, 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const double w = y[i] > 0 ? 1.0 / (y[i] * y[i]) : 1.0;
+    for (size_t p = 0; p < n; ++p) {
+      aty[p] += w * rows[i][p] * y[i];
+      for (size_t q = 0; q < n; ++q) ata[p][q] += w * rows[i][p] * rows[i][q];
+    }
+  }
+  // Scale columns to unit diagonal so that b*s^2 and 1 are comparable.
+  std::vector<double> scale(n, 1);
+  for (size_t p = 0; p < n; ++p) scale[p] = ata[p][p] > 0 ? 1.0 / std::sqrt(ata[p][p]) : 1.0;
+  for (size_t p = 0; p < n; ++p) {
+    aty[p] *= scale[p];
+    for (size_t q = 0; q < n; ++q) ata[p][q] *= scale[p] * scale[q];
+  }
+  std::vector<double> x;
+  if (!solve(ata, aty, x)) return {};
+  for (size_t p = 0; p < n; ++p) x[p] *= scale[p];
+  return x;
+}
+
+json fit_json(const PartFit& f) {
+  json samples = json::array();
+  for (const FitSample& s : f.samples) samples.push_back({{"s", s.s}, {"b", s.b}, {"seconds", s.seconds}});
+  return {{"a", f.a}, {"c", f.c}, {"d", f.d}, {"max_rel_error", f.max_rel_error},
+          {"mean_rel_error", f.mean_rel_error}, {"samples", samples}};
+}
+
+template <typename T>
+T get(const json& j, const char* key, const std::string& where) {
+  if (!j.is_object() || !j.contains(key)) fail("[profile] ", where, ": missing field '", key, "'");
+  try {
+    return j.at(key).get<T>();
+  } catch (const json::exception&) {
+    fail("[profile] ", where, ".", key, ": wrong JSON type");
+  }
+}
+
+PartFit fit_from_json(const json& j, const std::string& where) {
+  PartFit f;
+  f.a = get<double>(j, "a", where);
+  f.c = get<double>(j, "c", where);
+  f.d = get<double>(j, "d", where);
+  f.max_rel_error = j.value("max_rel_error", 0.0);
+  f.mean_rel_error = j.value("mean_rel_error", 0.0);
+  if (j.contains("samples"))
+    for (const json& s : j.at("samples"))
+      f.samples.push_back({get<int64_t>(s, "s", where), get<int64_t>(s, "b", where),
+                           get<double>(s, "seconds", where)});
+  return f;
+}
+
+}  // namespace
+
+void PartFit::fit() {
+  a = c = d = 0;
+  max_rel_error = mean_rel_error = 0;
+  if (samples.empty()) return;
+  std::set<int64_t> lengths;
+  std::set<std::pair<int64_t, int64_t>> points;
+  for (const FitSample& s : samples) lengths.insert(s.s), points.insert({s.s, s.b});
+  // Terms used: all three when two lengths or more and three points, else
+  // fewer (a constant from a single point).
+  const int terms = points.size() >= 3 && lengths.size() >= 2 ? 3 : points.size() >= 2 ? 2 : 1;
+  std::vector<std::vector<double>> rows;
+  std::vector<double> y;
+  for (const FitSample& s : samples) {
+    const double bs = static_cast<double>(s.b) * static_cast<double>(s.s);
+    std::vector<double> row;
+    if (terms == 3) row.push_back(bs * static_cast<double>(s.s));
+    if (terms >= 2) row.push_back(bs);
+    row.push_back(1.0);
+    rows.push_back(row);
+    y.push_back(s.seconds);
+  }
+  std::vector<double> x = least_squares(rows, y);
+  if (x.empty()) {  // degenerate: a constant at the mean
+    double sum = 0;
+    for (double v : y) sum += v;
+    d = sum / static_cast<double>(y.size());
+  } else {
+    size_t k = 0;
+    if (terms == 3) a = x[k++];
+    if (terms >= 2) c = x[k++];
+    d = x[k];
+  }
+  double total = 0;
+  for (const FitSample& s : samples) {
+    const double e = s.seconds > 0 ? std::abs(at(s.s, s.b) - s.seconds) / s.seconds : 0.0;
+    max_rel_error = std::max(max_rel_error, e);
+    total += e;
+  }
+  mean_rel_error = total / static_cast<double>(samples.size());
+}
+
+const ProfileEntry* Profile::find(int tp, int cp) const {
+  for (const ProfileEntry& e : entries)
+    if (e.tp == tp && e.cp == cp) return &e;
+  return nullptr;
+}
+
+nlohmann::json Profile::to_json() const {
+  json entries_j = json::array();
+  for (const ProfileEntry& e : entries) {
+    json parts = json::object();
+    for (const auto& [name, f] : e.parts) parts[name] = fit_json(f);
+    entries_j.push_back({{"tp", e.tp}, {"cp", e.cp}, {"parts", parts}});
+  }
+  json opt_samples = json::array();
+  for (const auto& [n, t] : optimizer.samples) opt_samples.push_back({{"n", n}, {"seconds", t}});
+  json ops_j = json::object();
+  for (const auto& [type, f] : ops)
+    ops_j[type] = {{"overhead_s", f.overhead_s}, {"s_per_flop", f.s_per_flop},
+                   {"s_per_element", f.s_per_element}, {"max_rel_error", f.max_rel_error},
+                   {"samples", f.samples}};
+  json mem = json::array();
+  for (const LayerMemory& m : memory)
+    mem.push_back({{"tp", m.tp}, {"cp", m.cp}, {"param_bytes", m.param_bytes}, {"grad_bytes", m.grad_bytes},
+                   {"optimizer_bytes", m.optimizer_bytes},
+                   {"activation_bytes_per_token", m.activation_bytes_per_token},
+                   {"activation_bytes_per_token_recompute", m.activation_bytes_per_token_recompute}});
+  return {{"model", model},
+          {"config", config.to_json()},
+          {"device", device},
+          {"threads", threads},
+          {"repetitions", repetitions},
+          {"fit", "t = a*b*s^2 + c*b*s + d"},
+          {"entries", entries_j},
+          {"optimizer", {{"per_param_s", optimizer.per_param_s}, {"fixed_s", optimizer.fixed_s},
+                         {"max_rel_error", optimizer.max_rel_error}, {"samples", opt_samples}}},
+          {"ops", ops_j},
+          {"memory", mem}};
+}
+
+Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object()) fail("[profile] ", source, ": not a JSON object");
+  Profile p;
+  p.model = j.value("model", std::string());
+  p.config = LlamaConfig::from_json(get<json>(j, "config", source), source + ": config");
+  p.device = j.value("device", std::string());
+  p.threads = j.value("threads", 1);
+  p.repetitions = j.value("repetitions", 0);
+  const json entries = get<json>(j, "entries", source);
+  if (!entries.is_array() || entries.empty()) fail("[profile] ", source, ": entries: must be a non-empty array");
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const std::string where = source + ": entries[" + std::to_string(i) + "]";
+    ProfileEntry e;
+    e.tp = get<int>(entries[i], "tp", where);
+    e.cp = get<int>(entries[i], "cp", where);
+    if (e.tp < 1 || e.cp < 1) fail("[profile] ", where, ": tp and cp must be >= 1");
+    const json parts = get<json>(entries[i], "parts", where);
+    for (const char* part : kProfileParts) {
+      if (!parts.contains(part)) fail("[profile] ", where, ": missing part '", part, "'");
+      e.parts[part] = fit_from_json(parts.at(part), where + "." + part);
+    }
+    if (p.find(e.tp, e.cp)) fail("[profile] ", where, ": tp ", e.tp, " cp ", e.cp, " appears twice");
+    p.entries.push_back(std::move(e));
+  }
+  if (j.contains("optimizer")) {
+    const json& o = j.at("optimizer");
+    p.optimizer.per_param_s = get<double>(o, "per_param_s", source + ": optimizer");
+    p.optimizer.fixed_s = get<double>(o, "fixed_s", source + ": optimizer");
+    p.optimizer.max_rel_error = o.value("max_rel_error", 0.0);
+    if (o.contains("samples"))
+      for (const json& s : o.at("samples"))
+        p.optimizer.samples.emplace_back(get<int64_t>(s, "n", source + ": optimizer"),
+                                         get<double>(s, "seconds", source + ": optimizer"));
+  }
+  if (j.contains("ops"))
+    for (const auto& [type, f] : j.at("ops").items()) {
+      const std::string where = source + ": ops." + type;
+      OpFit o;
+      o.overhead_s = get<double>(f, "overhead_s", where);
+      o.s_per_flop = get<double>(f, "s_per_flop", where);
+      o.s_per_element = get<double>(f, "s_per_element", where);
+      o.max_rel_error = f.value("max_rel_error", 0.0);
+      o.samples = f.value("samples", 0);
+      p.ops[type] = o;
+    }
+  if (j.contains("memory"))
+    for (const json& m : j.at("memory")) {
+      const std::string where = source + ": memory";
+      LayerMemory l;
+      l.tp = get<int>(m, "tp", where);
+      l.cp = get<int>(m, "cp", where);
+      l.param_bytes = get<int64_t>(m, "param_bytes", where);
+      l.grad_bytes = get<int64_t>(m, "grad_bytes", where);
+      l.optimizer_bytes = get<int64_t>(m, "optimizer_bytes", where);
+      l.activation_bytes_per_token = get<double>(m, "activation_bytes_per_token", where);
+      l.activation_bytes_per_token_recompute = get<double>(m, "activation_bytes_per_token_recompute", where);
+      p.memory.push_back(l);
+    }
+  return p;
+}
+
+Profile Profile::load(const std::string& path) { return from_json(read_json_file(path, "profile"), path); }
+
+void Profile::save(const std::string& path) const {
+  std::ofstream out(path);
+  if (!out) fail("[profile] ", path, ": cannot open for writing");
+  out << to_json().dump(1) << "\n";
+  if (!out) fail("[profile] ", path, ": write failed");
+}
+
+}  // namespace hspmd
