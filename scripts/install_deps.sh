@@ -9,6 +9,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin # MPI: communication and the multi-process launcher
   nlohmann-json3-dev         # JSON (configs, plans, safetensors headers)
   libgtest-dev               # GoogleTest
+  coinor-libcbc-dev          # CBC: the planner's integer programs (docs/ilp.md)
   python3 python3-torch python3-numpy  # PyTorch oracle tests and the peer benchmark
 )
 
