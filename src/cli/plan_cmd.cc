@@ -12,6 +12,7 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "plan_search_cmd.h"
 #include "hspmd/core/error.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
@@ -29,7 +30,9 @@ constexpr const char* kPlanUsage =
     "subcommands:\n"
     "  compile    strategy JSON + model config -> annotation plan JSON\n"
     "  explain    dry run of a plan: every Reshard, each rank's primitives and bytes\n"
-    "  switch     how the training state moves from one plan to another: volumes, time\n\n"
+    "  switch     how the training state moves from one plan to another: volumes, time\n"
+    "  cost       a strategy's predicted step time and memory on a cluster (cost model)\n"
+    "  search     the best strategy for a model, cluster and batch (planner)\n\n"
     "Run 'hspmd plan <subcommand> --help' for its flags.\n";
 
 // FlagSet knows only long flags; `-o X` is the conventional spelling of --output.
@@ -440,7 +443,7 @@ int switch_command(const std::vector<std::string>& args) {
 }  // namespace
 
 int plan_command(const std::vector<std::string>& args) {
-  if (args.empty()) fail("[flags] plan: missing subcommand (compile, explain or switch; see hspmd plan --help)");
+  if (args.empty()) fail("[flags] plan: missing subcommand (compile, explain, switch, cost or search; see hspmd plan --help)");
   const std::string& sub = args[0];
   if (sub == "--help" || sub == "-h") {
     std::fputs(kPlanUsage, stdout);
@@ -450,7 +453,9 @@ int plan_command(const std::vector<std::string>& args) {
   if (sub == "compile") return compile_command(rest);
   if (sub == "explain") return explain_command(rest);
   if (sub == "switch") return switch_command(rest);
-  fail("[flags] plan: unknown subcommand '", sub, "' (expected compile, explain or switch)");
+  if (sub == "cost") return plan_cost_command(rest);
+  if (sub == "search") return plan_search_command(rest);
+  fail("[flags] plan: unknown subcommand '", sub, "' (expected compile, explain, switch, cost or search)");
 }
 
 }  // namespace hspmd::cli

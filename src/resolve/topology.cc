@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <limits>
@@ -17,6 +18,8 @@ using nlohmann::json;
 
 constexpr double kDefaultIntraGbps = 100;
 constexpr double kDefaultInterGbps = 25;
+constexpr double kDefaultEfficiency = 0.5;
+constexpr double kDefaultHbmGbps = 2000;
 
 // Parsing context: `where` prefixes every error ("[cluster] <where>: <rule>").
 struct Reader {
@@ -64,13 +67,23 @@ struct Reader {
 
 DeviceSpec parse_device_type(const std::string& name, const json& j) {
   const std::string where = "catalog." + name;
-  Reader::only_fields(j, where, {"tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps"});
+  Reader::only_fields(j, where, {"tflops", "memory_gib", "intra_node_gbps", "inter_node_gbps", "efficiency",
+                                 "hbm_gbps", "latency_us", "profile"});
   DeviceSpec t;
   t.name = name;
   t.tflops = Reader::positive(j, where, "tflops", -1);
   t.memory_gib = Reader::positive(j, where, "memory_gib", -1);
   t.intra_node_gbps = Reader::positive(j, where, "intra_node_gbps", kDefaultIntraGbps);
   t.inter_node_gbps = Reader::positive(j, where, "inter_node_gbps", kDefaultInterGbps);
+  t.efficiency = Reader::positive(j, where, "efficiency", kDefaultEfficiency);
+  if (t.efficiency > 1) Reader::fail_at(where + ".efficiency", "must be at most 1, got ", j["efficiency"].dump());
+  t.hbm_gbps = Reader::positive(j, where, "hbm_gbps", kDefaultHbmGbps);
+  t.latency_us = Reader::positive(j, where, "latency_us", 0, /*allow_zero=*/true);
+  if (j.contains("profile")) {
+    if (!j["profile"].is_string() || j["profile"].get<std::string>().empty())
+      Reader::fail_at(where + ".profile", "must be a file name, got ", j["profile"].dump());
+    t.profile = j["profile"].get<std::string>();
+  }
   return t;
 }
 
@@ -91,7 +104,15 @@ Topology Topology::uniform(int world_size, int ranks_per_node) {
   if (world_size <= 0) fail("[cluster] uniform: world size ", world_size, " is not positive");
   if (ranks_per_node <= 0) fail("[cluster] uniform: ranks per node ", ranks_per_node, " is not positive");
   Topology t;
-  t.catalog_.push_back(DeviceSpec{"generic", 100, 80, kDefaultIntraGbps, kDefaultInterGbps});
+  DeviceSpec generic;
+  generic.name = "generic";
+  generic.tflops = 100;
+  generic.memory_gib = 80;
+  generic.intra_node_gbps = kDefaultIntraGbps;
+  generic.inter_node_gbps = kDefaultInterGbps;
+  generic.efficiency = kDefaultEfficiency;
+  generic.hbm_gbps = kDefaultHbmGbps;
+  t.catalog_.push_back(generic);
   for (int r = 0; r < world_size; ++r) {
     t.ranks_.push_back(RankInfo{r / ranks_per_node, "generic", 1.0, 0});
     t.type_index_.push_back(0);
@@ -142,7 +163,12 @@ Topology Topology::from_json(const json& j) {
 Topology Topology::load(const std::string& path) {
   const json j = read_json_file(path, "cluster");
   try {
-    return from_json(j);
+    Topology t = from_json(j);
+    const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+    for (DeviceSpec& spec : t.catalog_)
+      if (!spec.profile.empty() && std::filesystem::path(spec.profile).is_relative())
+        spec.profile = (dir / spec.profile).string();
+    return t;
   } catch (const Error& e) {
     const std::string what = e.what();
     const std::string prefix = "[cluster] ";
@@ -183,7 +209,12 @@ nlohmann::json Topology::to_json() const {
     catalog[t.name] = {{"tflops", t.tflops},
                        {"memory_gib", t.memory_gib},
                        {"intra_node_gbps", t.intra_node_gbps},
-                       {"inter_node_gbps", t.inter_node_gbps}};
+                       {"inter_node_gbps", t.inter_node_gbps},
+                       {"efficiency", t.efficiency},
+                       {"hbm_gbps", t.hbm_gbps},
+                       {"latency_us", t.latency_us}};
+  for (const DeviceSpec& t : catalog_)
+    if (!t.profile.empty()) catalog[t.name]["profile"] = t.profile;
   json nodes = json::array();
   for (int r = 0; r < world_size();) {
     int last = r;  // a node entry is a run of consecutive ranks sharing every fact

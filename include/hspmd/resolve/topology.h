@@ -19,6 +19,16 @@ struct DeviceSpec {
   double memory_gib = 0;         // device memory (required in JSON)
   double intra_node_gbps = 0;    // per-device link bandwidth inside a node (GB/s; JSON default 100)
   double inter_node_gbps = 0;    // per-device network bandwidth across nodes (GB/s; JSON default 25)
+  // Cost model (docs/planner.md): the fraction of `tflops` dense matmuls
+  // reach (roofline, JSON default 0.5), memory bandwidth for memory-bound
+  // work (JSON default 2000 GB/s), per-message link latency (JSON default 0
+  // us, as the emulator's links), and a profile measured on this device type
+  // (a path; Topology::load makes a relative one relative to the cluster
+  // file; empty: none).
+  double efficiency = 0.5;
+  double hbm_gbps = 2000;
+  double latency_us = 0;
+  std::string profile;
 };
 
 // Per-rank facts.

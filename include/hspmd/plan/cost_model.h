@@ -1,0 +1,138 @@
+// The planner's cost model (docs/planner.md "Cost model"): predicted compute,
+// communication, pipeline bubble, step time and memory of every rank for a
+// strategy on a cluster.
+//
+// Compute comes from a measured profile (plan/profile.h) times the rank's
+// emulation slowdown, or, for a device type with no profile, from a roofline
+// (FLOPs / (tflops x efficiency)). Communication is an alpha-beta model over
+// the topology's links, with the volumes the resolver gives this system's
+// reshards (fp32 activations and gradients). Each pipeline is simulated with
+// its schedule (1F1B or GPipe), stage by stage and micro-batch by
+// micro-batch; gradient synchronisation, the optimizer step and the ZeRO
+// gather follow. The step time is the slowest rank's.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "hspmd/models/config.h"
+#include "hspmd/plan/profile.h"
+#include "hspmd/plan/strategy.h"
+#include "hspmd/resolve/topology.h"
+
+namespace hspmd {
+
+struct MemoryBreakdown {
+  double params = 0;       // the compute copy of the rank's parameters
+  double grads = 0;        // raw (accumulated) and synchronised gradients
+  double optimizer = 0;    // Adam moments, and the fp32 master shard under ZeRO
+  double activations = 0;  // what the schedule keeps alive for the backward
+  double total() const { return params + grads + optimizer + activations; }
+};
+
+struct RankCost {
+  int rank = 0;
+  int pipeline = -1, stage = -1;  // -1: idle
+  double compute_s = 0;  // forward, backward (and recomputation), optimizer
+  double comm_s = 0;     // reshards and op-internal collectives, stage sends, gradient sync, ZeRO gather
+  double bubble_s = 0;   // waiting: step_s - compute_s - comm_s
+  double step_s = 0;     // when the rank's step ends
+  MemoryBreakdown memory;
+  double capacity_bytes = 0;  // device memory (or emulation cap); 0 = unknown
+};
+
+struct CostReport {
+  double predicted_step_s = 0;
+  std::vector<RankCost> ranks;       // every rank of the world
+  std::vector<double> pipeline_s;    // when each pipeline's last backward ends
+  std::vector<std::string> notes;    // extrapolations and assumptions used
+  // The rank whose memory exceeds its capacity by the most bytes, or -1.
+  int overflow_rank() const;
+  nlohmann::json to_json() const;  // {"predicted_step_s", "ranks": [{"rank", "compute_s", ...}], ...}
+};
+
+// One stage's cost per micro-batch, on its slowest rank.
+struct StageCost {
+  double fwd = 0, bwd = 0;            // compute (bwd includes the recomputed forward)
+  double fwd_comm = 0, bwd_comm = 0;  // collectives inside the stage's forward / backward
+  double send_fwd = 0, send_bwd = 0;  // sending the activation on / the gradient back
+};
+
+// How a search describes a stage without building a Strategy.
+struct StageShape {
+  std::vector<int> ranks;  // tp x cp ranks
+  int cp = 1;
+  int layers = 1;
+  bool first = false, last = false;  // holds the embedding / the head
+  bool recompute = false;
+  int tp() const { return static_cast<int>(ranks.size()) / cp; }
+};
+
+class CostModel {
+ public:
+  // `profiles`: device type name -> its profile (types absent use `fallback`;
+  // with no fallback either, the roofline). Every profile must be of the
+  // model's dimensions (throws "[cost] ..." otherwise).
+  CostModel(LlamaConfig model, Topology topology,
+            std::map<std::string, std::shared_ptr<const Profile>> profiles = {},
+            std::shared_ptr<const Profile> fallback = nullptr);
+  // Loads the catalog's profiles (DeviceSpec::profile) and, when
+  // `profile_path` is not empty, a fallback profile for the other types.
+  static CostModel load(const LlamaConfig& model, const Topology& topology, const std::string& profile_path);
+
+  const LlamaConfig& model() const { return model_; }
+  const Topology& topology() const { return topology_; }
+
+  // Seconds of one profiled part ("block_fwd", ... kProfileParts) on `rank`
+  // at tp x cp for a micro-batch of b sequences of s tokens.
+  double part_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const;
+  // The optimizer step over n fp32 parameters on `rank`.
+  double optimizer_seconds(int rank, int64_t n) const;
+  // Whether `rank`'s device is timed from a profile (else the roofline).
+  bool profiled(int rank) const;
+  // Bytes of an activation element on `rank`: 4 on a profiled device (this
+  // executor computes in fp32), 2 on a roofline device (bf16 mixed
+  // precision, as its tflops are bf16 figures).
+  double activation_element_bytes(int rank) const;
+
+  // Alpha-beta times. `bytes` is what each member sends (ring collectives:
+  // the (n-1)/n share already applied by the caller or not, see .cc).
+  double link_seconds(int a, int b, double bytes) const;
+  double group_seconds(const std::vector<int>& ranks, double bytes_per_member) const;
+
+  // Per micro-batch cost of a stage (slowest rank), and the link cost of
+  // sending the activation from stage `from` to stage `to`.
+  StageCost stage_cost(const StageShape& stage, int64_t s, int64_t b) const;
+  double boundary_seconds(const StageShape& from, const StageShape& to, int64_t s, int64_t b) const;
+
+  // Parameters (elements) one rank of the stage holds.
+  int64_t stage_params(const StageShape& stage) const;
+  int64_t layer_params() const { return layer_params_; }   // one block, unsharded
+  int64_t layer_tp_params() const { return layer_tp_params_; }  // the part of it TP splits
+  // Activation bytes one micro-batch keeps alive on a rank of the stage.
+  double activation_bytes(const StageShape& stage, int64_t s, int64_t b) const;
+  // Memory of a rank of the stage: `in_flight` micro-batches alive at once;
+  // `zero_share` = how many ranks share its optimizer states (1 without ZeRO).
+  MemoryBreakdown stage_memory(const StageShape& stage, int64_t s, int64_t b, int in_flight,
+                               double zero_share, bool zero) const;
+  double capacity_bytes(int rank) const;
+
+  CostReport evaluate(const Strategy& strategy, int64_t seq_len) const;
+
+ private:
+  const Profile* profile_of(int rank) const;
+  double roofline_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const;
+
+  LlamaConfig model_;
+  Topology topology_;
+  std::map<std::string, std::shared_ptr<const Profile>> profiles_;
+  std::shared_ptr<const Profile> fallback_;
+  int64_t layer_params_ = 0, layer_tp_params_ = 0, embed_params_ = 0, head_params_ = 0, head_rep_params_ = 0;
+  mutable std::vector<std::string> notes_;
+};
+
+}  // namespace hspmd

@@ -1,0 +1,199 @@
+// hspmd plan cost | search: the planner's cost model on one strategy, and the
+// search for the best strategy (docs/planner.md).
+#include "plan_search_cmd.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "flags.h"
+#include "hspmd/core/error.h"
+#include "hspmd/models/config.h"
+#include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/search.h"
+#include "hspmd/plan/strategy.h"
+#include "hspmd/resolve/topology.h"
+
+namespace hspmd::cli {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fmt(const char* f, double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, x);
+  return buf;
+}
+
+void print_cost(std::ostream& os, const CostReport& rep) {
+  os << "predicted step " << fmt("%.6g", rep.predicted_step_s) << " s (the slowest rank)\n";
+  for (size_t p = 0; p < rep.pipeline_s.size(); ++p)
+    os << "  pipeline " << p << ": last backward ends at " << fmt("%.6g", rep.pipeline_s[p]) << " s\n";
+  os << "\n rank  pipe stage   compute_s      comm_s    bubble_s      step_s  memory_gib   cap_gib\n";
+  for (const RankCost& r : rep.ranks) {
+    char line[256];
+    if (r.pipeline < 0) {
+      std::snprintf(line, sizeof line, "%5d  idle\n", r.rank);
+    } else {
+      std::snprintf(line, sizeof line, "%5d %5d %5d %11.5g %11.5g %11.5g %11.5g %11.4g %9.4g%s\n", r.rank,
+                    r.pipeline, r.stage, r.compute_s, r.comm_s, r.bubble_s, r.step_s, r.memory.total() / kGiB,
+                    r.capacity_bytes / kGiB, r.memory.total() > r.capacity_bytes && r.capacity_bytes > 0 ? "  OVER" : "");
+    }
+    os << line;
+  }
+  for (const std::string& n : rep.notes) os << "note: " << n << "\n";
+}
+
+struct CostFlags {
+  std::string model, cluster, strategy, profile;
+  int64_t seq_len = 0;
+  bool json = false;
+};
+
+int cost_command(const std::vector<std::string>& args) {
+  CostFlags c;
+  FlagSet f("plan cost",
+            "Predict a strategy's step time and memory on a cluster with the planner's cost model\n"
+            "(docs/planner.md): per rank compute, communication, pipeline bubble, step time and\n"
+            "memory. Compute comes from a profile (hspmd profile; --profile, or the catalog's\n"
+            "\"profile\" per device type) times the rank's slowdown, else from the roofline.");
+  f.add_string("model", &c.model, "Hugging Face config.json", true);
+  f.add_string("cluster", &c.cluster, "cluster JSON (docs/cluster.md); its ranks are the world", true);
+  f.add_string("strategy", &c.strategy, "strategy JSON (docs/strategy.md)", true);
+  f.add_int("seq-len", &c.seq_len, "tokens per sample", true);
+  f.add_string("profile", &c.profile, "profile JSON for device types without their own (hspmd profile)");
+  f.add_bool("json", &c.json, "print one JSON document instead of text");
+  if (!f.parse(args)) return 0;
+  if (c.seq_len < 1) fail("[flags] --seq-len must be >= 1, got ", c.seq_len);
+  const LlamaConfig config = LlamaConfig::load(c.model);
+  const Topology topology = Topology::load(c.cluster);
+  const Strategy strategy = load_strategy(c.strategy);
+  validate(strategy, config, topology.world_size());
+  const CostModel model = CostModel::load(config, topology, c.profile);
+  const CostReport rep = model.evaluate(strategy, c.seq_len);
+  if (c.json) {
+    std::fputs((rep.to_json().dump(1) + "\n").c_str(), stdout);
+  } else {
+    std::ostringstream os;
+    print_cost(os, rep);
+    std::fputs(os.str().c_str(), stdout);
+  }
+  return 0;
+}
+
+struct SearchFlags {
+  std::string model, cluster, profile, schedule = "1f1b", out, from, unavailable, tp, mbs, solver = "cbc";
+  int64_t global_batch = 0, seq_len = 0, top = 5, max_cp = 1;
+  double time_limit = 60;
+  bool zero = false, json = false, no_recompute = false;
+};
+
+std::vector<int> int_list(const std::string& text, const char* flag) {
+  std::vector<int> out;
+  if (text.empty()) return out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const int64_t v = parse_int(flag, item);
+    if (v < 1) fail("[flags] ", flag, ": values must be >= 1, got ", v);
+    out.push_back(static_cast<int>(v));
+  }
+  return out;
+}
+
+int search_command(const std::vector<std::string>& args) {
+  SearchFlags c;
+  FlagSet f("plan search",
+            "Search the best strategy for a model on a cluster at a global batch (docs/planner.md):\n"
+            "pipeline configurations enumerated with pruning, layers per stage and micro-batches\n"
+            "per pipeline by integer programs (CBC), every candidate scored by the cost model.\n"
+            "Writes the best strategy (-o) and prints it with its predicted step time, the top\n"
+            "alternatives and the search time.");
+  f.add_string("model", &c.model, "Hugging Face config.json", true);
+  f.add_string("cluster", &c.cluster, "cluster JSON (docs/cluster.md)", true);
+  f.add_int("global-batch", &c.global_batch, "samples per optimizer step", true);
+  f.add_int("seq-len", &c.seq_len, "tokens per sample", true);
+  f.add_bool("zero", &c.zero, "ZeRO-1 (fp32 master weights and Adam states split across the pipelines)");
+  f.add_string("schedule", &c.schedule, "1f1b (default) or gpipe");
+  f.add_double("time-limit", &c.time_limit, "seconds the enumeration may take (default 60; keeps the best so far)");
+  f.add_int("top", &c.top, "how many strategies to report (default 5)");
+  f.add_string("profile", &c.profile, "profile JSON for device types without their own (hspmd profile)");
+  f.add_string("tp", &c.tp, "TP degrees to consider, e.g. 1,2,4 (default: powers of two dividing the heads)");
+  f.add_int("max-cp", &c.max_cp, "largest context-parallel degree to consider (power of two, default 1)");
+  f.add_string("micro-batch-sizes", &c.mbs, "micro-batch sizes to consider (default: powers of two up to 8 dividing the batch)");
+  f.add_bool("no-recompute", &c.no_recompute, "never use activation recomputation");
+  f.add_string("from", &c.from, "re-plan: the previous strategy (its TP degrees and micro-batch size prune the search)");
+  f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
+  f.add_string("solver", &c.solver, "cbc (default) or exact: who solves the integer programs");
+  f.add_string("o", &c.out, "write the best strategy JSON here");
+  f.add_bool("json", &c.json, "print one JSON document instead of text");
+  if (!f.parse(args)) return 0;
+  const LlamaConfig config = LlamaConfig::load(c.model);
+  const Topology topology = Topology::load(c.cluster);
+  const CostModel model = CostModel::load(config, topology, c.profile);
+  SearchOptions o;
+  o.global_batch = static_cast<int>(c.global_batch);
+  o.seq_len = c.seq_len;
+  o.zero = c.zero;
+  o.schedule = c.schedule;
+  o.time_limit_s = c.time_limit;
+  o.top_k = static_cast<int>(c.top);
+  o.max_cp = static_cast<int>(c.max_cp);
+  o.tp_degrees = int_list(c.tp, "--tp");
+  o.micro_batch_sizes = int_list(c.mbs, "--micro-batch-sizes");
+  o.allow_recompute = !c.no_recompute;
+  if (c.solver == "cbc") o.solver = IlpSolver::kCbc;
+  else if (c.solver == "exact") o.solver = IlpSolver::kExact;
+  else fail("[flags] --solver must be cbc or exact, got '", c.solver, "'");
+  if (c.time_limit <= 0) fail("[flags] --time-limit must be positive, got ", c.time_limit);
+  o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
+  Strategy previous;
+  if (!c.from.empty()) {
+    previous = load_strategy(c.from);
+    validate(previous, config, topology.world_size());
+    o.previous = &previous;
+  }
+  const SearchResult res = search_strategy(model, o);
+  Strategy best = res.best.front().strategy;
+  char desc[160];
+  std::snprintf(desc, sizeof desc, "hspmd plan search: predicted step %.6g s (%s)", res.best.front().predicted_step_s,
+                res.best.front().family.c_str());
+  best.description = desc;
+  validate(best, config, topology.world_size());
+  if (!c.out.empty()) {
+    std::ofstream out(c.out);
+    if (!out) fail("[cli] ", c.out, ": cannot open for writing");
+    out << to_json(best).dump(2) << "\n";
+    if (!out) fail("[cli] ", c.out, ": write failed");
+  }
+  if (c.json) {
+    std::fputs((res.to_json().dump(1) + "\n").c_str(), stdout);
+    return 0;
+  }
+  std::ostringstream os;
+  os << "searched " << res.configurations << " configurations (" << res.pruned << " pruned by their bound), "
+     << res.ilps << " integer programs, in "
+     << fmt("%.3f", res.search_s) << " s" << (res.timed_out ? " (time limit reached)" : "") << "\n";
+  for (size_t i = 0; i < res.best.size(); ++i) {
+    const SearchCandidate& cand = res.best[i];
+    os << (i == 0 ? "best" : "alt ") << " " << fmt("%.6g", cand.predicted_step_s) << " s  [" << cand.family << "]";
+    for (const Pipeline& p : cand.strategy.pipelines) {
+      os << "\n    " << p.micro_batches << " x bs" << p.micro_batch_size << ":";
+      for (const Stage& st : p.stages)
+        os << " R" << st.ranks.front() << "-" << st.ranks.back() << " L" << st.first_layer << "-" << st.last_layer
+           << (st.cp > 1 ? " cp" + std::to_string(st.cp) : "") << (st.recompute ? " rc" : "") << " |";
+    }
+    os << "\n";
+  }
+  if (!c.out.empty()) os << "wrote " << c.out << "\n";
+  std::fputs(os.str().c_str(), stdout);
+  return 0;
+}
+
+}  // namespace
+
+int plan_search_command(const std::vector<std::string>& args) { return search_command(args); }
+
+int plan_cost_command(const std::vector<std::string>& args) { return cost_command(args); }
+
+}  // namespace hspmd::cli

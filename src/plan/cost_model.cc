@@ -1,0 +1,532 @@
+#include "hspmd/plan/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "hspmd/core/error.h"
+#include "hspmd/models/llama.h"
+
+namespace hspmd {
+
+namespace {
+
+constexpr double kBytes = 4;  // fp32: gradients always; everything on a profiled device
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+bool same_dims(const LlamaConfig& a, const LlamaConfig& b) {
+  return a.hidden_size == b.hidden_size && a.intermediate_size == b.intermediate_size &&
+         a.num_attention_heads == b.num_attention_heads && a.kv_heads() == b.kv_heads() &&
+         a.vocab_size == b.vocab_size;
+}
+
+// Whether TP splits a parameter of this role.
+bool tp_split(ParamRole role) { return role != ParamRole::kReplicated; }
+
+}  // namespace
+
+CostModel::CostModel(LlamaConfig model, Topology topology,
+                     std::map<std::string, std::shared_ptr<const Profile>> profiles,
+                     std::shared_ptr<const Profile> fallback)
+    : model_(std::move(model)), topology_(std::move(topology)), profiles_(std::move(profiles)),
+      fallback_(std::move(fallback)) {
+  auto check = [&](const Profile& p, const std::string& what) {
+    if (!same_dims(p.config, model_))
+      fail("[cost] ", what, ": the profile was made for other model dimensions (hidden ", p.config.hidden_size,
+           ", ffn ", p.config.intermediate_size, ", heads ", p.config.num_attention_heads, "/",
+           p.config.kv_heads(), ", vocab ", p.config.vocab_size, ") than the model's (hidden ",
+           model_.hidden_size, ", ffn ", model_.intermediate_size, ", heads ", model_.num_attention_heads, "/",
+           model_.kv_heads(), ", vocab ", model_.vocab_size, ")");
+  };
+  for (const auto& [type, p] : profiles_) check(*p, "device type " + type);
+  if (fallback_) check(*fallback_, "--profile");
+  for (const LlamaParameter& p : llama_parameters(model_)) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    if (p.part == LlamaPart::kBlock) {
+      if (p.layer == 0) {
+        layer_params_ += n;
+        if (tp_split(p.role)) layer_tp_params_ += n;
+      }
+    } else if (p.role == ParamRole::kVocabulary && p.part == LlamaPart::kEmbedding) {
+      embed_params_ += n;
+    } else if (tp_split(p.role)) {
+      head_params_ += n;
+    } else {
+      head_rep_params_ += n;  // the final norm
+    }
+  }
+}
+
+CostModel CostModel::load(const LlamaConfig& model, const Topology& topology, const std::string& profile_path) {
+  std::map<std::string, std::shared_ptr<const Profile>> profiles;
+  std::set<std::string> types;
+  for (int r = 0; r < topology.world_size(); ++r) types.insert(topology.rank(r).device_type);
+  for (const std::string& type : types) {
+    const DeviceSpec& spec = topology.device_type([&] {
+      for (int r = 0; r < topology.world_size(); ++r)
+        if (topology.rank(r).device_type == type) return r;
+      return 0;
+    }());
+    if (!spec.profile.empty()) profiles[type] = std::make_shared<const Profile>(Profile::load(spec.profile));
+  }
+  std::shared_ptr<const Profile> fallback;
+  if (!profile_path.empty()) fallback = std::make_shared<const Profile>(Profile::load(profile_path));
+  return CostModel(model, topology, std::move(profiles), std::move(fallback));
+}
+
+const Profile* CostModel::profile_of(int rank) const {
+  auto it = profiles_.find(topology_.rank(rank).device_type);
+  if (it != profiles_.end()) return it->second.get();
+  return fallback_.get();
+}
+
+bool CostModel::profiled(int rank) const { return profile_of(rank) != nullptr; }
+
+double CostModel::activation_element_bytes(int rank) const { return profiled(rank) ? kBytes : 2.0; }
+
+double CostModel::part_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const {
+  const double slowdown = topology_.rank(rank).slowdown;
+  const Profile* p = profile_of(rank);
+  if (p == nullptr) return roofline_seconds(rank, part, tp, cp, s, b) * slowdown;
+  if (const ProfileEntry* e = p->find(tp, cp)) return std::max(0.0, e->parts.at(part).at(s, b)) * slowdown;
+  // Not profiled at this degree: the nearest profiled degree, its work
+  // scaled by the ratio of degrees (the per-rank work is ~1/(tp*cp)).
+  const ProfileEntry* best = nullptr;
+  double best_gap = std::numeric_limits<double>::infinity();
+  for (const ProfileEntry& e : p->entries) {
+    const double gap = std::abs(std::log2(static_cast<double>(e.tp * e.cp) / (tp * cp))) + (e.cp != cp ? 0.5 : 0.0);
+    if (gap < best_gap) best_gap = gap, best = &e;
+  }
+  const std::string note = "tp " + std::to_string(tp) + " cp " + std::to_string(cp) +
+                           " extrapolated from the profile's tp " + std::to_string(best->tp) + " cp " +
+                           std::to_string(best->cp);
+  if (std::find(notes_.begin(), notes_.end(), note) == notes_.end()) notes_.push_back(note);
+  return std::max(0.0, best->parts.at(part).at(s, b)) * (best->tp * best->cp) / static_cast<double>(tp * cp) *
+         slowdown;
+}
+
+// FLOPs of the part on one rank / (tflops x efficiency); the embedding is
+// memory-bound (a gather of b*s rows).
+double CostModel::roofline_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const {
+  const DeviceSpec& d = topology_.device_type(rank);
+  const double rate = d.tflops * 1e12 * d.efficiency;
+  const double tokens = static_cast<double>(b) * static_cast<double>(s) / (tp * cp);
+  const double h = static_cast<double>(model_.hidden_size);
+  const double fwd_block = 2.0 * tokens * static_cast<double>(layer_tp_params_)  // the matmuls
+                           + 2.0 * tokens * static_cast<double>(s) * h / cp;     // causal QK^T and PV
+  const double fwd_head = 2.0 * tokens * static_cast<double>(model_.table_rows()) * h;
+  const double embed_bytes = tokens * h * kBytes * 2;
+  if (part == "block_fwd") return fwd_block / rate;
+  if (part == "block_bwd") return 2 * fwd_block / rate;
+  if (part == "head_fwd") return fwd_head / rate;
+  if (part == "head_bwd") return 2 * fwd_head / rate;
+  if (part == "embed_fwd") return embed_bytes / (d.hbm_gbps * 1e9);
+  if (part == "embed_bwd") return 2 * embed_bytes / (d.hbm_gbps * 1e9);
+  fail("[cost] unknown part '", part, "'");
+}
+
+double CostModel::optimizer_seconds(int rank, int64_t n) const {
+  const double slowdown = topology_.rank(rank).slowdown;
+  if (const Profile* p = profile_of(rank))
+    return (p->optimizer.per_param_s * static_cast<double>(n) + p->optimizer.fixed_s) * slowdown;
+  // AdamW is memory-bound: ~ 7 fp32 reads and writes per parameter.
+  return static_cast<double>(n) * 28.0 / (topology_.device_type(rank).hbm_gbps * 1e9) * slowdown;
+}
+
+double CostModel::link_seconds(int a, int b, double bytes) const {
+  if (a == b || bytes <= 0) return 0;
+  const double latency = std::max(topology_.device_type(a).latency_us, topology_.device_type(b).latency_us) * 1e-6;
+  return latency + bytes / (topology_.bandwidth(a, b) * 1e9);
+}
+
+// A ring collective in which each member sends `bytes_per_member` in all:
+// bounded by the slowest link of the group (as the emulator bills it), plus
+// one latency per ring step.
+double CostModel::group_seconds(const std::vector<int>& ranks, double bytes_per_member) const {
+  if (ranks.size() < 2 || bytes_per_member <= 0) return 0;
+  double bw = std::numeric_limits<double>::infinity(), latency = 0;
+  for (size_t i = 0; i < ranks.size(); ++i)
+    for (size_t j = i + 1; j < ranks.size(); ++j) {
+      bw = std::min(bw, topology_.bandwidth(ranks[i], ranks[j]));
+      latency = std::max({latency, topology_.device_type(ranks[i]).latency_us,
+                          topology_.device_type(ranks[j]).latency_us});
+    }
+  return latency * 1e-6 * static_cast<double>(ranks.size() - 1) + bytes_per_member / (bw * 1e9);
+}
+
+StageCost CostModel::stage_cost(const StageShape& st, int64_t s, int64_t b) const {
+  const int tp = st.tp(), cp = st.cp;
+  StageCost c;
+  for (int r : st.ranks) {  // the stage runs at its slowest rank's pace
+    double f = st.layers * part_seconds(r, "block_fwd", tp, cp, s, b);
+    double g = st.layers * part_seconds(r, "block_bwd", tp, cp, s, b);
+    if (st.first) f += part_seconds(r, "embed_fwd", tp, cp, s, b), g += part_seconds(r, "embed_bwd", tp, cp, s, b);
+    if (st.last) f += part_seconds(r, "head_fwd", tp, cp, s, b), g += part_seconds(r, "head_bwd", tp, cp, s, b);
+    if (st.recompute) g += f;  // the backward re-runs the forward first
+    c.fwd = std::max(c.fwd, f);
+    c.bwd = std::max(c.bwd, g);
+  }
+  // The hidden state of a micro-batch, (b, s, h) fp32; under cp each
+  // context slice holds s/cp of it.
+  const double ab = activation_element_bytes(st.ranks.front());
+  const double act = static_cast<double>(b) * s * model_.hidden_size * ab / cp;
+  if (tp > 1) {
+    // Sequence-parallel blocks: an all-gather before and a reduce-scatter
+    // after attention and the MLP (4 per block each way), each member
+    // sending (tp-1)/tp of the slice; the embedding's reduce-scatter and the
+    // head's all-gather once per stage end; the vocabulary-parallel loss
+    // all-reduces three per-token scalars.
+    for (int c0 = 0; c0 < cp; ++c0) {
+      std::vector<int> group(st.ranks.begin() + c0 * tp, st.ranks.begin() + (c0 + 1) * tp);
+      const double one = group_seconds(group, act * (tp - 1) / tp);
+      double f = 4 * st.layers * one, g = 4 * st.layers * one;
+      if (st.first) f += one, g += one;
+      if (st.last) {
+        f += one + 3 * group_seconds(group, 2.0 * b * s / cp * ab * (tp - 1) / tp);
+        g += one;
+      }
+      c.fwd_comm = std::max(c.fwd_comm, f);
+      c.bwd_comm = std::max(c.bwd_comm, g);
+    }
+  }
+  if (cp > 1) {
+    // Ring attention (ops/attention.cc): the inputs move from contiguous
+    // context slices to the load-balanced layout (half of them, all of them
+    // on some ranks beyond two slices), keys and values pass cp - 1 hops
+    // (the backward also returns their gradients around the ring), and the
+    // outputs move back; per block and micro-batch.
+    const double hd = static_cast<double>(model_.head_dim()), tokens = static_cast<double>(b) * s / cp;
+    const double qn = tokens * model_.num_attention_heads / tp * hd, kn = tokens * model_.kv_heads() / tp * hd;
+    const double lse = tokens * model_.num_attention_heads / tp, rows = tokens;
+    const double moved = cp == 2 ? 1.0 : 2.0;
+    const double fwd_bytes = ab * (moved * (qn + 2 * kn + rows) / 2 + (cp - 1) * 2 * kn + moved * (qn + lse) / 2);
+    const double bwd_bytes = ab * (moved * (3 * qn + 2 * kn + rows + lse) / 2 + (2 * cp - 1) * 2 * kn +
+                                       moved * (qn + 2 * kn) / 2);
+    double fwd = 0, bwd = 0;
+    for (int t0 = 0; t0 < tp; ++t0) {
+      std::vector<int> ring;
+      for (int c0 = 0; c0 < cp; ++c0) ring.push_back(st.ranks[c0 * tp + t0]);
+      fwd = std::max(fwd, group_seconds(ring, fwd_bytes));
+      bwd = std::max(bwd, group_seconds(ring, bwd_bytes));
+    }
+    c.fwd_comm += st.layers * fwd;
+    c.bwd_comm += st.layers * bwd;
+  }
+  return c;
+}
+
+// Each rank of the sending stage sends its share of the (b, s, h) hidden
+// state to the receiving stage; the receiver with the most to receive
+// bounds it: the whole state over min(|from|, |to|) parallel links.
+double CostModel::boundary_seconds(const StageShape& from, const StageShape& to, int64_t s, int64_t b) const {
+  const double act = static_cast<double>(b) * s * model_.hidden_size * activation_element_bytes(from.ranks.front());
+  const size_t n = std::min(from.ranks.size(), to.ranks.size());
+  double worst = 0;
+  for (int a : from.ranks)
+    for (int c : to.ranks) worst = std::max(worst, link_seconds(a, c, act / static_cast<double>(n)));
+  return worst;
+}
+
+int64_t CostModel::stage_params(const StageShape& st) const {
+  const int tp = st.tp();
+  int64_t n = st.layers * ((layer_params_ - layer_tp_params_) + layer_tp_params_ / tp);
+  if (st.first) n += embed_params_ / tp;
+  if (st.last) n += head_params_ / tp + head_rep_params_;
+  return n;
+}
+
+// Per token of the micro-batch, what one block keeps for its backward on a
+// rank: the measured value of the profile when there is one, else a count
+// of the executor's saved tensors (fp32): norm inputs and outputs, q/k/v and
+// their rotated copies, the attention output and its softmax statistics,
+// the MLP's gate, up and product, the residual sums; plus the attention
+// probabilities where the kernel materialises them (per head, s of them).
+double CostModel::activation_bytes(const StageShape& st, int64_t s, int64_t b) const {
+  const int tp = st.tp(), cp = st.cp;
+  const double tokens = static_cast<double>(b) * s;
+  double per_token_layer = -1, per_token_stage = 0;
+  if (const Profile* p = profile_of(st.ranks.front()))
+    for (const LayerMemory& m : p->memory)
+      if (m.tp == tp && m.cp == cp) {
+        per_token_layer = st.recompute ? m.activation_bytes_per_token_recompute : m.activation_bytes_per_token;
+        per_token_stage =
+            st.recompute ? m.stage_activation_bytes_per_token_recompute : m.stage_activation_bytes_per_token;
+      }
+  if (per_token_layer < 0) {
+    // The blocks keep (flash-style attention: no s x s probabilities) the
+    // norms' inputs and outputs, q, k, v and their rotated copies, the
+    // attention output and its log-sum-exp, the MLP's gate, up and product,
+    // and the residual sums; with recomputation only the block's input.
+    const double ab = activation_element_bytes(st.ranks.front());
+    const double h = static_cast<double>(model_.hidden_size), f = static_cast<double>(model_.intermediate_size);
+    const double kv = static_cast<double>(model_.kv_heads() * model_.head_dim());
+    const double heads = static_cast<double>(model_.num_attention_heads);
+    per_token_layer = st.recompute ? h * ab / (tp * cp) : ((8 * h + 4 * kv + 4 * f) * ab + heads * kBytes) / (tp * cp);
+  }
+  double bytes = tokens * (per_token_layer * st.layers + per_token_stage);
+  if (st.last)  // logits of the vocabulary shard and their softmax (fp32)
+    bytes += 2 * tokens / (tp * cp) * static_cast<double>(model_.table_rows()) * kBytes;
+  return bytes;
+}
+
+MemoryBreakdown CostModel::stage_memory(const StageShape& st, int64_t s, int64_t b, int in_flight,
+                                        double zero_share, bool zero) const {
+  const double n = static_cast<double>(stage_params(st));
+  MemoryBreakdown m;
+  if (profiled(st.ranks.front())) {
+    // This executor, as profiled: fp32 parameters, raw gradients and one
+    // micro-batch's, Adam moments (ZeRO: an fp32 master shard and the
+    // moments' shard).
+    m.params = n * kBytes;
+    m.grads = 2 * n * kBytes;
+    m.optimizer = zero ? 3 * n * kBytes / std::max(1.0, zero_share) : 2 * n * kBytes;
+  } else {
+    // Mixed precision on a GPU (the roofline's bf16 TFLOP/s): bf16
+    // parameters, fp32 gradient accumulators, fp32 master weights and Adam
+    // moments (split under ZeRO).
+    m.params = n * 2;
+    m.grads = n * kBytes;
+    m.optimizer = 3 * n * kBytes / (zero ? std::max(1.0, zero_share) : 1.0);
+  }
+  m.activations = in_flight * activation_bytes(st, s, b);
+  return m;
+}
+
+double CostModel::capacity_bytes(int rank) const {
+  const RankInfo& info = topology_.rank(rank);
+  if (info.memory_cap_gib > 0) return info.memory_cap_gib * kGiB;
+  return topology_.device_type(rank).memory_gib * kGiB;
+}
+
+int CostReport::overflow_rank() const {
+  int worst = -1;
+  double most = 0;
+  for (const RankCost& r : ranks)
+    if (r.capacity_bytes > 0 && r.memory.total() - r.capacity_bytes > most)
+      most = r.memory.total() - r.capacity_bytes, worst = r.rank;
+  return worst;
+}
+
+nlohmann::json CostReport::to_json() const {
+  nlohmann::json rs = nlohmann::json::array();
+  for (const RankCost& r : ranks)
+    rs.push_back({{"rank", r.rank},
+                  {"pipeline", r.pipeline},
+                  {"stage", r.stage},
+                  {"compute_s", r.compute_s},
+                  {"comm_s", r.comm_s},
+                  {"bubble_s", r.bubble_s},
+                  {"step_s", r.step_s},
+                  {"memory_gib", r.memory.total() / kGiB},
+                  {"memory",
+                   {{"params_gib", r.memory.params / kGiB},
+                    {"grads_gib", r.memory.grads / kGiB},
+                    {"optimizer_gib", r.memory.optimizer / kGiB},
+                    {"activations_gib", r.memory.activations / kGiB}}},
+                  {"capacity_gib", r.capacity_bytes / kGiB}});
+  return {{"predicted_step_s", predicted_step_s}, {"pipeline_s", pipeline_s}, {"ranks", rs}, {"notes", notes}};
+}
+
+namespace {
+
+// One pipeline's schedule, simulated: per stage the order in which the
+// executor runs its forwards and backwards (schedules.cc), each starting when
+// the stage is free and its input has arrived. A receive completes at the
+// sender's clock plus the transfer; a (deferred) send costs the sender the
+// transfer too, as the emulated links bill it.
+struct PipelineSim {
+  std::vector<double> end;        // per stage: when its last backward (and send) ends
+  std::vector<double> busy;       // per stage: compute
+  std::vector<double> comm;       // per stage: collectives and transfers
+};
+
+PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vector<double>& boundary,
+                              int micro_batches, const std::string& schedule) {
+  const int k_n = static_cast<int>(cost.size()), m_n = micro_batches;
+  // Per stage the op sequence: +j forward of micro-batch j, -(j+1) backward.
+  std::vector<std::vector<int>> order(k_n);
+  for (int k = 0; k < k_n; ++k) {
+    if (schedule == "gpipe") {
+      for (int j = 0; j < m_n; ++j) order[k].push_back(j + 1);
+      for (int j = 0; j < m_n; ++j) order[k].push_back(-(j + 1));
+    } else {
+      const int warmup = std::min(k_n - k - 1, m_n);
+      int next = 0, done = 0;
+      for (; next < warmup; ++next) order[k].push_back(next + 1);
+      for (; next < m_n; ++next) order[k].push_back(next + 1), order[k].push_back(-(++done));
+      while (done < m_n) order[k].push_back(-(++done));
+    }
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  // Clock of the sender at its send, per (stage, micro-batch).
+  std::vector<std::vector<double>> fwd_sent(k_n, std::vector<double>(m_n, inf)),
+      bwd_sent(k_n, std::vector<double>(m_n, inf));
+  std::vector<size_t> pos(k_n, 0);
+  std::vector<double> clock(k_n, 0);
+  PipelineSim sim;
+  sim.busy.assign(k_n, 0);
+  sim.comm.assign(k_n, 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int k = 0; k < k_n; ++k) {
+      while (pos[k] < order[k].size()) {
+        const int op = order[k][pos[k]];
+        const bool fwd = op > 0;
+        const int j = (fwd ? op : -op) - 1;
+        double t = clock[k];
+        const StageCost& c = cost[k];
+        if (fwd && k > 0) {  // receive the activation
+          if (fwd_sent[k - 1][j] == inf) break;
+          t = std::max(t, fwd_sent[k - 1][j]) + boundary[k - 1];
+          sim.comm[k] += boundary[k - 1];
+        }
+        if (!fwd && k + 1 < k_n) {  // receive the gradient
+          if (bwd_sent[k + 1][j] == inf) break;
+          t = std::max(t, bwd_sent[k + 1][j]) + boundary[k];
+          sim.comm[k] += boundary[k];
+        }
+        t += fwd ? c.fwd + c.fwd_comm : c.bwd + c.bwd_comm;
+        sim.busy[k] += fwd ? c.fwd : c.bwd;
+        sim.comm[k] += fwd ? c.fwd_comm : c.bwd_comm;
+        if (fwd && k + 1 < k_n) fwd_sent[k][j] = t, t += boundary[k], sim.comm[k] += boundary[k];
+        if (!fwd && k > 0) bwd_sent[k][j] = t, t += boundary[k - 1], sim.comm[k] += boundary[k - 1];
+        clock[k] = t;
+        ++pos[k];
+        progress = true;
+      }
+    }
+  }
+  for (int k = 0; k < k_n; ++k)
+    HSPMD_CHECK(pos[k] == order[k].size(), "pipeline simulation deadlocked at stage ", k);
+  sim.end = clock;
+  return sim;
+}
+
+}  // namespace
+
+CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const {
+  notes_.clear();
+  const int world = topology_.world_size();
+  CostReport rep;
+  rep.ranks.resize(world);
+  for (int r = 0; r < world; ++r) rep.ranks[r].rank = r, rep.ranks[r].capacity_bytes = capacity_bytes(r);
+  const int layers = static_cast<int>(model_.num_hidden_layers);
+  // Per layer, the ranks holding it in every pipeline (its data-parallel
+  // group) and how many ways ZeRO splits its states.
+  std::vector<std::vector<int>> holders(layers);
+  std::vector<double> zero_share(layers, 0), replicas(layers, 0);
+  // Per pipeline and stage.
+  struct Placed {
+    StageShape shape;
+    int pipeline, stage;
+  };
+  std::vector<std::vector<Placed>> placed(strategy.pipelines.size());
+  for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
+    const Pipeline& pl = strategy.pipelines[p];
+    for (size_t k = 0; k < pl.stages.size(); ++k) {
+      const Stage& st = pl.stages[k];
+      StageShape sh{st.ranks, st.cp, st.num_layers(), k == 0, k + 1 == pl.stages.size(), st.recompute};
+      placed[p].push_back({sh, static_cast<int>(p), static_cast<int>(k)});
+      for (int l = st.first_layer; l <= st.last_layer; ++l) {
+        holders[l].insert(holders[l].end(), st.ranks.begin(), st.ranks.end());
+        zero_share[l] += st.tp() * st.cp;
+        replicas[l] += st.cp;
+      }
+    }
+  }
+  std::vector<double> pipeline_end(strategy.pipelines.size(), 0);
+  // Schedule phase.
+  for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
+    const Pipeline& pl = strategy.pipelines[p];
+    std::vector<StageCost> costs;
+    std::vector<double> boundary;
+    for (size_t k = 0; k < placed[p].size(); ++k) {
+      costs.push_back(stage_cost(placed[p][k].shape, seq_len, pl.micro_batch_size));
+      if (k + 1 < placed[p].size())
+        boundary.push_back(boundary_seconds(placed[p][k].shape, placed[p][k + 1].shape, seq_len, pl.micro_batch_size));
+    }
+    const PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule);
+    pipeline_end[p] = *std::max_element(sim.end.begin(), sim.end.end());
+    rep.pipeline_s.push_back(pipeline_end[p]);
+    for (size_t k = 0; k < placed[p].size(); ++k) {
+      const StageShape& sh = placed[p][k].shape;
+      const int kn = static_cast<int>(placed[p].size());
+      const int in_flight = strategy.schedule == "gpipe" ? pl.micro_batches
+                                                         : std::min(kn - static_cast<int>(k), pl.micro_batches);
+      double share = 0;
+      const Stage& st = pl.stages[k];
+      for (int l = st.first_layer; l <= st.last_layer; ++l) share = std::max(share, zero_share[l] / (sh.tp() * sh.cp));
+      for (int r : sh.ranks) {
+        RankCost& rc = rep.ranks[r];
+        rc.pipeline = static_cast<int>(p);
+        rc.stage = static_cast<int>(k);
+        // The rank's own compute at its own speed (the stage's pace is its
+        // slowest rank's: faster ranks wait, which counts as bubble).
+        const double mine = [&] {
+          const int tp = sh.tp(), cp = sh.cp;
+          double f = sh.layers * part_seconds(r, "block_fwd", tp, cp, seq_len, pl.micro_batch_size);
+          double g = sh.layers * part_seconds(r, "block_bwd", tp, cp, seq_len, pl.micro_batch_size);
+          if (sh.first)
+            f += part_seconds(r, "embed_fwd", tp, cp, seq_len, pl.micro_batch_size),
+                g += part_seconds(r, "embed_bwd", tp, cp, seq_len, pl.micro_batch_size);
+          if (sh.last)
+            f += part_seconds(r, "head_fwd", tp, cp, seq_len, pl.micro_batch_size),
+                g += part_seconds(r, "head_bwd", tp, cp, seq_len, pl.micro_batch_size);
+          if (sh.recompute) g += f;
+          return (f + g) * pl.micro_batches;
+        }();
+        rc.compute_s = mine;
+        rc.comm_s = sim.comm[k];
+        rc.step_s = sim.end[k];
+        rc.memory = stage_memory(sh, seq_len, pl.micro_batch_size, in_flight, strategy.zero ? share : 1.0,
+                                 strategy.zero);
+      }
+    }
+  }
+  // Gradient synchronisation: each layer's gradients are reduced over its
+  // holders once every holder's pipeline has finished; then the optimizer
+  // and, under ZeRO, the gather of the updated parameters.
+  for (size_t p = 0; p < placed.size(); ++p)
+    for (const Placed& pl : placed[p]) {
+      const StageShape& sh = pl.shape;
+      const Stage& st = strategy.pipelines[p].stages[pl.stage];
+      double start = 0;
+      for (size_t q = 0; q < placed.size(); ++q) start = std::max(start, pipeline_end[q]);
+      for (int r : sh.ranks) {
+        RankCost& rc = rep.ranks[r];
+        start = std::max(start, rc.step_s);
+        // Ring all-reduce (or reduce-scatter + all-gather under ZeRO) of the
+        // rank's gradient shard over the pipelines holding its layers.
+        double sync = 0;
+        const double per_layer = static_cast<double>((layer_params_ - layer_tp_params_) + layer_tp_params_ / sh.tp());
+        for (int l = st.first_layer; l <= st.last_layer; ++l) {
+          const int n = static_cast<int>(std::lround(replicas[l]));  // data-parallel (and cp) replicas
+          if (n <= 1) continue;
+          sync += group_seconds(holders[l], 2.0 * per_layer * kBytes * (n - 1) / n);
+        }
+        const double extra = static_cast<double>(stage_params(sh)) - per_layer * sh.layers;
+        const int dp = static_cast<int>(placed.size());
+        if (extra > 0 && dp > 1) sync += group_seconds(holders[st.first_layer], 2.0 * extra * kBytes * (dp - 1) / dp);
+        const int64_t n_opt = strategy.zero ? static_cast<int64_t>(static_cast<double>(stage_params(sh)) /
+                                                                     std::max(1.0, static_cast<double>(dp)))
+                                            : stage_params(sh);
+        const double opt = optimizer_seconds(r, n_opt);
+        rc.compute_s += opt;
+        rc.comm_s += sync;
+        rc.step_s = start + sync + opt;
+      }
+    }
+  for (RankCost& rc : rep.ranks) {
+    if (rc.pipeline < 0) continue;
+    rc.bubble_s = std::max(0.0, rc.step_s - rc.compute_s - rc.comm_s);
+    rep.predicted_step_s = std::max(rep.predicted_step_s, rc.step_s);
+  }
+  rep.notes = notes_;
+  if (profiles_.empty() && !fallback_)
+    rep.notes.push_back("compute from the roofline (no profile): FLOPs / (tflops x efficiency)");
+  return rep;
+}
+
+}  // namespace hspmd

@@ -1,0 +1,648 @@
+#include "hspmd/plan/search.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+
+#include "hspmd/core/error.h"
+#include "hspmd/plan/ilp.h"
+
+namespace hspmd {
+
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+// Devices that are interchangeable for the planner.
+struct DeviceClass {
+  std::string type;
+  double slowdown = 1, cap = 0;
+  std::vector<std::vector<int>> nodes;  // available ranks per node (ascending)
+  double seconds_per_layer = 0;         // block forward at tp 1: smaller is faster
+  int max_per_node = 0;
+};
+
+// A tensor-parallel group: one stage's ranks.
+struct Group {
+  std::vector<int> ranks;
+  int cls = 0;
+};
+
+// One first-level configuration: per pipeline its stages' groups, in order.
+struct Config {
+  std::vector<std::vector<Group>> pipelines;
+  int cp = 1;
+  std::string family;
+};
+
+bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+bool valid_tp(const LlamaConfig& m, int tp) {
+  return tp >= 1 && m.num_attention_heads % tp == 0 && m.kv_heads() % tp == 0 && m.intermediate_size % tp == 0;
+}
+
+std::vector<DeviceClass> device_classes(const CostModel& model, const SearchOptions& o) {
+  const Topology& t = model.topology();
+  std::map<std::tuple<std::string, double, double>, int> index;
+  std::vector<DeviceClass> classes;
+  std::map<std::pair<int, int>, std::vector<int>> per_node;  // (class, node) -> ranks
+  for (int r = 0; r < t.world_size(); ++r) {
+    if (o.unavailable.count(r)) continue;
+    const RankInfo& info = t.rank(r);
+    const auto key = std::make_tuple(info.device_type, info.slowdown, info.memory_cap_gib);
+    auto it = index.find(key);
+    if (it == index.end()) {
+      it = index.emplace(key, static_cast<int>(classes.size())).first;
+      DeviceClass c;
+      c.type = info.device_type;
+      c.slowdown = info.slowdown;
+      c.cap = model.capacity_bytes(r);
+      c.seconds_per_layer = model.part_seconds(r, "block_fwd", 1, 1, o.seq_len, 1) +
+                            model.part_seconds(r, "block_bwd", 1, 1, o.seq_len, 1);
+      classes.push_back(c);
+    }
+    per_node[{it->second, info.node}].push_back(r);
+  }
+  for (auto& [key, ranks] : per_node) {
+    classes[key.first].nodes.push_back(ranks);
+    classes[key.first].max_per_node = std::max(classes[key.first].max_per_node, static_cast<int>(ranks.size()));
+  }
+  // Slowest first: the order of stages in a pipeline (the paper's
+  // heterogeneous strategies put the slow devices on the first stages,
+  // which keep the most micro-batches alive under 1F1B, and the fast ones
+  // last, where the LM head is).
+  std::stable_sort(classes.begin(), classes.end(), [](const DeviceClass& a, const DeviceClass& b) {
+    return a.seconds_per_layer > b.seconds_per_layer;
+  });
+  return classes;
+}
+
+// The TP groups of a class at degree tp: consecutive available ranks of a
+// node, tp at a time; with `leftovers`, what remains of a node forms groups
+// of the largest valid power of two that fits (else it stays idle).
+std::vector<Group> make_groups(const DeviceClass& c, int cls, int tp, bool leftovers, const LlamaConfig& m) {
+  std::vector<Group> groups;
+  for (const std::vector<int>& node : c.nodes) {
+    size_t i = 0;
+    for (; i + tp <= node.size(); i += tp) groups.push_back({{node.begin() + i, node.begin() + i + tp}, cls});
+    while (leftovers && i < node.size()) {
+      int t = 1;
+      while (t * 2 <= static_cast<int>(node.size() - i) && valid_tp(m, t * 2)) t *= 2;
+      groups.push_back({{node.begin() + i, node.begin() + i + t}, cls});
+      i += t;
+    }
+  }
+  return groups;
+}
+
+// Splits `items` into `parts` contiguous blocks whose sizes differ by at
+// most one (larger first).
+template <typename T>
+std::vector<std::vector<T>> blocks(const std::vector<T>& items, int parts) {
+  std::vector<std::vector<T>> out(parts);
+  const int n = static_cast<int>(items.size());
+  int at = 0;
+  for (int p = 0; p < parts; ++p) {
+    const int size = n / parts + (p < n % parts ? 1 : 0);
+    out[p].assign(items.begin() + at, items.begin() + at + size);
+    at += size;
+  }
+  return out;
+}
+
+struct Scored {
+  Strategy strategy;
+  double step = 0;
+  std::string family, key;
+};
+
+class Searcher {
+ public:
+  Searcher(const CostModel& model, const SearchOptions& o) : model_(model), o_(o), m_(model.model()) {
+    start_ = SteadyClock::now();
+  }
+
+  SearchResult run();
+
+ private:
+  bool out_of_time() {
+    if (timed_out_) return true;
+    if (std::chrono::duration<double>(SteadyClock::now() - start_).count() > o_.time_limit_s) timed_out_ = true;
+    return timed_out_;
+  }
+  std::vector<int> tp_degrees(int max_per_node) const;
+  std::vector<int> micro_batch_sizes() const;
+  void consider(const Config& c);
+  double lower_bound(const Config& c, int b) const;
+  double kth_best() const;
+  void second_levels();
+  void second_level(const Config& c, int b, bool recompute);
+  void exhaustive(const Config& c, int b, bool recompute);
+  void score(Strategy s, const std::string& family);
+  double ilp_limit() const { return std::max(0.05, std::min(10.0, o_.time_limit_s)); }
+  // The layer ILP, solved once per distinct input (pipelines of the same
+  // shape recur across configurations).
+  LayerAssignment layers_for(const std::vector<LayerStage>& stages, int L) {
+    std::string key;
+    for (const LayerStage& s : stages)
+      for (double x : {s.time_per_layer, s.fixed_time, s.memory_per_layer, s.fixed_memory, s.memory_capacity})
+        key.append(reinterpret_cast<const char*>(&x), sizeof x);
+    auto it = layer_cache_.find(key);
+    if (it != layer_cache_.end()) return it->second;
+    ++ilps_;
+    return layer_cache_[key] = assign_layers(stages, L, ilp_limit(), o_.solver);
+  }
+  std::map<std::string, LayerAssignment> layer_cache_;
+  StageShape shape(const std::vector<Group>& pipe, size_t k, int cp, int layers, bool recompute) const;
+  void enumerate_mixed(const std::vector<std::vector<Group>>& per_class, int cp);
+  void enumerate_separate(const std::vector<std::vector<Group>>& per_class, int cp);
+  void enumerate_symmetric();
+
+  const CostModel& model_;
+  const SearchOptions& o_;
+  const LlamaConfig& m_;
+  SteadyClock::time_point start_;
+  bool timed_out_ = false;
+  int configurations_ = 0, ilps_ = 0, pruned_ = 0;
+  std::vector<Config> configs_;
+  std::vector<DeviceClass> classes_;
+  std::map<std::string, Scored> scored_;  // by strategy JSON (dedupe)
+  // The memory shortfall closest to fitting, for the error when nothing fits.
+  double least_missing_ = std::numeric_limits<double>::infinity();
+  int least_missing_rank_ = -1;
+};
+
+std::vector<int> Searcher::tp_degrees(int max_per_node) const {
+  std::vector<int> out;
+  if (!o_.tp_degrees.empty()) {
+    for (int t : o_.tp_degrees)
+      if (valid_tp(m_, t) && t <= max_per_node) out.push_back(t);
+    return out;
+  }
+  for (int t = 1; t <= max_per_node; t *= 2)
+    if (valid_tp(m_, t)) out.push_back(t);
+  return out;
+}
+
+std::vector<int> Searcher::micro_batch_sizes() const {
+  if (!o_.micro_batch_sizes.empty()) return o_.micro_batch_sizes;
+  std::vector<int> out;
+  for (int b = 1; b <= 8 && b <= o_.global_batch; b *= 2)
+    if (o_.global_batch % b == 0) out.push_back(b);
+  return out;
+}
+
+StageShape Searcher::shape(const std::vector<Group>& pipe, size_t k, int cp, int layers, bool recompute) const {
+  StageShape s;
+  s.ranks = pipe[k].ranks;
+  s.cp = cp;
+  s.layers = layers;
+  s.first = k == 0;
+  s.last = k + 1 == pipe.size();
+  s.recompute = recompute;
+  return s;
+}
+
+void Searcher::score(Strategy s, const std::string& family) {
+  s.schedule = o_.schedule;
+  s.zero = o_.zero;
+  const std::string key = to_json(s).dump();
+  if (scored_.count(key)) return;
+  const CostReport rep = model_.evaluate(s, o_.seq_len);
+  const int over = rep.overflow_rank();
+  if (over >= 0) {
+    const RankCost& r = rep.ranks[over];
+    const double missing = r.memory.total() - r.capacity_bytes;
+    if (missing < least_missing_) least_missing_ = missing, least_missing_rank_ = over;
+    return;
+  }
+  scored_[key] = {std::move(s), rep.predicted_step_s, family, key};
+}
+
+// Layers per stage and micro-batches per pipeline by the two ILPs.
+void Searcher::second_level(const Config& c, int b, bool recompute) {
+  const int P = static_cast<int>(c.pipelines.size());
+  const int L = static_cast<int>(m_.num_hidden_layers);
+  const int even_m = std::max(1, o_.global_batch / (b * P));
+  std::vector<MicroBatchPipeline> mbp;
+  Strategy s;
+  for (const std::vector<Group>& pipe : c.pipelines) {
+    const int K = static_cast<int>(pipe.size());
+    if (K > L) return;
+    std::vector<LayerStage> stages;
+    for (int k = 0; k < K; ++k) {
+      const StageShape zero_layers = shape(pipe, k, c.cp, 0, recompute), one = shape(pipe, k, c.cp, 1, recompute);
+      const StageCost c0 = model_.stage_cost(zero_layers, o_.seq_len, b), c1 = model_.stage_cost(one, o_.seq_len, b);
+      auto total = [](const StageCost& x) { return x.fwd + x.bwd + x.fwd_comm + x.bwd_comm; };
+      LayerStage ls;
+      ls.time_per_layer = total(c1) - total(c0);
+      ls.fixed_time = total(c0);
+      if (k + 1 < K) ls.fixed_time += model_.boundary_seconds(one, shape(pipe, k + 1, c.cp, 1, recompute), o_.seq_len, b);
+      if (k > 0) ls.fixed_time += model_.boundary_seconds(shape(pipe, k - 1, c.cp, 1, recompute), one, o_.seq_len, b);
+      const int in_flight = o_.schedule == "gpipe" ? even_m : K - k;
+      const double share = o_.zero ? static_cast<double>(P) * one.tp() * c.cp : 1.0;
+      const MemoryBreakdown m0 = model_.stage_memory(zero_layers, o_.seq_len, b, in_flight, share, o_.zero);
+      const MemoryBreakdown m1 = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero);
+      ls.fixed_memory = m0.total();
+      ls.memory_per_layer = m1.total() - m0.total();
+      double cap = std::numeric_limits<double>::infinity();
+      for (int r : pipe[k].ranks) cap = std::min(cap, model_.capacity_bytes(r));
+      ls.memory_capacity = cap;
+      stages.push_back(ls);
+    }
+    const LayerAssignment la = layers_for(stages, L);
+    if (!la.feasible) {
+      if (la.worst_stage >= 0 && la.bytes_missing < least_missing_)
+        least_missing_ = la.bytes_missing, least_missing_rank_ = pipe[la.worst_stage].ranks.front();
+      return;
+    }
+    Pipeline pl;
+    pl.micro_batch_size = b;
+    int first = 0;
+    double worst = 0, sum = 0;
+    for (int k = 0; k < K; ++k) {
+      Stage st;
+      st.ranks = pipe[k].ranks;
+      st.cp = c.cp;
+      st.first_layer = first;
+      st.last_layer = first + la.layers[k] - 1;
+      st.recompute = recompute;
+      first = st.last_layer + 1;
+      pl.stages.push_back(st);
+      const double t = stages[k].fixed_time + stages[k].time_per_layer * la.layers[k];
+      worst = std::max(worst, t);
+      sum += t;
+    }
+    s.pipelines.push_back(pl);
+    MicroBatchPipeline mp;
+    mp.micro_batch_size = b;
+    mp.time_per_micro_batch = worst;
+    mp.fixed_time = sum - worst;  // fill and drain: every other stage once
+    mp.min_micro_batches = o_.schedule == "gpipe" ? 1 : K;
+    mbp.push_back(mp);
+  }
+  int least = 0;
+  for (const MicroBatchPipeline& mp : mbp) least += mp.micro_batch_size * mp.min_micro_batches;
+  if (least > o_.global_batch) return;  // too many pipelines or stages for the batch
+  ++ilps_;
+  const MicroBatchAssignment ma = assign_micro_batches(mbp, o_.global_batch, ilp_limit(), o_.solver);
+  if (!ma.feasible) return;
+  for (int p = 0; p < P; ++p) s.pipelines[p].micro_batches = ma.counts[p];
+  score(std::move(s), c.family);
+}
+
+// Every composition of the layers over each pipeline's stages and every
+// split of the batch over the pipelines, each scored by the full model.
+void Searcher::exhaustive(const Config& c, int b, bool recompute) {
+  const int P = static_cast<int>(c.pipelines.size());
+  const int L = static_cast<int>(m_.num_hidden_layers);
+  if (o_.global_batch % b != 0) return;
+  const int total_mb = o_.global_batch / b;
+  std::vector<std::vector<std::vector<int>>> splits(P);  // per pipeline, its layer compositions
+  for (int p = 0; p < P; ++p) {
+    const int K = static_cast<int>(c.pipelines[p].size());
+    if (K > L) return;
+    std::vector<int> cur;
+    std::function<void(int, int)> rec = [&](int k, int left) {
+      if (k == K - 1) {
+        cur.push_back(left);
+        splits[p].push_back(cur);
+        cur.pop_back();
+        return;
+      }
+      for (int x = 1; x <= left - (K - 1 - k); ++x) {
+        cur.push_back(x);
+        rec(k + 1, left - x);
+        cur.pop_back();
+      }
+    };
+    rec(0, L);
+  }
+  std::vector<int> counts(P, 0), choice(P, 0);
+  std::function<void(int, int)> mb = [&](int p, int left) {
+    if (p == P - 1) {
+      const int K = static_cast<int>(c.pipelines[p].size());
+      if (left < (o_.schedule == "gpipe" ? 1 : K)) return;
+      counts[p] = left;
+      std::function<void(int)> lay = [&](int q) {
+        if (q == P) {
+          Strategy s;
+          for (int i = 0; i < P; ++i) {
+            Pipeline pl;
+            pl.micro_batch_size = b;
+            pl.micro_batches = counts[i];
+            int first = 0;
+            for (size_t k = 0; k < c.pipelines[i].size(); ++k) {
+              Stage st;
+              st.ranks = c.pipelines[i][k].ranks;
+              st.cp = c.cp;
+              st.first_layer = first;
+              st.last_layer = first + splits[i][choice[i]][k] - 1;
+              st.recompute = recompute;
+              first = st.last_layer + 1;
+              pl.stages.push_back(st);
+            }
+            s.pipelines.push_back(pl);
+          }
+          score(std::move(s), c.family);
+          return;
+        }
+        for (size_t x = 0; x < splits[q].size(); ++x) choice[q] = static_cast<int>(x), lay(q + 1);
+      };
+      lay(0);
+      return;
+    }
+    const int K = static_cast<int>(c.pipelines[p].size());
+    for (int n = o_.schedule == "gpipe" ? 1 : K; n <= left; ++n) counts[p] = n, mb(p + 1, left - n);
+  };
+  mb(0, total_mb);
+}
+
+// First level: configurations are collected, then run best-bound first.
+void Searcher::consider(const Config& c) { configs_.push_back(c); }
+
+// A lower bound of the step time of a configuration at micro-batch size b,
+// from the continuous relaxation of the two programs. In pipeline p a stage
+// k spends f_k + x_k t_k per micro-batch (x_k layers); the slowest stage is
+// at least T_p = (L + sum_k f_k / t_k) / sum_k 1 / t_k (all stages equal,
+// layers fractional), and n_p micro-batches take at least n_p T_p; with
+// sum_p n_p = G / b the step takes at least (G / b) / sum_p 1 / T_p. Memory
+// enters as feasibility: when the stages' memory cannot hold the L layers
+// (fractional) even with recomputation, the bound is infinite; when only
+// recomputation fits, the recomputing stage times are used. Transfers
+// between stages, bubbles and the gradient sync only add.
+double Searcher::lower_bound(const Config& c, int b) const {
+  const double L = static_cast<double>(m_.num_hidden_layers);
+  const int P = static_cast<int>(c.pipelines.size());
+  const int even_m = std::max(1, o_.global_batch / (b * P));
+  double rate = 0, fill = 0;
+  for (const std::vector<Group>& pipe : c.pipelines) {
+    const int K = static_cast<int>(pipe.size());
+    double best_T = std::numeric_limits<double>::infinity(), least_stage = 0;
+    for (bool recompute : {false, true}) {
+      if (recompute && !o_.allow_recompute) break;
+      double inv = 0, fixed = 0, room = 0, least = std::numeric_limits<double>::infinity();
+      for (int k = 0; k < K; ++k) {
+        const StageShape one = shape(pipe, k, c.cp, 1, recompute), none = shape(pipe, k, c.cp, 0, recompute);
+        const StageCost c1 = model_.stage_cost(one, o_.seq_len, b), c0 = model_.stage_cost(none, o_.seq_len, b);
+        const double f = c0.fwd + c0.bwd + c0.fwd_comm + c0.bwd_comm;
+        const double t = (c1.fwd + c1.bwd + c1.fwd_comm + c1.bwd_comm) - f;
+        if (t > 0) inv += 1 / t, fixed += f / t;
+        least = std::min(least, f + t);  // a stage holds at least one layer
+        const int in_flight = o_.schedule == "gpipe" ? even_m : K - k;
+        const double share = o_.zero ? static_cast<double>(P) * one.tp() * c.cp : 1.0;
+        const double m0 = model_.stage_memory(none, o_.seq_len, b, in_flight, share, o_.zero).total();
+        const double m1 = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero).total() - m0;
+        double cap = std::numeric_limits<double>::infinity();
+        for (int r : pipe[k].ranks) cap = std::min(cap, model_.capacity_bytes(r));
+        room += m1 > 0 ? std::max(0.0, (cap - m0) / m1) : L;
+      }
+      if (room + 1e-9 < L || inv <= 0) continue;  // the layers do not fit
+      best_T = (L + fixed) / inv;
+      least_stage = least;
+      break;  // recomputation only when the plain stages do not fit
+    }
+    if (!std::isfinite(best_T)) return std::numeric_limits<double>::infinity();
+    // n micro-batches take at least n T_p plus the other stages' first
+    // forward-backward (fill and drain): (K - 1) x the smallest stage.
+    rate += 1 / best_T;
+    fill += (K - 1) * least_stage / best_T;
+  }
+  // min over n of max_p n_p T_p + B_p with sum_p n_p = G / b (fractional).
+  return (static_cast<double>(o_.global_batch) / b + fill) / rate;
+}
+
+// The k-th best step time found so far (infinity while fewer than k).
+double Searcher::kth_best() const {
+  if (static_cast<int>(scored_.size()) < o_.top_k) return std::numeric_limits<double>::infinity();
+  std::vector<double> steps;
+  for (const auto& [key, sc] : scored_) steps.push_back(sc.step);
+  std::nth_element(steps.begin(), steps.begin() + (o_.top_k - 1), steps.end());
+  return steps[o_.top_k - 1];
+}
+
+void Searcher::second_levels() {
+  struct Item {
+    double bound;
+    size_t config;
+    int b;
+  };
+  std::vector<Item> items;
+  for (size_t i = 0; i < configs_.size(); ++i)
+    for (int b : micro_batch_sizes()) {
+      if (o_.previous && !o_.previous->pipelines.empty() && b != o_.previous->pipelines[0].micro_batch_size) continue;
+      items.push_back({o_.exhaustive ? 0.0 : lower_bound(configs_[i], b), i, b});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.bound < y.bound; });
+  std::vector<Item> unfit;  // memory rules them out: solved only to name the shortfall if nothing fits
+  for (const Item& it : items) {
+    if (out_of_time()) break;
+    // Best-bound first: once the bound reaches the k-th best, nothing later
+    // can enter the top k (exhaustive runs score everything).
+    if (!o_.exhaustive && it.bound >= kth_best()) {
+      if (!std::isfinite(it.bound)) unfit.push_back(it);
+      ++pruned_;
+      continue;
+    }
+    ++configurations_;
+    const Config& c = configs_[it.config];
+    for (bool recompute : {false, true}) {
+      if (recompute && !o_.allow_recompute) break;
+      const size_t before = scored_.size();
+      if (o_.exhaustive) exhaustive(c, it.b, recompute);
+      else second_level(c, it.b, recompute);
+      // Recomputation only where the plain configuration does not fit.
+      if (scored_.size() > before) break;
+    }
+  }
+  if (scored_.empty())
+    for (const Item& it : unfit)
+      for (bool recompute : {false, true}) second_level(configs_[it.config], it.b, recompute && o_.allow_recompute);
+}
+
+// Pipelines mixing the classes: each class's groups split into P contiguous
+// blocks, pipeline p taking block p of every class, stages slowest first.
+void Searcher::enumerate_mixed(const std::vector<std::vector<Group>>& per_class, int cp) {
+  int most = 0;
+  for (const auto& g : per_class) most = std::max(most, static_cast<int>(g.size()));
+  for (int P = 1; P <= most; ++P) {
+    Config c;
+    c.cp = cp;
+    c.family = "mixed";
+    c.pipelines.resize(P);
+    for (const auto& groups : per_class) {
+      const auto parts = blocks(groups, P);
+      for (int p = 0; p < P; ++p) c.pipelines[p].insert(c.pipelines[p].end(), parts[p].begin(), parts[p].end());
+    }
+    bool empty = false;
+    for (const auto& pipe : c.pipelines) empty = empty || pipe.empty();
+    if (!empty) consider(c);
+  }
+}
+
+// Pipelines of one class each: P_c pipelines from class c's groups (0 =
+// the class stays idle), every combination.
+void Searcher::enumerate_separate(const std::vector<std::vector<Group>>& per_class, int cp) {
+  if (per_class.size() < 2) return;
+  std::vector<int> count(per_class.size(), 0);
+  std::function<void(size_t)> rec = [&](size_t c) {
+    if (c == per_class.size()) {
+      Config cfg;
+      cfg.cp = cp;
+      cfg.family = "separate";
+      for (size_t k = 0; k < per_class.size(); ++k)
+        if (count[k] > 0)
+          for (auto& part : blocks(per_class[k], count[k])) cfg.pipelines.push_back(part);
+      if (!cfg.pipelines.empty()) consider(cfg);
+      return;
+    }
+    for (int n = 0; n <= static_cast<int>(per_class[c].size()); ++n) count[c] = n, rec(c + 1);
+  };
+  rec(0);
+}
+
+// Megatron-like: one TP degree everywhere, pp stages, as many pipelines as
+// the available ranks fill, ranks in ascending order.
+void Searcher::enumerate_symmetric() {
+  std::vector<int> ranks;
+  for (int r = 0; r < model_.topology().world_size(); ++r)
+    if (!o_.unavailable.count(r)) ranks.push_back(r);
+  const int n = static_cast<int>(ranks.size());
+  const int L = static_cast<int>(m_.num_hidden_layers);
+  for (int tp = 1; tp <= n && tp <= 8; tp *= 2) {
+    if (!valid_tp(m_, tp)) continue;
+    if (!o_.tp_degrees.empty() && std::find(o_.tp_degrees.begin(), o_.tp_degrees.end(), tp) == o_.tp_degrees.end())
+      continue;
+    for (int pp = 1; pp * tp <= n && pp <= L; ++pp) {
+      const int dp = n / (tp * pp);
+      if (dp < 1) continue;
+      Config c;
+      c.family = "symmetric";
+      bool inside = true;
+      for (int d = 0; d < dp && inside; ++d) {
+        std::vector<Group> pipe;
+        for (int k = 0; k < pp; ++k) {
+          Group g;
+          const int at = (d * pp + k) * tp;
+          g.ranks.assign(ranks.begin() + at, ranks.begin() + at + tp);
+          for (int r : g.ranks) inside = inside && model_.topology().same_node(r, g.ranks.front());
+          pipe.push_back(g);
+        }
+        c.pipelines.push_back(pipe);
+      }
+      if (inside) consider(c);
+    }
+  }
+}
+
+SearchResult Searcher::run() {
+  classes_ = device_classes(model_, o_);
+  if (classes_.empty()) fail("[search] no available rank: every rank of the cluster is unavailable");
+  // The previous solution's TP degree per class (re-plan).
+  std::map<std::string, std::set<int>> previous_tp;
+  if (o_.previous)
+    for (const Pipeline& p : o_.previous->pipelines)
+      for (const Stage& st : p.stages) previous_tp[model_.topology().rank(st.ranks.front()).device_type].insert(st.tp());
+  std::vector<std::vector<int>> degrees;
+  for (const DeviceClass& c : classes_) {
+    std::vector<int> d = tp_degrees(c.max_per_node);
+    auto it = previous_tp.find(c.type);
+    if (it != previous_tp.end()) {
+      std::vector<int> kept;
+      for (int t : d)
+        if (it->second.count(t)) kept.push_back(t);
+      if (!kept.empty()) d = kept;
+    }
+    if (d.empty()) d = {1};
+    degrees.push_back(d);
+  }
+  for (int cp = 1; cp <= o_.max_cp; cp *= 2) {
+    // Every combination of per-class TP degrees.
+    std::vector<int> pick(classes_.size(), 0);
+    std::function<void(size_t)> rec = [&](size_t k) {
+      if (out_of_time()) return;
+      if (k == classes_.size()) {
+        for (bool leftovers : {false, true}) {
+          if (leftovers && cp > 1) continue;
+          std::vector<std::vector<Group>> per_class;
+          bool any_leftover = false;
+          for (size_t c = 0; c < classes_.size(); ++c) {
+            const int tp = degrees[c][pick[c]] * cp;
+            per_class.push_back(make_groups(classes_[c], static_cast<int>(c), tp, leftovers, m_));
+            for (const Group& g : per_class.back()) any_leftover = any_leftover || static_cast<int>(g.ranks.size()) != tp;
+          }
+          if (leftovers && !any_leftover) continue;
+          std::vector<std::vector<Group>> nonempty;
+          for (auto& g : per_class)
+            if (!g.empty()) nonempty.push_back(g);
+          if (nonempty.empty()) continue;
+          enumerate_mixed(nonempty, cp);
+          enumerate_separate(nonempty, cp);
+        }
+        return;
+      }
+      for (size_t i = 0; i < degrees[k].size(); ++i) pick[k] = static_cast<int>(i), rec(k + 1);
+    };
+    rec(0);
+  }
+  enumerate_symmetric();
+  second_levels();
+  SearchResult res;
+  std::vector<const Scored*> all;
+  for (const auto& [key, s] : scored_) all.push_back(&s);
+  std::sort(all.begin(), all.end(), [](const Scored* a, const Scored* b) {
+    return a->step != b->step ? a->step < b->step : a->key < b->key;
+  });
+  for (size_t i = 0; i < all.size() && static_cast<int>(i) < o_.top_k; ++i)
+    res.best.push_back({all[i]->strategy, all[i]->step, all[i]->family});
+  res.configurations = configurations_;
+  res.pruned = pruned_;
+  res.ilps = ilps_;
+  res.timed_out = timed_out_;
+  res.search_s = std::chrono::duration<double>(SteadyClock::now() - start_).count();
+  if (res.best.empty()) {
+    if (least_missing_rank_ >= 0) {
+      const RankInfo& info = model_.topology().rank(least_missing_rank_);
+      fail("[search] no strategy fits in memory: even the best candidate needs ",
+           static_cast<int64_t>(std::ceil(least_missing_)), " more bytes (",
+           least_missing_ / (1024.0 * 1024.0 * 1024.0), " GiB) on rank ", least_missing_rank_, " (",
+           info.device_type, ", ", model_.capacity_bytes(least_missing_rank_) / (1024.0 * 1024.0 * 1024.0),
+           " GiB)");
+    }
+    fail("[search] no strategy found for global batch ", o_.global_batch, timed_out_ ? " within the time limit" : "",
+         " (", configurations_, " configurations tried)");
+  }
+  return res;
+}
+
+}  // namespace
+
+nlohmann::json SearchResult::to_json() const {
+  nlohmann::json alts = nlohmann::json::array();
+  for (const SearchCandidate& c : best)
+    alts.push_back({{"predicted_step_s", c.predicted_step_s}, {"family", c.family}, {"strategy", hspmd::to_json(c.strategy)}});
+  return {{"predicted_step_s", best.empty() ? 0.0 : best[0].predicted_step_s},
+          {"strategy", best.empty() ? nlohmann::json() : hspmd::to_json(best[0].strategy)},
+          {"alternatives", alts},
+          {"configurations", configurations},
+          {"pruned", pruned},
+          {"ilps", ilps},
+          {"search_s", search_s},
+          {"timed_out", timed_out}};
+}
+
+SearchResult search_strategy(const CostModel& model, const SearchOptions& o) {
+  if (o.global_batch < 1) fail("[search] --global-batch must be >= 1, got ", o.global_batch);
+  if (o.seq_len < 1) fail("[search] --seq-len must be >= 1, got ", o.seq_len);
+  if (o.schedule != "1f1b" && o.schedule != "gpipe")
+    fail("[search] unknown schedule '", o.schedule, "' (expected 1f1b or gpipe)");
+  if (o.top_k < 1) fail("[search] --top must be >= 1, got ", o.top_k);
+  if (o.max_cp < 1 || !is_pow2(o.max_cp)) fail("[search] --max-cp must be a power of two, got ", o.max_cp);
+  return Searcher(model, o).run();
+}
+
+}  // namespace hspmd

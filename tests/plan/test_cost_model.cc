@@ -1,0 +1,294 @@
+// The planner's cost model (docs/planner.md): the simulated schedules against
+// their closed forms, slowdowns, the roofline, the communication volumes
+// against the resolver's dry run, memory and ZeRO; and the search against
+// exhaustive enumeration of the space it covers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "hspmd/core/error.h"
+#include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/plan.h"
+#include "hspmd/plan/search.h"
+#include "plan/plan_test_util.h"
+
+namespace hspmd {
+namespace {
+
+using testing::stage;
+
+LlamaConfig model8() {
+  LlamaConfig c = testing::tiny_config(8);
+  c.max_position_embeddings = 64;
+  return c;
+}
+
+// A profile whose parts take fixed times: block 1 ms forward, 2 ms
+// backward at tp 1 (halved per TP doubling), embedding and head free,
+// optimizer free.
+std::shared_ptr<const Profile> flat_profile(const LlamaConfig& c, double head = 0) {
+  auto p = std::make_shared<Profile>();
+  p->config = c;
+  for (int tp : {1, 2, 4})
+    for (int cp : {1, 2}) {
+      ProfileEntry e;
+      e.tp = tp;
+      e.cp = cp;
+      for (const char* part : kProfileParts) e.parts[part] = PartFit{};
+      e.parts["block_fwd"].d = 1e-3 / (tp * cp);
+      e.parts["block_bwd"].d = 2e-3 / (tp * cp);
+      e.parts["head_fwd"].d = head / (tp * cp);
+      e.parts["head_bwd"].d = 2 * head / (tp * cp);
+      p->entries.push_back(e);
+    }
+  return p;
+}
+
+// `n` ranks in nodes of 4 consecutive ranks (one slowdown per node), every
+// link `gbps` (by default so fast that transfers vanish).
+Topology cluster(int n, double gbps = 1e9, std::vector<double> slowdown = {}, double cap_gib = 0) {
+  nlohmann::json nodes = nlohmann::json::array();
+  for (int r = 0; r < n; r += 4) {
+    const int last = std::min(n, r + 4) - 1;
+    nlohmann::json node = {{"type", "d"}, {"ranks", {r, last}}};
+    if (!slowdown.empty()) node["slowdown"] = slowdown[r];
+    if (cap_gib > 0) node["memory_cap_gib"] = cap_gib;
+    nodes.push_back(node);
+  }
+  return Topology::from_json({{"catalog", {{"d", {{"tflops", 1}, {"memory_gib", 1}, {"intra_node_gbps", gbps},
+                                                  {"inter_node_gbps", gbps}}}}},
+                              {"nodes", nodes}});
+}
+
+Strategy make(std::vector<Pipeline> pipes, std::string schedule = "1f1b", bool zero = false) {
+  Strategy s;
+  s.schedule = std::move(schedule);
+  s.zero = zero;
+  s.pipelines = std::move(pipes);
+  return s;
+}
+
+Pipeline pipe(std::vector<Stage> stages, int micro_batches, int bs = 1) {
+  Pipeline p;
+  p.micro_batch_size = bs;
+  p.micro_batches = micro_batches;
+  p.stages = std::move(stages);
+  return p;
+}
+
+TEST(CostModel, OneF1BAndGPipeMatchTheirClosedFormWithEqualStages) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(4), {}, flat_profile(c));
+  for (const char* schedule : {"1f1b", "gpipe"})
+    for (int m : {1, 4, 7}) {
+      const Strategy s = make({pipe({stage({0}, 0, 1), stage({1}, 2, 3), stage({2}, 4, 5), stage({3}, 6, 7)}, m)},
+                              schedule);
+      const CostReport r = cm.evaluate(s, 16);
+      // (m + K - 1) slots of one stage's forward + backward (2 layers x 3 ms).
+      EXPECT_NEAR(r.predicted_step_s, (m + 3) * 6e-3, 1e-9) << schedule << " m=" << m;
+      EXPECT_NEAR(r.ranks[0].compute_s, m * 6e-3, 1e-9);
+      EXPECT_NEAR(r.ranks[0].bubble_s, 3 * 6e-3, 1e-9);
+    }
+}
+
+TEST(CostModel, SlowestStageSetsThePaceAndSlowdownScalesCompute) {
+  const LlamaConfig c = model8();
+  // The second node (ranks 4-7) is slowed down 2x.
+  const CostModel cm(c, cluster(8, 1e9, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c));
+  const Strategy s = make({pipe({stage({0}, 0, 3), stage({4}, 4, 7)}, 8)});
+  const CostReport r = cm.evaluate(s, 16);
+  // Stage 0: 4 x 3 ms = 12 ms; stage 1: 24 ms per micro-batch. 1F1B with a
+  // bottleneck last stage: first forward of stage 0 (4 ms), then 8 x 24 ms,
+  // then stage 0's last backward (8 ms).
+  EXPECT_NEAR(r.predicted_step_s, 4e-3 + 8 * 24e-3 + 8e-3, 1e-9);
+  EXPECT_NEAR(r.ranks[4].compute_s, 8 * 24e-3, 1e-9);
+  EXPECT_NEAR(r.ranks[0].compute_s, 8 * 12e-3, 1e-9);
+}
+
+TEST(CostModel, DataParallelPipelinesEndTogetherAtTheSlowest) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(8, 1e9, {1, 1, 1, 1, 3, 3, 3, 3}), {}, flat_profile(c));
+  const Strategy s = make({pipe({stage({0}, 0, 7)}, 3), pipe({stage({4}, 0, 7)}, 1)});
+  const CostReport r = cm.evaluate(s, 16);
+  EXPECT_NEAR(r.pipeline_s[0], 3 * 24e-3, 1e-9);
+  EXPECT_NEAR(r.pipeline_s[1], 72e-3, 1e-9);
+  EXPECT_NEAR(r.predicted_step_s, 72e-3, 1e-6);  // balanced: 3 fast micro-batches = 1 slow one
+}
+
+TEST(CostModel, RooflineHalvesBlockWorkUnderTwoWayTensorParallelism) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(4), {}, nullptr);
+  const double t1 = cm.part_seconds(0, "block_fwd", 1, 1, 32, 2);
+  const double t2 = cm.part_seconds(0, "block_fwd", 2, 1, 32, 2);
+  EXPECT_GT(t1, 0);
+  EXPECT_NEAR(t2, t1 / 2, t1 * 1e-12);
+  EXPECT_NEAR(cm.part_seconds(0, "block_bwd", 1, 1, 32, 2), 2 * t1, t1 * 1e-12);
+  // FLOPs / (1 TFLOP/s x default efficiency 0.5).
+  const double h = 32, f = 64, s = 32, b = 2;
+  const double flops = 2 * b * s * (2 * h * h + 2 * h * h + 3 * h * f) + 2 * b * s * s * h;
+  EXPECT_NEAR(t1, flops / 0.5e12, t1 * 1e-9);
+}
+
+// The collectives inside a stage take the time the emulator bills for the
+// dry run's resolutions of the same plan (max of sent and received over the
+// slowest link per collective), within a few percent (the model rounds the
+// vocabulary-parallel loss's scalars).
+TEST(CostModel, StageCollectivesMatchTheDryRun) {
+  LlamaConfig c = model8();
+  c.vocab_size = 64;
+  const double gbps = 1;  // every link 1 GB/s
+  const Topology topo = cluster(8, gbps);
+  const CostModel cm(c, topo, {}, flat_profile(c));
+  struct Case {
+    std::vector<int> ranks;
+    int cp;
+  };
+  for (const Case& k : {Case{{0, 1}, 1}, Case{{0, 1, 2, 3}, 1}, Case{{0, 1, 2, 3}, 2}}) {
+    const Strategy s = make({pipe({stage(k.ranks, 0, 7, k.cp)}, 1)});
+    const AnnotationPlan plan = compile_plan(c, s, 8, CompileOptions{16});
+    std::vector<PlannedOpTraffic> traffic;
+    const std::vector<PlannedReshard> dr = dry_run(plan, topo, &traffic);
+    double fwd = 0, bwd = 0;
+    const int me = k.ranks.front();
+    for (const PlannedReshard& p : dr) {
+      if (p.phase != "forward" && p.phase != "backward") continue;
+      auto it = p.resolution().ranks.find(me);
+      if (it == p.resolution().ranks.end()) continue;
+      double t = 0;
+      for (const CommPhase& ph : it->second.phases)
+        for (const CommOp& op : ph.ops) {
+          if (op.group.size() > 1) t += std::max(op.bytes_sent, op.bytes_received) / (gbps * 1e9);
+          for (const Transfer& x : op.sends) t += x.bytes / (gbps * 1e9);
+          for (const Transfer& x : op.recvs) t += x.bytes / (gbps * 1e9);
+        }
+      (p.phase == "forward" ? fwd : bwd) += t;
+    }
+    for (const PlannedOpTraffic& t : traffic) {
+      auto it = t.ranks.find(me);
+      if (it == t.ranks.end()) continue;
+      (t.phase == "forward" ? fwd : bwd) += std::max(it->second.sent, it->second.received) / (gbps * 1e9);
+    }
+    StageShape sh{k.ranks, k.cp, 8, true, true, false};
+    const StageCost sc = cm.stage_cost(sh, 16, 1);
+    EXPECT_NEAR(sc.fwd_comm, fwd, 0.1 * fwd) << "tp x cp = " << k.ranks.size() << " cp " << k.cp;
+    EXPECT_NEAR(sc.bwd_comm, bwd, 0.1 * bwd) << "tp x cp = " << k.ranks.size() << " cp " << k.cp;
+  }
+}
+
+TEST(CostModel, ZeroShrinksOptimizerStatesAndCapsAreReported) {
+  const LlamaConfig c = model8();
+  const Topology topo = cluster(4, 1e9, {}, 0.0001);  // 0.1 MiB per rank
+  const CostModel cm(c, topo, {}, flat_profile(c));
+  const std::vector<Pipeline> pipes = {pipe({stage({0}, 0, 7)}, 1), pipe({stage({1}, 0, 7)}, 1),
+                                       pipe({stage({2}, 0, 7)}, 1), pipe({stage({3}, 0, 7)}, 1)};
+  const CostReport plain = cm.evaluate(make(pipes), 16);
+  const CostReport zero = cm.evaluate(make(pipes, "1f1b", true), 16);
+  EXPECT_NEAR(zero.ranks[0].memory.optimizer, plain.ranks[0].memory.optimizer * 3 / 2 / 4, 1e-6);
+  EXPECT_EQ(plain.ranks[0].memory.params, zero.ranks[0].memory.params);
+  EXPECT_GE(plain.overflow_rank(), 0);  // a whole model in 0.1 MiB does not fit
+}
+
+TEST(CostModel, ProfileOfOtherDimensionsIsRejected) {
+  const LlamaConfig c = model8();
+  LlamaConfig other = c;
+  other.hidden_size = 64;
+  try {
+    CostModel cm(c, cluster(2), {}, flat_profile(other));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[cost] --profile: the profile was made for other model dimensions"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// ---- search ----
+
+SearchOptions options(int batch) {
+  SearchOptions o;
+  o.global_batch = batch;
+  o.seq_len = 16;
+  o.time_limit_s = 60;
+  o.top_k = 3;
+  return o;
+}
+
+// The search (ILPs) against scoring every layer split and micro-batch
+// split of the same configurations with the full model: within 5%.
+TEST(Search, IlpSecondLevelIsWithinFivePercentOfExhaustive) {
+  const LlamaConfig c = model8();
+  struct Case {
+    std::vector<double> slowdown;
+    int batch;
+  };
+  for (const Case& k : {Case{{1, 1, 1, 1, 2, 2, 2, 2}, 8}, Case{{1, 1, 1, 1, 3, 3, 3, 3}, 6}}) {
+    const CostModel cm(c, cluster(8, 25, k.slowdown), {}, flat_profile(c, 0.5e-3));
+    SearchOptions o = options(k.batch);
+    o.tp_degrees = {1, 2};
+    o.micro_batch_sizes = {1};
+    const SearchResult fast = search_strategy(cm, o);
+    o.exhaustive = true;
+    const SearchResult full = search_strategy(cm, o);
+    ASSERT_FALSE(fast.best.empty());
+    ASSERT_FALSE(full.best.empty());
+    EXPECT_LE(full.best[0].predicted_step_s, fast.best[0].predicted_step_s * (1 + 1e-12));
+    EXPECT_LE(fast.best[0].predicted_step_s, full.best[0].predicted_step_s * 1.05)
+        << "searched " << to_json(fast.best[0].strategy).dump() << "\nexhaustive "
+        << to_json(full.best[0].strategy).dump();
+    validate(fast.best[0].strategy, c, 8);
+    EXPECT_EQ(fast.best[0].strategy.global_batch(), k.batch);
+  }
+}
+
+TEST(Search, NeverReturnsAStrategyThatOverflowsAndNamesTheShortfall) {
+  const LlamaConfig c = model8();
+  const CostModel roomy(c, cluster(8, 25, {}, 1), {}, flat_profile(c));
+  const SearchResult r = search_strategy(roomy, options(8));
+  ASSERT_FALSE(r.best.empty());
+  // A cap that a single rank cannot meet with the whole model but a deep
+  // pipeline can: every returned candidate fits.
+  const CostReport whole = roomy.evaluate(make({pipe({stage({0}, 0, 7)}, 8)}), 16);
+  const double cap_gib = whole.ranks[0].memory.total() * 0.6 / (1024.0 * 1024 * 1024);
+  const CostModel tight(c, cluster(8, 25, {}, cap_gib), {}, flat_profile(c));
+  const SearchResult t = search_strategy(tight, options(8));
+  for (const SearchCandidate& cand : t.best) EXPECT_EQ(tight.evaluate(cand.strategy, 16).overflow_rank(), -1);
+  // Nothing fits in a few bytes: one line naming a rank and the bytes.
+  const CostModel tiny(c, cluster(8, 25, {}, 1e-9), {}, flat_profile(c));
+  try {
+    search_strategy(tiny, options(8));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("[search] no strategy fits in memory"), std::string::npos) << what;
+    EXPECT_NE(what.find("on rank"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos);
+  }
+}
+
+TEST(Search, ReplanAvoidsUnavailableRanks) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c));
+  const SearchResult first = search_strategy(cm, options(8));
+  SearchOptions o = options(8);
+  o.unavailable = {1, 6};
+  o.previous = &first.best[0].strategy;
+  const SearchResult again = search_strategy(cm, o);
+  for (const SearchCandidate& cand : again.best)
+    for (int r : cand.strategy.ranks()) EXPECT_FALSE(o.unavailable.count(r)) << r;
+  EXPECT_GE(again.best[0].predicted_step_s, first.best[0].predicted_step_s * (1 - 1e-9));
+}
+
+TEST(Search, CbcAndExactSolversAgree) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c, 1e-3));
+  SearchOptions o = options(8);
+  o.solver = IlpSolver::kCbc;
+  const SearchResult a = search_strategy(cm, o);
+  o.solver = IlpSolver::kExact;
+  const SearchResult b = search_strategy(cm, o);
+  EXPECT_NEAR(a.best[0].predicted_step_s, b.best[0].predicted_step_s, 1e-12);
+}
+
+}  // namespace
+}  // namespace hspmd
