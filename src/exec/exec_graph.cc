@@ -230,11 +230,26 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
 std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
                                         const std::vector<NDArray>& inputs) const {
   const int64_t before = world_->bytes().sent;
+  const double billed = clock_ ? clock_->compute_s() : 0;
   if (clock_) clock_->begin_compute();
   std::vector<NDArray> outputs = run_op(node, op.ctx, inputs);
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
   ledger_.op_predicted += op.traffic.sent;
+  const bool modeled = clock_ && clock_->modeled();
+  if (modeled || observer_) {
+    auto shapes = [](const std::vector<NDArray>& arrays) {
+      std::vector<Shape> out;
+      for (const NDArray& a : arrays) out.push_back(a.valid() ? a.shape() : Shape{0});
+      return out;
+    };
+    const OpWork work = op_work(node, shapes(inputs), shapes(outputs), &op.shard);
+    if (modeled) {
+      HSPMD_CHECK(time_model_ != nullptr, "a model-mode clock needs an op time model (set_op_time_model)");
+      clock_->advance(time_model_->seconds(node.op->type(), work));
+    }
+    if (observer_) observer_(node, work, clock_ ? clock_->compute_s() - billed : 0.0);
+  }
   return outputs;
 }
 

@@ -98,4 +98,10 @@ std::vector<Tensor> Op::gradient(const Node& node, const std::vector<Tensor>&) c
   fail("[autodiff] op '", type(), "' (node ", node.id, ") is not differentiable");
 }
 
+double Op::flops(const std::vector<Shape>&, const std::vector<Shape>& outputs, const ShardContext*) const {
+  double n = 0;
+  for (const Shape& s : outputs) n += static_cast<double>(shape_numel(s));
+  return n;
+}
+
 }  // namespace hspmd

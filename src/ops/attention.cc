@@ -475,6 +475,15 @@ std::vector<NDArray> contiguous_inputs(const std::vector<NDArray>& in, size_t n)
   return c;
 }
 
+// The score and value products of causal attention on this rank: q's local
+// rows against the keys of the whole sequence (ring attention visits every
+// cp rank's keys), half of them unmasked: 2 * B * Hq * D * Sq * Sk.
+double attention_products(const std::vector<Shape>& in, const ShardContext* shard) {
+  const Shape& q = in.at(0);
+  const int64_t sk = shard ? shard->input_global_shapes.at(1).at(1) : in.at(1).at(1);
+  return 2.0 * static_cast<double>(q[0] * q[2] * q[3]) * static_cast<double>(q[1]) * static_cast<double>(sk);
+}
+
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 class AttentionGradOp final : public Op {
  public:
@@ -493,6 +502,10 @@ class AttentionGradOp final : public Op {
     return {in[0], in[1], in[2]};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, true); }
+  // The scores again, then dV, dP, dQ and dK: 2.5 times the forward's products.
+  double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
+    return 2.5 * attention_products(in, shard);
+  }
   bool may_communicate() const override { return context_parallel_; }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
@@ -529,6 +542,9 @@ class AttentionOp final : public Op {
     return {in[0], TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, false); }
+  double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
+    return attention_products(in, shard);
+  }
   bool may_communicate() const override { return context_parallel_; }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {

@@ -129,6 +129,14 @@ class MatmulOp final : public Op {
     return deduce_by_dims(ctx, rule, in);
   }
 
+  // 2 m n k: every output element is a dot product over the contracted dim
+  // (a's last dim, or with trans_a its leading dims).
+  double flops(const std::vector<Shape>& in, const std::vector<Shape>& out, const ShardContext*) const override {
+    const Shape& a = in.at(0);
+    const int64_t k = a.empty() ? 0 : trans_a_ ? shape_numel(a) / std::max<int64_t>(a.back(), 1) : a.back();
+    return 2.0 * static_cast<double>(shape_numel(out.at(0))) * static_cast<double>(k);
+  }
+
  private:
   bool trans_a_;
   bool trans_b_;

@@ -164,7 +164,9 @@ nlohmann::json Profile::to_json() const {
     mem.push_back({{"tp", m.tp}, {"cp", m.cp}, {"param_bytes", m.param_bytes}, {"grad_bytes", m.grad_bytes},
                    {"optimizer_bytes", m.optimizer_bytes},
                    {"activation_bytes_per_token", m.activation_bytes_per_token},
-                   {"activation_bytes_per_token_recompute", m.activation_bytes_per_token_recompute}});
+                   {"activation_bytes_per_token_recompute", m.activation_bytes_per_token_recompute},
+                   {"stage_activation_bytes_per_token", m.stage_activation_bytes_per_token},
+                   {"stage_activation_bytes_per_token_recompute", m.stage_activation_bytes_per_token_recompute}});
   return {{"model", model},
           {"config", config.to_json()},
           {"device", device},
@@ -234,6 +236,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
       l.optimizer_bytes = get<int64_t>(m, "optimizer_bytes", where);
       l.activation_bytes_per_token = get<double>(m, "activation_bytes_per_token", where);
       l.activation_bytes_per_token_recompute = get<double>(m, "activation_bytes_per_token_recompute", where);
+      l.stage_activation_bytes_per_token = m.value("stage_activation_bytes_per_token", 0.0);
+      l.stage_activation_bytes_per_token_recompute = m.value("stage_activation_bytes_per_token_recompute", 0.0);
       p.memory.push_back(l);
     }
   return p;

@@ -2,8 +2,9 @@
 // links): data arrives intact, a receiver's clock moves to the sender's
 // clock at its send plus the transfer time, waiting is not billed as
 // compute, computation overlapping a transfer hides it, collectives
-// complete at the latest member's start plus their ring volume's time, and
-// typed buffers are billed by their bytes (elements times dtype size).
+// complete at the latest member's start plus their ring volume's time,
+// typed buffers are billed by their bytes (elements times dtype size), and
+// a model-mode clock reads no CPU time.
 #include <gtest/gtest.h>
 
 #include <ctime>
@@ -156,6 +157,29 @@ TEST(ClockedComm, TypedBuffersAreBilledByTheirBytes) {
   EXPECT_EQ(bf16_to_f32(h[999]), 3.0f);
   EXPECT_EQ(d[0], 1.0 + 0x1p-50);
   EXPECT_GE(clock.now(), before + 2.0 * (2 - 1) / 2 * 1000 * 2 / 1e9);
+}
+
+// Model mode (--clock model): the brackets the communicator splits read no
+// CPU time, so only the transfers and the peers' clocks move the clock; the
+// sender's advance() (a predicted op time) reaches the receiver.
+TEST(ClockedComm, ModelModeBillsNoCpuTime) {
+  Communicator& world = testing::test_world();
+  const Topology topo = two_nodes();
+  VirtualClock clock(1.0, ClockMode::kModel);
+  ClockedCommunicator comm(world, clock, topo, {0, 1});
+  std::vector<float> buf(kFloats, 1.0f);
+  world.barrier();
+  clock.begin_compute();
+  burn(0.02);
+  if (world.rank() == 0) clock.advance(0.5);
+  std::vector<Request> r;
+  if (world.rank() == 0) r.push_back(comm.start_send(buf.data(), kFloats, 1, 8));
+  else r.push_back(comm.start_recv(buf.data(), kFloats, 0, 8));
+  burn(0.02);
+  comm.wait_all(r);
+  clock.end_compute();
+  EXPECT_EQ(clock.compute_s(), world.rank() == 0 ? 0.5 : 0.0);
+  EXPECT_DOUBLE_EQ(clock.now(), 0.5 + kTransfer);  // both: the send's start plus its transfer
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 // Bindings and cached. Not thread-safe: use one ExecGraph from one thread.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "hspmd/annotation/deduce.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/comm/execute.h"
+#include "hspmd/exec/op_work.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/llama.h"
@@ -141,6 +143,15 @@ class ExecGraph {
   // Ops that communicate inside their kernels get, through group_along, a
   // ClockedCommunicator (src/exec/clocked_comm.h) billing that to the clock.
   void set_clock(VirtualClock* clock) { clock_ = clock; }
+  // The model clock (docs/profiling.md): with a clock in model mode, every
+  // op advances it by `model`'s prediction for its work (op_work) when it
+  // completes, instead of by CPU time. Required before running with such a
+  // clock (InternalError otherwise).
+  void set_op_time_model(std::shared_ptr<const OpTimeModel> model) { time_model_ = std::move(model); }
+  // Profiling: after every op this rank computes, `observer` gets the node,
+  // its work and the compute seconds it billed to the clock (0 without one).
+  using OpObserver = std::function<void(const Node& node, const OpWork& work, double seconds)>;
+  void set_op_observer(OpObserver observer) { observer_ = std::move(observer); }
   // Emulation: after every op and Reshard, the bytes this process holds must
   // stay within `bytes` (0 = no cap), else hspmd::Error "[emulate] rank R:
   // out of memory ...".
@@ -173,6 +184,8 @@ class ExecGraph {
   bool defer_sends_ = false;
   bool recompute_ = false;
   VirtualClock* clock_ = nullptr;
+  std::shared_ptr<const OpTimeModel> time_model_;
+  OpObserver observer_;
   size_t memory_cap_ = 0;
   void check_memory(const Node& node) const;
   void sync_clock(const Resolution& r, Communicator& world) const;

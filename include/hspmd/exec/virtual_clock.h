@@ -4,6 +4,11 @@
 // the transfer time over the topology's links. Step times read from it are
 // the step times of the EMULATED cluster, independent of how many ranks share
 // this machine's cores.
+//
+// In model mode (`hspmd train --clock model`, docs/profiling.md) no CPU time
+// is ever read: compute advances the clock only through advance(), by a
+// prediction from a measured profile, so the emulated times are
+// deterministic and independent of the machine's load.
 #pragma once
 
 #include <ctime>
@@ -19,18 +24,34 @@ struct TraceEvent {
   double begin = 0, end = 0;
 };
 
+// How compute advances a clock: by the measured process CPU time of its
+// begin_compute / end_compute brackets (kCpu), or only by advance() (kModel).
+enum class ClockMode { kCpu, kModel };
+
 class VirtualClock {
  public:
-  explicit VirtualClock(double slowdown = 1.0) : slowdown_(slowdown) {}
+  explicit VirtualClock(double slowdown = 1.0, ClockMode mode = ClockMode::kCpu)
+      : slowdown_(slowdown), mode_(mode) {}
+
+  ClockMode mode() const { return mode_; }
+  bool modeled() const { return mode_ == ClockMode::kModel; }
 
   double now() const { return now_; }
   double compute_s() const { return compute_; }  // virtual seconds spent computing
   double comm_s() const { return comm_; }        // virtual seconds waiting or transferring
 
   // Brackets a computation: advances by its process CPU time x slowdown.
-  void begin_compute() { cpu0_ = cpu_seconds(); }
+  // Model mode: both do nothing (no CPU time is read).
+  void begin_compute() {
+    if (mode_ == ClockMode::kCpu) cpu0_ = cpu_seconds();
+  }
   void end_compute() {
-    const double dt = (cpu_seconds() - cpu0_) * slowdown_;
+    if (mode_ == ClockMode::kCpu) advance(cpu_seconds() - cpu0_);
+  }
+  // Bills `seconds` of compute on this machine: advances by seconds x
+  // slowdown (model mode: a prediction for the work just done).
+  void advance(double seconds) {
+    const double dt = seconds * slowdown_;
     now_ += dt;
     compute_ += dt;
   }
@@ -57,6 +78,7 @@ class VirtualClock {
   }
 
   double slowdown_;
+  ClockMode mode_;
   double now_ = 0, compute_ = 0, comm_ = 0, cpu0_ = 0;
   bool tracing_ = false;
   std::vector<TraceEvent> events_;

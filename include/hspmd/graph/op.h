@@ -110,6 +110,14 @@ class Op {
   virtual OpTraffic traffic(const ShardContext& /*shard*/) const { return {}; }
   // Whether traffic() may return any (lets the dry run skip the other ops).
   virtual bool may_communicate() const { return false; }
+
+  // Floating-point operations of one call on local arrays of these shapes:
+  // the work the model clock charges an op for (exec/op_work.h,
+  // docs/profiling.md). The default counts one per output element
+  // (elementwise ops); matmul and attention override it. `shard` (nullptr on
+  // one device) gives global shapes where the local work depends on them.
+  virtual double flops(const std::vector<Shape>& inputs, const std::vector<Shape>& outputs,
+                       const ShardContext* shard) const;
 };
 
 }  // namespace hspmd

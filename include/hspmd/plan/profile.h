@@ -69,7 +69,14 @@ struct OpFit {
   double overhead_s = 0, s_per_flop = 0, s_per_element = 0;
   double max_rel_error = 0;
   int samples = 0;
+
+  double at(double flops, double elements) const {
+    return overhead_s + s_per_flop * flops + s_per_element * elements;
+  }
 };
+// The key of Profile::ops whose fit (over every op measured) serves op types
+// that have no fit of their own.
+inline constexpr const char* kAnyOp = "*";
 
 // Bytes of one transformer block on one rank at tp x cp (docs/planner.md
 // "Memory"): measured by the profiler, next to the cost model's formula.
@@ -80,6 +87,11 @@ struct LayerMemory {
   int64_t optimizer_bytes = 0;                  // Adam states without ZeRO
   double activation_bytes_per_token = 0;        // kept by the forward for the backward
   double activation_bytes_per_token_recompute = 0;
+  // What a stage keeps per token besides its layers' share (the intercept of
+  // the fit over layer counts; with recomputation, the stage's input).
+  // Optional in the JSON (0 when absent).
+  double stage_activation_bytes_per_token = 0;
+  double stage_activation_bytes_per_token_recompute = 0;
 };
 
 struct Profile {
