@@ -463,13 +463,47 @@ std::pair<double, double> kept_per_token(StageProbe& one, StageProbe& two, int64
   return {(k2 - k1) / tokens, (2 * k1 - k2) / tokens};
 }
 
+// What the op fits are calibrated on: a stage's measured time (the median
+// of its runs) and its ops (each at its median).
+struct MeasuredStage {
+  double seconds = 0;
+  std::vector<OpSample> ops;
+};
+
+// Scales every op fit by one factor so that, summed over the measured
+// stages' ops, the fits give the stages' measured time: fits of relative
+// errors over per-op medians lean low, and a stage is what the model clock
+// must get right.
+void calibrate_ops(std::map<std::string, OpFit>& fits, const std::vector<MeasuredStage>& stages,
+                   const std::map<std::string, std::vector<OpSample>>& samples) {
+  double measured = 0, predicted = 0;
+  for (const MeasuredStage& st : stages) {
+    measured += st.seconds;
+    for (const OpSample& op : st.ops) predicted += fits.at(op.type).at(op.work.flops, op.work.elements);
+  }
+  if (!(measured > 0 && predicted > 0)) return;
+  const double k = measured / predicted;
+  for (auto& [type, f] : fits) {
+    f.overhead_s *= k;
+    f.s_per_flop *= k;
+    f.s_per_element *= k;
+    f.max_rel_error = 0;
+    for (const auto& [t, list] : samples)
+      if (t == type || type == kAnyOp)
+        for (const OpSample& op : list)
+          f.max_rel_error = std::max(f.max_rel_error, std::abs(f.at(op.work.flops, op.work.elements) - op.seconds) /
+                                                          std::max(op.seconds, 1e-12));
+  }
+}
+
 struct EntryResult {
   ProfileEntry entry;
   LayerMemory memory;
   std::vector<Shape> block_shapes;
 };
 
-EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std::string, std::vector<OpSample>>& ops) {
+EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std::string, std::vector<OpSample>>& ops,
+                          std::vector<MeasuredStage>& stages) {
   const int64_t max_s = *std::max_element(o.seq_lens.begin(), o.seq_lens.end());
   const int64_t max_b = *std::max_element(o.micro_batch_sizes.begin(), o.micro_batch_sizes.end());
   EntryResult out;
@@ -487,8 +521,10 @@ EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std:
       for (const auto& [part, seconds] : split_parts(runs[0], runs[1], runs[2]))
         out.entry.parts[part].samples.push_back(FitSample{s, b, seconds});
       for (const auto& r : runs)
-        for (bool bwd : {false, true})
-          for (const OpSample& op : median_ops(r, bwd)) ops[op.type].push_back(op);
+        for (bool bwd : {false, true}) {
+          stages.push_back({median_of(r, bwd), median_ops(r, bwd)});
+          for (const OpSample& op : stages.back().ops) ops[op.type].push_back(op);
+        }
     }
   for (auto& [part, fit] : out.entry.parts) fit.fit();
   StageProbe& mid = *probes[1];
@@ -519,11 +555,12 @@ Profile profile_model(const ProfileOptions& o) {
   prof.threads = o.threads;
   prof.repetitions = o.repetitions;
   std::map<std::string, std::vector<OpSample>> ops;
+  std::vector<MeasuredStage> stages;
   std::vector<Shape> optimizer_block;
   for (int tp : o.tp)
     for (int cp : o.cp) {
       if (o.progress) o.progress("tp " + std::to_string(tp) + " cp " + std::to_string(cp));
-      EntryResult r = profile_entry(o, tp, cp, ops);
+      EntryResult r = profile_entry(o, tp, cp, ops, stages);
       prof.entries.push_back(std::move(r.entry));
       prof.memory.push_back(r.memory);
       if (optimizer_block.empty()) optimizer_block = r.block_shapes;
@@ -535,6 +572,7 @@ Profile profile_model(const ProfileOptions& o) {
   const OpFit any = fit_op(all);
   prof.ops[kAnyOp] = any;
   for (const auto& [type, samples] : ops) prof.ops[type] = fit_op(samples, &any);
+  calibrate_ops(prof.ops, stages, ops);
   return prof;
 }
 
