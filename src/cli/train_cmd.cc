@@ -158,6 +158,11 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
   f.add_string("cluster", &o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
   f.add_string("trace", &o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
+  std::string clock = "cpu";
+  f.add_string("clock", &clock,
+               "emulated compute time: cpu (measured CPU time, default) or model (predicted from --profile: "
+               "deterministic, independent of the machine's load)");
+  f.add_string("profile", &o.profile_path, "profile JSON made by `hspmd profile` (with --clock model)");
   f.add_string("plan", &o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
   std::vector<std::string> switches, lost;
   f.add_list("switch", &switches,
@@ -182,6 +187,8 @@ int train_command(const std::vector<std::string>& args) {
   if (save_dtype != "f32" && save_dtype != "bf16")
     fail("[flags] --save-dtype: '", save_dtype, "' (expected f32 or bf16)");
   o.save_dtype = save_dtype == "bf16" ? DType::BF16 : DType::F32;
+  if (clock != "cpu" && clock != "model") fail("[flags] --clock: '", clock, "' (expected cpu or model)");
+  o.model_clock = clock == "model";
   if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
   if (warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", warmup);
   if (threads < 1) fail("[flags] --threads must be >= 1, got ", threads);

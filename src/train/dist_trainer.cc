@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -24,6 +25,7 @@
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/switch.h"
+#include "hspmd/train/profiler.h"
 #include "hspmd/train/training_state.h"
 #include "kernels/kernels.h"
 #include "train/schedules.h"
@@ -120,8 +122,18 @@ class DistTrainer {
     if (topology_->world_size() != world.size())
       fail("[cluster] ", o.cluster_path, " has ", topology_->world_size(), " ranks but the job has ",
            world.size());
+    if (o.model_clock) {  // docs/profiling.md
+      if (o.cluster_path.empty()) fail("[flags] --clock model needs --cluster (it times an emulated cluster)");
+      if (o.profile_path.empty()) fail("[flags] --clock model needs --profile P.json (made by hspmd profile)");
+      profile_ = Profile::load(o.profile_path);
+      check_profile_model(*profile_, config_, o.profile_path, o.model_path);
+      time_model_ = std::make_shared<const OpTimeModel>(profile_->ops, o.profile_path);
+    } else if (!o.profile_path.empty()) {
+      fail("[flags] --profile is read only with --clock model");
+    }
     if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
-      clock_ = std::make_unique<VirtualClock>(topology_->rank(world.rank()).slowdown);
+      clock_ = std::make_unique<VirtualClock>(topology_->rank(world.rank()).slowdown,
+                                              o.model_clock ? ClockMode::kModel : ClockMode::kCpu);
       clock_->set_tracing(!o.trace_path.empty());
     }
     plans_.push_back(o.strategy ? compile(*o.strategy)
@@ -186,6 +198,8 @@ class DistTrainer {
   std::optional<TrainingState> state_;
   SwitchPlanCache switch_plans_;
   std::unique_ptr<VirtualClock> clock_;
+  std::optional<Profile> profile_;                 // --clock model: the profile ...
+  std::shared_ptr<const OpTimeModel> time_model_;  // ... and its per-op model
   int64_t emulated_end_ = 0;                 // ns, the previous step's end
   std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step
   std::unique_ptr<TokenData> data_;
@@ -250,6 +264,7 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   rt->graph->set_deferred_sends(true);
   if (clock_) {
     rt->graph->set_clock(clock_.get());
+    rt->graph->set_op_time_model(time_model_);
     rt->graph->set_memory_cap(static_cast<size_t>(topology_->rank(world_.rank()).memory_cap_gib * 1024.0 *
                                                   1024.0 * 1024.0));
   }
@@ -356,6 +371,9 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
   adam.begin_step();
   state_->step = adam.step_count();
   const AnnotationPlan& plan = *rt_->plan;
+  // Model clock: the profile's optimizer fit, its fixed part once per step.
+  const OptimizerFit* modeled = clock_ && clock_->modeled() ? &profile_->optimizer : nullptr;
+  double fixed_s = modeled ? modeled->fixed_s : 0.0;
   for (const std::string& name : rt_->graph->model().names) {  // the same order on every rank
     const bool decay = rt_->shapes.at(name).size() >= 2;
     Shard& target = state_->optimized(name);
@@ -367,6 +385,10 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
       adam.update(name, target.data, g->second, lr, decay);
       adam.export_moments(name);
       if (clock_) clock_->end_compute();
+      if (modeled) {
+        clock_->advance(std::exchange(fixed_s, 0.0) +
+                        modeled->per_param_s * static_cast<double>(target.data.numel()));
+      }
     }
     auto st = plan.optimizer_states.find(name);
     if (st == plan.optimizer_states.end()) continue;

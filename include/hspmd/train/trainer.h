@@ -26,6 +26,11 @@ struct TrainOptions {
   std::string cluster_path;     // distributed: optional cluster JSON (emulated cluster)
   std::string trace_path;       // distributed: Chrome-trace timeline of the emulated cluster
   std::string plan_path;        // distributed: an annotation plan JSON to train (instead of a strategy)
+  // Emulation (with cluster_path): what a rank's compute bills to its virtual
+  // clock — its CPU time (false, --clock cpu) or the per-op predictions of
+  // the profile at profile_path (true, --clock model; docs/profiling.md).
+  bool model_clock = false;
+  std::string profile_path;
   std::optional<Strategy> strategy;  // a strategy given as a value (instead of strategy_path)
   // Plan switches (docs/switching.md): from step `step` on, train under
   // `path` (a strategy or an annotation plan); ascending steps.
@@ -107,7 +112,9 @@ class SetupFailure : public Error {
 // reports the global loss. Every rank returns the same records; rank 0 writes
 // the log and the saved weights (full tensors, gathered through Reshards).
 // Throws hspmd::Error before the first step for a bad strategy, a world size
-// that does not fit it, or a --global-batch other than the strategy's.
+// that does not fit it, or a --global-batch other than the strategy's; with
+// model_clock, for a missing cluster_path or profile_path or a profile made
+// for other model dimensions.
 // With switches, the run changes plans at the given steps without a
 // restart: it specializes the next plan's ExecGraph and moves the training
 // state to it (TrainingState::reshard_to), and logs one
