@@ -8,6 +8,7 @@
 
 #include "flags.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/threads.h"
 #include "hspmd/models/config.h"
 #include "hspmd/plan/cost_model.h"
 #include "hspmd/plan/search.h"
@@ -125,9 +126,14 @@ int search_command(const std::vector<std::string>& args) {
   f.add_string("from", &c.from, "re-plan: the previous strategy (its TP degrees and micro-batch size prune the search)");
   f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("solver", &c.solver, "cbc (default) or exact: who solves the integer programs");
-  f.add_string("o", &c.out, "write the best strategy JSON here");
+  f.add_string("output", &c.out, "write the best strategy JSON here (also -o)");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
-  if (!f.parse(args)) return 0;
+  std::vector<std::string> expanded;  // -o is --output
+  for (const std::string& a : args) expanded.push_back(a == "-o" ? "--output" : a);
+  if (!f.parse(expanded)) return 0;
+  // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
+  // between those calls cost more than the calls (measured: 2x the search).
+  set_num_threads(1);
   const LlamaConfig config = LlamaConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const CostModel model = CostModel::load(config, topology, c.profile);

@@ -146,14 +146,32 @@ double CostModel::link_seconds(int a, int b, double bytes) const {
 // one latency per ring step.
 double CostModel::group_seconds(const std::vector<int>& ranks, double bytes_per_member) const {
   if (ranks.size() < 2 || bytes_per_member <= 0) return 0;
-  double bw = std::numeric_limits<double>::infinity(), latency = 0;
-  for (size_t i = 0; i < ranks.size(); ++i)
-    for (size_t j = i + 1; j < ranks.size(); ++j) {
-      bw = std::min(bw, topology_.bandwidth(ranks[i], ranks[j]));
-      latency = std::max({latency, topology_.device_type(ranks[i]).latency_us,
-                          topology_.device_type(ranks[j]).latency_us});
-    }
-  return latency * 1e-6 * static_cast<double>(ranks.size() - 1) + bytes_per_member / (bw * 1e9);
+  const auto [latency, per_byte] = group_link(ranks);
+  return latency + bytes_per_member * per_byte;
+}
+
+std::pair<double, double> CostModel::group_link(const std::vector<int>& ranks) const {
+  if (ranks.size() < 2) return {0.0, 0.0};
+  // The slowest link between two members (Topology::bandwidth): across
+  // nodes the smaller inter-node bandwidth of the two, inside a node the
+  // smaller intra-node one. O(n): the least inter-node bandwidth of any
+  // member when the group spans nodes, and per node with two members or
+  // more the least intra-node bandwidth there.
+  std::map<int, std::pair<int, double>> nodes;  // node -> (members, least intra)
+  double inter = std::numeric_limits<double>::infinity(), latency = 0;
+  for (int r : ranks) {
+    const DeviceSpec& d = topology_.device_type(r);
+    auto [it, fresh] = nodes.try_emplace(topology_.node_of(r), 0, std::numeric_limits<double>::infinity());
+    it->second.first += 1;
+    it->second.second = std::min(it->second.second, d.intra_node_gbps);
+    inter = std::min(inter, d.inter_node_gbps);
+    latency = std::max(latency, d.latency_us);
+  }
+  double bw = nodes.size() > 1 ? inter : std::numeric_limits<double>::infinity();
+  for (const auto& [node, m] : nodes)
+    if (m.first > 1) bw = std::min(bw, m.second);
+  if (!std::isfinite(bw)) return {0.0, 0.0};  // one rank listed twice
+  return {latency * 1e-6 * static_cast<double>(ranks.size() - 1), 1.0 / (bw * 1e9)};
 }
 
 StageCost CostModel::stage_cost(const StageShape& st, int64_t s, int64_t b) const {
@@ -417,6 +435,7 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
   // group) and how many ways ZeRO splits its states.
   std::vector<std::vector<int>> holders(layers);
   std::vector<double> zero_share(layers, 0), replicas(layers, 0);
+  std::vector<std::pair<double, double>> holder_link(layers, {0.0, -1.0});  // group_link of each layer's holders, lazily
   // Per pipeline and stage.
   struct Placed {
     StageShape shape;
@@ -504,7 +523,8 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
         for (int l = st.first_layer; l <= st.last_layer; ++l) {
           const int n = static_cast<int>(std::lround(replicas[l]));  // data-parallel (and cp) replicas
           if (n <= 1) continue;
-          sync += group_seconds(holders[l], 2.0 * per_layer * kBytes * (n - 1) / n);
+          if (holder_link[l].second < 0) holder_link[l] = group_link(holders[l]);
+          sync += holder_link[l].first + holder_link[l].second * 2.0 * per_layer * kBytes * (n - 1) / n;
         }
         const double extra = static_cast<double>(stage_params(sh)) - per_layer * sh.layers;
         const int dp = static_cast<int>(placed.size());

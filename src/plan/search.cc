@@ -158,6 +158,15 @@ class Searcher {
   }
   std::map<std::string, LayerAssignment> layer_cache_;
   StageShape shape(const std::vector<Group>& pipe, size_t k, int cp, int layers, bool recompute) const;
+  // Per micro-batch, the transfers a stage makes and waits for: the
+  // activation in and out, the gradient in and out (each boundary twice).
+  double transfers(const std::vector<Group>& pipe, size_t k, int cp, int b) const {
+    double t = 0;
+    const StageShape me = shape(pipe, k, cp, 1, false);
+    if (k + 1 < pipe.size()) t += 2 * model_.boundary_seconds(me, shape(pipe, k + 1, cp, 1, false), o_.seq_len, b);
+    if (k > 0) t += 2 * model_.boundary_seconds(shape(pipe, k - 1, cp, 1, false), me, o_.seq_len, b);
+    return t;
+  }
   void enumerate_mixed(const std::vector<std::vector<Group>>& per_class, int cp);
   void enumerate_separate(const std::vector<std::vector<Group>>& per_class, int cp);
   void enumerate_symmetric();
@@ -241,10 +250,9 @@ void Searcher::second_level(const Config& c, int b, bool recompute) {
       LayerStage ls;
       ls.time_per_layer = total(c1) - total(c0);
       ls.fixed_time = total(c0);
-      if (k + 1 < K) ls.fixed_time += model_.boundary_seconds(one, shape(pipe, k + 1, c.cp, 1, recompute), o_.seq_len, b);
-      if (k > 0) ls.fixed_time += model_.boundary_seconds(shape(pipe, k - 1, c.cp, 1, recompute), one, o_.seq_len, b);
+      ls.fixed_time += transfers(pipe, k, c.cp, b);
       const int in_flight = o_.schedule == "gpipe" ? even_m : K - k;
-      const double share = o_.zero ? static_cast<double>(P) * one.tp() * c.cp : 1.0;
+      const double share = o_.zero ? static_cast<double>(P) : 1.0;  // ZeRO splits a rank's states over the pipelines
       const MemoryBreakdown m0 = model_.stage_memory(zero_layers, o_.seq_len, b, in_flight, share, o_.zero);
       const MemoryBreakdown m1 = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero);
       ls.fixed_memory = m0.total();
@@ -288,8 +296,22 @@ void Searcher::second_level(const Config& c, int b, bool recompute) {
   int least = 0;
   for (const MicroBatchPipeline& mp : mbp) least += mp.micro_batch_size * mp.min_micro_batches;
   if (least > o_.global_batch) return;  // too many pipelines or stages for the batch
-  ++ilps_;
-  const MicroBatchAssignment ma = assign_micro_batches(mbp, o_.global_batch, ilp_limit(), o_.solver);
+  MicroBatchAssignment ma;
+  bool identical = true;
+  for (const MicroBatchPipeline& mp : mbp)
+    identical = identical && mp.micro_batch_size == mbp[0].micro_batch_size &&
+                mp.time_per_micro_batch == mbp[0].time_per_micro_batch && mp.fixed_time == mbp[0].fixed_time &&
+                mp.min_micro_batches == mbp[0].min_micro_batches && mp.max_micro_batches == mbp[0].max_micro_batches;
+  if (identical && o_.global_batch % b == 0) {
+    // Identical pipelines need no program: the most even split is optimal
+    // (any other gives some pipeline more micro-batches than the ceiling).
+    const int n = o_.global_batch / b;
+    for (int p = 0; p < P; ++p) ma.counts.push_back(n / P + (p < n % P ? 1 : 0));
+    ma.feasible = true;
+  } else {
+    ++ilps_;
+    ma = assign_micro_batches(mbp, o_.global_batch, ilp_limit(), o_.solver);
+  }
   if (!ma.feasible) return;
   for (int p = 0; p < P; ++p) s.pipelines[p].micro_batches = ma.counts[p];
   score(std::move(s), c.family);
@@ -373,47 +395,109 @@ void Searcher::consider(const Config& c) { configs_.push_back(c); }
 // sum_p n_p = G / b the step takes at least (G / b) / sum_p 1 / T_p. Memory
 // enters as feasibility: when the stages' memory cannot hold the L layers
 // (fractional) even with recomputation, the bound is infinite; when only
-// recomputation fits, the recomputing stage times are used. Transfers
-// between stages, bubbles and the gradient sync only add.
+// recomputation fits, the recomputing stage times are used; the fill and
+// drain of each pipeline and the gradient sync and optimizer step of its
+// fullest stage (each at least ceil(L / K) layers) are added at their least.
+// Transfers between stages only add.
 double Searcher::lower_bound(const Config& c, int b) const {
   const double L = static_cast<double>(m_.num_hidden_layers);
   const int P = static_cast<int>(c.pipelines.size());
   const int even_m = std::max(1, o_.global_batch / (b * P));
-  double rate = 0, fill = 0;
-  for (const std::vector<Group>& pipe : c.pipelines) {
+  double rate = 0, fill = 0, after = 0, at_least = 0;
+  for (size_t p = 0; p < c.pipelines.size(); ++p) {
+    const std::vector<Group>& pipe = c.pipelines[p];
     const int K = static_cast<int>(pipe.size());
+    // After the schedule every rank reduces its layers' gradients over the
+    // replicas (P pipelines x cp) and steps the optimizer; some stage of
+    // each pipeline holds at least ceil(L / K) layers. Its ring all-reduce
+    // can use no link faster than its fastest one to another pipeline.
+    const int replicas = P * c.cp;
+    const int most = (static_cast<int>(L) + K - 1) / K;
+    double least_after = std::numeric_limits<double>::infinity();
+    for (const Group& g : pipe) {
+      const double per_layer = static_cast<double>(model_.layer_params() - model_.layer_tp_params()) +
+                               static_cast<double>(model_.layer_tp_params()) / (static_cast<double>(g.ranks.size()) / c.cp);
+      double sync = 0;
+      if (replicas > 1) {
+        double fastest = 0;
+        for (size_t q = 0; q < c.pipelines.size(); ++q)
+          for (const Group& other : c.pipelines[q])
+            for (int r : other.ranks)
+              if (r != g.ranks.front() && (q != p || c.cp > 1))
+                fastest = std::max(fastest, model_.topology().bandwidth(g.ranks.front(), r));
+        if (fastest > 0) sync = 2.0 * per_layer * 4 * (replicas - 1) / replicas / (fastest * 1e9);
+      }
+      const double opt = model_.optimizer_seconds(g.ranks.front(), static_cast<int64_t>(per_layer)) -
+                         model_.optimizer_seconds(g.ranks.front(), 0);
+      least_after = std::min(least_after, most * (sync + (o_.zero ? opt / P : opt)));
+    }
+    after = std::max(after, least_after);
     double best_T = std::numeric_limits<double>::infinity(), least_stage = 0;
     for (bool recompute : {false, true}) {
       if (recompute && !o_.allow_recompute) break;
-      double inv = 0, fixed = 0, room = 0, least = std::numeric_limits<double>::infinity();
+      std::vector<double> fk(K), tk(K), mk(K);
+      double room = 0;
       for (int k = 0; k < K; ++k) {
         const StageShape one = shape(pipe, k, c.cp, 1, recompute), none = shape(pipe, k, c.cp, 0, recompute);
         const StageCost c1 = model_.stage_cost(one, o_.seq_len, b), c0 = model_.stage_cost(none, o_.seq_len, b);
-        const double f = c0.fwd + c0.bwd + c0.fwd_comm + c0.bwd_comm;
-        const double t = (c1.fwd + c1.bwd + c1.fwd_comm + c1.bwd_comm) - f;
-        if (t > 0) inv += 1 / t, fixed += f / t;
-        least = std::min(least, f + t);  // a stage holds at least one layer
+        fk[k] = c0.fwd + c0.bwd + c0.fwd_comm + c0.bwd_comm + transfers(pipe, k, c.cp, b);
+        tk[k] = std::max(1e-30, (c1.fwd + c1.bwd + c1.fwd_comm + c1.bwd_comm) - fk[k]);
         const int in_flight = o_.schedule == "gpipe" ? even_m : K - k;
-        const double share = o_.zero ? static_cast<double>(P) * one.tp() * c.cp : 1.0;
+        const double share = o_.zero ? static_cast<double>(P) : 1.0;  // ZeRO splits a rank's states over the pipelines
         const double m0 = model_.stage_memory(none, o_.seq_len, b, in_flight, share, o_.zero).total();
         const double m1 = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero).total() - m0;
         double cap = std::numeric_limits<double>::infinity();
         for (int r : pipe[k].ranks) cap = std::min(cap, model_.capacity_bytes(r));
-        room += m1 > 0 ? std::max(0.0, (cap - m0) / m1) : L;
+        mk[k] = m1 > 0 ? std::max(0.0, std::floor((cap - m0) / m1)) : L;  // whole layers
+        room += std::min(mk[k], L);
+        if (mk[k] < 1) room = -1;  // every stage holds at least one layer
       }
-      if (room + 1e-9 < L || inv <= 0) continue;  // the layers do not fit
-      best_T = (L + fixed) / inv;
-      least_stage = least;
+      if (room + 1e-9 < L) continue;  // the layers do not fit
+      // The LP relaxation of the layer program: the least T at which the
+      // stages, each taking (T - f_k) / t_k layers clamped to [1, M_k],
+      // hold all L.
+      auto held = [&](double T) {
+        double x = 0;
+        for (int k = 0; k < K; ++k) x += std::clamp((T - fk[k]) / tk[k], 1.0, mk[k]);
+        return x;
+      };
+      double lo = 0, hi = 0;
+      for (int k = 0; k < K; ++k) lo = std::max(lo, fk[k] + tk[k]);  // one layer each
+      for (int k = 0; k < K; ++k) hi = std::max(hi, fk[k] + tk[k] * L);
+      for (int it = 0; it < 60; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        (held(mid) >= L ? hi : lo) = mid;
+      }
+      best_T = hi;
+      // The least sum of the stages' times over whole-layer assignments:
+      // one layer each, the rest on the cheapest stages up to their memory.
+      std::vector<int> order(K);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int x, int y) { return tk[x] < tk[y]; });
+      double left = L - K, sum = 0;
+      for (int k = 0; k < K; ++k) sum += fk[k] + tk[k];
+      for (int k : order) {
+        const double take = std::min(left, std::max(0.0, mk[k] - 1));
+        sum += take * tk[k];
+        left -= take;
+      }
+      least_stage = sum;  // the stages' sum, at least
       break;  // recomputation only when the plain stages do not fit
     }
     if (!std::isfinite(best_T)) return std::numeric_limits<double>::infinity();
-    // n micro-batches take at least n T_p plus the other stages' first
-    // forward-backward (fill and drain): (K - 1) x the smallest stage.
+    // n micro-batches take at least (n - 1) T_max + sum_k T_k (the
+    // bottleneck's n slots plus every other stage's first forward and
+    // last backward) >= n T_p + (least sum - T_p).
+    const double B = std::max(0.0, least_stage - best_T);
     rate += 1 / best_T;
-    fill += (K - 1) * least_stage / best_T;
+    fill += B / best_T;
+    // 1F1B runs at least K micro-batches per pipeline.
+    const int least_n = o_.schedule == "gpipe" ? 1 : K;
+    at_least = std::max(at_least, least_n * best_T + B);
   }
-  // min over n of max_p n_p T_p + B_p with sum_p n_p = G / b (fractional).
-  return (static_cast<double>(o_.global_batch) / b + fill) / rate;
+  // min over n of max_p n_p T_p + B_p with sum_p n_p = G / b and n_p at
+  // least its minimum (fractional).
+  return std::max(at_least, (static_cast<double>(o_.global_batch) / b + fill) / rate) + after;
 }
 
 // The k-th best step time found so far (infinity while fewer than k).

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -125,6 +126,8 @@ class CostModel {
 
  private:
   const Profile* profile_of(int rank) const;
+  // (latency of a ring over the group, seconds per byte on its slowest link).
+  std::pair<double, double> group_link(const std::vector<int>& ranks) const;
   double roofline_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const;
 
   LlamaConfig model_;
