@@ -516,20 +516,26 @@ EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std:
   // kernels' first-use costs (page faults, buffers) stay out of the samples.
   for (int k = 0; k < 2; ++k)
     for (auto& p : probes) p->run(max_s, max_b);
+  std::vector<std::pair<int64_t, int64_t>> points;
   for (int64_t s : o.seq_lens)
-    for (int64_t b : o.micro_batch_sizes) {
-      std::vector<std::vector<StageRun>> runs(3);
-      for (auto& p : probes) p->run(s, b);  // warm-up
-      for (int rep = 0; rep < o.repetitions; ++rep)  // interleaved: a load change touches every stage alike
-        for (size_t k = 0; k < 3; ++k) runs[k].push_back(probes[k]->run(s, b));
-      for (const auto& [part, seconds] : split_parts(runs[0], runs[1], runs[2]))
-        out.entry.parts[part].samples.push_back(FitSample{s, b, seconds});
-      for (const auto& r : runs)
-        for (bool bwd : {false, true}) {
-          stages.push_back({median_of(r, bwd), median_ops(r, bwd)});
-          for (const OpSample& op : stages.back().ops) ops[op.type].push_back(op);
-        }
-    }
+    for (int64_t b : o.micro_batch_sizes) points.emplace_back(s, b);
+  for (auto [s, b] : points)  // warm-up: each point's shape instance
+    for (auto& p : probes) p->run(s, b);
+  // Repetitions outermost, then points, then stages: a burst of load on the
+  // machine touches one repetition of several points, which the medians drop.
+  std::vector<std::vector<std::vector<StageRun>>> runs(points.size(), std::vector<std::vector<StageRun>>(3));
+  for (int rep = 0; rep < o.repetitions; ++rep)
+    for (size_t i = 0; i < points.size(); ++i)
+      for (size_t k = 0; k < 3; ++k) runs[i][k].push_back(probes[k]->run(points[i].first, points[i].second));
+  for (size_t i = 0; i < points.size(); ++i) {
+    for (const auto& [part, seconds] : split_parts(runs[i][0], runs[i][1], runs[i][2]))
+      out.entry.parts[part].samples.push_back(FitSample{points[i].first, points[i].second, seconds});
+    for (const auto& r : runs[i])
+      for (bool bwd : {false, true}) {
+        stages.push_back({median_of(r, bwd), median_ops(r, bwd)});
+        for (const OpSample& op : stages.back().ops) ops[op.type].push_back(op);
+      }
+  }
   for (auto& [part, fit] : out.entry.parts) fit.fit();
   StageProbe& mid = *probes[1];
   StageProbe two(o.config, tp, cp, {1, 2, 1}, 1, max_s);
