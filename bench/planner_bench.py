@@ -126,7 +126,7 @@ def main():
     if not profile:
         profile = os.path.join(tmp, "profile.json")
         run([args.hspmd, "profile", "--model", MODEL, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens", "32,64,128",
-             "--micro-batch-sizes", "1,2", "--threads", "1", "-o", profile])
+             "--micro-batch-sizes", "1,2", "--threads", "1", "--emulated-ranks", "8", "-o", profile])
     rows = []
     only = set(args.only.split(",")) if args.only else None
     print(f"{'strategy':20s} {'predicted_s':>12s} {'emulated_s':>12s} {'error':>8s}")

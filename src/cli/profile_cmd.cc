@@ -2,12 +2,18 @@
 // (docs/profiling.md).
 #include <chrono>
 #include <cstdio>
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
 #include <sstream>
 
 #include "commands.h"
 #include "flags.h"
 #include "hspmd/core/error.h"
+#include "hspmd/models/llama.h"
 #include "hspmd/train/profiler.h"
 
 namespace hspmd::cli {
@@ -51,11 +57,83 @@ void print_table(const Profile& p, double seconds) {
   std::fprintf(stderr, "op fits: %zu op types; profiled in %.1f s\n", p.ops.size() - p.ops.count(kAnyOp), seconds);
 }
 
+// The emulation factor of one profiled degree (docs/profiling.md): trains
+// `ranks` emulated ranks as ranks / (tp * cp) whole-model pipelines of one
+// tp x cp stage and one micro-batch (b = 1, s = the longest profiled
+// length) for a few steps on random tokens, and divides the compute a rank
+// bills per step (the median over ranks and steps after the first) by what
+// the entry's parts and the optimizer fit predict for that work.
+double emulation_factor(const Profile& p, const ProfileEntry& e, const std::string& model_path, int ranks,
+                        int64_t s) {
+  namespace fs = std::filesystem;
+  const int group = e.tp * e.cp, pipelines = ranks / group;
+  if (pipelines < 1) fail("[profile] --emulated-ranks ", ranks, " is smaller than tp x cp = ", group);
+  const fs::path dir = fs::temp_directory_path() / ("hspmd-calibrate-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+  const int64_t layers = p.config.num_hidden_layers;
+  {
+    std::ofstream data(dir / "data.bin", std::ios::binary);
+    uint32_t x = 2463534242u;
+    for (int64_t i = 0; i < 16 * static_cast<int64_t>(pipelines) * (s + 1); ++i) {
+      x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+      const uint32_t id = x % static_cast<uint32_t>(p.config.vocab_size);
+      data.write(reinterpret_cast<const char*>(&id), sizeof id);
+    }
+    nlohmann::json pipes = nlohmann::json::array();
+    for (int q = 0; q < pipelines; ++q) {
+      std::vector<int> members;
+      for (int m = 0; m < group; ++m) members.push_back(q * group + m);
+      pipes.push_back({{"micro_batch_size", 1}, {"micro_batches", 1},
+                       {"stages", {{{"ranks", members}, {"layers", {0, layers - 1}}, {"cp", e.cp}}}}});
+    }
+    std::ofstream(dir / "strategy.json") << nlohmann::json{{"pipelines", pipes}}.dump();
+    std::ofstream(dir / "cluster.json")
+        << nlohmann::json{{"catalog", {{"cpu", {{"tflops", 1}, {"memory_gib", 1024}}}}},
+                          {"nodes", {{{"type", "cpu"}, {"ranks", {0, pipelines * group - 1}}}}}}
+               .dump();
+  }
+  const std::string log = (dir / "log.jsonl").string();
+  const int rc = train_command({"--model", model_path, "--data", (dir / "data.bin").string(), "--seq-len",
+                                std::to_string(s), "--global-batch", std::to_string(pipelines), "--steps", "4",
+                                "--strategy", (dir / "strategy.json").string(), "--cluster",
+                                (dir / "cluster.json").string(), "--nproc", std::to_string(pipelines * group),
+                                "--threads", "1", "--quiet", "--log", log});
+  if (rc != 0) fail("[profile] the calibration run of tp ", e.tp, " cp ", e.cp, " failed");
+  std::vector<double> measured;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json r = nlohmann::json::parse(line);
+    if (r.at("step").get<int>() == 0) continue;  // first-touch costs
+    for (double c : r.at("emulated_compute_s")) measured.push_back(c);
+  }
+  if (measured.empty()) fail("[profile] the calibration run logged no step after the first");
+  std::sort(measured.begin(), measured.end());
+  const double median = measured[measured.size() / 2];
+  int64_t params = 0;  // on one rank of the stage
+  for (const LlamaParameter& q : llama_parameters(p.config)) {
+    int64_t n = 1;
+    for (int64_t d : q.shape) n *= d;
+    params += q.role == ParamRole::kReplicated ? n : n / e.tp;
+  }
+  auto at = [&](const char* part) { return e.parts.at(part).at(s, 1); };
+  const double predicted = at("embed_fwd") + at("embed_bwd") + at("head_fwd") + at("head_bwd") +
+                           static_cast<double>(layers) * (at("block_fwd") + at("block_bwd")) +
+                           p.optimizer.per_param_s * static_cast<double>(params) + p.optimizer.fixed_s;
+  return median / predicted;
+}
+
 }  // namespace
 
 int profile_command(const std::vector<std::string>& args) {
   std::string model, output, tp = "1", cp = "1", seqs = "16,32,64", batches = "1,2";
-  int64_t repetitions = 5, threads = 1;
+  int64_t repetitions = 5, threads = 1, emulated_ranks = 0;
   FlagSet f("profile",
             "Measure a model's embedding, block and head (forward and backward) on one rank of a\n"
             "tensor-parallel x context-parallel group with the real executor, and fit them\n"
@@ -68,6 +146,9 @@ int profile_command(const std::vector<std::string>& args) {
   f.add_string("micro-batch-sizes", &batches, "micro-batch sizes (default 1,2)");
   f.add_int("repetitions", &repetitions, "timed runs per point after one warm-up; the median counts (default 5)");
   f.add_int("threads", &threads, "kernel threads, as the emulated ranks run (default 1)");
+  f.add_int("emulated-ranks", &emulated_ranks,
+            "also calibrate to an emulated cluster of this many ranks on this machine: the compute\n"
+            "they bill over what the parts predict (default 0: no calibration)");
   std::vector<std::string> expanded;
   for (const std::string& a : args) expanded.push_back(a == "-o" ? "--output" : a);
   if (!f.parse(expanded)) return 0;
@@ -88,7 +169,18 @@ int profile_command(const std::vector<std::string>& args) {
   check_profile_options(o);
   o.progress = [](const std::string& what) { std::fprintf(stderr, "[profile] %s\n", what.c_str()); };
   const auto t0 = std::chrono::steady_clock::now();
-  const Profile p = profile_model(o);
+  Profile p = profile_model(o);
+  if (emulated_ranks > 0) {
+    if (threads != 1) fail("[profile] --emulated-ranks needs --threads 1 (how emulated ranks run)");
+    p.emulation_ranks = static_cast<int>(emulated_ranks);
+    const int64_t s = *std::max_element(o.seq_lens.begin(), o.seq_lens.end());
+    for (ProfileEntry& e : p.entries) {
+      e.emulation_factor = emulation_factor(p, e, model, p.emulation_ranks, s);
+      std::fprintf(stderr, "[profile] tp %d cp %d: emulation factor %.3f (%d emulated ranks)\n", e.tp, e.cp,
+                   e.emulation_factor, p.emulation_ranks);
+    }
+  }
+  if (emulated_ranks < 0) fail("[profile] --emulated-ranks must be >= 0, got ", emulated_ranks);
   p.save(output);
   print_table(p, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::fprintf(stderr, "wrote %s\n", output.c_str());

@@ -90,7 +90,8 @@ double CostModel::part_seconds(int rank, const std::string& part, int tp, int cp
   const double slowdown = topology_.rank(rank).slowdown;
   const Profile* p = profile_of(rank);
   if (p == nullptr) return roofline_seconds(rank, part, tp, cp, s, b) * slowdown;
-  if (const ProfileEntry* e = p->find(tp, cp)) return std::max(0.0, e->parts.at(part).at(s, b)) * slowdown;
+  if (const ProfileEntry* e = p->find(tp, cp))
+    return std::max(0.0, e->parts.at(part).at(s, b)) * slowdown * e->emulation_factor;
   // Not profiled at this degree: the nearest profiled degree, its work
   // scaled by the ratio of degrees (the per-rank work is ~1/(tp*cp)).
   const ProfileEntry* best = nullptr;
@@ -104,7 +105,7 @@ double CostModel::part_seconds(int rank, const std::string& part, int tp, int cp
                            std::to_string(best->cp);
   if (std::find(notes_.begin(), notes_.end(), note) == notes_.end()) notes_.push_back(note);
   return std::max(0.0, best->parts.at(part).at(s, b)) * (best->tp * best->cp) / static_cast<double>(tp * cp) *
-         slowdown;
+         slowdown * best->emulation_factor;
 }
 
 // FLOPs of the part on one rank / (tflops x efficiency); the embedding is
@@ -129,8 +130,12 @@ double CostModel::roofline_seconds(int rank, const std::string& part, int tp, in
 
 double CostModel::optimizer_seconds(int rank, int64_t n) const {
   const double slowdown = topology_.rank(rank).slowdown;
-  if (const Profile* p = profile_of(rank))
-    return (p->optimizer.per_param_s * static_cast<double>(n) + p->optimizer.fixed_s) * slowdown;
+  if (const Profile* p = profile_of(rank)) {
+    // Scaled as the profile's undivided degree (tp 1, cp 1) is, when it has one.
+    const ProfileEntry* e = p->find(1, 1);
+    const double factor = e != nullptr ? e->emulation_factor : 1.0;
+    return (p->optimizer.per_param_s * static_cast<double>(n) + p->optimizer.fixed_s) * slowdown * factor;
+  }
   // AdamW is memory-bound: ~ 7 fp32 reads and writes per parameter.
   return static_cast<double>(n) * 28.0 / (topology_.device_type(rank).hbm_gbps * 1e9) * slowdown;
 }

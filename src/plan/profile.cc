@@ -150,7 +150,7 @@ nlohmann::json Profile::to_json() const {
   for (const ProfileEntry& e : entries) {
     json parts = json::object();
     for (const auto& [name, f] : e.parts) parts[name] = fit_json(f);
-    entries_j.push_back({{"tp", e.tp}, {"cp", e.cp}, {"parts", parts}});
+    entries_j.push_back({{"tp", e.tp}, {"cp", e.cp}, {"parts", parts}, {"emulation_factor", e.emulation_factor}});
   }
   json opt_samples = json::array();
   for (const auto& [n, t] : optimizer.samples) opt_samples.push_back({{"n", n}, {"seconds", t}});
@@ -177,7 +177,8 @@ nlohmann::json Profile::to_json() const {
           {"optimizer", {{"per_param_s", optimizer.per_param_s}, {"fixed_s", optimizer.fixed_s},
                          {"max_rel_error", optimizer.max_rel_error}, {"samples", opt_samples}}},
           {"ops", ops_j},
-          {"memory", mem}};
+          {"memory", mem},
+          {"emulation_ranks", emulation_ranks}};
 }
 
 Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
@@ -201,6 +202,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
       if (!parts.contains(part)) fail("[profile] ", where, ": missing part '", part, "'");
       e.parts[part] = fit_from_json(parts.at(part), where + "." + part);
     }
+    e.emulation_factor = entries[i].value("emulation_factor", 1.0);
+    if (!(e.emulation_factor > 0)) fail("[profile] ", where, ": emulation_factor must be positive");
     if (p.find(e.tp, e.cp)) fail("[profile] ", where, ": tp ", e.tp, " cp ", e.cp, " appears twice");
     p.entries.push_back(std::move(e));
   }
@@ -240,6 +243,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
       l.stage_activation_bytes_per_token_recompute = m.value("stage_activation_bytes_per_token_recompute", 0.0);
       p.memory.push_back(l);
     }
+  p.emulation_ranks = j.value("emulation_ranks", 0);
   return p;
 }
 

@@ -52,6 +52,13 @@ struct PartFit {
 struct ProfileEntry {
   int tp = 1, cp = 1;
   std::map<std::string, PartFit> parts;  // keys: kProfileParts
+  // Calibration to the emulated cluster (docs/profiling.md "Emulation
+  // factor"): the compute CPU time a rank of this degree bills when
+  // Profile::emulation_ranks emulated ranks share this machine's cores, over
+  // what the parts (and the optimizer fit) predict for the same work
+  // measured alone; 1 when not calibrated. The cost model scales this
+  // degree's compute by it.
+  double emulation_factor = 1;
 };
 
 // The optimizer step (AdamW, fp32) on n parameters: t = per_param_s * n + fixed_s.
@@ -104,6 +111,9 @@ struct Profile {
   OptimizerFit optimizer;
   std::map<std::string, OpFit> ops;  // op type -> fit
   std::vector<LayerMemory> memory;
+  // How many emulated ranks the entries' emulation factors were measured
+  // with (0: not calibrated).
+  int emulation_ranks = 0;
 
   // The entry for (tp, cp), or nullptr.
   const ProfileEntry* find(int tp, int cp) const;
