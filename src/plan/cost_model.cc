@@ -314,6 +314,11 @@ MemoryBreakdown CostModel::stage_memory(const StageShape& st, int64_t s, int64_t
     m.optimizer = 3 * n * kBytes / (zero ? std::max(1.0, zero_share) : 1.0);
   }
   m.activations = in_flight * activation_bytes(st, s, b);
+  if (st.recompute) {  // the backward rebuilds one micro-batch's whole forward
+    StageShape full = st;
+    full.recompute = false;
+    m.activations += activation_bytes(full, s, b);
+  }
   return m;
 }
 
