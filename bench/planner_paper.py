@@ -33,10 +33,11 @@ EX = os.path.join(ROOT, "examples")
 CASES = [("32b", 16, (2, 4, 4, 2)), ("32b", 24, (2, 4, 5, 2)), ("32b", 32, (4, 4, 3, 2)),
          ("70b", 16, (1, 8, 4, 1)), ("70b", 24, (1, 8, 5, 1)), ("70b", 32, (1, 8, 6, 1))]
 LAYERS = {"32b": 60, "70b": 80}
-REPLANS = [("C1 -> C2", "32h20.json", "elastic_c1_32h20.json", "31"),
-           ("C4 -> C5", "16h800_32h20.json", "elastic_c4_16h800_32h20.json", "40-47"),
-           ("C5 -> C6", "16h800_24h20.json", "elastic_c5_16h800_24h20.json", "15"),
-           ("C6 -> C7", "16h800_24h20.json", "elastic_c6_15h800_24h20.json", "8-15")]
+# (trace step, cluster, previous strategy, lost ranks, the paper's next strategy)
+REPLANS = [("C1 -> C2", "32h20.json", "elastic_c1_32h20.json", "31", "elastic_c2_31h20.json"),
+           ("C4 -> C5", "16h800_32h20.json", "elastic_c4_16h800_32h20.json", "40-47", "elastic_c5_16h800_24h20.json"),
+           ("C5 -> C6", "16h800_24h20.json", "elastic_c5_16h800_24h20.json", "15", "elastic_c6_15h800_24h20.json"),
+           ("C6 -> C7", "16h800_24h20.json", "elastic_c6_15h800_24h20.json", "8-15", "elastic_c7_8h800_24h20.json")]
 
 
 def megatron(dp, tp, pp, bs, layers, batch=64):
@@ -92,8 +93,8 @@ def main():
             f"{p['micro_batches']}x bs{p['micro_batch_size']}: " + " ".join(
                 f"R{s['ranks'][0]}-{s['ranks'][-1]} L{s['layers'][0]}-{s['layers'][1]}" + (" rc" if s.get("recompute") else "")
                 for s in p["stages"]) for p in res["strategy"]["pipelines"]))
-    print(f"\n{'re-plan':10s} {'search_s':>9s} {'predicted':>10s}")
-    for name, cluster, prev, lost in REPLANS:
+    print(f"\n{'re-plan':10s} {'search_s':>9s} {'replanned':>10s} {'paper':>10s} {'paper/replanned':>16s}")
+    for name, cluster, prev, lost, nxt in REPLANS:
         model = os.path.join(EX, "models", "llama-32b.json")
         times, res = [], None
         for _ in range(args.repeat):
@@ -101,7 +102,9 @@ def main():
                        "--global-batch", "64", "--seq-len", "4096", "--from", os.path.join(EX, "strategies", prev),
                        "--unavailable", lost, "--json"])
             times.append(res["search_s"])
-        print(f"{name:10s} {statistics.median(times):9.3f} {res['predicted_step_s']:10.3f}", flush=True)
+        paper = cost(args.hspmd, model, os.path.join(EX, "clusters", cluster), os.path.join(EX, "strategies", nxt))
+        print(f"{name:10s} {statistics.median(times):9.3f} {res['predicted_step_s']:10.3f} {paper:10.3f} "
+              f"{paper / res['predicted_step_s']:16.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include "hspmd/core/error.h"
@@ -147,6 +148,45 @@ TEST(Topology, LoadNamesTheFile) {
   EXPECT_EQ(Topology::load(path).world_size(), 16);
   std::remove(path.c_str());
   EXPECT_THROW(Topology::load(path), Error);
+}
+
+// The cost model's catalog fields (docs/cluster.md): defaults, round trip,
+// a relative profile path made relative to the cluster file, errors.
+TEST(Topology, CostModelFields) {
+  json j = mixed_cluster();
+  Topology t = Topology::from_json(j);
+  EXPECT_DOUBLE_EQ(t.device_type(0).efficiency, 0.5);
+  EXPECT_DOUBLE_EQ(t.device_type(0).hbm_gbps, 2000);
+  EXPECT_DOUBLE_EQ(t.device_type(0).latency_us, 0);
+  EXPECT_TRUE(t.device_type(0).profile.empty());
+  j["catalog"]["H800"]["efficiency"] = 0.4;
+  j["catalog"]["H800"]["latency_us"] = 5;
+  j["catalog"]["H800"]["profile"] = "h800.json";
+  t = Topology::from_json(j);
+  EXPECT_DOUBLE_EQ(t.device_type(0).efficiency, 0.4);
+  EXPECT_DOUBLE_EQ(t.device_type(0).latency_us, 5);
+  EXPECT_EQ(t.device_type(0).profile, "h800.json");
+  const Topology back = Topology::from_json(t.to_json());
+  EXPECT_DOUBLE_EQ(back.device_type(0).efficiency, 0.4);
+  EXPECT_EQ(back.device_type(0).profile, "h800.json");
+  EXPECT_TRUE(back.device_type(8).profile.empty());
+  const std::string dir = ::testing::TempDir() + "hspmd_topology_profile";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/c.json") << j.dump();
+  EXPECT_EQ(Topology::load(dir + "/c.json").device_type(0).profile, dir + "/h800.json");
+  std::filesystem::remove_all(dir);
+  json bad = mixed_cluster();
+  bad["catalog"]["H20"]["efficiency"] = 1.5;
+  expect_error(bad, "catalog.H20.efficiency: must be at most 1");
+  bad = mixed_cluster();
+  bad["catalog"]["H20"]["efficiency"] = 0;
+  expect_error(bad, "catalog.H20.efficiency: must be positive");
+  bad = mixed_cluster();
+  bad["catalog"]["H20"]["latency_us"] = -1;
+  expect_error(bad, "catalog.H20.latency_us: must be non-negative");
+  bad = mixed_cluster();
+  bad["catalog"]["H20"]["profile"] = 3;
+  expect_error(bad, "catalog.H20.profile: must be a file name");
 }
 
 }  // namespace
