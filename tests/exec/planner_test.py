@@ -128,6 +128,18 @@ def main():
         r = cost(os.path.join(tmp, "wide.json"), ok=False)
         check(r.returncode != 0 and "tp=3" in r.stderr, "plan cost validates the strategy: " + r.stderr)
 
+        # A profile named in the catalog (relative to the cluster file)
+        # serves its device type as --profile does.
+        cat = cluster()
+        for t in cat["catalog"].values():
+            t["profile"] = os.path.basename(prof)
+        cat_path = os.path.join(tmp, "catalog_cluster.json")
+        json.dump(cat, open(cat_path, "w"))
+        r = run([hs, "plan", "cost", "--model", model, "--cluster", cat_path, "--strategy", paths["hetero"],
+                 "--seq-len", str(SEQ), "--json"])
+        check(abs(json.loads(r.stdout)["predicted_step_s"] - hetero["predicted_step_s"]) < 1e-12,
+              "a catalog profile predicts as --profile does")
+
         # --- plan search ---
         found = os.path.join(tmp, "found.json")
         sj = json.loads(run([hs, "plan", "search", "--model", model, "--cluster", c_path, "--global-batch", "8",

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "hspmd/core/error.h"
@@ -238,6 +239,48 @@ TEST(Search, IlpSecondLevelIsWithinFivePercentOfExhaustive) {
         << to_json(full.best[0].strategy).dump();
     validate(fast.best[0].strategy, c, 8);
     EXPECT_EQ(fast.best[0].strategy.global_batch(), k.batch);
+  }
+}
+
+// Three device classes (ranks 0-3 at full speed, 4-5 at 1/1.5, 6-7 at
+// 1/2.5, each pair its own node).
+TEST(Search, ThreeDeviceClassesWithinFivePercentOfExhaustive) {
+  const LlamaConfig c = model8();
+  const nlohmann::json nodes = {{{"type", "d"}, {"ranks", {0, 3}}},
+                                {{"type", "d"}, {"ranks", {4, 5}}, {"slowdown", 1.5}},
+                                {{"type", "d"}, {"ranks", {6, 7}}, {"slowdown", 2.5}}};
+  const Topology topo = Topology::from_json(
+      {{"catalog", {{"d", {{"tflops", 1}, {"memory_gib", 1}, {"intra_node_gbps", 25}, {"inter_node_gbps", 5}}}}},
+       {"nodes", nodes}});
+  const CostModel cm(c, topo, {}, flat_profile(c, 0.5e-3));
+  SearchOptions o = options(8);
+  o.tp_degrees = {1, 2};
+  o.micro_batch_sizes = {1};
+  const SearchResult fast = search_strategy(cm, o);
+  o.exhaustive = true;
+  const SearchResult full = search_strategy(cm, o);
+  EXPECT_LE(full.best[0].predicted_step_s, fast.best[0].predicted_step_s * (1 + 1e-12));
+  EXPECT_LE(fast.best[0].predicted_step_s, full.best[0].predicted_step_s * 1.05)
+      << "searched " << to_json(fast.best[0].strategy).dump() << "\nexhaustive "
+      << to_json(full.best[0].strategy).dump();
+  // It uses the speed differences: faster than symmetric strategies.
+  std::vector<Pipeline> dp8, pp2;
+  for (int r = 0; r < 8; ++r) dp8.push_back(pipe({stage({r}, 0, 7)}, 1));
+  for (int r = 0; r < 4; ++r) pp2.push_back(pipe({stage({2 * r}, 0, 3), stage({2 * r + 1}, 4, 7)}, 2));
+  EXPECT_LT(fast.best[0].predicted_step_s, cm.evaluate(make(dp8), 16).predicted_step_s);
+  EXPECT_LT(fast.best[0].predicted_step_s, cm.evaluate(make(pp2), 16).predicted_step_s);
+}
+
+TEST(Search, TimeLimitKeepsTheBestSoFar) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c));
+  SearchOptions o = options(8);
+  o.time_limit_s = 1e-9;
+  try {
+    const SearchResult r = search_strategy(cm, o);
+    EXPECT_TRUE(r.timed_out);
+  } catch (const Error& e) {  // nothing scored before the limit: one line saying so
+    EXPECT_NE(std::string(e.what()).find("within the time limit"), std::string::npos) << e.what();
   }
 }
 
