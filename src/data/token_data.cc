@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "hspmd/core/error.h"
+#include "hspmd/io/output_file.h"
 
 namespace hspmd {
 
@@ -120,6 +121,7 @@ void PackedDocuments::sample(int64_t index, int64_t width, int32_t* inputs, int3
 }
 
 void TokenData::save(const std::string& path, const std::vector<uint32_t>& tokens) {
+  check_replaceable("[data]", path);  // the rename would replace a device or FIFO
   // Write beside the target and rename, so a failure never leaves a half file.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   std::error_code ec;

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/core/error.h"
+#include "hspmd/io/output_file.h"
 
 namespace hspmd {
 namespace {
@@ -208,6 +209,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, NDArr
     contiguous.emplace(name, t.contiguous());
   }
   const std::string header = make_header(contiguous);
+  check_replaceable("[safetensors]", path);  // the rename would replace a device or FIFO
   // Write beside the target and rename, so a failure never leaves a half file.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   std::error_code ec;
@@ -250,6 +252,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::map<std::string, Dec
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   for (auto& [name, o] : w.offsets) o += kHeaderLengthBytes + text.size();
+  check_replaceable("[safetensors]", w.path);  // the rename would replace a device or FIFO
   w.tmp = w.path + ".tmp." + std::to_string(::getpid());
   w.out.open(w.tmp, std::ios::binary | std::ios::trunc);
   if (!w.out) fail_file(w.path, "cannot open ", w.tmp, " for writing");

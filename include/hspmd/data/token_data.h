@@ -37,7 +37,8 @@ class TokenData {
 
   // Writes a token file (to a temporary beside it, then renamed, so a
   // failure leaves any old file intact). Throws hspmd::Error when it cannot
-  // be written.
+  // be written, or when `path` exists and is not a regular file (a device,
+  // FIFO or directory, symbolic links followed: the rename would replace it).
   static void save(const std::string& path, const std::vector<uint32_t>& tokens);
 
  private:

@@ -30,8 +30,9 @@ std::map<std::string, NDArray> load_safetensors(const std::string& path);
 // space-padded to a multiple of 8 bytes and the data is contiguous. Writes a
 // temporary file beside `path` and renames it, so on failure an existing file
 // is left intact. Throws hspmd::Error "[safetensors] <path>: ..." when the
-// file cannot be written, a tensor is invalid or not on the CPU, or a tensor
-// is named "__metadata__".
+// file cannot be written, `path` exists and is not a regular file (a device,
+// FIFO or directory, symbolic links followed: the rename would replace it), a
+// tensor is invalid or not on the CPU, or a tensor is named "__metadata__".
 void save_safetensors(const std::string& path, const std::map<std::string, NDArray>& tensors);
 
 // Writes one safetensors file tensor by tensor, so that the writer never
@@ -41,7 +42,8 @@ void save_safetensors(const std::string& path, const std::map<std::string, NDArr
 // at its offset, in any order. Data go to a temporary file beside `path`;
 // finish() checks that every tensor was written and renames it into place,
 // so a failure leaves an existing file intact. Throws hspmd::Error
-// "[safetensors] <path>: ..." like save_safetensors, and for a tensor that is
+// "[safetensors] <path>: ..." like save_safetensors (the constructor refuses
+// a `path` that is not a regular file), and for a tensor that is
 // not declared, written twice, or of another dtype or shape.
 class SafetensorsWriter {
  public:
