@@ -147,6 +147,9 @@ int train_command(const std::vector<std::string>& args) {
   f.add_double("beta2", &o.adam.beta2, "Adam beta2 (default 0.95)");
   f.add_double("eps", &o.adam.eps, "Adam epsilon (default 1e-8)");
   f.add_double("clip-grad", &o.clip_grad, "global gradient-norm clipping, 0 = off (default)");
+  f.add_int("skip-nonfinite-steps", &o.skip_nonfinite_steps,
+            "skip up to N steps whose loss or gradient norm is not finite (no update), then stop (default 0: "
+            "stop at the first)");
   f.add_int("seed", &seed, "seed of the initialization (default 0)");
   f.add_string("init", &o.init_path, "initial weights (safetensors, F32 or BF16)");
   f.add_string("save", &o.save_path, "write the final weights here (safetensors)");

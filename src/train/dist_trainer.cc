@@ -3,7 +3,9 @@
 // Reshards, AdamW on local shards.
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -104,6 +106,7 @@ class DistTrainer {
  public:
   DistTrainer(const TrainOptions& o, Communicator& world)
       : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)) {
+    train_common::check_finite_options(o);
     if (o.seq_len <= 0 || o.seq_len > config_.max_position_embeddings)
       fail("[flags] --seq-len ", o.seq_len, " must be in [1, max_position_embeddings ",
            config_.max_position_embeddings, "] of ", o.model_path);
@@ -112,10 +115,9 @@ class DistTrainer {
     if (!(o.schedule.lr > 0)) fail("[flags] --lr must be positive, got ", o.schedule.lr);
     if (o.save_every < 0) fail("[flags] --save-every must be >= 0, got ", o.save_every);
     if (o.save_every > 0 && o.checkpoint_dir.empty()) fail("[flags] --save-every needs --checkpoint DIR");
-    train_common::check_output_path("--save", o.save_path);
-    train_common::check_output_path("--log", o.log_path);
-    train_common::check_output_path("--trace", o.trace_path);
-    train_common::check_output_path("--dump-grads", o.dump_grads_path);
+    if (o.skip_nonfinite_steps < 0)
+      fail("[flags] --skip-nonfinite-steps must be >= 0, got ", o.skip_nonfinite_steps);
+    train_common::check_outputs(o, world.rank());
     algorithm_ = parse_switch_algorithm(o.switch_algorithm);
     topology_ = std::make_shared<const Topology>(o.cluster_path.empty() ? Topology::uniform(world.size())
                                                                         : Topology::load(o.cluster_path));
@@ -179,9 +181,18 @@ class DistTrainer {
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
   void save_checkpoint();
+  // The first parameter (in the model's order) holding a NaN or infinity on
+  // any rank, or "" (collective): weights are checked before they are written.
+  std::string nonfinite_parameter();
+  // Stops the run (`skipped` steps so far beyond --skip-nonfinite-steps) or
+  // marks the record skipped when its loss or gradient norm is not finite;
+  // the same on every rank (both are all-reduced). True: skip the update.
+  bool skip_nonfinite(StepRecord& r, int64_t& skipped) const;
+  // One JSON line to the log (rank 0); a write error ends the run.
+  void write_log(std::ofstream& log, const nlohmann::json& j) const;
   // The ranks' metrics into the record (the emulated step from the clocks).
   void fill_record(const std::vector<StepMetrics>& all, StepRecord& r);
-  void save() const;
+  void save();
   void gather_and_write(const std::string& path, const std::string& prefix,
                         const std::function<std::pair<Annotation, NDArray>(const std::string&)>& local,
                         DType dtype) const;
@@ -425,7 +436,45 @@ void DistTrainer::gather_and_write(const std::string& path, const std::string& p
   if (writer) writer->finish();
 }
 
-void DistTrainer::save() const {
+std::string DistTrainer::nonfinite_parameter() {
+  const std::vector<std::string>& names = rt_->graph->model().names;
+  int64_t mine = static_cast<int64_t>(names.size());
+  for (size_t k = 0; k < names.size() && mine == static_cast<int64_t>(names.size()); ++k) {
+    const Shard& s = state_->slot(names[k], StateSlot::kParam);
+    if (s.held() && train_common::first_nonfinite(s.data) >= 0) mine = static_cast<int64_t>(k);
+  }
+  const std::vector<int64_t> all = gather_counts({mine}, world_)[0];
+  const int64_t first = *std::min_element(all.begin(), all.end());
+  return first < static_cast<int64_t>(names.size()) ? names[first] : "";
+}
+
+bool DistTrainer::skip_nonfinite(StepRecord& r, int64_t& skipped) const {
+  if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) return false;
+  if (skipped >= o_.skip_nonfinite_steps)
+    fail("[train] step ", r.step, ": loss ", r.loss, ", gradient norm ", r.grad_norm,
+         ": not finite; stopped before updating the weights",
+         o_.skip_nonfinite_steps > 0 ? " (--skip-nonfinite-steps " + std::to_string(o_.skip_nonfinite_steps) +
+                                           " already skipped)"
+                                     : std::string(" (--skip-nonfinite-steps N skips such steps)"));
+  ++skipped;
+  r.skipped = true;
+  if (world_.rank() == 0)
+    std::fprintf(stderr, "hspmd: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped (%lld of "
+                 "--skip-nonfinite-steps %lld)\n", static_cast<long long>(r.step), r.loss, r.grad_norm,
+                 static_cast<long long>(skipped), static_cast<long long>(o_.skip_nonfinite_steps));
+  return true;
+}
+
+void DistTrainer::write_log(std::ofstream& log, const nlohmann::json& j) const {
+  if (!log.is_open()) return;
+  log << j.dump() << "\n" << std::flush;
+  if (!log) fail("[train] --log ", o_.log_path, ": write failed (disk full or I/O error)");
+}
+
+void DistTrainer::save() {
+  if (const std::string bad = nonfinite_parameter(); !bad.empty())
+    fail("[train] --save ", o_.save_path, ": parameter '", bad, "' holds non-finite values after step ",
+         state_->step - 1, "; not written (an existing file is kept)");
   gather_and_write(o_.save_path, "save.", [&](const std::string& name) {
     return std::pair{rt_->graph->annotation(name), state_->slot(name, StateSlot::kParam).data};
   }, o_.save_dtype);
@@ -461,6 +510,7 @@ void DistTrainer::prepare() {
       o_.init_path.empty()
           ? init_llama_parameters(config_, o_.seed)
           : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
+  if (!o_.init_path.empty()) train_common::check_finite_weights(full, o_.init_path);
   state_ = TrainingState::from_full(rt_->plan, world_.rank(), full);
   state_->seed = o_.seed;
 }
@@ -490,12 +540,15 @@ void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
                       {"checkpoint_bytes", all[2]}, {"peak_extra_bytes", all[3]},
                       {"extra_bytes_bound", all[4]}, {"rounds", sp.rounds.size()}};
   if (clock_) j["emulated_switch_s"] = rep.emulated_s;
-  if (log.is_open()) log << j.dump() << "\n" << std::flush;
+  write_log(log, j);
 }
 
 // Every rank writes its shards, then rank 0 commits the index (the
 // checkpoint's atomic point) once all have.
 void DistTrainer::save_checkpoint() {
+  if (const std::string bad = nonfinite_parameter(); !bad.empty())
+    fail("[train] --checkpoint ", o_.checkpoint_dir, ": parameter '", bad, "' holds non-finite values after step ",
+         state_->step - 1, "; checkpoint not written (the last one is kept)");
   std::vector<CheckpointShard> shards;
   for (TrainingState::NamedShard& s : state_->checkpoint_shards())
     shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, s.shard.data});
@@ -566,7 +619,11 @@ std::vector<StepRecord> DistTrainer::run() {
   LrSchedule schedule = o_.schedule;
   schedule.total_steps = o_.steps;
   std::ofstream log;
-  if (world_.rank() == 0 && !o_.log_path.empty()) log.open(o_.log_path, state_->step > 0 ? std::ios::app : std::ios::trunc);
+  if (world_.rank() == 0 && !o_.log_path.empty()) {
+    log.open(o_.log_path, state_->step > 0 ? std::ios::app : std::ios::trunc);
+    if (!log) fail("[train] --log ", o_.log_path, ": cannot open for writing: ", std::strerror(errno));
+  }
+  int64_t skipped = 0;
   std::vector<StepRecord> records;
   const auto start = Clock::now();
   for (int64_t step = state_->step; step < o_.steps; ++step) {
@@ -599,7 +656,8 @@ std::vector<StepRecord> DistTrainer::run() {
       }, DType::F32);
     r.grad_norm = global_grad_norm(synced);
     r.lr = schedule.at(step);
-    optimizer_step(adam, synced, r.lr);
+    if (skip_nonfinite(r, skipped)) state_->step = step + 1;  // weights and moments stay as they were
+    else optimizer_step(adam, synced, r.lr);
     state_->samples += global_batch;
     if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
     r.tokens = source_->tokens(first, global_batch);
@@ -618,7 +676,7 @@ std::vector<StepRecord> DistTrainer::run() {
     fill_record(gather_metrics(mine, world_), r);
     r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
     r.tokens_per_s = r.tokens / r.step_time_s;
-    if (log.is_open()) log << train_common::record_json(r).dump() << "\n" << std::flush;
+    write_log(log, train_common::record_json(r));
     if (world_.rank() == 0 && o_.progress)
       train_common::print_progress(r, o_.steps,
                                    std::chrono::duration<double>(Clock::now() - start).count());
@@ -639,7 +697,10 @@ void DistTrainer::write_trace() const {
     for (const TraceEvent& e : clock_->events())
       events.push_back({{"name", e.name}, {"cat", e.category}, {"ph", "X"}, {"pid", world_.rank()},
                         {"tid", 0}, {"ts", e.begin * 1e6}, {"dur", (e.end - e.begin) * 1e6}});
-    std::ofstream(part) << events.dump();
+    std::ofstream out(part);
+    out << events.dump();
+    out.close();
+    if (!out) fail("[train] --trace ", o_.trace_path, ": cannot write ", part, " (disk full or I/O error)");
   }
   world_.barrier();
   if (world_.rank() != 0) return;
@@ -652,11 +713,13 @@ void DistTrainer::write_trace() const {
     for (auto& e : nlohmann::json::parse(in)) all.push_back(std::move(e));
     std::remove(p.c_str());
   }
-  std::ofstream(o_.trace_path) << nlohmann::json{
-      {"traceEvents", all},
-      {"displayTimeUnit", "ms"},
-      {"otherData", {{"clock", "virtual time of the EMULATED cluster (hspmd --cluster)"}}}}
-                                      .dump();
+  std::ofstream out(o_.trace_path);
+  out << nlohmann::json{{"traceEvents", all},
+                        {"displayTimeUnit", "ms"},
+                        {"otherData", {{"clock", "virtual time of the EMULATED cluster (hspmd --cluster)"}}}}
+             .dump();
+  out.close();
+  if (!out) fail("[train] --trace ", o_.trace_path, ": write failed (disk full or I/O error)");
 }
 
 }  // namespace

@@ -2,6 +2,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
+#include <map>
+#include <utility>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -12,15 +15,51 @@
 #include "hspmd/core/error.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/graph/executor.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
 
 namespace hspmd::train_common {
 
-inline void check_output_path(const std::string& flag, const std::string& path) {
-  if (path.empty()) return;
-  auto dir = std::filesystem::absolute(path).parent_path();
-  if (!std::filesystem::is_directory(dir))
-    fail("[flags] ", flag, " ", path, ": directory ", dir.string(), " does not exist");
+// Every output of a run, checked before step 0 (docs/reliability.md): on
+// rank 0 the files it alone writes; on every rank the trace (each writes
+// its part beside it) and the checkpoint directory.
+inline void check_outputs(const TrainOptions& o, int rank) {
+  if (rank == 0) {
+    check_output_file("[flags] --save", o.save_path, OutputWrite::kRename);
+    check_output_file("[flags] --dump-grads", o.dump_grads_path, OutputWrite::kRename);
+    check_output_file("[flags] --log", o.log_path, OutputWrite::kStream);
+  }
+  check_output_file("[flags] --trace", o.trace_path, OutputWrite::kStream);
+  check_output_directory("[flags] --checkpoint", o.checkpoint_dir);
+}
+
+// The float flags must be finite numbers (their ranges are checked with
+// the rest of the flags).
+inline void check_finite_options(const TrainOptions& o) {
+  const std::pair<const char*, double> values[] = {
+      {"--lr", o.schedule.lr},       {"--min-lr", o.schedule.min_lr}, {"--weight-decay", o.adam.weight_decay},
+      {"--beta1", o.adam.beta1},     {"--beta2", o.adam.beta2},       {"--eps", o.adam.eps},
+      {"--clip-grad", o.clip_grad},  {"--switch-bucket-mb", o.switch_bucket_mb}};
+  for (const auto& [flag, v] : values)
+    if (!std::isfinite(v)) fail("[flags] ", flag, " must be a finite number, got ", v);
+}
+
+// The index of the first NaN or infinite element of `a` (F32 or BF16), or -1.
+inline int64_t first_nonfinite(const NDArray& a) {
+  const NDArray f = a.dtype() == DType::F32 ? a.contiguous() : a.to(DType::F32).contiguous();
+  const float* x = f.data<float>();
+  for (int64_t i = 0; i < f.numel(); ++i)
+    if (!std::isfinite(x[i])) return i;
+  return -1;
+}
+
+// Throws "[init] <path>: tensor '<name>' holds <value> at element <i>" for
+// the first initial weight that is not finite.
+inline void check_finite_weights(const std::map<std::string, NDArray>& weights, const std::string& path) {
+  for (const auto& [name, t] : weights)
+    if (const int64_t i = first_nonfinite(t); i >= 0)
+      fail("[init] ", path, ": tensor '", name, "' holds ", t.to(DType::F32).contiguous().data<float>()[i],
+           " at element ", i, " (weights must be finite)");
 }
 
 // The samples a run trains on: fixed-length windows of the token file, or
@@ -99,6 +138,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
   nlohmann::json j = {{"step", r.step},           {"loss", r.loss}, {"tokens", r.tokens},
                       {"step_time_s", r.step_time_s}, {"tokens_per_s", r.tokens_per_s},
                       {"lr", r.lr},               {"grad_norm", r.grad_norm}};
+  if (r.skipped) j["skipped"] = true;  // --skip-nonfinite-steps: no update (loss or grad_norm null)
   if (!r.bytes_sent.empty()) {
     j["bytes_sent"] = r.bytes_sent;
     j["reshard_bytes_sent"] = r.reshard_bytes_sent;

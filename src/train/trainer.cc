@@ -11,9 +11,8 @@ namespace hspmd {
 
 namespace {
 
-using train_common::check_output_path;
-
 void check_options(const TrainOptions& o, const LlamaConfig& c) {
+  train_common::check_finite_options(o);
   if (o.seq_len <= 0) fail("[flags] --seq-len must be positive, got ", o.seq_len);
   if (o.seq_len > c.max_position_embeddings)
     fail("[flags] --seq-len ", o.seq_len, " exceeds max_position_embeddings ",
@@ -25,9 +24,6 @@ void check_options(const TrainOptions& o, const LlamaConfig& c) {
          o.global_batch);
   if (o.clip_grad < 0) fail("[flags] --clip-grad must be >= 0, got ", o.clip_grad);
   if (!(o.schedule.lr > 0)) fail("[flags] --lr must be positive, got ", o.schedule.lr);
-  check_output_path("--save", o.save_path);
-  check_output_path("--log", o.log_path);
-  check_output_path("--dump-grads", o.dump_grads_path);
 }
 
 }  // namespace

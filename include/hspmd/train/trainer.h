@@ -53,6 +53,10 @@ struct TrainOptions {
   AdamConfig adam;
   LrSchedule schedule;          // total_steps is set from `steps`
   double clip_grad = 0.0;       // 0 = off
+  // Steps with a non-finite loss or gradient norm that are skipped (no
+  // update of weights or moments; the batch is consumed) before the run
+  // stops with an error; 0: the first one stops it.
+  int64_t skip_nonfinite_steps = 0;
   int threads = 1;
   DType save_dtype = DType::F32;
   bool progress = true;         // progress line on stderr
@@ -67,6 +71,7 @@ struct StepRecord {
   double tokens_per_s = 0.0;
   double lr = 0.0;
   double grad_norm = 0.0;
+  bool skipped = false;  // non-finite loss or gradient norm: no update (skip_nonfinite_steps)
   // Distributed runs, per rank: bytes sent this step (all communication), the
   // part sent inside Reshards, and the resolver's prediction of that part.
   std::vector<int64_t> bytes_sent, reshard_bytes_sent, predicted_reshard_bytes;
@@ -88,7 +93,14 @@ struct StepRecord {
 // single-process communicator under a strategy of one rank (one pipeline of
 // one stage; micro-batches of global_batch / micro_batches samples). Returns
 // one record per step. Throws hspmd::Error (one line, naming the object and
-// the rule) on any bad input, before the first step; nothing is written then.
+// the rule) on any bad input, before the first step; nothing is written then:
+// this includes non-finite float options, non-finite initial weights, and
+// outputs (--save, --log, --trace, --checkpoint, --dump-grads) that cannot be
+// created or that a rename would put over a device, FIFO or directory. Also
+// throws during the run, naming the step, for a non-finite loss or gradient
+// norm (beyond skip_nonfinite_steps of them), for non-finite weights about to
+// be saved (the file or checkpoint is not written), and for a write error
+// on the log or trace (docs/reliability.md).
 std::vector<StepRecord> train(const TrainOptions& options);
 
 class Communicator;
