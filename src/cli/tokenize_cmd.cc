@@ -5,6 +5,7 @@
 #include "flags.h"
 #include "hspmd/core/error.h"
 #include "hspmd/data/tokenizer.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/models/config.h"
 
 namespace hspmd::cli {
@@ -21,6 +22,7 @@ int tokenize_command(const std::vector<std::string>& args) {
   f.allow_positional("FILE...");
   if (!f.parse(args)) return 0;
   if (f.positional().empty()) fail("[flags] tokenize: no input files given");
+  check_output_file("[flags] --output", output, OutputWrite::kRename);
   if (eos < 0) {
     if (model.empty()) fail("[flags] tokenize: give --eos or --model");
     eos = LlamaConfig::load(model).eos_token_id;
