@@ -1,12 +1,66 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
 
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/core/rng.h"
 
 namespace hspmd {
 namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(JsonFile, RejectsDuplicateKeysAtAnyDepth) {
+  EXPECT_EQ(error_of([] { parse_json_text(R"({"a": 1, "a": 2})", "strategy", "s.json"); }),
+            "[strategy] s.json: duplicate key 'a'");
+  EXPECT_EQ(error_of([] { parse_json_text(R"({"x": [{"b": 1, "c": 2, "b": 3}]})", "plan", "p"); }),
+            "[plan] p: duplicate key 'b'");
+  // The same key in sibling objects is fine.
+  EXPECT_NO_THROW(parse_json_text(R"({"x": {"a": 1}, "y": {"a": 2}, "a": 3})", "plan", "p"));
+}
+
+TEST(JsonFile, RejectsDeepNestingWithoutCrashing) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_EQ(error_of([&] { parse_json_text(deep, "config", "c.json"); }),
+            "[config] c.json: JSON nested deeper than 128 levels");
+  const std::string ok = std::string(kMaxJsonDepth, '[') + std::string(kMaxJsonDepth, ']');
+  EXPECT_NO_THROW(parse_json_text(ok, "config", "c.json"));
+  // Unbalanced deep text fails at the depth limit too, not in the parser's message.
+  EXPECT_THROW(parse_json_text(std::string(100000, '{') , "config", "c.json"), Error);
+}
+
+TEST(JsonFile, ErrorsEchoAtMost80CharactersOfAValue) {
+  const std::string huge = "{\"a\": \"" + std::string(10 << 20, 'x') + "\\q\"}";
+  const std::string what = error_of([&] { parse_json_text(huge, "config", "c.json"); });
+  EXPECT_NE(what.find("not valid JSON"), std::string::npos);
+  EXPECT_LT(what.size(), 300u);
+  EXPECT_EQ(json_excerpt(nlohmann::json(std::string(1000, 'y'))), "\"" + std::string(80, 'y') + "...");
+  EXPECT_EQ(json_excerpt(nlohmann::json::array({1, 2})), "[1,2]");
+  EXPECT_EQ(shorten(std::string(81, 'z')), std::string(80, 'z') + "...");
+}
+
+TEST(JsonFile, RefusesAFifoWithoutBlocking) {
+  const std::string fifo = (std::filesystem::temp_directory_path() / ("hspmd_fifo_" + std::to_string(::getpid()))).string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { read_json_file(fifo, "config"); }), "[config] " + fifo + ": is not a regular file");
+  EXPECT_EQ(error_of([&] { require_regular_file(fifo, "data"); }), "[data] " + fifo + ": is not a regular file");
+  std::filesystem::remove(fifo);
+  EXPECT_EQ(error_of([&] { require_regular_file(fifo, "data"); }), "[data] " + fifo + ": no such file");
+}
 
 TEST(NDArray, ViewsShareStorageAndContiguousCopies) {
   NDArray a = NDArray::from_vector({2, 3}, {0, 1, 2, 3, 4, 5});
