@@ -1,6 +1,8 @@
 #include "hspmd/models/config.h"
 
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include "hspmd/core/error.h"
@@ -34,6 +36,12 @@ class FieldReader {
       out = v->get<double>();
     }
   }
+  void string(const char* name, std::string& out) const {
+    if (const json* v = find(name, false)) {
+      if (!v->is_string()) wrong_type(name, "a string", *v);
+      out = v->get<std::string>();
+    }
+  }
   void boolean(const char* name, bool& out) const {
     if (const json* v = find(name, false)) {
       if (!v->is_boolean()) wrong_type(name, "a boolean", *v);
@@ -62,7 +70,7 @@ class FieldReader {
     return &*it;
   }
   [[noreturn]] void wrong_type(const char* name, const char* expected, const json& v) const {
-    fail_rule("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", v.dump());
+    fail_rule("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", json_excerpt(v));
   }
 
   const json& j_;
@@ -95,6 +103,28 @@ void validate(const LlamaConfig& c, const FieldReader& r) {
     r.fail_rule("eos_token_id=", c.eos_token_id, " is outside the vocabulary [0, ", c.vocab_size, ")");
 }
 
+// Fields of other models or variants hspmd does not build: each would make the
+// run train a different model than the file describes, so they are refused.
+void reject_unsupported(const json& j, const FieldReader& r, int64_t hidden, int64_t heads) {
+  std::string text;
+  r.string("model_type", text);
+  if (!text.empty() && text != "llama") r.fail_rule("model_type '", shorten(text), "' is not supported (only llama)");
+  text.clear();
+  r.string("hidden_act", text);
+  if (!text.empty() && text != "silu") r.fail_rule("hidden_act '", shorten(text), "' is not supported (only silu)");
+  int64_t head_dim = 0;
+  r.integer("head_dim", head_dim, false);
+  if (j.contains("head_dim") && !j["head_dim"].is_null() && heads > 0 && head_dim * heads != hidden)
+    r.fail_rule("head_dim=", head_dim, " is not supported (only hidden_size/num_attention_heads=", hidden / heads, ")");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+    r.fail_rule("rope_scaling ", json_excerpt(j["rope_scaling"]), " is not supported (only null)");
+  for (const char* bias : {"attention_bias", "mlp_bias"}) {
+    bool on = false;
+    r.boolean(bias, on);
+    if (on) r.fail_rule(bias, "=true is not supported (only false)");
+  }
+}
+
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
@@ -116,6 +146,7 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   r.number("initializer_range", c.initializer_range);
   r.integer("padded_vocab_size", c.padded_vocab_size, false);
   validate(c, r);
+  reject_unsupported(j, r, c.hidden_size, c.num_attention_heads);
   if (c.padded_vocab_size != 0 && c.padded_vocab_size < c.vocab_size)
     r.fail_rule("padded_vocab_size=", c.padded_vocab_size, " is smaller than vocab_size=", c.vocab_size);
   return c;
@@ -123,6 +154,35 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
 
 LlamaConfig LlamaConfig::load(const std::string& path) {
   return from_json(read_json_file(path, "config"), path);
+}
+
+double LlamaConfig::parameter_count() const {
+  const double h = static_cast<double>(hidden_size), rows = static_cast<double>(table_rows());
+  const double kv = static_cast<double>(kv_heads()) * (num_attention_heads > 0 ? h / num_attention_heads : 0);
+  const double layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * static_cast<double>(intermediate_size);
+  return rows * h * (tie_word_embeddings ? 1 : 2) + h + static_cast<double>(num_hidden_layers) * layer;
+}
+
+std::optional<uint64_t> machine_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  while (in >> key >> kib) {
+    if (key == "MemTotal:") return kib * 1024;
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return std::nullopt;
+}
+
+void check_parameters_fit_memory(const LlamaConfig& c, const std::string& source) {
+  const std::optional<uint64_t> total = machine_memory_bytes();
+  const double bytes = c.parameter_count() * 4;  // f32
+  if (!total || bytes <= static_cast<double>(*total)) return;
+  std::ostringstream gib;
+  gib.precision(3);
+  gib << c.parameter_count() << " parameters need " << bytes / (1u << 30) << " GiB in f32, more than this machine's "
+      << static_cast<double>(*total) / (1u << 30) << " GiB (MemTotal)";
+  fail("[config] ", source, ": ", gib.str());
 }
 
 json LlamaConfig::to_json() const {

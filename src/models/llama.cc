@@ -189,6 +189,7 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
 }
 
 std::map<std::string, NDArray> init_llama_parameters(const LlamaConfig& c, uint64_t seed) {
+  check_parameters_fit_memory(c, "model to initialize");
   std::map<std::string, NDArray> params;
   for (const LlamaParameter& p : llama_parameters(c)) {
     NDArray a = NDArray::empty(p.shape, DType::F32);

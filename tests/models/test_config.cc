@@ -7,6 +7,7 @@
 #include <string>
 
 #include "hspmd/core/error.h"
+#include "hspmd/models/llama.h"
 
 namespace hspmd {
 namespace {
@@ -210,6 +211,87 @@ TEST(LlamaConfig, LoadFile) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), ("[config] " + missing + ": cannot open file").c_str());
   }
+}
+
+}  // namespace
+}  // namespace hspmd
+
+namespace hspmd {
+namespace {
+
+std::string config_error(const json& j) {
+  try {
+    LlamaConfig::from_json(j, "cfg.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(LlamaConfig, RejectsFieldsOfOtherModels) {
+  json j = minimal();
+  j["hidden_act"] = "gelu";
+  EXPECT_EQ(config_error(j), "[config] cfg.json: hidden_act 'gelu' is not supported (only silu)");
+  j = minimal();
+  j["model_type"] = "mistral";
+  EXPECT_EQ(config_error(j), "[config] cfg.json: model_type 'mistral' is not supported (only llama)");
+  j = minimal();
+  j["head_dim"] = 32;
+  EXPECT_EQ(config_error(j),
+            "[config] cfg.json: head_dim=32 is not supported (only hidden_size/num_attention_heads=16)");
+  j = minimal();
+  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  EXPECT_EQ(config_error(j).rfind("[config] cfg.json: rope_scaling {", 0), 0u) << config_error(j);
+  EXPECT_NE(config_error(j).find("is not supported (only null)"), std::string::npos);
+  j = minimal();
+  j["attention_bias"] = true;
+  EXPECT_EQ(config_error(j), "[config] cfg.json: attention_bias=true is not supported (only false)");
+  j = minimal();
+  j["hidden_act"] = 3;
+  EXPECT_EQ(config_error(j), "[config] cfg.json: field 'hidden_act' must be a string, got number 3");
+}
+
+TEST(LlamaConfig, AcceptsTheValuesHspmdBuilds) {
+  json j = minimal();
+  j["model_type"] = "llama";
+  j["hidden_act"] = "silu";
+  j["head_dim"] = 16;
+  j["rope_scaling"] = nullptr;
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
+  EXPECT_EQ(LlamaConfig::from_json(j, "cfg.json").head_dim(), 16);
+}
+
+TEST(LlamaConfig, EveryExampleConfigLoads) {
+  for (const auto& entry : std::filesystem::directory_iterator(HSPMD_SOURCE_DIR "/examples/models"))
+    EXPECT_NO_THROW(LlamaConfig::load(entry.path().string())) << entry.path();
+  EXPECT_NO_THROW(LlamaConfig::load(HSPMD_SOURCE_DIR "/examples/tiny-llama/config.json"));
+}
+
+TEST(LlamaConfig, WrongTypeEchoesAtMost80Characters) {
+  json j = minimal();
+  j["hidden_size"] = std::string(10 << 20, 'x');
+  const std::string what = config_error(j);
+  EXPECT_LT(what.size(), 200u) << what.substr(0, 200);
+  EXPECT_NE(what.find("xxx..."), std::string::npos);
+}
+
+TEST(LlamaConfig, RefusesModelsLargerThanTheMachineBeforeAllocating) {
+  json j = minimal();
+  j["num_hidden_layers"] = 100000;
+  j["hidden_size"] = 65536;
+  j["num_attention_heads"] = 64;
+  const LlamaConfig c = LlamaConfig::from_json(j, "cfg.json");
+  EXPECT_GT(c.parameter_count(), 1e15);
+  ASSERT_TRUE(machine_memory_bytes().has_value());
+  try {
+    check_parameters_fit_memory(c, "cfg.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("GiB (MemTotal)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(init_llama_parameters(c, 0), Error);
+  EXPECT_NO_THROW(check_parameters_fit_memory(LlamaConfig::from_json(minimal(), "cfg.json"), "cfg.json"));
 }
 
 }  // namespace

@@ -1,8 +1,12 @@
 // The model configuration: the Hugging Face Llama config.json fields hspmd
-// reads (docs/architecture.md, "The Llama model"). Unknown fields are ignored.
+// reads (docs/architecture.md, "The Llama model"). Unknown fields are ignored;
+// known fields that would describe another model (model_type, hidden_act,
+// head_dim, rope_scaling, attention_bias, mlp_bias) are refused unless they
+// match what hspmd builds.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -38,17 +42,34 @@ struct LlamaConfig {
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
 
+  // Parameters of the full model (table_rows() embedding rows; an untied LM
+  // head counts again), as a double so that no config overflows it.
+  double parameter_count() const;
+
   // Parses and validates. `source` names the file in errors. Throws
   // hspmd::Error "[config] <source>: <rule>" for a missing required field, a
   // field of the wrong JSON type, or an impossible value (non-positive sizes,
   // heads not dividing hidden_size, KV heads not dividing heads, odd head_dim,
   // eos_token_id outside the vocabulary, non-positive rms_norm_eps, rope_theta
-  // or initializer_range). Optional fields given as null take their default.
+  // or initializer_range), and for what hspmd does not build: model_type
+  // other than "llama", hidden_act other than "silu", head_dim other than
+  // hidden_size / num_attention_heads, a non-null rope_scaling, or
+  // attention_bias / mlp_bias true. Optional fields given as null take their
+  // default. Values echoed in errors are cut to 80 characters.
   static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
   // Reads a config.json; also throws for a missing file or malformed JSON.
   static LlamaConfig load(const std::string& path);
   // Every field above (num_key_value_heads resolved); from_json reads it back.
   nlohmann::json to_json() const;
 };
+
+// MemTotal of /proc/meminfo in bytes; nullopt where it cannot be read.
+std::optional<uint64_t> machine_memory_bytes();
+
+// Throws hspmd::Error "[config] <source>: <count> parameters need <n> GiB in
+// f32, more than this machine's <m> GiB (MemTotal)" when the full model's f32 parameters alone exceed the
+// machine's memory; called before the parameters are allocated. Does nothing
+// where MemTotal cannot be read.
+void check_parameters_fit_memory(const LlamaConfig& config, const std::string& source);
 
 }  // namespace hspmd

@@ -137,7 +137,9 @@ LlamaGraph build_llama(const LlamaConfig& config, const LlamaBuildOptions& optio
 LlamaGraph build_llama(const LlamaConfig& config, bool packed_documents = false);
 
 // Initial parameters: linear and embedding weights ~ N(0, initializer_range^2),
-// norm weights = 1. Each tensor depends only on (seed, its name).
+// norm weights = 1. Each tensor depends only on (seed, its name). Throws
+// hspmd::Error (check_parameters_fit_memory) before allocating anything when
+// the parameters alone exceed the machine's memory.
 std::map<std::string, NDArray> init_llama_parameters(const LlamaConfig& config, uint64_t seed);
 
 // Checks that `weights` (e.g. loaded from safetensors) holds exactly the
