@@ -1,5 +1,7 @@
 #include "flags.h"
 
+#include <sys/stat.h>
+
 #include <charconv>
 #include <cstdio>
 #include <sstream>
@@ -34,6 +36,16 @@ std::set<int> parse_ranks(const std::string& text, int world, const char* flag) 
     }
   }
   return out;
+}
+
+void check_input_file(const std::string& flag, const std::string& path) {
+  struct stat st;
+  if (path.empty() || stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return;
+  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                                            : "a device";
+  fail("[flags] ", flag, " ", path, " is ", what, ", not a regular file");
 }
 
 namespace {
@@ -74,6 +86,12 @@ void FlagSet::add_double(const std::string& name, double* target, const std::str
 
 void FlagSet::add_bool(const std::string& name, bool* target, const std::string& help) {
   flags_.push_back({name, help, "", false, false, [target](const std::string&) { *target = true; }});
+}
+
+bool FlagSet::given(const std::string& name) const {
+  for (const auto& f : flags_)
+    if (f.name == name) return f.seen;
+  return false;
 }
 
 FlagSet::Flag* FlagSet::find(const std::string& name) {

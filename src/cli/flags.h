@@ -17,6 +17,12 @@ int64_t parse_int(const std::string& flag, const std::string& v);
 // hspmd::Error "[flags] <flag>: ..." for an item that is no rank or range.
 std::set<int> parse_ranks(const std::string& text, int world, const char* flag);
 
+// An input file named by `flag` must be a regular file when it exists:
+// hspmd::Error "[flags] <flag> <path> is a directory, not a file" (or a FIFO,
+// a device, ...), so that a loader never blocks on a FIFO nor reports a
+// directory as missing. A path that does not exist is left to the loader.
+void check_input_file(const std::string& flag, const std::string& path);
+
 class FlagSet {
  public:
   FlagSet(std::string command, std::string summary)
@@ -40,6 +46,8 @@ class FlagSet {
   // value, or a missing required flag.
   bool parse(const std::vector<std::string>& args);
   const std::vector<std::string>& positional() const { return positional_; }
+  // Whether the last parse() saw --<name> (a default is not "given").
+  bool given(const std::string& name) const;
   std::string help() const;
 
  private:

@@ -83,7 +83,10 @@ int compile_command(const std::vector<std::string>& args) {
   f.add_string("output", &output, "plan JSON to write (also -o)", true);
   if (!f.parse(expand_short_output(args))) return 0;
   if (world < 1) fail("[flags] --world must be >= 1, got ", world);
-  if (seq_len < 0) fail("[flags] --seq-len must be >= 0, got ", seq_len);
+  if (seq_len < 0 || (f.given("seq-len") && seq_len == 0))
+    fail("[flags] --seq-len must be positive, got ", seq_len);
+  check_input_file("--model", model);
+  check_input_file("--strategy", strategy_path);
 
   const LlamaConfig config = LlamaConfig::load(model);
   const Strategy strategy = load_strategy(strategy_path);
@@ -392,7 +395,8 @@ bool parse_switch_flags(const std::vector<std::string>& args, SwitchFlags& s) {
   f.add_bool("json", &s.json, "print one JSON document instead of text");
   if (!f.parse(args)) return false;
   if (s.world < 1) fail("[flags] --world must be >= 1, got ", s.world);
-  if (s.seq_len < 0) fail("[flags] --seq-len must be >= 0, got ", s.seq_len);
+  if (s.seq_len < 0 || (f.given("seq-len") && s.seq_len == 0))
+    fail("[flags] --seq-len must be positive, got ", s.seq_len);
   if (s.bucket_mb < 0) fail("[flags] --bucket-mb must be >= 0, got ", s.bucket_mb);
   return true;
 }

@@ -1,4 +1,5 @@
 // hspmd tokenize: text files -> token file, one document per file.
+#include <cstdint>
 #include <cstdio>
 
 #include "commands.h"
@@ -23,7 +24,10 @@ int tokenize_command(const std::vector<std::string>& args) {
   if (!f.parse(args)) return 0;
   if (f.positional().empty()) fail("[flags] tokenize: no input files given");
   check_output_file("[flags] --output", output, OutputWrite::kRename);
-  if (eos < 0) {
+  for (const std::string& in : f.positional()) check_input_file("input", in);
+  if (f.given("eos") && (eos < 0 || eos > int64_t{UINT32_MAX}))
+    fail("[flags] --eos ", eos, " is outside the token ids [256, ", UINT32_MAX, "]");
+  if (!f.given("eos")) {
     if (model.empty()) fail("[flags] tokenize: give --eos or --model");
     eos = LlamaConfig::load(model).eos_token_id;
   }

@@ -1,10 +1,10 @@
 // hspmd train: flags -> TrainOptions -> train().
 #include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <climits>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -13,76 +13,92 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "launcher.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/train/trainer.h"
-
-extern char** environ;
 
 namespace hspmd::cli {
 
 namespace {
 
-// Re-runs this command under `mpirun -np N` (without --nproc) and returns its
-// exit code: the job fails when any rank fails.
-int launch_ranks(int64_t nproc, const std::vector<std::string>& args) {
-  if (nproc < 1) fail("[flags] --nproc must be >= 1, got ", nproc);
-  char self[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) fail("[launch] cannot find the hspmd executable");
-  self[n] = '\0';
-  std::vector<std::string> argv = {"mpirun", "--quiet", "--allow-run-as-root", "--oversubscribe", "-np",
-                                   std::to_string(nproc), self, "train"};
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--nproc") {
-      ++i;
-      continue;
-    }
-    if (args[i].rfind("--nproc=", 0) != 0) argv.push_back(args[i]);
-  }
-  // Ranks failing at once (say two out of memory) report once: the first to
-  // create this file prints (claim_report below); the launcher removes it.
-  char report[] = "/tmp/hspmd-report-XXXXXX";
-  const int fd = mkstemp(report);
-  if (fd >= 0) {
-    close(fd);
-    std::remove(report);
-    setenv("HSPMD_REPORT_FILE", report, 1);
-  }
-  std::vector<char*> cargv;
-  for (auto& a : argv) cargv.push_back(a.data());
-  cargv.push_back(nullptr);
-  pid_t pid;
-  if (posix_spawnp(&pid, "mpirun", nullptr, nullptr, cargv.data(), environ) != 0)
-    fail("[launch] cannot start mpirun (is Open MPI installed?)");
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (fd >= 0) std::remove(report);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
-}
+constexpr int64_t kMaxThreads = 1024;  // far beyond any core count; 100000 crashed libgomp
 
-// Whether this rank prints its failure: under the launcher, only the first
-// failing rank of the job (O_EXCL creation of the job's report file).
-bool claim_report() {
-  const char* path = std::getenv("HSPMD_REPORT_FILE");
-  if (path == nullptr) return true;
-  const int fd = open(path, O_CREAT | O_EXCL | O_WRONLY, 0600);
-  if (fd < 0) return false;
-  close(fd);
-  return true;
-}
+// Exclusive locks (flock) on the outputs that several runs could write at
+// once: the --log file and the --checkpoint directory. Held until the
+// process exits; a file or directory created only to be locked is removed
+// again unless keep() is called (a failed setup leaves nothing behind).
+class OutputLocks {
+ public:
+  ~OutputLocks() {
+    for (const Held& h : held_) {
+      struct stat st {};
+      if (!keep_ && h.created && fstat(h.fd, &st) == 0 && (S_ISDIR(st.st_mode) || st.st_size == 0))
+        S_ISDIR(st.st_mode) ? rmdir(h.path.c_str()) : unlink(h.path.c_str());
+      close(h.fd);
+    }
+  }
+  void keep() { keep_ = true; }
+  // Locks the run's outputs; returns a one-line error naming the first that
+  // another live run holds, or "". Paths that cannot be opened are left to
+  // the trainer's own output checks.
+  std::string lock_all(const TrainOptions& o) {
+    if (!o.log_path.empty() && !lock(o.log_path, false))
+      return "[flags] --log " + o.log_path + " is being written by another running hspmd job (it holds the "
+             "file's lock); give another --log";
+    if (!o.checkpoint_dir.empty() && !lock(o.checkpoint_dir, true))
+      return "[flags] --checkpoint " + o.checkpoint_dir + " is being written by another running hspmd job (it "
+             "holds the directory's lock); give another --checkpoint";
+    return "";
+  }
+
+ private:
+  struct Held {
+    int fd;
+    bool created;
+    std::string path;
+  };
+  bool lock(const std::string& path, bool dir) {
+    bool created = dir ? mkdir(path.c_str(), 0777) == 0 : false;
+    int fd = -1;
+    if (dir) {
+      fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    } else {
+      fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      created = fd >= 0;
+      if (fd < 0 && errno == EEXIST) fd = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    }
+    if (fd < 0) return true;
+    held_.push_back({fd, created, path});
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || !(S_ISREG(st.st_mode) || S_ISDIR(st.st_mode))) return true;  // /dev/null: shared
+    return flock(fd, LOCK_EX | LOCK_NB) == 0 || errno != EWOULDBLOCK;
+  }
+
+  std::vector<Held> held_;
+  bool keep_ = false;
+};
 
 // Distributed training on the MPI world: a failing rank prints its error and
 // ends the whole job, never leaving the others waiting.
 int train_on_ranks(const TrainOptions& o) {
   std::unique_ptr<Communicator> world = make_world_communicator();
+  RankSupervision supervision(world->rank());
   TrainOptions mine = o;
   if (world->rank() != 0) mine.progress = false;
+  mine.on_step = [&](int64_t step) { supervision.step_done(step); };
+  OutputLocks locks;
   try {
+    std::string busy;
+    if (world->rank() == 0) busy = locks.lock_all(o);
+    double failed = busy.empty() ? 0 : 1;  // every rank learns that rank 0 cannot write
+    world->all_reduce(&failed, 1, DType::F64);
+    if (failed != 0) throw SetupFailure(busy, world->rank() == 0);
     train_distributed(mine, *world);
+    locks.keep();
   } catch (const SetupFailure& e) {
     if (world->size() == 1) throw;
-    if (e.reporter()) std::fprintf(stderr, "hspmd: error: %s\n", e.what());
+    if (e.reporter() && claim_report()) std::fprintf(stderr, "hspmd: error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
     if (world->size() == 1) throw;
@@ -118,12 +134,66 @@ std::vector<TrainOptions::Switch> parse_switches(const std::vector<std::string>&
   return out;
 }
 
+// The number of ranks of the MPI job this process is part of (1 outside one).
+int mpi_world_size() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"})
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  return 1;
+}
+
+// Single-flag ranges beyond what FlagSet parses (docs/training.md).
+void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, double lr, double min_lr,
+                  int64_t nproc, double timeout) {
+  for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
+    if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
+  if (!(min_lr >= 0 && min_lr <= lr)) fail("[flags] --min-lr ", min_lr, " must lie in [0, --lr ", lr, "]");
+  if (threads < 1 || threads > kMaxThreads)
+    fail("[flags] --threads must lie in [1, ", kMaxThreads, "], got ", threads);
+  if (f.given("nproc") && (nproc < 1 || nproc > kMaxThreads))
+    fail("[flags] --nproc must lie in [1, ", kMaxThreads, "], got ", nproc);
+  if (f.given("global-batch") && o.global_batch <= 0)
+    fail("[flags] --global-batch must be positive, got ", o.global_batch);
+  if (!(timeout >= 0)) fail("[flags] --timeout must be >= 0 seconds, got ", timeout);
+  const std::pair<const char*, const std::string*> inputs[] = {
+      {"--model", &o.model_path},       {"--data", &o.data_path},   {"--init", &o.init_path},
+      {"--strategy", &o.strategy_path}, {"--plan", &o.plan_path},   {"--cluster", &o.cluster_path},
+      {"--profile", &o.profile_path}};
+  for (const auto& [flag, path] : inputs) check_input_file(flag, *path);
+  for (const TrainOptions::Switch& sw : o.switches) check_input_file("--switch", sw.path);
+}
+
+// Flags that only mean something together with others are errors alone,
+// never silently ignored.
+void check_combinations(const FlagSet& f, const TrainOptions& o, bool distributed) {
+  if (distributed && f.given("micro-batches"))
+    fail("[flags] --micro-batches is not read under --strategy or --plan: each pipeline's \"micro_batches\" "
+         "comes from the strategy");
+  if (f.given("timeout") && !f.given("nproc")) fail("[flags] --timeout needs --nproc (it is the launcher's watchdog)");
+}
+
+// The ranks' flags: these without --nproc, and --threads cores / N unless given.
+std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::string>& args, int64_t nproc) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--nproc" || args[i] == "--timeout") {
+      ++i;
+      continue;
+    }
+    if (args[i].rfind("--nproc=", 0) != 0 && args[i].rfind("--timeout=", 0) != 0) out.push_back(args[i]);
+  }
+  if (!f.given("threads")) {
+    const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+    out.insert(out.end(), {"--threads", std::to_string(std::max<int64_t>(1, cores / nproc))});
+  }
+  return out;
+}
+
 }  // namespace
 
 int train_command(const std::vector<std::string>& args) {
   TrainOptions o;
   std::string schedule = "constant", save_dtype = "f32", optimizer = "adamw";
-  int64_t seed = 0, warmup = 0, threads = std::max(1u, std::thread::hardware_concurrency());
+  int64_t seed = 0, warmup = 0, threads = std::min<int64_t>(kMaxThreads, std::max(1u, std::thread::hardware_concurrency()));
   double lr = 3e-4, min_lr = 0.0;
   bool quiet = false;
   int64_t nproc = 0;
@@ -181,7 +251,13 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md)");
   f.add_int("save-every", &o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
   f.add_string("resume", &o.resume_dir, "continue from the training checkpoint in this directory");
-  f.add_int("nproc", &nproc, "start this many local ranks through mpirun (with --strategy)");
+  f.add_int("nproc", &nproc,
+            "start this many local ranks through mpirun (with --strategy); without --threads, each rank gets "
+            "max(1, cores / N) threads");
+  double timeout = 300;
+  f.add_double("timeout", &timeout,
+               "with --nproc: end the job when no step finishes or a rank stops responding for this many seconds "
+               "(setup and step 0: 3x, at least 120 s; default 300; 0 = off)");
   if (!f.parse(args)) return 0;
 
   if (optimizer != "adamw" && optimizer != "adam")
@@ -194,7 +270,7 @@ int train_command(const std::vector<std::string>& args) {
   o.model_clock = clock == "model";
   if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
   if (warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", warmup);
-  if (threads < 1) fail("[flags] --threads must be >= 1, got ", threads);
+  check_values(f, o, threads, lr, min_lr, nproc, timeout);
   o.seed = static_cast<uint64_t>(seed);
   o.threads = static_cast<int>(threads);
   o.schedule.kind = LrSchedule::parse_kind(schedule);
@@ -205,13 +281,22 @@ int train_command(const std::vector<std::string>& args) {
   o.switches = parse_switches(switches, lost);
   const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
   if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
-  if (nproc != 0) {
+  if (!distributed && mpi_world_size() > 1) {
+    if (std::getenv("OMPI_COMM_WORLD_RANK") && std::string(std::getenv("OMPI_COMM_WORLD_RANK")) != "0") return 1;
+    fail("[flags] this is one of ", mpi_world_size(), " MPI ranks but no --strategy or --plan was given: "
+         "each rank would train alone and write the same files");
+  }
+  check_combinations(f, o, distributed);
+  if (f.given("nproc")) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
-    return launch_ranks(nproc, args);
+    return launch_ranks(LaunchOptions{nproc, rank_args(f, args, nproc), timeout});
   }
   if (!distributed) {
-    if (o.global_batch == 0) fail("[flags] --global-batch is required (without --strategy)");
+    if (!f.given("global-batch")) fail("[flags] --global-batch is required (without --strategy)");
+    OutputLocks locks;
+    if (const std::string busy = locks.lock_all(o); !busy.empty()) fail(busy);
     train(o);
+    locks.keep();
     return 0;
   }
   return train_on_ranks(o);

@@ -682,6 +682,7 @@ std::vector<StepRecord> DistTrainer::run() {
                                    std::chrono::duration<double>(Clock::now() - start).count());
     records.push_back(r);
     if (o_.save_every > 0 && (step + 1) % o_.save_every == 0) save_checkpoint();
+    if (o_.on_step) o_.on_step(step);
   }
   if (!o_.save_path.empty()) save();
   if (!o_.trace_path.empty()) write_trace();

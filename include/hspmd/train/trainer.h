@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,6 +61,9 @@ struct TrainOptions {
   int threads = 1;
   DType save_dtype = DType::F32;
   bool progress = true;         // progress line on stderr
+  // Called on every rank after each finished step (the launcher's heartbeat,
+  // src/cli/launcher.h); may be empty.
+  std::function<void(int64_t step)> on_step;
   bool pack_documents = false;  // packed-documents samples (docs/data.md)
 };
 

@@ -1,0 +1,372 @@
+// The --nproc launcher and the ranks' watcher threads (launcher.h).
+#include "launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+
+#include "hspmd/core/error.h"
+
+extern char** environ;
+
+namespace hspmd::cli {
+
+// One rank's heartbeat, in a file both the launcher and the rank map.
+struct Slot {
+  std::atomic<int64_t> pid;
+  std::atomic<int64_t> alive_ns;  // the watcher thread's last tick (monotonic clock)
+  std::atomic<int64_t> steps;     // the last finished step + 1
+  std::atomic<int64_t> step_ns;   // when it finished
+};
+
+namespace {
+
+constexpr double kKillAfterS = 10;  // SIGKILL what is left this long after SIGTERM
+
+volatile sig_atomic_t g_signal = 0;
+void on_signal(int s) { g_signal = s; }
+
+int64_t now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
+std::string job_file(const std::string& dir, const char* name) { return dir + "/" + name; }
+
+void remove_job_dir(const std::string& dir) {
+  for (const char* name : {"alive", "heartbeat", "report"}) unlink(job_file(dir, name).c_str());
+  rmdir(dir.c_str());
+}
+
+// The launcher's side of the job directory.
+class JobDir {
+ public:
+  explicit JobDir(int nproc) : nproc_(nproc) {
+    char tmpl[] = "/tmp/hspmd-job-XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) fail("[launch] cannot create a job directory in /tmp: ", std::strerror(errno));
+    dir_ = tmpl;
+    const std::string fifo = job_file(dir_, "alive");
+    if (mkfifo(fifo.c_str(), 0600) != 0) fail("[launch] cannot create ", fifo, ": ", std::strerror(errno));
+    fifo_ = open(fifo.c_str(), O_RDWR | O_CLOEXEC);  // O_RDWR: opening never blocks
+    const int fd = open(job_file(dir_, "heartbeat").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    bytes_ = sizeof(Slot) * static_cast<size_t>(nproc);
+    if (fifo_ < 0 || fd < 0 || ftruncate(fd, static_cast<off_t>(bytes_)) != 0)
+      fail("[launch] cannot set up the job directory ", dir_);
+    map_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map_ == MAP_FAILED) fail("[launch] cannot map ", dir_, "/heartbeat");
+  }
+  ~JobDir() {
+    munmap(map_, bytes_);
+    close(fifo_);
+    remove_job_dir(dir_);
+  }
+  const std::string& dir() const { return dir_; }
+  int nproc() const { return nproc_; }
+  const Slot& slot(int r) const { return static_cast<const Slot*>(map_)[r]; }
+  bool reported() const { return access(job_file(dir_, "report").c_str(), F_OK) == 0; }
+
+ private:
+  int nproc_;
+  std::string dir_;
+  int fifo_ = -1;
+  void* map_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// What mpirun said about the first rank that failed.
+struct RankFailure {
+  int rank = -1, signal = 0, exit_code = -1;
+  std::string signal_name;
+};
+
+// Relays mpirun's stderr (the ranks' output) line by line, leaving out Open
+// MPI's help banners (blocks between dashed lines) and parsing from them
+// which rank failed and how.
+class StderrRelay {
+ public:
+  explicit StderrRelay(int fd) : fd_(fd), thread_([this] { run(); }) {}
+  ~StderrRelay() {
+    finish(0);
+    close(fd_);
+  }
+  // Waits for mpirun's last words (at most `s` seconds more once mpirun has
+  // exited: orphaned ranks may hold the pipe) and says which rank failed.
+  RankFailure finish(double s) {
+    if (thread_.joinable()) {
+      deadline_ns_ = now_ns() + static_cast<int64_t>(s * 1e9);
+      stop_ = true;
+      thread_.join();
+    }
+    return failure_;
+  }
+
+ private:
+  void run() {
+    std::string buf;
+    char chunk[4096];
+    while (!stop_ || now_ns() < deadline_ns_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      const ssize_t n = read(fd_, chunk, sizeof(chunk));
+      if (n <= 0) break;
+      buf.append(chunk, static_cast<size_t>(n));
+      for (size_t nl; (nl = buf.find('\n')) != std::string::npos; buf.erase(0, nl + 1)) line(buf.substr(0, nl));
+    }
+    if (!buf.empty()) line(buf);
+  }
+  void line(const std::string& l) {
+    if (l.size() >= 10 && l.find_first_not_of('-') == std::string::npos) {
+      in_banner_ = !in_banner_;
+      return;
+    }
+    if (in_banner_) return parse(l);
+    if (l.rfind("[", 0) == 0 && (l.find("help message") != std::string::npos ||
+                                 l.find("MCA parameter") != std::string::npos))
+      return;
+    std::fprintf(stderr, "%s\n", l.c_str());
+  }
+  void parse(const std::string& l) {
+    if (failure_.rank >= 0 && failure_.exit_code < 0 && failure_.signal == 0) {
+      const char* code = std::strstr(l.c_str(), "Exit code:");
+      if (code) std::sscanf(code, "Exit code: %d", &failure_.exit_code);
+    }
+    if (failure_.rank >= 0) return;
+    char name[64] = {0};
+    const char* p = std::strstr(l.c_str(), "process rank ");
+    if (p && std::sscanf(p, "process rank %d with PID %*d on node %*s exited on signal %d (%63[^)])",
+                         &failure_.rank, &failure_.signal, name) >= 2) {
+      failure_.signal_name = name;
+      return;
+    }
+    p = std::strstr(l.c_str(), "Process name: [[");
+    if (p && std::sscanf(p, "Process name: [[%*d,%*d],%d]", &failure_.rank) != 1) failure_.rank = -1;
+  }
+
+  int fd_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> deadline_ns_{0};
+  bool in_banner_ = false;
+  RankFailure failure_;
+  std::thread thread_;
+};
+
+// Why the job is stuck, or "" while it makes progress: a rank whose watcher
+// thread stopped ticking (stopped by SIGSTOP, frozen), or no step finished
+// within the allowance (3 x timeout, at least 120 s, for setup and step 0).
+std::string stalled(const JobDir& job, int64_t start_ns, double timeout_s) {
+  const int64_t now = now_ns(), limit = static_cast<int64_t>(timeout_s * 1e9);
+  int64_t latest = 0, fewest = INT64_MAX;
+  int slowest = 0;
+  for (int r = 0; r < job.nproc(); ++r) {
+    const Slot& s = job.slot(r);
+    const int64_t alive = s.alive_ns.load();
+    if (alive != 0 && now - alive > limit)
+      return "rank " + std::to_string(r) + " (pid " + std::to_string(s.pid.load()) + ") stopped responding: no " +
+             "heartbeat for " + std::to_string(static_cast<int>((now - alive) / 1000000000)) +
+             " s (stopped, e.g. by SIGSTOP, or frozen)";
+    latest = std::max(latest, s.step_ns.load());
+    if (s.steps.load() < fewest) fewest = s.steps.load(), slowest = r;
+  }
+  const int64_t allowance = latest ? limit : std::max(3 * limit, int64_t{120} * 1000000000);
+  const int64_t since = now - (latest ? latest : start_ns);
+  if (since <= allowance) return "";
+  const int64_t secs = since / 1000000000;
+  if (job.slot(slowest).alive_ns.load() == 0)
+    return "rank " + std::to_string(slowest) + " did not start within " + std::to_string(secs) + " s";
+  return "no step finished for " + std::to_string(secs) + " s (--timeout " + std::to_string(timeout_s) +
+         "); rank " + std::to_string(slowest) + " is the furthest behind, in step " + std::to_string(fewest);
+}
+
+void kill_ranks(const JobDir& job, int sig) {
+  for (int r = 0; r < job.nproc(); ++r)
+    if (const int64_t pid = job.slot(r).pid.load(); pid > 0) kill(static_cast<pid_t>(pid), sig);
+}
+
+pid_t spawn_mpirun(const LaunchOptions& o, int err_fd) {
+  char self[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) fail("[launch] cannot find the hspmd executable");
+  self[n] = '\0';
+  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                   std::to_string(o.nproc), self, "train"};
+  argv.insert(argv.end(), o.rank_args.begin(), o.rank_args.end());
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  // Its own process group (a terminal's ^C reaches the launcher only, which
+  // forwards it), stdin from /dev/null (a background group reading the
+  // terminal would stop), stderr into the relay.
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_adddup2(&files, err_fd, 2);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setpgroup(&attr, 0);
+  sigset_t none, defaults;
+  sigemptyset(&none);
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGINT);
+  sigaddset(&defaults, SIGTERM);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, "mpirun", &files, &attr, cargv.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) fail("[launch] cannot start mpirun (is Open MPI installed?)");
+  return pid;
+}
+
+std::string describe(const RankFailure& f, int status) {
+  if (f.rank >= 0 && f.signal > 0)
+    return "rank " + std::to_string(f.rank) + " was killed by signal " + std::to_string(f.signal) + " (" +
+           f.signal_name + ")";
+  if (f.rank >= 0)
+    return "rank " + std::to_string(f.rank) + " exited with code " +
+           (f.exit_code >= 0 ? std::to_string(f.exit_code) : std::string("?")) + " without a message";
+  if (WIFSIGNALED(status)) return "mpirun was killed by signal " + std::to_string(WTERMSIG(status));
+  const int code = WEXITSTATUS(status);
+  if (code > 128) return "a rank was killed by signal " + std::to_string(code - 128);
+  return "mpirun exited with code " + std::to_string(code);
+}
+
+}  // namespace
+
+int launch_ranks(const LaunchOptions& o) {
+  if (o.nproc < 1) fail("[flags] --nproc must be >= 1, got ", o.nproc);
+  JobDir job(static_cast<int>(o.nproc));
+  setenv("HSPMD_JOB_DIR", job.dir().c_str(), 1);
+  setenv("HSPMD_LAUNCHER_PID", std::to_string(getpid()).c_str(), 1);
+  int err[2];
+  if (pipe2(err, O_CLOEXEC) != 0) fail("[launch] cannot create a pipe: ", std::strerror(errno));
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const pid_t pid = spawn_mpirun(o, err[1]);
+  close(err[1]);
+  StderrRelay relay(err[0]);
+  const int64_t start = now_ns();
+  int64_t kill_at = 0, next_check = start;
+  int status = 0, stopped_by = 0;
+  bool watchdog = false;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    const int64_t now = now_ns();
+    if (g_signal != 0 && stopped_by == 0 && !watchdog) {
+      stopped_by = g_signal;
+      kill(pid, SIGTERM);  // mpirun ends its ranks (SIGCONT, SIGTERM, SIGKILL)
+      kill_at = now + static_cast<int64_t>(kKillAfterS * 1e9);
+    }
+    if (o.timeout_s > 0 && kill_at == 0 && now >= next_check) {
+      next_check = now + 250000000;
+      if (const std::string why = stalled(job, start, o.timeout_s); !why.empty()) {
+        std::fprintf(stderr, "hspmd: error: [watchdog] %s; ending the job\n", why.c_str());
+        watchdog = true;
+        kill(pid, SIGTERM);
+        kill_at = now + static_cast<int64_t>(3e9);
+      }
+    }
+    if (kill_at != 0 && now >= kill_at) {
+      kill_ranks(job, SIGKILL);
+      kill(pid, SIGKILL);
+      kill_at = INT64_MAX;
+    }
+    usleep(20000);
+  }
+  if (kill_at == INT64_MAX) kill_ranks(job, SIGKILL);  // orphans of a killed mpirun
+  const RankFailure failure = relay.finish(2);
+  if (stopped_by != 0) {
+    std::fprintf(stderr, "hspmd: error: [launch] %s: ended the job's %lld ranks\n",
+                 stopped_by == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(o.nproc));
+    return 128 + stopped_by;
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;
+  if (!watchdog && !job.reported())
+    std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended\n", describe(failure, status).c_str());
+  return 1;
+}
+
+bool claim_report() {
+  const char* dir = std::getenv("HSPMD_JOB_DIR");
+  if (dir == nullptr) return true;
+  const int fd = open(job_file(dir, "report").c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+RankSupervision::RankSupervision(int rank) : rank_(rank) {
+  const char* dir = std::getenv("HSPMD_JOB_DIR");
+  const char* launcher = std::getenv("HSPMD_LAUNCHER_PID");
+  if (dir == nullptr || launcher == nullptr) return;
+  dir_ = dir;
+  launcher_pid_ = std::atoi(launcher);
+  const int fd = open(job_file(dir_, "heartbeat").c_str(), O_RDWR | O_CLOEXEC);
+  struct stat st {};
+  if (fd >= 0 && fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= sizeof(Slot) * (rank + 1)) {
+    map_bytes_ = static_cast<size_t>(st.st_size);
+    map_ = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map_ == MAP_FAILED) map_ = nullptr;
+    if (map_) slot_ = static_cast<Slot*>(map_) + rank;
+  }
+  if (fd >= 0) close(fd);
+  // The FIFO reports a hang-up only for a writer that leaves after we open
+  // it, so the launcher must still be alive once it is open.
+  fifo_ = open(job_file(dir_, "alive").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fifo_ < 0 || kill(launcher_pid_, 0) != 0) launcher_gone();
+  if (slot_) {
+    slot_->pid = getpid();
+    slot_->alive_ns = now_ns();
+  }
+  thread_ = std::thread([this] { watch(); });
+}
+
+RankSupervision::~RankSupervision() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  if (fifo_ >= 0) close(fifo_);
+  if (map_) munmap(map_, map_bytes_);
+}
+
+void RankSupervision::step_done(int64_t step) {
+  if (!slot_) return;
+  slot_->step_ns = now_ns();
+  slot_->steps = step + 1;
+}
+
+void RankSupervision::watch() {
+  for (int tick = 0; !stop_; ++tick) {
+    pollfd p{fifo_, POLLIN, 0};
+    if (poll(&p, 1, 200) > 0 && (p.revents & (POLLHUP | POLLERR))) launcher_gone();
+    if (tick % 5 == 0 && kill(launcher_pid_, 0) != 0 && errno == ESRCH) launcher_gone();
+    if (slot_) slot_->alive_ns = now_ns();
+  }
+}
+
+void RankSupervision::launcher_gone() {
+  if (claim_report()) {
+    std::fprintf(stderr, "hspmd: error: rank %d: the launcher (pid %d) is gone; ending this rank\n", rank_,
+                 launcher_pid_);
+    std::fflush(stderr);
+  }
+  remove_job_dir(dir_);
+  _exit(1);
+}
+
+}  // namespace hspmd::cli

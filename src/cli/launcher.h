@@ -1,0 +1,71 @@
+// `hspmd train --nproc N`: the launcher that runs the ranks under mpirun and
+// supervises them, and its counterpart inside each rank (docs/execution.md,
+// "Supervision").
+//
+// The launcher and its ranks share a job directory (HSPMD_JOB_DIR):
+//  * `alive`: a FIFO the launcher holds open for writing; a rank's watcher
+//    thread sees its hang-up when the launcher is gone (even killed with
+//    SIGKILL) and ends the rank. PR_SET_PDEATHSIG cannot be used: the ranks
+//    are children of mpirun, not of the launcher.
+//  * `heartbeat`: one slot per rank (pid, a tick of its watcher thread, the
+//    last finished step and when) that the launcher's watchdog reads.
+//  * `report`: created by the first rank that prints its error, so that a
+//    job fails with one message.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace hspmd::cli {
+
+struct LaunchOptions {
+  int64_t nproc = 1;
+  std::vector<std::string> rank_args;  // the `train` flags of every rank (without --nproc)
+  double timeout_s = 300;              // watchdog: a step's allowance; 0 turns it off
+};
+
+// Runs `mpirun -np N hspmd train <rank_args>` in its own process group and
+// returns the job's exit code: 0 when every rank succeeded; 1 when a rank
+// failed (its error, or "[launch] rank R was killed by signal S", printed
+// once) or the watchdog ended the job; 128+S when the launcher got SIGINT or
+// SIGTERM (forwarded to mpirun, which ends the ranks; SIGKILL after 10 s).
+// Throws hspmd::Error when mpirun cannot be started.
+int launch_ranks(const LaunchOptions& options);
+
+// Whether this rank prints its failure: under the launcher, only the first
+// failing rank of the job; otherwise always.
+bool claim_report();
+
+// A rank's side of the supervision: when started by the launcher, a thread
+// that ends this process (exit 1) once the launcher is gone and ticks the
+// rank's heartbeat; step_done() records progress. Without the launcher,
+// does nothing.
+class RankSupervision {
+ public:
+  explicit RankSupervision(int rank);
+  ~RankSupervision();
+  RankSupervision(const RankSupervision&) = delete;
+  RankSupervision& operator=(const RankSupervision&) = delete;
+
+  // Records that `step` has finished on this rank (thread-safe, cheap).
+  void step_done(int64_t step);
+
+ private:
+  void watch();
+  [[noreturn]] void launcher_gone();
+
+  struct Slot* slot_ = nullptr;
+  size_t map_bytes_ = 0;
+  void* map_ = nullptr;
+  int fifo_ = -1;
+  int rank_ = 0;
+  int launcher_pid_ = 0;
+  std::string dir_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace hspmd::cli

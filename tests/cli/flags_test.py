@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Flag ranges and combinations (docs/training.md, docs/reliability.md): each
+case must exit non-zero with one stderr line that names the flag, quickly (a
+FIFO given as input must not block), and write nothing.
+
+usage: flags_test.py --hspmd PATH
+"""
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+CONFIG = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "max_position_embeddings": 64, "eos_token_id": 256}
+STRATEGY = {"pipelines": [{"micro_batch_size": 2, "micro_batches": 1, "stages": [{"ranks": [0], "layers": [0, 0]}]}]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    exe = ap.parse_args().hspmd
+    tmp = tempfile.mkdtemp()
+    p = lambda n: os.path.join(tmp, n)  # noqa: E731
+    json.dump(CONFIG, open(p("cfg.json"), "w"))
+    json.dump(STRATEGY, open(p("s.json"), "w"))
+    with open(p("data.bin"), "wb") as f:
+        f.write(struct.pack("<200I", *([5] * 200)))
+    with open(p("doc.txt"), "w") as f:
+        f.write("hello")
+    os.mkdir(p("adir"))
+    os.mkfifo(p("fifo"))
+
+    base = ["train", "--model", p("cfg.json"), "--data", p("data.bin"), "--seq-len", "16",
+            "--global-batch", "2", "--steps", "1", "--threads", "1", "--quiet"]
+    dist = [a for a in base if a not in ("--global-batch", "2")] + ["--strategy", p("s.json")]
+
+    def with_flag(args, flag, value):
+        args = list(args)
+        args[args.index(flag) + 1] = value
+        return args
+
+    plan = ["plan", "compile", "--model", p("cfg.json"), "--strategy", p("s.json"), "--world", "1", "-o", p("p.json")]
+    cases = [
+        ("beta1 = 1", base + ["--beta1", "1"], "--beta1"),
+        ("beta2 < 0", base + ["--beta2", "-0.1"], "--beta2"),
+        ("min-lr above lr", base + ["--lr", "0.01", "--min-lr", "0.1"], "--min-lr"),
+        ("threads 100000", with_flag(base, "--threads", "100000"), "--threads"),
+        ("nproc 0", dist + ["--nproc", "0"], "--nproc"),
+        ("global-batch 0", with_flag(base, "--global-batch", "0"), "--global-batch"),
+        ("tokenize eos beyond uint32", ["tokenize", "--output", p("o.bin"), "--eos", "4294967552", p("doc.txt")],
+         "--eos"),
+        ("plan compile seq-len 0", plan + ["--seq-len", "0"], "--seq-len"),
+        ("data is a directory", with_flag(base, "--data", p("adir")), "is a directory"),
+        ("data is a FIFO", with_flag(base, "--data", p("fifo")), "is a FIFO"),
+        ("model is a FIFO", with_flag(base, "--model", p("fifo")), "is a FIFO"),
+        ("strategy is a directory", with_flag(dist, "--strategy", p("adir")),
+         "is a directory"),
+        ("tokenize input is a directory", ["tokenize", "--output", p("o.bin"), "--eos", "256", p("adir")],
+         "is a directory"),
+        ("micro-batches under a strategy", dist + ["--micro-batches", "2"], "--micro-batches"),
+        ("timeout without nproc", dist + ["--timeout", "10"], "--timeout"),
+    ]
+    failures = []
+    for name, args, needle in cases:
+        try:
+            r = subprocess.run([exe] + args, capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            print(f"{name:34s} FAIL (hangs)")
+            failures.append(name)
+            continue
+        lines = r.stderr.strip().splitlines()
+        problems = []
+        if r.returncode == 0:
+            problems.append("exit code 0")
+        if len(lines) != 1:
+            problems.append(f"{len(lines)} stderr lines")
+        elif needle not in lines[0] or not lines[0].startswith("hspmd: "):
+            problems.append(f"message does not name '{needle}'")
+        print(f"{name:34s} {'ok' if not problems else 'FAIL (' + ', '.join(problems) + ')'}: "
+              f"{r.stderr.strip()[:200]}")
+        if problems:
+            failures.append(name)
+    for out in ("o.bin", "p.json", "t.json"):
+        if os.path.exists(p(out)):
+            failures.append(f"{out} written despite an error")
+
+    # Two independent single-process runs under mpirun would write the same files.
+    if shutil.which("mpirun"):
+        r = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", exe] + base,
+                           capture_output=True, text=True, timeout=120)
+        ours = [l for l in r.stderr.splitlines() if l.startswith("hspmd: ")]
+        ok = r.returncode != 0 and len(ours) == 1 and "--strategy" in ours[0]
+        print(f"{'mpirun -np 2 without a strategy':34s} {'ok' if ok else 'FAIL'}: {ours[:2]}")
+        if not ok:
+            failures.append("mpirun -np 2 without a strategy")
+    if failures:
+        sys.exit("FAILED: " + ", ".join(failures))
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
