@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <filesystem>
@@ -9,10 +10,13 @@
 #include <limits>
 #include <optional>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 #include "hspmd/io/output_file.h"
 
 namespace hspmd {
@@ -66,7 +70,7 @@ Shape parse_shape(const std::string& path, const std::string& name, const json& 
   if (!v.is_array()) fail_file(path, "tensor '", name, "': \"shape\" is not a list");
   Shape shape;
   for (const json& d : v) {
-    if (!is_count(d)) fail_file(path, "tensor '", name, "': \"shape\" holds ", d.dump(), ", not a non-negative integer");
+    if (!is_count(d)) fail_file(path, "tensor '", name, "': \"shape\" holds ", json_excerpt(d), ", not a non-negative integer");
     shape.push_back(d.get<int64_t>());
   }
   return shape;
@@ -123,10 +127,41 @@ json read_header(std::ifstream& in, const std::string& path, uint64_t header_byt
   std::string text(header_bytes, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_bytes));
   if (!in) fail_file(path, "cannot read the ", header_bytes, "-byte header");
-  json header = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded()) fail_file(path, "header is not valid JSON");
+  // Duplicate keys and deep nesting are refused here, with the JSON rules.
+  json header = parse_json_text(text, "safetensors", path + ": header");
   if (!header.is_object()) fail_file(path, "header is not a JSON object");
   return header;
+}
+
+void check_metadata(const std::string& path, const json& header) {
+  auto it = header.find("__metadata__");
+  if (it == header.end()) return;
+  if (!it->is_object()) fail_file(path, "\"__metadata__\" is not an object of strings");
+  for (const auto& [key, value] : it->items())
+    if (!value.is_string())
+      fail_file(path, "\"__metadata__\" value of '", shorten(key), "' is ", json_excerpt(value),
+                ", not a string");
+}
+
+// The data section holds the tensors back to back: no two ranges overlap and
+// nothing follows the last one (gaps between ranges are allowed).
+void check_layout(const std::string& path, const std::map<std::string, Entry>& entries, uint64_t data_bytes) {
+  std::vector<std::pair<const std::string*, const Entry*>> by_begin;
+  for (const auto& [name, e] : entries) by_begin.push_back({&name, &e});
+  std::sort(by_begin.begin(), by_begin.end(), [](const auto& a, const auto& b) {
+    return std::make_pair(a.second->begin, a.second->end) < std::make_pair(b.second->begin, b.second->end);
+  });
+  uint64_t end = 0;
+  const std::string* last = nullptr;
+  for (const auto& [name, e] : by_begin) {
+    if (e->begin < end && e->end > e->begin)
+      fail_file(path, "tensor '", *name, "': data_offsets [", e->begin, ", ", e->end, "] overlap tensor '",
+                *last, "', which ends at ", end);
+    if (e->end >= end) end = e->end, last = name;
+  }
+  if (end != data_bytes)
+    fail_file(path, data_bytes - end, " trailing bytes after the last tensor (data ends at ", end, " of ",
+              data_bytes, ")");
 }
 
 void read_tensor(std::ifstream& in, const std::string& path, const std::string& name, uint64_t data_start,
@@ -140,8 +175,8 @@ void read_tensor(std::ifstream& in, const std::string& path, const std::string& 
 }  // namespace
 
 std::map<std::string, NDArray> load_safetensors(const std::string& path) {
+  require_regular_file(path, "safetensors");
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail_file(path, "no such file");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail_file(path, "cannot open file for reading");
   const uint64_t file_bytes = std::filesystem::file_size(path, ec);
@@ -152,10 +187,13 @@ std::map<std::string, NDArray> load_safetensors(const std::string& path) {
   const uint64_t data_start = kHeaderLengthBytes + header_bytes;
   const uint64_t data_bytes = file_bytes - data_start;
 
+  check_metadata(path, header);
+  std::map<std::string, Entry> entries;
+  for (const auto& [name, value] : header.items())
+    if (name != "__metadata__") entries.emplace(name, parse_entry(path, name, value, data_bytes));
+  check_layout(path, entries, data_bytes);
   std::map<std::string, NDArray> tensors;
-  for (const auto& [name, value] : header.items()) {
-    if (name == "__metadata__") continue;
-    Entry e = parse_entry(path, name, value, data_bytes);
+  for (const auto& [name, e] : entries) {
     NDArray array = NDArray::empty(e.shape, e.dtype);
     read_tensor(in, path, name, data_start, e, array);
     tensors.emplace(name, std::move(array));

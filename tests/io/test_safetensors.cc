@@ -1,6 +1,7 @@
 #include "hspmd/io/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
@@ -159,7 +160,7 @@ TEST(Safetensors, TruncatedData) {
 TEST(Safetensors, HeaderNotJson) {
   const std::string path = temp_path("bad_json.safetensors");
   write_bytes(path, file_with("{\"x\": [1, 2", ""));
-  expect_load_error(path, "header is not valid JSON");
+  expect_load_error(path, "header: not valid JSON");
   write_bytes(path, file_with("[1, 2]", ""));
   expect_load_error(path, "header is not a JSON object");
 }
@@ -197,6 +198,62 @@ TEST(Safetensors, OffsetsBeyondData) {
   const std::string path = temp_path("beyond.safetensors");
   write_bytes(path, file_with(R"({"x":{"dtype":"I32","shape":[2],"data_offsets":[4,12]}})", std::string(8, '\0')));
   expect_load_error(path, "tensor 'x': data_offsets end 12 is beyond the 8-byte data section");
+}
+
+TEST(Safetensors, RejectsOverlappingDataRanges) {
+  const std::string path = temp_path("overlap.safetensors");
+  write_bytes(path, file_with(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                              R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                              std::string(12, '\0')));
+  expect_load_error(path, "tensor 'b': data_offsets [4, 12] overlap tensor 'a', which ends at 8");
+  // The same range twice is an overlap too.
+  write_bytes(path, file_with(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                              R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                              std::string(8, '\0')));
+  expect_load_error(path, "overlap tensor 'a'");
+  // Empty tensors take no bytes and overlap nothing.
+  write_bytes(path, file_with(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                              R"("e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+                              std::string(8, '\0')));
+  EXPECT_EQ(load_safetensors(path).size(), 2u);
+}
+
+TEST(Safetensors, RejectsTrailingBytes) {
+  const std::string path = temp_path("trailing.safetensors");
+  write_bytes(path, file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(6, '\0')));
+  expect_load_error(path, "2 trailing bytes after the last tensor (data ends at 4 of 6)");
+  write_bytes(path, file_with(R"({})", "x"));
+  expect_load_error(path, "1 trailing bytes after the last tensor");
+}
+
+TEST(Safetensors, RejectsDuplicateHeaderKeys) {
+  const std::string path = temp_path("dup.safetensors");
+  write_bytes(path, file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                              R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                              std::string(4, '\0')));
+  expect_load_error(path, "header: duplicate key 'a'");
+  write_bytes(path, file_with(R"({"a":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}})",
+                              std::string(4, '\0')));
+  expect_load_error(path, "header: duplicate key 'dtype'");
+}
+
+TEST(Safetensors, RejectsNonStringMetadata) {
+  const std::string path = temp_path("meta.safetensors");
+  write_bytes(path, file_with(R"({"__metadata__":{"format":"pt","step":3}})", ""));
+  expect_load_error(path, "\"__metadata__\" value of 'step' is 3, not a string");
+  write_bytes(path, file_with(R"({"__metadata__":[1]})", ""));
+  expect_load_error(path, "\"__metadata__\" is not an object of strings");
+}
+
+TEST(Safetensors, RejectsFifoAndDeepHeader) {
+  const std::string fifo = temp_path("fifo.safetensors");
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_load_error(fifo, "is not a regular file");
+  std::filesystem::remove(fifo);
+  const std::string path = temp_path("deep.safetensors");
+  write_bytes(path, file_with("{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}", ""));
+  expect_load_error(path, "nested deeper than 128 levels");
 }
 
 TEST(Safetensors, SaveFailureNamesPathAndKeepsNothing) {

@@ -20,9 +20,12 @@ std::optional<DType> safetensors_dtype(const std::string& name);
 
 // Reads every tensor of `path`, in its stored dtype (F32, BF16, I32, I64 are
 // supported). Throws hspmd::Error "[safetensors] <path>: <rule>" for a missing
-// file, a truncated file, a malformed header, an unsupported dtype, or
-// offsets that do not match the shape or lie beyond the data. Arrays come
-// back contiguous on the CPU. Overlapping data ranges are not checked.
+// or non-regular file (a FIFO is refused unopened), a truncated file, a
+// malformed header (not JSON, a duplicate key, nesting deeper than 128), a
+// "__metadata__" that is not an object of strings, an unsupported dtype,
+// offsets that do not match the shape or lie beyond the data, two tensors
+// whose data ranges overlap, or bytes after the last tensor's data. Arrays
+// come back contiguous on the CPU.
 std::map<std::string, NDArray> load_safetensors(const std::string& path);
 
 // Writes `tensors` (any of the supported dtypes, in their own dtype) to
