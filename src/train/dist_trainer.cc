@@ -450,8 +450,9 @@ std::string DistTrainer::nonfinite_parameter() {
 
 bool DistTrainer::skip_nonfinite(StepRecord& r, int64_t& skipped) const {
   if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) return false;
+  const auto num = [](double v) { return std::isnan(v) ? std::string("nan") : detail::concat(v); };  // not "-nan"
   if (skipped >= o_.skip_nonfinite_steps)
-    fail("[train] step ", r.step, ": loss ", r.loss, ", gradient norm ", r.grad_norm,
+    fail("[train] step ", r.step, ": loss ", num(r.loss), ", gradient norm ", num(r.grad_norm),
          ": not finite; stopped before updating the weights",
          o_.skip_nonfinite_steps > 0 ? " (--skip-nonfinite-steps " + std::to_string(o_.skip_nonfinite_steps) +
                                            " already skipped)"
@@ -459,8 +460,9 @@ bool DistTrainer::skip_nonfinite(StepRecord& r, int64_t& skipped) const {
   ++skipped;
   r.skipped = true;
   if (world_.rank() == 0)
-    std::fprintf(stderr, "hspmd: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped (%lld of "
-                 "--skip-nonfinite-steps %lld)\n", static_cast<long long>(r.step), r.loss, r.grad_norm,
+    std::fprintf(stderr, "hspmd: warning: step %lld: loss %s, gradient norm %s: not finite; step skipped (%lld of "
+                 "--skip-nonfinite-steps %lld)\n", static_cast<long long>(r.step), num(r.loss).c_str(),
+                 num(r.grad_norm).c_str(),
                  static_cast<long long>(skipped), static_cast<long long>(o_.skip_nonfinite_steps));
   return true;
 }
