@@ -5,6 +5,7 @@
 
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 
 namespace hspmd {
 namespace {
@@ -30,10 +31,10 @@ struct Reader {
   }
 
   int integer(const json& j, const std::string& path) const {
-    if (!j.is_number_integer()) fail_field(path, "must be an integer, got ", j.dump());
+    if (!j.is_number_integer()) fail_field(path, "must be an integer, got ", json_excerpt(j));
     if (j.is_number_unsigned() ? j.get<uint64_t>() > INT_MAX
                                : (j.get<int64_t>() > INT_MAX || j.get<int64_t>() < INT_MIN))
-      fail_field(path, "integer ", j.dump(), " is out of range");
+      fail_field(path, "integer ", json_excerpt(j), " is out of range");
     return j.get<int>();
   }
 
@@ -67,7 +68,7 @@ struct Reader {
     if (!order.is_array()) fail_field(path + ".order", "must be an array of keys");
     for (size_t i = 0; i < order.size(); ++i) {
       const std::string p = path + ".order[" + std::to_string(i) + "]";
-      if (!order[i].is_string()) fail_field(p, "must be a string key, got ", order[i].dump());
+      if (!order[i].is_string()) fail_field(p, "must be a string key, got ", json_excerpt(order[i]));
       s.order.push_back(key(order[i].get<std::string>(), p));
     }
     return s;
@@ -110,7 +111,7 @@ json to_json(const Annotation& a) {
 
 Annotation annotation_from_json(const json& j, const std::string& tensor_name) {
   Reader r{tensor_name};
-  if (!j.is_object()) fail("[annotation] tensor '", tensor_name, "': must be a JSON object, got ", j.dump());
+  if (!j.is_object()) fail("[annotation] tensor '", tensor_name, "': must be a JSON object, got ", json_excerpt(j));
   r.only_fields(j, "", {"hdim", "subgroups", "part_weights"});
   Annotation a;
   if (j.contains("hdim")) a.hdim = r.integer(j["hdim"], "hdim");

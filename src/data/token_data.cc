@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 #include "hspmd/io/output_file.h"
 
 namespace hspmd {
@@ -18,8 +19,8 @@ static_assert(std::endian::native == std::endian::little,
 
 TokenData TokenData::load(const std::string& path, int64_t vocab_size) {
   if (vocab_size <= 0) fail("[data] ", path, ": vocab_size ", vocab_size, " must be positive");
+  require_regular_file(path, "data");
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail("[data] ", path, ": no such file");
   const uint64_t bytes = std::filesystem::file_size(path, ec);
   if (ec) fail("[data] ", path, ": cannot read the file size: ", ec.message());
   if (bytes == 0) fail("[data] ", path, ": file is empty");

@@ -18,6 +18,7 @@
 #include <set>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 
 namespace hspmd {
 
@@ -256,7 +257,7 @@ Shape parse_shape(const Where& w, const std::string& ctx, const json& v) {
   if (!v.is_array()) w.fail(ctx, "\"shape\" is not a list");
   Shape shape;
   for (const json& d : v) {
-    if (!is_count(d)) w.fail(ctx, "\"shape\" holds ", d.dump(), ", not a non-negative integer");
+    if (!is_count(d)) w.fail(ctx, "\"shape\" holds ", json_excerpt(d), ", not a non-negative integer");
     shape.push_back(d.get<int64_t>());
   }
   return shape;
@@ -267,7 +268,7 @@ Box parse_box(const Where& w, const std::string& ctx, const json& v, const Shape
   Box box;
   for (const json& r : v) {
     if (!r.is_array() || r.size() != 2 || !is_count(r[0]) || !is_count(r[1]))
-      w.fail(ctx, "\"box\" holds ", r.dump(), ", not a pair [begin, end] of non-negative integers");
+      w.fail(ctx, "\"box\" holds ", json_excerpt(r), ", not a pair [begin, end] of non-negative integers");
     box.begin.push_back(r[0].get<int64_t>());
     box.end.push_back(r[1].get<int64_t>());
   }
@@ -284,7 +285,7 @@ CheckpointShardRef parse_shard_ref(const Where& w, const std::string& ctx, const
   const json& file = field(w, v, ctx, "file");
   const json& key = field(w, v, ctx, "key");
   if (!file.is_string() || !plain_file_name(file.get<std::string>()))
-    w.fail(ctx, "\"file\" is not a plain file name: ", file.dump());
+    w.fail(ctx, "\"file\" is not a plain file name: ", json_excerpt(file));
   if (!key.is_string()) w.fail(ctx, "\"key\" is not a string");
   ref.file = file.get<std::string>();
   ref.key = key.get<std::string>();
@@ -298,7 +299,7 @@ CheckpointTensor parse_tensor(const Where& w, const std::string& name, const jso
   t.shape = parse_shape(w, ctx, field(w, v, ctx, "shape"));
   const json& dtype = field(w, v, ctx, "dtype");
   std::optional<DType> dt = dtype.is_string() ? dtype_from_name(dtype.get<std::string>()) : std::nullopt;
-  if (!dt) w.fail(ctx, "unsupported dtype ", dtype.dump(), " (supported: F32, BF16, I32, I64)");
+  if (!dt) w.fail(ctx, "unsupported dtype ", json_excerpt(dtype), " (supported: F32, BF16, I32, I64)");
   t.dtype = *dt;
   const json& shards = field(w, v, ctx, "shards");
   if (!shards.is_array()) w.fail(ctx, "\"shards\" is not a list");
@@ -320,6 +321,16 @@ std::map<std::string, CheckpointTensor> parse_tensors(const Where& w, const json
   return tensors;
 }
 
+// parse_json_text's rules (duplicate keys, nesting depth), failing through `w`.
+json parse_strict(const Where& w, const std::string& text) {
+  try {
+    return parse_json_text(text, "checkpoint", w.what);
+  } catch (const Error& e) {
+    const std::string what = e.what(), prefix = "[checkpoint] " + w.what + ": ";
+    w.fail(what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what);
+  }
+}
+
 // Parses dir/<name>; nullopt when the file does not exist.
 std::optional<json> read_json_file(const Where& w, const std::string& name) {
   const fs::path path = fs::path(w.dir) / name;
@@ -333,16 +344,14 @@ std::optional<json> read_json_file(const Where& w, const std::string& name) {
   const bool bad = std::ferror(f);
   std::fclose(f);
   if (bad) w.fail("cannot read the file");
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) w.fail("not valid JSON");
-  return j;
+  return parse_strict(w, text);
 }
 
 void check_header(const Where& w, const json& j, const char* format) {
   const json& f = field(w, j, "", "format");
-  if (f != format) w.fail("\"format\" is ", f.dump(), ", not \"", format, "\"");
+  if (f != format) w.fail("\"format\" is ", json_excerpt(f), ", not \"", format, "\"");
   const json& v = field(w, j, "", "version");
-  if (v != kVersion) w.fail("\"version\" is ", v.dump(), "; this build reads version ", kVersion);
+  if (v != kVersion) w.fail("\"version\" is ", json_excerpt(v), "; this build reads version ", kVersion);
 }
 
 int64_t parse_step(const Where& w, const json& j) {
@@ -372,7 +381,7 @@ StEntry parse_st_entry(const Where& w, const std::string& key, const json& v, ui
   const std::string ctx = "key '" + key + "': ";
   const json& dtype = field(w, v, ctx, "dtype");
   std::optional<DType> dt = dtype.is_string() ? dtype_from_name(dtype.get<std::string>()) : std::nullopt;
-  if (!dt) w.fail(ctx, "unsupported dtype ", dtype.dump());
+  if (!dt) w.fail(ctx, "unsupported dtype ", json_excerpt(dtype));
   StEntry e{*dt, parse_shape(w, ctx, field(w, v, ctx, "shape"))};
   const json& offs = field(w, v, ctx, "data_offsets");
   if (!offs.is_array() || offs.size() != 2 || !is_count(offs[0]) || !is_count(offs[1]))
@@ -402,8 +411,8 @@ std::unique_ptr<ShardFile> open_shard_file(const std::string& dir, const std::st
   if (header_bytes > file_bytes - 8) w.fail("header length ", header_bytes, " runs past the file's end");
   std::string text(header_bytes, '\0');
   if (!pread_all(f->fd.fd, text.data(), header_bytes, 8)) w.fail("cannot read the header");
-  json header = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) w.fail("the header is not a JSON object");
+  const json header = parse_strict(w, text);
+  if (!header.is_object()) w.fail("the header is not a JSON object");
   for (const auto& [key, v] : header.items())
     if (key != "__metadata__") f->entries.emplace(key, parse_st_entry(w, key, v, 8 + header_bytes, file_bytes));
   return f;

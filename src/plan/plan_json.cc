@@ -9,7 +9,9 @@
 #include "hspmd/ops/ops.h"
 #include "hspmd/plan/plan.h"
 
+#include <filesystem>
 #include <fstream>
+#include <sstream>
 
 namespace hspmd {
 
@@ -18,6 +20,13 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kFormat = "hspmd-annotation-plan";
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
 
 json annotations_json(const std::map<std::string, Annotation>& m) {
   json out = json::object();
@@ -28,7 +37,7 @@ json annotations_json(const std::map<std::string, Annotation>& m) {
 void only_fields(const json& j, const std::string& where, const std::vector<std::string>& allowed) {
   for (auto it = j.begin(); it != j.end(); ++it)
     if (std::find(allowed.begin(), allowed.end(), it.key()) == allowed.end())
-      fail("[plan] ", where, "unknown field '", it.key(), "'");
+      fail("[plan] ", where, "unknown field '", shorten(it.key()), "'");
 }
 
 const json& require(const json& j, const char* field) {
@@ -96,11 +105,13 @@ AnnotationPlan plan_from_json(const json& j) {
   only_fields(j, "", {"format", "version", "world_size", "model", "bindings", "tensors",
                       "optimizer_states", "strategy"});
   if (require(j, "format") != kFormat) fail("[plan] field 'format' must be \"", kFormat, "\"");
-  if (require(j, "version") != 1) fail("[plan] unsupported version ", j["version"].dump());
+  if (require(j, "version") != 1) fail("[plan] unsupported version ", json_excerpt(j["version"]));
   AnnotationPlan plan;
   const json& world = require(j, "world_size");
   if (!world.is_number_integer() || world.get<int64_t>() < 1)
-    fail("[plan] field 'world_size' must be a positive integer, got ", world.dump());
+    fail("[plan] field 'world_size' must be a positive integer, got ", json_excerpt(world));
+  if (world.get<int64_t>() > kMaxWorldSize)
+    fail("[plan] field 'world_size' ", json_excerpt(world), " is above the limit of ", kMaxWorldSize, " ranks");
   plan.world_size = world.get<int>();
   plan.model = LlamaConfig::from_json(require(j, "model"), "plan field 'model'");
   if (j.contains("bindings")) {
@@ -124,9 +135,11 @@ AnnotationPlan plan_from_json(const json& j) {
 }
 
 bool is_plan_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return false;
-  const json j = json::parse(in, nullptr, false);
+  // Never open a FIFO or a device: the loader that follows names the problem.
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) return false;
+  // Lenient here: load_plan applies the strict rules to a plan.
+  const json j = json::parse(read_text(path), nullptr, /*allow_exceptions=*/false);
   return j.is_object() && j.contains("tensors");
 }
 

@@ -23,7 +23,7 @@ class ObjectReader {
  public:
   ObjectReader(const json& j, std::string where, const std::string& source)
       : j_(j), where_(std::move(where)), source_(source) {
-    if (!j_.is_object()) fail_here("expected a JSON object, got ", j_.type_name(), " ", j_.dump());
+    if (!j_.is_object()) fail_here("expected a JSON object, got ", j_.type_name(), " ", json_excerpt(j_));
   }
 
   template <typename... Args>
@@ -35,7 +35,7 @@ class ObjectReader {
   void reject_unknown(std::initializer_list<const char*> known) const {
     for (const auto& [name, value] : j_.items()) {
       const bool ok = std::any_of(known.begin(), known.end(), [&](const char* k) { return name == k; });
-      if (!ok) fail_here("unknown field '", name, "'");
+      if (!ok) fail_here("unknown field '", shorten(name), "'");
     }
   }
 
@@ -47,10 +47,10 @@ class ObjectReader {
   }
 
   int integer(const json& v, const std::string& what) const {
-    if (!v.is_number_integer()) fail_here(what, " must be an integer, got ", v.type_name(), " ", v.dump());
+    if (!v.is_number_integer()) fail_here(what, " must be an integer, got ", v.type_name(), " ", json_excerpt(v));
     if (v.is_number_unsigned() ? v.get<uint64_t>() > INT_MAX
                                : (v.get<int64_t>() > INT_MAX || v.get<int64_t>() < INT_MIN))
-      fail_here(what, " ", v.dump(), " is out of range");
+      fail_here(what, " ", json_excerpt(v), " is out of range");
     return v.get<int>();
   }
   void integer(const char* name, int& out, bool required) const {
@@ -74,7 +74,7 @@ class ObjectReader {
     return v;
   }
   [[noreturn]] void wrong_type(const char* name, const char* expected, const json& v) const {
-    fail_here("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", v.dump());
+    fail_here("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", json_excerpt(v));
   }
 
  private:
@@ -239,6 +239,8 @@ json to_json(const Strategy& strategy) {
 
 void validate(const Strategy& strategy, const LlamaConfig& config, int world_size) {
   if (world_size < 1) fail("[strategy] world size must be positive, got ", world_size);
+  if (world_size > kMaxWorldSize)
+    fail("[strategy] world size ", world_size, " is above the limit of ", kMaxWorldSize, " ranks");
   if (strategy.schedule != "1f1b" && strategy.schedule != "gpipe")
     fail("[strategy] unknown schedule '", strategy.schedule, "' (expected 1f1b or gpipe)");
   if (strategy.pipelines.empty()) fail("[strategy] no pipelines: a strategy needs at least one");

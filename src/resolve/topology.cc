@@ -29,11 +29,11 @@ struct Reader {
   }
 
   static void only_fields(const json& j, const std::string& where, std::initializer_list<const char*> allowed) {
-    if (!j.is_object()) fail_at(where, "must be an object, got ", j.dump());
+    if (!j.is_object()) fail_at(where, "must be an object, got ", json_excerpt(j));
     for (auto it = j.begin(); it != j.end(); ++it) {
       bool known = false;
       for (const char* f : allowed) known = known || it.key() == f;
-      if (!known) fail_at(where + "." + it.key(), "unknown field");
+      if (!known) fail_at(where + "." + shorten(it.key()), "unknown field");
     }
   }
 
@@ -50,17 +50,19 @@ struct Reader {
       return fallback;
     }
     const json& v = j[field];
-    if (!v.is_number()) fail_at(where + "." + field, "must be a number, got ", v.dump());
+    if (!v.is_number()) fail_at(where + "." + field, "must be a number, got ", json_excerpt(v));
     const double x = v.get<double>();
     if (allow_zero ? x < 0 : x <= 0)
-      fail_at(where + "." + field, "must be ", allow_zero ? "non-negative" : "positive", ", got ", v.dump());
+      fail_at(where + "." + field, "must be ", allow_zero ? "non-negative" : "positive", ", got ", json_excerpt(v));
     return x;
   }
 
   static int rank_number(const json& v, const std::string& where) {
-    if (!v.is_number_integer()) fail_at(where, "must be an integer rank, got ", v.dump());
+    if (!v.is_number_integer()) fail_at(where, "must be an integer rank, got ", json_excerpt(v));
     if (v.is_number_unsigned() ? v.get<uint64_t>() > INT_MAX : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT_MAX))
-      fail_at(where, "rank ", v.dump(), " is out of range");
+      fail_at(where, "rank ", json_excerpt(v), " is out of range");
+    if (v.get<int64_t>() >= kMaxWorldSize)
+      fail_at(where, "rank ", json_excerpt(v), " is above the limit of ", kMaxWorldSize, " ranks");
     return v.get<int>();
   }
 };
@@ -76,12 +78,12 @@ DeviceSpec parse_device_type(const std::string& name, const json& j) {
   t.intra_node_gbps = Reader::positive(j, where, "intra_node_gbps", kDefaultIntraGbps);
   t.inter_node_gbps = Reader::positive(j, where, "inter_node_gbps", kDefaultInterGbps);
   t.efficiency = Reader::positive(j, where, "efficiency", kDefaultEfficiency);
-  if (t.efficiency > 1) Reader::fail_at(where + ".efficiency", "must be at most 1, got ", j["efficiency"].dump());
+  if (t.efficiency > 1) Reader::fail_at(where + ".efficiency", "must be at most 1, got ", json_excerpt(j["efficiency"]));
   t.hbm_gbps = Reader::positive(j, where, "hbm_gbps", kDefaultHbmGbps);
   t.latency_us = Reader::positive(j, where, "latency_us", 0, /*allow_zero=*/true);
   if (j.contains("profile")) {
     if (!j["profile"].is_string() || j["profile"].get<std::string>().empty())
-      Reader::fail_at(where + ".profile", "must be a file name, got ", j["profile"].dump());
+      Reader::fail_at(where + ".profile", "must be a file name, got ", json_excerpt(j["profile"]));
     t.profile = j["profile"].get<std::string>();
   }
   return t;
@@ -91,7 +93,7 @@ DeviceSpec parse_device_type(const std::string& name, const json& j) {
 std::pair<int, int> parse_range(const json& node, const std::string& where) {
   const json& r = Reader::required(node, where, "ranks");
   if (!r.is_array() || r.size() != 2)
-    Reader::fail_at(where + ".ranks", "must be [first, last] (inclusive), got ", r.dump());
+    Reader::fail_at(where + ".ranks", "must be [first, last] (inclusive), got ", json_excerpt(r));
   const int first = Reader::rank_number(r[0], where + ".ranks[0]");
   const int last = Reader::rank_number(r[1], where + ".ranks[1]");
   if (last < first) Reader::fail_at(where + ".ranks", "last rank ", last, " is before first rank ", first);
@@ -102,6 +104,8 @@ std::pair<int, int> parse_range(const json& node, const std::string& where) {
 
 Topology Topology::uniform(int world_size, int ranks_per_node) {
   if (world_size <= 0) fail("[cluster] uniform: world size ", world_size, " is not positive");
+  if (world_size > kMaxWorldSize)
+    fail("[cluster] uniform: world size ", world_size, " is above the limit of ", kMaxWorldSize, " ranks");
   if (ranks_per_node <= 0) fail("[cluster] uniform: ranks per node ", ranks_per_node, " is not positive");
   Topology t;
   DeviceSpec generic;
@@ -138,7 +142,7 @@ Topology Topology::from_json(const json& j) {
     const std::string where = "nodes[" + std::to_string(n) + "]";
     Reader::only_fields(nodes[n], where, {"type", "ranks", "slowdown", "memory_cap_gib"});
     const json& type = Reader::required(nodes[n], where, "type");
-    if (!type.is_string()) Reader::fail_at(where + ".type", "must be a string, got ", type.dump());
+    if (!type.is_string()) Reader::fail_at(where + ".type", "must be a string, got ", json_excerpt(type));
     auto found = type_of.find(type.get<std::string>());
     if (found == type_of.end())
       Reader::fail_at(where + ".type", "unknown device type '", type.get<std::string>(), "' (not in the catalog)");

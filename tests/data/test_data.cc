@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -97,6 +98,14 @@ TEST(TokenData, FewerTokensThanOneSample) {
 TEST(TokenData, MissingFile) {
   const std::string path = temp_path("missing.bin");
   expect_error([&] { TokenData::load(path, 512); }, "[data] " + path + ": no such file");
+}
+
+TEST(TokenData, FifoIsRefusedWithoutBlocking) {
+  const std::string path = temp_path("fifo.bin");
+  std::filesystem::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  expect_error([&] { TokenData::load(path, 512); }, "[data] " + path + ": is not a regular file");
+  std::filesystem::remove(path);
 }
 
 TEST(TokenData, EmptyFile) {

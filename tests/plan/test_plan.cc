@@ -303,6 +303,9 @@ TEST(PlanJson, RejectsMalformedPlans) {
   j["extra"] = 1;
   expect_plan_error(j, "unknown field 'extra'");
   j = good;
+  j["world_size"] = 1000000000;
+  expect_plan_error(j, "field 'world_size' 1000000000 is above the limit of 1048576 ranks");
+  j = good;
   j["tensors"].erase("targets");
   try {
     dry_run(plan_from_json(j), Topology::uniform(8));

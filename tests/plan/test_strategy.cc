@@ -203,6 +203,31 @@ TEST(StrategyValidate, TopLevel) {
   j["pipelines"] = json::array();
   EXPECT_MESSAGE(validate_error(j), "[strategy] no pipelines");
   EXPECT_MESSAGE(validate_error(hetero(), 0), "world size must be positive");
+  EXPECT_EQ(validate_error(hetero(), 1000000000), "[strategy] world size 1000000000 is above the limit of 1048576 ranks");
+}
+
+TEST(StrategyParse, FileWithDuplicateKeyIsRejected) {
+  const std::string path = ::testing::TempDir() + "hspmd_dup_strategy.json";
+  std::string text = hetero().dump();
+  text.insert(1, "\"zero\": true, ");  // "zero" now appears twice
+  { std::ofstream(path) << text; }
+  EXPECT_EQ(error_of([&] { load_strategy(path); }), "[strategy] " + path + ": duplicate key 'zero'");
+  std::string nested = hetero().dump();
+  nested.replace(nested.find("\"layers\""), 0, "\"cp\": 1, \"cp\": 2, ");
+  { std::ofstream(path) << nested; }
+  EXPECT_EQ(error_of([&] { load_strategy(path); }), "[strategy] " + path + ": duplicate key 'cp'");
+  std::remove(path.c_str());
+}
+
+TEST(StrategyParse, HugeValuesAreEchoedShort) {
+  json j = hetero();
+  j["pipelines"][0]["micro_batches"] = std::string(1 << 20, '7');
+  const std::string m = parse_error(j);
+  EXPECT_LT(m.size(), 250u) << m.substr(0, 300);
+  EXPECT_MESSAGE(m, "must be an integer, got string \"7777");
+  j = hetero();
+  j[std::string(1 << 20, 'k')] = 1;
+  EXPECT_LT(parse_error(j).size(), 250u);
 }
 
 TEST(StrategyValidate, PipelineRules) {

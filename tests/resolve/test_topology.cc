@@ -126,6 +126,24 @@ TEST(Topology, Errors) {
   j["nodes"][0]["type"] = 3;
   expect_error(j, "nodes[0].type: must be a string");
   expect_error(json::array(), "cluster: must be an object");
+  j = mixed_cluster();
+  j["nodes"][1]["ranks"] = {8, 1000000000};
+  expect_error(j, "nodes[1].ranks[1]: rank 1000000000 is above the limit of 1048576 ranks");
+  EXPECT_THROW(Topology::uniform(1000000000), Error);
+}
+
+TEST(Topology, FileWithDuplicateKeyIsRejected) {
+  const std::string path = ::testing::TempDir() + "hspmd_cluster_dup.json";
+  std::string text = mixed_cluster().dump();
+  text.insert(1, "\"nodes\": [], ");
+  { std::ofstream(path) << text; }
+  try {
+    Topology::load(path);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "[cluster] " + path + ": duplicate key 'nodes'");
+  }
+  std::remove(path.c_str());
 }
 
 TEST(Topology, LoadNamesTheFile) {
