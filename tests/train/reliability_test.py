@@ -13,9 +13,11 @@ single-process runs of examples/models/llama-tiny-8l.json:
   directory, a --checkpoint that is a file); a write error on --log
   (/dev/full) fails the run;
 * --save, --dump-grads and tokenize --output refuse a FIFO or a symbolic
-  link to /dev/null, which stays a character device.
+  link to /dev/null, which stays a character device;
+* with --mpi, a two-rank pipeline stops at the same step on both ranks in
+  one line, or skips it on both.
 
-usage: reliability_test.py --hspmd PATH --repo DIR
+usage: reliability_test.py --hspmd PATH --repo DIR [--mpi]
 """
 import argparse
 import json
@@ -74,6 +76,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--repo", required=True)
+    ap.add_argument("--mpi", action="store_true")
     a = ap.parse_args()
     model = os.path.join(a.repo, "examples/models/llama-tiny-8l.json")
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,6 +142,19 @@ def main():
         check(not os.path.exists(at("ckpt/index.json")), "no checkpoint is committed")
         expect_error("--skip-nonfinite-steps -1 is refused", train("--skip-nonfinite-steps", "-1"),
                      "--skip-nonfinite-steps")
+
+        if a.mpi:
+            json.dump({"pipelines": [{"micro_batch_size": 2, "micro_batches": 2,
+                                      "stages": [{"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [4, 7]}]}]},
+                      open(at("pp2.json"), "w"))
+            pp2 = common + ["--strategy", at("pp2.json"), "--nproc", "2", "--steps", "4", "--lr", "1e20", "--quiet"]
+            p = run(pp2 + ["--save", at("good.safetensors")])
+            expect_error("two ranks stop at the non-finite step", p, "[train] step 1: loss nan")
+            check(open(at("good.safetensors"), "rb").read() == good, "the earlier --save is untouched (two ranks)")
+            p = run(pp2 + ["--skip-nonfinite-steps", "5", "--log", at("pp2.jsonl")])
+            rows = [json.loads(l) for l in open(at("pp2.jsonl"))]
+            check(p.returncode == 0 and [r["step"] for r in rows if r.get("skipped")] == [1, 2, 3],
+                  f"two ranks skip the same steps: rc={p.returncode} {p.stderr[-300:]!r}")
 
         # 4. Outputs checked before step 0.
         os.mkdir(at("adir"))
