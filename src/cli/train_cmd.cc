@@ -159,12 +159,11 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
       {"--strategy", &o.strategy_path}, {"--plan", &o.plan_path},   {"--cluster", &o.cluster_path},
       {"--profile", &o.profile_path}};
   for (const auto& [flag, path] : inputs) check_input_file(flag, *path);
-  for (const TrainOptions::Switch& sw : o.switches) check_input_file("--switch", sw.path);
 }
 
 // Flags that only mean something together with others are errors alone,
 // never silently ignored.
-void check_combinations(const FlagSet& f, const TrainOptions& o, bool distributed) {
+void check_combinations(const FlagSet& f, bool distributed) {
   if (distributed && f.given("micro-batches"))
     fail("[flags] --micro-batches is not read under --strategy or --plan: each pipeline's \"micro_batches\" "
          "comes from the strategy");
@@ -193,7 +192,8 @@ std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::stri
 int train_command(const std::vector<std::string>& args) {
   TrainOptions o;
   std::string schedule = "constant", save_dtype = "f32", optimizer = "adamw";
-  int64_t seed = 0, warmup = 0, threads = std::min<int64_t>(kMaxThreads, std::max(1u, std::thread::hardware_concurrency()));
+  int64_t seed = 0, warmup = 0;
+  int64_t threads = std::min<int64_t>(kMaxThreads, std::max(1u, std::thread::hardware_concurrency()));
   double lr = 3e-4, min_lr = 0.0;
   bool quiet = false;
   int64_t nproc = 0;
@@ -271,6 +271,8 @@ int train_command(const std::vector<std::string>& args) {
   if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
   if (warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", warmup);
   check_values(f, o, threads, lr, min_lr, nproc, timeout);
+  if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); local && !f.given("threads"))
+    threads = std::max<int64_t>(1, threads / std::max(1, std::atoi(local)));  // the node's cores are shared
   o.seed = static_cast<uint64_t>(seed);
   o.threads = static_cast<int>(threads);
   o.schedule.kind = LrSchedule::parse_kind(schedule);
@@ -279,6 +281,7 @@ int train_command(const std::vector<std::string>& args) {
   o.schedule.warmup_steps = warmup;
   o.progress = !quiet;
   o.switches = parse_switches(switches, lost);
+  for (const TrainOptions::Switch& sw : o.switches) check_input_file("--switch", sw.path);
   const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
   if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
   if (!distributed && mpi_world_size() > 1) {
@@ -286,7 +289,7 @@ int train_command(const std::vector<std::string>& args) {
     fail("[flags] this is one of ", mpi_world_size(), " MPI ranks but no --strategy or --plan was given: "
          "each rank would train alone and write the same files");
   }
-  check_combinations(f, o, distributed);
+  check_combinations(f, distributed);
   if (f.given("nproc")) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
     return launch_ranks(LaunchOptions{nproc, rank_args(f, args, nproc), timeout});

@@ -64,6 +64,7 @@ def main():
          "is a directory"),
         ("micro-batches under a strategy", dist + ["--micro-batches", "2"], "--micro-batches"),
         ("timeout without nproc", dist + ["--timeout", "10"], "--timeout"),
+        ("switch file is a FIFO", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("fifo")], "is a FIFO"),
     ]
     failures = []
     for name, args, needle in cases:

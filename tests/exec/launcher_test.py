@@ -174,19 +174,19 @@ def part_signals(j):
 
 def part_watchdog(j):
     log = os.path.join(j.tmp, "stop.jsonl")
-    p = j.start(log, ["--timeout", "5"])
+    p = j.start(log, ["--timeout", "8"])
     rank1 = [pid for pid, role in roles(job_pids(j.tmp)).items() if role == "rank 1"]
     j.check("rank 1 found", len(rank1) == 1)
     t0 = time.time()
     for pid in rank1:
         os.kill(pid, signal.SIGSTOP)
-    rc, err = j.ends("SIGSTOP on rank 1", p, timeout=45)
+    rc, err = j.ends("SIGSTOP on rank 1", p, timeout=50)
     took = time.time() - t0
     lines = [l for l in err.splitlines() if l.strip()]
     j.check("SIGSTOP on rank 1: one line naming rank 1",
             rc != 0 and len(lines) == 1 and "[watchdog]" in lines[0] and "rank 1" in lines[0],
             f"rc {rc} after {took:.1f} s: {err.strip()[:300]!r}")
-    j.check("SIGSTOP on rank 1: ended after the timeout", 5 <= took <= 40, f"{took:.1f} s")
+    j.check("SIGSTOP on rank 1: ended after the timeout", 8 <= took <= 45, f"{took:.1f} s")
     j.all_gone("SIGSTOP on rank 1")
 
 
