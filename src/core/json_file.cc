@@ -40,7 +40,7 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& objec
   };
   try {
     return json::parse(text, check);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e309
     std::string what = e.what();
     std::replace(what.begin(), what.end(), '\n', ' ');
     fail("[", object, "] ", source, ": not valid JSON (", shorten(what, 2 * kMaxEchoChars), ")");

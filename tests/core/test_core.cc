@@ -53,6 +53,15 @@ TEST(JsonFile, ErrorsEchoAtMost80CharactersOfAValue) {
   EXPECT_EQ(shorten(std::string(81, 'z')), std::string(80, 'z') + "...");
 }
 
+TEST(JsonFile, NumberOverflowIsAnError) {
+  EXPECT_EQ(error_of([] { parse_json_text("{\"a\": 1e309}", "cluster", "c.json"); }).rfind(
+                "[cluster] c.json: not valid JSON ([json.exception.out_of_range.406] number overflow", 0),
+            0u);
+  const std::string what = error_of([] { parse_json_text("[-" + std::string(100000, '9') + "e999]", "plan", "p"); });
+  EXPECT_NE(what.find("not valid JSON"), std::string::npos);
+  EXPECT_LT(what.size(), 250u);
+}
+
 TEST(JsonFile, RefusesAFifoWithoutBlocking) {
   const std::string fifo = (std::filesystem::temp_directory_path() / ("hspmd_fifo_" + std::to_string(::getpid()))).string();
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
