@@ -174,13 +174,15 @@ std::optional<uint64_t> machine_memory_bytes() {
   return std::nullopt;
 }
 
-void check_parameters_fit_memory(const LlamaConfig& c, const std::string& source) {
+void check_parameters_fit_memory(const LlamaConfig& c, const std::string& source, int bytes_per_parameter,
+                                 const char* what) {
   const std::optional<uint64_t> total = machine_memory_bytes();
-  const double bytes = c.parameter_count() * 4;  // f32
+  const double bytes = c.parameter_count() * bytes_per_parameter;
   if (!total || bytes <= static_cast<double>(*total)) return;
   std::ostringstream gib;
   gib.precision(3);
-  gib << c.parameter_count() << " parameters need " << bytes / (1u << 30) << " GiB in f32, more than this machine's "
+  gib << c.parameter_count() << " parameters need " << bytes / (1u << 30) << " GiB (" << bytes_per_parameter
+      << " bytes each: " << what << "), more than this machine's "
       << static_cast<double>(*total) / (1u << 30) << " GiB (MemTotal)";
   fail("[config] ", source, ": ", gib.str());
 }

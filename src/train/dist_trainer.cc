@@ -107,6 +107,12 @@ class DistTrainer {
   DistTrainer(const TrainOptions& o, Communicator& world)
       : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)) {
     train_common::check_finite_options(o);
+    // Before any graph or parameter is built: one process holds the whole
+    // training state; each of several ranks at least the full f32 model it initializes from.
+    if (world.size() == 1)
+      check_parameters_fit_memory(config_, o.model_path, 16, "f32 weights, gradients and Adam moments");
+    else
+      check_parameters_fit_memory(config_, o.model_path);
     if (o.seq_len <= 0 || o.seq_len > config_.max_position_embeddings)
       fail("[flags] --seq-len ", o.seq_len, " must be in [1, max_position_embeddings ",
            config_.max_position_embeddings, "] of ", o.model_path);

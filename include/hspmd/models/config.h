@@ -66,10 +66,12 @@ struct LlamaConfig {
 // MemTotal of /proc/meminfo in bytes; nullopt where it cannot be read.
 std::optional<uint64_t> machine_memory_bytes();
 
-// Throws hspmd::Error "[config] <source>: <count> parameters need <n> GiB in
-// f32, more than this machine's <m> GiB (MemTotal)" when the full model's f32 parameters alone exceed the
-// machine's memory; called before the parameters are allocated. Does nothing
-// where MemTotal cannot be read.
-void check_parameters_fit_memory(const LlamaConfig& config, const std::string& source);
+// Throws hspmd::Error "[config] <source>: <count> parameters need <n> GiB
+// (<bytes_per_parameter> bytes each: <what>), more than this machine's <m>
+// GiB (MemTotal)" when the full model at `bytes_per_parameter` exceeds the
+// machine's memory; called before anything of that size is allocated. Does
+// nothing where MemTotal cannot be read.
+void check_parameters_fit_memory(const LlamaConfig& config, const std::string& source, int bytes_per_parameter = 4,
+                                 const char* what = "f32 weights");
 
 }  // namespace hspmd
