@@ -33,7 +33,8 @@ class ObjectReader {
 
   // Fails on any member whose name is not in `known`.
   void reject_unknown(std::initializer_list<const char*> known) const {
-    for (const auto& [name, value] : j_.items()) {
+    for (auto it = j_.begin(); it != j_.end(); ++it) {
+      const std::string& name = it.key();
       const bool ok = std::any_of(known.begin(), known.end(), [&](const char* k) { return name == k; });
       if (!ok) fail_here("unknown field '", shorten(name), "'");
     }
