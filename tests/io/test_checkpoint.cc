@@ -279,6 +279,10 @@ TEST(Checkpoint, LoadErrors) {
   };
   write_text(dir + "/index.json", "{ not json");
   expect_error(dir, "malformed index.json: not valid JSON", [&] { load_checkpoint_index(dir); });
+  std::string twice = good.dump();
+  twice.insert(1, "\"version\": 1, ");
+  write_text(dir + "/index.json", twice);
+  expect_error(dir, "malformed index.json: duplicate key 'version'", [&] { load_checkpoint_index(dir); });
   json bad = good;
   bad["format"] = "other";
   expect_malformed(bad, "\"format\" is \"other\"");
