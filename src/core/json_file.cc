@@ -20,7 +20,10 @@ std::string json_excerpt(const nlohmann::json& v, std::size_t max_chars) {
   // Strings are echoed by hand so that a 10 MB string is not copied twice.
   if (v.is_string()) {
     const std::string& s = v.get_ref<const std::string&>();
-    return "\"" + shorten(s, max_chars) + (s.size() <= max_chars ? "\"" : "");
+    std::string out(1, '"');
+    out += shorten(s, max_chars);
+    if (s.size() <= max_chars) out += '"';
+    return out;
   }
   return shorten(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), max_chars);
 }
