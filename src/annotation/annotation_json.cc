@@ -26,7 +26,7 @@ struct Reader {
     for (auto it = j.begin(); it != j.end(); ++it) {
       bool known = false;
       for (const char* f : allowed) known = known || it.key() == f;
-      if (!known) fail_field(path.empty() ? it.key() : path + "." + it.key(), "unknown field");
+      if (!known) fail_field(path.empty() ? shorten(it.key()) : path + "." + shorten(it.key()), "unknown field");
     }
   }
 

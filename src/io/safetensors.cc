@@ -91,7 +91,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   if (!v["dtype"].is_string()) fail_file(path, "tensor '", name, "': \"dtype\" is not a string");
   const std::string dtype_str = v["dtype"].get<std::string>();
   std::optional<DType> dtype = safetensors_dtype(dtype_str);
-  if (!dtype) fail_file(path, "tensor '", name, "': unsupported dtype '", dtype_str, "' (supported: F32, BF16, I32, I64)");
+  if (!dtype) fail_file(path, "tensor '", name, "': unsupported dtype '", shorten(dtype_str), "' (supported: F32, BF16, I32, I64)");
   Entry e{*dtype, parse_shape(path, name, v["shape"])};
   const json& offs = v["data_offsets"];
   if (!offs.is_array() || offs.size() != 2 || !is_count(offs[0]) || !is_count(offs[1]))
@@ -155,8 +155,8 @@ void check_layout(const std::string& path, const std::map<std::string, Entry>& e
   const std::string* last = nullptr;
   for (const auto& [name, e] : by_begin) {
     if (e->begin < end && e->end > e->begin)
-      fail_file(path, "tensor '", *name, "': data_offsets [", e->begin, ", ", e->end, "] overlap tensor '",
-                *last, "', which ends at ", end);
+      fail_file(path, "tensor '", shorten(*name), "': data_offsets [", e->begin, ", ", e->end, "] overlap tensor '",
+                shorten(*last), "', which ends at ", end);
     if (e->end >= end) end = e->end, last = name;
   }
   if (end != data_bytes)
@@ -190,7 +190,7 @@ std::map<std::string, NDArray> load_safetensors(const std::string& path) {
   check_metadata(path, header);
   std::map<std::string, Entry> entries;
   for (const auto& [name, value] : header.items())
-    if (name != "__metadata__") entries.emplace(name, parse_entry(path, name, value, data_bytes));
+    if (name != "__metadata__") entries.emplace(name, parse_entry(path, shorten(name), value, data_bytes));
   check_layout(path, entries, data_bytes);
   std::map<std::string, NDArray> tensors;
   for (const auto& [name, e] : entries) {

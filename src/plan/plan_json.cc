@@ -76,9 +76,9 @@ std::map<std::string, Annotation> read_annotations(const json& j, const char* fi
     const std::string& name = it.key();
     auto k = known.find(name);
     if (k == known.end())
-      fail("[plan] ", field, ": tensor '", name, "' is not a leaf or Reshard point of the model");
+      fail("[plan] ", field, ": tensor '", shorten(name), "' is not a leaf or Reshard point of the model");
     if (parameters_only && !k->second.is_parameter)
-      fail("[plan] ", field, ": tensor '", name, "' is not a parameter");
+      fail("[plan] ", field, ": tensor '", shorten(name), "' is not a parameter");
     Annotation a = annotation_from_json(it.value(), name);
     validate(a, name, k->second.rank, world, k->second.is_parameter);
     out.emplace(name, std::move(a));
@@ -118,7 +118,7 @@ AnnotationPlan plan_from_json(const json& j) {
     if (!j["bindings"].is_object()) fail("[plan] field 'bindings' must be an object");
     for (auto it = j["bindings"].begin(); it != j["bindings"].end(); ++it) {
       if (!it.value().is_number_integer() || it.value().get<int64_t>() < 1)
-        fail("[plan] bindings: '", it.key(), "' must be a positive integer");
+        fail("[plan] bindings: '", shorten(it.key()), "' must be a positive integer");
       plan.bindings[it.key()] = it.value().get<int64_t>();
     }
   }

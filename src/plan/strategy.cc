@@ -243,7 +243,7 @@ void validate(const Strategy& strategy, const LlamaConfig& config, int world_siz
   if (world_size > kMaxWorldSize)
     fail("[strategy] world size ", world_size, " is above the limit of ", kMaxWorldSize, " ranks");
   if (strategy.schedule != "1f1b" && strategy.schedule != "gpipe")
-    fail("[strategy] unknown schedule '", strategy.schedule, "' (expected 1f1b or gpipe)");
+    fail("[strategy] unknown schedule '", shorten(strategy.schedule), "' (expected 1f1b or gpipe)");
   if (strategy.pipelines.empty()) fail("[strategy] no pipelines: a strategy needs at least one");
   RankOwners owners;
   for (size_t p = 0; p < strategy.pipelines.size(); ++p)

@@ -145,7 +145,7 @@ Topology Topology::from_json(const json& j) {
     if (!type.is_string()) Reader::fail_at(where + ".type", "must be a string, got ", json_excerpt(type));
     auto found = type_of.find(type.get<std::string>());
     if (found == type_of.end())
-      Reader::fail_at(where + ".type", "unknown device type '", type.get<std::string>(), "' (not in the catalog)");
+      Reader::fail_at(where + ".type", "unknown device type '", shorten(type.get<std::string>()), "' (not in the catalog)");
     RankInfo info{static_cast<int>(n), found->first, Reader::positive(nodes[n], where, "slowdown", 1.0),
                   Reader::positive(nodes[n], where, "memory_cap_gib", 0.0, true)};
     auto [first, last] = parse_range(nodes[n], where);

@@ -245,6 +245,20 @@ TEST(Safetensors, RejectsNonStringMetadata) {
   expect_load_error(path, "\"__metadata__\" is not an object of strings");
 }
 
+TEST(Safetensors, LongNamesAndValuesAreEchoedShort) {
+  const std::string path = temp_path("long.safetensors");
+  const std::string name(100000, 'n'), dtype(100000, 'D');
+  write_bytes(path, file_with("{\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+                              std::string(4, '\0')));
+  try {
+    load_safetensors(path);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 400u);
+    EXPECT_NE(std::string(e.what()).find("unsupported dtype 'DDD"), std::string::npos);
+  }
+}
+
 TEST(Safetensors, RejectsFifoAndDeepHeader) {
   const std::string fifo = temp_path("fifo.safetensors");
   std::filesystem::remove(fifo);
