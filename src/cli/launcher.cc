@@ -134,8 +134,12 @@ class StderrRelay {
       return;
     }
     if (in_banner_) return parse(l);
-    if (l.rfind("[", 0) == 0 && (l.find("help message") != std::string::npos ||
-                                 l.find("MCA parameter") != std::string::npos))
+    // Open MPI's own runtime lines ("[host:pid] ... help message", "MCA
+    // parameter", "[host:pid] [[job,0],0] ORTE_ERROR_LOG: ..." as it tears
+    // down an aborted job) are its noise, not the ranks' words.
+    if (l.rfind("[", 0) == 0 &&
+        (l.find("help message") != std::string::npos || l.find("MCA parameter") != std::string::npos ||
+         l.find("_ERROR_LOG") != std::string::npos || l.find("PMIX ERROR") != std::string::npos))
       return;
     std::fprintf(stderr, "%s\n", l.c_str());
   }
