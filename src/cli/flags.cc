@@ -10,6 +10,12 @@
 
 namespace hspmd::cli {
 
+std::vector<std::string> expand_short_output(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (const auto& a : args) out.push_back(a == "-o" ? "--output" : a);
+  return out;
+}
+
 int64_t parse_int(const std::string& flag, const std::string& v) {
   int64_t out = 0;
   auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);

@@ -13,6 +13,10 @@ namespace hspmd::cli {
 // `v` as an integer; hspmd::Error "[flags] --<flag>: '<v>' is not an integer".
 int64_t parse_int(const std::string& flag, const std::string& v);
 
+// FlagSet knows only long flags: `-o X` is the conventional spelling of
+// `--output X`.
+std::vector<std::string> expand_short_output(const std::vector<std::string>& args);
+
 // "3,5,8-15" -> ranks; each must lie in [0, world) when world > 0.
 // hspmd::Error "[flags] <flag>: ..." for an item that is no rank or range.
 std::set<int> parse_ranks(const std::string& text, int world, const char* flag);

@@ -35,12 +35,6 @@ constexpr const char* kPlanUsage =
     "  search     the best strategy for a model, cluster and batch (planner)\n\n"
     "Run 'hspmd plan <subcommand> --help' for its flags.\n";
 
-// FlagSet knows only long flags; `-o X` is the conventional spelling of --output.
-std::vector<std::string> expand_short_output(const std::vector<std::string>& args) {
-  std::vector<std::string> out;
-  for (const auto& a : args) out.push_back(a == "-o" ? "--output" : a);
-  return out;
-}
 
 std::string human_bytes(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

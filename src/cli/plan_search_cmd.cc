@@ -128,8 +128,7 @@ int search_command(const std::vector<std::string>& args) {
   f.add_string("solver", &c.solver, "cbc (default) or exact: who solves the integer programs");
   f.add_string("output", &c.out, "write the best strategy JSON here (also -o)");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
-  std::vector<std::string> expanded;  // -o is --output
-  for (const std::string& a : args) expanded.push_back(a == "-o" ? "--output" : a);
+  const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
   // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
   // between those calls cost more than the calls (measured: 2x the search).

@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "flags.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/ndarray.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/train/profiler.h"
 
@@ -118,8 +119,7 @@ double emulation_factor(const Profile& p, const ProfileEntry& e, const std::stri
   const double median = measured[measured.size() / 2];
   int64_t params = 0;  // on one rank of the stage
   for (const LlamaParameter& q : llama_parameters(p.config)) {
-    int64_t n = 1;
-    for (int64_t d : q.shape) n *= d;
+    const int64_t n = shape_numel(q.shape);
     params += q.role == ParamRole::kReplicated ? n : n / e.tp;
   }
   auto at = [&](const char* part) { return e.parts.at(part).at(s, 1); };
@@ -149,8 +149,7 @@ int profile_command(const std::vector<std::string>& args) {
   f.add_int("emulated-ranks", &emulated_ranks,
             "also calibrate to an emulated cluster of this many ranks on this machine: the compute\n"
             "they bill over what the parts predict (default 0: no calibration)");
-  std::vector<std::string> expanded;
-  for (const std::string& a : args) expanded.push_back(a == "-o" ? "--output" : a);
+  const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
 
   if (!std::filesystem::is_regular_file(model)) fail("[profile] --model ", model, ": no such file");

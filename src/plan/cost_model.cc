@@ -6,6 +6,7 @@
 #include <set>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/ndarray.h"
 #include "hspmd/models/llama.h"
 
 namespace hspmd {
@@ -42,8 +43,7 @@ CostModel::CostModel(LlamaConfig model, Topology topology,
   for (const auto& [type, p] : profiles_) check(*p, "device type " + type);
   if (fallback_) check(*fallback_, "--profile");
   for (const LlamaParameter& p : llama_parameters(model_)) {
-    int64_t n = 1;
-    for (int64_t d : p.shape) n *= d;
+    const int64_t n = shape_numel(p.shape);
     if (p.part == LlamaPart::kBlock) {
       if (p.layer == 0) {
         layer_params_ += n;
@@ -179,15 +179,21 @@ std::pair<double, double> CostModel::group_link(const std::vector<int>& ranks) c
   return {latency * 1e-6 * static_cast<double>(ranks.size() - 1), 1.0 / (bw * 1e9)};
 }
 
+std::pair<double, double> CostModel::rank_compute(int rank, const StageShape& st, int64_t s, int64_t b) const {
+  const int tp = st.tp(), cp = st.cp;
+  auto part = [&](const char* name) { return part_seconds(rank, name, tp, cp, s, b); };
+  double f = st.layers * part("block_fwd"), g = st.layers * part("block_bwd");
+  if (st.first) f += part("embed_fwd"), g += part("embed_bwd");
+  if (st.last) f += part("head_fwd"), g += part("head_bwd");
+  if (st.recompute) g += f;  // the backward re-runs the forward first
+  return {f, g};
+}
+
 StageCost CostModel::stage_cost(const StageShape& st, int64_t s, int64_t b) const {
   const int tp = st.tp(), cp = st.cp;
   StageCost c;
   for (int r : st.ranks) {  // the stage runs at its slowest rank's pace
-    double f = st.layers * part_seconds(r, "block_fwd", tp, cp, s, b);
-    double g = st.layers * part_seconds(r, "block_bwd", tp, cp, s, b);
-    if (st.first) f += part_seconds(r, "embed_fwd", tp, cp, s, b), g += part_seconds(r, "embed_bwd", tp, cp, s, b);
-    if (st.last) f += part_seconds(r, "head_fwd", tp, cp, s, b), g += part_seconds(r, "head_bwd", tp, cp, s, b);
-    if (st.recompute) g += f;  // the backward re-runs the forward first
+    const auto [f, g] = rank_compute(r, st, s, b);
     c.fwd = std::max(c.fwd, f);
     c.bwd = std::max(c.bwd, g);
   }
@@ -493,20 +499,8 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
         rc.stage = static_cast<int>(k);
         // The rank's own compute at its own speed (the stage's pace is its
         // slowest rank's: faster ranks wait, which counts as bubble).
-        const double mine = [&] {
-          const int tp = sh.tp(), cp = sh.cp;
-          double f = sh.layers * part_seconds(r, "block_fwd", tp, cp, seq_len, pl.micro_batch_size);
-          double g = sh.layers * part_seconds(r, "block_bwd", tp, cp, seq_len, pl.micro_batch_size);
-          if (sh.first)
-            f += part_seconds(r, "embed_fwd", tp, cp, seq_len, pl.micro_batch_size),
-                g += part_seconds(r, "embed_bwd", tp, cp, seq_len, pl.micro_batch_size);
-          if (sh.last)
-            f += part_seconds(r, "head_fwd", tp, cp, seq_len, pl.micro_batch_size),
-                g += part_seconds(r, "head_bwd", tp, cp, seq_len, pl.micro_batch_size);
-          if (sh.recompute) g += f;
-          return (f + g) * pl.micro_batches;
-        }();
-        rc.compute_s = mine;
+        const auto [f, g] = rank_compute(r, sh, seq_len, pl.micro_batch_size);
+        rc.compute_s = (f + g) * pl.micro_batches;
         rc.comm_s = sim.comm[k];
         rc.step_s = sim.end[k];
         rc.memory = stage_memory(sh, seq_len, pl.micro_batch_size, in_flight, strategy.zero ? share : 1.0,

@@ -141,6 +141,9 @@ class Searcher {
   double kth_best() const;
   void second_levels();
   void second_level(const Config& c, int b, bool recompute);
+  // Stage k of a pipeline in the layer program: its time and memory per
+  // micro-batch as fixed + per-layer terms (cost model), its capacity.
+  LayerStage stage_program(const std::vector<Group>& pipe, int k, int cp, int b, bool recompute, int pipelines) const;
   void exhaustive(const Config& c, int b, bool recompute);
   void score(Strategy s, const std::string& family);
   double ilp_limit() const { return std::max(0.05, std::min(10.0, o_.time_limit_s)); }
@@ -233,35 +236,35 @@ void Searcher::score(Strategy s, const std::string& family) {
 }
 
 // Layers per stage and micro-batches per pipeline by the two ILPs.
+LayerStage Searcher::stage_program(const std::vector<Group>& pipe, int k, int cp, int b, bool recompute,
+                                   int pipelines) const {
+  const int K = static_cast<int>(pipe.size());
+  const StageShape none = shape(pipe, k, cp, 0, recompute), one = shape(pipe, k, cp, 1, recompute);
+  auto total = [](const StageCost& x) { return x.fwd + x.bwd + x.fwd_comm + x.bwd_comm; };
+  const double t0 = total(model_.stage_cost(none, o_.seq_len, b)), t1 = total(model_.stage_cost(one, o_.seq_len, b));
+  LayerStage ls;
+  ls.time_per_layer = t1 - t0;
+  ls.fixed_time = t0 + transfers(pipe, k, cp, b);
+  const int in_flight = o_.schedule == "gpipe" ? std::max(1, o_.global_batch / (b * pipelines)) : K - k;
+  const double share = o_.zero ? static_cast<double>(pipelines) : 1.0;  // ZeRO splits a rank's states over the pipelines
+  const double m0 = model_.stage_memory(none, o_.seq_len, b, in_flight, share, o_.zero).total();
+  ls.fixed_memory = m0;
+  ls.memory_per_layer = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero).total() - m0;
+  ls.memory_capacity = std::numeric_limits<double>::infinity();
+  for (int r : pipe[k].ranks) ls.memory_capacity = std::min(ls.memory_capacity, model_.capacity_bytes(r));
+  return ls;
+}
+
 void Searcher::second_level(const Config& c, int b, bool recompute) {
   const int P = static_cast<int>(c.pipelines.size());
   const int L = static_cast<int>(m_.num_hidden_layers);
-  const int even_m = std::max(1, o_.global_batch / (b * P));
   std::vector<MicroBatchPipeline> mbp;
   Strategy s;
   for (const std::vector<Group>& pipe : c.pipelines) {
     const int K = static_cast<int>(pipe.size());
     if (K > L) return;
     std::vector<LayerStage> stages;
-    for (int k = 0; k < K; ++k) {
-      const StageShape zero_layers = shape(pipe, k, c.cp, 0, recompute), one = shape(pipe, k, c.cp, 1, recompute);
-      const StageCost c0 = model_.stage_cost(zero_layers, o_.seq_len, b), c1 = model_.stage_cost(one, o_.seq_len, b);
-      auto total = [](const StageCost& x) { return x.fwd + x.bwd + x.fwd_comm + x.bwd_comm; };
-      LayerStage ls;
-      ls.time_per_layer = total(c1) - total(c0);
-      ls.fixed_time = total(c0);
-      ls.fixed_time += transfers(pipe, k, c.cp, b);
-      const int in_flight = o_.schedule == "gpipe" ? even_m : K - k;
-      const double share = o_.zero ? static_cast<double>(P) : 1.0;  // ZeRO splits a rank's states over the pipelines
-      const MemoryBreakdown m0 = model_.stage_memory(zero_layers, o_.seq_len, b, in_flight, share, o_.zero);
-      const MemoryBreakdown m1 = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero);
-      ls.fixed_memory = m0.total();
-      ls.memory_per_layer = m1.total() - m0.total();
-      double cap = std::numeric_limits<double>::infinity();
-      for (int r : pipe[k].ranks) cap = std::min(cap, model_.capacity_bytes(r));
-      ls.memory_capacity = cap;
-      stages.push_back(ls);
-    }
+    for (int k = 0; k < K; ++k) stages.push_back(stage_program(pipe, k, c.cp, b, recompute, P));
     const LayerAssignment la = layers_for(stages, L);
     if (!la.feasible) {
       if (la.worst_stage >= 0 && la.bytes_missing < least_missing_)
@@ -402,7 +405,6 @@ void Searcher::consider(const Config& c) { configs_.push_back(c); }
 double Searcher::lower_bound(const Config& c, int b) const {
   const double L = static_cast<double>(m_.num_hidden_layers);
   const int P = static_cast<int>(c.pipelines.size());
-  const int even_m = std::max(1, o_.global_batch / (b * P));
   double rate = 0, fill = 0, after = 0, at_least = 0;
   for (size_t p = 0; p < c.pipelines.size(); ++p) {
     const std::vector<Group>& pipe = c.pipelines[p];
@@ -438,17 +440,12 @@ double Searcher::lower_bound(const Config& c, int b) const {
       std::vector<double> fk(K), tk(K), mk(K);
       double room = 0;
       for (int k = 0; k < K; ++k) {
-        const StageShape one = shape(pipe, k, c.cp, 1, recompute), none = shape(pipe, k, c.cp, 0, recompute);
-        const StageCost c1 = model_.stage_cost(one, o_.seq_len, b), c0 = model_.stage_cost(none, o_.seq_len, b);
-        fk[k] = c0.fwd + c0.bwd + c0.fwd_comm + c0.bwd_comm + transfers(pipe, k, c.cp, b);
-        tk[k] = std::max(1e-30, (c1.fwd + c1.bwd + c1.fwd_comm + c1.bwd_comm) - fk[k]);
-        const int in_flight = o_.schedule == "gpipe" ? even_m : K - k;
-        const double share = o_.zero ? static_cast<double>(P) : 1.0;  // ZeRO splits a rank's states over the pipelines
-        const double m0 = model_.stage_memory(none, o_.seq_len, b, in_flight, share, o_.zero).total();
-        const double m1 = model_.stage_memory(one, o_.seq_len, b, in_flight, share, o_.zero).total() - m0;
-        double cap = std::numeric_limits<double>::infinity();
-        for (int r : pipe[k].ranks) cap = std::min(cap, model_.capacity_bytes(r));
-        mk[k] = m1 > 0 ? std::max(0.0, std::floor((cap - m0) / m1)) : L;  // whole layers
+        const LayerStage ls = stage_program(pipe, k, c.cp, b, recompute, P);
+        fk[k] = ls.fixed_time;
+        tk[k] = std::max(1e-30, ls.time_per_layer);
+        mk[k] = ls.memory_per_layer > 0
+                    ? std::max(0.0, std::floor((ls.memory_capacity - ls.fixed_memory) / ls.memory_per_layer))
+                    : L;  // whole layers
         room += std::min(mk[k], L);
         if (mk[k] < 1) room = -1;  // every stage holds at least one layer
       }

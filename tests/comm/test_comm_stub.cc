@@ -10,20 +10,14 @@
 #include "hspmd/comm/pack.h"
 #include "hspmd/core/error.h"
 #include "resolve/resolve_test_util.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
 
 using namespace hspmd::testing;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(SingleProcessCommunicator, CollectivesOverOneMemberAreCopies) {
   auto comm = make_single_process_communicator();

@@ -9,18 +9,12 @@
 
 #include "hspmd/comm/shadow.h"
 #include "hspmd/core/error.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(ShadowCommunicator, CollectivesKeepOrPlaceTheLocalData) {
   auto comm = make_shadow_communicator(4, 2);

@@ -11,18 +11,12 @@
 #include "hspmd/core/json_file.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/core/rng.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(JsonFile, RejectsDuplicateKeysAtAnyDepth) {
   EXPECT_EQ(error_of([] { parse_json_text(R"({"a": 1, "a": 2})", "strategy", "s.json"); }),

@@ -12,18 +12,12 @@
 #include "hspmd/exec/op_work.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/ops/ops.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 double cpu_seconds() {
   timespec t{};

@@ -13,18 +13,12 @@
 #include "hspmd/core/error.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/train/profiler.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 LlamaConfig tiny() {
   LlamaConfig c;

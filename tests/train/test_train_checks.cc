@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "train/train_common.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
@@ -21,14 +22,7 @@ using train_common::first_nonfinite;
 constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(TrainChecks, FirstNonfiniteFindsNanAndInfInF32AndBf16) {
   NDArray a = NDArray::zeros({2, 3}, DType::F32);

@@ -108,6 +108,9 @@ class CostModel {
   // Per micro-batch cost of a stage (slowest rank), and the link cost of
   // sending the activation from stage `from` to stage `to`.
   StageCost stage_cost(const StageShape& stage, int64_t s, int64_t b) const;
+  // One rank's (forward, backward) compute per micro-batch on the stage, at
+  // its own speed (the backward includes a recomputed forward).
+  std::pair<double, double> rank_compute(int rank, const StageShape& stage, int64_t s, int64_t b) const;
   double boundary_seconds(const StageShape& from, const StageShape& to, int64_t s, int64_t b) const;
 
   // Parameters (elements) one rank of the stage holds.
