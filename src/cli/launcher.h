@@ -25,6 +25,10 @@ struct LaunchOptions {
   int64_t nproc = 1;
   std::vector<std::string> rank_args;  // the `train` flags of every rank (without --nproc)
   double timeout_s = 300;              // watchdog: a step's allowance; 0 turns it off
+  int64_t max_restarts = 0;            // restarts after a rank's death by a signal
+  std::string log_path;                // the ranks' --log ("" = none): rewritten at a restart
+  std::string checkpoint_dir;          // the ranks' --checkpoint: a restart resumes from it
+  std::string resume_dir;              // the ranks' own --resume ("" = none)
 };
 
 // Runs `mpirun -np N hspmd train <rank_args>` in its own process group and

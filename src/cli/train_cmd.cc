@@ -143,7 +143,7 @@ int mpi_world_size() {
 
 // Single-flag ranges beyond what FlagSet parses (docs/training.md).
 void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, double lr, double min_lr,
-                  int64_t nproc, double timeout) {
+                  int64_t nproc, double timeout, int64_t max_restarts) {
   for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
     if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
   if (!(min_lr >= 0 && min_lr <= lr)) fail("[flags] --min-lr ", min_lr, " must lie in [0, --lr ", lr, "]");
@@ -154,6 +154,12 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
   if (f.given("global-batch") && o.global_batch <= 0)
     fail("[flags] --global-batch must be positive, got ", o.global_batch);
   if (!(timeout >= 0)) fail("[flags] --timeout must be >= 0 seconds, got ", timeout);
+  if (max_restarts < 0) fail("[flags] --max-restarts must be >= 0, got ", max_restarts);
+  if (f.given("max-restarts") && !f.given("nproc"))
+    fail("[flags] --max-restarts needs --nproc (the launcher restarts the ranks)");
+  if (f.given("max-restarts") && (o.checkpoint_dir.empty() || o.save_every <= 0))
+    fail("[flags] --max-restarts needs --checkpoint DIR with --save-every N (a restart resumes from the last "
+         "checkpoint)");
   const std::pair<const char*, const std::string*> inputs[] = {
       {"--model", &o.model_path},       {"--data", &o.data_path},   {"--init", &o.init_path},
       {"--strategy", &o.strategy_path}, {"--plan", &o.plan_path},   {"--cluster", &o.cluster_path},
@@ -174,11 +180,13 @@ void check_combinations(const FlagSet& f, bool distributed) {
 std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::string>& args, int64_t nproc) {
   std::vector<std::string> out;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--nproc" || args[i] == "--timeout") {
+    if (args[i] == "--nproc" || args[i] == "--timeout" || args[i] == "--max-restarts") {
       ++i;
       continue;
     }
-    if (args[i].rfind("--nproc=", 0) != 0 && args[i].rfind("--timeout=", 0) != 0) out.push_back(args[i]);
+    if (args[i].rfind("--nproc=", 0) != 0 && args[i].rfind("--timeout=", 0) != 0 &&
+        args[i].rfind("--max-restarts=", 0) != 0)
+      out.push_back(args[i]);
   }
   if (!f.given("threads")) {
     const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
@@ -258,6 +266,10 @@ int train_command(const std::vector<std::string>& args) {
   f.add_double("timeout", &timeout,
                "with --nproc: end the job when no step finishes or a rank stops responding for this many seconds "
                "(setup and step 0: 3x, at least 120 s; default 300; 0 = off)");
+  int64_t max_restarts = 0;
+  f.add_int("max-restarts", &max_restarts,
+            "with --nproc, --checkpoint and --save-every: when a rank dies (killed by a signal), restart the job "
+            "from the last checkpoint, at most this many times (default 0)");
   if (!f.parse(args)) return 0;
 
   if (optimizer != "adamw" && optimizer != "adam")
@@ -270,7 +282,7 @@ int train_command(const std::vector<std::string>& args) {
   o.model_clock = clock == "model";
   if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
   if (warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", warmup);
-  check_values(f, o, threads, lr, min_lr, nproc, timeout);
+  check_values(f, o, threads, lr, min_lr, nproc, timeout, max_restarts);
   if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); local && !f.given("threads"))
     threads = std::max<int64_t>(1, threads / std::max(1, std::atoi(local)));  // the node's cores are shared
   o.seed = static_cast<uint64_t>(seed);
@@ -292,7 +304,8 @@ int train_command(const std::vector<std::string>& args) {
   check_combinations(f, distributed);
   if (f.given("nproc")) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
-    return launch_ranks(LaunchOptions{nproc, rank_args(f, args, nproc), timeout});
+    return launch_ranks(LaunchOptions{nproc, rank_args(f, args, nproc), timeout, max_restarts, o.log_path,
+                                      o.checkpoint_dir, o.resume_dir});
   }
   if (!distributed) {
     if (!f.given("global-batch")) fail("[flags] --global-batch is required (without --strategy)");
