@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -183,6 +184,14 @@ Topology Topology::load(const std::string& path) {
 const RankInfo& Topology::rank(int r) const {
   if (r < 0 || r >= world_size()) fail("[cluster] rank ", r, " is outside the world [0, ", world_size(), ")");
   return ranks_[r];
+}
+
+Topology Topology::with_slowdown(int r, double slowdown) const {
+  rank(r);  // range check
+  if (!(slowdown > 0) || !std::isfinite(slowdown)) fail("[cluster] rank ", r, ": slowdown must be > 0, got ", slowdown);
+  Topology t = *this;
+  t.ranks_[r].slowdown = slowdown;
+  return t;
 }
 
 const DeviceSpec& Topology::device_type(int r) const {

@@ -26,7 +26,10 @@
 #include "hspmd/optim/adam.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
+#include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/search.h"
 #include "hspmd/plan/switch.h"
+#include "hspmd/train/events.h"
 #include "hspmd/train/profiler.h"
 #include "hspmd/train/training_state.h"
 #include "kernels/kernels.h"
@@ -88,6 +91,30 @@ double all_reduce_scalar(double v, Communicator& world) {
   return v;
 }
 
+// Rank 0's `text` on every rank.
+void broadcast_text(std::string& text, Communicator& world) {
+  int64_t n = static_cast<int64_t>(text.size());
+  world.broadcast(&n, 1, 0);
+  std::vector<int64_t> words((n + 7) / 8, 0);
+  if (world.rank() == 0 && n > 0) std::memcpy(words.data(), text.data(), static_cast<size_t>(n));
+  if (!words.empty()) world.broadcast(words.data(), static_cast<int64_t>(words.size()), 0);
+  text.assign(reinterpret_cast<const char*>(words.data()), static_cast<size_t>(n));
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+// Two strategies that execute alike (the description aside).
+bool same_execution(Strategy a, Strategy b) {
+  a.description.clear();
+  b.description.clear();
+  return a == b;
+}
+
 // One plan made executable on this rank: its ExecGraph and what the
 // schedule needs (the pipeline and stage of the rank, micro-batches).
 struct Runtime {
@@ -136,8 +163,8 @@ class DistTrainer {
       profile_ = Profile::load(o.profile_path);
       check_profile_model(*profile_, config_, o.profile_path, o.model_path);
       time_model_ = std::make_shared<const OpTimeModel>(profile_->ops, o.profile_path);
-    } else if (!o.profile_path.empty()) {
-      fail("[flags] --profile is read only with --clock model");
+    } else if (!o.profile_path.empty() && o.events_path.empty()) {
+      fail("[flags] --profile is read only with --clock model or --events (the planner's profile)");
     }
     if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
       clock_ = std::make_unique<VirtualClock>(topology_->rank(world.rank()).slowdown,
@@ -159,6 +186,7 @@ class DistTrainer {
       if (o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
         fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
              p->strategy->global_batch());
+    if (!o.events_path.empty()) load_elastic_events();
   }
 
   // Reads the data and the initial weights or checkpoint, specializes the
@@ -179,6 +207,28 @@ class DistTrainer {
   // The index into plans_ in force at `step`.
   size_t plan_at(int64_t step) const;
   void switch_to(size_t index, int64_t step, std::ofstream& log);
+  // Specializes `plan` and moves the training state to it; returns the log
+  // fields every switch record shares.
+  nlohmann::json move_to(std::shared_ptr<const AnnotationPlan> plan, const SwitchOptions& so);
+
+  // Elastic training (docs/elastic.md).
+  void load_elastic_events();
+  // The event's changes before `step`: speeds, failed ranks, then the next
+  // plan (the event's strategy, or a re-plan when ranks changed).
+  void apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log);
+  // Rank 0 searches for the available ranks under `topology`; every rank gets
+  // its answer (a search stopped by its time limit is not repeatable).
+  Strategy replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s);
+  // Moves to `plan` before `step`: the failed ranks' memory is gone.
+  void reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                   double planning_s, std::ofstream& log);
+  // Whether the committed training checkpoint is the one of `step`.
+  bool checkpoint_at(int64_t step) const;
+  // Stragglers: after `step`, with its record; may re-plan and switch.
+  void watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log);
+  // Per rank, the cost model's compute seconds per step of the current plan
+  // under the assumed speeds (0 for idle ranks); empty when it cannot say.
+  std::vector<double> predicted_compute(const Topology& topology) const;
   // This rank's placeholders for micro-batch `micro` of the step (the loss
   // divided by `normalizer`), and the bindings of their symbolic dims (S
   // varies with packed documents).
@@ -221,6 +271,16 @@ class DistTrainer {
   std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step
   std::unique_ptr<TokenData> data_;
   std::unique_ptr<train_common::SampleSource> source_;
+  // Elastic training.
+  std::vector<ElasticEvent> events_;
+  std::map<int64_t, std::shared_ptr<const AnnotationPlan>> event_plans_;  // step -> the event's strategy
+  std::set<int> failed_;                   // ranks whose devices are gone now
+  std::shared_ptr<const Topology> assumed_;  // the planner's view: speeds as last estimated
+  double last_specialize_s_ = 0;
+  std::vector<std::vector<double>> window_;  // stragglers: per step in the window, per rank compute
+  std::vector<double> window_steps_;         // ... and the emulated step times
+  std::vector<double> predicted_;            // per rank compute of the current plan (assumed speeds)
+  bool skip_next_ = true;                    // the first step after a (re)start or switch is not watched
 };
 
 std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::string& path) const {
@@ -501,7 +561,22 @@ void DistTrainer::prepare() {
       fail("[checkpoint] ", o_.resume_dir, ": it is at step ", start, ", not before --steps ", o_.steps);
   }
   plan_index_ = plan_at(start);
-  rt_ = specialize(plans_[plan_index_]);
+  std::shared_ptr<const AnnotationPlan> first = plans_[plan_index_];
+  if (reader && !events_.empty()) {
+    // Elastic: the plan in force when the checkpoint was written (re-planned,
+    // perhaps), and the cluster as the events before the step left it.
+    const nlohmann::json& meta = reader->index().meta;
+    if (meta.contains("strategy")) first = compile(strategy_from_json(meta.at("strategy")));
+    failed_ = failed_after(events_, start - 1);
+    for (const ElasticEvent& e : events_) {
+      if (e.step >= start) break;
+      for (const auto& [r, factor] : e.slowdown) {
+        if (r == world_.rank() && clock_) clock_->set_slowdown(factor);
+        assumed_ = std::make_shared<const Topology>(assumed_->with_slowdown(r, factor));
+      }
+    }
+  }
+  rt_ = specialize(first);
   // Every switch is planned now, so that one that cannot be done (a lost
   // rank's slices with no checkpoint) fails before the first step.
   for (size_t k = plan_index_ + 1; k < plans_.size(); ++k)
@@ -523,13 +598,11 @@ void DistTrainer::prepare() {
   state_->seed = o_.seed;
 }
 
-// Moves the run to plans_[index] at `step`: specializes its ExecGraph, then
-// reshards the training state with the cached switch plan.
-void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
+nlohmann::json DistTrainer::move_to(std::shared_ptr<const AnnotationPlan> plan, const SwitchOptions& so) {
   const auto t0 = Clock::now();
-  std::unique_ptr<Runtime> next = specialize(plans_[index]);
+  std::unique_ptr<Runtime> next = specialize(std::move(plan));
   const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  const SwitchOptions so = switch_options(index);
+  last_specialize_s_ = specialize_s;
   std::unique_ptr<CheckpointReader> reader;
   if (so.have_checkpoint) reader = std::make_unique<CheckpointReader>(o_.checkpoint_dir);
   const SwitchPlan& sp = switch_plans_.get(*rt_->plan, *next->plan, *topology_, so);
@@ -537,18 +610,222 @@ void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
   SwitchReport rep;
   state_ = std::move(*state_).reshard_to(next->plan, sp, *topology_, world_, reader.get(), clock_.get(), &rep);
   rt_ = std::move(next);
-  plan_index_ = index;
   const auto all = gather_counts({rep.bytes_sent, rep.predicted_bytes, rep.checkpoint_bytes, rep.peak_extra_bytes,
                                   rep.bound_bytes}, world_);
   if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
-  nlohmann::json j = {{"event", "switch"},        {"step", step},
-                      {"algorithm", algorithm_name(algorithm_)},
+  skip_next_ = true;
+  window_.clear();
+  window_steps_.clear();
+  predicted_.clear();
+  nlohmann::json j = {{"algorithm", algorithm_name(algorithm_)},
                       {"specialize_s", specialize_s}, {"switch_s", rep.switch_s},
                       {"bytes_sent", all[0]},     {"predicted_bytes", all[1]},
                       {"checkpoint_bytes", all[2]}, {"peak_extra_bytes", all[3]},
-                      {"extra_bytes_bound", all[4]}, {"rounds", sp.rounds.size()}};
+                      {"extra_bytes_bound", all[4]}, {"rounds", sp.rounds.size()},
+                      {"predicted_switch_s", sp.predicted_s}};
   if (clock_) j["emulated_switch_s"] = rep.emulated_s;
+  return j;
+}
+
+// Moves the run to plans_[index] at `step` (--switch).
+void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
+  nlohmann::json j = {{"event", "switch"}, {"step", step}};
+  j.update(move_to(plans_[index], switch_options(index)));
+  plan_index_ = index;
   write_log(log, j);
+}
+
+void DistTrainer::load_elastic_events() {
+  if (!o_.switches.empty())
+    fail("[flags] give --events or --switch, not both (an event may name its \"strategy\")");
+  if (o_.straggler_window < 0) fail("[flags] --straggler-window must be >= 0, got ", o_.straggler_window);
+  if (!(o_.straggler_threshold > 0)) fail("[flags] --straggler-threshold must be > 0, got ", o_.straggler_threshold);
+  if (o_.straggler_horizon < 1) fail("[flags] --straggler-horizon must be >= 1, got ", o_.straggler_horizon);
+  if (!(o_.replan_time_limit_s > 0)) fail("[flags] --replan-time-limit must be > 0, got ", o_.replan_time_limit_s);
+  events_ = load_events(o_.events_path, world_.size(), o_.steps);
+  const std::vector<int> first = plans_[0]->strategy->ranks();
+  for (const ElasticEvent& e : events_) {
+    if (e.strategy_path.empty()) continue;
+    auto plan = load_plan_file(e.strategy_path);
+    const std::set<int> down = failed_after(events_, e.step);
+    for (int r : plan->strategy->ranks())
+      if (down.count(r))
+        fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " uses rank ", r,
+             ", which has failed by then");
+    if (plan->strategy->global_batch() != plans_[0]->strategy->global_batch())
+      fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " has global batch ",
+           plan->strategy->global_batch(), ", the run ", plans_[0]->strategy->global_batch());
+    event_plans_[e.step] = plan;
+  }
+  assumed_ = topology_;
+}
+
+bool DistTrainer::checkpoint_at(int64_t step) const {
+  if (o_.checkpoint_dir.empty()) return false;
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json", ec)) return false;
+  return CheckpointReader(o_.checkpoint_dir).index().step == step;
+}
+
+Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s) {
+  const auto t0 = Clock::now();
+  std::string text;
+  if (world_.rank() == 0) {
+    try {
+      const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+      SearchOptions so;
+      so.global_batch = static_cast<int>(rt_->strategy.global_batch());
+      so.seq_len = o_.seq_len;
+      so.zero = rt_->strategy.zero;
+      so.schedule = rt_->strategy.schedule;
+      so.unavailable = failed_;
+      so.previous = &rt_->strategy;
+      so.time_limit_s = o_.replan_time_limit_s;
+      so.top_k = 1;
+      Strategy best = search_strategy(model, so).best.at(0).strategy;
+      best.description = "re-planned before step " + std::to_string(step) + " (" + cause + ")";
+      text = to_json(best).dump();
+    } catch (const Error& e) {
+      text = std::string("!") + e.what();
+    }
+  }
+  broadcast_text(text, world_);
+  planning_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!text.empty() && text[0] == '!')
+    fail("[elastic] step ", step, " (", cause, "): re-planning failed: ", text.substr(1));
+  return strategy_from_json(nlohmann::json::parse(text));
+}
+
+void DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                              double planning_s, std::ofstream& log) {
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  so.lost_ranks = failed_;
+  so.have_checkpoint = checkpoint_at(step);
+  nlohmann::json moved;
+  try {
+    moved = move_to(std::move(plan), so);
+  } catch (const Error& e) {
+    fail("[elastic] step ", step, " (", cause, "): ", e.what(),
+         so.have_checkpoint ? "" : " (write one at this step: --checkpoint DIR --save-every N with N dividing the step)");
+  }
+  nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s}};
+  j.update(moved);
+  j["from_checkpoint_bytes"] = j["checkpoint_bytes"];
+  j["failed"] = std::vector<int>(failed_.begin(), failed_.end());
+  j["strategy"] = to_json(rt_->strategy);
+  write_log(log, j);
+}
+
+void DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
+  for (const auto& [r, factor] : ev.slowdown) {
+    if (r == world_.rank() && clock_) clock_->set_slowdown(factor);
+  }
+  for (int r : ev.fail) failed_.insert(r);
+  for (int r : ev.join) failed_.erase(r);
+  const std::string cause = ev.cause();
+  if (!ev.strategy_path.empty()) {
+    reconfigure(event_plans_.at(step), step, cause, 0.0, log);
+    return;
+  }
+  if (!ev.changes_ranks()) {  // a speed change alone: the straggler watch decides
+    nlohmann::json speeds = nlohmann::json::object();
+    for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
+    write_log(log, {{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
+    return;
+  }
+  double planning_s = 0;
+  const Strategy next = replan(*assumed_, step, cause, planning_s);
+  reconfigure(compile(next), step, cause, planning_s, log);
+}
+
+std::vector<double> DistTrainer::predicted_compute(const Topology& topology) const {
+  std::vector<double> out(world_.size(), 0.0);
+  try {
+    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+    for (const RankCost& rc : model.evaluate(rt_->strategy, o_.seq_len).ranks)
+      if (rc.rank >= 0 && rc.rank < world_.size()) out[rc.rank] = rc.compute_s;
+  } catch (const Error&) {
+    return {};
+  }
+  return out;
+}
+
+// Per rank, the median of its compute over the window divided by what the
+// cost model predicts under the assumed speeds; relative to the median rank,
+// a rank off by more than the threshold has another speed than assumed. The
+// assumed speeds are then corrected, the planner searches under them, and
+// the run switches when the predicted gain over the horizon exceeds the
+// switch's cost (planning, specialization, the switch plan's time).
+void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
+  if (events_.empty() || !clock_ || o_.straggler_window == 0 || step + 1 >= o_.steps) return;
+  if (std::exchange(skip_next_, false)) return;
+  if (predicted_.empty()) predicted_ = predicted_compute(*assumed_);
+  if (predicted_.empty()) return;
+  window_.push_back(r.emulated_compute_s);
+  window_steps_.push_back(r.emulated_step_time_s);
+  if (static_cast<int64_t>(window_.size()) < o_.straggler_window) return;
+  std::vector<int> active;
+  std::vector<double> ratio(world_.size(), 0.0);
+  for (int k = 0; k < world_.size(); ++k) {
+    if (predicted_[k] <= 0 || failed_.count(k)) continue;
+    std::vector<double> seen;
+    for (const auto& w : window_) seen.push_back(w.at(k));
+    ratio[k] = median(seen) / predicted_[k];
+    active.push_back(k);
+  }
+  std::vector<double> ratios;
+  for (int k : active) ratios.push_back(ratio[k]);
+  const double mid = median(ratios);
+  const double observed_step = median(window_steps_);
+  window_.clear();
+  window_steps_.clear();
+  if (active.empty() || !(mid > 0)) return;
+  Topology estimated = *assumed_;
+  bool off = false;
+  for (int k : active) {
+    const double rel = ratio[k] / mid;
+    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
+    off = true;
+    estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
+  }
+  if (!off) return;
+  const int64_t next_step = step + 1;
+  assumed_ = std::make_shared<const Topology>(std::move(estimated));
+  const std::vector<double> current = predicted_compute(*assumed_);
+  double planning_s = 0;
+  std::string cause = "straggler:";
+  for (int k : active)
+    if (std::abs(ratio[k] / mid - 1) > o_.straggler_threshold)
+      cause += " rank " + std::to_string(k) + " x" + detail::concat(assumed_->rank(k).slowdown);
+  const Strategy next = replan(*assumed_, next_step, cause, planning_s);
+  predicted_ = current;
+  const CostModel model = CostModel::load(config_, *assumed_, o_.profile_path);
+  const double now_s = model.evaluate(rt_->strategy, o_.seq_len).predicted_step_s;
+  const double next_s = model.evaluate(next, o_.seq_len).predicted_step_s;
+  const int64_t horizon = std::min(o_.straggler_horizon, o_.steps - next_step);
+  // The model's prediction scaled to what the run observes.
+  const double gain_s = now_s > 0 ? observed_step * (1 - next_s / now_s) * static_cast<double>(horizon) : 0.0;
+  std::shared_ptr<const AnnotationPlan> plan;
+  double switch_s = 0;
+  const bool differs = !same_execution(next, rt_->strategy);
+  if (differs) {
+    plan = compile(next);
+    SwitchOptions so;
+    so.algorithm = algorithm_;
+    so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+    so.lost_ranks = failed_;
+    switch_s = switch_plans_.get(*rt_->plan, *plan, *topology_, so).predicted_s;
+  }
+  const double cost_s = planning_s + last_specialize_s_ + switch_s;
+  const bool go = differs && gain_s > cost_s;
+  nlohmann::json speeds = nlohmann::json::object();
+  for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
+  write_log(log, {{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
+                  {"predicted_step_s", now_s}, {"replanned_step_s", next_s}, {"observed_step_s", observed_step},
+                  {"horizon_steps", horizon}, {"gain_s", gain_s}, {"cost_s", cost_s}, {"switch", go}});
+  if (go) reconfigure(plan, next_step, cause, planning_s, log);
 }
 
 // Every rank writes its shards, then rank 0 commits the index (the
@@ -635,7 +912,12 @@ std::vector<StepRecord> DistTrainer::run() {
   std::vector<StepRecord> records;
   const auto start = Clock::now();
   for (int64_t step = state_->step; step < o_.steps; ++step) {
-    if (plan_at(step) != plan_index_) switch_to(plan_at(step), step, log);
+    if (!events_.empty()) {
+      auto ev = std::find_if(events_.begin(), events_.end(), [&](const ElasticEvent& e) { return e.step == step; });
+      if (ev != events_.end()) apply_event(*ev, step, log);
+    } else if (plan_at(step) != plan_index_) {
+      switch_to(plan_at(step), step, log);
+    }
     const auto t0 = Clock::now();
     world_.reset_bytes();
     rt_->graph->reset_ledger();
@@ -690,6 +972,7 @@ std::vector<StepRecord> DistTrainer::run() {
                                    std::chrono::duration<double>(Clock::now() - start).count());
     records.push_back(r);
     if (o_.save_every > 0 && (step + 1) % o_.save_every == 0) save_checkpoint();
+    watch_stragglers(step, r, log);
     if (o_.on_step) o_.on_step(step);
   }
   if (!o_.save_path.empty()) save();

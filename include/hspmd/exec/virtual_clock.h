@@ -34,6 +34,9 @@ class VirtualClock {
       : slowdown_(slowdown), mode_(mode) {}
 
   ClockMode mode() const { return mode_; }
+  double slowdown() const { return slowdown_; }
+  // A device that changes speed (elastic training's slowdown events).
+  void set_slowdown(double slowdown) { slowdown_ = slowdown; }
   bool modeled() const { return mode_ == ClockMode::kModel; }
 
   double now() const { return now_; }

@@ -74,6 +74,9 @@ class Topology {
   // Infinite for a == b.
   double bandwidth(int a, int b) const;
   int num_nodes() const;
+  // The same cluster with rank r's emulated slowdown replaced (elastic
+  // training: a device that changed speed). Throws for a bad rank.
+  Topology with_slowdown(int r, double slowdown) const;
 
   // The JSON form above (every catalog field written, nodes in rank order);
   // from_json reads it back to the same topology (nodes renumbered in rank

@@ -41,6 +41,19 @@ struct TrainOptions {
     std::vector<int> lost_ranks;  // ranks whose memory counts as gone at this switch
   };
   std::vector<Switch> switches;
+  // Elastic training (docs/elastic.md): devices that fail, join or slow
+  // down before given steps (include/hspmd/train/events.h); the run
+  // re-plans (or takes the event's strategy) and switches online.
+  std::string events_path;
+  double replan_time_limit_s = 30;  // the planner's time limit per re-plan
+  // Stragglers (with events and an emulated cluster): per-rank compute over
+  // a sliding window of this many steps (0: off), a rank off its assumed
+  // speed by more than `straggler_threshold` (relative) triggers a re-plan,
+  // switched to when the gain over the next `straggler_horizon` steps
+  // exceeds the switch's cost.
+  int64_t straggler_window = 3;
+  double straggler_threshold = 0.25;
+  int64_t straggler_horizon = 100;
   std::string switch_algorithm = "fused";  // naive, per-tensor or fused
   double switch_bucket_mb = 256;  // fused: MiB of state tensors per round (0: all in one round)
   std::string checkpoint_dir;   // sharded training checkpoints are written here ...
