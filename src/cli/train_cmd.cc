@@ -163,7 +163,7 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
   const std::pair<const char*, const std::string*> inputs[] = {
       {"--model", &o.model_path},       {"--data", &o.data_path},   {"--init", &o.init_path},
       {"--strategy", &o.strategy_path}, {"--plan", &o.plan_path},   {"--cluster", &o.cluster_path},
-      {"--profile", &o.profile_path}};
+      {"--profile", &o.profile_path},   {"--events", &o.events_path}};
   for (const auto& [flag, path] : inputs) check_input_file(flag, *path);
 }
 
@@ -256,6 +256,16 @@ int train_command(const std::vector<std::string>& args) {
   f.add_list("switch-lost", &lost,
              "STEP:R1,R2,...: at the switch of step STEP, the memory of these ranks counts as gone (their "
              "slices come from the --checkpoint)");
+  f.add_string("events", &o.events_path,
+               "elastic training: JSON list of {\"step\", \"fail\"|\"join\": [ranks], \"slowdown\": {rank: x}, "
+               "\"strategy\"?}; the run re-plans and switches online (docs/elastic.md)");
+  f.add_double("replan-time-limit", &o.replan_time_limit_s, "with --events: seconds the planner may search (default 30)");
+  f.add_int("straggler-window", &o.straggler_window,
+            "with --events and --cluster: steps per straggler check (default 3; 0 = no straggler re-planning)");
+  f.add_double("straggler-threshold", &o.straggler_threshold,
+               "a rank whose compute is off its assumed speed by more than this fraction is a straggler (default 0.25)");
+  f.add_int("straggler-horizon", &o.straggler_horizon,
+            "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)");
   f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md)");
   f.add_int("save-every", &o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
   f.add_string("resume", &o.resume_dir, "continue from the training checkpoint in this directory");
