@@ -21,6 +21,12 @@ script measures what this repository can of each, per transition:
               predicted time from the link model, the lower bound, bytes per
               rank over NVLink and the network, checkpoint reads.
 
+Beside them: the best plan of at least two pipelines among the re-plan's top
+30 (the paper keeps two pipelines so that a failure loses no state), the
+same search without --from, and a chained trace that re-plans from the
+previous re-plan's plan instead of the paper's C(k) (its switch then reads
+from the checkpoint what only lost ranks held).
+
 World: a trace keeps the world of its first cluster (32 ranks, 48 ranks); ranks
 lost so far are idle in later plans. Lost ranks per transition follow the
 paper's appendix (GPU failures at C1 -> C2 and C5 -> C6, node failures
