@@ -29,8 +29,21 @@ std::string join_keys(const std::vector<int>& keys) {
   return s + "]";
 }
 
+// Whether every rank is in [0, world_size) and listed once in all: one sort
+// instead of a tree per rank.
+bool ranks_distinct_in_world(const Annotation& a, int world_size) {
+  std::vector<int> all;
+  for (const Subgroup& g : a.subgroups) {
+    if (g.devices.ranks.empty()) return false;
+    all.insert(all.end(), g.devices.ranks.begin(), g.devices.ranks.end());
+  }
+  std::sort(all.begin(), all.end());
+  return all.front() >= 0 && all.back() < world_size && std::adjacent_find(all.begin(), all.end()) == all.end();
+}
+
 void check_ranks(const Annotation& a, const std::string& name, int world_size) {
-  std::map<int, int> owner;  // rank -> subgroup
+  if (ranks_distinct_in_world(a, world_size)) return;
+  std::map<int, int> owner;  // rank -> subgroup; finds the first problem in listing order
   for (int i = 0; i < a.hsize(); ++i) {
     const std::vector<int>& ranks = a.subgroups[i].devices.ranks;
     if (ranks.empty()) fail_tensor(name, "subgroup ", i, " has an empty device group");
@@ -273,9 +286,12 @@ void check_divisible(const Annotation& a, const std::string& name, const Shape& 
   if (a.subgroups.empty()) fail_tensor(name, "has no subgroups");
   if (a.hdim >= rank) fail_tensor(name, "hdim ", a.hdim, " is outside the shape ", shape_str(global_shape));
   if (a.hdim < 0 && !part_sizes.empty()) fail_tensor(name, "part sizes given but hdim is ", a.hdim);
-  if (a.hdim >= 0) resolve_part_sizes(a, name, global_shape[a.hdim], part_sizes);  // errors name the tensor
+  // Part sizes once (errors name the tensor), not once per part_box: O(hsize), not O(hsize^2).
+  std::vector<int64_t> sizes;
+  if (a.hdim >= 0) sizes = resolve_part_sizes(a, name, global_shape[a.hdim], part_sizes);
   for (int i = 0; i < a.hsize(); ++i) {
-    Shape part = part_box(a, global_shape, i, part_sizes).shape();
+    Shape part = global_shape;  // the shape of part_box(a, global_shape, i, part_sizes)
+    if (a.hdim >= 0) part[a.hdim] = sizes[i];
     const DistStates& s = a.subgroups[i].states;
     for (int d : s.split_dims()) {
       if (d >= rank) fail_tensor(name, "subgroup ", i, ": ", key_name(d), " is outside the shape ", shape_str(global_shape));

@@ -256,6 +256,14 @@ bool TierSolver::order_fits(const DistStates& s, const std::vector<std::vector<i
   return true;
 }
 
+// Field by field (DistStates::operator== also equates trivial degrees).
+bool identical(const std::vector<DistStates>& a, const std::vector<DistStates>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].degrees != b[i].degrees || a[i].order != b[i].order) return false;
+  return true;
+}
+
 DistStates top_states(const Annotation& a) {
   if (a.hsize() <= 1) return {};
   return DistStates{{{a.hdim, a.hsize()}}, {a.hdim}};
@@ -315,15 +323,23 @@ std::vector<Annotation> deduce_by_dims(const DeduceContext& ctx, const DimRule& 
   std::vector<Annotation> out(rule.outputs.size());
   for (auto& a : out) a.subgroups.resize(first.hsize());
 
+  // Subgroups with the same device count and input states (the pipelines'
+  // copies of one stage) solve alike: each distinct tier is solved once.
+  std::vector<std::pair<Tier, std::vector<DistStates>>> solved;
   for (int g = 0; g < first.hsize(); ++g) {
     Tier tier{false,
               first.subgroups[g].devices.size(),
               {},
               first.hsize() > 1 ? " in subgroup " + std::to_string(g) : ""};
     for (const Annotation& a : inputs) tier.in.push_back(a.subgroups[g].states);
-    std::vector<DistStates> states = TierSolver(ctx, rule, tier).solve();
+    auto same = [&](const auto& s) { return s.first.n == tier.n && identical(s.first.in, tier.in); };
+    auto it = std::find_if(solved.begin(), solved.end(), same);
+    if (it == solved.end()) {
+      std::vector<DistStates> states = TierSolver(ctx, rule, tier).solve();
+      it = solved.insert(solved.end(), {std::move(tier), std::move(states)});
+    }
     for (size_t o = 0; o < out.size(); ++o)
-      out[o].subgroups[g] = Subgroup{first.subgroups[g].devices, states[o]};
+      out[o].subgroups[g] = Subgroup{first.subgroups[g].devices, it->second[o]};
   }
 
   Tier top{true, first.hsize(), {}, " across subgroups"};

@@ -1,0 +1,98 @@
+// One rank's specialization of a plan, as the distributed trainer does it
+// when it starts or switches plans: the rank's ExecGraph, the dry run of the
+// plan's communication, the groups this rank creates, and the discovered
+// pipelines. Prints each part's seconds and the process's peak RSS on one
+// JSON line (bench/specialize_scale.py runs it at several world sizes).
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "hspmd/core/error.h"
+#include "hspmd/exec/exec_graph.h"
+#include "hspmd/plan/pipelines.h"
+#include "hspmd/plan/plan.h"
+
+using namespace hspmd;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Args {
+  std::string plan, cluster;
+  int rank = 0;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--rank" && i + 1 < argc) a.rank = std::atoi(argv[++i]);
+    else if (arg == "--cluster" && i + 1 < argc) a.cluster = argv[++i];
+    else if (a.plan.empty() && arg.rfind("--", 0) != 0) a.plan = arg;
+    else fail("[flags] hspmd_specialize PLAN.json [--rank R] [--cluster C.json]: unexpected '", arg, "'");
+  }
+  if (a.plan.empty()) fail("[flags] hspmd_specialize: missing PLAN.json");
+  return a;
+}
+
+int run(const Args& a) {
+  auto t0 = Clock::now();
+  const auto plan = std::make_shared<const AnnotationPlan>(load_plan(a.plan));
+  const auto topology = std::make_shared<const Topology>(
+      a.cluster.empty() ? Topology::uniform(plan->world_size) : Topology::load(a.cluster));
+  if (a.rank < 0 || a.rank >= plan->world_size) fail("[flags] --rank ", a.rank, " is outside the world");
+  nlohmann::json out = {{"world", plan->world_size}, {"rank", a.rank}, {"load_s", since(t0)}};
+  const Bindings bindings(plan->bindings.begin(), plan->bindings.end());
+
+  t0 = Clock::now();
+  ExecGraph graph(plan, topology, a.rank, bindings);
+  out["exec_graph_s"] = since(t0);
+
+  t0 = Clock::now();
+  std::vector<PlannedOpTraffic> traffic;
+  const std::vector<PlannedReshard> reshards = dry_run(*plan, *topology, &traffic);
+  std::set<std::vector<int>> groups;
+  for (const PlannedReshard& r : reshards) {
+    auto it = r.resolution().ranks.find(a.rank);
+    if (it == r.resolution().ranks.end()) continue;
+    for (const CommPhase& phase : it->second.phases)
+      for (const CommOp& op : phase.ops)
+        if (is_collective(op.kind) && op.group.size() > 1) groups.insert(op.group);
+  }
+  out["dry_run_s"] = since(t0);
+
+  t0 = Clock::now();
+  const auto pipelines = discover_pipelines(*plan, reshards);
+  const PipelinePosition at = pipeline_positions(pipelines, plan->world_size).at(a.rank);
+  out["pipelines_s"] = since(t0);
+
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  out["pipeline"] = at.pipeline;
+  out["stage"] = at.stage;
+  out["groups"] = groups.size();
+  out["max_rss_mb"] = usage.ru_maxrss / 1024.0;
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hspmd_specialize: error: %s\n", e.what());
+    return 1;
+  }
+}
