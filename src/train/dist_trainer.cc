@@ -576,7 +576,9 @@ void DistTrainer::prepare() {
       }
     }
   }
+  const auto t0 = Clock::now();
   rt_ = specialize(first);
+  last_specialize_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
   // Every switch is planned now, so that one that cannot be done (a lost
   // rank's slices with no checkpoint) fails before the first step.
   for (size_t k = plan_index_ + 1; k < plans_.size(); ++k)
@@ -729,6 +731,10 @@ void DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstrea
     reconfigure(event_plans_.at(step), step, cause, 0.0, log);
     return;
   }
+  if (!ev.slowdown.empty()) {  // steps before the change say nothing about the speeds now
+    window_.clear();
+    window_steps_.clear();
+  }
   if (!ev.changes_ranks()) {  // a speed change alone: the straggler watch decides
     nlohmann::json speeds = nlohmann::json::object();
     for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
@@ -819,7 +825,10 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
     switch_s = switch_plans_.get(*rt_->plan, *plan, *topology_, so).predicted_s;
   }
   const double cost_s = planning_s + last_specialize_s_ + switch_s;
-  const bool go = differs && gain_s > cost_s;
+  // The wall-clock parts of the cost differ between ranks: rank 0 decides.
+  int64_t decision = differs && gain_s > cost_s ? 1 : 0;
+  world_.broadcast(&decision, 1, 0);
+  const bool go = decision != 0;
   nlohmann::json speeds = nlohmann::json::object();
   for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
   write_log(log, {{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
