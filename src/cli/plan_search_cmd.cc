@@ -84,7 +84,7 @@ int cost_command(const std::vector<std::string>& args) {
 
 struct SearchFlags {
   std::string model, cluster, profile, schedule = "1f1b", out, from, unavailable, tp, mbs, solver = "cbc";
-  int64_t global_batch = 0, seq_len = 0, top = 5, max_cp = 1;
+  int64_t global_batch = 0, seq_len = 0, top = 5, max_cp = 1, min_pipelines = 1;
   double time_limit = 60;
   bool zero = false, json = false, no_recompute = false;
 };
@@ -121,6 +121,8 @@ int search_command(const std::vector<std::string>& args) {
   f.add_string("profile", &c.profile, "profile JSON for device types without their own (hspmd profile)");
   f.add_string("tp", &c.tp, "TP degrees to consider, e.g. 1,2,4 (default: powers of two dividing the heads)");
   f.add_int("max-cp", &c.max_cp, "largest context-parallel degree to consider (power of two, default 1)");
+  f.add_int("min-pipelines", &c.min_pipelines,
+            "at least this many pipelines (replicas that survive one failed device; default 1)");
   f.add_string("micro-batch-sizes", &c.mbs, "micro-batch sizes to consider (default: powers of two up to 8 dividing the batch)");
   f.add_bool("no-recompute", &c.no_recompute, "never use activation recomputation");
   f.add_string("from", &c.from, "re-plan: the previous strategy (its TP degrees and micro-batch size prune the search)");
@@ -144,6 +146,8 @@ int search_command(const std::vector<std::string>& args) {
   o.time_limit_s = c.time_limit;
   o.top_k = static_cast<int>(c.top);
   o.max_cp = static_cast<int>(c.max_cp);
+  if (c.min_pipelines < 1) fail("[flags] --min-pipelines must be >= 1, got ", c.min_pipelines);
+  o.min_pipelines = static_cast<int>(c.min_pipelines);
   o.tp_degrees = int_list(c.tp, "--tp");
   o.micro_batch_sizes = int_list(c.mbs, "--micro-batch-sizes");
   o.allow_recompute = !c.no_recompute;

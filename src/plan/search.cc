@@ -388,7 +388,9 @@ void Searcher::exhaustive(const Config& c, int b, bool recompute) {
 }
 
 // First level: configurations are collected, then run best-bound first.
-void Searcher::consider(const Config& c) { configs_.push_back(c); }
+void Searcher::consider(const Config& c) {
+  if (static_cast<int>(c.pipelines.size()) >= o_.min_pipelines) configs_.push_back(c);
+}
 
 // A lower bound of the step time of a configuration at micro-batch size b,
 // from the continuous relaxation of the two programs. In pipeline p a stage

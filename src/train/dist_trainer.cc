@@ -684,7 +684,19 @@ Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::
       so.previous = &rt_->strategy;
       so.time_limit_s = o_.replan_time_limit_s;
       so.top_k = 1;
-      Strategy best = search_strategy(model, so).best.at(0).strategy;
+      // Redundancy the run had stays: with two pipelines (no ZeRO) every
+      // slice lives on two disjoint rank sets, so the next failure is served
+      // by the survivors instead of the checkpoint. One pipeline when no
+      // plan of two fits.
+      so.min_pipelines = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
+      Strategy best;
+      try {
+        best = search_strategy(model, so).best.at(0).strategy;
+      } catch (const Error&) {
+        if (so.min_pipelines == 1) throw;
+        so.min_pipelines = 1;
+        best = search_strategy(model, so).best.at(0).strategy;
+      }
       best.description = "re-planned before step " + std::to_string(step) + " (" + cause + ")";
       text = to_json(best).dump();
     } catch (const Error& e) {

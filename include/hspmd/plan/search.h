@@ -40,6 +40,10 @@ struct SearchOptions {
   int max_cp = 1;                // context-parallel degrees 1, 2, 4 .. max_cp
   std::vector<int> micro_batch_sizes;  // empty: powers of two up to 8 that divide the global batch
   bool allow_recompute = true;   // try recomputation where memory does not fit without it
+  // At least this many pipelines (data-parallel replicas): with 2, every
+  // weight and (without ZeRO) every optimizer state lives on two disjoint
+  // sets of ranks, so that one failed device loses nothing another holds.
+  int min_pipelines = 1;
   // Re-plan: the previous solution; its TP degree per device class and its
   // micro-batch size prune the first level.
   const Strategy* previous = nullptr;
