@@ -322,6 +322,23 @@ TEST(Search, ReplanAvoidsUnavailableRanks) {
   EXPECT_GE(again.best[0].predicted_step_s, first.best[0].predicted_step_s * (1 - 1e-9));
 }
 
+// A cluster where one big pipeline is best: with min_pipelines 2 every
+// candidate has two or more, and none beats the unconstrained best.
+TEST(Search, MinPipelinesKeepsReplicas) {
+  const LlamaConfig c = model8();
+  const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 1, 1, 1, 1}), {}, flat_profile(c));
+  SearchOptions o = options(8);
+  o.unavailable = {7};
+  const SearchResult free = search_strategy(cm, o);
+  o.min_pipelines = 2;
+  const SearchResult two = search_strategy(cm, o);
+  ASSERT_FALSE(two.best.empty());
+  for (const SearchCandidate& cand : two.best) EXPECT_GE(cand.strategy.pipelines.size(), 2u);
+  EXPECT_GE(two.best[0].predicted_step_s, free.best[0].predicted_step_s * (1 - 1e-9));
+  o.min_pipelines = 9;  // more pipelines than ranks: nothing to build
+  EXPECT_THROW(search_strategy(cm, o), Error);
+}
+
 TEST(Search, CbcAndExactSolversAgree) {
   const LlamaConfig c = model8();
   const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c, 1e-3));
