@@ -16,8 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <functional>
 
 #include "hspmd/core/error.h"
+#include "restart.h"
 
 extern char** environ;
 
@@ -144,6 +146,9 @@ class StderrRelay {
     // libevent's warnings inside Open MPI ("[warn] Epoll MOD(1) on fd 12
     // failed. ... Bad file descriptor") when ranks vanish at an abort.
     if (l.rfind("[warn] ", 0) == 0) return;
+    // Its shared-memory transport reading from a rank that just died ("[host:pid]
+    // Read -1, expected 8192, errno = 3").
+    if (l.rfind("[", 0) == 0 && l.find("] Read -1, expected ") != std::string::npos) return;
     std::fprintf(stderr, "%s\n", l.c_str());
   }
   void parse(const std::string& l) {
@@ -203,14 +208,14 @@ void kill_ranks(const JobDir& job, int sig) {
     if (const int64_t pid = job.slot(r).pid.load(); pid > 0) kill(static_cast<pid_t>(pid), sig);
 }
 
-pid_t spawn_mpirun(const LaunchOptions& o, int err_fd) {
+pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& args, int err_fd) {
   char self[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) fail("[launch] cannot find the hspmd executable");
   self[n] = '\0';
   std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                                   std::to_string(o.nproc), self, "train"};
-  argv.insert(argv.end(), o.rank_args.begin(), o.rank_args.end());
+                                   std::to_string(nproc), self, "train"};
+  argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
@@ -253,30 +258,76 @@ std::string describe(const RankFailure& f, int status) {
   return "mpirun exited with code " + std::to_string(code);
 }
 
-}  // namespace
+// Whether the process `pid` has ended (gone, or a zombie not yet reaped).
+bool process_gone(int64_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return true;
+  char buf[512];
+  const ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return true;
+  buf[n] = '\0';
+  const char* paren = std::strrchr(buf, ')');
+  return paren == nullptr || paren[1] == '\0' || paren[2] == 'Z' || paren[2] == 'X';
+}
 
-int launch_ranks(const LaunchOptions& o) {
-  if (o.nproc < 1) fail("[flags] --nproc must be >= 1, got ", o.nproc);
+// How one run of mpirun (an attempt) ended.
+struct AttemptEnd {
+  int status = 0;          // mpirun's wait status
+  RankFailure failure;     // what mpirun said about the first rank that failed
+  bool watchdog = false;   // the watchdog ended it
+  int stopped_by = 0;      // SIGINT or SIGTERM to the launcher
+  bool reported = false;   // a rank printed its own error
+  int64_t death_ns = 0;    // when a rank was first seen gone (0: none was)
+  int64_t end_ns = 0;      // when mpirun and its ranks were gone
+
+  bool succeeded() const { return stopped_by == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0; }
+  // A crash, which --max-restarts restarts: a rank (or mpirun) died of a
+  // signal. A rank's own error exits with a code (MPI_Abort or return 1).
+  bool crashed() const {
+    if (succeeded() || watchdog || stopped_by != 0) return false;
+    if (failure.signal > 0 || WIFSIGNALED(status)) return true;
+    return failure.rank < 0 && WIFEXITED(status) && WEXITSTATUS(status) > 128;  // mpirun's 128 + signal
+  }
+};
+
+// What a restarted attempt waits for: its first finished step.
+struct FirstStepWatch {
+  bool armed = false;
+  std::function<void(int64_t)> seen;  // gets the step's end (monotonic ns)
+};
+
+void watch_first_step(const JobDir& job, FirstStepWatch& watch) {
+  if (!watch.armed) return;
+  const Slot& s = job.slot(0);  // rank 0 writes the step's log record before it reports the step
+  if (s.steps.load() == 0) return;
+  watch.armed = false;
+  const int64_t done = s.step_ns.load();
+  watch.seen(done > 0 ? done : now_ns());
+}
+
+// Runs mpirun with `args` under the watchdog until it and its ranks end.
+AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& args, FirstStepWatch& watch) {
   JobDir job(static_cast<int>(o.nproc));
   setenv("HSPMD_JOB_DIR", job.dir().c_str(), 1);
   setenv("HSPMD_LAUNCHER_PID", std::to_string(getpid()).c_str(), 1);
   int err[2];
   if (pipe2(err, O_CLOEXEC) != 0) fail("[launch] cannot create a pipe: ", std::strerror(errno));
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  const pid_t pid = spawn_mpirun(o, err[1]);
+  const pid_t pid = spawn_mpirun(o.nproc, args, err[1]);
   close(err[1]);
   StderrRelay relay(err[0]);
   const int64_t start = now_ns();
   int64_t kill_at = 0, next_check = start;
-  int status = 0, stopped_by = 0;
-  bool watchdog = false;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
+  AttemptEnd end;
+  while (waitpid(pid, &end.status, WNOHANG) == 0) {
     const int64_t now = now_ns();
-    if (g_signal != 0 && stopped_by == 0 && !watchdog) {
-      stopped_by = g_signal;
+    for (int r = 0; r < job.nproc() && end.death_ns == 0; ++r)
+      if (const int64_t p = job.slot(r).pid.load(); p > 0 && process_gone(p)) end.death_ns = now;
+    watch_first_step(job, watch);
+    if (g_signal != 0 && end.stopped_by == 0 && !end.watchdog) {
+      end.stopped_by = g_signal;
       kill(pid, SIGTERM);  // mpirun ends its ranks (SIGCONT, SIGTERM, SIGKILL)
       kill_at = now + static_cast<int64_t>(kKillAfterS * 1e9);
     }
@@ -284,7 +335,7 @@ int launch_ranks(const LaunchOptions& o) {
       next_check = now + 250000000;
       if (const std::string why = stalled(job, start, o.timeout_s); !why.empty()) {
         std::fprintf(stderr, "hspmd: error: [watchdog] %s; ending the job\n", why.c_str());
-        watchdog = true;
+        end.watchdog = true;
         kill(pid, SIGTERM);
         kill_at = now + static_cast<int64_t>(3e9);
       }
@@ -296,17 +347,76 @@ int launch_ranks(const LaunchOptions& o) {
     }
     usleep(20000);
   }
-  if (kill_at == INT64_MAX) kill_ranks(job, SIGKILL);  // orphans of a killed mpirun
-  const RankFailure failure = relay.finish(2);
-  if (stopped_by != 0) {
-    std::fprintf(stderr, "hspmd: error: [launch] %s: ended the job's %lld ranks\n",
-                 stopped_by == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(o.nproc));
-    return 128 + stopped_by;
+  watch_first_step(job, watch);
+  // Ranks mpirun left behind (it was killed, or it failed to end them) get
+  // SIGKILL, so that none of this attempt outlives it (a restart needs the
+  // outputs' locks free).
+  if (!end.succeeded()) kill_ranks(job, SIGKILL);
+  for (int r = 0; r < job.nproc(); ++r) {
+    const int64_t p = job.slot(r).pid.load();
+    for (int k = 0; p > 0 && k < 250 && !process_gone(p); ++k) usleep(20000);
   }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return 0;
-  if (!watchdog && !job.reported())
-    std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended\n", describe(failure, status).c_str());
-  return 1;
+  end.failure = relay.finish(2);
+  end.reported = job.reported();
+  end.end_ns = now_ns();
+  return end;
+}
+
+std::string plural(int64_t n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+}
+
+}  // namespace
+
+int launch_ranks(const LaunchOptions& o) {
+  if (o.nproc < 1) fail("[flags] --nproc must be >= 1, got ", o.nproc);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  RestartLog log(o.max_restarts > 0 ? o.log_path : "");
+  std::vector<std::string> args = o.rank_args;
+  FirstStepWatch watch;
+  for (int64_t restarts = 0;; ++restarts) {
+    const AttemptEnd end = run_attempt(o, args, watch);
+    log.end();
+    if (end.stopped_by != 0) {
+      std::fprintf(stderr, "hspmd: error: [launch] %s: ended the job's %lld ranks\n",
+                   end.stopped_by == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(o.nproc));
+      return 128 + end.stopped_by;
+    }
+    if (end.succeeded()) return 0;
+    const std::string why = describe(end.failure, end.status);
+    if (!end.crashed() || restarts == o.max_restarts) {
+      if (!end.watchdog && !end.reported)
+        std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended%s\n", why.c_str(),
+                     restarts > 0 ? (" (after " + plural(restarts, "restart") + ", --max-restarts " +
+                                     std::to_string(o.max_restarts) + ")").c_str()
+                                  : "");
+      return 1;
+    }
+    const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
+    RestartPoint point;
+    try {
+      point = find_restart_point(o.checkpoint_dir, o.resume_dir);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "hspmd: error: [launch] %s; cannot restart: %s\n", why.c_str(), e.what());
+      return 1;
+    }
+    std::fprintf(stderr, "hspmd: warning: [launch] %s; restarting from %s (restart %lld of --max-restarts %lld)\n",
+                 why.c_str(), point.resume_dir.empty() ? "the start"
+                              : ("the checkpoint of step " + std::to_string(point.step)).c_str(),
+                 static_cast<long long>(restarts + 1), static_cast<long long>(o.max_restarts));
+    args = with_resume(o.rank_args, point.resume_dir);
+    log.begin(restarts + 1, point.step, why, end.death_ns != 0 ? (end.end_ns - died) * 1e-9 : -1);
+    watch.armed = true;
+    watch.seen = [&log, died](int64_t done) { log.set_recovery((done - died) * 1e-9); };
+    if (g_signal != 0) {
+      std::fprintf(stderr, "hspmd: error: [launch] %s: the job was not restarted\n",
+                   g_signal == SIGINT ? "SIGINT" : "SIGTERM");
+      return 128 + g_signal;
+    }
+  }
 }
 
 bool claim_report() {

@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Restart after a crashed rank (`hspmd train --nproc N --max-restarts K`,
+docs/reliability.md, "Restart after a crash"), with
+examples/models/llama-tiny-8l.json on 4 ranks (two pipelines of two stages,
+ZeRO-1):
+
+* --part crash: a rank killed with SIGKILL in the middle of the run is
+  restarted from the last checkpoint (--save-every 1); the job exits 0, every
+  step appears once in the log with the loss of an uninterrupted run, and the
+  log holds one restart record (from_step, recovery_s > 0) right before the
+  re-run steps; a second kill after one restart (--max-restarts 1) ends the
+  job with the usual line and exit 1;
+* --part no-restart: with --max-restarts 0 (the default) a killed rank ends
+  the job as before; a rank's own error (a non-finite loss) is not restarted;
+  --max-restarts without --nproc, --checkpoint or --save-every, or below 0, is
+  refused with one line.
+
+usage: restart_test.py --hspmd PATH --repo PATH --part crash|no-restart
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launcher_test import job_pids, log_lines, roles, wait_for  # noqa: E402
+
+STEPS = 12
+
+
+def pipeline(ranks):
+    return {"micro_batch_size": 1, "micro_batches": 2,
+            "stages": [{"ranks": [ranks[0]], "layers": [0, 3]}, {"ranks": [ranks[1]], "layers": [4, 7]}]}
+
+
+STRATEGY = {"schedule": "1f1b", "zero": True, "pipelines": [pipeline([0, 1]), pipeline([2, 3])]}
+
+
+def records(path, strict=True):
+    """The log's JSON objects; while the run writes it, a torn last line is left out (strict=False)."""
+    out = []
+    for line in log_lines(path):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if strict:
+                raise
+    return out
+
+
+def steps_of(recs):
+    return [r for r in recs if "event" not in r]
+
+
+class Job:
+    def __init__(self, a, tmp):
+        self.a, self.tmp = a, tmp
+        self.model = os.path.join(a.repo, "examples", "models", "llama-tiny-8l.json")
+        self.data = os.path.join(tmp, "data.bin")
+        rng = random.Random(5)
+        with open(self.data, "wb") as f:
+            f.write(b"".join(struct.pack("<I", rng.randrange(256)) for _ in range(20000)))
+        self.strategy = os.path.join(tmp, "pp2x2_zero.json")
+        json.dump(STRATEGY, open(self.strategy, "w"))
+        self.failures = []
+
+    def cmd(self, name, extra=(), restarts=1, lr="1e-3"):
+        c = [self.a.hspmd, "train", "--model", self.model, "--data", self.data, "--seq-len", "32",
+             "--steps", str(STEPS), "--lr", lr, "--weight-decay", "0.1", "--clip-grad", "1", "--quiet",
+             "--threads", "1", "--strategy", self.strategy, "--nproc", "4",
+             "--log", self.path(name + ".jsonl"), "--checkpoint", self.path(name + ".ckpt"), "--save-every", "1"]
+        if restarts is not None:
+            c += ["--max-restarts", str(restarts)]
+        return c + list(extra)
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def start(self, name, extra=(), restarts=1, lr="1e-3"):
+        return subprocess.Popen(self.cmd(name, extra, restarts, lr), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def check(self, label, ok, detail=""):
+        print(f"{label:60s} {'ok' if ok else 'FAIL'} {detail}", flush=True)
+        if not ok:
+            self.failures.append(label)
+
+    def kill_rank(self, label, p, rank, when):
+        """SIGKILL `rank` once when() holds; returns the time of the kill (or None)."""
+        if not wait_for(lambda: when() or p.poll() is not None, 240, 0.05) or p.poll() is not None:
+            self.check(label + ": the run got there", False, "exited early: " + p.stderr.read()[-2000:])
+            return None
+        pids = [pid for pid, role in roles(job_pids(self.strategy)).items() if role == f"rank {rank}"]
+        self.check(label + f": rank {rank} found", len(pids) == 1, str(pids))
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        return time.time()
+
+    def ends(self, label, p, timeout=180):
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.check(label + ": the launcher exits", False, f"still running after {timeout} s")
+            pids = ",".join(str(pid) for pid in roles(job_pids(self.strategy)))
+            if pids:
+                subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,args", "-p", pids])
+            p.kill()
+            p.wait()
+        return p.returncode, p.stderr.read()
+
+    def all_gone(self, label, timeout=20):
+        gone = wait_for(lambda: not roles(job_pids(self.strategy)), timeout)
+        left = sorted(roles(job_pids(self.strategy)).values())
+        self.check(label + ": no process of the job is left", gone, str(left))
+
+
+def part_crash(j):
+    p = j.start("reference")
+    rc, err = j.ends("uninterrupted run", p)
+    j.check("uninterrupted run: exit 0", rc == 0, err.strip()[-500:])
+    want = {r["step"]: r["loss"] for r in steps_of(records(j.path("reference.jsonl")))}
+    j.check("uninterrupted run: every step logged", sorted(want) == list(range(STEPS)), str(sorted(want)))
+
+    log = j.path("crash.jsonl")
+    p = j.start("crash")
+    killed = j.kill_rank("crash", p, 1, lambda: len(steps_of(records(log, False))) >= 4)
+    rc, err = j.ends("crash", p)
+    lines = [l for l in err.splitlines() if l.strip()]
+    j.check("crash: exit 0 after one restart", rc == 0 and killed is not None, f"rc {rc}: {err.strip()[-800:]!r}")
+    j.check("crash: one warning line naming the rank, signal and restart",
+            len(lines) == 1 and "rank 1 was killed by signal 9" in lines[0] and "restarting from" in lines[0],
+            repr(lines[:4]))
+    recs = records(log)
+    steps = [r["step"] for r in steps_of(recs)]
+    j.check("crash: each step once, in order", steps == list(range(STEPS)), str(steps))
+    got = {r["step"]: r["loss"] for r in steps_of(recs)}
+    diff = [(s, want.get(s), got.get(s)) for s in range(STEPS) if want.get(s) != got.get(s)]
+    j.check("crash: every loss equals the uninterrupted run's (exactly)", not diff, str(diff[:3]))
+    restarts = [(k, r) for k, r in enumerate(recs) if r.get("event") == "restart"]
+    j.check("crash: one restart record", len(restarts) == 1, str(restarts))
+    if restarts:
+        k, r = restarts[0]
+        j.check("crash: restart record fields", r.get("attempt") == 1 and isinstance(r.get("from_step"), int) and
+                3 <= r["from_step"] < STEPS and "signal 9" in r.get("reason", "") and
+                isinstance(r.get("recovery_s"), float) and r["recovery_s"] > 0 and
+                0 <= r.get("detect_s", -1) <= r["recovery_s"], json.dumps(r))
+        after = recs[k + 1] if k + 1 < len(recs) else {}
+        j.check("crash: the re-run starts right after the record at from_step",
+                after.get("step") == r.get("from_step") and "event" not in after, json.dumps(after)[:200])
+    j.all_gone("crash")
+
+    # Killed during setup, before the first checkpoint: a restart from the
+    # start, whose rank 0 truncates the log as any fresh run does; the
+    # launcher puts the restart record back in front at the end.
+    log = j.path("early.jsonl")
+    p = j.start("early")
+    j.kill_rank("early", p, 3, lambda: any(r == "rank 3" for r in roles(job_pids(j.strategy)).values()))
+    rc, err = j.ends("early", p)
+    j.check("early: exit 0 after one restart", rc == 0, f"rc {rc}: {err.strip()[-800:]!r}")
+    recs = records(log)
+    j.check("early: the restart record first, from step 0, then every step once with its loss",
+            recs and recs[0].get("event") == "restart" and recs[0].get("from_step") == 0 and
+            recs[0].get("recovery_s", 0) > 0 and
+            [(r["step"], r["loss"]) for r in recs[1:]] == [(s, want.get(s)) for s in range(STEPS)],
+            json.dumps(recs[:2])[:400])
+    j.all_gone("early")
+
+    log = j.path("twice.jsonl")
+    p = j.start("twice")
+    j.kill_rank("twice, first kill", p, 2, lambda: len(steps_of(records(log, False))) >= 3)
+    j.kill_rank("twice, second kill", p, 1, lambda: any(r.get("event") == "restart" and r.get("recovery_s")
+                                                        for r in records(log, False)))
+    rc, err = j.ends("twice", p)
+    lines = [l for l in err.splitlines() if l.strip()]
+    j.check("twice: exit 1 after --max-restarts 1, the last failure named",
+            rc == 1 and len(lines) == 2 and "rank 2 was killed by signal 9" in lines[0] and
+            "rank 1 was killed by signal 9" in lines[1] and "after 1 restart" in lines[1], repr(lines[:4]))
+    j.all_gone("twice")
+
+
+def part_no_restart(j):
+    log = j.path("plain.jsonl")
+    p = j.start("plain", restarts=None)
+    j.kill_rank("--max-restarts 0", p, 1, lambda: len(steps_of(records(log, False))) >= 3)
+    rc, err = j.ends("--max-restarts 0", p)
+    lines = [l for l in err.splitlines() if l.strip()]
+    j.check("--max-restarts 0: exit 1, one line naming rank 1 and signal 9",
+            rc == 1 and len(lines) == 1 and "rank 1 was killed by signal 9" in lines[0] and
+            "restart" not in lines[0], repr(lines[:4]))
+    j.check("--max-restarts 0: no restart record",
+            not any(r.get("event") == "restart" for r in records(log, False)))
+    j.all_gone("--max-restarts 0")
+
+    p = j.start("nan", lr="1e20")
+    rc, err = j.ends("a rank's own error", p)
+    lines = [l for l in err.splitlines() if l.strip()]
+    j.check("a rank's own error: exit 1, its one line, not restarted",
+            rc == 1 and len(lines) == 1 and "[train]" in lines[0] and "restart" not in err, repr(lines[:4]))
+    j.check("a rank's own error: no restart record",
+            not any(r.get("event") == "restart" for r in records(j.path("nan.jsonl"), False)))
+    j.all_gone("a rank's own error")
+
+    base = j.cmd("flags", restarts=None)
+    no_ckpt = base[:base.index("--checkpoint")]
+    single = [a for a in no_ckpt if a not in ("--nproc", "4")] + ["--global-batch", "4"]
+    single.remove("--strategy")
+    single.remove(j.strategy)
+    for label, cmd, needle in [
+            ("without --nproc", single + ["--max-restarts", "1"], "needs --nproc"),
+            ("without --checkpoint", no_ckpt + ["--max-restarts", "1"], "needs --checkpoint"),
+            ("without --save-every", base[:-2] + ["--max-restarts", "1"], "needs --checkpoint"),
+            ("below 0", base + ["--max-restarts", "-1"], "must be >= 0")]:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        j.check(f"--max-restarts {label}: one [flags] line", r.returncode == 1 and len(lines) == 1 and
+                "[flags] --max-restarts" in lines[0] and needle in lines[0],
+                f"rc {r.returncode}: {r.stderr.strip()[:300]!r}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    ap.add_argument("--repo", required=True)
+    ap.add_argument("--part", required=True, choices=["crash", "no-restart"])
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="hspmd-restart-") as tmp:
+        j = Job(a, tmp)
+        try:
+            {"crash": part_crash, "no-restart": part_no_restart}[a.part](j)
+        finally:
+            for pid in roles(job_pids(j.strategy)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+    if j.failures:
+        sys.exit("FAILED: " + ", ".join(j.failures))
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
