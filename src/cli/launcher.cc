@@ -36,6 +36,7 @@ struct Slot {
 namespace {
 
 constexpr double kKillAfterS = 10;  // SIGKILL what is left this long after SIGTERM
+constexpr double kWedgedS = 10;     // mpirun ends a job about 1 s after a rank's death
 
 volatile sig_atomic_t g_signal = 0;
 void on_signal(int s) { g_signal = s; }
@@ -281,6 +282,8 @@ struct AttemptEnd {
   int stopped_by = 0;      // SIGINT or SIGTERM to the launcher
   bool reported = false;   // a rank printed its own error
   int64_t death_ns = 0;    // when a rank was first seen gone (0: none was)
+  int dead_rank = -1;      // which
+  bool wedged = false;     // mpirun outlived that death by kWedgedS: the launcher ended it
   int64_t end_ns = 0;      // when mpirun and its ranks were gone
 
   bool succeeded() const { return stopped_by == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0; }
@@ -288,10 +291,18 @@ struct AttemptEnd {
   // signal. A rank's own error exits with a code (MPI_Abort or return 1).
   bool crashed() const {
     if (succeeded() || watchdog || stopped_by != 0) return false;
+    if (wedged) return !reported;
     if (failure.signal > 0 || WIFSIGNALED(status)) return true;
     return failure.rank < 0 && WIFEXITED(status) && WEXITSTATUS(status) > 128;  // mpirun's 128 + signal
   }
 };
+
+// Notes the first rank seen gone. mpirun normally ends the job about a
+// second later; the time is the restart's start.
+void note_death(const JobDir& job, int64_t now, AttemptEnd& end) {
+  for (int r = 0; r < job.nproc() && end.death_ns == 0; ++r)
+    if (const int64_t p = job.slot(r).pid.load(); p > 0 && process_gone(p)) end.death_ns = now, end.dead_rank = r;
+}
 
 // What a restarted attempt waits for: its first finished step.
 struct FirstStepWatch {
@@ -323,9 +334,12 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
   AttemptEnd end;
   while (waitpid(pid, &end.status, WNOHANG) == 0) {
     const int64_t now = now_ns();
-    for (int r = 0; r < job.nproc() && end.death_ns == 0; ++r)
-      if (const int64_t p = job.slot(r).pid.load(); p > 0 && process_gone(p)) end.death_ns = now;
+    note_death(job, now, end);
     watch_first_step(job, watch);
+    if (end.death_ns != 0 && kill_at == 0 && now - end.death_ns > static_cast<int64_t>(kWedgedS * 1e9)) {
+      end.wedged = true;  // seen with Open MPI 4.1 when a rank dies during MPI_Init
+      kill_at = now;
+    }
     if (g_signal != 0 && end.stopped_by == 0 && !end.watchdog) {
       end.stopped_by = g_signal;
       kill(pid, SIGTERM);  // mpirun ends its ranks (SIGCONT, SIGTERM, SIGKILL)
@@ -386,7 +400,9 @@ int launch_ranks(const LaunchOptions& o) {
       return 128 + end.stopped_by;
     }
     if (end.succeeded()) return 0;
-    const std::string why = describe(end.failure, end.status);
+    const std::string why = end.wedged ? "rank " + std::to_string(end.dead_rank) + " ended but mpirun had not " +
+                                             "ended the job " + std::to_string(static_cast<int>(kWedgedS)) + " s later"
+                                       : describe(end.failure, end.status);
     if (!end.crashed() || restarts == o.max_restarts) {
       if (!end.watchdog && !end.reported)
         std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended%s\n", why.c_str(),
