@@ -1,8 +1,10 @@
 // One rank's specialization of a plan, as the distributed trainer does it
-// when it starts or switches plans: the rank's ExecGraph, the dry run of the
-// plan's communication, the groups this rank creates, and the discovered
-// pipelines. Prints each part's seconds and the process's peak RSS on one
-// JSON line (bench/specialize_scale.py runs it at several world sizes).
+// when it starts or switches plans: the rank's ExecGraph, its dry run (the
+// Reshards it takes part in), the groups this rank creates, and the
+// discovered pipelines. --full takes the dry run of every rank instead (the
+// trainer's path before ExecGraph::dry_run). Prints each part's seconds and
+// the process's peak RSS on one JSON line (bench/specialize_scale.py runs it
+// at several world sizes).
 #include <sys/resource.h>
 
 #include <chrono>
@@ -30,6 +32,7 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 struct Args {
   std::string plan, cluster;
   int rank = 0;
+  bool full = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -38,8 +41,9 @@ Args parse(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--rank" && i + 1 < argc) a.rank = std::atoi(argv[++i]);
     else if (arg == "--cluster" && i + 1 < argc) a.cluster = argv[++i];
+    else if (arg == "--full") a.full = true;
     else if (a.plan.empty() && arg.rfind("--", 0) != 0) a.plan = arg;
-    else fail("[flags] hspmd_specialize PLAN.json [--rank R] [--cluster C.json]: unexpected '", arg, "'");
+    else fail("[flags] hspmd_specialize PLAN.json [--rank R] [--cluster C.json] [--full]: unexpected '", arg, "'");
   }
   if (a.plan.empty()) fail("[flags] hspmd_specialize: missing PLAN.json");
   return a;
@@ -60,7 +64,7 @@ int run(const Args& a) {
 
   t0 = Clock::now();
   std::vector<PlannedOpTraffic> traffic;
-  const std::vector<PlannedReshard> reshards = dry_run(*plan, *topology, &traffic);
+  const std::vector<PlannedReshard> reshards = a.full ? dry_run(*plan, *topology, &traffic) : graph.dry_run(&traffic);
   std::set<std::vector<int>> groups;
   for (const PlannedReshard& r : reshards) {
     auto it = r.resolution().ranks.find(a.rank);
@@ -72,7 +76,7 @@ int run(const Args& a) {
   out["dry_run_s"] = since(t0);
 
   t0 = Clock::now();
-  const auto pipelines = discover_pipelines(*plan, reshards);
+  const auto pipelines = a.full ? discover_pipelines(*plan, reshards) : graph.discover_pipelines();
   const PipelinePosition at = pipeline_positions(pipelines, plan->world_size).at(a.rank);
   out["pipelines_s"] = since(t0);
 

@@ -289,8 +289,17 @@ int explain_command(const std::vector<std::string>& args) {
     fail("[cli] ", cluster, ": the cluster has ", topology.world_size(), " ranks but the plan's world has ",
          world);
   std::vector<PlannedOpTraffic> traffic;
-  const std::vector<PlannedReshard> reshards = dry_run(plan, topology, &traffic);
-  const std::vector<DiscoveredPipeline> pipelines = discover_pipelines(plan, reshards);
+  std::vector<PlannedReshard> reshards;
+  std::vector<DiscoveredPipeline> pipelines;
+  if (o.rank >= 0) {  // only the rank's Reshards: time and memory do not grow with the world
+    const AnnotatedTraining training = annotate_training_graph(plan);
+    ResolutionCache resolve_cached(topology, o.rank);
+    reshards = rank_dry_run(plan, training, resolve_cached, &traffic);
+    pipelines = discover_pipelines(plan, topology, training);
+  } else {
+    reshards = dry_run(plan, topology, &traffic);
+    pipelines = discover_pipelines(plan, reshards);
+  }
   if (json)
     print_json(reshards, pipelines, traffic, o, world);
   else

@@ -31,19 +31,6 @@ NDArray execute_any(const Resolution& r, int rank, const NDArray& in, Communicat
   return back;
 }
 
-// The ranks `rank` exchanges data with in its part of a resolution.
-std::set<int> peers(const RankResolution& me, int rank) {
-  std::set<int> out;
-  for (const CommPhase& ph : me.phases)
-    for (const CommOp& op : ph.ops) {
-      out.insert(op.group.begin(), op.group.end());
-      for (const Transfer& t : op.sends) out.insert(t.peer);
-      for (const Transfer& t : op.recvs) out.insert(t.peer);
-    }
-  out.erase(rank);
-  return out;
-}
-
 std::vector<int> device_set(const Annotation& a) {
   std::vector<int> ranks = a.all_ranks();
   std::sort(ranks.begin(), ranks.end());
@@ -53,14 +40,10 @@ std::vector<int> device_set(const Annotation& a) {
 // A forward Reshard is a stage boundary when its source and destination live
 // on different devices, or when some rank of it talks to a rank of another
 // subgroup (another pipeline): those peers run it at other times, so the
-// recomputation must reuse its output instead of running it again.
+// recomputation must reuse its output instead of running it again. Every
+// rank of the Reshard decides alike (crosses_subgroups covers all ranks).
 bool is_boundary(const Annotation& src, const Annotation& dst, const Resolution& r) {
-  if (device_set(src) != device_set(dst)) return true;
-  for (const auto& [rank, me] : r.ranks)
-    for (int peer : peers(me, rank))
-      if (src.subgroup_of(peer) != src.subgroup_of(rank) || dst.subgroup_of(peer) != dst.subgroup_of(rank))
-        return true;
-  return false;
+  return r.crosses_subgroups || device_set(src) != device_set(dst);
 }
 
 }  // namespace
@@ -80,17 +63,16 @@ ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int r
 ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr<const Topology> topology,
                      int rank, Bindings bindings)
     : plan_(std::move(plan)), topology_(std::move(topology)), rank_(rank), bindings_(std::move(bindings)),
-      training_(annotate_training_graph(*plan_)), resolve_(*topology_) {
+      training_(annotate_training_graph(*plan_)), resolve_(*topology_, rank) {
   annotated_ = training_.annotated.get();
+  // The Reshards this rank takes part in, each resolved for it alone.
   std::map<int, std::shared_ptr<const Resolution>> resolved;  // forward and backward Reshards
   for (auto& [id, spec] : training_.reshards(bindings_)) {
     const ReshardPoint* point = model_.point(id);
-    if (point && point->kind == ReshardKind::kGradSync) {  // once per step, on parameter shapes
-      grad_sync_node_[point->parameter] = id;
-      grad_resolutions_.emplace(id, resolve_(spec));
-    } else {
-      resolved.emplace(id, resolve_(spec));
-    }
+    const bool grad_sync = point && point->kind == ReshardKind::kGradSync;
+    if (grad_sync) grad_sync_node_[point->parameter] = id;  // once per step, on parameter shapes
+    auto r = resolve_(spec);
+    if (r) (grad_sync ? grad_resolutions_ : resolved).emplace(id, std::move(r));
   }
   select_nodes(resolved);
   plan_recompute(resolved);
@@ -147,6 +129,14 @@ void ExecGraph::count_uses() {
       for (int& n : recompute_forward_uses_[id]) ++n;
   recompute_backward_uses_ = count_consumers(g, order_, {recompute_order_, bwd});
   keep_results(recompute_backward_uses_);
+}
+
+std::vector<PlannedReshard> ExecGraph::dry_run(std::vector<PlannedOpTraffic>* traffic) const {
+  return rank_dry_run(*plan_, training_, resolve_, traffic);  // the graph's resolutions are reused
+}
+
+std::vector<DiscoveredPipeline> ExecGraph::discover_pipelines() const {
+  return hspmd::discover_pipelines(*plan_, *topology_, training_);
 }
 
 const Annotation& ExecGraph::annotation(const std::string& name) const {
@@ -330,8 +320,10 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
                                                          Communicator& world) const {
   std::map<std::string, NDArray> synced;
   for (const std::string& name : model_.names) {  // the same order on every rank
-    const int id = grad_sync_node_.at(name);
-    const Resolution& r = *grad_resolutions_.at(id);
+    auto found = grad_resolutions_.find(grad_sync_node_.at(name));
+    if (found == grad_resolutions_.end()) continue;
+    const int id = found->first;
+    const Resolution& r = *found->second;
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
     const NDArray local = it == raw.end() ? NDArray() : it->second;
@@ -344,7 +336,7 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
 NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const Annotation& from,
                            const Annotation& to, const NDArray& local, Communicator& world) const {
   const auto r = resolve_(ReshardSpec{name, shape, DType::F32, from, to});
-  if (!r->ranks.count(rank_)) return NDArray();
+  if (!r || !r->ranks.count(rank_)) return NDArray();
   return run_reshard(*r, name, local, world);
 }
 

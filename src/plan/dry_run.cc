@@ -12,12 +12,6 @@ namespace hspmd {
 
 namespace {
 
-std::string phase_of(const LlamaGraph& model, int id) {
-  const ReshardPoint* point = model.point(id);
-  if (point && point->kind == ReshardKind::kGradSync) return "grad_sync";
-  return id < model.loss.node_id() ? "forward" : "backward";
-}
-
 // Named Reshards carry their plan name, mirrors "backward.<name>".
 std::string reshard_name(const Node& n) {
   return n.name.empty() ? "reshard#" + std::to_string(n.id) : n.name;
@@ -32,15 +26,49 @@ Shape concrete_shape(const SymShape& shape, const Bindings& bindings, const std:
 }
 
 
+void check_world(const AnnotationPlan& plan, const Topology& topology) {
+  if (topology.world_size() != plan.world_size)
+    fail("[plan] the cluster has ", topology.world_size(), " ranks but the plan's world has ",
+         plan.world_size);
+}
+
+// The dry run's entries: the Reshards of the graph, then the ZeRO gathers;
+// `resolve_cached` returns null for a Reshard to leave out.
+std::vector<PlannedReshard> resolve_all(const AnnotationPlan& plan, const AnnotatedTraining& t,
+                                        ResolutionCache& resolve_cached) {
+  std::vector<PlannedReshard> out;
+  for (const auto& [id, spec] : t.reshards(plan.bindings))
+    if (auto r = resolve_cached(spec)) out.push_back({spec.name, t.phase(id), std::move(r)});
+  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
+    auto it = plan.optimizer_states.find(name);
+    if (it == plan.optimizer_states.end()) continue;
+    ReshardSpec spec{"zero_gather." + name, shape, DType::F32, it->second, plan.tensors.at(name)};
+    if (auto r = resolve_cached(spec)) out.push_back({spec.name, "zero_gather", std::move(r)});
+  }
+  return out;
+}
+
 }  // namespace
 
+std::string ResolutionCache::key(const ReshardSpec& spec) {
+  return shape_str(spec.shape) + dtype_name(spec.dtype) + to_string(spec.src) + "|" + to_string(spec.dst);
+}
+
 std::shared_ptr<const Resolution> ResolutionCache::operator()(const ReshardSpec& spec) {
-  const std::string key = shape_str(spec.shape) + dtype_name(spec.dtype) + to_string(spec.src) +
-                          "|" + to_string(spec.dst);
-  auto it = cache_.find(key);
-  if (it == cache_.end())
-    it = cache_.emplace(key, std::make_shared<const Resolution>(resolve(spec, topology_))).first;
+  if (only_rank_ >= 0 && !spec.src.contains(only_rank_) && !spec.dst.contains(only_rank_)) return nullptr;
+  const std::string k = key(spec);
+  auto it = cache_.find(k);
+  if (it == cache_.end()) {
+    Resolution r = only_rank_ < 0 ? resolve(spec, topology_) : resolve_for_rank(spec, topology_, only_rank_);
+    it = cache_.emplace(k, std::make_shared<const Resolution>(std::move(r))).first;
+  }
   return it->second;
+}
+
+std::string AnnotatedTraining::phase(int id) const {
+  const ReshardPoint* point = model.point(id);
+  if (point && point->kind == ReshardKind::kGradSync) return "grad_sync";
+  return id < model.loss.node_id() ? "forward" : "backward";
 }
 
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
@@ -72,29 +100,35 @@ std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindi
 
 std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology,
                                     std::vector<PlannedOpTraffic>* traffic) {
-  if (topology.world_size() != plan.world_size)
-    fail("[plan] the cluster has ", topology.world_size(), " ranks but the plan's world has ",
-         plan.world_size);
+  check_world(plan, topology);
   const AnnotatedTraining t = annotate_training_graph(plan);
   if (traffic) *traffic = op_traffic(plan, t);
   ResolutionCache resolve_cached(topology);
-  std::vector<PlannedReshard> out;
-  for (const auto& [id, spec] : t.reshards(plan.bindings))
-    out.push_back({spec.name, phase_of(t.model, id), resolve_cached(spec)});
-  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
-    auto it = plan.optimizer_states.find(name);
-    if (it == plan.optimizer_states.end()) continue;
-    ReshardSpec spec{"zero_gather." + name, shape, DType::F32, it->second, plan.tensors.at(name)};
-    out.push_back({spec.name, "zero_gather", resolve_cached(spec)});
-  }
-  return out;
+  return resolve_all(plan, t, resolve_cached);
+}
+
+std::vector<PlannedReshard> rank_dry_run(const AnnotationPlan& plan, const Topology& topology, int rank,
+                                         std::vector<PlannedOpTraffic>* traffic) {
+  check_world(plan, topology);
+  HSPMD_CHECK(rank >= 0 && rank < plan.world_size, "rank ", rank, " outside the world of ", plan.world_size);
+  ResolutionCache resolve_cached(topology, rank);
+  return rank_dry_run(plan, annotate_training_graph(plan), resolve_cached, traffic);
+}
+
+std::vector<PlannedReshard> rank_dry_run(const AnnotationPlan& plan, const AnnotatedTraining& training,
+                                         ResolutionCache& resolve_cached, std::vector<PlannedOpTraffic>* traffic) {
+  check_world(plan, resolve_cached.topology());
+  const int rank = resolve_cached.only_rank();
+  HSPMD_CHECK(rank >= 0 && rank < plan.world_size, "rank ", rank, " outside the world of ", plan.world_size);
+  if (traffic) *traffic = op_traffic(plan, training, rank);
+  return resolve_all(plan, training, resolve_cached);
 }
 
 std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan) {
   return op_traffic(plan, annotate_training_graph(plan));
 }
 
-std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const AnnotatedTraining& t) {
+std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const AnnotatedTraining& t, int only_rank) {
   const Graph& g = *t.model.graph;
   const int loss = t.model.loss.node_id();
   std::map<std::pair<std::string, std::string>, PlannedOpTraffic> by_op;  // (phase, op type)
@@ -102,8 +136,10 @@ std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const Annot
     const Node& node = g.node(id);
     if (!node.op->may_communicate()) continue;
     const std::string phase = id <= loss ? "forward" : "backward";
+    const Annotation& out = t.annotated->of(node.output(0));
+    if (only_rank >= 0 && !out.contains(only_rank)) continue;
     bool counted = false;
-    for (int rank : t.annotated->of(node.output(0)).all_ranks()) {
+    for (int rank : only_rank >= 0 ? std::vector<int>{only_rank} : out.all_ranks()) {
       const OpTraffic traffic = node.op->traffic(shard_context(*t.annotated, node, plan.bindings, rank));
       if (!traffic.any()) continue;
       PlannedOpTraffic& entry = by_op[{phase, node.op->type()}];

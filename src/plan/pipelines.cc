@@ -79,32 +79,61 @@ void merge_parameter_subgroups(const AnnotationPlan& plan, RankSets& sets) {
   }
 }
 
-// Layers of one stage repeat alike resolutions: visit each shared one once.
-void merge_forward_collectives(const std::vector<PlannedReshard>& reshards, RankSets& sets) {
-  std::set<const Resolution*> seen;
-  for (const PlannedReshard& r : reshards) {
-    if (r.phase != "forward" || !seen.insert(&r.resolution()).second) continue;
-    for_each_op(r.resolution(), [&](int, const CommOp& op) {
-      if (is_stage_collective(op.kind) && !op.group.empty()) sets.join(op.group);
-    });
-  }
+void merge_collectives(const Resolution& r, RankSets& sets) {
+  for_each_op(r, [&](int, const CommOp& op) {
+    if (is_stage_collective(op.kind) && !op.group.empty()) sets.join(op.group);
+  });
 }
 
-// (sender, receiver) rank pairs of the activation transfers.
-std::set<std::pair<int, int>> activation_transfers(const std::vector<PlannedReshard>& reshards,
-                                                   const std::set<std::string>& activations) {
-  std::set<std::pair<int, int>> pairs;
-  std::set<const Resolution*> seen;
+// (sender, receiver) rank pairs of the point-to-point transfers of `r`.
+void add_transfers(const Resolution& r, std::set<std::pair<int, int>>& pairs) {
+  for_each_op(r, [&](int rank, const CommOp& op) {
+    if (!is_point_to_point(op.kind)) return;
+    for (const Transfer& t : op.sends) pairs.insert({rank, t.peer});
+    for (const Transfer& t : op.recvs) pairs.insert({t.peer, rank});
+  });
+}
+
+// What discovery reads of the forward Reshards: the stage collectives joined
+// into `sets`, and the activation transfers.
+struct ForwardLinks {
+  RankSets sets;
+  std::set<std::pair<int, int>> transfers;
+};
+
+// Layers of one stage repeat alike resolutions: visit each shared one once.
+ForwardLinks links_of(const AnnotationPlan& plan, const std::vector<PlannedReshard>& reshards) {
+  ForwardLinks links{RankSets(plan.world_size), {}};
+  merge_parameter_subgroups(plan, links.sets);
+  const std::set<std::string> activations = activation_points(plan.model);
+  std::set<const Resolution*> seen, seen_activation;
   for (const PlannedReshard& r : reshards) {
-    if (r.phase != "forward" || !activations.count(r.name) || !seen.insert(&r.resolution()).second)
-      continue;
-    for_each_op(r.resolution(), [&](int rank, const CommOp& op) {
-      if (!is_point_to_point(op.kind)) return;
-      for (const Transfer& t : op.sends) pairs.insert({rank, t.peer});
-      for (const Transfer& t : op.recvs) pairs.insert({t.peer, rank});
-    });
+    if (r.phase != "forward") continue;
+    if (seen.insert(&r.resolution()).second) merge_collectives(r.resolution(), links.sets);
+    if (activations.count(r.name) && seen_activation.insert(&r.resolution()).second)
+      add_transfers(r.resolution(), links.transfers);
   }
-  return pairs;
+  return links;
+}
+
+// The same from the forward Reshards of `training`, resolved one at a time
+// and dropped (alike ones, by ResolutionCache::key, once).
+ForwardLinks links_of(const AnnotationPlan& plan, const Topology& topology, const AnnotatedTraining& training) {
+  ForwardLinks links{RankSets(plan.world_size), {}};
+  merge_parameter_subgroups(plan, links.sets);
+  const std::set<std::string> activations = activation_points(plan.model);
+  std::set<std::string> seen, seen_activation;
+  for (const auto& [id, spec] : training.reshards(plan.bindings)) {
+    if (training.phase(id) != "forward") continue;
+    const std::string key = ResolutionCache::key(spec);
+    const bool collectives = !seen.count(key);
+    const bool transfers = activations.count(spec.name) && !seen_activation.count(key);
+    if (!collectives && !transfers) continue;
+    const Resolution r = resolve(spec, topology);
+    if (collectives) merge_collectives(r, links.sets), seen.insert(key);
+    if (transfers) add_transfers(r, links.transfers), seen_activation.insert(key);
+  }
+  return links;
 }
 
 // The stages (roots of the rank sets) and their order.
@@ -176,15 +205,10 @@ int input_subgroup(const AnnotationPlan& plan, const StageGraph& g, int root) {
   return best;
 }
 
-}  // namespace
-
-std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan,
-                                                   const std::vector<PlannedReshard>& reshards) {
-  RankSets sets(plan.world_size);
-  merge_parameter_subgroups(plan, sets);
-  merge_forward_collectives(reshards, sets);
-  const StageGraph g =
-      build_stage_graph(sets, activation_transfers(reshards, activation_points(plan.model)));
+// Stages, their order and layers, then the chains (see discover_pipelines).
+std::vector<DiscoveredPipeline> discover(const AnnotationPlan& plan, ForwardLinks links) {
+  RankSets& sets = links.sets;
+  const StageGraph g = build_stage_graph(sets, links.transfers);
   const std::map<int, std::set<int>> layers = stage_layers(plan, sets);
 
   std::vector<std::pair<std::pair<int, int>, DiscoveredPipeline>> keyed;
@@ -213,6 +237,18 @@ std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan,
   std::vector<DiscoveredPipeline> out;
   for (auto& [key, p] : keyed) out.push_back(std::move(p));
   return out;
+}
+
+}  // namespace
+
+std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan,
+                                                   const std::vector<PlannedReshard>& reshards) {
+  return discover(plan, links_of(plan, reshards));
+}
+
+std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan, const Topology& topology,
+                                                   const AnnotatedTraining& training) {
+  return discover(plan, links_of(plan, topology, training));
 }
 
 std::vector<PipelinePosition> pipeline_positions(const std::vector<DiscoveredPipeline>& pipelines,

@@ -91,12 +91,32 @@ Resolution plan_empty(const ReshardSpec& spec, const Layout& src, const Layout& 
   return plan.finish(spec.name, "bottom");
 }
 
-}  // namespace
+// Whether some rank exchanges data with a rank that sits in another subgroup
+// of the source or of the destination (holding none counts as one more).
+bool crosses_subgroups(const Resolution& r, const Layout& src, const Layout& dst) {
+  auto subgroup = [](const Layout& l, int rank) {
+    const Placement* p = l.find(rank);
+    return p ? p->subgroup : -1;
+  };
+  auto apart = [&](int rank, int peer) {
+    return peer != rank &&
+           (subgroup(src, peer) != subgroup(src, rank) || subgroup(dst, peer) != subgroup(dst, rank));
+  };
+  for (const auto& [rank, me] : r.ranks)
+    for (const CommPhase& phase : me.phases)
+      for (const CommOp& op : phase.ops) {
+        for (int m : op.group)
+          if (apart(rank, m)) return true;
+        for (const Transfer& t : op.sends)
+          if (apart(rank, t.peer)) return true;
+        for (const Transfer& t : op.recvs)
+          if (apart(rank, t.peer)) return true;
+      }
+  return false;
+}
 
-Resolution resolve(const ReshardSpec& spec, const Topology& topology) {
-  const int world = topology.world_size();
-  const Layout src = make_layout(spec.src, spec.shape, spec.name, "source", world);
-  const Layout dst = make_layout(spec.dst, spec.shape, spec.name, "destination", world);
+Resolution plan_resolution(const ReshardSpec& spec, const Layout& src, const Layout& dst,
+                           const Topology& topology) {
   const int64_t element_size = static_cast<int64_t>(dtype_size(spec.dtype));
   if (shape_numel(spec.shape) == 0) return plan_empty(spec, src, dst);
   std::string why;
@@ -114,6 +134,25 @@ Resolution resolve(const ReshardSpec& spec, const Topology& topology) {
     unsupported(spec, bsr_refusal(src, dst));
   }
   return plan_bsr(spec, src, dst, topology);
+}
+
+}  // namespace
+
+Resolution resolve(const ReshardSpec& spec, const Topology& topology) {
+  const int world = topology.world_size();
+  const Layout src = make_layout(spec.src, spec.shape, spec.name, "source", world);
+  const Layout dst = make_layout(spec.dst, spec.shape, spec.name, "destination", world);
+  Resolution r = plan_resolution(spec, src, dst, topology);
+  r.crosses_subgroups = crosses_subgroups(r, src, dst);
+  return r;
+}
+
+Resolution resolve_for_rank(const ReshardSpec& spec, const Topology& topology, int rank) {
+  Resolution r = resolve(spec, topology);
+  auto mine = r.ranks.extract(rank);
+  r.ranks.clear();
+  if (!mine.empty()) r.ranks.insert(std::move(mine));
+  return r;
 }
 
 namespace {

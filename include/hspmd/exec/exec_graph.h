@@ -1,7 +1,9 @@
 // ExecGraph: one rank's executable graph (paper §6.2, docs/execution.md). From the
 // annotation plan it builds the Llama training graph with its Reshard points,
 // deduces every annotation, keeps the nodes this rank runs, and resolves every
-// Reshard it takes part in (the same resolver the dry run uses). Running it
+// Reshard it takes part in, for this rank alone (resolve_for_rank, the same
+// resolver the dry run uses): it holds no other rank's primitives and
+// resolves no Reshard it is not part of. Running it
 // feeds local arrays, computes local shards, and executes the resolved
 // communication through a Communicator.
 //
@@ -26,6 +28,7 @@
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/llama.h"
+#include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 
 namespace hspmd {
@@ -64,6 +67,15 @@ class ExecGraph {
 
   // The loss tensor's annotation (which ranks hold a term of it).
   const Annotation& loss_annotation() const { return annotated_->of(model_.loss); }
+
+  // What a trainer needs besides the graph to specialize this rank, from the
+  // graph's own deduction (no second one), under the plan's bindings:
+  // rank_dry_run() of this rank (the Reshards it takes part in, each with
+  // its entry alone, and with `traffic` its op-internal communication), and
+  // the plan's discovered pipelines (discover_pipelines() over the forward
+  // Reshards). Throw the resolver's and discovery's errors.
+  std::vector<PlannedReshard> dry_run(std::vector<PlannedOpTraffic>* traffic = nullptr) const;
+  std::vector<DiscoveredPipeline> discover_pipelines() const;
 
   struct MicroBatch {
     std::optional<float> loss;                   // this rank's loss term, when it holds one

@@ -46,6 +46,14 @@ struct DiscoveredPipeline {
 // input_ids, or a stage whose layers are not one contiguous range.
 std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan,
                                                    const std::vector<PlannedReshard>& reshards);
+// The same pipelines without a dry run: from an annotated training graph of
+// `plan` (an ExecGraph's), resolving over `topology` only the forward
+// Reshards, one at a time (alike ones once), and keeping only their stage
+// collectives' groups and activation transfers. For a rank that specializes
+// itself (rank_dry_run holds only its own Reshards). Throws the errors above
+// and the resolver's for a forward Reshard.
+std::vector<DiscoveredPipeline> discover_pipelines(const AnnotationPlan& plan, const Topology& topology,
+                                                   const AnnotatedTraining& training);
 
 // Where one rank sits in the discovered pipelines.
 struct PipelinePosition {

@@ -75,20 +75,32 @@ struct AnnotatedTraining {
   // `bindings`, source and destination annotations). Throws hspmd::Error
   // "[plan] reshard '<name>': ..." for a symbol missing from `bindings`.
   std::vector<std::pair<int, ReshardSpec>> reshards(const Bindings& bindings) const;
+  // The dry-run phase of Reshard node `id`: "grad_sync" for a gradient-sync
+  // point, else "forward" before the loss and "backward" after it.
+  std::string phase(int id) const;
 };
 // Throws the deduction's errors.
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan);
 
 // resolve() with memory: Reshards that differ only by name (the layers of a
 // stage, the same ZeRO gather every step) share one resolution, whose `name`
-// is the first one's. Keyed by shape, dtype and both annotations.
+// is the first one's. Keyed by shape, dtype and both annotations (key()).
+// With `only_rank` >= 0 it resolves for that rank alone (resolve_for_rank):
+// a Reshard the rank takes part in (it is in the source or the destination)
+// gets a resolution holding the rank's entry only, any other Reshard null,
+// unresolved (its errors are left to the ranks that take part).
 class ResolutionCache {
  public:
-  explicit ResolutionCache(const Topology& topology) : topology_(topology) {}
+  explicit ResolutionCache(const Topology& topology, int only_rank = -1)
+      : topology_(topology), only_rank_(only_rank) {}
   std::shared_ptr<const Resolution> operator()(const ReshardSpec& spec);
+  static std::string key(const ReshardSpec& spec);
+  const Topology& topology() const { return topology_; }
+  int only_rank() const { return only_rank_; }
 
  private:
   const Topology& topology_;
+  int only_rank_;
   std::map<std::string, std::shared_ptr<const Resolution>> cache_;
 };
 
@@ -118,9 +130,11 @@ struct PlannedOpTraffic {
 
 // The op-internal communication of one micro-batch under the plan's
 // bindings (of an already annotated training graph of the plan, or deducing
-// one).
+// one). With `only_rank` >= 0, only that rank's: `ranks` holds it alone and
+// `calls` counts its own calls (every entry lists ops it runs).
 std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan);
-std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const AnnotatedTraining& t);
+std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const AnnotatedTraining& t,
+                                         int only_rank = -1);
 
 // Deduces the annotated training graph of `plan` and resolves every Reshard
 // over `topology` (its world size must equal the plan's). Throws the
@@ -128,5 +142,23 @@ std::vector<PlannedOpTraffic> op_traffic(const AnnotationPlan& plan, const Annot
 // With `traffic`, also fills in op_traffic() from the same deduction.
 std::vector<PlannedReshard> dry_run(const AnnotationPlan& plan, const Topology& topology,
                                     std::vector<PlannedOpTraffic>* traffic = nullptr);
+
+// The dry run as one rank needs it to specialize (docs/plan.md "One rank's
+// dry run"): only the Reshards `rank` takes part in, in dry_run()'s order,
+// each resolved for that rank alone (ResolutionCache with only_rank), so
+// every entry equals dry_run()'s entry of the same Reshard cut to the rank
+// (name, phase, headline, and the rank's primitives); with `traffic`, the
+// rank's op_traffic(). Time and memory follow the Reshards the rank takes
+// part in, not the world (beyond the deduction, whose annotations list the
+// world). The second form reuses an annotated training graph of `plan` and
+// a cache for the rank (only_rank() >= 0, over the topology): an ExecGraph's,
+// whose resolutions under the same bindings are not made again. Throws the
+// deduction's errors and the resolver's for the rank's Reshards, and
+// InternalError for a rank outside the world or a cache for every rank.
+std::vector<PlannedReshard> rank_dry_run(const AnnotationPlan& plan, const Topology& topology, int rank,
+                                         std::vector<PlannedOpTraffic>* traffic = nullptr);
+std::vector<PlannedReshard> rank_dry_run(const AnnotationPlan& plan, const AnnotatedTraining& training,
+                                         ResolutionCache& resolve_cached,
+                                         std::vector<PlannedOpTraffic>* traffic = nullptr);
 
 }  // namespace hspmd

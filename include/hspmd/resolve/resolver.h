@@ -144,8 +144,12 @@ struct Resolution {
   // "bsr" for a BSR among several pairs, "local_slice" when nothing moves.
   CommKind kind = CommKind::kIdentity;
   std::string tier;                      // "bottom" (case 1), "top" (case 2) or "bsr" (case 3 and fallbacks)
-  std::map<int, RankResolution> ranks;   // every rank of src or dst
+  std::map<int, RankResolution> ranks;   // every rank of src or dst (resolve_for_rank: one)
   int64_t total_bytes = 0;               // sum of bytes_sent over ranks
+  // Whether some rank exchanges data with a rank of another subgroup of the
+  // source or of the destination (a rank in neither counts as apart): for a
+  // compiled plan, communication across pipelines or stages.
+  bool crosses_subgroups = false;
 };
 
 // Resolves `spec` (docs/resolver.md, "The rules"):
@@ -171,6 +175,14 @@ struct Resolution {
 // annotation is invalid, does not fit the shape, or names a rank outside the
 // topology.
 Resolution resolve(const ReshardSpec& spec, const Topology& topology);
+
+// resolve() as one rank sees it: `ranks` holds `rank`'s entry alone (none
+// when the rank is in neither annotation), equal to resolve()'s entry for
+// it; name, kind, tier, total_bytes and crosses_subgroups are resolve()'s
+// (they describe every rank). It takes resolve()'s time but keeps one rank's
+// primitives, so a rank that holds the Reshards it takes part in this way
+// holds nothing per other rank. Throws what resolve() throws.
+Resolution resolve_for_rank(const ReshardSpec& spec, const Topology& topology, int rank);
 
 // JSON report of one resolution (what `plan explain --json` prints for it):
 // {"name", "kind", "tier", "total_bytes", "ranks": [{"rank", "kind",
