@@ -268,6 +268,8 @@ int train_command(const std::vector<std::string>& args) {
             "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)");
   f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md)");
   f.add_int("save-every", &o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
+  f.add_bool("checkpoint-sync", &o.checkpoint_sync,
+             "write checkpoints inside the step (default: copy the shards, write them on a background thread)");
   f.add_string("resume", &o.resume_dir, "continue from the training checkpoint in this directory");
   f.add_int("nproc", &nproc,
             "start this many local ranks through mpirun (with --strategy); without --threads, each rank gets "

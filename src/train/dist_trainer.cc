@@ -2,6 +2,7 @@
 // their own samples, gradient sync and the ZeRO gathers through the plan's
 // Reshards, AdamW on local shards.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cerrno>
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <functional>
 #include <optional>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -129,6 +131,19 @@ struct Runtime {
 };
 
 
+// A checkpoint being written by this rank's background thread: the shards
+// were copied, so the steps go on while the disk works.
+struct PendingCheckpoint {
+  int64_t step = 0;
+  nlohmann::json meta;
+  std::thread writer;
+  std::atomic<bool> done{false};
+  std::string error;  // the writer's failure, or ""
+  ~PendingCheckpoint() {
+    if (writer.joinable()) writer.join();
+  }
+};
+
 class DistTrainer {
  public:
   DistTrainer(const TrainOptions& o, Communicator& world)
@@ -223,7 +238,7 @@ class DistTrainer {
   void reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
                    double planning_s, std::ofstream& log);
   // Whether the committed training checkpoint is the one of `step`.
-  bool checkpoint_at(int64_t step) const;
+  bool checkpoint_at(int64_t step);
   // Stragglers: after `step`, with its record; may re-plan and switch.
   void watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log);
   // Per rank, the cost model's compute seconds per step of the current plan
@@ -236,7 +251,13 @@ class DistTrainer {
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
+  // Copies this rank's shards and writes them on a background thread
+  // (synchronously with --checkpoint-sync); committed by finish_checkpoint.
   void save_checkpoint();
+  // Collective. When every rank's writer is done (or `wait`: after waiting
+  // for them), rank 0 commits the pending checkpoint; a writer's error ends
+  // the run. Does nothing without a pending checkpoint.
+  void finish_checkpoint(bool wait);
   // The first parameter (in the model's order) holding a NaN or infinity on
   // any rank, or "" (collective): weights are checked before they are written.
   std::string nonfinite_parameter();
@@ -271,6 +292,7 @@ class DistTrainer {
   std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step
   std::unique_ptr<TokenData> data_;
   std::unique_ptr<train_common::SampleSource> source_;
+  std::unique_ptr<PendingCheckpoint> pending_;
   // Elastic training.
   std::vector<ElasticEvent> events_;
   std::map<int64_t, std::shared_ptr<const AnnotationPlan>> event_plans_;  // step -> the event's strategy
@@ -601,6 +623,7 @@ void DistTrainer::prepare() {
 }
 
 nlohmann::json DistTrainer::move_to(std::shared_ptr<const AnnotationPlan> plan, const SwitchOptions& so) {
+  finish_checkpoint(true);  // the switch may read the checkpoint of this step
   const auto t0 = Clock::now();
   std::unique_ptr<Runtime> next = specialize(std::move(plan));
   const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -662,7 +685,8 @@ void DistTrainer::load_elastic_events() {
   assumed_ = topology_;
 }
 
-bool DistTrainer::checkpoint_at(int64_t step) const {
+bool DistTrainer::checkpoint_at(int64_t step) {
+  finish_checkpoint(true);
   if (o_.checkpoint_dir.empty()) return false;
   std::error_code ec;
   if (!std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json", ec)) return false;
@@ -852,19 +876,48 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
 // Every rank writes its shards, then rank 0 commits the index (the
 // checkpoint's atomic point) once all have.
 void DistTrainer::save_checkpoint() {
+  finish_checkpoint(true);  // one write at a time
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
     fail("[train] --checkpoint ", o_.checkpoint_dir, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; checkpoint not written (the last one is kept)");
   std::vector<CheckpointShard> shards;
-  for (TrainingState::NamedShard& s : state_->checkpoint_shards())
-    shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, s.shard.data});
-  write_checkpoint_shards(o_.checkpoint_dir, state_->step, world_.rank(), shards);
-  world_.barrier();
-  if (world_.rank() == 0)
-    commit_checkpoint(o_.checkpoint_dir, state_->step, world_.size(),
-                      {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
-                       {"strategy", to_json(rt_->strategy)}});
-  world_.barrier();
+  for (TrainingState::NamedShard& s : state_->checkpoint_shards())  // copies: the next steps update the state
+    shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, s.shard.data.clone()});
+  auto p = std::make_unique<PendingCheckpoint>();
+  p->step = state_->step;
+  p->meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
+             {"strategy", to_json(rt_->strategy)}};
+  PendingCheckpoint* raw = p.get();
+  const int rank = world_.rank();
+  p->writer = std::thread([raw, rank, dir = o_.checkpoint_dir, shards = std::move(shards)] {
+    try {
+      write_checkpoint_shards(dir, raw->step, rank, shards);
+    } catch (const std::exception& e) {
+      raw->error = e.what();
+    }
+    raw->done = true;
+  });
+  pending_ = std::move(p);
+  if (o_.checkpoint_sync) finish_checkpoint(true);
+}
+
+void DistTrainer::finish_checkpoint(bool wait) {
+  if (!pending_) return;  // the same on every rank: saves are collective
+  int64_t busy = !wait && !pending_->done ? 1 : 0;
+  world_.all_reduce(&busy, 1, ReduceOp::kMax);
+  if (busy) return;
+  pending_->writer.join();
+  int64_t failed = pending_->error.empty() ? 0 : 1;
+  world_.all_reduce(&failed, 1, ReduceOp::kMax);
+  if (failed) {
+    const std::string error = pending_->error;
+    pending_.reset();
+    fail(error.empty() ? std::string("[checkpoint] ") + o_.checkpoint_dir + ": another rank failed to write its shards"
+                       : error);
+  }
+  if (world_.rank() == 0) commit_checkpoint(o_.checkpoint_dir, pending_->step, world_.size(), pending_->meta);
+  world_.barrier();  // committed before any rank reads index.json
+  pending_.reset();
 }
 
 void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r) {
@@ -992,10 +1045,12 @@ std::vector<StepRecord> DistTrainer::run() {
       train_common::print_progress(r, o_.steps,
                                    std::chrono::duration<double>(Clock::now() - start).count());
     records.push_back(r);
+    finish_checkpoint(false);
     if (o_.save_every > 0 && (step + 1) % o_.save_every == 0) save_checkpoint();
     watch_stragglers(step, r, log);
     if (o_.on_step) o_.on_step(step);
   }
+  finish_checkpoint(true);
   if (!o_.save_path.empty()) save();
   if (!o_.trace_path.empty()) write_trace();
   return records;

@@ -58,6 +58,10 @@ struct TrainOptions {
   double switch_bucket_mb = 256;  // fused: MiB of state tensors per round (0: all in one round)
   std::string checkpoint_dir;   // sharded training checkpoints are written here ...
   int64_t save_every = 0;       // ... after every this many steps (0: never)
+  // Write checkpoints in the step (the state copied, then a background
+  // thread writes while the next steps run: false, the default) or wait
+  // for the disk (true).
+  bool checkpoint_sync = false;
   std::string resume_dir;       // continue from the checkpoint in this directory
   int64_t seq_len = 0;
   int64_t global_batch = 0;
