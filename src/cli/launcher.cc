@@ -214,8 +214,11 @@ pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& args, int err_
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) fail("[launch] cannot find the hspmd executable");
   self[n] = '\0';
-  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                                   std::to_string(nproc), self, "train"};
+  // When a rank dies, mpirun SIGTERMs the others and by default waits 1 s
+  // before SIGKILL; the ranks have no SIGTERM handler, so that second only
+  // delays the job's end (and a restart).
+  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca",
+                                   "odls_base_sigkill_timeout", "0", "-np", std::to_string(nproc), self, "train"};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
