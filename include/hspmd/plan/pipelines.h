@@ -2,8 +2,9 @@
 // A.2): the pipelines of a plan are not declared but read off its
 // annotations and its forward communication. Ranks that run a collective
 // together, or share the subgroup of a parameter, form one stage; a stage
-// that sends the forward activations to another precedes it. A pure function of the plan and its dry run: the
-// executor (each rank's schedule), `plan explain` and the tests use it alike.
+// that sends the forward activations to another precedes it. A pure function of the plan and its dry run (or
+// of the plan and its forward Reshards): the executor (each rank's schedule), `plan explain` and the tests
+// use it alike.
 #pragma once
 
 #include <vector>
