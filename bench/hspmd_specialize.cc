@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <set>
 #include <string>
@@ -28,6 +29,21 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+double peak_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+// The resident set now (VmRSS), in MB: what the process holds at this point.
+double rss_mb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::atof(line.c_str() + 6) / 1024.0;
+  return 0;
+}
 
 struct Args {
   std::string plan, cluster;
@@ -55,7 +71,8 @@ int run(const Args& a) {
   const auto topology = std::make_shared<const Topology>(
       a.cluster.empty() ? Topology::uniform(plan->world_size) : Topology::load(a.cluster));
   if (a.rank < 0 || a.rank >= plan->world_size) fail("[flags] --rank ", a.rank, " is outside the world");
-  nlohmann::json out = {{"world", plan->world_size}, {"rank", a.rank}, {"load_s", since(t0)}};
+  nlohmann::json out = {{"world", plan->world_size}, {"rank", a.rank}, {"load_s", since(t0)},
+                        {"plan_rss_mb", rss_mb()}};
   const Bindings bindings(plan->bindings.begin(), plan->bindings.end());
 
   t0 = Clock::now();
@@ -80,12 +97,11 @@ int run(const Args& a) {
   const PipelinePosition at = pipeline_positions(pipelines, plan->world_size).at(a.rank);
   out["pipelines_s"] = since(t0);
 
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
   out["pipeline"] = at.pipeline;
   out["stage"] = at.stage;
   out["groups"] = groups.size();
-  out["max_rss_mb"] = usage.ru_maxrss / 1024.0;
+  out["rss_mb"] = rss_mb();  // the graph, the dry run and the pipelines still held
+  out["max_rss_mb"] = peak_rss_mb();
   std::printf("%s\n", out.dump().c_str());
   return 0;
 }

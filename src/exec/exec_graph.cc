@@ -67,12 +67,12 @@ ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr
   annotated_ = training_.annotated.get();
   // The Reshards this rank takes part in, each resolved for it alone.
   std::map<int, std::shared_ptr<const Resolution>> resolved;  // forward and backward Reshards
-  for (auto& [id, spec] : training_.reshards(bindings_)) {
+  for (const auto& [id, point] : model_.points)
+    if (point.kind == ReshardKind::kGradSync) grad_sync_node_[point.parameter] = id;
+  for (auto& [id, spec] : training_.reshards(bindings_, rank_)) {
     const ReshardPoint* point = model_.point(id);
-    const bool grad_sync = point && point->kind == ReshardKind::kGradSync;
-    if (grad_sync) grad_sync_node_[point->parameter] = id;  // once per step, on parameter shapes
-    auto r = resolve_(spec);
-    if (r) (grad_sync ? grad_resolutions_ : resolved).emplace(id, std::move(r));
+    const bool grad_sync = point && point->kind == ReshardKind::kGradSync;  // once per step
+    (grad_sync ? grad_resolutions_ : resolved).emplace(id, resolve_(spec));
   }
   select_nodes(resolved);
   plan_recompute(resolved);
@@ -185,7 +185,7 @@ const ExecGraph::Instance& ExecGraph::instance(const Bindings& bindings) const {
   }
   std::vector<bool> runs(g.num_nodes(), false);
   for (int id : order_) runs[id] = true;
-  for (auto& [id, spec] : training_.reshards(bindings))
+  for (auto& [id, spec] : training_.reshards(bindings, rank_))
     if (runs[id]) inst->resolutions.emplace(id, resolve_(spec));
   for (int id : order_)
     if (!is_leaf(g.node(id)) && !is_reshard(g.node(id)))

@@ -37,7 +37,7 @@ void check_world(const AnnotationPlan& plan, const Topology& topology) {
 std::vector<PlannedReshard> resolve_all(const AnnotationPlan& plan, const AnnotatedTraining& t,
                                         ResolutionCache& resolve_cached) {
   std::vector<PlannedReshard> out;
-  for (const auto& [id, spec] : t.reshards(plan.bindings))
+  for (const auto& [id, spec] : t.reshards(plan.bindings, resolve_cached.only_rank()))
     if (auto r = resolve_cached(spec)) out.push_back({spec.name, t.phase(id), std::move(r)});
   for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
@@ -50,8 +50,31 @@ std::vector<PlannedReshard> resolve_all(const AnnotationPlan& plan, const Annota
 
 }  // namespace
 
+namespace {
+
+// Every field of `a` as numbers: a key, not a report (to_string is slower).
+void append_key(std::string& key, const Annotation& a) {
+  auto add = [&](int64_t v) { key += std::to_string(v) + ","; };
+  add(a.hdim);
+  for (int64_t w : a.part_weights) add(w);
+  for (const Subgroup& g : a.subgroups) {
+    key += "[";
+    for (int r : g.devices.ranks) add(r);
+    key += "{";
+    for (const auto& [k, d] : g.states.degrees) add(k), add(d);
+    key += "}";
+    for (int k : g.states.order) add(k);
+  }
+  key += "|";
+}
+
+}  // namespace
+
 std::string ResolutionCache::key(const ReshardSpec& spec) {
-  return shape_str(spec.shape) + dtype_name(spec.dtype) + to_string(spec.src) + "|" + to_string(spec.dst);
+  std::string key = shape_str(spec.shape) + dtype_name(spec.dtype) + "|";
+  append_key(key, spec.src);
+  append_key(key, spec.dst);
+  return key;
 }
 
 std::shared_ptr<const Resolution> ResolutionCache::operator()(const ReshardSpec& spec) {
@@ -81,12 +104,15 @@ AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
   return t;
 }
 
-std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindings& bindings) const {
+std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindings& bindings, int only_rank) const {
   const Graph& g = *model.graph;
   std::vector<std::pair<int, ReshardSpec>> out;
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
     if (n.op == nullptr || !ops::is_reshard(n)) continue;
+    if (only_rank >= 0 && !annotated->of(n.inputs[0]).contains(only_rank) &&
+        !annotated->of(n.output(0)).contains(only_rank))
+      continue;
     ReshardSpec spec;
     spec.name = reshard_name(n);
     spec.shape = concrete_shape(n.outputs[0].shape, bindings, spec.name);

@@ -74,7 +74,9 @@ struct AnnotatedTraining {
   // Every Reshard node in graph order, with its spec (concrete shape under
   // `bindings`, source and destination annotations). Throws hspmd::Error
   // "[plan] reshard '<name>': ..." for a symbol missing from `bindings`.
-  std::vector<std::pair<int, ReshardSpec>> reshards(const Bindings& bindings) const;
+  // With `only_rank` >= 0, only the Reshards whose source or destination
+  // holds that rank (the others' annotations are not copied).
+  std::vector<std::pair<int, ReshardSpec>> reshards(const Bindings& bindings, int only_rank = -1) const;
   // The dry-run phase of Reshard node `id`: "grad_sync" for a gradient-sync
   // point, else "forward" before the loss and "backward" after it.
   std::string phase(int id) const;
