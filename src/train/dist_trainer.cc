@@ -705,22 +705,35 @@ Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::
       so.zero = rt_->strategy.zero;
       so.schedule = rt_->strategy.schedule;
       so.unavailable = failed_;
-      so.previous = &rt_->strategy;
-      so.time_limit_s = o_.replan_time_limit_s;
       so.top_k = 1;
       // Redundancy the run had stays: with two pipelines (no ZeRO) every
       // slice lives on two disjoint rank sets, so the next failure is served
-      // by the survivors instead of the checkpoint. One pipeline when no
-      // plan of two fits.
-      so.min_pipelines = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
-      Strategy best;
-      try {
-        best = search_strategy(model, so).best.at(0).strategy;
-      } catch (const Error&) {
-        if (so.min_pipelines == 1) throw;
-        so.min_pipelines = 1;
-        best = search_strategy(model, so).best.at(0).strategy;
+      // by the survivors instead of the checkpoint. One pipeline only when
+      // no plan of two fits.
+      const int wanted = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
+      // Two searches: pruned by the current plan (the planner's re-plan
+      // mode: its TP per device class and micro-batch size; fast), then from
+      // scratch within the time left (it finds what the pruning excludes,
+      // e.g. another micro-batch size); the faster prediction wins.
+      std::optional<SearchCandidate> best_found;
+      std::string error;
+      for (int min = wanted; min >= 1 && !best_found; --min) {
+        so.min_pipelines = min;
+        const Strategy* current = &rt_->strategy;
+        for (const Strategy* previous : {current, static_cast<const Strategy*>(nullptr)}) {
+          so.previous = previous;
+          so.time_limit_s = std::max(0.05, o_.replan_time_limit_s -
+                                               std::chrono::duration<double>(Clock::now() - t0).count());
+          try {
+            SearchCandidate c = search_strategy(model, so).best.at(0);
+            if (!best_found || c.predicted_step_s < best_found->predicted_step_s) best_found = std::move(c);
+          } catch (const Error& e) {
+            error = e.what();
+          }
+        }
       }
+      if (!best_found) fail(error);
+      Strategy best = best_found->strategy;
       best.description = "re-planned before step " + std::to_string(step) + " (" + cause + ")";
       text = to_json(best).dump();
     } catch (const Error& e) {
