@@ -230,12 +230,20 @@ class DistTrainer {
   void load_elastic_events();
   // The event's changes before `step`: speeds, failed ranks, then the next
   // plan (the event's strategy, or a re-plan when ranks changed).
-  void apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log);
+  // Returns the step the run continues at: `step`, or an earlier one after
+  // a rollback to the last checkpoint.
+  int64_t apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log);
   // Rank 0 searches for the available ranks under `topology`; every rank gets
   // its answer (a search stopped by its time limit is not repeatable).
   Strategy replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s);
   // Moves to `plan` before `step`: the failed ranks' memory is gone.
-  void reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+  // Returns the step to continue at (as apply_event).
+  int64_t reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                      double planning_s, std::ofstream& log);
+  // Slices only failed ranks held and no checkpoint of `step`: the whole
+  // state is loaded under `plan` from the last checkpoint (an earlier
+  // step), whose steps are trained again. Returns that step.
+  int64_t rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
                    double planning_s, std::ofstream& log);
   // Whether the committed training checkpoint is the one of `step`.
   bool checkpoint_at(int64_t step);
@@ -297,6 +305,7 @@ class DistTrainer {
   std::vector<ElasticEvent> events_;
   std::map<int64_t, std::shared_ptr<const AnnotationPlan>> event_plans_;  // step -> the event's strategy
   std::set<int> failed_;                   // ranks whose devices are gone now
+  int64_t events_done_ = -1;               // events up to this step have happened
   std::shared_ptr<const Topology> assumed_;  // the planner's view: speeds as last estimated
   double last_specialize_s_ = 0;
   std::vector<std::vector<double>> window_;  // stragglers: per step in the window, per rank compute
@@ -590,6 +599,7 @@ void DistTrainer::prepare() {
     const nlohmann::json& meta = reader->index().meta;
     if (meta.contains("strategy")) first = compile(strategy_from_json(meta.at("strategy")));
     failed_ = failed_after(events_, start - 1);
+    events_done_ = start - 1;
     for (const ElasticEvent& e : events_) {
       if (e.step >= start) break;
       for (const auto& [r, factor] : e.slowdown) {
@@ -747,19 +757,30 @@ Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::
   return strategy_from_json(nlohmann::json::parse(text));
 }
 
-void DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                              double planning_s, std::ofstream& log) {
+int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                                 double planning_s, std::ofstream& log) {
   SwitchOptions so;
   so.algorithm = algorithm_;
   so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
   so.lost_ranks = failed_;
   so.have_checkpoint = checkpoint_at(step);
+  if (!so.have_checkpoint && !o_.checkpoint_dir.empty() &&
+      std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json")) {
+    bool servable = true;  // the same answer on every rank: the switch plan is a pure function
+    try {
+      switch_plans_.get(*rt_->plan, *plan, *topology_, so);
+    } catch (const Error&) {
+      servable = false;
+    }
+    if (!servable) return rollback(std::move(plan), step, cause, planning_s, log);
+  }
   nlohmann::json moved;
   try {
     moved = move_to(std::move(plan), so);
   } catch (const Error& e) {
     fail("[elastic] step ", step, " (", cause, "): ", e.what(),
-         so.have_checkpoint ? "" : " (write one at this step: --checkpoint DIR --save-every N with N dividing the step)");
+         so.have_checkpoint ? "" : " (no training checkpoint was committed before this step: --checkpoint DIR "
+                                   "--save-every N writes them; the run then rolls back to the last one)");
   }
   nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s}};
   j.update(moved);
@@ -767,9 +788,66 @@ void DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_
   j["failed"] = std::vector<int>(failed_.begin(), failed_.end());
   j["strategy"] = to_json(rt_->strategy);
   write_log(log, j);
+  return step;
 }
 
-void DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
+int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                              double planning_s, std::ofstream& log) {
+  CheckpointReader reader(o_.checkpoint_dir);
+  const int64_t back = reader.index().step;
+  rt_.reset();
+  state_.reset();  // every slice comes from the checkpoint
+  const auto t0 = Clock::now();
+  rt_ = specialize(std::move(plan));
+  const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  last_specialize_s_ = specialize_s;
+  const auto t1 = Clock::now();
+  state_ = TrainingState::load(rt_->plan, world_.rank(), reader);
+  const nlohmann::json& meta = reader.index().meta;
+  state_->step = back;
+  state_->samples = meta.at("samples").get<int64_t>();
+  state_->seed = meta.at("seed").get<uint64_t>();
+  const double load_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  const std::vector<int64_t> read = gather_counts({state_->bytes()}, world_)[0];
+  if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
+  skip_next_ = true;
+  window_.clear();
+  window_steps_.clear();
+  predicted_.clear();
+  // The log keeps one record per step: those of the steps trained again go.
+  if (log.is_open()) {
+    log.close();
+    std::vector<std::string> kept;
+    {
+      std::ifstream in(o_.log_path);
+      for (std::string line; std::getline(in, line);) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (!j.is_discarded() && j.contains("loss") && j.value("step", int64_t{0}) >= back) continue;
+        kept.push_back(line);
+      }
+    }
+    const std::string tmp = o_.log_path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      for (const std::string& line : kept) out << line << "\n";
+      out.close();
+      if (!out) fail("[train] --log ", o_.log_path, ": write failed (disk full or I/O error)");
+    }
+    std::filesystem::rename(tmp, o_.log_path);
+    log.open(o_.log_path, std::ios::app);
+    if (!log) fail("[train] --log ", o_.log_path, ": cannot reopen for writing: ", std::strerror(errno));
+  }
+  nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s},
+                      {"specialize_s", specialize_s}, {"switch_s", load_s},
+                      {"bytes_sent", std::vector<int64_t>(world_.size(), 0)},
+                      {"from_checkpoint_bytes", read}, {"rollback_to", back},
+                      {"failed", std::vector<int>(failed_.begin(), failed_.end())},
+                      {"strategy", to_json(rt_->strategy)}};
+  write_log(log, j);
+  return back;
+}
+
+int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
   for (const auto& [r, factor] : ev.slowdown) {
     if (r == world_.rank() && clock_) clock_->set_slowdown(factor);
   }
@@ -777,8 +855,7 @@ void DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstrea
   for (int r : ev.join) failed_.erase(r);
   const std::string cause = ev.cause();
   if (!ev.strategy_path.empty()) {
-    reconfigure(event_plans_.at(step), step, cause, 0.0, log);
-    return;
+    return reconfigure(event_plans_.at(step), step, cause, 0.0, log);
   }
   if (!ev.slowdown.empty()) {  // steps before the change say nothing about the speeds now
     window_.clear();
@@ -788,11 +865,11 @@ void DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstrea
     nlohmann::json speeds = nlohmann::json::object();
     for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
     write_log(log, {{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
-    return;
+    return step;
   }
   double planning_s = 0;
   const Strategy next = replan(*assumed_, step, cause, planning_s);
-  reconfigure(compile(next), step, cause, planning_s, log);
+  return reconfigure(compile(next), step, cause, planning_s, log);
 }
 
 std::vector<double> DistTrainer::predicted_compute(const Topology& topology) const {
@@ -883,6 +960,7 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
   write_log(log, {{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
                   {"predicted_step_s", now_s}, {"replanned_step_s", next_s}, {"observed_step_s", observed_step},
                   {"horizon_steps", horizon}, {"gain_s", gain_s}, {"cost_s", cost_s}, {"switch", go}});
+  // A straggler re-plan keeps every rank's memory: never a rollback.
   if (go) reconfigure(plan, next_step, cause, planning_s, log);
 }
 
@@ -1001,7 +1079,14 @@ std::vector<StepRecord> DistTrainer::run() {
   for (int64_t step = state_->step; step < o_.steps; ++step) {
     if (!events_.empty()) {
       auto ev = std::find_if(events_.begin(), events_.end(), [&](const ElasticEvent& e) { return e.step == step; });
-      if (ev != events_.end()) apply_event(*ev, step, log);
+      if (ev != events_.end() && step > events_done_) {
+        events_done_ = step;
+        const int64_t from = apply_event(*ev, step, log);
+        if (from != step) {  // rolled back: those steps are trained again
+          std::erase_if(records, [&](const StepRecord& r) { return r.step >= from; });
+          step = from;
+        }
+      }
     } else if (plan_at(step) != plan_index_) {
       switch_to(plan_at(step), step, log);
     }

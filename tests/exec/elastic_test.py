@@ -4,7 +4,8 @@ a slowdown on 8 emulated ranks of two device speeds, with and without ZeRO-1,
 every step's loss (1e-5 relative) and the final weights (1e-4) equal the
 single-process run's; the failed ranks send nothing in their own failure's
 reconfiguration; under ZeRO the slices only they held come from the
-checkpoint of that step, and without one the run stops in one line. Also: an
+checkpoint of that step, or the run rolls back to an earlier checkpoint and
+trains its steps again, and without any the run stops in one line. Also: an
 event naming its strategy, a straggler found by the sliding window and
 switched away from, a resumed run that continues under the re-planned
 strategy, and bad events refused before training starts."""
@@ -99,6 +100,25 @@ def no_checkpoint_case(e):
     lines = [l for l in err.splitlines() if l.strip()]
     h.check("zero, no checkpoint at the failure", rc != 0 and len(lines) == 1 and "[elastic] step 2" in err and
             "no checkpoint" in err and len(steps) == 2, repr(err.strip()[-300:]))
+
+
+def rollback_case(e):
+    """ZeRO with a checkpoint every 3 steps: the failures before steps 4 and
+    8 find no checkpoint of their step, so the state is loaded under the
+    re-planned strategy from the last one (steps 3 and 6) and those steps
+    are trained again; the log keeps one record per step."""
+    h = e.h
+    events = [{"step": 4, "fail": [5]}, {"step": 8, "fail": [1]}]
+    rc, err, steps, evs, weights = e.train("rollback", c2_like(True)[1], events,
+                                           ["--checkpoint", h.path("rollback_ckpt"), "--save-every", "3"])
+    if rc:
+        return h.check("rollback", False, f"exit {rc}: {err.strip()[-400:]}")
+    reconf = [x for x in evs if x["event"] == "reconfigure"]
+    h.compare("rollback", steps, [], weights)
+    back = [(x["step"], x.get("rollback_to")) for x in reconf]
+    h.check("rollback targets", back == [(4, 3), (8, 6)] and [s["step"] for s in steps] == list(range(9)) and
+            all(sum(x["from_checkpoint_bytes"]) > 0 and not any(x["bytes_sent"]) for x in reconf),
+            f"reconfigurations (step, rollback_to) {back}")
 
 
 def named_strategy_case(e):
@@ -206,6 +226,7 @@ def main():
             trace_case(e, False)
             trace_case(e, True)
             no_checkpoint_case(e)
+            rollback_case(e)
         if a.part in ("all", "more"):
             named_strategy_case(e)
             resume_case(e)
