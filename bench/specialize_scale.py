@@ -8,7 +8,10 @@ the plan, then times with /usr/bin/time -v, per world size:
   exec      hspmd_specialize PLAN --rank R: rank R's ExecGraph plus what the
             trainer does to specialize (its dry run and pipeline discovery)
 
-and prints one row per (world, what): seconds and max RSS.
+and prints one row per (world, what): the process's wall seconds and max RSS
+(/usr/bin/time -v, loading the plan included); for exec also the seconds of
+the specialization alone (graph + dry run + discovery, after the plan is
+loaded) and the MB it still holds at the end beyond the loaded plan.
 
 usage: bench/specialize_scale.py [--build build] [--pipelines 1,8,64] [--rank 0] [--keep DIR]
 """
@@ -47,15 +50,15 @@ def cluster(world):
 
 
 def timed(cmd):
-    """Runs cmd under /usr/bin/time -v: (seconds, max RSS in MB)."""
-    r = subprocess.run(["/usr/bin/time", "-v"] + cmd, stdout=subprocess.DEVNULL,
+    """Runs cmd under /usr/bin/time -v: (seconds, max RSS in MB, stdout)."""
+    r = subprocess.run(["/usr/bin/time", "-v"] + cmd, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{r.stderr}")
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", r.stderr).group(1)
     seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(wall.split(":"))))
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1))
-    return seconds, rss_kb / 1024
+    return seconds, rss_kb / 1024, r.stdout
 
 
 def main():
@@ -70,7 +73,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         d = a.keep or tmp
         os.makedirs(d, exist_ok=True)
-        print(f"{'ranks':>6} {'what':<8} {'seconds':>8} {'max RSS MB':>10}")
+        print(f"{'ranks':>6} {'what':<8} {'wall s':>7} {'max RSS MB':>10} {'specialize s':>12} {'held MB':>8}")
         for p in (int(x) for x in a.pipelines.split(",")):
             world = p * STAGES * TP
             s_path, c_path, plan = (os.path.join(d, f"{n}_{world}.json") for n in ("strategy", "cluster", "plan"))
@@ -83,8 +86,13 @@ def main():
             for what, cmd in (("explain", [hspmd, "plan", "explain", plan, "--rank", str(a.rank),
                                            "--cluster", c_path]),
                               ("exec", [specialize, plan, "--rank", str(a.rank), "--cluster", c_path])):
-                sec, rss = timed(cmd)
-                print(f"{world:>6} {what:<8} {sec:>8.2f} {rss:>10.0f}", flush=True)
+                sec, rss, out = timed(cmd)
+                spec = held = "-"
+                if what == "exec":
+                    j = json.loads(out)
+                    spec = f"{j['exec_graph_s'] + j['dry_run_s'] + j['pipelines_s']:.2f}"
+                    held = f"{j['rss_mb'] - j['plan_rss_mb']:.0f}"
+                print(f"{world:>6} {what:<8} {sec:>7.2f} {rss:>10.0f} {spec:>12} {held:>8}", flush=True)
 
 
 if __name__ == "__main__":
