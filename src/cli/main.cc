@@ -16,6 +16,7 @@ constexpr const char* kUsage =
     "commands:\n"
     "  train      train a Llama model on a token file\n"
     "  tokenize   turn text files into a token file (byte-level tokenizer)\n"
+    "  data       statistics of a token file: document lengths, pieces under a max length\n"
     "  plan       compile a strategy into an annotation plan; explain a plan's communication\n"
     "  profile    time a model's parts on this machine for the planner and the model clock\n\n"
     "Run 'hspmd <command> --help' for the flags of a command.\n";
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
   try {
     if (command == "train") return hspmd::cli::train_command(args);
     if (command == "tokenize") return hspmd::cli::tokenize_command(args);
+    if (command == "data") return hspmd::cli::data_command(args);
     if (command == "plan") return hspmd::cli::plan_command(args);
     if (command == "profile") return hspmd::cli::profile_command(args);
     print_error("", ("[cli] unknown command '" + command + "' (see hspmd --help)").c_str());
