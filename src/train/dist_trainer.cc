@@ -356,9 +356,9 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   // Pipelines are discovered from the resolved plan (appendix A.2), not
   // read from the strategy; the strategy only gives micro-batch counts.
   std::vector<PlannedOpTraffic> traffic;
-  const std::vector<PlannedReshard> reshards = dry_run(*plan, *topology_, &traffic);
+  const std::vector<PlannedReshard> reshards = rt->graph->dry_run(&traffic);  // this rank's Reshards only
   create_groups(reshards, traffic);
-  const auto pipelines = discover_pipelines(*plan, reshards);
+  const auto pipelines = rt->graph->discover_pipelines();
   const PipelinePosition at = pipeline_positions(pipelines, world_.size()).at(world_.rank());
   HSPMD_CHECK(at.pipeline == pipeline_of(rt->strategy, world_.rank()),
               "discovered pipeline ", at.pipeline, " of rank ", world_.rank(), " differs from the strategy's");
