@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "hspmd/core/error.h"
 #include "hspmd/data/length_stats.h"
 
 namespace hspmd {
@@ -49,11 +50,15 @@ std::pair<double, double> y_axis(double largest_percent) {
   return {100.0, 25.0};
 }
 
+// Index of the powers-of-two bin (2^(k-1), 2^k] holding `length`; 0 for (0, 1].
+int bin_index(int64_t length) { return static_cast<int>(std::bit_width(static_cast<uint64_t>(length - 1))); }
+
+// Bins first .. first + bins - 1 side by side; bin k spans x(k) to x(k + 1).
 struct Frame {
-  int bins;
+  int first, bins;
   double top_percent;
   double bin_width() const { return (kWidth - kLeft - kRight) / bins; }
-  double x(double bin_edge) const { return kLeft + bin_edge * bin_width(); }
+  double x(double bin_edge) const { return kLeft + (bin_edge - first) * bin_width(); }
   double y(double percent) const { return kTop + (kHeight - kTop - kBottom) * (1 - percent / top_percent); }
 };
 
@@ -66,7 +71,7 @@ std::string axes(const Frame& f, double step) {
   }
   s += format("<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#333\"/>\n", kLeft, f.y(0),
               kWidth - kRight, f.y(0));
-  for (int k = 0; k < f.bins; ++k)
+  for (int k = f.first; k < f.first + f.bins; ++k)
     s += format("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n", f.x(k + 0.5), f.y(0) + 14,
                 short_length(int64_t{1} << k).c_str());
   s += format("<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">document length in tokens "
@@ -86,9 +91,8 @@ std::string bar(const Frame& f, double x, double width, double percent, const ch
 std::string bars(const Frame& f, const LengthStats& s) {
   std::string out;
   const double w = f.bin_width() * 0.38;
-  for (size_t k = 0; k < s.histogram.size(); ++k) {
-    const LengthBin& b = s.histogram[k];
-    const double mid = f.x(static_cast<double>(k) + 0.5);
+  for (const LengthBin& b : s.histogram) {
+    const double mid = f.x(bin_index(b.hi) + 0.5);
     out += bar(f, mid - w, w, 100.0 * static_cast<double>(b.count) / static_cast<double>(s.documents),
                kDocumentColor);
     out += bar(f, mid, w, 100.0 * static_cast<double>(b.tokens) / static_cast<double>(s.tokens), kTokenColor);
@@ -124,15 +128,18 @@ std::string legend() {
 }  // namespace
 
 std::string histogram_svg(const LengthStats& s, const std::string& title) {
-  int bins = static_cast<int>(s.histogram.size());
-  for (const PieceStats& p : s.pieces)
-    bins = std::max(bins, static_cast<int>(std::bit_width(static_cast<uint64_t>(p.max_seq_len - 1))) + 1);
+  HSPMD_CHECK(!s.histogram.empty() && s.documents > 0 && s.tokens > 0, "no document to draw");
+  int first = bin_index(s.histogram.front().hi), last = bin_index(s.histogram.back().hi);
+  for (const PieceStats& p : s.pieces) {
+    first = std::min(first, bin_index(p.max_seq_len));
+    last = std::max(last, bin_index(p.max_seq_len));
+  }
   double largest = 0;
   for (const LengthBin& b : s.histogram)
     largest = std::max({largest, 100.0 * static_cast<double>(b.count) / static_cast<double>(s.documents),
                         100.0 * static_cast<double>(b.tokens) / static_cast<double>(s.tokens)});
   const auto [top, step] = y_axis(largest);
-  const Frame frame{std::max(bins, 1), top};
+  const Frame frame{first, last - first + 1, top};
   std::string svg = format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
                            "viewBox=\"0 0 %.0f %.0f\" font-family=\"sans-serif\" font-size=\"11\">\n",
                            kWidth, kHeight, kWidth, kHeight);

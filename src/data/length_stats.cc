@@ -16,14 +16,15 @@ int bin_index(int64_t length) {
   return static_cast<int>(std::bit_width(static_cast<uint64_t>(length - 1)));
 }
 
-std::vector<LengthBin> power_of_two_bins(const std::vector<int64_t>& lengths, int64_t longest) {
-  std::vector<LengthBin> bins(bin_index(longest) + 1);
+std::vector<LengthBin> power_of_two_bins(const std::vector<int64_t>& lengths, int64_t shortest, int64_t longest) {
+  const int first = bin_index(shortest);
+  std::vector<LengthBin> bins(bin_index(longest) - first + 1);
   for (size_t k = 0; k < bins.size(); ++k) {
-    bins[k].hi = int64_t{1} << k;
-    bins[k].lo = k == 0 ? 0 : bins[k].hi / 2;
+    bins[k].hi = int64_t{1} << (first + static_cast<int>(k));
+    bins[k].lo = bins[k].hi == 1 ? 0 : bins[k].hi / 2;
   }
   for (int64_t n : lengths) {
-    LengthBin& b = bins[bin_index(n)];
+    LengthBin& b = bins[bin_index(n) - first];
     ++b.count;
     b.tokens += n;
   }
@@ -120,7 +121,7 @@ LengthStats length_stats(const std::vector<int64_t>& lengths, const std::vector<
   s.p99 = nearest_rank_percentile(sorted, 99);
   s.max = sorted.back();
   s.mean = static_cast<double>(s.tokens) / static_cast<double>(s.documents);
-  s.histogram = power_of_two_bins(sorted, s.max);
+  s.histogram = power_of_two_bins(sorted, sorted.front(), s.max);
   for (int64_t L : max_seq_lens) s.pieces.push_back(cut_into_pieces(sorted, L));
   return s;
 }

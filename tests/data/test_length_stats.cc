@@ -59,6 +59,10 @@ TEST(LengthStats, SummaryAndPowersOfTwoHistogram) {
   EXPECT_EQ(s.histogram[5].count, 0);  // (16, 32] is empty but kept
   EXPECT_EQ(s.histogram[7].count, 1);  // 100 in (64, 128]
   EXPECT_TRUE(s.pieces.empty());
+  const LengthStats t = length_stats({700, 40}, {}, "x.bin");
+  ASSERT_EQ(t.histogram.size(), 5u);  // (32, 64] to (512, 1024]
+  EXPECT_EQ(t.histogram.front().lo, 32);
+  EXPECT_EQ(t.histogram.back().hi, 1024);
 }
 
 TEST(LengthStats, PiecesAndTheirIntervals) {
@@ -106,10 +110,11 @@ TEST(LengthStats, JsonHoldsEveryFigure) {
   EXPECT_EQ(j["documents"], 3);
   EXPECT_EQ(j["tokens"], 16);
   EXPECT_EQ(j["document_length"]["p50"], 6);
-  EXPECT_EQ(j["histogram"].size(), 4u);
-  EXPECT_EQ(j["histogram"][3]["documents"], 2);
-  EXPECT_DOUBLE_EQ(j["histogram"][3]["token_share"].get<double>(), 14.0 / 16);
-  EXPECT_DOUBLE_EQ(j["histogram"][3]["document_share"].get<double>(), 2.0 / 3);
+  EXPECT_EQ(j["histogram"].size(), 3u);  // from (1, 2], the shortest document's bin
+  EXPECT_EQ(j["histogram"][0]["lo"], 1);
+  EXPECT_EQ(j["histogram"][2]["documents"], 2);
+  EXPECT_DOUBLE_EQ(j["histogram"][2]["token_share"].get<double>(), 14.0 / 16);
+  EXPECT_DOUBLE_EQ(j["histogram"][2]["document_share"].get<double>(), 2.0 / 3);
   const nlohmann::json& p = j["pieces"][0];
   EXPECT_EQ(p["max_seq_len"], 4);
   EXPECT_EQ(p["pieces"], 5);  // 2 | 4 2 | 4 4

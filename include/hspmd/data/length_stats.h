@@ -41,8 +41,9 @@ struct LengthStats {
   // nearest_rank_percentile).
   int64_t p50 = 0, p90 = 0, p97 = 0, p99 = 0, max = 0;
   double mean = 0;
-  // Powers-of-two bins (0, 1], (1, 2], (2, 4], ... up to the bin holding
-  // the longest document; empty bins in between are kept.
+  // Powers-of-two bins (0, 1], (1, 2], (2, 4], ..., (2^(k-1), 2^k], from the
+  // bin holding the shortest document to the one holding the longest; empty
+  // bins in between are kept.
   std::vector<LengthBin> histogram;
   std::vector<PieceStats> pieces;  // one per requested max_seq_len, in order
 };
@@ -66,7 +67,8 @@ nlohmann::json to_json(const LengthStats& stats);
 
 // A self-contained SVG image: per powers-of-two bin, the share of documents
 // and the share of tokens, with a dashed line at each max_seq_len. `title`
-// is escaped.
+// is escaped. Throws hspmd::InternalError for stats without documents (not
+// made by length_stats).
 std::string histogram_svg(const LengthStats& stats, const std::string& title);
 
 }  // namespace hspmd
