@@ -1,6 +1,7 @@
 // The --nproc launcher and the ranks' watcher threads (launcher.h).
 #include "launcher.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -262,19 +264,48 @@ std::string describe(const RankFailure& f, int status) {
   return "mpirun exited with code " + std::to_string(code);
 }
 
-// Whether the process `pid` has ended (gone, or a zombie not yet reaped).
-bool process_gone(int64_t pid) {
+// The state letter and parent of process `pid` from /proc/PID/stat; false
+// when it is gone.
+bool process_state(int64_t pid, char& state, int64_t& ppid) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
   const int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return true;
+  if (fd < 0) return false;
   char buf[512];
   const ssize_t n = read(fd, buf, sizeof(buf) - 1);
   close(fd);
-  if (n <= 0) return true;
+  if (n <= 0) return false;
   buf[n] = '\0';
-  const char* paren = std::strrchr(buf, ')');
-  return paren == nullptr || paren[1] == '\0' || paren[2] == 'Z' || paren[2] == 'X';
+  const char* paren = std::strrchr(buf, ')');  // the command name may hold anything
+  long long parent = 0;
+  if (paren == nullptr || std::sscanf(paren + 1, " %c %lld", &state, &parent) != 2) return false;
+  ppid = parent;
+  return true;
+}
+
+// Whether the process `pid` has ended (gone, or a zombie not yet reaped).
+bool process_gone(int64_t pid) {
+  char state = 0;
+  int64_t ppid = 0;
+  return !process_state(pid, state, ppid) || state == 'Z' || state == 'X';
+}
+
+// Whether a child of `parent` is a zombie: a rank that died and that mpirun
+// has not reaped, which it does within milliseconds unless it hangs (ranks
+// killed before they write their heartbeat slot are only seen this way).
+bool zombie_child(pid_t parent) {
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return false;
+  bool found = false;
+  for (const dirent* e; !found && (e = readdir(proc)) != nullptr;) {
+    char state = 0;
+    int64_t ppid = 0;
+    if (std::isdigit(static_cast<unsigned char>(e->d_name[0])) &&
+        process_state(std::atoll(e->d_name), state, ppid) && ppid == parent)
+      found = state == 'Z';
+  }
+  closedir(proc);
+  return found;
 }
 
 // How one run of mpirun (an attempt) ended.
@@ -285,7 +316,7 @@ struct AttemptEnd {
   int stopped_by = 0;      // SIGINT or SIGTERM to the launcher
   bool reported = false;   // a rank printed its own error
   int64_t death_ns = 0;    // when a rank was first seen gone (0: none was)
-  int dead_rank = -1;      // which
+  int dead_rank = -1;      // which (-1: unknown, a zombie child of mpirun)
   bool wedged = false;     // mpirun outlived that death by kWedgedS: the launcher ended it
   int64_t end_ns = 0;      // when mpirun and its ranks were gone
 
@@ -298,10 +329,16 @@ struct AttemptEnd {
     if (failure.signal > 0 || WIFSIGNALED(status)) return true;
     return failure.rank < 0 && WIFEXITED(status) && WEXITSTATUS(status) > 128;  // mpirun's 128 + signal
   }
+  // What failed, for the one-line message and the restart record.
+  std::string why() const {
+    if (!wedged) return describe(failure, status);
+    return (dead_rank >= 0 ? "rank " + std::to_string(dead_rank) : std::string("a rank")) +
+           " ended but mpirun had not ended the job " + std::to_string(static_cast<int>(kWedgedS)) + " s later";
+  }
 };
 
-// Notes the first rank seen gone. mpirun normally ends the job about a
-// second later; the time is the restart's start.
+// Notes the first rank seen gone: the time a restart's recovery counts
+// from. mpirun normally ends the job a few tens of milliseconds later.
 void note_death(const JobDir& job, int64_t now, AttemptEnd& end) {
   for (int r = 0; r < job.nproc() && end.death_ns == 0; ++r)
     if (const int64_t p = job.slot(r).pid.load(); p > 0 && process_gone(p)) end.death_ns = now, end.dead_rank = r;
@@ -333,11 +370,15 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
   close(err[1]);
   StderrRelay relay(err[0]);
   const int64_t start = now_ns();
-  int64_t kill_at = 0, next_check = start;
+  int64_t kill_at = 0, next_check = start, next_scan = start;
   AttemptEnd end;
   while (waitpid(pid, &end.status, WNOHANG) == 0) {
     const int64_t now = now_ns();
     note_death(job, now, end);
+    if (end.death_ns == 0 && now >= next_scan) {
+      next_scan = now + 1000000000;
+      if (zombie_child(pid)) end.death_ns = now;
+    }
     watch_first_step(job, watch);
     if (end.death_ns != 0 && kill_at == 0 && now - end.death_ns > static_cast<int64_t>(kWedgedS * 1e9)) {
       end.wedged = true;  // seen with Open MPI 4.1 when a rank dies during MPI_Init
@@ -364,6 +405,7 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
     }
     usleep(20000);
   }
+  note_death(job, now_ns(), end);  // mpirun may end within one poll of the death
   watch_first_step(job, watch);
   // Ranks mpirun left behind (it was killed, or it failed to end them) get
   // SIGKILL, so that none of this attempt outlives it (a restart needs the
@@ -379,8 +421,15 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
   return end;
 }
 
-std::string plural(int64_t n, const char* what) {
-  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+// The job's last words when it is not restarted; returns its exit code.
+int give_up(const AttemptEnd& end, int64_t restarts, int64_t max_restarts) {
+  if (end.watchdog || end.reported) return 1;  // already said
+  std::string after;
+  if (restarts > 0)
+    after = " (after " + std::to_string(restarts) + (restarts == 1 ? " restart" : " restarts") +
+            ", --max-restarts " + std::to_string(max_restarts) + ")";
+  std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended%s\n", end.why().c_str(), after.c_str());
+  return 1;
 }
 
 }  // namespace
@@ -403,17 +452,8 @@ int launch_ranks(const LaunchOptions& o) {
       return 128 + end.stopped_by;
     }
     if (end.succeeded()) return 0;
-    const std::string why = end.wedged ? "rank " + std::to_string(end.dead_rank) + " ended but mpirun had not " +
-                                             "ended the job " + std::to_string(static_cast<int>(kWedgedS)) + " s later"
-                                       : describe(end.failure, end.status);
-    if (!end.crashed() || restarts == o.max_restarts) {
-      if (!end.watchdog && !end.reported)
-        std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended%s\n", why.c_str(),
-                     restarts > 0 ? (" (after " + plural(restarts, "restart") + ", --max-restarts " +
-                                     std::to_string(o.max_restarts) + ")").c_str()
-                                  : "");
-      return 1;
-    }
+    if (!end.crashed() || restarts == o.max_restarts) return give_up(end, restarts, o.max_restarts);
+    const std::string why = end.why();
     const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
     RestartPoint point;
     try {

@@ -8,8 +8,11 @@ ZeRO-1):
   restarted from the last checkpoint (--save-every 1); the job exits 0, every
   step appears once in the log with the loss of an uninterrupted run, and the
   log holds one restart record (from_step, recovery_s > 0) right before the
-  re-run steps; a second kill after one restart (--max-restarts 1) ends the
-  job with the usual line and exit 1;
+  re-run steps. The same for a rank killed during setup (a restart from step
+  0), for an mpirun that does not end the job (stopped: the launcher ends it
+  after 10 s), and under --events (the restarted run continues under the
+  re-planned strategy). A second kill after one restart (--max-restarts 1)
+  ends the job with the usual line and exit 1;
 * --part no-restart: with --max-restarts 0 (the default) a killed rank ends
   the job as before; a rank's own error (a non-finite loss) is not restarted;
   --max-restarts without --nproc, --checkpoint or --save-every, or below 0, is
@@ -129,7 +132,10 @@ def part_crash(j):
 
     log = j.path("crash.jsonl")
     p = j.start("crash")
-    killed = j.kill_rank("crash", p, 1, lambda: len(steps_of(records(log, False))) >= 4)
+    # Checkpoints are committed in the background, a step or more late.
+    ckpt = j.path("crash.ckpt")
+    killed = j.kill_rank("crash", p, 1, lambda: len(steps_of(records(log, False))) >= 4 and
+                         os.path.exists(os.path.join(ckpt, "index.json")))
     rc, err = j.ends("crash", p)
     lines = [l for l in err.splitlines() if l.strip()]
     j.check("crash: exit 0 after one restart", rc == 0 and killed is not None, f"rc {rc}: {err.strip()[-800:]!r}")
@@ -147,7 +153,7 @@ def part_crash(j):
     if restarts:
         k, r = restarts[0]
         j.check("crash: restart record fields", r.get("attempt") == 1 and isinstance(r.get("from_step"), int) and
-                3 <= r["from_step"] < STEPS and "signal 9" in r.get("reason", "") and
+                1 <= r["from_step"] < STEPS and "signal 9" in r.get("reason", "") and
                 isinstance(r.get("recovery_s"), float) and r["recovery_s"] > 0 and
                 0 <= r.get("detect_s", -1) <= r["recovery_s"], json.dumps(r))
         after = recs[k + 1] if k + 1 < len(recs) else {}
@@ -188,6 +194,27 @@ def part_crash(j):
     j.check("wedged mpirun: each step once with its loss",
             [(r["step"], r["loss"]) for r in steps_of(recs)] == [(s, want.get(s)) for s in range(STEPS)])
     j.all_gone("wedged")
+
+    # --events passes through a restart: the run resumes under the re-planned
+    # strategy that the failure at step 3 led to.
+    events = j.path("events.json")
+    json.dump([{"step": 3, "fail": [3]}], open(events, "w"))
+    p = j.start("events_ref", ["--events", events])
+    rc, err = j.ends("events, uninterrupted", p)
+    ref = records(j.path("events_ref.jsonl"))
+    j.check("events, uninterrupted: exit 0 with a reconfigure record",
+            rc == 0 and any(r.get("event") == "reconfigure" for r in ref), err.strip()[-400:])
+    ckpt = j.path("events.ckpt")
+    p = j.start("events", ["--events", events])
+    j.kill_rank("events", p, 1, lambda: os.path.exists(os.path.join(ckpt, "index.json")) and
+                json.load(open(os.path.join(ckpt, "index.json")))["step"] >= 5)
+    rc, err = j.ends("events", p)
+    recs = records(j.path("events.jsonl"))
+    j.check("events: restarted after the reconfiguration, exit 0, the uninterrupted losses",
+            rc == 0 and [r.get("from_step", 0) >= 5 for r in recs if r.get("event") == "restart"] == [True] and
+            [(r["step"], r["loss"]) for r in steps_of(recs)] == [(r["step"], r["loss"]) for r in steps_of(ref)],
+            f"rc {rc}: {err.strip()[-400:]!r}")
+    j.all_gone("events")
 
     log = j.path("twice.jsonl")
     p = j.start("twice")
