@@ -97,11 +97,17 @@ int train_on_ranks(const TrainOptions& o) {
     train_distributed(mine, *world);
     locks.keep();
   } catch (const SetupFailure& e) {
-    if (world->size() == 1) throw;
+    if (world->size() == 1) {
+      claim_report();  // main() prints it; the launcher must know a message came
+      throw;
+    }
     if (e.reporter() && claim_report()) std::fprintf(stderr, "hspmd: error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
-    if (world->size() == 1) throw;
+    if (world->size() == 1) {
+      claim_report();  // main() prints it; the launcher must know a message came
+      throw;
+    }
     if (claim_report()) {
       std::fprintf(stderr, "hspmd: error: rank %d: %s\n", world->rank(), e.what());
       std::fflush(stderr);
@@ -208,7 +214,13 @@ int train_command(const std::vector<std::string>& args) {
   FlagSet f("train", "Train a Llama model (Hugging Face config and weights) on a token file.");
   f.add_string("model", &o.model_path, "Hugging Face config.json of the model", true);
   f.add_string("data", &o.data_path, "token file (.bin, little-endian uint32 ids)", true);
-  f.add_int("seq-len", &o.seq_len, "tokens per sample (with --pack-documents: at most)", true);
+  f.add_int("seq-len", &o.seq_len, "tokens per sample (with --pack-documents: at most); required without --batch-tokens");
+  int64_t max_seq_len = 0;
+  f.add_int("batch-tokens", &o.batch_tokens,
+            "token-budget steps: each step takes the next document pieces while their tokens stay within this "
+            "(docs/mixed_length.md)");
+  f.add_int("max-seq-len", &max_seq_len, "with --batch-tokens: the longest piece (documents are cut into pieces of "
+            "at most this many tokens)");
   f.add_bool("pack-documents", &o.pack_documents,
              "pack whole documents (cut at eos) into samples; attention and loss stay inside each document");
   f.add_int("global-batch", &o.global_batch,
@@ -283,6 +295,19 @@ int train_command(const std::vector<std::string>& args) {
             "with --nproc, --checkpoint and --save-every: when a rank dies (killed by a signal), restart the job "
             "from the last checkpoint, at most this many times (default 0)");
   if (!f.parse(args)) return 0;
+  if (f.given("batch-tokens")) {
+    if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);
+    if (!f.given("max-seq-len")) fail("[flags] --batch-tokens needs --max-seq-len L (the longest piece)");
+    if (max_seq_len <= 0) fail("[flags] --max-seq-len must be positive, got ", max_seq_len);
+    if (f.given("seq-len")) fail("[flags] --seq-len is not read with --batch-tokens (give --max-seq-len)");
+    if (f.given("global-batch")) fail("[flags] --global-batch is not read with --batch-tokens (steps are token budgets)");
+    if (f.given("micro-batches")) fail("[flags] --micro-batches is not read with --batch-tokens");
+    o.seq_len = max_seq_len;
+  } else if (f.given("max-seq-len")) {
+    fail("[flags] --max-seq-len is read only with --batch-tokens");
+  } else if (!f.given("seq-len")) {
+    fail("[flags] --seq-len is required (or --batch-tokens T --max-seq-len L)");
+  }
 
   if (optimizer != "adamw" && optimizer != "adam")
     fail("[flags] --optimizer: unknown optimizer '", optimizer, "' (expected adamw or adam)");
@@ -320,7 +345,8 @@ int train_command(const std::vector<std::string>& args) {
                                       o.checkpoint_dir, o.resume_dir});
   }
   if (!distributed) {
-    if (!f.given("global-batch")) fail("[flags] --global-batch is required (without --strategy)");
+    if (!f.given("global-batch") && !f.given("batch-tokens"))
+      fail("[flags] --global-batch is required (without --strategy)");
     OutputLocks locks;
     if (const std::string busy = locks.lock_all(o); !busy.empty()) fail(busy);
     train(o);

@@ -104,10 +104,19 @@ void PackedDocuments::sample(int64_t index, int64_t width, int32_t* inputs, int3
                              int32_t* positions) const {
   const int64_t i = wrap(index), n = length(i);
   if (width < n) fail("[data] packed sample ", i, " has ", n, " tokens, more than the row width ", width);
+  std::vector<int64_t> pieces;
+  for (int64_t p = first_piece_[i]; p < first_piece_[i + 1]; ++p) pieces.push_back(p);
+  pack(pieces, width, inputs, targets, positions);
+}
+
+void PackedDocuments::pack(const std::vector<int64_t>& pieces, int64_t width, int32_t* inputs, int32_t* targets,
+                           int32_t* positions) const {
   const uint32_t* t = data_.tokens().data();
   int64_t at = 0;
-  for (int64_t p = first_piece_[i]; p < first_piece_[i + 1]; ++p) {
-    const Piece& piece = pieces_[p];
+  for (int64_t p : pieces) {
+    const Piece& piece = pieces_.at(static_cast<size_t>(p));
+    if (at + piece.size > width)
+      fail("[data] pieces of ", at + piece.size, "+ tokens do not fit a row of ", width);
     for (int64_t k = 0; k < piece.size; ++k, ++at) {
       inputs[at] = static_cast<int32_t>(t[piece.begin + k]);
       targets[at] = k + 1 < piece.size ? static_cast<int32_t>(t[piece.begin + k + 1]) : kIgnore;

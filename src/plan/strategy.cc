@@ -102,12 +102,17 @@ Stage parse_stage(const json& j, int p, int s, const std::string& source) {
   return stage;
 }
 
-Pipeline parse_pipeline(const json& j, int p, const std::string& source) {
+Pipeline parse_pipeline(const json& j, int p, const std::string& source, bool token_strategy) {
   ObjectReader r(j, place(p), source);
-  r.reject_unknown({"micro_batch_size", "micro_batches", "stages"});
+  r.reject_unknown({"micro_batch_size", "micro_batches", "stages", "max_seq_len", "micro_batch_tokens"});
   Pipeline pipeline;
-  r.integer("micro_batch_size", pipeline.micro_batch_size, true);
-  r.integer("micro_batches", pipeline.micro_batches, true);
+  r.integer("max_seq_len", pipeline.max_seq_len, false);
+  r.integer("micro_batch_tokens", pipeline.micro_batch_tokens, false);
+  // Token-budget pipelines (either field given) size micro-batches in tokens.
+  const bool tokens =
+      token_strategy || (j.is_object() && (j.contains("max_seq_len") || j.contains("micro_batch_tokens")));
+  r.integer("micro_batch_size", pipeline.micro_batch_size, !tokens);
+  r.integer("micro_batches", pipeline.micro_batches, !tokens);
   const json& stages = r.array("stages");
   for (size_t s = 0; s < stages.size(); ++s)
     pipeline.stages.push_back(parse_stage(stages[s], p, static_cast<int>(s), source));
@@ -116,14 +121,15 @@ Pipeline parse_pipeline(const json& j, int p, const std::string& source) {
 
 Strategy parse_strategy(const json& j, const std::string& source) {
   ObjectReader r(j, "", source);
-  r.reject_unknown({"description", "schedule", "zero", "pipelines"});
+  r.reject_unknown({"description", "schedule", "zero", "pipelines", "max_seq_len"});
   Strategy strategy;
   r.string("description", strategy.description);
+  r.integer("max_seq_len", strategy.max_seq_len, false);
   r.string("schedule", strategy.schedule);
   r.boolean("zero", strategy.zero);
   const json& pipelines = r.array("pipelines");
   for (size_t p = 0; p < pipelines.size(); ++p)
-    strategy.pipelines.push_back(parse_pipeline(pipelines[p], static_cast<int>(p), source));
+    strategy.pipelines.push_back(parse_pipeline(pipelines[p], static_cast<int>(p), source, strategy.max_seq_len > 0));
   return strategy;
 }
 
@@ -184,6 +190,12 @@ void validate_pipeline(const Pipeline& pl, int p, const LlamaConfig& c, int worl
     fail_at(p, -1, "micro_batch_size=", pl.micro_batch_size, " must be at least 1");
   if (pl.micro_batches < 1) fail_at(p, -1, "micro_batches=", pl.micro_batches, " must be at least 1");
   if (pl.stages.empty()) fail_at(p, -1, "a pipeline needs at least one stage");
+  if (pl.max_seq_len < 0) fail_at(p, -1, "max_seq_len=", pl.max_seq_len, " must be positive");
+  if (pl.micro_batch_tokens < 0)
+    fail_at(p, -1, "micro_batch_tokens=", pl.micro_batch_tokens, " must be positive");
+  if (pl.max_seq_len > 0 && pl.micro_batch_tokens > 0 && pl.micro_batch_tokens < pl.max_seq_len)
+    fail_at(p, -1, "micro_batch_tokens=", pl.micro_batch_tokens, " cannot hold a piece of its max_seq_len=",
+            pl.max_seq_len);
   const int num_layers = static_cast<int>(c.num_hidden_layers);
   int next = 0;
   for (size_t i = 0; i < pl.stages.size(); ++i) {
@@ -230,11 +242,14 @@ json to_json(const Strategy& strategy) {
       if (s.recompute) stage["recompute"] = true;
       stages.push_back(std::move(stage));
     }
-    pipelines.push_back(
-        {{"micro_batch_size", p.micro_batch_size}, {"micro_batches", p.micro_batches}, {"stages", stages}});
+    json pl = {{"micro_batch_size", p.micro_batch_size}, {"micro_batches", p.micro_batches}, {"stages", stages}};
+    if (p.max_seq_len > 0) pl["max_seq_len"] = p.max_seq_len;
+    if (p.micro_batch_tokens > 0) pl["micro_batch_tokens"] = p.micro_batch_tokens;
+    pipelines.push_back(std::move(pl));
   }
   json j = {{"schedule", strategy.schedule}, {"zero", strategy.zero}, {"pipelines", pipelines}};
   if (!strategy.description.empty()) j["description"] = strategy.description;
+  if (strategy.max_seq_len > 0) j["max_seq_len"] = strategy.max_seq_len;
   return j;
 }
 
@@ -245,9 +260,14 @@ void validate(const Strategy& strategy, const LlamaConfig& config, int world_siz
   if (strategy.schedule != "1f1b" && strategy.schedule != "gpipe")
     fail("[strategy] unknown schedule '", shorten(strategy.schedule), "' (expected 1f1b or gpipe)");
   if (strategy.pipelines.empty()) fail("[strategy] no pipelines: a strategy needs at least one");
+  if (strategy.max_seq_len < 0) fail("[strategy] max_seq_len=", strategy.max_seq_len, " must be positive");
   RankOwners owners;
-  for (size_t p = 0; p < strategy.pipelines.size(); ++p)
+  for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
     validate_pipeline(strategy.pipelines[p], static_cast<int>(p), config, world_size, owners);
+    if (strategy.max_seq_len > 0 && strategy.pipelines[p].max_seq_len > strategy.max_seq_len)
+      fail_at(static_cast<int>(p), -1, "max_seq_len=", strategy.pipelines[p].max_seq_len,
+              " is above the strategy's max_seq_len=", strategy.max_seq_len);
+  }
 }
 
 int64_t sequence_granularity(const Strategy& strategy) {

@@ -178,9 +178,15 @@ class DistTrainer {
       profile_ = Profile::load(o.profile_path);
       check_profile_model(*profile_, config_, o.profile_path, o.model_path);
       time_model_ = std::make_shared<const OpTimeModel>(profile_->ops, o.profile_path);
-    } else if (!o.profile_path.empty() && o.events_path.empty()) {
-      fail("[flags] --profile is read only with --clock model or --events (the planner's profile)");
+    } else if (!o.profile_path.empty() && o.events_path.empty() && o.batch_tokens == 0) {
+      fail("[flags] --profile is read only with --clock model, --events or --batch-tokens (the cost model's "
+           "profile)");
     }
+    if (o.batch_tokens > 0 && !o.events_path.empty())
+      fail("[flags] --events does not go with --batch-tokens yet (a re-plan is for a batch of samples)");
+    if (o.batch_tokens > 0 && o.pack_documents)
+      fail("[flags] --pack-documents does not go with --batch-tokens (token-budget steps cut documents into "
+           "pieces themselves)");
     if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
       clock_ = std::make_unique<VirtualClock>(topology_->rank(world.rank()).slowdown,
                                               o.model_clock ? ClockMode::kModel : ClockMode::kCpu);
@@ -198,7 +204,7 @@ class DistTrainer {
       plans_.push_back(load_plan_file(sw.path));
     }
     for (const auto& p : plans_)  // every plan is checked before the first step
-      if (o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
+      if (o.batch_tokens == 0 && o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
         fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
              p->strategy->global_batch());
     if (!o.events_path.empty()) load_elastic_events();
@@ -259,6 +265,25 @@ class DistTrainer {
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
+
+  // Token-budget steps (docs/mixed_length.md).
+  struct TokenStep {
+    std::vector<std::vector<std::vector<int64_t>>> micro;  // per pipeline, per micro-batch: its pieces
+    int64_t pieces = 0, tokens = 0, counted = 0;
+    std::vector<int64_t> pipeline_tokens;
+    double predicted_s = 0;  // the slowest pipeline's predicted compute
+  };
+  // The longest piece pipeline p of `s` takes, and a micro-batch's tokens.
+  int64_t accepted(const Strategy& s, const Pipeline& p) const;
+  int64_t capacity(const Strategy& s, const Pipeline& p) const;
+  // Checks that every piece fits the budget and some pipeline of `s`.
+  void check_pieces(const Strategy& s, const std::string& what) const;
+  // The pieces of the step starting at piece `cursor`, dispatched over the
+  // current plan's pipelines: longest first, each to the pipeline that
+  // accepts it and would finish first by the cost model; then packed into
+  // micro-batches first-fit decreasing. The same on every rank.
+  TokenStep plan_token_step(int64_t cursor) const;
+  double piece_seconds(int pipeline, int64_t tokens) const;
   // Copies this rank's shards and writes them on a background thread
   // (synchronously with --checkpoint-sync); committed by finish_checkpoint.
   void save_checkpoint();
@@ -301,6 +326,10 @@ class DistTrainer {
   std::unique_ptr<TokenData> data_;
   std::unique_ptr<train_common::SampleSource> source_;
   std::unique_ptr<PendingCheckpoint> pending_;
+  std::unique_ptr<PackedDocuments> pieces_;  // token-budget steps
+  std::optional<CostModel> dispatch_model_;
+  mutable std::map<std::pair<int, int64_t>, double> piece_seconds_;  // cache of piece_seconds, per plan
+  std::optional<TokenStep> token_step_;  // this step's
   // Elastic training.
   std::vector<ElasticEvent> events_;
   std::map<int64_t, std::shared_ptr<const AnnotationPlan>> event_plans_;  // step -> the event's strategy
@@ -333,7 +362,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::str
 
 std::shared_ptr<const AnnotationPlan> DistTrainer::compile(const Strategy& strategy) const {
   const int64_t g = sequence_granularity(strategy);
-  if (!o_.pack_documents && o_.seq_len % g != 0)
+  if (!o_.pack_documents && o_.batch_tokens == 0 && o_.seq_len % g != 0)
     fail("[strategy] --seq-len ", o_.seq_len, " must be a multiple of ", g,
          " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
   CompileOptions co;
@@ -424,6 +453,30 @@ size_t DistTrainer::plan_at(int64_t step) const {
 // pipelines see different lengths; they never exchange activations.
 ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) const {
   const Strategy& strategy = rt_->strategy;
+  if (pieces_) {  // token-budget steps: one row per pipeline, this pipeline's packed pieces in its own
+    const std::vector<int64_t>& mine = token_step_->micro.at(rt_->pipeline).at(micro);
+    int64_t n = 0;
+    for (int64_t p : mine) n += pieces_->piece_size(p);
+    const int64_t width = (std::max<int64_t>(n, 1) + rt_->granularity - 1) / rt_->granularity * rt_->granularity;
+    const int64_t rows = static_cast<int64_t>(strategy.pipelines.size()), at = rt_->pipeline * width;
+    NDArray ids = NDArray::zeros({rows, width}, DType::I32);
+    NDArray targets = NDArray::zeros({rows, width}, DType::I32);
+    NDArray positions = NDArray::zeros({rows, width}, DType::I32);
+    pieces_->pack(mine, width, ids.data<int32_t>() + at, targets.data<int32_t>() + at,
+                  positions.data<int32_t>() + at);
+    NDArray norm = NDArray::empty({}, DType::F32);
+    norm.fill(normalizer);
+    bindings = Bindings{{"B", rows}, {"S", width}};
+    ValueMap v;
+    for (const std::string& name : rt_->graph->model().names) {
+      const Shard& sh = state_->slot(name, StateSlot::kParam);
+      if (sh.held()) v[name] = sh.data;
+    }
+    for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
+                                       {"positions", positions}, {"normalizer", norm}})
+      if (auto box = rt_->graph->local_box(name, full.shape())) v[name] = box_slice(full, *box);
+    return v;
+  }
   int64_t rows = 0, row = 0, mine = 0;
   int64_t first = state_->samples;
   for (int k = 0; k < static_cast<int>(strategy.pipelines.size()); ++k) {
@@ -581,8 +634,14 @@ void DistTrainer::save() {
 
 void DistTrainer::prepare() {
   data_ = std::make_unique<TokenData>(TokenData::load(o_.data_path, config_.vocab_size));
-  source_ = std::make_unique<train_common::SampleSource>(*data_, o_.seq_len, o_.pack_documents,
-                                                         config_.eos_token_id);
+  if (o_.batch_tokens > 0) {
+    pieces_ = std::make_unique<PackedDocuments>(*data_, o_.seq_len, config_.eos_token_id);
+    dispatch_model_.emplace(CostModel::load(config_, *topology_, o_.profile_path));
+    for (const auto& p : plans_) check_pieces(*p->strategy, "the strategy");
+  } else {
+    source_ = std::make_unique<train_common::SampleSource>(*data_, o_.seq_len, o_.pack_documents,
+                                                           config_.eos_token_id);
+  }
   int64_t start = 0;
   std::unique_ptr<CheckpointReader> reader;
   if (!o_.resume_dir.empty()) {
@@ -645,6 +704,7 @@ nlohmann::json DistTrainer::move_to(std::shared_ptr<const AnnotationPlan> plan, 
   SwitchReport rep;
   state_ = std::move(*state_).reshard_to(next->plan, sp, *topology_, world_, reader.get(), clock_.get(), &rep);
   rt_ = std::move(next);
+  piece_seconds_.clear();
   const auto all = gather_counts({rep.bytes_sent, rep.predicted_bytes, rep.checkpoint_bytes, rep.peak_extra_bytes,
                                   rep.bound_bytes}, world_);
   if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
@@ -1011,6 +1071,111 @@ void DistTrainer::finish_checkpoint(bool wait) {
   pending_.reset();
 }
 
+int64_t DistTrainer::accepted(const Strategy& s, const Pipeline& p) const {
+  const int64_t own = p.max_seq_len > 0 ? p.max_seq_len : s.max_seq_len > 0 ? s.max_seq_len : o_.seq_len;
+  return std::min(own, o_.seq_len);
+}
+
+int64_t DistTrainer::capacity(const Strategy& s, const Pipeline& p) const {
+  return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted(s, p);
+}
+
+void DistTrainer::check_pieces(const Strategy& s, const std::string& what) const {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < pieces_->num_pieces(); ++i) longest = std::max(longest, pieces_->piece_size(i));
+  if (o_.batch_tokens < longest)
+    fail("[flags] --batch-tokens ", o_.batch_tokens, " is smaller than the longest piece of ", o_.data_path, " (",
+         longest, " tokens; pieces are at most --max-seq-len ", o_.seq_len, ")");
+  int64_t most = 0;
+  for (size_t k = 0; k < s.pipelines.size(); ++k) {
+    const Pipeline& p = s.pipelines[k];
+    if (capacity(s, p) < accepted(s, p))
+      fail("[strategy] pipeline ", k, ": micro_batch_tokens=", capacity(s, p), " cannot hold a piece of ",
+           accepted(s, p), " tokens, the longest it accepts");
+    most = std::max(most, accepted(s, p));
+  }
+  if (most < longest)
+    fail("[data] ", o_.data_path, ": a piece of ", longest, " tokens, but no pipeline of ", what,
+         " accepts more than ", most, " (its max_seq_len)");
+}
+
+double DistTrainer::piece_seconds(int pipeline, int64_t tokens) const {
+  auto [it, fresh] = piece_seconds_.try_emplace({pipeline, tokens}, 0.0);
+  if (!fresh) return it->second;
+  const Pipeline& p = rt_->strategy.pipelines.at(pipeline);
+  double slowest = 0;
+  for (size_t k = 0; k < p.stages.size(); ++k) {
+    const Stage& st = p.stages[k];
+    StageShape shape;
+    shape.ranks = st.ranks;
+    shape.cp = st.cp;
+    shape.layers = st.num_layers();
+    shape.first = k == 0;
+    shape.last = k + 1 == p.stages.size();
+    shape.recompute = st.recompute;
+    const StageCost c = dispatch_model_->stage_cost(shape, tokens, 1);
+    slowest = std::max(slowest, c.fwd + c.bwd + c.fwd_comm + c.bwd_comm);
+  }
+  it->second = slowest;
+  return slowest;
+}
+
+DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor) const {
+  const Strategy& s = rt_->strategy;
+  const int P = static_cast<int>(s.pipelines.size());
+  TokenStep t;
+  t.micro.resize(P);
+  t.pipeline_tokens.assign(P, 0);
+  const int64_t n = pieces_->num_pieces();
+  std::vector<int64_t> chosen;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t piece = (cursor + k) % n;
+    const int64_t size = pieces_->piece_size(piece);
+    if (!chosen.empty() && t.tokens + size > o_.batch_tokens) break;
+    chosen.push_back(piece);
+    t.tokens += size;
+  }
+  t.pieces = static_cast<int64_t>(chosen.size());
+  t.counted = t.tokens - t.pieces;
+  // Longest first (ties in file order), each to the accepting pipeline
+  // that would finish it first.
+  std::stable_sort(chosen.begin(), chosen.end(),
+                   [&](int64_t a, int64_t b) { return pieces_->piece_size(a) > pieces_->piece_size(b); });
+  std::vector<double> load(P, 0.0);
+  std::vector<std::vector<int64_t>> assigned(P);
+  for (int64_t piece : chosen) {
+    const int64_t size = pieces_->piece_size(piece);
+    int best = -1;
+    double best_end = 0;
+    for (int p = 0; p < P; ++p) {
+      if (size > accepted(s, s.pipelines[p])) continue;
+      const double end = load[p] + piece_seconds(p, size);
+      if (best < 0 || end < best_end) best = p, best_end = end;
+    }
+    HSPMD_CHECK(best >= 0, "a piece of ", size, " tokens that no pipeline accepts (checked before the first step)");
+    assigned[best].push_back(piece);
+    load[best] = best_end;
+    t.pipeline_tokens[best] += size;
+  }
+  // First-fit decreasing into micro-batches of the pipeline's capacity.
+  for (int p = 0; p < P; ++p) {
+    std::vector<int64_t> used;
+    for (int64_t piece : assigned[p]) {
+      const int64_t size = pieces_->piece_size(piece);
+      size_t bin = 0;
+      while (bin < used.size() && used[bin] + size > capacity(s, s.pipelines[p])) ++bin;
+      if (bin == used.size()) {
+        used.push_back(0);
+        t.micro[p].emplace_back();
+      }
+      used[bin] += size;
+      t.micro[p][bin].push_back(piece);
+    }
+    t.predicted_s = std::max(t.predicted_s, load[p]);
+  }
+  return t;
+}
+
 void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r) {
   int64_t end = 0;
   emulated_compute_.resize(all.size(), 0);
@@ -1060,8 +1225,18 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   };
   // Sends are deferred (set_deferred_sends): a stage sending activations
   // never waits on a neighbour sending gradients.
-  schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, rt_->micro_batches()},
+  const int micro_batches = !pieces_ ? rt_->micro_batches()
+                            : rt_->pipeline < 0 ? 0
+                                                : static_cast<int>(token_step_->micro.at(rt_->pipeline).size());
+  schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, micro_batches},
                                            forward, backward);
+  if (micro_batches == 0 && rt_->pipeline >= 0) {
+    // A pipeline that got no piece this step contributes zero gradients.
+    for (const std::string& name : graph.model().names) {
+      const Shard& sh = state_->slot(name, StateSlot::kParam);
+      if (sh.held() && !raw.count(name)) raw.emplace(name, NDArray::zeros(sh.data.shape(), DType::F32));
+    }
+  }
 }
 
 std::vector<StepRecord> DistTrainer::run() {
@@ -1094,9 +1269,11 @@ std::vector<StepRecord> DistTrainer::run() {
     world_.reset_bytes();
     rt_->graph->reset_ledger();
     allocator_for(Device::cpu()).reset_peak();
-    const int64_t global_batch = rt_->strategy.global_batch();
+    const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
     const int64_t first = state_->samples;
-    const float normalizer = source_->normalizer(first, global_batch);
+    if (pieces_) token_step_ = plan_token_step(first);
+    const float normalizer = pieces_ ? static_cast<float>(std::max<int64_t>(1, token_step_->counted))
+                                     : source_->normalizer(first, global_batch);
     // What the rank holds before its micro-batches: parameters, optimizer
     // states; the schedule's peak above it is activations (and raw grads).
     const size_t held = allocator_for(Device::cpu()).current_bytes();
@@ -1120,9 +1297,16 @@ std::vector<StepRecord> DistTrainer::run() {
     r.lr = schedule.at(step);
     if (skip_nonfinite(r, skipped)) state_->step = step + 1;  // weights and moments stay as they were
     else optimizer_step(adam, synced, r.lr);
-    state_->samples += global_batch;
+    state_->samples += pieces_ ? token_step_->pieces : global_batch;
     if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
-    r.tokens = source_->tokens(first, global_batch);
+    if (pieces_) {
+      r.tokens = token_step_->tokens;
+      r.pieces = token_step_->pieces;
+      r.pipeline_tokens = token_step_->pipeline_tokens;
+      r.predicted_step_s = token_step_->predicted_s;
+    } else {
+      r.tokens = source_->tokens(first, global_batch);
+    }
     graph.wait_sends(world_);
     const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
     StepMetrics mine;

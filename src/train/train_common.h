@@ -148,6 +148,11 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["peak_memory_bytes"] = r.peak_memory_bytes;
     j["peak_activation_bytes"] = r.peak_activation_bytes;
   }
+  if (r.pieces > 0) {  // token-budget steps
+    j["pieces"] = r.pieces;
+    j["pipeline_tokens"] = r.pipeline_tokens;
+    j["predicted_step_s"] = r.predicted_step_s;
+  }
   if (!r.emulated_compute_s.empty()) {
     j["emulated_step_time_s"] = r.emulated_step_time_s;
     j["emulated_compute_s"] = r.emulated_compute_s;

@@ -17,13 +17,12 @@ void check_options(const TrainOptions& o, const LlamaConfig& c) {
   if (o.seq_len > c.max_position_embeddings)
     fail("[flags] --seq-len ", o.seq_len, " exceeds max_position_embeddings ",
          c.max_position_embeddings, " of ", o.model_path);
-  if (o.global_batch <= 0) fail("[flags] --global-batch must be positive, got ", o.global_batch);
   if (o.steps <= 0) fail("[flags] --steps must be positive, got ", o.steps);
+  if (o.batch_tokens > 0) return;  // token-budget steps: no batch of samples
+  if (o.global_batch <= 0) fail("[flags] --global-batch must be positive, got ", o.global_batch);
   if (o.micro_batches <= 0 || o.global_batch % o.micro_batches != 0)
     fail("[flags] --micro-batches ", o.micro_batches, " must divide --global-batch ",
          o.global_batch);
-  if (o.clip_grad < 0) fail("[flags] --clip-grad must be >= 0, got ", o.clip_grad);
-  if (!(o.schedule.lr > 0)) fail("[flags] --lr must be positive, got ", o.schedule.lr);
 }
 
 }  // namespace
@@ -35,8 +34,10 @@ std::vector<StepRecord> train(const TrainOptions& o) {
   Strategy strategy;
   strategy.description = "one process";
   Pipeline p;
-  p.micro_batch_size = static_cast<int>(o.global_batch / o.micro_batches);
-  p.micro_batches = static_cast<int>(o.micro_batches);
+  if (o.batch_tokens <= 0) {
+    p.micro_batch_size = static_cast<int>(o.global_batch / o.micro_batches);
+    p.micro_batches = static_cast<int>(o.micro_batches);
+  }
   p.stages.push_back(Stage{{0}, 0, static_cast<int>(config.num_hidden_layers) - 1});
   strategy.pipelines.push_back(p);
   one.strategy = strategy;

@@ -78,6 +78,15 @@ class PackedDocuments {
   void sample(int64_t index, int64_t width, int32_t* inputs, int32_t* targets,
               int32_t* positions) const;
 
+  // The pieces themselves (token-budget steps, docs/mixed_length.md): in
+  // file order, each at most seq_len tokens.
+  int64_t num_pieces() const { return static_cast<int64_t>(pieces_.size()); }
+  int64_t piece_size(int64_t piece) const { return pieces_.at(static_cast<size_t>(piece)).size; }
+  // Writes the listed pieces one after the other into a row of `width`
+  // entries, padded as sample() pads; throws when they do not fit.
+  void pack(const std::vector<int64_t>& pieces, int64_t width, int32_t* inputs, int32_t* targets,
+            int32_t* positions) const;
+
  private:
   struct Piece {
     int64_t begin, size;  // a range of the token file

@@ -33,6 +33,12 @@ struct Pipeline {
   int micro_batch_size = 1;
   int micro_batches = 1;
   std::vector<Stage> stages;
+  // Token-budget steps (docs/mixed_length.md); 0 = the default. The longest
+  // piece the pipeline takes (default: the strategy's max_seq_len), and the
+  // tokens of one micro-batch (default: its max_seq_len). micro_batch_size
+  // and micro_batches are not read then (and may be left out).
+  int max_seq_len = 0;
+  int micro_batch_tokens = 0;
 
   int batch() const { return micro_batch_size * micro_batches; }  // samples per step
   bool operator==(const Pipeline&) const = default;
@@ -43,6 +49,7 @@ struct Strategy {
   std::string schedule = "1f1b";  // "1f1b" or "gpipe"
   bool zero = false;              // ZeRO-1: split fp32 master weights and Adam states across DP
   std::vector<Pipeline> pipelines;
+  int max_seq_len = 0;            // token-budget steps: the longest piece it accepts (0: --max-seq-len)
 
   int global_batch() const;  // sum of the pipelines' batch()
   // Every rank named by some stage, ascending.

@@ -64,6 +64,11 @@ struct TrainOptions {
   bool checkpoint_sync = false;
   std::string resume_dir;       // continue from the checkpoint in this directory
   int64_t seq_len = 0;
+  // Token-budget steps (docs/mixed_length.md): when batch_tokens > 0, each
+  // step takes the next document pieces (at most seq_len tokens each) while
+  // their tokens stay within batch_tokens, and dispatches them over the
+  // strategy's pipelines; global_batch is not read.
+  int64_t batch_tokens = 0;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
   int64_t steps = 0;
@@ -105,6 +110,11 @@ struct StepRecord {
   // per rank: the micro-batches' peak above what the rank held before them
   // (activations, kept for the backward or recomputed, and raw gradients)
   std::vector<int64_t> peak_activation_bytes;
+  // Token-budget steps: pieces in the step, real tokens per pipeline, and
+  // the cost model's prediction of the dispatch's slowest pipeline.
+  int64_t pieces = 0;
+  std::vector<int64_t> pipeline_tokens;
+  double predicted_step_s = 0.0;
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };
