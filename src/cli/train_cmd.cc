@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <algorithm>
 #include <memory>
+#include <sstream>
 #include <thread>
 
 #include "commands.h"
@@ -257,6 +258,10 @@ int train_command(const std::vector<std::string>& args) {
                "deterministic, independent of the machine's load)");
   f.add_string("profile", &o.profile_path, "profile JSON made by `hspmd profile` (with --clock model)");
   f.add_string("plan", &o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
+  std::string choices;
+  f.add_string("strategies", &choices,
+               "A.json,B.json,...: with --batch-tokens, per step the strategy the cost model favours for its "
+               "pieces, switched to online (docs/mixed_length.md); instead of --strategy");
   std::vector<std::string> switches, lost;
   f.add_list("switch", &switches,
              "STEP:FILE: from step STEP on, train under FILE (a strategy or plan), moving the training state "
@@ -331,6 +336,17 @@ int train_command(const std::vector<std::string>& args) {
   o.progress = !quiet;
   o.switches = parse_switches(switches, lost);
   for (const TrainOptions::Switch& sw : o.switches) check_input_file("--switch", sw.path);
+  if (f.given("strategies")) {
+    if (f.given("strategy") || f.given("plan")) fail("[flags] give --strategies or --strategy / --plan, not both");
+    std::stringstream ss(choices);
+    for (std::string item; std::getline(ss, item, ',');) {
+      if (item.empty()) fail("[flags] --strategies '", choices, "': an empty file name");
+      check_input_file("--strategies", item);
+      o.strategy_choices.push_back(item);
+    }
+    if (o.strategy_choices.empty()) fail("[flags] --strategies needs at least one file");
+    o.strategy_path = o.strategy_choices[0];
+  }
   const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
   if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
   if (!distributed && mpi_world_size() > 1) {

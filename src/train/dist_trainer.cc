@@ -208,6 +208,13 @@ class DistTrainer {
         fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
              p->strategy->global_batch());
     if (!o.events_path.empty()) load_elastic_events();
+    if (!o.strategy_choices.empty()) {
+      if (o.batch_tokens == 0) fail("[flags] --strategies needs --batch-tokens (a strategy is chosen per step)");
+      if (!o.switches.empty() || !o.events_path.empty())
+        fail("[flags] --strategies does not go with --switch or --events");
+      choices_.push_back(plans_[0]);
+      for (size_t i = 1; i < o.strategy_choices.size(); ++i) choices_.push_back(load_plan_file(o.strategy_choices[i]));
+    }
   }
 
   // Reads the data and the initial weights or checkpoint, specializes the
@@ -231,6 +238,10 @@ class DistTrainer {
   // Specializes `plan` and moves the training state to it; returns the log
   // fields every switch record shares.
   nlohmann::json move_to(std::shared_ptr<const AnnotationPlan> plan, const SwitchOptions& so);
+  // The same for a plan specialized already; the old runtime goes to
+  // *keep_old when given (--strategies keeps every choice's graphs).
+  nlohmann::json move_runtime(std::unique_ptr<Runtime> next, const SwitchOptions& so, double specialize_s,
+                              std::unique_ptr<Runtime>* keep_old);
 
   // Elastic training (docs/elastic.md).
   void load_elastic_events();
@@ -277,13 +288,24 @@ class DistTrainer {
   int64_t accepted(const Strategy& s, const Pipeline& p) const;
   int64_t capacity(const Strategy& s, const Pipeline& p) const;
   // Checks that every piece fits the budget and some pipeline of `s`.
-  void check_pieces(const Strategy& s, const std::string& what) const;
+  // Checks the budget against the longest piece, each pipeline's capacity,
+  // and that some pipeline of `strategies` accepts the longest piece.
+  void check_pieces(const std::vector<const Strategy*>& strategies, const std::string& what) const;
   // The pieces of the step starting at piece `cursor`, dispatched over the
   // current plan's pipelines: longest first, each to the pipeline that
   // accepts it and would finish first by the cost model; then packed into
   // micro-batches first-fit decreasing. The same on every rank.
-  TokenStep plan_token_step(int64_t cursor) const;
-  double piece_seconds(int pipeline, int64_t tokens) const;
+  TokenStep plan_token_step(int64_t cursor) const { return plan_token_step(cursor, rt_->strategy, -1); }
+  // The same under strategy `s` (`key`: its index among --strategies, -1
+  // for the current plan's).
+  TokenStep plan_token_step(int64_t cursor, const Strategy& s, int key) const;
+  double piece_seconds(const Strategy& s, int key, int pipeline, int64_t tokens) const;
+  // The pieces of the step from `cursor` (file order, within the budget).
+  std::vector<int64_t> step_pieces(int64_t cursor) const;
+  // --strategies: rank 0 picks, among the strategies whose pipelines accept
+  // the step's longest piece, the lowest predicted step time plus the
+  // switch's cost when it is not the current one; every rank switches to it.
+  void select_strategy(int64_t step, std::ofstream& log);
   // Copies this rank's shards and writes them on a background thread
   // (synchronously with --checkpoint-sync); committed by finish_checkpoint.
   void save_checkpoint();
@@ -328,7 +350,10 @@ class DistTrainer {
   std::unique_ptr<PendingCheckpoint> pending_;
   std::unique_ptr<PackedDocuments> pieces_;  // token-budget steps
   std::optional<CostModel> dispatch_model_;
-  mutable std::map<std::pair<int, int64_t>, double> piece_seconds_;  // cache of piece_seconds, per plan
+  mutable std::map<std::tuple<int, int, int64_t>, double> piece_seconds_;  // (key, pipeline, tokens) -> s
+  std::vector<std::shared_ptr<const AnnotationPlan>> choices_;  // --strategies, compiled
+  int choice_ = 0;                                              // the one in force
+  std::vector<std::unique_ptr<Runtime>> choice_rt_;  // the others' graphs, specialized before step 0
   std::optional<TokenStep> token_step_;  // this step's
   // Elastic training.
   std::vector<ElasticEvent> events_;
@@ -637,7 +662,13 @@ void DistTrainer::prepare() {
   if (o_.batch_tokens > 0) {
     pieces_ = std::make_unique<PackedDocuments>(*data_, o_.seq_len, config_.eos_token_id);
     dispatch_model_.emplace(CostModel::load(config_, *topology_, o_.profile_path));
-    for (const auto& p : plans_) check_pieces(*p->strategy, "the strategy");
+    if (!choices_.empty()) {
+      std::vector<const Strategy*> all;
+      for (const auto& c : choices_) all.push_back(&*c->strategy);
+      check_pieces(all, "any of --strategies");
+    } else {
+      for (const auto& p : plans_) check_pieces({&*p->strategy}, "the strategy");
+    }
   } else {
     source_ = std::make_unique<train_common::SampleSource>(*data_, o_.seq_len, o_.pack_documents,
                                                            config_.eos_token_id);
@@ -670,6 +701,11 @@ void DistTrainer::prepare() {
   const auto t0 = Clock::now();
   rt_ = specialize(first);
   last_specialize_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
+  // --strategies: every choice specialized now (the same order on every
+  // rank: creating communicator groups is collective); a per-step switch
+  // then only moves the state.
+  choice_rt_.resize(choices_.size());
+  for (size_t i = 1; i < choices_.size(); ++i) choice_rt_[i] = specialize(choices_[i]);
   // Every switch is planned now, so that one that cannot be done (a lost
   // rank's slices with no checkpoint) fails before the first step.
   for (size_t k = plan_index_ + 1; k < plans_.size(); ++k)
@@ -697,9 +733,16 @@ nlohmann::json DistTrainer::move_to(std::shared_ptr<const AnnotationPlan> plan, 
   std::unique_ptr<Runtime> next = specialize(std::move(plan));
   const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
   last_specialize_s_ = specialize_s;
+  return move_runtime(std::move(next), so, specialize_s, nullptr);
+}
+
+nlohmann::json DistTrainer::move_runtime(std::unique_ptr<Runtime> next, const SwitchOptions& so, double specialize_s,
+                                         std::unique_ptr<Runtime>* keep_old) {
+  finish_checkpoint(true);
   std::unique_ptr<CheckpointReader> reader;
   if (so.have_checkpoint) reader = std::make_unique<CheckpointReader>(o_.checkpoint_dir);
   const SwitchPlan& sp = switch_plans_.get(*rt_->plan, *next->plan, *topology_, so);
+  if (keep_old) *keep_old = std::move(rt_);
   rt_.reset();  // the old graph goes before the state moves: less memory at the peak
   SwitchReport rep;
   state_ = std::move(*state_).reshard_to(next->plan, sp, *topology_, world_, reader.get(), clock_.get(), &rep);
@@ -1080,29 +1123,30 @@ int64_t DistTrainer::capacity(const Strategy& s, const Pipeline& p) const {
   return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted(s, p);
 }
 
-void DistTrainer::check_pieces(const Strategy& s, const std::string& what) const {
+void DistTrainer::check_pieces(const std::vector<const Strategy*>& strategies, const std::string& what) const {
   int64_t longest = 0;
   for (int64_t i = 0; i < pieces_->num_pieces(); ++i) longest = std::max(longest, pieces_->piece_size(i));
   if (o_.batch_tokens < longest)
     fail("[flags] --batch-tokens ", o_.batch_tokens, " is smaller than the longest piece of ", o_.data_path, " (",
          longest, " tokens; pieces are at most --max-seq-len ", o_.seq_len, ")");
   int64_t most = 0;
-  for (size_t k = 0; k < s.pipelines.size(); ++k) {
-    const Pipeline& p = s.pipelines[k];
-    if (capacity(s, p) < accepted(s, p))
-      fail("[strategy] pipeline ", k, ": micro_batch_tokens=", capacity(s, p), " cannot hold a piece of ",
-           accepted(s, p), " tokens, the longest it accepts");
-    most = std::max(most, accepted(s, p));
-  }
+  for (const Strategy* s : strategies)
+    for (size_t k = 0; k < s->pipelines.size(); ++k) {
+      const Pipeline& p = s->pipelines[k];
+      if (capacity(*s, p) < accepted(*s, p))
+        fail("[strategy] pipeline ", k, ": micro_batch_tokens=", capacity(*s, p), " cannot hold a piece of ",
+             accepted(*s, p), " tokens, the longest it accepts");
+      most = std::max(most, accepted(*s, p));
+    }
   if (most < longest)
     fail("[data] ", o_.data_path, ": a piece of ", longest, " tokens, but no pipeline of ", what,
          " accepts more than ", most, " (its max_seq_len)");
 }
 
-double DistTrainer::piece_seconds(int pipeline, int64_t tokens) const {
-  auto [it, fresh] = piece_seconds_.try_emplace({pipeline, tokens}, 0.0);
+double DistTrainer::piece_seconds(const Strategy& s, int key, int pipeline, int64_t tokens) const {
+  auto [it, fresh] = piece_seconds_.try_emplace({key, pipeline, tokens}, 0.0);
   if (!fresh) return it->second;
-  const Pipeline& p = rt_->strategy.pipelines.at(pipeline);
+  const Pipeline& p = s.pipelines.at(pipeline);
   double slowest = 0;
   for (size_t k = 0; k < p.stages.size(); ++k) {
     const Stage& st = p.stages[k];
@@ -1120,21 +1164,27 @@ double DistTrainer::piece_seconds(int pipeline, int64_t tokens) const {
   return slowest;
 }
 
-DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor) const {
-  const Strategy& s = rt_->strategy;
+std::vector<int64_t> DistTrainer::step_pieces(int64_t cursor) const {
+  const int64_t n = pieces_->num_pieces();
+  std::vector<int64_t> chosen;
+  int64_t tokens = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t piece = (cursor + k) % n;
+    const int64_t size = pieces_->piece_size(piece);
+    if (!chosen.empty() && tokens + size > o_.batch_tokens) break;
+    chosen.push_back(piece);
+    tokens += size;
+  }
+  return chosen;
+}
+
+DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor, const Strategy& s, int key) const {
   const int P = static_cast<int>(s.pipelines.size());
   TokenStep t;
   t.micro.resize(P);
   t.pipeline_tokens.assign(P, 0);
-  const int64_t n = pieces_->num_pieces();
-  std::vector<int64_t> chosen;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t piece = (cursor + k) % n;
-    const int64_t size = pieces_->piece_size(piece);
-    if (!chosen.empty() && t.tokens + size > o_.batch_tokens) break;
-    chosen.push_back(piece);
-    t.tokens += size;
-  }
+  std::vector<int64_t> chosen = step_pieces(cursor);
+  for (int64_t piece : chosen) t.tokens += pieces_->piece_size(piece);
   t.pieces = static_cast<int64_t>(chosen.size());
   t.counted = t.tokens - t.pieces;
   // Longest first (ties in file order), each to the accepting pipeline
@@ -1149,7 +1199,7 @@ DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor) const {
     double best_end = 0;
     for (int p = 0; p < P; ++p) {
       if (size > accepted(s, s.pipelines[p])) continue;
-      const double end = load[p] + piece_seconds(p, size);
+      const double end = load[p] + piece_seconds(s, key, p, size);
       if (best < 0 || end < best_end) best = p, best_end = end;
     }
     HSPMD_CHECK(best >= 0, "a piece of ", size, " tokens that no pipeline accepts (checked before the first step)");
@@ -1171,9 +1221,50 @@ DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor) const {
       used[bin] += size;
       t.micro[p][bin].push_back(piece);
     }
-    t.predicted_s = std::max(t.predicted_s, load[p]);
+    // Fill and drain: the pipeline's other stages once per micro-batch
+    // position, about (stages - 1) average micro-batches more.
+    const double fill = t.micro[p].empty() ? 0.0
+                                           : load[p] / static_cast<double>(t.micro[p].size()) *
+                                                 static_cast<double>(s.pipelines[p].stages.size() - 1);
+    t.predicted_s = std::max(t.predicted_s, load[p] + fill);
   }
   return t;
+}
+
+void DistTrainer::select_strategy(int64_t step, std::ofstream& log) {
+  int64_t pick = choice_;
+  if (world_.rank() == 0) {
+    int64_t longest = 0;
+    for (int64_t piece : step_pieces(state_->samples)) longest = std::max(longest, pieces_->piece_size(piece));
+    double best = 0;
+    pick = -1;
+    for (size_t i = 0; i < choices_.size(); ++i) {
+      const Strategy& s = *choices_[i]->strategy;
+      int64_t most = 0;
+      for (const Pipeline& p : s.pipelines) most = std::max(most, accepted(s, p));
+      if (most < longest) continue;
+      double cost = plan_token_step(state_->samples, s, static_cast<int>(i)).predicted_s;
+      if (static_cast<int>(i) != choice_) {
+        SwitchOptions so;
+        so.algorithm = algorithm_;
+        so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+        cost += switch_plans_.get(*rt_->plan, *choices_[i], *topology_, so).predicted_s;  // graphs specialized already
+      }
+      if (pick < 0 || cost < best) pick = static_cast<int64_t>(i), best = cost;
+    }
+  }
+  world_.broadcast(&pick, 1, 0);  // the wall-clock part of the cost differs between ranks
+  HSPMD_CHECK(pick >= 0, "no strategy accepts the step's longest piece (checked before the first step)");
+  if (pick == choice_) return;
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  nlohmann::json j = {{"event", "switch"}, {"step", step}, {"strategy", pick},
+                      {"cause", "the step's pieces (strategy " + std::to_string(pick) + ")"}};
+  const int old = choice_;
+  j.update(move_runtime(std::move(choice_rt_[pick]), so, 0.0, &choice_rt_[old]));
+  choice_ = static_cast<int>(pick);
+  write_log(log, j);
 }
 
 void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r) {
@@ -1271,6 +1362,7 @@ std::vector<StepRecord> DistTrainer::run() {
     allocator_for(Device::cpu()).reset_peak();
     const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
     const int64_t first = state_->samples;
+    if (pieces_ && choices_.size() > 1) select_strategy(step, log);
     if (pieces_) token_step_ = plan_token_step(first);
     const float normalizer = pieces_ ? static_cast<float>(std::max<int64_t>(1, token_step_->counted))
                                      : source_->normalizer(first, global_batch);
@@ -1304,6 +1396,7 @@ std::vector<StepRecord> DistTrainer::run() {
       r.pieces = token_step_->pieces;
       r.pipeline_tokens = token_step_->pipeline_tokens;
       r.predicted_step_s = token_step_->predicted_s;
+      if (!choices_.empty()) r.strategy = choice_;
     } else {
       r.tokens = source_->tokens(first, global_batch);
     }

@@ -4,8 +4,8 @@ strategy dispatches: heavy-tailed documents are cut into pieces of at most
 L tokens, each step takes the next pieces within T tokens, and the losses
 (1e-5 relative per step) and final weights (1e-4) of pipelines that accept
 different lengths — a context-parallel pipeline for the longest pieces,
-ZeRO-1, a plan switch between two such strategies — equal the
-single-process run's. Also the step records' fields and the one-line errors
+ZeRO-1, a plan switch between two such strategies, and --strategies, which
+picks the favoured strategy per step — equal the single-process run's. Also the step records' fields and the one-line errors
 for a piece no pipeline accepts, a pipeline max_seq_len above its
 strategy's, and a budget smaller than a piece."""
 import argparse
@@ -132,6 +132,23 @@ def main():
             check("switch", False, f"exit {rc}: {err.strip()[-400:]}")
         else:
             compare("switch between token strategies", got, got_w, switches=1)
+
+        # --strategies: per step the favoured strategy; one for short pieces
+        # only (four ranks of one stage each), one with the CP pair for
+        # the longest. Steps whose pieces are all short may use the first,
+        # the others must use the second; both get used.
+        short_only = {"max_seq_len": 16, "pipelines": [pipe([([r], [0, 3], 1)]) for r in range(4)]}
+        rc, err, got, got_w = train("choose", ["--strategies", strategy_file("choose_a", short_only) + "," +
+                                               strategy_file("choose_b", CASES["cp_long_short"][1]),
+                                               "--nproc", "4"])
+        if rc:
+            check("strategies per step", False, f"exit {rc}: {err.strip()[-400:]}")
+        else:
+            s = [r for r in got if "loss" in r]
+            n_sw = len([r for r in got if r.get("event") == "switch"])
+            compare("strategies per step", got, got_w, switches=n_sw)
+            picks = [r["strategy"] for r in s]
+            check("strategies per step: both used", set(picks) == {0, 1} and n_sw >= 1, f"per step {picks}")
 
         # Bad input: one line, non-zero, before the first step.
         short = {"pipelines": [pipe([([0], [0, 3], 1)], max_seq_len=8), pipe([([1], [0, 3], 1)], max_seq_len=16)]}

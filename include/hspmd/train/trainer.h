@@ -69,6 +69,9 @@ struct TrainOptions {
   // their tokens stay within batch_tokens, and dispatches them over the
   // strategy's pipelines; global_batch is not read.
   int64_t batch_tokens = 0;
+  // ... and with several strategies (--strategies; strategy_path is the
+  // first): per step the one the cost model favours (docs/mixed_length.md).
+  std::vector<std::string> strategy_choices;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
   int64_t steps = 0;
@@ -115,6 +118,7 @@ struct StepRecord {
   int64_t pieces = 0;
   std::vector<int64_t> pipeline_tokens;
   double predicted_step_s = 0.0;
+  int strategy = -1;  // --strategies: the index of the step's strategy
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };
