@@ -478,48 +478,38 @@ size_t DistTrainer::plan_at(int64_t step) const {
 // pipelines see different lengths; they never exchange activations.
 ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) const {
   const Strategy& strategy = rt_->strategy;
-  if (pieces_) {  // token-budget steps: one row per pipeline, this pipeline's packed pieces in its own
+  int64_t rows = 0, row = 0, width = 0;
+  std::function<void(int32_t*, int32_t*, int32_t*)> fill;  // this pipeline's rows, from row `row` on
+  if (pieces_) {  // token-budget steps: one row per pipeline, its packed pieces
     const std::vector<int64_t>& mine = token_step_->micro.at(rt_->pipeline).at(micro);
     int64_t n = 0;
     for (int64_t p : mine) n += pieces_->piece_size(p);
-    const int64_t width = (std::max<int64_t>(n, 1) + rt_->granularity - 1) / rt_->granularity * rt_->granularity;
-    const int64_t rows = static_cast<int64_t>(strategy.pipelines.size()), at = rt_->pipeline * width;
-    NDArray ids = NDArray::zeros({rows, width}, DType::I32);
-    NDArray targets = NDArray::zeros({rows, width}, DType::I32);
-    NDArray positions = NDArray::zeros({rows, width}, DType::I32);
-    pieces_->pack(mine, width, ids.data<int32_t>() + at, targets.data<int32_t>() + at,
-                  positions.data<int32_t>() + at);
-    NDArray norm = NDArray::empty({}, DType::F32);
-    norm.fill(normalizer);
-    bindings = Bindings{{"B", rows}, {"S", width}};
-    ValueMap v;
-    for (const std::string& name : rt_->graph->model().names) {
-      const Shard& sh = state_->slot(name, StateSlot::kParam);
-      if (sh.held()) v[name] = sh.data;
+    width = (std::max<int64_t>(n, 1) + rt_->granularity - 1) / rt_->granularity * rt_->granularity;
+    rows = static_cast<int64_t>(strategy.pipelines.size());
+    row = rt_->pipeline;
+    fill = [&](int32_t* ids, int32_t* targets, int32_t* positions) {
+      pieces_->pack(mine, width, ids, targets, positions);
+    };
+  } else {
+    int64_t mine = 0, first = state_->samples;
+    for (int k = 0; k < static_cast<int>(strategy.pipelines.size()); ++k) {
+      const Pipeline& p = strategy.pipelines[k];
+      if (k == rt_->pipeline) row = rows, mine = first + micro * p.micro_batch_size;
+      rows += p.micro_batch_size;
+      first += p.batch();
     }
-    for (auto& [name, full] : ValueMap{{"input_ids", ids}, {"targets", targets},
-                                       {"positions", positions}, {"normalizer", norm}})
-      if (auto box = rt_->graph->local_box(name, full.shape())) v[name] = box_slice(full, *box);
-    return v;
+    const int count = strategy.pipelines.at(rt_->pipeline).micro_batch_size;
+    width = source_->width(mine, count, rt_->granularity);
+    fill = [&, mine, count](int32_t* ids, int32_t* targets, int32_t* positions) {
+      for (int b = 0; b < count; ++b)
+        source_->fill(mine + b, width, ids + b * width, targets + b * width, positions + b * width);
+    };
   }
-  int64_t rows = 0, row = 0, mine = 0;
-  int64_t first = state_->samples;
-  for (int k = 0; k < static_cast<int>(strategy.pipelines.size()); ++k) {
-    const Pipeline& p = strategy.pipelines[k];
-    if (k == rt_->pipeline) row = rows, mine = first + micro * p.micro_batch_size;
-    rows += p.micro_batch_size;
-    first += p.batch();
-  }
-  const Pipeline& p = strategy.pipelines.at(rt_->pipeline);
-  const int64_t width = source_->width(mine, p.micro_batch_size, rt_->granularity);
   NDArray ids = NDArray::zeros({rows, width}, DType::I32);
   NDArray targets = NDArray::zeros({rows, width}, DType::I32);
   NDArray positions = NDArray::zeros({rows, width}, DType::I32);
-  for (int b = 0; b < p.micro_batch_size; ++b) {
-    const int64_t at = (row + b) * width;
-    source_->fill(mine + b, width, ids.data<int32_t>() + at, targets.data<int32_t>() + at,
-                  positions.data<int32_t>() + at);
-  }
+  const int64_t at = row * width;
+  fill(ids.data<int32_t>() + at, targets.data<int32_t>() + at, positions.data<int32_t>() + at);
   NDArray norm = NDArray::empty({}, DType::F32);
   norm.fill(normalizer);
   bindings = Bindings{{"B", rows}, {"S", width}};
