@@ -2,6 +2,7 @@
 // search for the best strategy (docs/planner.md).
 #include "plan_search_cmd.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -9,8 +10,10 @@
 #include "flags.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
+#include "hspmd/data/token_data.h"
 #include "hspmd/models/config.h"
 #include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/mixed_length.h"
 #include "hspmd/plan/search.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/topology.h"
@@ -102,7 +105,104 @@ std::vector<int> int_list(const std::string& text, const char* flag) {
   return out;
 }
 
+struct MixedFlags {
+  std::string model, cluster, lengths, profile, strategies_out;
+  int64_t batch_tokens = 0, max_seq_len = 0, buckets = 2, max_cp = 0;
+  bool zero = false, json = false, no_recompute = false;
+};
+
+std::string pipeline_summary(const Pipeline& p) {
+  std::ostringstream os;
+  os << "<=" << p.max_seq_len << " (mb " << p.micro_batch_tokens << "):";
+  for (const Stage& st : p.stages)
+    os << " R" << format_ranks(st.ranks) << " tp" << st.tp() << (st.cp > 1 ? " cp" + std::to_string(st.cp) : "")
+       << " L" << st.first_layer << "-" << st.last_layer << (st.recompute ? " rc" : "") << " |";
+  return os.str();
+}
+
+// hspmd plan search --lengths: one strategy per maximum-length bucket for
+// token-budget steps (docs/planner.md "Mixed lengths").
+int mixed_command(const std::vector<std::string>& args) {
+  MixedFlags c;
+  FlagSet f("plan search --lengths",
+            "Plan token-budget steps for mixed lengths (docs/planner.md \"Mixed lengths\"): from the\n"
+            "pieces of a token file (documents cut at eos, pieces of at most --max-seq-len), one\n"
+            "strategy per maximum-length bucket, each of pipelines tailored to length intervals by a\n"
+            "dynamic program over intervals x devices. The strategies are for\n"
+            "hspmd train --batch-tokens T --max-seq-len L --strategies A.json,B.json.");
+  f.add_string("model", &c.model, "Hugging Face config.json (its eos_token_id cuts the documents)", true);
+  f.add_string("cluster", &c.cluster, "cluster JSON (docs/cluster.md)", true);
+  f.add_string("lengths", &c.lengths, "token file whose piece lengths the plan is for", true);
+  f.add_int("batch-tokens", &c.batch_tokens, "tokens per step", true);
+  f.add_int("max-seq-len", &c.max_seq_len, "the longest piece (documents are cut into pieces of at most this)", true);
+  f.add_string("profile", &c.profile, "profile JSON for device types without their own (hspmd profile)");
+  f.add_int("buckets", &c.buckets, "at most this many maximum-length buckets, one strategy each (default 2)");
+  f.add_int("max-cp", &c.max_cp, "largest context-parallel degree (default: up to the node size)");
+  f.add_bool("zero", &c.zero, "ZeRO-1 across each strategy's pipelines");
+  f.add_bool("no-recompute", &c.no_recompute, "never use activation recomputation");
+  f.add_string("strategies-out", &c.strategies_out, "directory to write one strategy JSON per bucket into");
+  f.add_bool("json", &c.json, "print one JSON document instead of text");
+  if (!f.parse(args)) return 0;
+  if (c.max_seq_len < 1) fail("[flags] --max-seq-len must be >= 1, got ", c.max_seq_len);
+  if (c.batch_tokens < 1) fail("[flags] --batch-tokens must be >= 1, got ", c.batch_tokens);
+  if (c.buckets < 1) fail("[flags] --buckets must be >= 1, got ", c.buckets);
+  if (c.max_cp < 0) fail("[flags] --max-cp must be >= 0, got ", c.max_cp);
+  check_input_file("--lengths", c.lengths);
+  set_num_threads(1);
+  const LlamaConfig config = LlamaConfig::load(c.model);
+  const Topology topology = Topology::load(c.cluster);
+  const CostModel model = CostModel::load(config, topology, c.profile);
+  const TokenData data = TokenData::load(c.lengths, config.vocab_size);
+  const PackedDocuments docs(data, c.max_seq_len, config.eos_token_id);
+  std::vector<int64_t> pieces(static_cast<size_t>(docs.num_pieces()));
+  for (int64_t i = 0; i < docs.num_pieces(); ++i) pieces[static_cast<size_t>(i)] = docs.piece_size(i);
+  MixedLengthOptions o;
+  o.batch_tokens = c.batch_tokens;
+  o.max_seq_len = c.max_seq_len;
+  o.buckets = static_cast<int>(c.buckets);
+  o.max_cp = static_cast<int>(c.max_cp);
+  o.zero = c.zero;
+  o.allow_recompute = !c.no_recompute;
+  MixedLengthPlan plan = plan_mixed_lengths(model, pieces, o);
+  std::vector<std::string> written;
+  for (LengthBucket& b : plan.buckets) {
+    char desc[200];
+    std::snprintf(desc, sizeof desc, "hspmd plan search --lengths: bucket max_seq_len %lld, predicted step %.6g s",
+                  static_cast<long long>(b.max_seq_len), b.predicted_step_s);
+    b.strategy.description = desc;
+    validate(b.strategy, config, topology.world_size());
+    if (c.strategies_out.empty()) continue;
+    const std::string path = c.strategies_out + "/bucket_" + std::to_string(b.max_seq_len) + ".json";
+    std::ofstream out(path);
+    if (!out) fail("[cli] ", path, ": cannot open for writing");
+    out << to_json(b.strategy).dump(2) << "\n";
+    if (!out) fail("[cli] ", path, ": write failed");
+    written.push_back(path);
+  }
+  if (c.json) {
+    nlohmann::json j = plan.to_json();
+    j["written"] = written;
+    std::fputs((j.dump(1) + "\n").c_str(), stdout);
+    return 0;
+  }
+  std::ostringstream os;
+  os << plan.pieces << " pieces, " << plan.steps << " steps of at most " << c.batch_tokens << " tokens; planned "
+     << plan.buckets.size() << " bucket(s) in " << fmt("%.3f", plan.planning_s) << " s\n";
+  for (size_t i = 0; i < plan.buckets.size(); ++i) {
+    const LengthBucket& b = plan.buckets[i];
+    os << "bucket " << i << ": max_seq_len " << b.max_seq_len << ", " << b.steps << " steps, predicted step "
+       << fmt("%.6g", b.predicted_step_s) << " s (dynamic program " << fmt("%.6g", b.dp_step_s) << " s + sync "
+       << fmt("%.4g", b.sync_s) << " s)\n";
+    for (const Pipeline& p : b.strategy.pipelines) os << "    " << pipeline_summary(p) << "\n";
+  }
+  for (const std::string& w : written) os << "wrote " << w << "\n";
+  std::fputs(os.str().c_str(), stdout);
+  return 0;
+}
+
 int search_command(const std::vector<std::string>& args) {
+  for (const std::string& a : args)
+    if (a == "--lengths" || a.rfind("--lengths=", 0) == 0) return mixed_command(args);
   SearchFlags c;
   FlagSet f("plan search",
             "Search the best strategy for a model on a cluster at a global batch (docs/planner.md):\n"

@@ -1,0 +1,86 @@
+// Planning for mixed lengths (docs/planner.md "Mixed lengths"): from the
+// piece lengths of a token file, one strategy per maximum-length bucket for
+// token-budget steps (docs/mixed_length.md), each made of pipelines tailored
+// to length intervals, as the paper's scenario-(c) planner does.
+//
+// Per bucket, a dynamic program over length intervals x devices assigns
+// pipelines (single device class, tp x cp stages inside nodes, pp stages of
+// evenly split layers) to contiguous runs of length intervals so that the
+// slowest run's predicted time for the step's expected pieces is least; a
+// pipeline only takes pieces its memory holds. Times come from
+// CostModel::stage_cost per piece, memory from CostModel::stage_memory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/strategy.h"
+
+namespace hspmd {
+
+struct MixedLengthOptions {
+  int64_t batch_tokens = 0;  // T: tokens per step
+  int64_t max_seq_len = 0;   // L: the longest piece
+  int buckets = 2;           // at most this many maximum-length buckets (the top one is L)
+  int max_cp = 0;            // largest context-parallel degree; 0 = up to the node size
+  bool zero = false;         // ZeRO-1 across the strategy's pipelines
+  bool allow_recompute = true;
+};
+
+// One length interval (lo, hi] of a bucket and what a step is expected to
+// hold there.
+struct LengthInterval {
+  int64_t lo = 0, hi = 0;
+  double pieces = 0, tokens = 0, squares = 0;  // per step: count, sum of lengths, sum of squared lengths
+};
+
+struct LengthBucket {
+  int64_t max_seq_len = 0;               // m_b: the longest piece the strategy accepts
+  int steps = 0;                         // steps of the file whose longest piece falls in this bucket
+  std::vector<LengthInterval> intervals; // longest first
+  Strategy strategy;                     // strategy.max_seq_len = m_b
+  double dp_step_s = 0;                  // the dynamic program's objective (expected pieces)
+  double sync_s = 0;                     // gradient sync and optimizer after the pipelines
+  // Median over the bucket's steps of predict_token_step + sync_s (the
+  // expected-step prediction when the bucket has no step of its own).
+  double predicted_step_s = 0;
+};
+
+struct MixedLengthPlan {
+  int64_t pieces = 0, steps = 0;  // of the file, steps as the trainer forms them (no wrap)
+  std::vector<LengthBucket> buckets;  // ascending max_seq_len; the last has max_seq_len = L
+  double planning_s = 0;
+  nlohmann::json to_json() const;
+};
+
+// Plans every bucket. `pieces`: piece lengths in file order (documents cut
+// at eos, pieces of at most L; PackedDocuments' pieces). Throws hspmd::Error
+// "[search] ..." for a piece longer than L, no piece, a batch smaller than
+// the longest piece, or when no pipeline of any device class can hold a
+// piece of the bucket's maximum length (naming the length and the memory).
+MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int64_t>& pieces,
+                                   const MixedLengthOptions& options);
+
+// Steps as `hspmd train --batch-tokens T` forms them from file order: the
+// next pieces while their total stays within T, at least one; the pieces
+// after the last full pass are not wrapped around (a last shorter step).
+std::vector<std::vector<int64_t>> token_steps(const std::vector<int64_t>& pieces, int64_t batch_tokens);
+
+// The trainer's prediction of one token-budget step's pipelines
+// (docs/mixed_length.md "Per step"): pieces longest first to the accepting
+// pipeline that finishes first (per piece: the slowest stage's stage_cost at
+// s = its length, b = 1), first-fit decreasing into micro-batches of
+// micro_batch_tokens, plus a fill and drain of (stages - 1) average
+// micro-batches. Throws hspmd::Error "[search] ..." when no pipeline
+// accepts a piece.
+double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces);
+
+// What follows the pipelines in a step: gradient sync, optimizer (and the
+// ZeRO gather), from CostModel::evaluate.
+double token_step_sync_seconds(const CostModel& model, const Strategy& strategy);
+
+}  // namespace hspmd
