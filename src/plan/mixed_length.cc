@@ -529,6 +529,13 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
     plan.buckets.push_back(std::move(b));
     lo = m;
   }
+  for (const auto& st : steps) {
+    StepPrediction sp;
+    for (int64_t len : st) sp.longest = std::max(sp.longest, len), sp.tokens += len;
+    for (const LengthBucket& b : plan.buckets)
+      sp.bucket_s.push_back(sp.longest <= b.max_seq_len ? predict_token_step(model, b.strategy, st) + b.sync_s : -1.0);
+    plan.step_predictions.push_back(std::move(sp));
+  }
   plan.planning_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return plan;
 }
@@ -547,7 +554,10 @@ nlohmann::json MixedLengthPlan::to_json() const {
                   {"predicted_step_s", b.predicted_step_s},
                   {"strategy", hspmd::to_json(b.strategy)}});
   }
-  return {{"pieces", pieces}, {"steps", steps}, {"buckets", bs}, {"planning_s", planning_s}};
+  nlohmann::json per_step = nlohmann::json::array();
+  for (const StepPrediction& sp : step_predictions)
+    per_step.push_back({{"longest", sp.longest}, {"tokens", sp.tokens}, {"bucket_s", sp.bucket_s}});
+  return {{"pieces", pieces}, {"steps", steps}, {"buckets", bs}, {"planning_s", planning_s}, {"step_predictions", per_step}};
 }
 
 }  // namespace hspmd

@@ -50,8 +50,17 @@ struct LengthBucket {
   double predicted_step_s = 0;
 };
 
+// One step of the file: its longest piece, tokens, and per bucket the
+// predicted step (predict_token_step + sync_s; negative where the bucket's
+// strategy does not accept the longest piece).
+struct StepPrediction {
+  int64_t longest = 0, tokens = 0;
+  std::vector<double> bucket_s;
+};
+
 struct MixedLengthPlan {
   int64_t pieces = 0, steps = 0;  // of the file, steps as the trainer forms them (no wrap)
+  std::vector<StepPrediction> step_predictions;  // every step of the file
   std::vector<LengthBucket> buckets;  // ascending max_seq_len; the last has max_seq_len = L
   double planning_s = 0;
   nlohmann::json to_json() const;
