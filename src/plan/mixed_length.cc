@@ -17,10 +17,7 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int kIntervals = 5;  // (0, m/16], (m/16, m/8], ..., (m/2, m], as hspmd data stats
 
-int64_t accepted(const Strategy& s, const Pipeline& p) { return p.max_seq_len > 0 ? p.max_seq_len : s.max_seq_len; }
-int64_t capacity(const Strategy& s, const Pipeline& p) {
-  return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted(s, p);
-}
+int64_t accepted(const Strategy& s, const Pipeline& p) { return accepted_piece(s, p); }
 
 // Interchangeable devices: (type, slowdown, memory cap), ranks per node.
 struct DeviceClass {
@@ -338,57 +335,79 @@ std::vector<std::vector<int64_t>> token_steps(const std::vector<int64_t>& pieces
   return steps;
 }
 
-double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces) {
+int64_t accepted_piece(const Strategy& s, const Pipeline& p, int64_t default_max) {
+  const int64_t own = p.max_seq_len > 0 ? p.max_seq_len : s.max_seq_len > 0 ? s.max_seq_len : default_max;
+  return default_max > 0 ? std::min(own, default_max) : own;
+}
+
+int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t default_max) {
+  return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted_piece(s, p, default_max);
+}
+
+double PieceCosts::seconds(size_t pipeline, int64_t length) const {
+  auto [it, fresh] = cache_.try_emplace({pipeline, length}, 0.0);
+  if (!fresh) return it->second;
+  const Pipeline& pl = strategy_.pipelines.at(pipeline);
+  for (size_t k = 0; k < pl.stages.size(); ++k) {
+    const Stage& st = pl.stages[k];
+    StageShape sh;
+    sh.ranks = st.ranks;
+    sh.cp = st.cp;
+    sh.layers = st.num_layers();
+    sh.first = k == 0;
+    sh.last = k + 1 == pl.stages.size();
+    sh.recompute = st.recompute;
+    it->second = std::max(it->second, piece_cost(model_.stage_cost(sh, length, 1)));
+  }
+  return it->second;
+}
+
+TokenDispatch dispatch_token_step(const PieceCosts& costs, const Strategy& strategy,
+                                  const std::vector<int64_t>& lengths, int64_t default_max) {
   const size_t P = strategy.pipelines.size();
-  std::map<std::pair<size_t, int64_t>, double> cost;
-  auto piece_seconds = [&](size_t p, int64_t len) {
-    auto [it, fresh] = cost.try_emplace({p, len}, 0.0);
-    if (!fresh) return it->second;
-    const Pipeline& pl = strategy.pipelines[p];
-    for (size_t k = 0; k < pl.stages.size(); ++k) {
-      const Stage& st = pl.stages[k];
-      StageShape sh;
-      sh.ranks = st.ranks;
-      sh.cp = st.cp;
-      sh.layers = st.num_layers();
-      sh.first = k == 0;
-      sh.last = k + 1 == pl.stages.size();
-      sh.recompute = st.recompute;
-      it->second = std::max(it->second, piece_cost(model.stage_cost(sh, len, 1)));
-    }
-    return it->second;
-  };
-  std::vector<int64_t> sorted = pieces;
-  std::stable_sort(sorted.begin(), sorted.end(), std::greater<>());
+  TokenDispatch d;
+  d.micro.resize(P);
+  d.pipeline_tokens.assign(P, 0);
+  std::vector<size_t> order(lengths.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
   std::vector<double> load(P, 0.0);
-  std::vector<std::vector<int64_t>> bins(P);  // per pipeline, its micro-batches' tokens
-  std::vector<std::vector<int64_t>> got(P);
-  for (int64_t len : sorted) {
+  std::vector<std::vector<size_t>> got(P);
+  for (size_t i : order) {
+    const int64_t len = lengths[i];
     int best = -1;
     double best_end = 0;
     for (size_t p = 0; p < P; ++p) {
-      if (len > accepted(strategy, strategy.pipelines[p])) continue;
-      const double end = load[p] + piece_seconds(p, len);
+      if (len > accepted_piece(strategy, strategy.pipelines[p], default_max)) continue;
+      const double end = load[p] + costs.seconds(p, len);
       if (best < 0 || end < best_end) best = static_cast<int>(p), best_end = end;
     }
     if (best < 0) fail("[search] a piece of ", len, " tokens that no pipeline of the strategy accepts");
     load[best] = best_end;
-    got[best].push_back(len);
+    got[best].push_back(i);
+    d.pipeline_tokens[best] += len;
   }
-  double step = 0;
   for (size_t p = 0; p < P; ++p) {
-    for (int64_t len : got[p]) {
+    const int64_t cap = micro_batch_capacity(strategy, strategy.pipelines[p], default_max);
+    std::vector<int64_t> used;
+    for (size_t i : got[p]) {
       size_t bin = 0;
-      while (bin < bins[p].size() && bins[p][bin] + len > capacity(strategy, strategy.pipelines[p])) ++bin;
-      if (bin == bins[p].size()) bins[p].push_back(0);
-      bins[p][bin] += len;
+      while (bin < used.size() && used[bin] + lengths[i] > cap) ++bin;
+      if (bin == used.size()) used.push_back(0), d.micro[p].emplace_back();
+      used[bin] += lengths[i];
+      d.micro[p][bin].push_back(i);
     }
-    const double fill = bins[p].empty() ? 0.0
-                                        : load[p] / static_cast<double>(bins[p].size()) *
-                                              static_cast<double>(strategy.pipelines[p].stages.size() - 1);
-    step = std::max(step, load[p] + fill);
+    const double fill = used.empty() ? 0.0
+                                     : load[p] / static_cast<double>(used.size()) *
+                                           static_cast<double>(strategy.pipelines[p].stages.size() - 1);
+    d.predicted_s = std::max(d.predicted_s, load[p] + fill);
   }
-  return step;
+  return d;
+}
+
+double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces) {
+  const PieceCosts costs(model, strategy);
+  return dispatch_token_step(costs, strategy, pieces).predicted_s;
 }
 
 double token_step_sync_seconds(const CostModel& model, const Strategy& strategy) {

@@ -29,6 +29,7 @@
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/mixed_length.h"
 #include "hspmd/plan/search.h"
 #include "hspmd/plan/switch.h"
 #include "hspmd/train/events.h"
@@ -284,9 +285,6 @@ class DistTrainer {
     std::vector<int64_t> pipeline_tokens;
     double predicted_s = 0;  // the slowest pipeline's predicted compute
   };
-  // The longest piece pipeline p of `s` takes, and a micro-batch's tokens.
-  int64_t accepted(const Strategy& s, const Pipeline& p) const;
-  int64_t capacity(const Strategy& s, const Pipeline& p) const;
   // Checks that every piece fits the budget and some pipeline of `s`.
   // Checks the budget against the longest piece, each pipeline's capacity,
   // and that some pipeline of `strategies` accepts the longest piece.
@@ -299,7 +297,7 @@ class DistTrainer {
   // The same under strategy `s` (`key`: its index among --strategies, -1
   // for the current plan's).
   TokenStep plan_token_step(int64_t cursor, const Strategy& s, int key) const;
-  double piece_seconds(const Strategy& s, int key, int pipeline, int64_t tokens) const;
+  const PieceCosts& piece_costs(const Strategy& s, int key) const;
   // The pieces of the step from `cursor` (file order, within the budget).
   std::vector<int64_t> step_pieces(int64_t cursor) const;
   // --strategies: rank 0 picks, among the strategies whose pipelines accept
@@ -350,7 +348,7 @@ class DistTrainer {
   std::unique_ptr<PendingCheckpoint> pending_;
   std::unique_ptr<PackedDocuments> pieces_;  // token-budget steps
   std::optional<CostModel> dispatch_model_;
-  mutable std::map<std::tuple<int, int, int64_t>, double> piece_seconds_;  // (key, pipeline, tokens) -> s
+  mutable std::map<int, std::unique_ptr<PieceCosts>> piece_costs_;  // per strategy key (see plan_token_step)
   std::vector<std::shared_ptr<const AnnotationPlan>> choices_;  // --strategies, compiled
   int choice_ = 0;                                              // the one in force
   std::vector<std::unique_ptr<Runtime>> choice_rt_;  // the others' graphs, specialized before step 0
@@ -737,7 +735,7 @@ nlohmann::json DistTrainer::move_runtime(std::unique_ptr<Runtime> next, const Sw
   SwitchReport rep;
   state_ = std::move(*state_).reshard_to(next->plan, sp, *topology_, world_, reader.get(), clock_.get(), &rep);
   rt_ = std::move(next);
-  piece_seconds_.clear();
+  piece_costs_.erase(-1);  // the current plan's
   const auto all = gather_counts({rep.bytes_sent, rep.predicted_bytes, rep.checkpoint_bytes, rep.peak_extra_bytes,
                                   rep.bound_bytes}, world_);
   if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
@@ -1104,15 +1102,6 @@ void DistTrainer::finish_checkpoint(bool wait) {
   pending_.reset();
 }
 
-int64_t DistTrainer::accepted(const Strategy& s, const Pipeline& p) const {
-  const int64_t own = p.max_seq_len > 0 ? p.max_seq_len : s.max_seq_len > 0 ? s.max_seq_len : o_.seq_len;
-  return std::min(own, o_.seq_len);
-}
-
-int64_t DistTrainer::capacity(const Strategy& s, const Pipeline& p) const {
-  return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted(s, p);
-}
-
 void DistTrainer::check_pieces(const std::vector<const Strategy*>& strategies, const std::string& what) const {
   int64_t longest = 0;
   for (int64_t i = 0; i < pieces_->num_pieces(); ++i) longest = std::max(longest, pieces_->piece_size(i));
@@ -1123,35 +1112,21 @@ void DistTrainer::check_pieces(const std::vector<const Strategy*>& strategies, c
   for (const Strategy* s : strategies)
     for (size_t k = 0; k < s->pipelines.size(); ++k) {
       const Pipeline& p = s->pipelines[k];
-      if (capacity(*s, p) < accepted(*s, p))
-        fail("[strategy] pipeline ", k, ": micro_batch_tokens=", capacity(*s, p), " cannot hold a piece of ",
-             accepted(*s, p), " tokens, the longest it accepts");
-      most = std::max(most, accepted(*s, p));
+      const int64_t takes = accepted_piece(*s, p, o_.seq_len), holds = micro_batch_capacity(*s, p, o_.seq_len);
+      if (holds < takes)
+        fail("[strategy] pipeline ", k, ": micro_batch_tokens=", holds, " cannot hold a piece of ", takes,
+             " tokens, the longest it accepts");
+      most = std::max(most, takes);
     }
   if (most < longest)
     fail("[data] ", o_.data_path, ": a piece of ", longest, " tokens, but no pipeline of ", what,
          " accepts more than ", most, " (its max_seq_len)");
 }
 
-double DistTrainer::piece_seconds(const Strategy& s, int key, int pipeline, int64_t tokens) const {
-  auto [it, fresh] = piece_seconds_.try_emplace({key, pipeline, tokens}, 0.0);
-  if (!fresh) return it->second;
-  const Pipeline& p = s.pipelines.at(pipeline);
-  double slowest = 0;
-  for (size_t k = 0; k < p.stages.size(); ++k) {
-    const Stage& st = p.stages[k];
-    StageShape shape;
-    shape.ranks = st.ranks;
-    shape.cp = st.cp;
-    shape.layers = st.num_layers();
-    shape.first = k == 0;
-    shape.last = k + 1 == p.stages.size();
-    shape.recompute = st.recompute;
-    const StageCost c = dispatch_model_->stage_cost(shape, tokens, 1);
-    slowest = std::max(slowest, c.fwd + c.bwd + c.fwd_comm + c.bwd_comm);
-  }
-  it->second = slowest;
-  return slowest;
+const PieceCosts& DistTrainer::piece_costs(const Strategy& s, int key) const {
+  std::unique_ptr<PieceCosts>& c = piece_costs_[key];
+  if (!c) c = std::make_unique<PieceCosts>(*dispatch_model_, s);
+  return *c;
 }
 
 std::vector<int64_t> DistTrainer::step_pieces(int64_t cursor) const {
@@ -1169,55 +1144,22 @@ std::vector<int64_t> DistTrainer::step_pieces(int64_t cursor) const {
 }
 
 DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor, const Strategy& s, int key) const {
-  const int P = static_cast<int>(s.pipelines.size());
+  const std::vector<int64_t> chosen = step_pieces(cursor);
+  std::vector<int64_t> lengths;
+  for (int64_t piece : chosen) lengths.push_back(pieces_->piece_size(piece));
+  const TokenDispatch d = dispatch_token_step(piece_costs(s, key), s, lengths, o_.seq_len);
   TokenStep t;
-  t.micro.resize(P);
-  t.pipeline_tokens.assign(P, 0);
-  std::vector<int64_t> chosen = step_pieces(cursor);
-  for (int64_t piece : chosen) t.tokens += pieces_->piece_size(piece);
   t.pieces = static_cast<int64_t>(chosen.size());
+  for (int64_t n : lengths) t.tokens += n;
   t.counted = t.tokens - t.pieces;
-  // Longest first (ties in file order), each to the accepting pipeline
-  // that would finish it first.
-  std::stable_sort(chosen.begin(), chosen.end(),
-                   [&](int64_t a, int64_t b) { return pieces_->piece_size(a) > pieces_->piece_size(b); });
-  std::vector<double> load(P, 0.0);
-  std::vector<std::vector<int64_t>> assigned(P);
-  for (int64_t piece : chosen) {
-    const int64_t size = pieces_->piece_size(piece);
-    int best = -1;
-    double best_end = 0;
-    for (int p = 0; p < P; ++p) {
-      if (size > accepted(s, s.pipelines[p])) continue;
-      const double end = load[p] + piece_seconds(s, key, p, size);
-      if (best < 0 || end < best_end) best = p, best_end = end;
+  t.pipeline_tokens = d.pipeline_tokens;
+  t.predicted_s = d.predicted_s;
+  t.micro.resize(d.micro.size());
+  for (size_t p = 0; p < d.micro.size(); ++p)
+    for (const std::vector<size_t>& mb : d.micro[p]) {
+      t.micro[p].emplace_back();
+      for (size_t i : mb) t.micro[p].back().push_back(chosen[i]);
     }
-    HSPMD_CHECK(best >= 0, "a piece of ", size, " tokens that no pipeline accepts (checked before the first step)");
-    assigned[best].push_back(piece);
-    load[best] = best_end;
-    t.pipeline_tokens[best] += size;
-  }
-  // First-fit decreasing into micro-batches of the pipeline's capacity.
-  for (int p = 0; p < P; ++p) {
-    std::vector<int64_t> used;
-    for (int64_t piece : assigned[p]) {
-      const int64_t size = pieces_->piece_size(piece);
-      size_t bin = 0;
-      while (bin < used.size() && used[bin] + size > capacity(s, s.pipelines[p])) ++bin;
-      if (bin == used.size()) {
-        used.push_back(0);
-        t.micro[p].emplace_back();
-      }
-      used[bin] += size;
-      t.micro[p][bin].push_back(piece);
-    }
-    // Fill and drain: the pipeline's other stages once per micro-batch
-    // position, about (stages - 1) average micro-batches more.
-    const double fill = t.micro[p].empty() ? 0.0
-                                           : load[p] / static_cast<double>(t.micro[p].size()) *
-                                                 static_cast<double>(s.pipelines[p].stages.size() - 1);
-    t.predicted_s = std::max(t.predicted_s, load[p] + fill);
-  }
   return t;
 }
 
@@ -1231,7 +1173,7 @@ void DistTrainer::select_strategy(int64_t step, std::ofstream& log) {
     for (size_t i = 0; i < choices_.size(); ++i) {
       const Strategy& s = *choices_[i]->strategy;
       int64_t most = 0;
-      for (const Pipeline& p : s.pipelines) most = std::max(most, accepted(s, p));
+      for (const Pipeline& p : s.pipelines) most = std::max(most, accepted_piece(s, p, o_.seq_len));
       if (most < longest) continue;
       double cost = plan_token_step(state_->samples, s, static_cast<int>(i)).predicted_s;
       if (static_cast<int>(i) != choice_) {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <map>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -79,13 +80,42 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
 // after the last full pass are not wrapped around (a last shorter step).
 std::vector<std::vector<int64_t>> token_steps(const std::vector<int64_t>& pieces, int64_t batch_tokens);
 
-// The trainer's prediction of one token-budget step's pipelines
-// (docs/mixed_length.md "Per step"): pieces longest first to the accepting
-// pipeline that finishes first (per piece: the slowest stage's stage_cost at
-// s = its length, b = 1), first-fit decreasing into micro-batches of
-// micro_batch_tokens, plus a fill and drain of (stages - 1) average
-// micro-batches. Throws hspmd::Error "[search] ..." when no pipeline
-// accepts a piece.
+// Token-budget steps (docs/mixed_length.md): the longest piece pipeline p
+// of `s` takes (its max_seq_len, else the strategy's, else `default_max`)
+// and the tokens of one of its micro-batches.
+int64_t accepted_piece(const Strategy& s, const Pipeline& p, int64_t default_max = 0);
+int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t default_max = 0);
+
+// Seconds of one piece on each pipeline of a strategy: its slowest stage's
+// stage_cost (forward, backward and their collectives) at s = the piece's
+// length, b = 1; remembered per (pipeline, length).
+class PieceCosts {
+ public:
+  PieceCosts(const CostModel& model, const Strategy& strategy) : model_(model), strategy_(strategy) {}
+  double seconds(size_t pipeline, int64_t length) const;
+
+ private:
+  const CostModel& model_;
+  const Strategy& strategy_;
+  mutable std::map<std::pair<size_t, int64_t>, double> cache_;
+};
+
+// One token-budget step's dispatch, as the trainer runs it (docs/
+// mixed_length.md "Per step"): pieces longest first (ties in the given
+// order) to the accepting pipeline that would finish first, then first-fit
+// decreasing into micro-batches of the pipeline's capacity.
+struct TokenDispatch {
+  std::vector<std::vector<std::vector<size_t>>> micro;  // per pipeline, per micro-batch: indices into the lengths
+  std::vector<int64_t> pipeline_tokens;
+  // The slowest pipeline: its load plus a fill and drain of (stages - 1)
+  // average micro-batches.
+  double predicted_s = 0;
+};
+// Throws hspmd::Error "[search] ..." when no pipeline accepts a piece.
+TokenDispatch dispatch_token_step(const PieceCosts& costs, const Strategy& strategy,
+                                  const std::vector<int64_t>& lengths, int64_t default_max = 0);
+
+// dispatch_token_step's predicted_s.
 double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces);
 
 // What follows the pipelines in a step: gradient sync, optimizer (and the
