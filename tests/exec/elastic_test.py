@@ -41,8 +41,11 @@ class Elastic:
         h = self.h
         log, weights, ev = h.path(name + ".jsonl"), h.path(name + ".safetensors"), h.path(name + ".events.json")
         json.dump(events, open(ev, "w"))
+        extra = list(extra)
+        if "--straggler-window" not in extra:  # only the straggler case watches: CPU-clock noise stays out
+            extra += ["--straggler-window", "0"]
         cmd = h.base + ["--strategy", h.strategy_file(name, strategy), "--nproc", "8", "--cluster", self.cluster,
-                        "--events", ev, "--log", log, "--save", weights] + list(extra)
+                        "--events", ev, "--log", log, "--save", weights] + extra
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         recs = records(log) if os.path.exists(log) else []
         steps = [x for x in recs if "loss" in x]
