@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <optional>
 #include <set>
 #include <thread>
@@ -300,10 +301,23 @@ class DistTrainer {
   const PieceCosts& piece_costs(const Strategy& s, int key) const;
   // The pieces of the step from `cursor` (file order, within the budget).
   std::vector<int64_t> step_pieces(int64_t cursor) const;
-  // --strategies: rank 0 picks, among the strategies whose pipelines accept
-  // the step's longest piece, the lowest predicted step time plus the
-  // switch's cost when it is not the current one; every rank switches to it.
-  void select_strategy(int64_t step, std::ofstream& log);
+  // A step's selection and dispatch, worked out ahead (on a background
+  // thread while the step before trains): per strategy that accepts the
+  // step's longest piece (--strategies; else the current plan's alone) its
+  // dispatch, and the pick (lowest predicted time plus the switch's, from
+  // the current choice). Touches only const state and the piece-cost cache.
+  struct Prepared {
+    int64_t cursor = 0;
+    const AnnotationPlan* plan = nullptr;  // the plan in force when it was made
+    int current = 0;                       // the choice it switches from
+    std::vector<std::optional<TokenStep>> by_choice;  // --strategies; else [0] = the current plan's
+    int pick = 0;
+  };
+  Prepared prepare_token_step(int64_t cursor, int current, const AnnotationPlan* plan) const;
+  // The step's dispatch, from the prepared one when it fits (else worked
+  // out now); with --strategies, rank 0's pick and the switch to it.
+  // Returns the seconds the training thread spent on it.
+  double select_and_dispatch(int64_t step, std::ofstream& log);
   // Copies this rank's shards and writes them on a background thread
   // (synchronously with --checkpoint-sync); committed by finish_checkpoint.
   void save_checkpoint();
@@ -352,6 +366,8 @@ class DistTrainer {
   std::vector<std::shared_ptr<const AnnotationPlan>> choices_;  // --strategies, compiled
   int choice_ = 0;                                              // the one in force
   std::vector<std::unique_ptr<Runtime>> choice_rt_;  // the others' graphs, specialized before step 0
+  std::vector<std::vector<double>> choice_switch_s_;  // [from][to]: the switch plan's predicted seconds
+  std::future<Prepared> next_;                       // the next step's, being prepared
   std::optional<TokenStep> token_step_;  // this step's
   // Elastic training.
   std::vector<ElasticEvent> events_;
@@ -694,6 +710,15 @@ void DistTrainer::prepare() {
   // then only moves the state.
   choice_rt_.resize(choices_.size());
   for (size_t i = 1; i < choices_.size(); ++i) choice_rt_[i] = specialize(choices_[i]);
+  choice_switch_s_.assign(choices_.size(), std::vector<double>(choices_.size(), 0.0));
+  for (size_t i = 0; i < choices_.size(); ++i)
+    for (size_t j = 0; j < choices_.size(); ++j) {
+      if (i == j) continue;
+      SwitchOptions so;
+      so.algorithm = algorithm_;
+      so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+      choice_switch_s_[i][j] = switch_plans_.get(*choices_[i], *choices_[j], *topology_, so).predicted_s;
+    }
   // Every switch is planned now, so that one that cannot be done (a lost
   // rank's slices with no checkpoint) fails before the first step.
   for (size_t k = plan_index_ + 1; k < plans_.size(); ++k)
@@ -727,6 +752,7 @@ nlohmann::json DistTrainer::move_to(std::shared_ptr<const AnnotationPlan> plan, 
 nlohmann::json DistTrainer::move_runtime(std::unique_ptr<Runtime> next, const SwitchOptions& so, double specialize_s,
                                          std::unique_ptr<Runtime>* keep_old) {
   finish_checkpoint(true);
+  if (next_.valid()) next_.wait();  // the next step's preparation reads the plan's piece costs
   std::unique_ptr<CheckpointReader> reader;
   if (so.have_checkpoint) reader = std::make_unique<CheckpointReader>(o_.checkpoint_dir);
   const SwitchPlan& sp = switch_plans_.get(*rt_->plan, *next->plan, *topology_, so);
@@ -1163,40 +1189,68 @@ DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor, const Strate
   return t;
 }
 
-void DistTrainer::select_strategy(int64_t step, std::ofstream& log) {
-  int64_t pick = choice_;
-  if (world_.rank() == 0) {
-    int64_t longest = 0;
-    for (int64_t piece : step_pieces(state_->samples)) longest = std::max(longest, pieces_->piece_size(piece));
-    double best = 0;
-    pick = -1;
-    for (size_t i = 0; i < choices_.size(); ++i) {
-      const Strategy& s = *choices_[i]->strategy;
-      int64_t most = 0;
-      for (const Pipeline& p : s.pipelines) most = std::max(most, accepted_piece(s, p, o_.seq_len));
-      if (most < longest) continue;
-      double cost = plan_token_step(state_->samples, s, static_cast<int>(i)).predicted_s;
-      if (static_cast<int>(i) != choice_) {
-        SwitchOptions so;
-        so.algorithm = algorithm_;
-        so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
-        cost += switch_plans_.get(*rt_->plan, *choices_[i], *topology_, so).predicted_s;  // graphs specialized already
-      }
-      if (pick < 0 || cost < best) pick = static_cast<int64_t>(i), best = cost;
-    }
+DistTrainer::Prepared DistTrainer::prepare_token_step(int64_t cursor, int current,
+                                                     const AnnotationPlan* plan) const {
+  Prepared pr;
+  pr.cursor = cursor;
+  pr.plan = plan;
+  pr.current = current;
+  if (choices_.empty()) {
+    pr.by_choice.push_back(plan_token_step(cursor, *plan->strategy, -1));
+    return pr;
   }
-  world_.broadcast(&pick, 1, 0);  // the wall-clock part of the cost differs between ranks
-  HSPMD_CHECK(pick >= 0, "no strategy accepts the step's longest piece (checked before the first step)");
-  if (pick == choice_) return;
-  SwitchOptions so;
-  so.algorithm = algorithm_;
-  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
-  nlohmann::json j = {{"event", "switch"}, {"step", step}, {"strategy", pick},
-                      {"cause", "the step's pieces (strategy " + std::to_string(pick) + ")"}};
-  const int old = choice_;
-  j.update(move_runtime(std::move(choice_rt_[pick]), so, 0.0, &choice_rt_[old]));
-  choice_ = static_cast<int>(pick);
-  write_log(log, j);
+  int64_t longest = 0;
+  for (int64_t piece : step_pieces(cursor)) longest = std::max(longest, pieces_->piece_size(piece));
+  pr.by_choice.resize(choices_.size());
+  pr.pick = -1;
+  double best = 0;
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    const Strategy& s = *choices_[i]->strategy;
+    int64_t most = 0;
+    for (const Pipeline& p : s.pipelines) most = std::max(most, accepted_piece(s, p, o_.seq_len));
+    if (most < longest) continue;
+    pr.by_choice[i] = plan_token_step(cursor, s, static_cast<int>(i));
+    const double cost = pr.by_choice[i]->predicted_s + choice_switch_s_[current][i];  // graphs specialized already
+    if (pr.pick < 0 || cost < best) pr.pick = static_cast<int>(i), best = cost;
+  }
+  HSPMD_CHECK(pr.pick >= 0, "no strategy accepts the step's longest piece (checked before the first step)");
+  return pr;
+}
+
+double DistTrainer::select_and_dispatch(int64_t step, std::ofstream& log) {
+  const auto t0 = Clock::now();
+  double spent_before_switch = -1;  // the switch itself is not selection or dispatch
+  const int64_t cursor = state_->samples;
+  std::optional<Prepared> pr;
+  if (next_.valid()) pr = next_.get();
+  if (!pr || pr->cursor != cursor || pr->plan != rt_->plan.get() || pr->current != choice_)
+    pr = prepare_token_step(cursor, choice_, rt_->plan.get());  // a switch or resume came between
+  if (!choices_.empty()) {
+    int64_t pick = pr->pick;
+    world_.broadcast(&pick, 1, 0);  // one decision for all ranks
+    if (pick != choice_) {
+      spent_before_switch = std::chrono::duration<double>(Clock::now() - t0).count();
+      SwitchOptions so;
+      so.algorithm = algorithm_;
+      so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+      nlohmann::json j = {{"event", "switch"}, {"step", step}, {"strategy", pick},
+                          {"cause", "the step's pieces (strategy " + std::to_string(pick) + ")"}};
+      const int old = choice_;
+      j.update(move_runtime(std::move(choice_rt_[pick]), so, 0.0, &choice_rt_[old]));
+      choice_ = static_cast<int>(pick);
+      write_log(log, j);
+    }
+    token_step_ = *pr->by_choice.at(choice_);
+  } else {
+    token_step_ = std::move(*pr->by_choice.at(0));
+  }
+  const double spent =
+      spent_before_switch >= 0 ? spent_before_switch : std::chrono::duration<double>(Clock::now() - t0).count();
+  // The next step's, while this one trains.
+  if (step + 1 < o_.steps)
+    next_ = std::async(std::launch::async, [this, next = cursor + token_step_->pieces, c = choice_,
+                                            plan = rt_->plan.get()] { return prepare_token_step(next, c, plan); });
+  return spent;
 }
 
 void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r) {
@@ -1294,8 +1348,7 @@ std::vector<StepRecord> DistTrainer::run() {
     allocator_for(Device::cpu()).reset_peak();
     const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
     const int64_t first = state_->samples;
-    if (pieces_ && choices_.size() > 1) select_strategy(step, log);
-    if (pieces_) token_step_ = plan_token_step(first);
+    const double dispatch_s = pieces_ ? select_and_dispatch(step, log) : 0.0;
     const float normalizer = pieces_ ? static_cast<float>(std::max<int64_t>(1, token_step_->counted))
                                      : source_->normalizer(first, global_batch);
     // What the rank holds before its micro-batches: parameters, optimizer
@@ -1328,6 +1381,7 @@ std::vector<StepRecord> DistTrainer::run() {
       r.pieces = token_step_->pieces;
       r.pipeline_tokens = token_step_->pipeline_tokens;
       r.predicted_step_s = token_step_->predicted_s;
+      r.dispatch_s = dispatch_s;
       if (!choices_.empty()) r.strategy = choice_;
     } else {
       r.tokens = source_->tokens(first, global_batch);

@@ -153,6 +153,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["pipeline_tokens"] = r.pipeline_tokens;
     j["predicted_step_s"] = r.predicted_step_s;
     if (r.strategy >= 0) j["strategy"] = r.strategy;
+    j["dispatch_s"] = r.dispatch_s;
   }
   if (!r.emulated_compute_s.empty()) {
     j["emulated_step_time_s"] = r.emulated_step_time_s;

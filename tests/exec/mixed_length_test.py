@@ -103,7 +103,7 @@ def main():
             rel = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(steps, s)), default=float("inf"))
             werr = max_weight_error(want_w, got_w)
             same_pieces = all(x["pieces"] == y["pieces"] and x["tokens"] == y["tokens"] for x, y in zip(steps, s))
-            sums = all(sum(y["pipeline_tokens"]) == y["tokens"] for y in s)
+            sums = all(sum(y["pipeline_tokens"]) == y["tokens"] and y["dispatch_s"] >= 0 for y in s)
             n_sw = len([r for r in got if r.get("event") == "switch"])
             check(label, len(s) == STEPS and rel <= 1e-5 and werr <= 1e-4 and same_pieces and sums and
                   n_sw == switches,

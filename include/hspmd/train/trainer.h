@@ -119,6 +119,9 @@ struct StepRecord {
   std::vector<int64_t> pipeline_tokens;
   double predicted_step_s = 0.0;
   int strategy = -1;  // --strategies: the index of the step's strategy
+  // Seconds the training thread spent on the step's selection and dispatch
+  // (prepared on a background thread during the step before: ~0 when hidden).
+  double dispatch_s = 0.0;
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };
