@@ -10,12 +10,13 @@ per emulated second of
            maximum-length bucket), chosen per step (--strategies)
 
 side by side in one run, on 8 emulated ranks of two speeds (ranks 4-7 at
-half speed) under the model clock (`--clock model`: emulated times from a
+half speed) whose memory caps hold a piece of L only with TP or CP >= 2
+(--cap-gib), under the model clock (`--clock model`: emulated times from a
 profile of this machine, deterministic). The documents are synthetic and
 heavy-tailed like the paper's corpus (most far below L, a few above it):
 the bundled code corpus is long-heavy at this scale (docs/data.md).
 
-usage: bench/mixed_length_bench.py [--hspmd build/src/cli/hspmd] [--steps 12] [--buckets 3] [--batch-tokens 2048]
+usage: bench/mixed_length_bench.py [--hspmd build/src/cli/hspmd] [--steps 12] [--buckets 3] [--batch-tokens 2048] [--cap-gib 0.011]
 """
 import argparse
 import json
@@ -70,13 +71,19 @@ def main():  # noqa: C901
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--buckets", type=int, default=3)
     ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--cap-gib", type=float, default=0.011,
+                    help="memory cap per rank: 0.011 holds 128 tokens on one rank, 256 only with TP or CP >= 2")
     a = ap.parse_args()
     T = a.batch_tokens
     hs = a.hspmd
     with tempfile.TemporaryDirectory() as tmp:
         p = lambda name: os.path.join(tmp, name)  # noqa: E731
         make_docs(p("docs.bin"))
-        json.dump(CLUSTER, open(p("cluster.json"), "w"))
+        cluster = json.loads(json.dumps(CLUSTER))
+        if a.cap_gib > 0:
+            for node in cluster["nodes"]:
+                node["memory_cap_gib"] = a.cap_gib
+        json.dump(cluster, open(p("cluster.json"), "w"))
         t0 = time.perf_counter()
         run([hs, "profile", "--model", MODEL, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens", "32,64,128,256",
              "--micro-batch-sizes", "1,2,4,8", "--repetitions", "3", "-o", p("profile.json")])
