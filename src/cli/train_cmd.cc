@@ -259,6 +259,9 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("profile", &o.profile_path, "profile JSON made by `hspmd profile` (with --clock model)");
   f.add_string("plan", &o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
   std::string choices;
+  f.add_bool("bucket-switching", &o.bucket_switching,
+             "with --strategies: each step's pieces in buckets by the smallest strategy that accepts them, run "
+             "bucket by bucket, switching inside the step (the HotSPa-like baseline, docs/mixed_length.md)");
   f.add_string("strategies", &choices,
                "A.json,B.json,...: with --batch-tokens, per step the strategy the cost model favours for its "
                "pieces, switched to online (docs/mixed_length.md); instead of --strategy");

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <thread>
@@ -217,6 +218,14 @@ class DistTrainer {
       choices_.push_back(plans_[0]);
       for (size_t i = 1; i < o.strategy_choices.size(); ++i) choices_.push_back(load_plan_file(o.strategy_choices[i]));
     }
+    if (o.bucket_switching) {
+      if (choices_.empty()) fail("[flags] --bucket-switching needs --strategies (one strategy per length bucket)");
+      for (const auto& c : choices_)  // gradients move between the plans' layouts: one vocabulary padding
+        if (c->model.padded_vocab_size != choices_[0]->model.padded_vocab_size)
+          fail("[flags] --bucket-switching: the strategies pad the vocabulary differently (", c->model.padded_vocab_size,
+               " and ", choices_[0]->model.padded_vocab_size, " rows: their tensor-parallel degrees); give strategies "
+               "whose vocabulary splits alike");
+    }
   }
 
   // Reads the data and the initial weights or checkpoint, specializes the
@@ -298,6 +307,19 @@ class DistTrainer {
   // The same under strategy `s` (`key`: its index among --strategies, -1
   // for the current plan's).
   TokenStep plan_token_step(int64_t cursor, const Strategy& s, int key) const;
+  TokenStep plan_pieces(const std::vector<int64_t>& pieces, const Strategy& s, int key) const;
+  // --bucket-switching (the HotSPa-like baseline): the step's pieces in
+  // buckets, each the pieces whose smallest accepting strategy is that one;
+  // bucket by bucket (shortest first) the run switches to its strategy,
+  // trains its micro-batches and syncs their gradients, which add up across
+  // the buckets (moved to each next plan's gradient layout). Returns the
+  // step's loss; `synced` ends in the last plan's layout; `whole` describes
+  // the step.
+  double run_buckets(int64_t step, float normalizer, std::ofstream& log, std::map<std::string, NDArray>& synced,
+                     size_t held, size_t& activations, TokenStep& whole);
+  // Moves the run to --strategies choice `pick` (its graphs specialized
+  // already) and logs the switch.
+  void switch_choice(int pick, int64_t step, const std::string& cause, std::ofstream& log);
   const PieceCosts& piece_costs(const Strategy& s, int key) const;
   // The pieces of the step from `cursor` (file order, within the budget).
   std::vector<int64_t> step_pieces(int64_t cursor) const;
@@ -1170,7 +1192,10 @@ std::vector<int64_t> DistTrainer::step_pieces(int64_t cursor) const {
 }
 
 DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor, const Strategy& s, int key) const {
-  const std::vector<int64_t> chosen = step_pieces(cursor);
+  return plan_pieces(step_pieces(cursor), s, key);
+}
+
+DistTrainer::TokenStep DistTrainer::plan_pieces(const std::vector<int64_t>& chosen, const Strategy& s, int key) const {
   std::vector<int64_t> lengths;
   for (int64_t piece : chosen) lengths.push_back(pieces_->piece_size(piece));
   const TokenDispatch d = dispatch_token_step(piece_costs(s, key), s, lengths, o_.seq_len);
@@ -1217,6 +1242,78 @@ DistTrainer::Prepared DistTrainer::prepare_token_step(int64_t cursor, int curren
   return pr;
 }
 
+void DistTrainer::switch_choice(int pick, int64_t step, const std::string& cause, std::ofstream& log) {
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  nlohmann::json j = {{"event", "switch"}, {"step", step}, {"strategy", pick}, {"cause", cause}};
+  const int old = choice_;
+  j.update(move_runtime(std::move(choice_rt_[pick]), so, 0.0, &choice_rt_[old]));
+  choice_ = pick;
+  write_log(log, j);
+}
+
+double DistTrainer::run_buckets(int64_t step, float normalizer, std::ofstream& log,
+                                std::map<std::string, NDArray>& synced, size_t held, size_t& activations,
+                                TokenStep& whole) {
+  const std::vector<int64_t> chosen = step_pieces(state_->samples);
+  std::vector<int64_t> longest(choices_.size(), 0);  // per choice, the longest piece it accepts
+  for (size_t c = 0; c < choices_.size(); ++c)
+    for (const Pipeline& p : choices_[c]->strategy->pipelines)
+      longest[c] = std::max(longest[c], accepted_piece(*choices_[c]->strategy, p, o_.seq_len));
+  std::vector<int> order(choices_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return longest[a] < longest[b]; });
+  std::map<int, std::vector<int64_t>> buckets;
+  for (int64_t piece : chosen)
+    for (int c : order)
+      if (pieces_->piece_size(piece) <= longest[c]) {
+        buckets[c].push_back(piece);
+        break;
+      }
+  whole = TokenStep{};
+  whole.pieces = static_cast<int64_t>(chosen.size());
+  for (int64_t piece : chosen) whole.tokens += pieces_->piece_size(piece);
+  whole.counted = whole.tokens - whole.pieces;
+  double loss_total = 0;
+  std::map<std::string, Annotation> layout;  // where the gradients summed so far lie
+  for (int c : order) {
+    auto bucket = buckets.find(c);
+    if (bucket == buckets.end()) continue;
+    if (c != choice_) switch_choice(c, step, "bucket of pieces up to " + std::to_string(longest[c]) + " tokens", log);
+    token_step_ = plan_pieces(bucket->second, rt_->strategy, c);
+    whole.predicted_s += token_step_->predicted_s;
+    whole.pipeline_tokens.insert(whole.pipeline_tokens.end(), token_step_->pipeline_tokens.begin(),
+                                 token_step_->pipeline_tokens.end());
+    std::map<std::string, NDArray> raw;
+    double loss = 0;
+    accumulate_schedule(raw, loss, normalizer);
+    ExecGraph& graph = *rt_->graph;
+    graph.wait_sends(world_);
+    activations = std::max(activations, allocator_for(Device::cpu()).peak_bytes() - held);
+    loss_total += all_reduce_scalar(is_representative(graph.loss_annotation(), world_.rank()) ? loss : 0.0, world_);
+    std::map<std::string, NDArray> now = graph.sync_gradients(raw, world_);
+    for (const std::string& name : graph.model().names) {  // the same order on every rank
+      const Annotation& to = graph.annotation("grad." + name);
+      NDArray sum;
+      if (auto was = layout.find(name); was != layout.end()) {
+        auto held_sum = synced.find(name);
+        sum = graph.reshard("bucket_sum." + name, rt_->shapes.at(name), was->second, to,
+                            held_sum == synced.end() ? NDArray() : held_sum->second, world_);
+      }
+      auto g = now.find(name);
+      if (g != now.end()) {
+        if (sum.valid()) kernels::accumulate(g->second, sum);
+        else sum = g->second;
+      }
+      if (sum.valid()) synced[name] = sum;
+      else synced.erase(name);
+      layout.insert_or_assign(name, to);
+    }
+  }
+  return loss_total;
+}
+
 double DistTrainer::select_and_dispatch(int64_t step, std::ofstream& log) {
   const auto t0 = Clock::now();
   double spent_before_switch = -1;  // the switch itself is not selection or dispatch
@@ -1230,15 +1327,7 @@ double DistTrainer::select_and_dispatch(int64_t step, std::ofstream& log) {
     world_.broadcast(&pick, 1, 0);  // one decision for all ranks
     if (pick != choice_) {
       spent_before_switch = std::chrono::duration<double>(Clock::now() - t0).count();
-      SwitchOptions so;
-      so.algorithm = algorithm_;
-      so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
-      nlohmann::json j = {{"event", "switch"}, {"step", step}, {"strategy", pick},
-                          {"cause", "the step's pieces (strategy " + std::to_string(pick) + ")"}};
-      const int old = choice_;
-      j.update(move_runtime(std::move(choice_rt_[pick]), so, 0.0, &choice_rt_[old]));
-      choice_ = static_cast<int>(pick);
-      write_log(log, j);
+      switch_choice(static_cast<int>(pick), step, "the step's pieces (strategy " + std::to_string(pick) + ")", log);
     }
     token_step_ = *pr->by_choice.at(choice_);
   } else {
@@ -1348,23 +1437,40 @@ std::vector<StepRecord> DistTrainer::run() {
     allocator_for(Device::cpu()).reset_peak();
     const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
     const int64_t first = state_->samples;
-    const double dispatch_s = pieces_ ? select_and_dispatch(step, log) : 0.0;
-    const float normalizer = pieces_ ? static_cast<float>(std::max<int64_t>(1, token_step_->counted))
+    const bool bucketed = pieces_ && o_.bucket_switching;
+    const double dispatch_s = pieces_ && !bucketed ? select_and_dispatch(step, log) : 0.0;
+    int64_t counted = 0;
+    if (bucketed)
+      for (int64_t piece : step_pieces(first)) counted += pieces_->piece_size(piece) - 1;
+    else if (pieces_)
+      counted = token_step_->counted;
+    const float normalizer = pieces_ ? static_cast<float>(std::max<int64_t>(1, counted))
                                      : source_->normalizer(first, global_batch);
     // What the rank holds before its micro-batches: parameters, optimizer
     // states; the schedule's peak above it is activations (and raw grads).
     const size_t held = allocator_for(Device::cpu()).current_bytes();
-    std::map<std::string, NDArray> raw;
-    double loss = 0;
-    accumulate_schedule(raw, loss, normalizer);
-    ExecGraph& graph = *rt_->graph;
-    graph.wait_sends(world_);
-    const size_t activations = allocator_for(Device::cpu()).peak_bytes() - held;
     StepRecord r;
     r.step = step;
-    r.loss = all_reduce_scalar(is_representative(graph.loss_annotation(), world_.rank()) ? loss : 0.0, world_);
-    const double post0 = clock_ ? clock_->now() : 0;
-    std::map<std::string, NDArray> synced = graph.sync_gradients(raw, world_);
+    std::map<std::string, NDArray> synced;
+    size_t activations = 0;
+    double post0 = 0;
+    if (bucketed) {
+      TokenStep whole;
+      r.loss = run_buckets(step, normalizer, log, synced, held, activations, whole);
+      token_step_ = std::move(whole);
+      post0 = clock_ ? clock_->now() : 0;
+    } else {
+      std::map<std::string, NDArray> raw;
+      double loss = 0;
+      accumulate_schedule(raw, loss, normalizer);
+      rt_->graph->wait_sends(world_);
+      activations = allocator_for(Device::cpu()).peak_bytes() - held;
+      r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0,
+                                 world_);
+      post0 = clock_ ? clock_->now() : 0;
+      synced = rt_->graph->sync_gradients(raw, world_);
+    }
+    ExecGraph& graph = *rt_->graph;
     if (step == 0 && !o_.dump_grads_path.empty())
       gather_and_write(o_.dump_grads_path, "dump.", [&](const std::string& name) {
         auto g = synced.find(name);

@@ -150,6 +150,22 @@ def main():
             picks = [r["strategy"] for r in s]
             check("strategies per step: both used", set(picks) == {0, 1} and n_sw >= 1, f"per step {picks}")
 
+        # --bucket-switching (the HotSPa-like baseline): the same two
+        # strategies, bucket by bucket inside a step; gradients add up across
+        # the buckets' plans.
+        rc, err, got, got_w = train("buckets", ["--strategies", strategy_file("choose_a", short_only) + "," +
+                                                strategy_file("choose_b", CASES["cp_long_short"][1]),
+                                                "--bucket-switching", "--nproc", "4"])
+        if rc:
+            check("bucket switching", False, f"exit {rc}: {err.strip()[-400:]}")
+        else:
+            s = [r for r in got if "loss" in r]
+            n_sw = len([r for r in got if r.get("event") == "switch"])
+            compare("bucket switching", got, got_w, switches=n_sw)
+            both = [r for r in s if len(r["pipeline_tokens"]) == 4 + 3]  # a step of both buckets
+            check("bucket switching: inside a step", bool(both) and n_sw >= 2,
+                  f"{len(both)} steps with both buckets, {n_sw} switches")
+
         # Bad input: one line, non-zero, before the first step.
         short = {"pipelines": [pipe([([0], [0, 3], 1)], max_seq_len=8), pipe([([1], [0, 3], 1)], max_seq_len=16)]}
         above = {"max_seq_len": 16, "pipelines": [pipe([([0], [0, 3], 1)], max_seq_len=L)]}

@@ -72,6 +72,10 @@ struct TrainOptions {
   // ... and with several strategies (--strategies; strategy_path is the
   // first): per step the one the cost model favours (docs/mixed_length.md).
   std::vector<std::string> strategy_choices;
+  // ... or the HotSPa-like baseline: every step's pieces in buckets by the
+  // smallest strategy that accepts them, trained bucket by bucket, each on
+  // its own strategy, switching inside the step (gradients accumulate).
+  bool bucket_switching = false;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
   int64_t steps = 0;
