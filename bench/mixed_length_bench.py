@@ -8,6 +8,8 @@ per emulated second of
   dynamic  token-budget steps of T tokens (--batch-tokens T --max-seq-len L)
            over the strategies of `hspmd plan search --lengths` (one per
            maximum-length bucket), chosen per step (--strategies)
+  buckets  the same steps and strategies with --bucket-switching (the
+           HotSPa-like baseline: bucket by bucket inside each step)
 
 side by side in one run, on 8 emulated ranks of two speeds (ranks 4-7 at
 half speed) whose memory caps hold a piece of L only with TP or CP >= 2
@@ -109,8 +111,11 @@ def main():  # noqa: C901
                      str(T // L), "--log", p("fixed.jsonl")])
         run(train + ["--strategies", ",".join(buckets), "--batch-tokens", str(T), "--max-seq-len", str(L),
                      "--log", p("dynamic.jsonl")])
+        run(train + ["--strategies", ",".join(buckets), "--batch-tokens", str(T), "--max-seq-len", str(L),
+                     "--bucket-switching", "--log", p("buckets.jsonl")])
         f_tps, f_step, f_tok = throughput(p("fixed.jsonl"))
         d_tps, d_step, d_tok = throughput(p("dynamic.jsonl"))
+        b_tps, b_step, b_tok = throughput(p("buckets.jsonl"))
         picks = [json.loads(l).get("strategy") for l in open(p("dynamic.jsonl")) if '"loss"' in l]
         print(f"tiny 8-layer model, L {L}, {T} tokens per step, 8 emulated ranks (4 at half speed), "
               f"{a.steps} steps (the first left out), model clock; profile {profile_s:.1f} s")
@@ -119,7 +124,8 @@ def main():  # noqa: C901
         print(f"{'mode':8s} {'tokens/emulated s':>18s} {'median step s':>14s} {'median tokens':>14s} {'plan s':>7s}")
         print(f"{'fixed':8s} {f_tps:18.0f} {f_step:14.5f} {f_tok:14.0f} {fixed_plan_s:7.2f}")
         print(f"{'dynamic':8s} {d_tps:18.0f} {d_step:14.5f} {d_tok:14.0f} {dyn_plan_s:7.2f}")
-        print(f"dynamic / fixed: {d_tps / f_tps:.2f}x")
+        print(f"{'buckets':8s} {b_tps:18.0f} {b_step:14.5f} {b_tok:14.0f} {dyn_plan_s:7.2f}")
+        print(f"dynamic / fixed: {d_tps / f_tps:.2f}x; dynamic / buckets: {d_tps / b_tps:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1277,6 +1277,9 @@ double DistTrainer::run_buckets(int64_t step, float normalizer, std::ofstream& l
   whole.counted = whole.tokens - whole.pieces;
   double loss_total = 0;
   std::map<std::string, Annotation> layout;  // where the gradients summed so far lie
+  // The switches inside the step belong to it: the emulated step runs from
+  // the previous step's end through every bucket and switch.
+  const int64_t step_start = emulated_end_;
   for (int c : order) {
     auto bucket = buckets.find(c);
     if (bucket == buckets.end()) continue;
@@ -1311,6 +1314,7 @@ double DistTrainer::run_buckets(int64_t step, float normalizer, std::ofstream& l
       layout.insert_or_assign(name, to);
     }
   }
+  emulated_end_ = step_start;
   return loss_total;
 }
 
