@@ -1,0 +1,301 @@
+// Elastic training (docs/elastic.md): events, re-plans, reconfiguration,
+// rollback to the last checkpoint, and the straggler watch.
+#include "train/dist_trainer.h"
+
+namespace hspmd::dist {
+
+void DistTrainer::load_elastic_events() {
+  if (!o_.switches.empty())
+    fail("[flags] give --events or --switch, not both (an event may name its \"strategy\")");
+  if (o_.straggler_window < 0) fail("[flags] --straggler-window must be >= 0, got ", o_.straggler_window);
+  if (!(o_.straggler_threshold > 0)) fail("[flags] --straggler-threshold must be > 0, got ", o_.straggler_threshold);
+  if (o_.straggler_horizon < 1) fail("[flags] --straggler-horizon must be >= 1, got ", o_.straggler_horizon);
+  if (!(o_.replan_time_limit_s > 0)) fail("[flags] --replan-time-limit must be > 0, got ", o_.replan_time_limit_s);
+  events_ = load_events(o_.events_path, world_.size(), o_.steps);
+  const std::vector<int> first = plans_[0]->strategy->ranks();
+  for (const ElasticEvent& e : events_) {
+    if (e.strategy_path.empty()) continue;
+    auto plan = load_plan_file(e.strategy_path);
+    const std::set<int> down = failed_after(events_, e.step);
+    for (int r : plan->strategy->ranks())
+      if (down.count(r))
+        fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " uses rank ", r,
+             ", which has failed by then");
+    if (plan->strategy->global_batch() != plans_[0]->strategy->global_batch())
+      fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " has global batch ",
+           plan->strategy->global_batch(), ", the run ", plans_[0]->strategy->global_batch());
+    event_plans_[e.step] = plan;
+  }
+  assumed_ = topology_;
+}
+
+bool DistTrainer::checkpoint_at(int64_t step) {
+  finish_checkpoint(true);
+  if (o_.checkpoint_dir.empty()) return false;
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json", ec)) return false;
+  return CheckpointReader(o_.checkpoint_dir).index().step == step;
+}
+
+Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s) {
+  const auto t0 = Clock::now();
+  std::string text;
+  if (world_.rank() == 0) {
+    try {
+      const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+      SearchOptions so;
+      so.global_batch = static_cast<int>(rt_->strategy.global_batch());
+      so.seq_len = o_.seq_len;
+      so.zero = rt_->strategy.zero;
+      so.schedule = rt_->strategy.schedule;
+      so.unavailable = failed_;
+      so.top_k = 1;
+      // Redundancy the run had stays: with two pipelines (no ZeRO) every
+      // slice lives on two disjoint rank sets, so the next failure is served
+      // by the survivors instead of the checkpoint. One pipeline only when
+      // no plan of two fits.
+      const int wanted = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
+      // Two searches: pruned by the current plan (the planner's re-plan
+      // mode: its TP per device class and micro-batch size; fast), then from
+      // scratch within the time left (it finds what the pruning excludes,
+      // e.g. another micro-batch size); the faster prediction wins.
+      std::optional<SearchCandidate> best_found;
+      std::string error;
+      for (int min = wanted; min >= 1 && !best_found; --min) {
+        so.min_pipelines = min;
+        const Strategy* current = &rt_->strategy;
+        for (const Strategy* previous : {current, static_cast<const Strategy*>(nullptr)}) {
+          so.previous = previous;
+          so.time_limit_s = std::max(0.05, o_.replan_time_limit_s -
+                                               std::chrono::duration<double>(Clock::now() - t0).count());
+          try {
+            SearchCandidate c = search_strategy(model, so).best.at(0);
+            if (!best_found || c.predicted_step_s < best_found->predicted_step_s) best_found = std::move(c);
+          } catch (const Error& e) {
+            error = e.what();
+          }
+        }
+      }
+      if (!best_found) fail(error);
+      Strategy best = best_found->strategy;
+      best.description = "re-planned before step " + std::to_string(step) + " (" + cause + ")";
+      text = to_json(best).dump();
+    } catch (const Error& e) {
+      text = std::string("!") + e.what();
+    }
+  }
+  broadcast_text(text, world_);
+  planning_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!text.empty() && text[0] == '!')
+    fail("[elastic] step ", step, " (", cause, "): re-planning failed: ", text.substr(1));
+  return strategy_from_json(nlohmann::json::parse(text));
+}
+
+int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                                 double planning_s, std::ofstream& log) {
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  so.lost_ranks = failed_;
+  so.have_checkpoint = checkpoint_at(step);
+  if (!so.have_checkpoint && !o_.checkpoint_dir.empty() &&
+      std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json")) {
+    bool servable = true;  // the same answer on every rank: the switch plan is a pure function
+    try {
+      switch_plans_.get(*rt_->plan, *plan, *topology_, so);
+    } catch (const Error&) {
+      servable = false;
+    }
+    if (!servable) return rollback(std::move(plan), step, cause, planning_s, log);
+  }
+  nlohmann::json moved;
+  try {
+    moved = move_to(std::move(plan), so);
+  } catch (const Error& e) {
+    fail("[elastic] step ", step, " (", cause, "): ", e.what(),
+         so.have_checkpoint ? "" : " (no training checkpoint was committed before this step: --checkpoint DIR "
+                                   "--save-every N writes them; the run then rolls back to the last one)");
+  }
+  nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s}};
+  j.update(moved);
+  j["from_checkpoint_bytes"] = j["checkpoint_bytes"];
+  j["failed"] = std::vector<int>(failed_.begin(), failed_.end());
+  j["strategy"] = to_json(rt_->strategy);
+  write_log(log, j);
+  return step;
+}
+
+int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                              double planning_s, std::ofstream& log) {
+  CheckpointReader reader(o_.checkpoint_dir);
+  const int64_t back = reader.index().step;
+  rt_.reset();
+  state_.reset();  // every slice comes from the checkpoint
+  const auto t0 = Clock::now();
+  rt_ = specialize(std::move(plan));
+  const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  last_specialize_s_ = specialize_s;
+  const auto t1 = Clock::now();
+  state_ = TrainingState::load(rt_->plan, world_.rank(), reader);
+  const nlohmann::json& meta = reader.index().meta;
+  state_->step = back;
+  state_->samples = meta.at("samples").get<int64_t>();
+  state_->seed = meta.at("seed").get<uint64_t>();
+  const double load_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  const std::vector<int64_t> read = gather_counts({state_->bytes()}, world_)[0];
+  if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
+  skip_next_ = true;
+  window_.clear();
+  window_steps_.clear();
+  predicted_.clear();
+  // The log keeps one record per step: those of the steps trained again go.
+  if (log.is_open()) {
+    log.close();
+    std::vector<std::string> kept;
+    {
+      std::ifstream in(o_.log_path);
+      for (std::string line; std::getline(in, line);) {
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (!j.is_discarded() && j.contains("loss") && j.value("step", int64_t{0}) >= back) continue;
+        kept.push_back(line);
+      }
+    }
+    const std::string tmp = o_.log_path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      for (const std::string& line : kept) out << line << "\n";
+      out.close();
+      if (!out) fail("[train] --log ", o_.log_path, ": write failed (disk full or I/O error)");
+    }
+    std::filesystem::rename(tmp, o_.log_path);
+    log.open(o_.log_path, std::ios::app);
+    if (!log) fail("[train] --log ", o_.log_path, ": cannot reopen for writing: ", std::strerror(errno));
+  }
+  nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s},
+                      {"specialize_s", specialize_s}, {"switch_s", load_s},
+                      {"bytes_sent", std::vector<int64_t>(world_.size(), 0)},
+                      {"from_checkpoint_bytes", read}, {"rollback_to", back},
+                      {"failed", std::vector<int>(failed_.begin(), failed_.end())},
+                      {"strategy", to_json(rt_->strategy)}};
+  write_log(log, j);
+  return back;
+}
+
+int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
+  for (const auto& [r, factor] : ev.slowdown) {
+    if (r == world_.rank() && clock_) clock_->set_slowdown(factor);
+  }
+  for (int r : ev.fail) failed_.insert(r);
+  for (int r : ev.join) failed_.erase(r);
+  const std::string cause = ev.cause();
+  if (!ev.strategy_path.empty()) {
+    return reconfigure(event_plans_.at(step), step, cause, 0.0, log);
+  }
+  if (!ev.slowdown.empty()) {  // steps before the change say nothing about the speeds now
+    window_.clear();
+    window_steps_.clear();
+  }
+  if (!ev.changes_ranks()) {  // a speed change alone: the straggler watch decides
+    nlohmann::json speeds = nlohmann::json::object();
+    for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
+    write_log(log, {{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
+    return step;
+  }
+  double planning_s = 0;
+  const Strategy next = replan(*assumed_, step, cause, planning_s);
+  return reconfigure(compile(next), step, cause, planning_s, log);
+}
+
+std::vector<double> DistTrainer::predicted_compute(const Topology& topology) const {
+  std::vector<double> out(world_.size(), 0.0);
+  try {
+    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+    for (const RankCost& rc : model.evaluate(rt_->strategy, o_.seq_len).ranks)
+      if (rc.rank >= 0 && rc.rank < world_.size()) out[rc.rank] = rc.compute_s;
+  } catch (const Error&) {
+    return {};
+  }
+  return out;
+}
+
+// Per rank, the median of its compute over the window divided by what the
+// cost model predicts under the assumed speeds; relative to the median rank,
+// a rank off by more than the threshold has another speed than assumed. The
+// assumed speeds are then corrected, the planner searches under them, and
+// the run switches when the predicted gain over the horizon exceeds the
+// switch's cost (planning, specialization, the switch plan's time).
+void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
+  if (events_.empty() || !clock_ || o_.straggler_window == 0 || step + 1 >= o_.steps) return;
+  if (std::exchange(skip_next_, false)) return;
+  if (predicted_.empty()) predicted_ = predicted_compute(*assumed_);
+  if (predicted_.empty()) return;
+  window_.push_back(r.emulated_compute_s);
+  window_steps_.push_back(r.emulated_step_time_s);
+  if (static_cast<int64_t>(window_.size()) < o_.straggler_window) return;
+  std::vector<int> active;
+  std::vector<double> ratio(world_.size(), 0.0);
+  for (int k = 0; k < world_.size(); ++k) {
+    if (predicted_[k] <= 0 || failed_.count(k)) continue;
+    std::vector<double> seen;
+    for (const auto& w : window_) seen.push_back(w.at(k));
+    ratio[k] = median(seen) / predicted_[k];
+    active.push_back(k);
+  }
+  std::vector<double> ratios;
+  for (int k : active) ratios.push_back(ratio[k]);
+  const double mid = median(ratios);
+  const double observed_step = median(window_steps_);
+  window_.clear();
+  window_steps_.clear();
+  if (active.empty() || !(mid > 0)) return;
+  Topology estimated = *assumed_;
+  bool off = false;
+  for (int k : active) {
+    const double rel = ratio[k] / mid;
+    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
+    off = true;
+    estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
+  }
+  if (!off) return;
+  const int64_t next_step = step + 1;
+  assumed_ = std::make_shared<const Topology>(std::move(estimated));
+  const std::vector<double> current = predicted_compute(*assumed_);
+  double planning_s = 0;
+  std::string cause = "straggler:";
+  for (int k : active)
+    if (std::abs(ratio[k] / mid - 1) > o_.straggler_threshold)
+      cause += " rank " + std::to_string(k) + " x" + detail::concat(assumed_->rank(k).slowdown);
+  const Strategy next = replan(*assumed_, next_step, cause, planning_s);
+  predicted_ = current;
+  const CostModel model = CostModel::load(config_, *assumed_, o_.profile_path);
+  const double now_s = model.evaluate(rt_->strategy, o_.seq_len).predicted_step_s;
+  const double next_s = model.evaluate(next, o_.seq_len).predicted_step_s;
+  const int64_t horizon = std::min(o_.straggler_horizon, o_.steps - next_step);
+  // The model's prediction scaled to what the run observes.
+  const double gain_s = now_s > 0 ? observed_step * (1 - next_s / now_s) * static_cast<double>(horizon) : 0.0;
+  std::shared_ptr<const AnnotationPlan> plan;
+  double switch_s = 0;
+  const bool differs = !same_execution(next, rt_->strategy);
+  if (differs) {
+    plan = compile(next);
+    SwitchOptions so;
+    so.algorithm = algorithm_;
+    so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+    so.lost_ranks = failed_;
+    switch_s = switch_plans_.get(*rt_->plan, *plan, *topology_, so).predicted_s;
+  }
+  const double cost_s = planning_s + last_specialize_s_ + switch_s;
+  // The wall-clock parts of the cost differ between ranks: rank 0 decides.
+  int64_t decision = differs && gain_s > cost_s ? 1 : 0;
+  world_.broadcast(&decision, 1, 0);
+  const bool go = decision != 0;
+  nlohmann::json speeds = nlohmann::json::object();
+  for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
+  write_log(log, {{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
+                  {"predicted_step_s", now_s}, {"replanned_step_s", next_s}, {"observed_step_s", observed_step},
+                  {"horizon_steps", horizon}, {"gain_s", gain_s}, {"cost_s", cost_s}, {"switch", go}});
+  // A straggler re-plan keeps every rank's memory: never a rollback.
+  if (go) reconfigure(plan, next_step, cause, planning_s, log);
+}
+
+}  // namespace hspmd::dist
