@@ -75,8 +75,15 @@ int compile_command(const std::vector<std::string>& args) {
   f.add_int("world", &world, "number of ranks of the world", true);
   f.add_int("seq-len", &seq_len, "sequence length for byte counts (default: max_position_embeddings)");
   f.add_string("output", &output, "plan JSON to write (also -o)", true);
+  std::string precision = "fp32", grad_reduce = "fp32";
+  f.add_string("precision", &precision, "fp32 (default) or bf16: the dtypes the Reshards carry (docs/precision.md)");
+  f.add_string("grad-reduce-dtype", &grad_reduce, "fp32 (default) or bf16 gradient sync");
   if (!f.parse(expand_short_output(args))) return 0;
   if (world < 1) fail("[flags] --world must be >= 1, got ", world);
+  CompileOptions co;
+  co.seq_len = seq_len;
+  co.precision = {parse_precision_name(precision, "--precision"),
+                  parse_precision_name(grad_reduce, "--grad-reduce-dtype")};
   if (seq_len < 0 || (f.given("seq-len") && seq_len == 0))
     fail("[flags] --seq-len must be positive, got ", seq_len);
   check_input_file("--model", model);
@@ -84,7 +91,7 @@ int compile_command(const std::vector<std::string>& args) {
 
   const LlamaConfig config = LlamaConfig::load(model);
   const Strategy strategy = load_strategy(strategy_path);
-  const AnnotationPlan plan = compile_plan(config, strategy, static_cast<int>(world), {seq_len});
+  const AnnotationPlan plan = compile_plan(config, strategy, static_cast<int>(world), co);
   write_file(output, to_json(plan).dump(1) + "\n");
   const std::vector<int> idle = idle_ranks(strategy, static_cast<int>(world));
   std::fprintf(stderr,
@@ -319,7 +326,9 @@ AnnotationPlan load_side(const std::string& path, const std::string& model, int 
   }
   if (model.empty()) fail("[flags] ", flag, " ", path, " is a strategy: --model is required to compile it");
   const Strategy strategy = load_strategy(path);
-  return compile_plan(LlamaConfig::load(model), strategy, world, {seq_len});
+  CompileOptions co;
+  co.seq_len = seq_len;
+  return compile_plan(LlamaConfig::load(model), strategy, world, co);
 }
 
 std::vector<SwitchAlgorithm> switch_algorithms(const std::string& name) {

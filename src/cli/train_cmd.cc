@@ -17,6 +17,7 @@
 #include "launcher.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
+#include "hspmd/models/llama.h"
 #include "hspmd/train/trainer.h"
 
 namespace hspmd::cli {
@@ -245,6 +246,10 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("init", &o.init_path, "initial weights (safetensors, F32 or BF16)");
   f.add_string("save", &o.save_path, "write the final weights here (safetensors)");
   f.add_string("save-dtype", &save_dtype, "f32 (default) or bf16");
+  std::string precision = "fp32", grad_reduce = "fp32";
+  f.add_string("precision", &precision,
+               "fp32 (default) or bf16: bf16 GEMMs with fp32 accumulation and fp32 master weights (docs/precision.md)");
+  f.add_string("grad-reduce-dtype", &grad_reduce, "with --precision bf16: fp32 (default) or bf16 gradient sync");
   f.add_string("log", &o.log_path, "write one JSON object per step here (JSONL)");
   f.add_string("dump-grads", &o.dump_grads_path, "write the step-0 gradients here (safetensors)");
   f.add_int("threads", &threads, "CPU threads (default: all cores)");
@@ -323,6 +328,10 @@ int train_command(const std::vector<std::string>& args) {
   if (save_dtype != "f32" && save_dtype != "bf16")
     fail("[flags] --save-dtype: '", save_dtype, "' (expected f32 or bf16)");
   o.save_dtype = save_dtype == "bf16" ? DType::BF16 : DType::F32;
+  o.precision.compute = parse_precision_name(precision, "--precision");
+  o.precision.grad_reduce = parse_precision_name(grad_reduce, "--grad-reduce-dtype");
+  if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
+    fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
   if (clock != "cpu" && clock != "model") fail("[flags] --clock: '", clock, "' (expected cpu or model)");
   o.model_clock = clock == "model";
   if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);

@@ -19,7 +19,7 @@ using resolve_internal::member_index;
 // Data that lands in the fresh buffer once the phase's requests complete:
 // `boxes` packed one after the other in `data`.
 struct Arrival {
-  const float* data = nullptr;
+  const std::byte* data = nullptr;
   std::vector<Box> boxes;
 };
 
@@ -27,8 +27,8 @@ struct Arrival {
 
 class PhaseRun {
  public:
-  PhaseRun(int rank, const std::optional<Box>& in_box, const NDArray& current, Communicator& world)
-      : rank_(rank), in_box_(in_box), current_(current), world_(world) {}
+  PhaseRun(int rank, const std::optional<Box>& in_box, const NDArray& current, DType dtype, Communicator& world)
+      : rank_(rank), in_box_(in_box), current_(current), dtype_(dtype), es_(dtype_size(dtype)), world_(world) {}
 
   void start(const CommOp& op);
   // Waits everything started (but the sends, when `deferred` takes them) and
@@ -36,22 +36,28 @@ class PhaseRun {
   NDArray finish(const std::optional<Box>& out_box, PendingSends* deferred);
 
  private:
-  float* buffer(int64_t count) { return buffers_.emplace_back(static_cast<size_t>(count), 0.0f).data(); }
-  int64_t pack(const Box& region, float* out) const;
+  // A zeroed buffer of `count` elements of the Reshard's dtype.
+  std::byte* buffer(int64_t count) {
+    return buffers_.emplace_back(static_cast<size_t>(count) * es_, std::byte{0}).data();
+  }
+  std::byte* at(std::byte* p, int64_t elements) const { return p + elements * static_cast<int64_t>(es_); }
+  int64_t pack(const Box& region, std::byte* out) const;
   void start_collective(const CommOp& op);
 
   int rank_;
   const std::optional<Box>& in_box_;
   const NDArray& current_;
+  DType dtype_;
+  size_t es_;
   Communicator& world_;
-  std::deque<std::vector<float>> buffers_;  // deque: pointers stay valid as it grows
+  std::deque<std::vector<std::byte>> buffers_;  // deque: pointers stay valid as it grows
   std::vector<Request> requests_;
   std::vector<Request> sends_;
   std::vector<size_t> send_buffers_;  // indices into buffers_
   std::vector<Arrival> arrivals_;
 };
 
-int64_t PhaseRun::pack(const Box& region, float* out) const {
+int64_t PhaseRun::pack(const Box& region, std::byte* out) const {
   HSPMD_CHECK(in_box_ && contains(*in_box_, region), "rank ", rank_, " reads ", to_string(region),
               " outside its in_box");
   return pack_box(current_, *in_box_, region, out);
@@ -65,25 +71,25 @@ void PhaseRun::start_collective(const CommOp& op) {
                                                     : std::vector<Box>{op.box};
   int64_t send_count = 0;
   for (const Box& b : send_boxes) send_count += b.numel();
-  float* send = buffer(send_count);
+  std::byte* send = buffer(send_count);
   if (contributes)
-    for (int64_t off = 0; const Box& b : send_boxes) off += pack(b, send + off);
+    for (int64_t off = 0; const Box& b : send_boxes) off += pack(b, at(send, off));
   std::vector<int64_t> counts;
   for (const Box& b : op.pieces) counts.push_back(b.numel());
   const bool alone = op.group.size() == 1;  // no communicator needed (nor possible on a stub)
   if (op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce) {
-    if (!alone) requests_.push_back(world_.group(op.group).start_all_reduce(send, send_count));
+    if (!alone) requests_.push_back(world_.group(op.group).start_all_reduce(send, send_count, dtype_));
     arrivals_.push_back({send, {op.box}});
   } else if (is_reduce_scatter(op.kind)) {
-    float* recv = alone ? send : buffer(counts[me]);
-    if (!alone) requests_.push_back(world_.group(op.group).start_reduce_scatter(send, recv, counts));
+    std::byte* recv = alone ? send : buffer(counts[me]);
+    if (!alone) requests_.push_back(world_.group(op.group).start_reduce_scatter(send, recv, counts, dtype_));
     arrivals_.push_back({recv, {op.pieces[me]}});
   } else {
     HSPMD_CHECK(op.pieces.size() == op.group.size(), "all_gather with ", op.pieces.size(), " pieces");
     int64_t total = 0;
     for (int64_t c : counts) total += c;
-    float* recv = alone ? send : buffer(total);
-    if (!alone) requests_.push_back(world_.group(op.group).start_all_gather(send, recv, counts));
+    std::byte* recv = alone ? send : buffer(total);
+    if (!alone) requests_.push_back(world_.group(op.group).start_all_gather(send, recv, counts, dtype_));
     arrivals_.push_back({recv, op.pieces});
   }
 }
@@ -91,28 +97,28 @@ void PhaseRun::start_collective(const CommOp& op) {
 void PhaseRun::start(const CommOp& op) {
   if (is_collective(op.kind)) start_collective(op);
   if (op.kind == CommKind::kLocalSlice) {
-    float* copy = buffer(op.box.numel());
+    std::byte* copy = buffer(op.box.numel());
     pack(op.box, copy);
     arrivals_.push_back({copy, {op.box}});
   }
   for (const Box& b : op.keeps) {
-    float* copy = buffer(b.numel());
+    std::byte* copy = buffer(b.numel());
     pack(b, copy);
     arrivals_.push_back({copy, {b}});
   }
   for (const Transfer& t : op.sends) {
     int64_t count = 0;
     for (const Box& b : t.boxes) count += b.numel();
-    float* msg = buffer(count);
+    std::byte* msg = buffer(count);
     send_buffers_.push_back(buffers_.size() - 1);
-    for (int64_t off = 0; const Box& b : t.boxes) off += pack(b, msg + off);
-    sends_.push_back(world_.start_send(msg, count, t.peer, kReshardTag));
+    for (int64_t off = 0; const Box& b : t.boxes) off += pack(b, at(msg, off));
+    sends_.push_back(world_.start_send(msg, count, dtype_, t.peer, kReshardTag));
   }
   for (const Transfer& t : op.recvs) {
     int64_t count = 0;
     for (const Box& b : t.boxes) count += b.numel();
-    float* msg = buffer(count);
-    requests_.push_back(world_.start_recv(msg, count, t.peer, kReshardTag));
+    std::byte* msg = buffer(count);
+    requests_.push_back(world_.start_recv(msg, count, dtype_, t.peer, kReshardTag));
     arrivals_.push_back({msg, t.boxes});
   }
 }
@@ -130,12 +136,12 @@ NDArray PhaseRun::finish(const std::optional<Box>& out_box, PendingSends* deferr
     deferred->world_ = &world_;
   }
   if (!out_box) return NDArray();
-  NDArray fresh = NDArray::zeros(out_box->shape(), DType::F32);
+  NDArray fresh = NDArray::zeros(out_box->shape(), dtype_);
   for (const Arrival& a : arrivals_) {
-    const float* p = a.data;
+    const std::byte* p = a.data;
     for (const Box& b : a.boxes) {
       HSPMD_CHECK(contains(*out_box, b), "rank ", rank_, " writes ", to_string(b), " outside its out_box");
-      p += unpack_box(p, fresh, *out_box, b);
+      p += unpack_box(p, fresh, *out_box, b) * static_cast<int64_t>(es_);
     }
   }
   return fresh;
@@ -155,10 +161,11 @@ void create_groups(const RankResolution& plan, Communicator& world) {
 
 }  // namespace
 
-void PendingSends::send(std::vector<float> data, int peer, int tag, Communicator& world) {
+void PendingSends::send(std::vector<std::byte> data, DType dtype, int peer, int tag, Communicator& world) {
   buffers_.push_back(std::move(data));
-  const std::vector<float>& b = buffers_.back();
-  requests_.push_back(world.start_send(b.data(), static_cast<int64_t>(b.size()), peer, tag));
+  const std::vector<std::byte>& b = buffers_.back();
+  requests_.push_back(
+      world.start_send(b.data(), static_cast<int64_t>(b.size() / dtype_size(dtype)), dtype, peer, tag));
   world_ = &world;
 }
 
@@ -186,16 +193,16 @@ NDArray execute(const Resolution& resolution, int rank, const NDArray& local_inp
   std::optional<Box> box = plan.phases[0].in_box;
   NDArray current;
   if (box) {
-    if (!local_input.valid() || local_input.dtype() != DType::F32 || local_input.shape() != box->shape())
-      fail("[comm] reshard '", resolution.name, "': rank ", rank, " needs an f32 input of shape ",
-           shape_str(box->shape()), " (its source box ", to_string(*box), ")");
+    if (!local_input.valid() || local_input.dtype() != resolution.dtype || local_input.shape() != box->shape())
+      fail("[comm] reshard '", resolution.name, "': rank ", rank, " needs ", resolution.dtype == DType::BF16 ? "a " : "an ",
+           dtype_name(resolution.dtype), " input of shape ", shape_str(box->shape()), " (its source box ", to_string(*box), ")");
     current = local_input.contiguous();
   }
   create_groups(plan, world);
   for (size_t p = 0; p < plan.phases.size(); ++p) {
     const CommPhase& ph = plan.phases[p];
     HSPMD_CHECK(ph.in_box == box, "rank ", rank, " phase ", p, ": in_box does not match its buffer");
-    PhaseRun run(rank, box, current, world);
+    PhaseRun run(rank, box, current, resolution.dtype, world);
     for (const CommOp& op : ph.ops) run.start(op);
     current = run.finish(ph.out_box, deferred);
     box = ph.out_box;

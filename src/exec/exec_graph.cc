@@ -17,20 +17,6 @@ namespace {
 
 using ops::is_reshard;
 
-// The communication layer moves f32; token ids and positions (i32, < 2^24)
-// travel exactly as f32.
-NDArray execute_any(const Resolution& r, int rank, const NDArray& in, Communicator& world,
-                    PendingSends* deferred) {
-  if (!in.valid() || in.dtype() == DType::F32) return execute(r, rank, in, world, deferred);
-  NDArray out = execute(r, rank, in.to(DType::F32), world, deferred);
-  if (!out.valid()) return out;
-  NDArray back = NDArray::empty(out.shape(), in.dtype());
-  const float* src = out.data<float>();
-  int32_t* dst = back.data<int32_t>();
-  for (int64_t i = 0; i < out.numel(); ++i) dst[i] = static_cast<int32_t>(src[i]);
-  return back;
-}
-
 std::vector<int> device_set(const Annotation& a) {
   std::vector<int> ranks = a.all_ranks();
   std::sort(ranks.begin(), ranks.end());
@@ -326,9 +312,10 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
     const Resolution& r = *found->second;
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
-    const NDArray local = it == raw.end() ? NDArray() : it->second;
+    NDArray local = it == raw.end() ? NDArray() : it->second;
+    if (local.valid() && local.dtype() != r.dtype) local = local.to(r.dtype);  // --grad-reduce-dtype bf16
     NDArray out = run_reshard(r, model_.graph->node(id).name, local, world);
-    if (out.valid()) synced[name] = out;
+    if (out.valid()) synced[name] = out.dtype() == DType::F32 ? out : out.to(DType::F32);
   }
   return synced;
 }
@@ -386,7 +373,7 @@ NDArray ExecGraph::run_reshard(const Resolution& r, const std::string& name, con
   const double t0 = clock_ ? clock_->now() : 0;
   if (clock_) sync_clock(r, world);
   const int64_t before = world.bytes().sent;
-  NDArray out = execute_any(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr);
+  NDArray out = execute(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr);
   ledger_.measured += world.bytes().sent - before;
   ledger_.predicted += r.ranks.at(rank_).bytes_sent;
   if (clock_ && !r.ranks.at(rank_).phases.empty())  // identities are not communication

@@ -68,17 +68,21 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const
   const std::string p = layer_prefix(i);
   const BlockPoints points = block_points(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
-  h = mark(h, points.input);
+  h = ops::cast(mark(ops::cast(h, o.precision.compute), points.input), DType::F32);
   const Tensor positions = mark(block_positions, points.positions);
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
   const int64_t D = c.head_dim(), Hq = c.num_attention_heads, Hkv = c.kv_heads();
   const float theta = static_cast<float>(c.rope_theta);
   const float eps = static_cast<float>(c.rms_norm_eps);
 
-  Tensor x = mark(ops::rms_norm(h, param("input_layernorm.weight"), eps), points.attn_input);
-  Tensor q = ops::reshape(ops::linear(x, param("self_attn.q_proj.weight")), {B, S, Hq, D});
-  Tensor k = ops::reshape(ops::linear(x, param("self_attn.k_proj.weight")), {B, S, Hkv, D});
-  Tensor v = ops::reshape(ops::linear(x, param("self_attn.v_proj.weight")), {B, S, Hkv, D});
+  // Mixed precision: `lo` rounds to the compute dtype (a no-op in f32), `f32`
+  // widens back; GEMM operands and what the Reshards carry are `lo`.
+  const auto lo = [&](const Tensor& t) { return ops::cast(t, o.precision.compute); };
+  const auto f32 = [](const Tensor& t) { return ops::cast(t, DType::F32); };
+  Tensor x = mark(lo(ops::rms_norm(h, param("input_layernorm.weight"), eps)), points.attn_input);
+  Tensor q = ops::reshape(ops::linear(x, lo(param("self_attn.q_proj.weight"))), {B, S, Hq, D});
+  Tensor k = ops::reshape(ops::linear(x, lo(param("self_attn.k_proj.weight"))), {B, S, Hkv, D});
+  Tensor v = ops::reshape(ops::linear(x, lo(param("self_attn.v_proj.weight"))), {B, S, Hkv, D});
   q = ops::rope(q, positions, theta);
   k = ops::rope(k, positions, theta);
   // Packed documents: the positions (restarting at 0 at each document) also
@@ -86,13 +90,14 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
                             static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel);
   a = ops::reshape(a, {B, S, Hq * D});
-  h = ops::add(h, mark(ops::linear(a, param("self_attn.o_proj.weight")), points.attn_output));
+  const Tensor attn_out = ops::linear(lo(a), lo(param("self_attn.o_proj.weight")));
+  h = ops::add(h, f32(mark(lo(attn_out), points.attn_output)));
 
-  x = mark(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps), points.mlp_input);
-  Tensor gate = ops::linear(x, param("mlp.gate_proj.weight"));
-  Tensor up = ops::linear(x, param("mlp.up_proj.weight"));
-  Tensor down = ops::linear(ops::swiglu(gate, up), param("mlp.down_proj.weight"));
-  return ops::add(h, mark(down, points.mlp_output));
+  x = mark(lo(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps)), points.mlp_input);
+  Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")));
+  Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")));
+  Tensor down = ops::linear(lo(ops::swiglu(gate, up)), lo(param("mlp.down_proj.weight")));
+  return ops::add(h, f32(mark(lo(down), points.mlp_output)));
 }
 
 // The nine parameters of block i, in Hugging Face order.
@@ -148,6 +153,12 @@ std::vector<ReshardPoint> llama_reshard_points(const LlamaConfig& c) {
   return out;
 }
 
+DType parse_precision_name(const std::string& name, const std::string& what) {
+  if (name == "fp32" || name == "f32") return DType::F32;
+  if (name == "bf16") return DType::BF16;
+  fail("[precision] ", what, ": '", name, "' (expected fp32 or bf16)");
+}
+
 LlamaGraph build_llama(const LlamaConfig& c, bool packed_documents) {
   LlamaBuildOptions o;
   o.packed_documents = packed_documents;
@@ -169,13 +180,16 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
     m.params.push_back(g.parameter(p.name, p.shape));
   }
 
-  Tensor h = mark(ops::embedding(g.find(kEmbedding), m.input_ids), embedding_output_point());
+  const DType lo = o.precision.compute;
+  Tensor h = ops::cast(mark(ops::cast(ops::embedding(g.find(kEmbedding), m.input_ids), lo),
+                            embedding_output_point()),
+                       DType::F32);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     h = transformer_block(c, o, mark, i, h, m.positions, g);
-  h = mark(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps)),
+  h = mark(ops::cast(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps)), lo),
            head_input_point());
-  Tensor head = c.tie_word_embeddings ? mark(g.find(kEmbedding), tied_head_point())
-                                      : g.find("lm_head.weight");
+  Tensor head = c.tie_word_embeddings ? mark(ops::cast(g.find(kEmbedding), lo), tied_head_point())
+                                      : ops::cast(g.find("lm_head.weight"), lo);
   Tensor logits = ops::linear(h, head);
   // Padded vocabulary: only the first vocab_size logits are classes.
   m.loss = ops::cross_entropy(logits, m.targets, m.normalizer, -100,

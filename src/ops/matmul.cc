@@ -59,6 +59,11 @@ DimRule matmul_rule(int a_rank, int b_rank, bool trans_a, bool trans_b) {
   return rule;
 }
 
+void expect_float(const char* what, const TensorMeta& m) {
+  if (m.dtype != DType::F32 && m.dtype != DType::BF16)
+    fail("[matmul] ", what, " must be f32 or bf16, got ", dtype_name(m.dtype));
+}
+
 class MatmulOp final : public Op {
  public:
   MatmulOp(bool trans_a, bool trans_b) : trans_a_(trans_a), trans_b_(trans_b) {}
@@ -66,8 +71,8 @@ class MatmulOp final : public Op {
 
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("matmul", in, 2);
-    expect_dtype("matmul", "a", in[0], DType::F32);
-    expect_dtype("matmul", "b", in[1], DType::F32);
+    expect_float("a", in[0]);
+    expect_float("b", in[1]);
     const SymShape& a = in[0].shape;
     const SymShape& b = in[1].shape;
     if (a.empty()) fail("[matmul] a must have rank >= 1, got a scalar");
@@ -97,13 +102,15 @@ class MatmulOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    const NDArray& b = in[1];
+    // TEMPORARY until the bf16 GEMM kernel lands: bf16 operands widened.
+    const NDArray a = in[0].dtype() == DType::BF16 ? in[0].to(DType::F32) : in[0];
+    const NDArray b = in[1].dtype() == DType::BF16 ? in[1].to(DType::F32) : in[1];
     if (b.ndim() <= 2) {
-      kernels::matmul(in[0], b, trans_a_, trans_b_, out[0]);
+      kernels::matmul(a, b, trans_a_, trans_b_, out[0]);
       return;
     }
     const int64_t n = b.dim(-1);
-    kernels::matmul(in[0], b.contiguous().reshape({n == 0 ? 0 : b.numel() / n, n}), trans_a_,
+    kernels::matmul(a, b.contiguous().reshape({n == 0 ? 0 : b.numel() / n, n}), trans_a_,
                     trans_b_, out[0]);
   }
 

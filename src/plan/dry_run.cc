@@ -99,7 +99,8 @@ AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
   options.reshard_points = true;
   options.context_parallel = true;
   options.packed_documents = true;  // fixed-length samples feed positions 0..S-1: plain causal
-  AnnotatedTraining t{build_llama(plan.model, options), nullptr};
+  options.precision = plan.precision;
+  AnnotatedTraining t{build_llama(plan.model, options), nullptr, plan.precision};
   t.annotated = std::make_unique<AnnotatedGraph>(deduce(*t.model.graph, plan.tensors, plan.world_size));
   return t;
 }
@@ -117,6 +118,8 @@ std::vector<std::pair<int, ReshardSpec>> AnnotatedTraining::reshards(const Bindi
     spec.name = reshard_name(n);
     spec.shape = concrete_shape(n.outputs[0].shape, bindings, spec.name);
     spec.dtype = n.outputs[0].dtype;
+    if (const ReshardPoint* point = model.point(id); point && point->kind == ReshardKind::kGradSync)
+      spec.dtype = precision.grad_reduce;
     spec.src = annotated->of(n.inputs[0]);
     spec.dst = annotated->of(n.output(0));
     out.emplace_back(id, std::move(spec));

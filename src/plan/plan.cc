@@ -215,7 +215,9 @@ AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy,
   for (const Pipeline& p : strategy.pipelines)
     for (const Stage& st : p.stages) tp = std::lcm(tp, static_cast<int64_t>(st.tp()));
   if (model.table_rows() % tp != 0) model.padded_vocab_size = (model.vocab_size + tp - 1) / tp * tp;
-  return Compiler(model, strategy).compile(world_size, seq_len);
+  AnnotationPlan plan = Compiler(model, strategy).compile(world_size, seq_len);
+  plan.precision = options.precision;
+  return plan;
 }
 
 }  // namespace hspmd

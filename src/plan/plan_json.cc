@@ -97,13 +97,16 @@ json to_json(const AnnotationPlan& plan) {
             {"tensors", annotations_json(plan.tensors)},
             {"optimizer_states", annotations_json(plan.optimizer_states)}};
   if (plan.strategy) j["strategy"] = to_json(*plan.strategy);
+  if (plan.precision.mixed() || plan.precision.grad_reduce != DType::F32)
+    j["precision"] = {{"compute", plan.precision.mixed() ? "bf16" : "fp32"},
+                      {"grad_reduce", plan.precision.grad_reduce == DType::BF16 ? "bf16" : "fp32"}};
   return j;
 }
 
 AnnotationPlan plan_from_json(const json& j) {
   if (!j.is_object()) fail("[plan] a plan must be a JSON object");
   only_fields(j, "", {"format", "version", "world_size", "model", "bindings", "tensors",
-                      "optimizer_states", "strategy"});
+                      "optimizer_states", "strategy", "precision"});
   if (require(j, "format") != kFormat) fail("[plan] field 'format' must be \"", kFormat, "\"");
   if (require(j, "version") != 1) fail("[plan] unsupported version ", json_excerpt(j["version"]));
   AnnotationPlan plan;
@@ -127,6 +130,17 @@ AnnotationPlan plan_from_json(const json& j) {
   if (j.contains("optimizer_states"))
     plan.optimizer_states =
         read_annotations(j["optimizer_states"], "optimizer_states", known, plan.world_size, true);
+  if (j.contains("precision")) {
+    const nlohmann::json& p = j["precision"];
+    if (!p.is_object()) fail("[plan] field 'precision' must be an object");
+    only_fields(p, "precision", {"compute", "grad_reduce"});
+    auto read = [&](const char* key) {
+      if (!p.contains(key)) return DType::F32;
+      if (!p[key].is_string()) fail("[plan] precision.", key, " must be \"fp32\" or \"bf16\"");
+      return parse_precision_name(p[key].get<std::string>(), std::string("plan precision.") + key);
+    };
+    plan.precision = {read("compute"), read("grad_reduce")};
+  }
   if (j.contains("strategy")) {
     plan.strategy = strategy_from_json(j["strategy"]);
     validate(*plan.strategy, plan.model, plan.world_size);

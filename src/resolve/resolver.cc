@@ -143,6 +143,7 @@ Resolution resolve(const ReshardSpec& spec, const Topology& topology) {
   const Layout src = make_layout(spec.src, spec.shape, spec.name, "source", world);
   const Layout dst = make_layout(spec.dst, spec.shape, spec.name, "destination", world);
   Resolution r = plan_resolution(spec, src, dst, topology);
+  r.dtype = spec.dtype;
   r.crosses_subgroups = crosses_subgroups(r, src, dst);
   return r;
 }

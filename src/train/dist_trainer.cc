@@ -18,6 +18,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::str
     padded.padded_vocab_size = plan.model.padded_vocab_size;
     if (plan.model.to_json() != padded.to_json())
       fail("[plan] ", path, ": its model differs from --model ", o_.model_path);
+    plan.precision = o_.precision;  // the run's flags decide how it computes
     return std::make_shared<const AnnotationPlan>(std::move(plan));
   }
   return compile(load_strategy(path));
@@ -30,6 +31,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::compile(const Strategy& strat
          " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
   CompileOptions co;
   co.seq_len = (o_.seq_len + g - 1) / g * g;  // packed lengths vary: compile for the longest, rounded up
+  co.precision = o_.precision;
   return std::make_shared<const AnnotationPlan>(compile_plan(config_, strategy, world_.size(), co));
 }
 

@@ -245,9 +245,16 @@ def forward(params, cfg, input_ids):
     return F.linear(x, head)
 
 
+# torch.autocast("cpu", torch.bfloat16) around the forward (--autocast): the
+# mixed-precision peer of `hspmd train --precision bf16`.
+AUTOCAST = False
+
+
 def loss_sum(params, cfg, inputs, targets):
-    """Summed cross-entropy over non-ignored targets."""
-    logits = forward(params, cfg, inputs)
+    """Summed cross-entropy over non-ignored targets (the loss in float32 under autocast)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST):
+        logits = forward(params, cfg, inputs)
+    logits = logits.to(params["model.norm.weight"].dtype)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -436,6 +443,8 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                     help="compute dtype; float64 gives a high-precision target (files stay F32)")
+    ap.add_argument("--autocast", action="store_true",
+                    help="bf16 mixed precision: the forward under torch.autocast('cpu', torch.bfloat16)")
     ap.add_argument("--dump-grads", help="write step-0 gradients (pre-clip, HF names)")
     ap.add_argument("--log", help="JSONL: one object per step (step, loss, lr, grad_norm)")
     ap.add_argument("--save", help="write final weights (.safetensors, F32)")
@@ -447,6 +456,8 @@ def parse_args(argv):
 
 
 def run(args):
+    global AUTOCAST
+    AUTOCAST = args.autocast
     torch.set_num_threads(args.threads)
     cfg = load_config(args.model)
     params = load_params(cfg, args.init) if args.init else random_params(cfg, args.seed)

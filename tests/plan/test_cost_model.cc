@@ -147,7 +147,7 @@ TEST(CostModel, StageCollectivesMatchTheDryRun) {
   };
   for (const Case& k : {Case{{0, 1}, 1}, Case{{0, 1, 2, 3}, 1}, Case{{0, 1, 2, 3}, 2}}) {
     const Strategy s = make({pipe({stage(k.ranks, 0, 7, k.cp)}, 1)});
-    const AnnotationPlan plan = compile_plan(c, s, 8, CompileOptions{16});
+    const AnnotationPlan plan = compile_plan(c, s, 8, CompileOptions{16, {}});
     std::vector<PlannedOpTraffic> traffic;
     const std::vector<PlannedReshard> dr = dry_run(plan, topo, &traffic);
     double fwd = 0, bwd = 0;

@@ -3,6 +3,9 @@
 // the same EXECUTION MODEL phase by phase.
 #pragma once
 
+#include <cstddef>
+#include <cstring>
+
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/resolve/resolver.h"
@@ -55,12 +58,19 @@ class PendingSends {
   // Waits every pending send, then frees the buffers. Throws like wait_all.
   void wait(Communicator& world);
   bool empty() const { return requests_.empty(); }
-  // Starts sending `data` (kept here until it completes) to `peer` of `world`.
-  void send(std::vector<float> data, int peer, int tag, Communicator& world);
+  // Starts sending `data` (elements of `dtype`, kept here until it
+  // completes) to `peer` of `world`.
+  void send(std::vector<std::byte> data, DType dtype, int peer, int tag, Communicator& world);
+  // The same for f32 values (copied).
+  void send(const std::vector<float>& data, int peer, int tag, Communicator& world) {
+    std::vector<std::byte> bytes(data.size() * sizeof(float));
+    if (!data.empty()) std::memcpy(bytes.data(), data.data(), bytes.size());
+    send(std::move(bytes), DType::F32, peer, tag, world);
+  }
 
  private:
   friend class PhaseRun;
-  std::vector<std::vector<float>> buffers_;
+  std::vector<std::vector<std::byte>> buffers_;
   std::vector<Request> requests_;
   Communicator* world_ = nullptr;
 };

@@ -121,6 +121,27 @@ struct LlamaGraph {
   }
 };
 
+// Mixed precision of the training graph (docs/precision.md). With
+// compute = BF16: the GEMMs take bf16 operands (bf16 compute copies of the
+// weights, cast from the f32 masters in the graph; bf16 activations, which is
+// also what the GEMMs keep for their backward) and accumulate in f32; the
+// activations that Reshards carry between blocks, the tensor-parallel
+// partial sums and the sequence-parallel gathers travel in bf16; RMSNorm,
+// RoPE, attention's softmax, SwiGLU, the residual adds and cross-entropy
+// compute in f32. grad_reduce: the dtype gradients are synchronized in
+// (f32 by default; bf16 halves the bytes; the f32 sum comes back). The graph
+// itself keeps f32 gradients: the executor casts around the once-per-step
+// grad.{parameter} Reshards (AnnotatedTraining::reshards gives them this dtype).
+struct Precision {
+  DType compute = DType::F32;
+  DType grad_reduce = DType::F32;
+  bool operator==(const Precision&) const = default;
+  bool mixed() const { return compute == DType::BF16; }
+};
+
+// "fp32" / "bf16" -> the compute dtype; throws hspmd::Error "[precision] ...".
+DType parse_precision_name(const std::string& name, const std::string& what);
+
 struct LlamaBuildOptions {
   bool packed_documents = false;  // attention masked per document by the positions
   // Add the named Reshard points an annotation plan refers to (docs/plan.md;
@@ -128,6 +149,7 @@ struct LlamaBuildOptions {
   // every Reshard is the identity: the loss is unchanged.
   bool reshard_points = false;
   bool context_parallel = false;  // attention may take a sequence-split input
+  Precision precision;
 };
 
 // Builds the forward graph and its backward graph. Throws hspmd::Error for an

@@ -25,12 +25,19 @@ Tensor fill(Graph& graph, const SymShape& shape, float value, const std::string&
 // dup (hdim -2 into -1), so the constant lives on `like`'s devices.
 Tensor fill_like(const Tensor& like, float value);
 
-// ---- linear algebra (OpenBLAS sgemm on CPU) ----
+// The same values as `dtype` (f32 <-> bf16; rounds to nearest even); `a`
+// itself when it already has that dtype. Its gradient comes back in a's
+// dtype. Mixed precision's casts (docs/precision.md).
+Tensor cast(const Tensor& a, DType dtype);
+
+// ---- linear algebra (GEMMs: kernels/basic.h) ----
 // a is viewed as 2-D [prod(a.shape[:-1]), a.shape[-1]], transposed when
 // trans_a; b is 2-D, transposed when trans_b. Output: a's leading dims + [N]
 // (or [a.shape[-1], N] when trans_a). With trans_a and not trans_b, b may
 // also be [a.shape[:-1]..., N] (viewed as 2-D the same way), so that weight
 // gradients contract over token dims without flattening them.
+// a and b are f32 or bf16; when either is bf16 the product is computed with
+// bf16 operands and f32 accumulation. The output is f32.
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 // x[..., in] · weight[out, in]^T -> [..., out] (Hugging Face weight layout).
 Tensor linear(const Tensor& x, const Tensor& weight);

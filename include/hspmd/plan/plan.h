@@ -42,11 +42,16 @@ struct AnnotationPlan {
   // The strategy it was compiled from, when any (kept for the executor's
   // schedules and for reports).
   std::optional<Strategy> strategy;
+  // How the training graph computes (docs/precision.md): its casts decide
+  // the dtypes, hence the bytes, of what the Reshards carry. JSON:
+  // "precision": {"compute": "bf16", "grad_reduce": "fp32"}, absent = fp32.
+  Precision precision;
 };
 
 // Options of compile_plan.
 struct CompileOptions {
   int64_t seq_len = 0;  // 0: the model's max_position_embeddings
+  Precision precision;
 };
 
 // Strategy -> annotation plan for the Llama model (validates the strategy
@@ -70,6 +75,7 @@ bool is_plan_file(const std::string& path);
 struct AnnotatedTraining {
   LlamaGraph model;
   std::unique_ptr<AnnotatedGraph> annotated;
+  Precision precision;  // the plan's: the grad.{parameter} Reshards carry precision.grad_reduce
 
   // Every Reshard node in graph order, with its spec (concrete shape under
   // `bindings`, source and destination annotations). Throws hspmd::Error

@@ -139,6 +139,7 @@ struct ReshardSpec {
 
 struct Resolution {
   std::string name;
+  DType dtype = DType::F32;  // of the elements it moves (the spec's)
   // The headline kind over all ranks (same order as RankResolution::kind):
   // "send" for point-to-point between one pair or pairwise by position,
   // "bsr" for a BSR among several pairs, "local_slice" when nothing moves.

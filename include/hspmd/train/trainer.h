@@ -11,6 +11,7 @@
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
 #include "hspmd/optim/adam.h"
+#include "hspmd/models/llama.h"
 #include "hspmd/optim/lr_schedule.h"
 #include "hspmd/plan/strategy.h"
 
@@ -89,6 +90,7 @@ struct TrainOptions {
   int64_t skip_nonfinite_steps = 0;
   int threads = 1;
   DType save_dtype = DType::F32;
+  Precision precision;          // --precision, --grad-reduce-dtype (docs/precision.md)
   bool progress = true;         // progress line on stderr
   // Called on every rank after each finished step (the launcher's heartbeat,
   // src/cli/launcher.h); may be empty.
