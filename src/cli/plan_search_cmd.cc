@@ -106,7 +106,7 @@ std::vector<int> int_list(const std::string& text, const char* flag) {
 }
 
 struct MixedFlags {
-  std::string model, cluster, lengths, profile, strategies_out;
+  std::string model, cluster, lengths, profile, strategies_out, unavailable;
   int64_t batch_tokens = 0, max_seq_len = 0, buckets = 2, max_cp = 0;
   bool zero = false, json = false, no_recompute = false;
 };
@@ -140,6 +140,7 @@ int mixed_command(const std::vector<std::string>& args) {
   f.add_int("max-cp", &c.max_cp, "largest context-parallel degree (default: up to the node size)");
   f.add_bool("zero", &c.zero, "ZeRO-1 across each strategy's pipelines");
   f.add_bool("no-recompute", &c.no_recompute, "never use activation recomputation");
+  f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("strategies-out", &c.strategies_out, "directory to write one strategy JSON per bucket into");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
   if (!f.parse(args)) return 0;
@@ -163,6 +164,7 @@ int mixed_command(const std::vector<std::string>& args) {
   o.max_cp = static_cast<int>(c.max_cp);
   o.zero = c.zero;
   o.allow_recompute = !c.no_recompute;
+  o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
   MixedLengthPlan plan = plan_mixed_lengths(model, pieces, o);
   std::vector<std::string> written;
   for (LengthBucket& b : plan.buckets) {

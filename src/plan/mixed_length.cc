@@ -25,10 +25,11 @@ struct DeviceClass {
   int ranks = 0, max_per_node = 0;
 };
 
-std::vector<DeviceClass> device_classes(const CostModel& model) {
+std::vector<DeviceClass> device_classes(const CostModel& model, const std::set<int>& unavailable) {
   const Topology& t = model.topology();
   std::map<std::tuple<std::string, double, double>, std::map<int, std::vector<int>>> by_key;
   for (int r = 0; r < t.world_size(); ++r) {
+    if (unavailable.count(r)) continue;
     const RankInfo& info = t.rank(r);
     by_key[{info.device_type, info.slowdown, info.memory_cap_gib}][info.node].push_back(r);
   }
@@ -523,7 +524,10 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
   plan.pieces = static_cast<int64_t>(pieces.size());
   const auto steps = token_steps(pieces, o.batch_tokens);
   plan.steps = static_cast<int64_t>(steps.size());
-  const std::vector<DeviceClass> classes = device_classes(model);
+  const std::vector<DeviceClass> classes = device_classes(model, o.unavailable);
+  int available = 0;
+  for (const DeviceClass& c : classes) available += c.ranks;
+  if (available == 0) fail("[search] no available rank: every rank of the cluster is unavailable");
   int64_t lo = 0;
   for (int64_t m : bucket_maxima(steps, o)) {
     LengthBucket b;
@@ -534,17 +538,18 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
     // pipelines: plans from pipelines of at least 1, 2, 4, ... ranks are
     // compared by their full prediction over the bucket's steps.
     bool any = false;
-    for (int min_ranks = 1; min_ranks <= model.topology().world_size(); min_ranks *= 2) {
+    for (int min_ranks = 1; min_ranks <= available; min_ranks *= 2) {
       LengthBucket cand = b;
-      if (!plan_bucket(planner, cand, o, model.topology().world_size(), min_ranks)) continue;
+      if (!plan_bucket(planner, cand, o, available, min_ranks)) continue;
       score_bucket(model, cand, steps, lo);
       if (!any || cand.predicted_step_s < b.predicted_step_s) b = std::move(cand);
       any = true;
     }
     if (!any)
       fail("[search] no pipeline holds a micro-batch of ", m, " tokens in memory (tp x cp up to a node, up to 16 "
-           "stages", o.allow_recompute ? ", with recomputation" : "", ", ", model.capacity_bytes(0) / (1 << 30),
-           " GiB on rank 0)");
+           "stages", o.allow_recompute ? ", with recomputation" : "", ", ",
+           model.capacity_bytes(classes.front().nodes.front().front()) / (1 << 30), " GiB on rank ",
+           classes.front().nodes.front().front(), o.unavailable.empty() ? "" : ", failed ranks left out", ")");
     plan.buckets.push_back(std::move(b));
     lo = m;
   }

@@ -291,13 +291,25 @@ void DistTrainer::prepare() {
   data_ = std::make_unique<TokenData>(TokenData::load(o_.data_path, config_.vocab_size));
   if (o_.batch_tokens > 0) {
     pieces_ = std::make_unique<PackedDocuments>(*data_, o_.seq_len, config_.eos_token_id);
-    dispatch_model_.emplace(CostModel::load(config_, *topology_, o_.profile_path));
     if (!choices_.empty()) {
       std::vector<const Strategy*> all;
       for (const auto& c : choices_) all.push_back(&*c->strategy);
       check_pieces(all, "any of --strategies");
     } else {
       for (const auto& p : plans_) check_pieces({&*p->strategy}, "the strategy");
+    }
+    for (const ElasticEvent& e : events_) {  // an event's strategy becomes the only choice: it takes every piece
+      if (e.strategy_path.empty()) continue;
+      const Strategy& s = *event_plans_.at(e.step)->strategy;
+      const int64_t longest = longest_piece(), most = most_accepted({&s});
+      if (most < longest)
+        fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, ": a piece of ", longest,
+             " tokens of ", o_.data_path, ", but no pipeline accepts more than ", most, " (its max_seq_len)");
+      try {
+        check_pieces({&s}, "its strategy");
+      } catch (const Error& err) {
+        fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, ": ", err.what());
+      }
     }
   } else {
     source_ = std::make_unique<train_common::SampleSource>(*data_, o_.seq_len, o_.pack_documents,
@@ -317,7 +329,14 @@ void DistTrainer::prepare() {
     // Elastic: the plan in force when the checkpoint was written (re-planned,
     // perhaps), and the cluster as the events before the step left it.
     const nlohmann::json& meta = reader->index().meta;
-    if (meta.contains("strategy")) first = compile(strategy_from_json(meta.at("strategy")));
+    if (!choices_.empty() && meta.contains("strategies")) {  // token-budget steps: the set in force, re-planned perhaps
+      choices_.clear();
+      for (const nlohmann::json& s : meta.at("strategies")) choices_.push_back(compile(strategy_from_json(s)));
+      choice_ = meta.value("choice", 0);
+      first = choices_.at(choice_);
+    } else if (meta.contains("strategy")) {
+      first = compile(strategy_from_json(meta.at("strategy")));
+    }
     failed_ = failed_after(events_, start - 1);
     events_done_ = start - 1;
     for (const ElasticEvent& e : events_) {
@@ -328,6 +347,8 @@ void DistTrainer::prepare() {
       }
     }
   }
+  // The dispatch's cost model: the speeds as the planner assumes them.
+  if (pieces_) dispatch_model_.emplace(CostModel::load(config_, assumed_ ? *assumed_ : *topology_, o_.profile_path));
   const auto t0 = Clock::now();
   rt_ = specialize(first);
   last_specialize_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -335,16 +356,9 @@ void DistTrainer::prepare() {
   // rank: creating communicator groups is collective); a per-step switch
   // then only moves the state.
   choice_rt_.resize(choices_.size());
-  for (size_t i = 1; i < choices_.size(); ++i) choice_rt_[i] = specialize(choices_[i]);
-  choice_switch_s_.assign(choices_.size(), std::vector<double>(choices_.size(), 0.0));
   for (size_t i = 0; i < choices_.size(); ++i)
-    for (size_t j = 0; j < choices_.size(); ++j) {
-      if (i == j) continue;
-      SwitchOptions so;
-      so.algorithm = algorithm_;
-      so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
-      choice_switch_s_[i][j] = switch_plans_.get(*choices_[i], *choices_[j], *topology_, so).predicted_s;
-    }
+    if (static_cast<int>(i) != choice_) choice_rt_[i] = specialize(choices_[i]);
+  plan_choice_switches();
   // Every switch is planned now, so that one that cannot be done (a lost
   // rank's slices with no checkpoint) fails before the first step.
   for (size_t k = plan_index_ + 1; k < plans_.size(); ++k)
@@ -427,6 +441,12 @@ void DistTrainer::save_checkpoint() {
   p->step = state_->step;
   p->meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
              {"strategy", to_json(rt_->strategy)}};
+  if (!events_.empty() && !choices_.empty()) {  // the strategy set in force (re-planned perhaps), for --resume
+    nlohmann::json set = nlohmann::json::array();
+    for (const auto& c : choices_) set.push_back(to_json(*c->strategy));
+    p->meta["strategies"] = set;
+    p->meta["choice"] = choice_;
+  }
   PendingCheckpoint* raw = p.get();
   const int rank = world_.rank();
   p->writer = std::thread([raw, rank, dir = o_.checkpoint_dir, shards = std::move(shards)] {

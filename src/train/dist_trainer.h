@@ -187,8 +187,8 @@ class DistTrainer {
       fail("[flags] --profile is read only with --clock model, --events or --batch-tokens (the cost model's "
            "profile)");
     }
-    if (o.batch_tokens > 0 && !o.events_path.empty())
-      fail("[flags] --events does not go with --batch-tokens yet (a re-plan is for a batch of samples)");
+    if (o.bucket_switching && !o.events_path.empty())
+      fail("[flags] --events does not go with --bucket-switching yet (each step's per-bucket plans are fixed)");
     if (o.batch_tokens > 0 && o.pack_documents)
       fail("[flags] --pack-documents does not go with --batch-tokens (token-budget steps cut documents into "
            "pieces themselves)");
@@ -215,9 +215,9 @@ class DistTrainer {
     if (!o.events_path.empty()) load_elastic_events();
     if (!o.strategy_choices.empty()) {
       if (o.batch_tokens == 0) fail("[flags] --strategies needs --batch-tokens (a strategy is chosen per step)");
-      if (!o.switches.empty() || !o.events_path.empty())
-        fail("[flags] --strategies does not go with --switch or --events");
+      if (!o.switches.empty()) fail("[flags] --strategies does not go with --switch");
       choices_.push_back(plans_[0]);
+      replan_buckets_ = static_cast<int>(o.strategy_choices.size());
       for (size_t i = 1; i < o.strategy_choices.size(); ++i) choices_.push_back(load_plan_file(o.strategy_choices[i]));
     }
     if (o.bucket_switching) {
@@ -268,13 +268,33 @@ class DistTrainer {
   Strategy replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s);
   // Moves to `plan` before `step`: the failed ranks' memory is gone.
   // Returns the step to continue at (as apply_event).
+  // `ready`: the plan specialized already (token-budget steps specialize
+  // every re-planned choice) and its specialization seconds; `extra` goes
+  // into the logged record.
   int64_t reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                      double planning_s, std::ofstream& log);
+                      double planning_s, std::ofstream& log, std::unique_ptr<Runtime> ready = nullptr,
+                      double ready_specialize_s = 0, const nlohmann::json& extra = nlohmann::json::object());
   // Slices only failed ranks held and no checkpoint of `step`: the whole
   // state is loaded under `plan` from the last checkpoint (an earlier
   // step), whose steps are trained again. Returns that step.
   int64_t rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                   double planning_s, std::ofstream& log);
+                   double planning_s, std::ofstream& log, std::unique_ptr<Runtime> ready, double ready_specialize_s,
+                   const nlohmann::json& extra);
+  // Token-budget steps (docs/elastic.md, "Token-budget steps"): the event's
+  // changes with the strategy set re-planned by the mixed-length planner
+  // (or the event's strategy as the only choice). Returns as apply_event.
+  int64_t apply_token_event(const ElasticEvent& ev, int64_t step, std::ofstream& log);
+  // Rank 0 runs the mixed-length planner (plan_mixed_lengths) on the run's
+  // pieces for the available ranks under `topology`; every rank gets its
+  // strategies (one per length bucket, at most replan_buckets_).
+  std::vector<Strategy> replan_tokens(const Topology& topology, int64_t step, const std::string& cause,
+                                      double& planning_s);
+  // Waits for the next step's preparation and drops it, before the strategy
+  // set, the dispatch model or the piece costs change; bumps the generation.
+  void discard_prepared();
+  // The pieces' longest, and the longest piece any pipeline of `strategies` accepts.
+  int64_t longest_piece() const;
+  int64_t most_accepted(const std::vector<const Strategy*>& strategies) const;
   // Whether the committed training checkpoint is the one of `step`.
   bool checkpoint_at(int64_t step);
   // Stragglers: after `step`, with its record; may re-plan and switch.
@@ -319,6 +339,8 @@ class DistTrainer {
   // Moves the run to --strategies choice `pick` (its graphs specialized
   // already) and logs the switch.
   void switch_choice(int pick, int64_t step, const std::string& cause, std::ofstream& log);
+  // choice_switch_s_ for choices_: every pair's switch plan, predicted.
+  void plan_choice_switches();
   const PieceCosts& piece_costs(const Strategy& s, int key) const;
   // The pieces of the step from `cursor` (file order, within the budget).
   std::vector<int64_t> step_pieces(int64_t cursor) const;
@@ -331,9 +353,12 @@ class DistTrainer {
     int64_t cursor = 0;
     const AnnotationPlan* plan = nullptr;  // the plan in force when it was made
     int current = 0;                       // the choice it switches from
+    uint64_t generation = 0;               // the strategy set's (and dispatch model's) when it was made
     std::vector<std::optional<TokenStep>> by_choice;  // --strategies; else [0] = the current plan's
     int pick = 0;
   };
+  // current < 0: no switch cost for any choice (after a re-plan, every
+  // choice is a switch from the old plan).
   Prepared prepare_token_step(int64_t cursor, int current, const AnnotationPlan* plan) const;
   // The step's dispatch, from the prepared one when it fits (else worked
   // out now); with --strategies, rank 0's pick and the switch to it.
@@ -389,6 +414,8 @@ class DistTrainer {
   std::vector<std::unique_ptr<Runtime>> choice_rt_;  // the others' graphs, specialized before step 0
   std::vector<std::vector<double>> choice_switch_s_;  // [from][to]: the switch plan's predicted seconds
   std::future<Prepared> next_;                       // the next step's, being prepared
+  uint64_t generation_ = 0;  // bumped whenever choices_, the dispatch model or piece_costs_ change
+  int replan_buckets_ = 1;   // K: the strategies a token-mode re-plan makes (the run's --strategies count)
   std::optional<TokenStep> token_step_;  // this step's
   // Elastic training.
   std::vector<ElasticEvent> events_;

@@ -21,7 +21,7 @@ void DistTrainer::load_elastic_events() {
       if (down.count(r))
         fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " uses rank ", r,
              ", which has failed by then");
-    if (plan->strategy->global_batch() != plans_[0]->strategy->global_batch())
+    if (o_.batch_tokens == 0 && plan->strategy->global_batch() != plans_[0]->strategy->global_batch())
       fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " has global batch ",
            plan->strategy->global_batch(), ", the run ", plans_[0]->strategy->global_batch());
     event_plans_[e.step] = plan;
@@ -92,7 +92,8 @@ Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::
 }
 
 int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                                 double planning_s, std::ofstream& log) {
+                                 double planning_s, std::ofstream& log, std::unique_ptr<Runtime> ready,
+                                 double ready_specialize_s, const nlohmann::json& extra) {
   SwitchOptions so;
   so.algorithm = algorithm_;
   so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
@@ -106,11 +107,12 @@ int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int
     } catch (const Error&) {
       servable = false;
     }
-    if (!servable) return rollback(std::move(plan), step, cause, planning_s, log);
+    if (!servable)
+      return rollback(std::move(plan), step, cause, planning_s, log, std::move(ready), ready_specialize_s, extra);
   }
   nlohmann::json moved;
   try {
-    moved = move_to(std::move(plan), so);
+    moved = ready ? move_runtime(std::move(ready), so, ready_specialize_s, nullptr) : move_to(std::move(plan), so);
   } catch (const Error& e) {
     fail("[elastic] step ", step, " (", cause, "): ", e.what(),
          so.have_checkpoint ? "" : " (no training checkpoint was committed before this step: --checkpoint DIR "
@@ -121,19 +123,23 @@ int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int
   j["from_checkpoint_bytes"] = j["checkpoint_bytes"];
   j["failed"] = std::vector<int>(failed_.begin(), failed_.end());
   j["strategy"] = to_json(rt_->strategy);
+  j.update(extra);
   write_log(log, j);
   return step;
 }
 
 int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                              double planning_s, std::ofstream& log) {
+                              double planning_s, std::ofstream& log, std::unique_ptr<Runtime> ready,
+                              double ready_specialize_s, const nlohmann::json& extra) {
   CheckpointReader reader(o_.checkpoint_dir);
   const int64_t back = reader.index().step;
+  if (next_.valid()) next_.wait();  // token-budget steps: the next step's preparation reads the plan
   rt_.reset();
   state_.reset();  // every slice comes from the checkpoint
   const auto t0 = Clock::now();
-  rt_ = specialize(std::move(plan));
-  const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  rt_ = ready ? std::move(ready) : specialize(std::move(plan));
+  const double specialize_s =
+      ready_specialize_s > 0 ? ready_specialize_s : std::chrono::duration<double>(Clock::now() - t0).count();
   last_specialize_s_ = specialize_s;
   const auto t1 = Clock::now();
   state_ = TrainingState::load(rt_->plan, world_.rank(), reader);
@@ -177,6 +183,7 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
                       {"from_checkpoint_bytes", read}, {"rollback_to", back},
                       {"failed", std::vector<int>(failed_.begin(), failed_.end())},
                       {"strategy", to_json(rt_->strategy)}};
+  j.update(extra);
   write_log(log, j);
   return back;
 }
@@ -187,6 +194,7 @@ int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofst
   }
   for (int r : ev.fail) failed_.insert(r);
   for (int r : ev.join) failed_.erase(r);
+  if (pieces_) return apply_token_event(ev, step, log);
   const std::string cause = ev.cause();
   if (!ev.strategy_path.empty()) {
     return reconfigure(event_plans_.at(step), step, cause, 0.0, log);
@@ -204,6 +212,117 @@ int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofst
   double planning_s = 0;
   const Strategy next = replan(*assumed_, step, cause, planning_s);
   return reconfigure(compile(next), step, cause, planning_s, log);
+}
+
+std::vector<Strategy> DistTrainer::replan_tokens(const Topology& topology, int64_t step, const std::string& cause,
+                                                 double& planning_s) {
+  const auto t0 = Clock::now();
+  std::string text;
+  if (world_.rank() == 0) {
+    try {
+      const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+      std::vector<int64_t> lengths(static_cast<size_t>(pieces_->num_pieces()));
+      for (int64_t i = 0; i < pieces_->num_pieces(); ++i) lengths[static_cast<size_t>(i)] = pieces_->piece_size(i);
+      MixedLengthOptions mo;
+      mo.batch_tokens = o_.batch_tokens;
+      // The planner wants the budget to hold a piece of its top length; every
+      // piece fits the budget (checked before the first step).
+      mo.max_seq_len = std::min(o_.seq_len, o_.batch_tokens);
+      mo.buckets = replan_buckets_;
+      mo.zero = rt_->strategy.zero;
+      mo.unavailable = failed_;
+      MixedLengthPlan plan = plan_mixed_lengths(model, lengths, mo);
+      nlohmann::json all = nlohmann::json::array();
+      for (LengthBucket& b : plan.buckets) {
+        b.strategy.description = "re-planned before step " + std::to_string(step) + " (" + cause +
+                                 "): pieces up to " + std::to_string(b.max_seq_len) + " tokens, predicted step " +
+                                 detail::concat(b.predicted_step_s) + " s";
+        all.push_back(to_json(b.strategy));
+      }
+      text = all.dump();
+    } catch (const Error& e) {
+      text = std::string("!") + e.what();
+    }
+  }
+  broadcast_text(text, world_);
+  planning_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (!text.empty() && text[0] == '!')
+    fail("[elastic] step ", step, " (", cause, "): re-planning failed: ", text.substr(1));
+  std::vector<Strategy> out;
+  for (const nlohmann::json& j : nlohmann::json::parse(text)) out.push_back(strategy_from_json(j));
+  return out;
+}
+
+int64_t DistTrainer::apply_token_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
+  const std::string cause = ev.cause();
+  // Nothing prepared for this step survives: the set, the speeds the
+  // dispatch reads and the piece costs may all change below.
+  discard_prepared();
+  if (!ev.slowdown.empty()) {  // no straggler watch here: the event's speeds are taken as known
+    Topology t = *assumed_;
+    for (const auto& [r, factor] : ev.slowdown) t = t.with_slowdown(r, factor);
+    assumed_ = std::make_shared<const Topology>(std::move(t));
+  }
+  piece_costs_.clear();
+  dispatch_model_.emplace(CostModel::load(config_, *assumed_, o_.profile_path));
+  if (!ev.changes_ranks() && ev.strategy_path.empty()) {  // a speed change alone: the dispatch follows it
+    nlohmann::json speeds = nlohmann::json::object();
+    for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
+    write_log(log, {{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
+    return step;
+  }
+  // The new strategy set: the event's strategy alone, or the mixed-length
+  // planner's (one strategy per length bucket) for the available ranks.
+  std::vector<std::shared_ptr<const AnnotationPlan>> set;
+  double planning_s = 0;
+  if (!ev.strategy_path.empty()) {
+    set.push_back(event_plans_.at(step));
+  } else {
+    const std::vector<Strategy> planned = replan_tokens(*assumed_, step, cause, planning_s);
+    for (size_t i = 0; i < planned.size(); ++i) {
+      try {
+        set.push_back(compile(planned[i]));
+      } catch (const Error& e) {
+        fail("[elastic] step ", step, " (", cause, "): re-planned strategy ", i, ": ", e.what());
+      }
+    }
+    std::vector<const Strategy*> all;
+    for (const auto& p : set) all.push_back(&*p->strategy);
+    const int64_t longest = longest_piece(), most = most_accepted(all);
+    if (most < longest)
+      fail("[elastic] step ", step, " (", cause, "): a piece of ", longest, " tokens, but no re-planned strategy "
+           "accepts more than ", most, " (its max_seq_len)");
+  }
+  nlohmann::json described = nlohmann::json::array();
+  for (const auto& p : set) described.push_back(to_json(*p->strategy));
+  nlohmann::json extra = {{"strategies", described}};
+  if (choices_.empty()) {  // one strategy: it replaces the plan (K = 1)
+    HSPMD_CHECK(set.size() == 1, "a re-plan for one strategy made ", set.size());
+    return reconfigure(set[0], step, cause, planning_s, log, nullptr, 0.0, extra);
+  }
+  // --strategies: the old choices' graphs go; every new choice is
+  // specialized now (the same order on every rank: creating communicator
+  // groups is collective) and the state moves to the one this step picks.
+  choice_rt_.clear();
+  choices_ = std::move(set);
+  const auto t0 = Clock::now();
+  std::vector<std::unique_ptr<Runtime>> runtimes;
+  for (const auto& p : choices_) runtimes.push_back(specialize(p));
+  const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  last_specialize_s_ = specialize_s;
+  const auto t1 = Clock::now();
+  plan_choice_switches();
+  extra["switch_plans_s"] = std::chrono::duration<double>(Clock::now() - t1).count();
+  // The pick: the least predicted step among the choices that accept the
+  // step's longest piece (every one is a switch from the old plan).
+  int64_t pick = prepare_token_step(state_->samples, -1, rt_->plan.get()).pick;
+  world_.broadcast(&pick, 1, 0);  // one decision for all ranks
+  extra["choice"] = pick;
+  choice_ = static_cast<int>(pick);
+  std::unique_ptr<Runtime> ready = std::move(runtimes[choice_]);
+  choice_rt_ = std::move(runtimes);
+  ++generation_;
+  return reconfigure(choices_[choice_], step, cause, planning_s, log, std::move(ready), specialize_s, extra);
 }
 
 std::vector<double> DistTrainer::predicted_compute(const Topology& topology) const {
@@ -225,7 +344,9 @@ std::vector<double> DistTrainer::predicted_compute(const Topology& topology) con
 // the run switches when the predicted gain over the horizon exceeds the
 // switch's cost (planning, specialization, the switch plan's time).
 void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
-  if (events_.empty() || !clock_ || o_.straggler_window == 0 || step + 1 >= o_.steps) return;
+  // Token-budget steps have no watch: a step's compute follows its pieces,
+  // which the per-rank prediction of one plan does not (docs/elastic.md).
+  if (events_.empty() || !clock_ || pieces_ || o_.straggler_window == 0 || step + 1 >= o_.steps) return;
   if (std::exchange(skip_next_, false)) return;
   if (predicted_.empty()) predicted_ = predicted_compute(*assumed_);
   if (predicted_.empty()) return;

@@ -45,6 +45,25 @@ std::vector<int64_t> DistTrainer::step_pieces(int64_t cursor) const {
   return chosen;
 }
 
+int64_t DistTrainer::longest_piece() const {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < pieces_->num_pieces(); ++i) longest = std::max(longest, pieces_->piece_size(i));
+  return longest;
+}
+
+int64_t DistTrainer::most_accepted(const std::vector<const Strategy*>& strategies) const {
+  int64_t most = 0;
+  for (const Strategy* s : strategies)
+    for (const Pipeline& p : s->pipelines) most = std::max(most, accepted_piece(*s, p, o_.seq_len));
+  return most;
+}
+
+void DistTrainer::discard_prepared() {
+  if (next_.valid()) next_.wait();  // it reads the strategies and the piece costs
+  next_ = {};
+  ++generation_;
+}
+
 DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor, const Strategy& s, int key) const {
   return plan_pieces(step_pieces(cursor), s, key);
 }
@@ -89,11 +108,24 @@ DistTrainer::Prepared DistTrainer::prepare_token_step(int64_t cursor, int curren
     for (const Pipeline& p : s.pipelines) most = std::max(most, accepted_piece(s, p, o_.seq_len));
     if (most < longest) continue;
     pr.by_choice[i] = plan_token_step(cursor, s, static_cast<int>(i));
-    const double cost = pr.by_choice[i]->predicted_s + choice_switch_s_[current][i];  // graphs specialized already
+    const double cost = pr.by_choice[i]->predicted_s +  // graphs specialized already
+                        (current >= 0 ? choice_switch_s_[current][i] : 0.0);
     if (pr.pick < 0 || cost < best) pr.pick = static_cast<int>(i), best = cost;
   }
   HSPMD_CHECK(pr.pick >= 0, "no strategy accepts the step's longest piece (checked before the first step)");
   return pr;
+}
+
+void DistTrainer::plan_choice_switches() {
+  choice_switch_s_.assign(choices_.size(), std::vector<double>(choices_.size(), 0.0));
+  for (size_t i = 0; i < choices_.size(); ++i)
+    for (size_t j = 0; j < choices_.size(); ++j) {
+      if (i == j) continue;
+      SwitchOptions so;
+      so.algorithm = algorithm_;
+      so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+      choice_switch_s_[i][j] = switch_plans_.get(*choices_[i], *choices_[j], *topology_, so).predicted_s;
+    }
 }
 
 void DistTrainer::switch_choice(int pick, int64_t step, const std::string& cause, std::ofstream& log) {
@@ -178,8 +210,13 @@ double DistTrainer::select_and_dispatch(int64_t step, std::ofstream& log) {
   const int64_t cursor = state_->samples;
   std::optional<Prepared> pr;
   if (next_.valid()) pr = next_.get();
-  if (!pr || pr->cursor != cursor || pr->plan != rt_->plan.get() || pr->current != choice_)
-    pr = prepare_token_step(cursor, choice_, rt_->plan.get());  // a switch or resume came between
+  // Worked out again when a switch, resume, rollback or re-plan came between
+  // (the generation: a re-planned set may reuse a freed plan's address).
+  if (!pr || pr->cursor != cursor || pr->plan != rt_->plan.get() || pr->current != choice_ ||
+      pr->generation != generation_) {
+    pr = prepare_token_step(cursor, choice_, rt_->plan.get());
+    pr->generation = generation_;
+  }
   if (!choices_.empty()) {
     int64_t pick = pr->pick;
     world_.broadcast(&pick, 1, 0);  // one decision for all ranks
@@ -196,7 +233,11 @@ double DistTrainer::select_and_dispatch(int64_t step, std::ofstream& log) {
   // The next step's, while this one trains.
   if (step + 1 < o_.steps)
     next_ = std::async(std::launch::async, [this, next = cursor + token_step_->pieces, c = choice_,
-                                            plan = rt_->plan.get()] { return prepare_token_step(next, c, plan); });
+                                            plan = rt_->plan.get(), gen = generation_] {
+      Prepared p = prepare_token_step(next, c, plan);
+      p.generation = gen;
+      return p;
+    });
   return spent;
 }
 

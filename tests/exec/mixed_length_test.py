@@ -7,7 +7,18 @@ different lengths — a context-parallel pipeline for the longest pieces,
 ZeRO-1, a plan switch between two such strategies, and --strategies, which
 picks the favoured strategy per step — equal the single-process run's. Also the step records' fields and the one-line errors
 for a piece no pipeline accepts, a pipeline max_seq_len above its
-strategy's, and a budget smaller than a piece."""
+strategy's, and a budget smaller than a piece.
+
+Elastic events with token-budget steps (docs/elastic.md, "Token-budget
+steps"): 8 emulated ranks of two speeds under --strategies (two 8-rank
+strategies), ranks 1 and 5 failing at one step and rank 5 joining later;
+the mixed-length planner re-plans the strategy set at each event and the
+losses and weights still equal one process, also with ZeRO-1 (whose failure
+rolls back to the last checkpoint) and with a single --strategy; the
+reconfigure records (the new set avoids failed ranks, failed ranks send
+nothing, bytes as predicted), the steps after an event under the new set,
+a resumed run continuing with the re-planned set; one-line errors for an event's strategy that
+accepts no piece of the longest length and for --bucket-switching."""
 import argparse
 import json
 import os
@@ -20,6 +31,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from equivalence_test import MODEL, read_safetensors, records  # noqa: E402
 from switch_test import max_weight_error  # noqa: E402
+from elastic_test import CLUSTER  # noqa: E402
 
 L, T, STEPS = 32, 96, 6
 
@@ -47,15 +59,158 @@ CASES = {
 }
 
 
-def make_docs(path, seed=11, n=12000):
+def make_docs(path, seed=11, n=12000, alpha=1.1):
     """Heavy-tailed documents (ids 1..63), each ending in eos 0."""
     rng = random.Random(seed)
     toks = []
     while len(toks) < n:
-        k = min(200, int(rng.paretovariate(1.1) * 3))
+        k = min(200, int(rng.paretovariate(alpha) * 3))
         toks += [rng.randrange(1, 64) for _ in range(k)] + [0]
     with open(path, "wb") as f:
         f.write(b"".join(struct.pack("<I", t) for t in toks))
+
+
+def elastic_cases(tmp, base, strategy_file, check):
+    """Events with token-budget steps on 8 ranks of two speeds (elastic_test's cluster). A lighter tail and a
+    budget of 48 tokens: half the steps hold no piece above 16 tokens, so the planner makes two strategies
+    (pieces up to 16 and up to 32)."""
+    cluster = os.path.join(tmp, "cluster.json")
+    json.dump(CLUSTER, open(cluster, "w"))
+    data = os.path.join(tmp, "light.bin")
+    make_docs(data, alpha=2.0)
+    ebase = list(base)
+    ebase[ebase.index("--data") + 1] = data
+    ebase[ebase.index("--batch-tokens") + 1] = "48"
+
+    def train(name, extra):
+        log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
+        r = subprocess.run(ebase + ["--log", log, "--save", weights] + extra, capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode:
+            return r.returncode, r.stderr, [], {}
+        return 0, r.stderr, records(log), read_safetensors(weights)
+
+    rc, err, want, want_w = train("el_single_process", [])
+    if rc:
+        return check("elastic: one process", False, err.strip()[-300:])
+    steps = [r for r in want if "loss" in r]
+
+    def compare(label, got, got_w):
+        s = [r for r in got if "loss" in r]
+        rel = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(steps, s)), default=float("inf"))
+        werr = max_weight_error(want_w, got_w)
+        same = [(x["step"], x["pieces"], x["tokens"]) for x in steps] == [(y["step"], y["pieces"], y["tokens"])
+                                                                         for y in s]
+        picks = [y.get("strategy") for y in s]
+        check(label, len(s) == STEPS and rel <= 1e-5 and werr <= 1e-4 and same,
+              f"loss rel err {rel:.2e}, weights err {werr:.2e}, strategy per step {picks}")
+
+    def eight(zero):
+        z = {"zero": True} if zero else {}
+        short8 = {**z, "max_seq_len": 16, "pipelines": [pipe([([r], [0, 3], 1)]) for r in range(8)]}
+        long8 = {**z, "pipelines": [pipe([([0, 1], [0, 3], 2)], max_seq_len=L)] +
+                 [pipe([([r], [0, 3], 1)], max_seq_len=12, tokens=24) for r in range(2, 8)]}
+        return short8, long8
+
+    def events_file(name, events):
+        p = os.path.join(tmp, name + ".events.json")
+        json.dump(events, open(p, "w"))
+        return p
+
+    def uses(s):
+        return {r for p in s["pipelines"] for st in p["stages"] for r in st["ranks"]}
+
+    def run(label, name, strategies, events, extra=(), k=2):
+        files = [strategy_file(f"{name}_{i}", s) for i, s in enumerate(strategies)]
+        flag = ["--strategies", ",".join(files)] if len(files) > 1 else ["--strategy", files[0]]
+        rc, err, got, got_w = train(name, flag + ["--nproc", "8", "--cluster", cluster, "--events",
+                                                  events_file(name, events)] + list(extra))
+        if rc:
+            return check(label, False, f"exit {rc}: {err.strip()[-400:]}")
+        compare(label, got, got_w)
+        reconf = [r for r in got if r.get("event") == "reconfigure"]
+        failed = set()
+        for ev in events:
+            if "fail" not in ev and "join" not in ev:  # a slowdown alone: logged, the dispatch follows it
+                slow = [r for r in got if r.get("event") == "slowdown"]
+                check(f"{label} @{ev['step']} slowdown", [r["step"] for r in slow] == [ev["step"]], json.dumps(slow))
+                continue
+            failed |= set(ev.get("fail", []))
+            failed -= set(ev.get("join", []))
+            rec = next((r for r in reconf if r["step"] == ev["step"]), None)
+            if rec is None:
+                check(f"{label} @{ev['step']}", False, "no reconfigure record")
+                continue
+            sets = rec.get("strategies", [])
+            avoid = all(not uses(s) & failed for s in sets)
+            current = rec["strategy"] in sets and not uses(rec["strategy"]) & failed
+            silent = all(rec["bytes_sent"][r] == 0 for r in ev.get("fail", []))
+            as_predicted = "rollback_to" in rec or rec["bytes_sent"] == rec["predicted_bytes"]
+            check(f"{label} @{ev['step']} {rec['cause']}",
+                  1 <= len(sets) <= k and avoid and current and silent and as_predicted and
+                  sorted(rec["failed"]) == sorted(failed),
+                  f"{len(sets)} strategies of {[len(s['pipelines']) for s in sets]} pipelines, choice "
+                  f"{rec.get('choice')}, planning {rec['planning_s'] * 1e3:.1f} ms, specialize "
+                  f"{rec['specialize_s'] * 1e3:.0f} ms, switch {rec['switch_s'] * 1e3:.1f} ms"
+                  + (f", rolled back to {rec['rollback_to']}" if "rollback_to" in rec else ""))
+        # Every step after an event trains under the event's new set (the
+        # step prepared before the event is not used): its pipelines.
+        in_force = []
+        for rec in reconf:
+            in_force.append((rec.get("rollback_to", rec["step"]), rec["strategies"]))
+        fits = []
+        for y in [r for r in got if "loss" in r]:
+            sets = [st for at, st in in_force if at <= y["step"]]
+            if sets:
+                used = sets[-1][y["strategy"]] if "strategy" in y else sets[-1][0]
+                fits.append(len(y["pipeline_tokens"]) == len(used["pipelines"]))
+        check(f"{label}: steps under the new set", bool(fits) and all(fits), f"{len(fits)} steps after events")
+        return reconf
+
+    trace = [{"step": 2, "fail": [1, 5]}, {"step": 4, "join": [5]}]
+    run("elastic --strategies", "el_choose", eight(False), trace + [{"step": 5, "slowdown": {"6": 3.0}}])
+    # ZeRO-1: the failed ranks' optimizer shards exist nowhere else; the
+    # checkpoint is of step 2, the failure before step 3: the run rolls back.
+    reconf = run("elastic --strategies zero", "el_zero", eight(True), [{"step": 3, "fail": [1, 5]},
+                                                                       {"step": 5, "join": [5]}],
+                 ["--checkpoint", os.path.join(tmp, "el_zero_ckpt"), "--save-every", "2"])
+    if reconf:
+        check("elastic zero: rollback", [r.get("rollback_to") for r in reconf] == [2, None] and
+              sum(reconf[0]["from_checkpoint_bytes"]) > 0, f"{[(r['step'], r.get('rollback_to')) for r in reconf]}")
+    run("elastic --strategy", "el_single", [eight(False)[1]], trace, k=1)
+
+    # Killed while writing the checkpoint of step 4: the one of step 3 holds
+    # the set re-planned at step 2 and its choice; --resume goes on with them.
+    ckpt = os.path.join(tmp, "el_resume_ckpt")
+    files = ",".join(strategy_file(f"el_resume_{i}", x) for i, x in enumerate(eight(False)))
+    cmd = ["--strategies", files, "--nproc", "8", "--cluster", cluster, "--events", events_file("el_resume", trace),
+           "--checkpoint", ckpt, "--save-every", "1"]
+    subprocess.run(ebase + cmd + ["--log", os.path.join(tmp, "el_killed.jsonl")], capture_output=True,
+                   env=dict(os.environ, HSPMD_FAULT_KILL_CHECKPOINT="2:4"), timeout=300)
+    meta = json.load(open(os.path.join(ckpt, "index.json")))
+    rc, err, got, _ = train("el_resumed", cmd + ["--resume", ckpt])
+    s = [r for r in got if "loss" in r]
+    rel = max((abs(y["loss"] - steps[y["step"]]["loss"]) / abs(steps[y["step"]]["loss"]) for y in s),
+              default=float("inf"))
+    check("elastic: resume with the re-planned set", rc == 0 and meta["step"] == 3 and
+          len(meta["meta"].get("strategies", [])) >= 1 and [y["step"] for y in s] == list(range(3, STEPS)) and
+          rel <= 1e-5, f"resumed at {meta['step']} with {len(meta['meta'].get('strategies', []))} strategies, "
+          f"loss rel err {rel:.2e}" + (f"; exit {rc}: {err.strip()[-300:]}" if rc else ""))
+
+    # An event's strategy that takes no piece of the longest length.
+    short7 = {"max_seq_len": 16, "pipelines": [pipe([([r], [0, 3], 1)]) for r in range(7)]}
+    rc, err, *_ = train("el_bad", ["--strategy", strategy_file("el_bad", eight(False)[1]), "--nproc", "8",
+                                   "--events", events_file("el_bad", [{"step": 2, "fail": [7], "strategy":
+                                                                       strategy_file("el_short7", short7)}])])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    check("elastic: event strategy too short", rc != 0 and len(lines) == 1 and "step 2" in err and
+          f"a piece of {L} tokens" in err and "[events]" in err, lines[0][:200] if lines else "")
+    rc, err, *_ = train("el_bad", ["--strategies", strategy_file("el_a", eight(False)[0]) + "," +
+                                   strategy_file("el_b", eight(False)[1]), "--bucket-switching", "--nproc", "8",
+                                   "--events", events_file("el_bad", trace)])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    check("elastic: bucket switching", rc != 0 and len(lines) == 1 and "--bucket-switching" in err,
+          lines[0][:200] if lines else "")
 
 
 def main():
@@ -165,6 +320,8 @@ def main():
             both = [r for r in s if len(r["pipeline_tokens"]) == 4 + 3]  # a step of both buckets
             check("bucket switching: inside a step", bool(both) and n_sw >= 2,
                   f"{len(both)} steps with both buckets, {n_sw} switches")
+
+        elastic_cases(tmp, base, strategy_file, check)
 
         # Bad input: one line, non-zero, before the first step.
         short = {"pipelines": [pipe([([0], [0, 3], 1)], max_seq_len=8), pipe([([1], [0, 3], 1)], max_seq_len=16)]}

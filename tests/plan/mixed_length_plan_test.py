@@ -95,6 +95,13 @@ def main():
               f"ranks by max_seq_len {ranks}")
         check("a long piece needs tp or cp >= 2 here", all(
             len(s["ranks"]) >= 2 for p in top if p["max_seq_len"] == L for s in p["stages"]))
+        # Failed devices (the elastic re-plan of token-budget steps): no
+        # pipeline on them, every bucket still planned.
+        r = subprocess.run(plan + ["--unavailable", "1", "--json"], capture_output=True, text=True, timeout=300)
+        left = json.loads(r.stdout)["buckets"] if r.returncode == 0 else []
+        used = {x for b in left for p in b["strategy"]["pipelines"] for s in p["stages"] for x in s["ranks"]}
+        check("--unavailable 1 leaves rank 1 out", left and 1 not in used and left[-1]["max_seq_len"] == L,
+              f"ranks used {sorted(used)}" if left else r.stderr.strip()[:150])
 
         base = [a.hspmd, "train", "--model", model, "--data", data, "--steps", str(STEPS), "--lr", "3e-3",
                 "--eps", "1e-5", "--weight-decay", "0.1", "--clip-grad", "0.5", "--threads", "1", "--quiet",
@@ -123,6 +130,7 @@ def main():
             check("error: " + want_text, r.returncode != 0 and len(lines) == 1 and want_text in r.stderr,
                   lines[0][:150] if lines else "")
         err(["--buckets", "0"], "[flags] --buckets must be >= 1")
+        err(["--unavailable", "0-3"], "[search] no available rank")
         err([], "[search] --batch-tokens 16 is smaller than --max-seq-len 32",
             [x if x != str(T) else "16" for x in plan])
         tiny = os.path.join(tmp, "tiny.json")

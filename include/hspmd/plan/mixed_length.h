@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 #include <map>
+#include <set>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -30,6 +31,7 @@ struct MixedLengthOptions {
   int max_cp = 0;            // largest context-parallel degree; 0 = up to the node size
   bool zero = false;         // ZeRO-1 across the strategy's pipelines
   bool allow_recompute = true;
+  std::set<int> unavailable;  // ranks that take no work (failed devices): no pipeline is placed on them
 };
 
 // One length interval (lo, hi] of a bucket and what a step is expected to
@@ -71,7 +73,8 @@ struct MixedLengthPlan {
 // at eos, pieces of at most L; PackedDocuments' pieces). Throws hspmd::Error
 // "[search] ..." for a piece longer than L, no piece, a batch smaller than
 // the longest piece, or when no pipeline of any device class can hold a
-// piece of the bucket's maximum length (naming the length and the memory).
+// piece of the bucket's maximum length (naming the length and the memory),
+// or when every rank is unavailable.
 MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int64_t>& pieces,
                                    const MixedLengthOptions& options);
 
