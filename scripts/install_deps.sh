@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake pkg-config
   libopenblas-dev            # BLAS (sgemm) for the CPU backend
+  libdnnl-dev                # oneDNN: bf16 (avx512_bf16/AMX) and fp32 GEMMs; optional in CMake
   libopenmpi-dev openmpi-bin # MPI: communication and the multi-process launcher
   nlohmann-json3-dev         # JSON (configs, plans, safetensors headers)
   libgtest-dev               # GoogleTest

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "hspmd/core/ndarray.h"
@@ -15,9 +16,50 @@
 namespace hspmd::kernels {
 
 // ---- linear algebra ----
+// The precision of a matmul's products (docs/precision.md, "GEMM backends").
+// kF32: fp32 operands, fp32 accumulation. kBF16: operands rounded to bf16
+// (nearest even), products accumulated in fp32.
+enum class GemmCompute { kF32, kBF16 };
+
 // out = op(a2) · op(b): a2 is `a` viewed as [numel / a.dim(-1), a.dim(-1)],
 // b is 2-D; op transposes when the flag is set. out holds M*N elements.
-void matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out);
+// a and b are each F32 or BF16, out is F32 or BF16. The product is computed
+// in bf16 (kBF16 above) when a or b is BF16 or `compute` is kBF16, else in
+// fp32; the result is rounded to out's dtype (nearest even for BF16).
+// Backends, chosen at run time: bf16 on oneDNN where this CPU has native bf16
+// (bf16_gemm_native()), else emulated (operands rounded to bf16 values in
+// fp32 buffers, then OpenBLAS sgemm: the same products, the sums in another
+// order); fp32 on oneDNN by default (OpenBLAS sgemm without oneDNN, with
+// HSPMD_GEMM_F32=openblas or set_f32_gemm_backend()). oneDNN primitives are
+// made once per shape, transposes and dtypes (and thread count) and cached;
+// both libraries use the thread count of set_num_threads().
+void matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+            GemmCompute compute = GemmCompute::kF32);
+
+// Whether this build and CPU run bf16 GEMMs natively: oneDNN is linked, its
+// effective ISA includes avx512_core_bf16 (or AMX) and /proc/cpuinfo lists
+// avx512_bf16 or amx_bf16. Computed once.
+bool bf16_gemm_native();
+// The GEMM backends in use, for logs, e.g. "oneDNN avx512_core_bf16 (bf16
+// avx512_bf16); fp32 oneDNN matmul" or "OpenBLAS sgemm (bf16 emulated: built
+// without oneDNN); fp32 OpenBLAS sgemm".
+std::string gemm_isa_description();
+// Forces (true) or stops forcing (false) the emulated bf16 path even where
+// bf16 is native. The initial value is true when the environment has
+// HSPMD_GEMM_BF16=emulate (read once; any other value but "native" or empty
+// throws hspmd::Error at the first bf16 matmul).
+void set_bf16_gemm_emulation(bool emulate);
+// Whether bf16 matmuls run emulated now (forced, or not native).
+bool bf16_gemm_emulated();
+
+// The fp32 GEMM backend. The initial value comes from HSPMD_GEMM_F32
+// (onednn | openblas, read once; default onednn when the build has it, see
+// docs/precision.md; any other value throws hspmd::Error at the first fp32
+// matmul).
+enum class GemmF32Backend { kOpenBLAS, kOneDNN };
+// Returns false, and keeps OpenBLAS, when oneDNN is not in this build.
+bool set_f32_gemm_backend(GemmF32Backend backend);
+GemmF32Backend f32_gemm_backend();
 
 // ---- layout ----
 // out = a with dims d0 and d1 swapped (materialized).
