@@ -25,6 +25,7 @@ namespace {
 struct Args {
   std::string model;
   int64_t seq_len = 256, batch = 8, steps = 5, warmup = 2, threads = 1;
+  std::string precision = "fp32";
 };
 
 Args parse(int argc, char** argv) {
@@ -37,6 +38,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--steps") a.steps = std::stoll(v);
     else if (k == "--warmup") a.warmup = std::stoll(v);
     else if (k == "--threads") a.threads = std::stoll(v);
+    else if (k == "--precision") a.precision = v;
     else fail("[bench] unknown flag ", k);
   }
   if (a.model.empty()) fail("[bench] --model is required");
@@ -67,7 +69,9 @@ int main(int argc, char** argv) {
     set_num_threads(static_cast<int>(a.threads));
     LlamaConfig c = LlamaConfig::load(a.model);
     std::map<std::string, NDArray> params = init_llama_parameters(c, 0);
-    LlamaGraph m = build_llama(c);
+    LlamaBuildOptions options;
+    options.precision.compute = parse_precision_name(a.precision, "--precision");
+    LlamaGraph m = build_llama(c, options);
     std::vector<Tensor> fetches = {m.loss};
     fetches.insert(fetches.end(), m.grads.begin(), m.grads.end());
     Executor exec(*m.graph, fetches);
@@ -93,9 +97,9 @@ int main(int argc, char** argv) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     std::printf(
-        "{\"impl\": \"hspmd\", \"threads\": %lld, \"step_time_s_median\": %.6f, "
+        "{\"impl\": \"hspmd\", \"precision\": \"%s\", \"threads\": %lld, \"step_time_s_median\": %.6f, "
         "\"tokens_per_s\": %.1f, \"peak_rss_mb\": %.1f, \"loss\": %.5f}\n",
-        static_cast<long long>(a.threads), median, a.batch * a.seq_len / median,
+        a.precision.c_str(), static_cast<long long>(a.threads), median, a.batch * a.seq_len / median,
         ru.ru_maxrss / 1024.0, loss);
     return 0;
   } catch (const std::exception& e) {

@@ -54,7 +54,9 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--autocast", action="store_true", help="torch.autocast('cpu', torch.bfloat16) around the forward")
     args = ap.parse_args()
+    llama_ref.AUTOCAST = args.autocast
 
     torch.set_num_threads(args.threads)
     cfg = load_model_config(args.model)
@@ -76,6 +78,7 @@ def main():
     median = statistics.median(times)
     print(json.dumps({
         "impl": "pytorch",
+        "precision": "autocast-bf16" if args.autocast else "fp32",
         "threads": args.threads,
         "seq_len": args.seq_len,
         "global_batch": args.global_batch,

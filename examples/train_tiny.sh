@@ -9,7 +9,7 @@ mkdir -p out
   --output out/corpus.bin data/corpus/*.txt
 ./build/src/cli/hspmd train --model examples/tiny-llama/config.json --data out/corpus.bin \
   --seq-len 128 --global-batch 16 --steps "$STEPS" --lr 3e-3 --lr-schedule cosine \
-  --warmup-steps 20 --weight-decay 0.1 --clip-grad 1.0 --seed 0 \
+  --warmup-steps 20 --weight-decay 0.1 --clip-grad 1.0 --seed 0 --precision auto \
   --log out/train.jsonl --save out/tiny-llama.safetensors
 python3 - <<'PY'
 import json

@@ -19,6 +19,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/train/trainer.h"
+#include "kernels/basic.h"
 
 namespace hspmd::cli {
 
@@ -248,7 +249,8 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("save-dtype", &save_dtype, "f32 (default) or bf16");
   std::string precision = "fp32", grad_reduce = "fp32";
   f.add_string("precision", &precision,
-               "fp32 (default) or bf16: bf16 GEMMs with fp32 accumulation and fp32 master weights (docs/precision.md)");
+               "fp32 (default), bf16 (bf16 GEMMs with fp32 accumulation, fp32 master weights; docs/precision.md) or "
+               "auto (bf16 where this CPU has bf16 GEMM instructions, else fp32)");
   f.add_string("grad-reduce-dtype", &grad_reduce, "with --precision bf16: fp32 (default) or bf16 gradient sync");
   f.add_string("log", &o.log_path, "write one JSON object per step here (JSONL)");
   f.add_string("dump-grads", &o.dump_grads_path, "write the step-0 gradients here (safetensors)");
@@ -328,6 +330,7 @@ int train_command(const std::vector<std::string>& args) {
   if (save_dtype != "f32" && save_dtype != "bf16")
     fail("[flags] --save-dtype: '", save_dtype, "' (expected f32 or bf16)");
   o.save_dtype = save_dtype == "bf16" ? DType::BF16 : DType::F32;
+  if (precision == "auto") precision = kernels::bf16_gemm_native() ? "bf16" : "fp32";
   o.precision.compute = parse_precision_name(precision, "--precision");
   o.precision.grad_reduce = parse_precision_name(grad_reduce, "--grad-reduce-dtype");
   if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())

@@ -102,9 +102,8 @@ class MatmulOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    // TEMPORARY until the bf16 GEMM kernel lands: bf16 operands widened.
-    const NDArray a = in[0].dtype() == DType::BF16 ? in[0].to(DType::F32) : in[0];
-    const NDArray b = in[1].dtype() == DType::BF16 ? in[1].to(DType::F32) : in[1];
+    const NDArray& a = in[0];
+    const NDArray& b = in[1];
     if (b.ndim() <= 2) {
       kernels::matmul(a, b, trans_a_, trans_b_, out[0]);
       return;
