@@ -701,9 +701,9 @@ void DistTrainer::write_trace() const {
 
 std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world) {
   set_num_threads(options.threads);
-  if (options.precision.mixed() && !kernels::bf16_gemm_native() && world.rank() == 0)
-    std::fprintf(stderr, "hspmd: note: --precision bf16: this CPU has no bf16 GEMM instructions (avx512_bf16 or "
-                 "amx_bf16 with oneDNN); the bf16 GEMMs are emulated (same roundings, f32 speed): %s\n",
+  if (options.precision.mixed() && kernels::bf16_gemm_emulated() && world.rank() == 0)
+    std::fprintf(stderr, "hspmd: note: --precision bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
+                 "amx_bf16 with oneDNN) or HSPMD_GEMM_BF16=emulate; same roundings, f32 speed: %s\n",
                  kernels::gemm_isa_description().c_str());
   // Setup errors (strategy, world size, data, weights) are agreed on by all
   // ranks before any step: the lowest failing rank reports, every rank exits.
