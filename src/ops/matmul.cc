@@ -116,8 +116,12 @@ class MatmulOp final : public Op {
   // With A' = op(A), B' = op(B), C = A'B': dA' = dC B'^T and dB' = A'^T dC.
   // Without trans_a, dB' contracts a and dC over their shared leading dims
   // directly (no flattening: a reshape could not carry a sequence split).
+  // Mixed precision: when an operand is bf16 the incoming gradient is rounded
+  // to bf16 once here (a graph cast) rather than inside both of its GEMMs.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
-    const Tensor a = node.inputs[0], b = node.inputs[1], dc = g[0];
+    const Tensor a = node.inputs[0], b = node.inputs[1];
+    const bool bf16 = a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
+    const Tensor dc = bf16 ? cast(g[0], DType::BF16) : g[0];
     const SymShape a_shape = a.shape(), b_shape = b.shape();
     Tensor da = trans_a_ ? reshape_if_needed(matmul(b, as_2d(dc), trans_b_, true), a_shape)
                          : matmul(dc, b, false, !trans_b_);
