@@ -37,58 +37,73 @@ bool DistTrainer::checkpoint_at(int64_t step) {
   return CheckpointReader(o_.checkpoint_dir).index().step == step;
 }
 
-Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s) {
-  const auto t0 = Clock::now();
+namespace {
+
+// Rank 0 runs `plan` (a re-plan; its answer as JSON) and every rank gets the
+// answer; an error there becomes every rank's one-line error. planning_s:
+// the time since t0 when the answer is known.
+nlohmann::json agree_on_plan(Communicator& world, int64_t step, const std::string& cause, Clock::time_point t0,
+                             double& planning_s, const std::function<nlohmann::json()>& plan) {
   std::string text;
-  if (world_.rank() == 0) {
+  if (world.rank() == 0) {
     try {
-      const CostModel model = CostModel::load(config_, topology, o_.profile_path);
-      SearchOptions so;
-      so.global_batch = static_cast<int>(rt_->strategy.global_batch());
-      so.seq_len = o_.seq_len;
-      so.zero = rt_->strategy.zero;
-      so.schedule = rt_->strategy.schedule;
-      so.unavailable = failed_;
-      so.top_k = 1;
-      // Redundancy the run had stays: with two pipelines (no ZeRO) every
-      // slice lives on two disjoint rank sets, so the next failure is served
-      // by the survivors instead of the checkpoint. One pipeline only when
-      // no plan of two fits.
-      const int wanted = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
-      // Two searches: pruned by the current plan (the planner's re-plan
-      // mode: its TP per device class and micro-batch size; fast), then from
-      // scratch within the time left (it finds what the pruning excludes,
-      // e.g. another micro-batch size); the faster prediction wins.
-      std::optional<SearchCandidate> best_found;
-      std::string error;
-      for (int min = wanted; min >= 1 && !best_found; --min) {
-        so.min_pipelines = min;
-        const Strategy* current = &rt_->strategy;
-        for (const Strategy* previous : {current, static_cast<const Strategy*>(nullptr)}) {
-          so.previous = previous;
-          so.time_limit_s = std::max(0.05, o_.replan_time_limit_s -
-                                               std::chrono::duration<double>(Clock::now() - t0).count());
-          try {
-            SearchCandidate c = search_strategy(model, so).best.at(0);
-            if (!best_found || c.predicted_step_s < best_found->predicted_step_s) best_found = std::move(c);
-          } catch (const Error& e) {
-            error = e.what();
-          }
-        }
-      }
-      if (!best_found) fail(error);
-      Strategy best = best_found->strategy;
-      best.description = "re-planned before step " + std::to_string(step) + " (" + cause + ")";
-      text = to_json(best).dump();
+      text = plan().dump();
     } catch (const Error& e) {
       text = std::string("!") + e.what();
     }
   }
-  broadcast_text(text, world_);
+  broadcast_text(text, world);
   planning_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (!text.empty() && text[0] == '!')
     fail("[elastic] step ", step, " (", cause, "): re-planning failed: ", text.substr(1));
-  return strategy_from_json(nlohmann::json::parse(text));
+  return nlohmann::json::parse(text);
+}
+
+}  // namespace
+
+Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s) {
+  const auto t0 = Clock::now();
+  const nlohmann::json answer = agree_on_plan(world_, step, cause, t0, planning_s, [&] {
+    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+    SearchOptions so;
+    so.global_batch = static_cast<int>(rt_->strategy.global_batch());
+    so.seq_len = o_.seq_len;
+    so.zero = rt_->strategy.zero;
+    so.schedule = rt_->strategy.schedule;
+    so.unavailable = failed_;
+    so.top_k = 1;
+    // Redundancy the run had stays: with two pipelines (no ZeRO) every
+    // slice lives on two disjoint rank sets, so the next failure is served
+    // by the survivors instead of the checkpoint. One pipeline only when
+    // no plan of two fits.
+    const int wanted = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
+    // Two searches: pruned by the current plan (the planner's re-plan
+    // mode: its TP per device class and micro-batch size; fast), then from
+    // scratch within the time left (it finds what the pruning excludes,
+    // e.g. another micro-batch size); the faster prediction wins.
+    std::optional<SearchCandidate> best_found;
+    std::string error;
+    for (int min = wanted; min >= 1 && !best_found; --min) {
+      so.min_pipelines = min;
+      const Strategy* current = &rt_->strategy;
+      for (const Strategy* previous : {current, static_cast<const Strategy*>(nullptr)}) {
+        so.previous = previous;
+        so.time_limit_s = std::max(0.05, o_.replan_time_limit_s -
+                                             std::chrono::duration<double>(Clock::now() - t0).count());
+        try {
+          SearchCandidate c = search_strategy(model, so).best.at(0);
+          if (!best_found || c.predicted_step_s < best_found->predicted_step_s) best_found = std::move(c);
+        } catch (const Error& e) {
+          error = e.what();
+        }
+      }
+    }
+    if (!best_found) fail(error);
+    Strategy best = best_found->strategy;
+    best.description = "re-planned before step " + std::to_string(step) + " (" + cause + ")";
+    return to_json(best);
+  });
+  return strategy_from_json(answer);
 }
 
 int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
@@ -217,39 +232,30 @@ int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofst
 std::vector<Strategy> DistTrainer::replan_tokens(const Topology& topology, int64_t step, const std::string& cause,
                                                  double& planning_s) {
   const auto t0 = Clock::now();
-  std::string text;
-  if (world_.rank() == 0) {
-    try {
-      const CostModel model = CostModel::load(config_, topology, o_.profile_path);
-      std::vector<int64_t> lengths(static_cast<size_t>(pieces_->num_pieces()));
-      for (int64_t i = 0; i < pieces_->num_pieces(); ++i) lengths[static_cast<size_t>(i)] = pieces_->piece_size(i);
-      MixedLengthOptions mo;
-      mo.batch_tokens = o_.batch_tokens;
-      // The planner wants the budget to hold a piece of its top length; every
-      // piece fits the budget (checked before the first step).
-      mo.max_seq_len = std::min(o_.seq_len, o_.batch_tokens);
-      mo.buckets = replan_buckets_;
-      mo.zero = rt_->strategy.zero;
-      mo.unavailable = failed_;
-      MixedLengthPlan plan = plan_mixed_lengths(model, lengths, mo);
-      nlohmann::json all = nlohmann::json::array();
-      for (LengthBucket& b : plan.buckets) {
-        b.strategy.description = "re-planned before step " + std::to_string(step) + " (" + cause +
-                                 "): pieces up to " + std::to_string(b.max_seq_len) + " tokens, predicted step " +
-                                 detail::concat(b.predicted_step_s) + " s";
-        all.push_back(to_json(b.strategy));
-      }
-      text = all.dump();
-    } catch (const Error& e) {
-      text = std::string("!") + e.what();
+  const nlohmann::json answer = agree_on_plan(world_, step, cause, t0, planning_s, [&] {
+    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+    std::vector<int64_t> lengths(static_cast<size_t>(pieces_->num_pieces()));
+    for (int64_t i = 0; i < pieces_->num_pieces(); ++i) lengths[static_cast<size_t>(i)] = pieces_->piece_size(i);
+    MixedLengthOptions mo;
+    mo.batch_tokens = o_.batch_tokens;
+    // The planner wants the budget to hold a piece of its top length; every
+    // piece fits the budget (checked before the first step).
+    mo.max_seq_len = std::min(o_.seq_len, o_.batch_tokens);
+    mo.buckets = replan_buckets_;
+    mo.zero = rt_->strategy.zero;
+    mo.unavailable = failed_;
+    MixedLengthPlan plan = plan_mixed_lengths(model, lengths, mo);
+    nlohmann::json all = nlohmann::json::array();
+    for (LengthBucket& b : plan.buckets) {
+      b.strategy.description = "re-planned before step " + std::to_string(step) + " (" + cause +
+                               "): pieces up to " + std::to_string(b.max_seq_len) + " tokens, predicted step " +
+                               detail::concat(b.predicted_step_s) + " s";
+      all.push_back(to_json(b.strategy));
     }
-  }
-  broadcast_text(text, world_);
-  planning_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (!text.empty() && text[0] == '!')
-    fail("[elastic] step ", step, " (", cause, "): re-planning failed: ", text.substr(1));
+    return all;
+  });
   std::vector<Strategy> out;
-  for (const nlohmann::json& j : nlohmann::json::parse(text)) out.push_back(strategy_from_json(j));
+  for (const nlohmann::json& j : answer) out.push_back(strategy_from_json(j));
   return out;
 }
 
