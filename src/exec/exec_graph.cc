@@ -321,10 +321,12 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
 }
 
 NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const Annotation& from,
-                           const Annotation& to, const NDArray& local, Communicator& world) const {
-  const auto r = resolve_(ReshardSpec{name, shape, DType::F32, from, to});
+                           const Annotation& to, const NDArray& local, Communicator& world, DType dtype) const {
+  const auto r = resolve_(ReshardSpec{name, shape, dtype, from, to});
   if (!r || !r->ranks.count(rank_)) return NDArray();
-  return run_reshard(*r, name, local, world);
+  const DType back = local.valid() ? local.dtype() : DType::F32;
+  NDArray out = run_reshard(*r, name, local.valid() && local.dtype() != dtype ? local.to(dtype) : local, world);
+  return out.valid() && out.dtype() != back ? out.to(back) : out;
 }
 
 void ExecGraph::check_memory(const Node& node) const {

@@ -42,7 +42,8 @@ std::vector<PlannedReshard> resolve_all(const AnnotationPlan& plan, const Annota
   for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
     if (it == plan.optimizer_states.end()) continue;
-    ReshardSpec spec{"zero_gather." + name, shape, DType::F32, it->second, plan.tensors.at(name)};
+    ReshardSpec spec{"zero_gather." + name, shape, zero_gather_dtype(plan, t.model, name), it->second,
+                     plan.tensors.at(name)};
     if (auto r = resolve_cached(spec)) out.push_back({spec.name, "zero_gather", std::move(r)});
   }
   return out;
@@ -92,6 +93,21 @@ std::string AnnotatedTraining::phase(int id) const {
   const ReshardPoint* point = model.point(id);
   if (point && point->kind == ReshardKind::kGradSync) return "grad_sync";
   return id < model.loss.node_id() ? "forward" : "backward";
+}
+
+DType zero_gather_dtype(const AnnotationPlan& plan, const LlamaGraph& model, const std::string& name) {
+  if (!plan.precision.mixed()) return DType::F32;
+  const Graph& g = *model.graph;
+  const int param = g.find(name).node_id();
+  bool used = false;
+  for (int id = 0; id < g.num_nodes(); ++id)
+    for (const Tensor& in : g.node(id).inputs) {
+      if (in.node_id() != param) continue;
+      const Node& n = g.node(id);
+      if (n.op->type() != "cast" || n.outputs.at(0).dtype != DType::BF16) return DType::F32;
+      used = true;
+    }
+  return used ? DType::BF16 : DType::F32;
 }
 
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {

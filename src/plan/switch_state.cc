@@ -56,12 +56,16 @@ void sort_holdings(std::vector<StateHolding>& hs) {
   });
 }
 
-// The holdings of `kind` for one parameter under one plan.
+// The holdings of `kind` for one parameter under one plan. As a source
+// (`owner`) under mixed precision with ZeRO, only the f32 master shards
+// count: the gathered parameters are bf16 compute copies.
 std::vector<StateHolding> holdings(const AnnotationPlan& plan, const std::string& name, const Shape& shape,
-                                   StateSlot kind) {
+                                   StateSlot kind, bool owner) {
+  const bool masters_only = owner && plan.precision.mixed() && plan.optimizer_states.count(name);
   const std::vector<StateSlot> slots =
-      kind == StateSlot::kParam ? std::vector<StateSlot>{StateSlot::kParam, StateSlot::kMaster}
-                                : std::vector<StateSlot>{kind};
+      kind != StateSlot::kParam ? std::vector<StateSlot>{kind}
+      : masters_only             ? std::vector<StateSlot>{StateSlot::kMaster}
+                                : std::vector<StateSlot>{StateSlot::kParam, StateSlot::kMaster};
   std::vector<StateHolding> out;
   for (StateSlot slot : slots)
     if (const Annotation* a = slot_layout(plan, name, slot)) add_holdings(*a, shape, slot, out);
@@ -139,8 +143,8 @@ std::vector<StateTensor> state_tensors(const AnnotationPlan& from, const Annotat
       t.shape = dst[i].shape;
       t.source_shape = src[i].shape;
       t.group = layer_group(dst[i], to.model.num_hidden_layers);
-      t.owners = holdings(from, name, t.source_shape, kind);
-      t.needers = holdings(to, name, t.shape, kind);
+      t.owners = holdings(from, name, t.source_shape, kind, true);
+      t.needers = holdings(to, name, t.shape, kind, false);
       out.push_back(std::move(t));
     }
   }
@@ -179,7 +183,7 @@ std::string cache_key(const AnnotationPlan& from, const AnnotationPlan& to, cons
                       const SwitchOptions& o) {
   nlohmann::json key = nlohmann::json::array();
   for (const AnnotationPlan* p : {&from, &to}) {
-    nlohmann::json side = {{"model", p->model.to_json()}, {"world", p->world_size}};
+    nlohmann::json side = {{"model", p->model.to_json()}, {"world", p->world_size}, {"mixed", p->precision.mixed()}};
     for (const auto& [name, shape] : llama_parameter_shapes(p->model)) {
       auto it = p->tensors.find(name);
       side["param"][name] = it == p->tensors.end() ? nlohmann::json() : to_json(it->second);

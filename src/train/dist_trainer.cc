@@ -211,8 +211,11 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
     auto st = plan.optimizer_states.find(name);
     if (st == plan.optimizer_states.end()) continue;
     Shard& param = state_->slot(name, StateSlot::kParam);
+    // Mixed precision: the linear weights travel as their bf16 compute copies
+    // (exact in f32, and all the graph reads of them).
     NDArray gathered = rt_->graph->reshard("zero_gather." + name, rt_->shapes.at(name), st->second,
-                                           rt_->graph->annotation(name), target.data, world_);
+                                           rt_->graph->annotation(name), target.data, world_,
+                                           zero_gather_dtype(plan, rt_->graph->model(), name));
     if (gathered.valid()) param.data = gathered;
   }
 }
@@ -284,8 +287,12 @@ void DistTrainer::save() {
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
     fail("[train] --save ", o_.save_path, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; not written (an existing file is kept)");
+  // The weights as the optimizer holds them: with ZeRO the f32 master shards
+  // (under mixed precision the gathered parameters are bf16 compute copies).
   gather_and_write(o_.save_path, "save.", [&](const std::string& name) {
-    return std::pair{rt_->graph->annotation(name), state_->slot(name, StateSlot::kParam).data};
+    const bool zero = rt_->plan->optimizer_states.count(name) > 0;
+    return std::pair{zero ? rt_->plan->optimizer_states.at(name) : rt_->graph->annotation(name),
+                     state_->optimized(name).data};
   }, o_.save_dtype);
 }
 

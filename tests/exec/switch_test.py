@@ -57,8 +57,15 @@ def max_weight_error(want, got):
     return worst
 
 
+def bf16_exact_share(weights):
+    """The share of the values that are bf16 numbers (their low 16 bits zero)."""
+    values = [x for t in weights.values() for x in t]
+    exact = sum(1 for x in values if struct.unpack("<I", struct.pack("<f", x))[0] & 0xFFFF == 0)
+    return exact / max(len(values), 1)
+
+
 class Harness:
-    def __init__(self, hspmd, tmp, steps):
+    def __init__(self, hspmd, tmp, steps, extra=(), base_lr="3e-3"):
         self.hspmd, self.tmp, self.steps = hspmd, tmp, steps
         self.model = os.path.join(tmp, "model.json")
         json.dump(MODEL, open(self.model, "w"))
@@ -67,8 +74,8 @@ class Harness:
         with open(self.data, "wb") as f:
             f.write(b"".join(struct.pack("<I", rng.randrange(64)) for _ in range(8192)))
         self.base = [hspmd, "train", "--model", self.model, "--data", self.data, "--steps", str(steps),
-                     "--lr", "3e-3", "--eps", "1e-5", "--weight-decay", "0.1", "--clip-grad", "0.5",
-                     "--threads", "1", "--quiet", "--seq-len", "16"]
+                     *(["--lr", base_lr] if base_lr else []), "--eps", "1e-5", "--weight-decay", "0.1", "--clip-grad", "0.5",
+                     "--threads", "1", "--quiet", "--seq-len", "16", *extra]
         log, weights = self.path("single.jsonl"), self.path("single.safetensors")
         rc, err = run(self.base + ["--global-batch", "8", "--micro-batches", "4", "--log", log, "--save", weights])
         if rc:
@@ -114,6 +121,43 @@ class Harness:
         moved = sum(sum(s["bytes_sent"]) for s in switch_recs)
         self.check(label, ok, f"loss rel err {rel:.2e}, weights err {werr:.2e}, {len(switch_recs)} switches, "
                               f"{moved} bytes moved {'= predicted' if bytes_ok else '!= predicted'}")
+
+
+def bf16_cases(hspmd, tmp, failures):
+    """--precision bf16 with ZeRO-1, where the parameters are gathered as bf16
+    compute copies: a switch from or to a ZeRO plan must take the weights from
+    the f32 masters, and --save writes the masters. With lr 1e-30 the
+    weights never change (the updates are below f32's resolution), so the
+    saved ones must equal the initial f32 weights exactly; taken from the bf16 copies they would be rounded. (With lr > 0
+    bf16 training cannot tell: any f32-level difference flips some bf16
+    roundings of the weights, and Adam amplifies that.) The plans run
+    micro-batches of the single-process size (2) and no TP, so every GEMM
+    sums as one process does: f32-level tolerances hold for the training run."""
+    h = Harness(hspmd, os.path.join(tmp, "bf16"), steps=5, extra=["--precision", "bf16"])
+    os.makedirs(os.path.join(tmp, "bf16_lr0"))
+    still = Harness(hspmd, os.path.join(tmp, "bf16_lr0"), steps=5, extra=["--precision", "bf16", "--lr", "1e-30"],
+                    base_lr=None)
+    dp2 = [pipeline(2, 2, [([0], [0, 3], 1)]), pipeline(2, 2, [([1], [0, 3], 1)])]
+    plans = {"dp2_zero": {"zero": True, "pipelines": dp2}, "dp2": {"pipelines": dp2}, "pp2": S["pp2"]}
+    for label, first, switches in (("bf16 zero_to_no_zero", "dp2_zero", [(2, "pp2"), (4, "dp2_zero")]),
+                                   ("bf16 no_zero_to_zero", "dp2", [(3, "dp2_zero")])):
+        name = label.replace(" ", "_")
+        rc, err, steps, sw, weights = h.train(name, 2, plans[first], [(k, plans[x]) for k, x in switches])
+        rc0, err0, _, _, kept = still.train(name + "_lr0", 2, plans[first], [(k, plans[x]) for k, x in switches])
+        if rc or rc0:
+            h.check(label, False, f"exit {rc or rc0}: {(err or err0).strip()[-400:]}")
+            continue
+        want, got = h.want_loss, [r["loss"] for r in steps]
+        rel = max((abs(a - b) / abs(a) for a, b in zip(want, got)), default=float("inf"))
+        bytes_ok = all(x["bytes_sent"] == x["predicted_bytes"] for x in sw)
+        exact = kept == still.want_w and bf16_exact_share(kept) < 0.05
+        werr = max_weight_error(h.want_w, weights)
+        ok = (len(got) == len(want) and rel <= 1e-5 and werr <= 1e-4 and bytes_ok and len(sw) == len(switches)
+              and exact)
+        h.check(label, ok, f"loss rel err {rel:.2e}, weights err {werr:.2e}, bytes {'=' if bytes_ok else '!='} predicted; lr 1e-30: saved "
+                           f"weights {'equal' if kept == still.want_w else 'differ from'} the initial f32 ones "
+                           f"({bf16_exact_share(kept):.1%} bf16-exact)")
+    failures += h.failures
 
 
 def switch_cases(h, names, algorithms):
@@ -243,12 +287,12 @@ def main():
                     help="switch algorithms of the named cases (the first case runs all three)")
     ap.add_argument("--random", type=int, default=4, help="random (plan A, plan B, switch step) triples")
     ap.add_argument("--seed", type=int, default=2027)
-    ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,plan,emulated")
+    ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,plan,emulated,bf16")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_switch_")
     h = Harness(args.hspmd, tmp, steps=6)
     parts = set(args.only.split(",")) if args.only else {"cases", "random", "fallback", "resume", "plan",
-                                                                "emulated"}
+                                                                "emulated", "bf16"}
     names = [n for n in args.cases.split(",") if n]
     if "cases" in parts and names:
         switch_cases(h, names[:1], ["naive", "per-tensor", "fused"])
@@ -263,6 +307,9 @@ def main():
         plan_cases(h)
     if "emulated" in parts:
         emulated_case(h)
+    if "bf16" in parts:
+        os.makedirs(os.path.join(tmp, "bf16"))
+        bf16_cases(args.hspmd, tmp, h.failures)
     if h.failures:
         sys.exit("FAILED: " + "; ".join(h.failures))
     shutil.rmtree(tmp, ignore_errors=True)

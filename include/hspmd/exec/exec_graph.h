@@ -127,8 +127,11 @@ class ExecGraph {
 
   // Moves a local array of `name` from annotation `from` to `to` (e.g. a ZeRO
   // gather, or gathering a parameter to rank 0 for saving).
+  // `dtype`: of the elements moved; `local` is converted to it when it
+  // differs, and the result comes back as `local`'s dtype.
   NDArray reshard(const std::string& name, const Shape& shape, const Annotation& from,
-                  const Annotation& to, const NDArray& local, Communicator& world) const;
+                  const Annotation& to, const NDArray& local, Communicator& world,
+                  DType dtype = DType::F32) const;
 
   // Bytes this rank sent inside Reshards since reset_ledger(): measured by
   // the communicator's counters, and predicted by the resolutions.
