@@ -12,6 +12,7 @@
 
 #include "commands.h"
 #include "flags.h"
+#include "hspmd/models/llama.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/models/llama.h"
@@ -105,7 +106,7 @@ double emulation_factor(const Profile& p, const ProfileEntry& e, const std::stri
                                 std::to_string(s), "--global-batch", std::to_string(pipelines), "--steps", "4",
                                 "--strategy", (dir / "strategy.json").string(), "--cluster",
                                 (dir / "cluster.json").string(), "--nproc", std::to_string(pipelines * group),
-                                "--threads", "1", "--quiet", "--log", log});
+                                "--threads", "1", "--quiet", "--log", log, "--precision", p.precision});
   if (rc != 0) fail("[profile] the calibration run of tp ", e.tp, " cp ", e.cp, " failed");
   std::vector<double> measured;
   std::ifstream in(log);
@@ -146,6 +147,8 @@ int profile_command(const std::vector<std::string>& args) {
   f.add_string("micro-batch-sizes", &batches, "micro-batch sizes (default 1,2)");
   f.add_int("repetitions", &repetitions, "timed runs per point after one warm-up; the median counts (default 5)");
   f.add_int("threads", &threads, "kernel threads, as the emulated ranks run (default 1)");
+  std::string precision = "fp32";
+  f.add_string("precision", &precision, "fp32 (default) or bf16: the precision of the runs it serves (--precision)");
   f.add_int("emulated-ranks", &emulated_ranks,
             "also calibrate to an emulated cluster of this many ranks on this machine: the compute\n"
             "they bill over what the parts predict (default 0: no calibration)");
@@ -165,6 +168,7 @@ int profile_command(const std::vector<std::string>& args) {
   o.micro_batch_sizes = parse_list("micro-batch-sizes", batches);
   o.repetitions = static_cast<int>(repetitions);
   o.threads = static_cast<int>(threads);
+  o.precision.compute = parse_precision_name(precision, "--precision");
   check_profile_options(o);
   o.progress = [](const std::string& what) { std::fprintf(stderr, "[profile] %s\n", what.c_str()); };
   const auto t0 = std::chrono::steady_clock::now();

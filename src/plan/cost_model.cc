@@ -84,7 +84,10 @@ const Profile* CostModel::profile_of(int rank) const {
 
 bool CostModel::profiled(int rank) const { return profile_of(rank) != nullptr; }
 
-double CostModel::activation_element_bytes(int rank) const { return profiled(rank) ? kBytes : 2.0; }
+double CostModel::activation_element_bytes(int rank) const {
+  const Profile* p = profile_of(rank);
+  return p && p->precision != "bf16" ? kBytes : 2.0;
+}
 
 double CostModel::part_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const {
   const double slowdown = topology_.rank(rank).slowdown;

@@ -17,8 +17,6 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int kIntervals = 5;  // (0, m/16], (m/16, m/8], ..., (m/2, m], as hspmd data stats
 
-int64_t accepted(const Strategy& s, const Pipeline& p) { return accepted_piece(s, p); }
-
 // Interchangeable devices: (type, slowdown, memory cap), ranks per node.
 struct DeviceClass {
   std::vector<std::vector<int>> nodes;

@@ -171,6 +171,7 @@ nlohmann::json Profile::to_json() const {
           {"config", config.to_json()},
           {"device", device},
           {"threads", threads},
+          {"precision", precision},
           {"repetitions", repetitions},
           {"fit", "t = a*b*s^2 + c*b*s + d"},
           {"entries", entries_j},
@@ -188,6 +189,9 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
   p.config = LlamaConfig::from_json(get<json>(j, "config", source), source + ": config");
   p.device = j.value("device", std::string());
   p.threads = j.value("threads", 1);
+  p.precision = j.value("precision", std::string("fp32"));
+  if (p.precision != "fp32" && p.precision != "bf16")
+    fail("[profile] ", source, ": precision: '", p.precision, "' (expected fp32 or bf16)");
   p.repetitions = j.value("repetitions", 0);
   const json entries = get<json>(j, "entries", source);
   if (!entries.is_array() || entries.empty()) fail("[profile] ", source, ": entries: must be a non-empty array");

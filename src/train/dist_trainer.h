@@ -182,6 +182,7 @@ class DistTrainer {
       if (o.profile_path.empty()) fail("[flags] --clock model needs --profile P.json (made by hspmd profile)");
       profile_ = Profile::load(o.profile_path);
       check_profile_model(*profile_, config_, o.profile_path, o.model_path);
+      check_profile_precision(*profile_, o.precision, o.profile_path);
       time_model_ = std::make_shared<const OpTimeModel>(profile_->ops, o.profile_path);
     } else if (!o.profile_path.empty() && o.events_path.empty() && o.batch_tokens == 0) {
       fail("[flags] --profile is read only with --clock model, --events or --batch-tokens (the cost model's "

@@ -87,7 +87,7 @@ struct StageProbe::Impl {
 };
 
 StageProbe::StageProbe(const LlamaConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
-                       int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model)
+                       int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model, Precision precision)
     : impl_(std::make_unique<Impl>(model ? ClockMode::kModel : ClockMode::kCpu)) {
   HSPMD_CHECK(stage >= 0 && stage < static_cast<int>(stage_layers.size()), "probe stage out of range");
   LlamaConfig c = config;
@@ -95,6 +95,7 @@ StageProbe::StageProbe(const LlamaConfig& config, int tp, int cp, std::vector<in
   const int group = tp * cp, world = group * static_cast<int>(stage_layers.size());
   CompileOptions co;
   co.seq_len = max_seq_len;
+  co.precision = precision;
   Impl& m = *impl_;
   m.plan = std::make_shared<const AnnotationPlan>(compile_plan(c, pipeline_of_stages(stage_layers, tp, cp), world, co));
   m.rank = stage * group;
@@ -363,6 +364,13 @@ OpFit fit_op(const std::vector<OpSample>& samples, const OpFit* fallback) {
   return f;
 }
 
+void check_profile_precision(const Profile& profile, const Precision& precision, const std::string& source) {
+  const std::string run = precision.mixed() ? "bf16" : "fp32";
+  if (profile.precision != run)
+    fail("[profile] ", source, ": measured in ", profile.precision, ", but this run computes in ", run,
+         " (make one with `hspmd profile --precision ", run, "`)");
+}
+
 void check_profile_model(const Profile& profile, const LlamaConfig& model, const std::string& source,
                          const std::string& model_source) {
   auto dims = [](const LlamaConfig& c) {
@@ -514,7 +522,8 @@ EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std:
   out.entry.cp = cp;
   std::vector<std::unique_ptr<StageProbe>> probes;
   for (int stage = 0; stage < 3; ++stage)
-    probes.push_back(std::make_unique<StageProbe>(o.config, tp, cp, std::vector<int>{1, 1, 1}, stage, max_s));
+    probes.push_back(
+        std::make_unique<StageProbe>(o.config, tp, cp, std::vector<int>{1, 1, 1}, stage, max_s, nullptr, o.precision));
   // The largest point first, twice: the heap grows to its size and the
   // kernels' first-use costs (page faults, buffers) stay out of the samples.
   for (int k = 0; k < 2; ++k)
@@ -582,6 +591,7 @@ Profile profile_model(const ProfileOptions& o) {
   prof.config = o.config;
   prof.device = cpu_name();
   prof.threads = o.threads;
+  prof.precision = o.precision.mixed() ? "bf16" : "fp32";
   prof.repetitions = o.repetitions;
   std::map<std::string, std::vector<OpSample>> ops;
   std::vector<MeasuredStage> stages;

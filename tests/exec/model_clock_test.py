@@ -77,6 +77,20 @@ def main():
         if not 0.5 <= ratio <= 2.0:
             failures.append("model / cpu step time %.2f is outside [0.5, 2]" % ratio)
 
+        # A bf16 run's model clock needs a profile measured in bf16.
+        rc, err = run([a.hspmd, "profile", "--model", model, "--tp", "1,2", "--seq-lens", "32,64",
+                       "--micro-batch-sizes", "1,2", "--repetitions", "2", "--precision", "bf16", "-o",
+                       path("p16.json")])
+        if rc or json.load(open(path("p16.json"))).get("precision") != "bf16":
+            failures.append("bf16 profile: " + err[-300:])
+        else:
+            rc, err = run(base + ["--cluster", path("c.json"), "--clock", "model", "--profile", path("p16.json"),
+                                  "--precision", "bf16", "--log", path("bf16.jsonl")])
+            ok = rc == 0 and len(records(path("bf16.jsonl"))) == 4
+            print("bf16 model clock %s" % ("ok" if ok else "FAIL: " + err[-300:]))
+            if not ok:
+                failures.append("bf16 run under the model clock")
+
         other = path("wider.json")
         cfg = json.load(open(model))
         cfg["hidden_size"] = 128
@@ -93,6 +107,9 @@ def main():
             "profile without the model clock": (["--model", model, "--cluster", path("c.json"),
                                                  "--profile", path("p.json")], "[flags] --profile is read only"),
             "unknown clock": (["--model", model, "--clock", "wall"], "[flags] --clock: 'wall'"),
+            "fp32 profile, bf16 run": (["--model", model, "--cluster", path("c.json"), "--clock", "model",
+                                        "--profile", path("p.json"), "--precision", "bf16"],
+                                       "measured in fp32, but this run computes in bf16"),
         }
         for what, (extra, want) in cases.items():
             rc, err = run(short + extra)

@@ -95,9 +95,10 @@ class CostModel {
   double optimizer_seconds(int rank, int64_t n) const;
   // Whether `rank`'s device is timed from a profile (else the roofline).
   bool profiled(int rank) const;
-  // Bytes of an activation element on `rank`: 4 on a profiled device (this
-  // executor computes in fp32), 2 on a roofline device (bf16 mixed
-  // precision, as its tflops are bf16 figures).
+  // Bytes of an activation element on `rank`: 4 on a device profiled in
+  // fp32, 2 on one profiled in bf16 (--precision bf16 carries bf16
+  // activations) and on a roofline device (bf16 mixed precision, as its
+  // tflops are bf16 figures).
   double activation_element_bytes(int rank) const;
 
   // Alpha-beta times. `bytes` is what each member sends (ring collectives:

@@ -106,6 +106,9 @@ struct Profile {
   LlamaConfig config;       // its dimensions: a profile only serves the same shapes
   std::string device;       // e.g. the CPU model name
   int threads = 1;          // kernel threads per rank during the measurement
+  // The precision the model computed in ("fp32" or "bf16", hspmd train
+  // --precision): its op times serve runs of that precision only.
+  std::string precision = "fp32";
   int repetitions = 0;
   std::vector<ProfileEntry> entries;
   OptimizerFit optimizer;

@@ -33,6 +33,7 @@ struct ProfileOptions {
   std::vector<int64_t> micro_batch_sizes = {1, 2};
   int repetitions = 5;  // timed runs per point, after one warm-up; their median counts
   int threads = 1;      // kernel threads (set_num_threads) while measuring
+  Precision precision;  // how the model computes (hspmd train --precision)
   // Progress lines ("tp 2 cp 1 ..."), when set.
   std::function<void(const std::string&)> progress;
 };
@@ -54,6 +55,9 @@ Profile profile_model(const ProfileOptions& options);
 // heads, intermediate size and vocabulary (the layer count may differ).
 // Throws hspmd::Error "[profile] <source>: made for hidden 64, heads 8, kv
 // heads 4, intermediate 128, vocab 256, but <model_source> has ..." otherwise.
+// Throws hspmd::Error "[profile] ..." unless `profile` was measured in the
+// run's precision.
+void check_profile_precision(const Profile& profile, const Precision& precision, const std::string& source);
 void check_profile_model(const Profile& profile, const LlamaConfig& model, const std::string& source,
                          const std::string& model_source);
 
@@ -83,7 +87,7 @@ struct StageRun {
 class StageProbe {
  public:
   StageProbe(const LlamaConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
-             int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model = nullptr);
+             int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model = nullptr, Precision precision = {});
   ~StageProbe();
   StageProbe(const StageProbe&) = delete;
   StageProbe& operator=(const StageProbe&) = delete;
