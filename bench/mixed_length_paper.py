@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from mixed_length_bench import doc_lengths, p97, read_tokens  # noqa: E402  (the same directory)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(REPO, "examples", "models", "llama-32b.json")
 CLUSTER = os.path.join(REPO, "examples", "clusters", "32h20.json")
@@ -40,22 +42,7 @@ def corpus_lengths():
     path = os.path.join(REPO, "out", "code_corpus.bin")
     if not os.path.exists(path):
         return None
-    a = array.array("I")
-    with open(path, "rb") as f:
-        a.frombytes(f.read())
-    out, start = [], 0
-    for i, t in enumerate(a):
-        if t == 256:
-            out.append(i + 1 - start)
-            start = i + 1
-    if start < len(a):
-        out.append(len(a) - start)
-    return out
-
-
-def p97(xs):
-    s = sorted(xs)
-    return s[max(0, -(-97 * len(s) // 100) - 1)]
+    return doc_lengths(read_tokens(path), 256)
 
 
 def write_docs(path, base, L, seed):

@@ -39,10 +39,11 @@ std::vector<PlannedReshard> resolve_all(const AnnotationPlan& plan, const Annota
   std::vector<PlannedReshard> out;
   for (const auto& [id, spec] : t.reshards(plan.bindings, resolve_cached.only_rank()))
     if (auto r = resolve_cached(spec)) out.push_back({spec.name, t.phase(id), std::move(r)});
+  const std::map<std::string, DType> gather_dtypes = zero_gather_dtypes(plan, t.model);
   for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
     if (it == plan.optimizer_states.end()) continue;
-    ReshardSpec spec{"zero_gather." + name, shape, zero_gather_dtype(plan, t.model, name), it->second,
+    ReshardSpec spec{"zero_gather." + name, shape, gather_dtypes.at(name), it->second,
                      plan.tensors.at(name)};
     if (auto r = resolve_cached(spec)) out.push_back({spec.name, "zero_gather", std::move(r)});
   }
@@ -95,19 +96,26 @@ std::string AnnotatedTraining::phase(int id) const {
   return id < model.loss.node_id() ? "forward" : "backward";
 }
 
-DType zero_gather_dtype(const AnnotationPlan& plan, const LlamaGraph& model, const std::string& name) {
-  if (!plan.precision.mixed()) return DType::F32;
+std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, const LlamaGraph& model) {
+  std::map<std::string, DType> out;
+  for (const std::string& name : model.names) out[name] = DType::F32;
+  if (!plan.precision.mixed()) return out;
   const Graph& g = *model.graph;
-  const int param = g.find(name).node_id();
-  bool used = false;
-  for (int id = 0; id < g.num_nodes(); ++id)
-    for (const Tensor& in : g.node(id).inputs) {
-      if (in.node_id() != param) continue;
-      const Node& n = g.node(id);
-      if (n.op->type() != "cast" || n.outputs.at(0).dtype != DType::BF16) return DType::F32;
-      used = true;
-    }
-  return used ? DType::BF16 : DType::F32;
+  std::map<int, const std::string*> param_of;  // parameter node -> its name
+  for (size_t i = 0; i < model.names.size(); ++i) param_of[model.params[i].node_id()] = &model.names[i];
+  std::map<int, bool> only_bf16_casts;  // parameter node -> every consumer so far is a cast to bf16
+  for (int id = 0; id < g.num_nodes(); ++id) {
+    const Node& n = g.node(id);
+    const bool bf16_cast = n.op && n.op->type() == "cast" && n.outputs.at(0).dtype == DType::BF16;
+    for (const Tensor& in : n.inputs)
+      if (param_of.count(in.node_id())) {
+        auto [it, fresh] = only_bf16_casts.emplace(in.node_id(), bf16_cast);
+        if (!fresh) it->second = it->second && bf16_cast;
+      }
+  }
+  for (const auto& [node, bf16] : only_bf16_casts)
+    if (bf16) out[*param_of.at(node)] = DType::BF16;
+  return out;
 }
 
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {

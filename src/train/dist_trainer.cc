@@ -49,6 +49,7 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   int64_t batch = 0;
   for (const Pipeline& p : rt->strategy.pipelines) batch += p.micro_batch_size;
   rt->graph = std::make_unique<ExecGraph>(plan, topology_, world_.rank(), Bindings{{"B", batch}, {"S", seq}});
+  rt->gather_dtypes = zero_gather_dtypes(*plan, rt->graph->model());
   // Pipelines are discovered from the resolved plan (appendix A.2), not
   // read from the strategy; the strategy only gives micro-batch counts.
   std::vector<PlannedOpTraffic> traffic;
@@ -215,7 +216,7 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
     // (exact in f32, and all the graph reads of them).
     NDArray gathered = rt_->graph->reshard("zero_gather." + name, rt_->shapes.at(name), st->second,
                                            rt_->graph->annotation(name), target.data, world_,
-                                           zero_gather_dtype(plan, rt_->graph->model(), name));
+                                           rt_->gather_dtypes.at(name));
     if (gathered.valid()) param.data = gathered;
   }
 }

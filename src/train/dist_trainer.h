@@ -129,6 +129,7 @@ struct Runtime {
   Strategy strategy;                 // execution: schedule, micro-batches, recompute
   std::unique_ptr<ExecGraph> graph;
   std::map<std::string, Shape> shapes;  // parameters' global shapes (vocabulary padded for the plan)
+  std::map<std::string, DType> gather_dtypes;  // ZeRO-1 gathers (zero_gather_dtypes)
   int pipeline = -1;
   int stage = 0, stages = 1;         // this rank's stage and its pipeline's stage count
   int64_t granularity = 1;           // every micro-batch's sequence length is a multiple of it

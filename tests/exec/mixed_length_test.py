@@ -70,6 +70,19 @@ def make_docs(path, seed=11, n=12000, alpha=1.1):
         f.write(b"".join(struct.pack("<I", t) for t in toks))
 
 
+def trainer(tmp, base):
+    """train(name, extra): runs `base + extra` logging to and saving into tmp;
+    returns (rc, stderr, log records, saved weights)."""
+    def train(name, extra):
+        log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
+        r = subprocess.run(base + ["--log", log, "--save", weights] + extra, capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode:
+            return r.returncode, r.stderr, [], {}
+        return 0, r.stderr, records(log), read_safetensors(weights)
+    return train
+
+
 def elastic_cases(tmp, base, strategy_file, check):
     """Events with token-budget steps on 8 ranks of two speeds (elastic_test's cluster). A lighter tail and a
     budget of 48 tokens: half the steps hold no piece above 16 tokens, so the planner makes two strategies
@@ -82,13 +95,7 @@ def elastic_cases(tmp, base, strategy_file, check):
     ebase[ebase.index("--data") + 1] = data
     ebase[ebase.index("--batch-tokens") + 1] = "48"
 
-    def train(name, extra):
-        log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
-        r = subprocess.run(ebase + ["--log", log, "--save", weights] + extra, capture_output=True, text=True,
-                           timeout=300)
-        if r.returncode:
-            return r.returncode, r.stderr, [], {}
-        return 0, r.stderr, records(log), read_safetensors(weights)
+    train = trainer(tmp, ebase)
 
     rc, err, want, want_w = train("el_single_process", [])
     if rc:
@@ -232,13 +239,7 @@ def main():
                 "--eps", "1e-5", "--weight-decay", "0.1", "--clip-grad", "0.5", "--threads", "1", "--quiet",
                 "--batch-tokens", str(T), "--max-seq-len", str(L)]
 
-        def train(name, extra):
-            log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
-            r = subprocess.run(base + ["--log", log, "--save", weights] + extra, capture_output=True, text=True,
-                               timeout=300)
-            if r.returncode:
-                return r.returncode, r.stderr, [], {}
-            return 0, r.stderr, records(log), read_safetensors(weights)
+        train = trainer(tmp, base)
 
         def strategy_file(name, s):
             p = os.path.join(tmp, name + ".strategy.json")

@@ -16,8 +16,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exec"))
-from equivalence_test import MODEL, read_safetensors, records  # noqa: E402
+from equivalence_test import MODEL  # noqa: E402
 from switch_test import max_weight_error  # noqa: E402
+from mixed_length_test import trainer  # noqa: E402
 
 L, T, STEPS, CAP_GIB = 32, 96, 4, 0.00093
 
@@ -107,13 +108,13 @@ def main():
                 "--eps", "1e-5", "--weight-decay", "0.1", "--clip-grad", "0.5", "--threads", "1", "--quiet",
                 "--batch-tokens", str(T), "--max-seq-len", str(L)]
 
+        run_train = trainer(tmp, base)
+
         def train(name, extra):
-            log, weights = os.path.join(tmp, name + ".jsonl"), os.path.join(tmp, name + ".safetensors")
-            r = subprocess.run(base + ["--log", log, "--save", weights] + extra, capture_output=True, text=True,
-                               timeout=300)
-            if r.returncode:
-                sys.exit(f"{name} run failed: {r.stderr[-600:]}")
-            return [x for x in records(log) if "loss" in x], read_safetensors(weights)
+            rc, err, recs, weights = run_train(name, extra)
+            if rc:
+                sys.exit(f"{name} run failed: {err[-600:]}")
+            return [x for x in recs if "loss" in x], weights
 
         want, want_w = train("single", [])
         got, got_w = train("planned", ["--strategies", ",".join(files), "--nproc", "4", "--cluster", cluster,

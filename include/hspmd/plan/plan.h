@@ -90,11 +90,11 @@ struct AnnotatedTraining {
 // Throws the deduction's errors.
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan);
 
-// The dtype ZeRO-1 gathers parameter `name` in: bf16 under mixed precision
+// Per parameter, the dtype ZeRO-1 gathers it in: bf16 under mixed precision
 // when the training graph reads the parameter only through casts to bf16
 // (the linear weights: their bf16 compute copies are all the replicas use),
-// f32 otherwise (norm scales, the embedding table).
-DType zero_gather_dtype(const AnnotationPlan& plan, const LlamaGraph& model, const std::string& name);
+// f32 otherwise (norm scales, the embedding table). One pass over the graph.
+std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, const LlamaGraph& model);
 
 // resolve() with memory: Reshards that differ only by name (the layers of a
 // stage, the same ZeRO gather every step) share one resolution, whose `name`
