@@ -44,16 +44,20 @@ std::vector<int32_t> document_starts_from_positions(const NDArray& positions, in
 // when cu_seqlens breaks its contract (first offset 0, nondecreasing, last
 // offset B*S, every multiple of S an offset), "[attention] document
 // positions: ..." for positions that are negative or not [B, S].
+//
+// `products` is the dtype of the tile products' operands: F32, or BF16 for
+// bf16 operands with f32 sums (mixed precision; softmax, lse and the outputs
+// stay f32). Both run on either CPU (bf16 without AVX512-BF16 is slower).
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
-                       AttentionTiles tiles);
+                       AttentionTiles tiles, DType products = DType::F32);
 
 // Backward: from the forward's out and lse and the gradient of out, writes
 // dq, dk, dv (shapes of q, k, v; fully overwritten). Throws like the forward.
 void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
                         const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
-                        AttentionTiles tiles);
+                        AttentionTiles tiles, DType products = DType::F32);
 
 // ---- blocks of context-parallel (ring) attention (cpu/attention_block.cc) ----
 
@@ -70,6 +74,7 @@ struct AttentionBlock {
   NDArray k, v;                       // [B, Sk, Hkv, D]
   std::span<const int64_t> k_index;   // [Sk]
   float scale = 1.0f;
+  DType products = DType::F32;        // of the tile products, as attention_forward's
 };
 
 // The block's attention alone: writes out_blk [B, Sq, Hq, D] and lse_blk

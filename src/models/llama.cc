@@ -88,7 +88,8 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
-                            static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel);
+                            static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel,
+                            o.precision.compute);
   a = ops::reshape(a, {B, S, Hq * D});
   const Tensor attn_out = ops::linear(lo(a), lo(param("self_attn.o_proj.weight")));
   h = ops::add(h, f32(mark(lo(attn_out), points.attn_output)));

@@ -324,10 +324,11 @@ struct RingInputs {
   std::vector<int64_t> q_index;
   std::vector<int32_t> start;
   float scale;
+  DType products;
   kernels::AttentionBlock block(const Ring& ring, const NDArray& kv_now, int step,
                                 std::vector<int64_t>& k_index) const {
     k_index = ring.zigzag_index((ring.c - step + ring.n) % ring.n);
-    return {q, q_index, start, part(kv_now, 0), part(kv_now, 1), k_index, scale};
+    return {q, q_index, start, part(kv_now, 0), part(kv_now, 1), k_index, scale, products};
   }
 };
 
@@ -406,7 +407,7 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
 // Relayouts q, k, v (and the documents' starts) into zigzag order; `extra`
 // (with sequence dims extra_dims) come along.
 RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
-                       float scale, const std::vector<NDArray>& extra,
+                       float scale, DType products, const std::vector<NDArray>& extra,
                        const std::vector<int>& extra_dims, std::vector<NDArray>& extra_zigzag) {
   std::vector<NDArray> arrays = {in[0], in[1], in[2], chunk_starts(ring, positions, in[0].dim(0))};
   std::vector<int> dims = {1, 1, 1, 1};
@@ -414,14 +415,15 @@ RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const N
   dims.insert(dims.end(), extra_dims.begin(), extra_dims.end());
   std::vector<NDArray> z = relayout(ring, arrays, dims, true);
   extra_zigzag.assign(z.begin() + 4, z.end());
-  return RingInputs{z[0], kv_pack(z[1], z[2]), ring.zigzag_index(ring.c), starts_of(z[3]), scale};
+  return RingInputs{z[0], kv_pack(z[1], z[2]), ring.zigzag_index(ring.c), starts_of(z[3]), scale,
+                    products};
 }
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse (contiguous order).
 void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
-                    float scale, std::vector<NDArray>& out) {
+                    float scale, DType products, std::vector<NDArray>& out) {
   std::vector<NDArray> none;
-  const RingInputs x = ring_inputs(ring, in, positions, scale, {}, {}, none);
+  const RingInputs x = ring_inputs(ring, in, positions, scale, products, {}, {}, none);
   NDArray o, lse;
   ring_forward(ring, x, o, lse);
   std::vector<NDArray> back = relayout(ring, {o, lse}, {1, 2}, false);
@@ -431,9 +433,11 @@ void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDAr
 
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 void ring_attention_grad(const Ring& ring, const std::vector<NDArray>& in,
-                         const NDArray& positions, float scale, std::vector<NDArray>& out) {
+                         const NDArray& positions, float scale, DType products,
+                         std::vector<NDArray>& out) {
   std::vector<NDArray> z;
-  const RingInputs x = ring_inputs(ring, in, positions, scale, {in[3], in[4], in[5]}, {1, 2, 1}, z);
+  const RingInputs x =
+      ring_inputs(ring, in, positions, scale, products, {in[3], in[4], in[5]}, {1, 2, 1}, z);
   const auto [dq, dkv] = ring_backward(ring, x, z[0], z[1], z[2]);
   std::vector<NDArray> back = relayout(ring, {dq, part(dkv, 0), part(dkv, 1)}, {1, 1, 1}, false);
   for (int i = 0; i < 3; ++i) out[i] = back[i];
@@ -487,8 +491,8 @@ double attention_products(const std::vector<Shape>& in, const ShardContext* shar
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 class AttentionGradOp final : public Op {
  public:
-  AttentionGradOp(float scale, bool context_parallel)
-      : scale_(scale), context_parallel_(context_parallel) {}
+  AttentionGradOp(float scale, bool context_parallel, DType products)
+      : scale_(scale), context_parallel_(context_parallel), products_(products) {}
   std::string type() const override { return "attention_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 6 && in.size() != 7)
@@ -512,10 +516,10 @@ class AttentionGradOp final : public Op {
     const NDArray documents = optional_input(in, 6);
     const std::vector<NDArray> x = contiguous_inputs(in, 6);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention_grad(*ring, x, documents, scale_, out);
+      return ring_attention_grad(*ring, x, documents, scale_, products_, out);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
     kernels::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_, out[0],
-                                out[1], out[2], kernels::attention_tiles());
+                                out[1], out[2], kernels::attention_tiles(), products_);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -526,13 +530,14 @@ class AttentionGradOp final : public Op {
  private:
   float scale_;
   bool context_parallel_;
+  DType products_;
 };
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse.
 class AttentionOp final : public Op {
  public:
-  AttentionOp(float scale, bool context_parallel)
-      : scale_(scale), context_parallel_(context_parallel) {}
+  AttentionOp(float scale, bool context_parallel, DType products)
+      : scale_(scale), context_parallel_(context_parallel), products_(products) {}
   std::string type() const override { return "attention"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 3 && in.size() != 4)
@@ -551,11 +556,11 @@ class AttentionOp final : public Op {
     const NDArray documents = optional_input(in, 3);
     const std::vector<NDArray> x = contiguous_inputs(in, 3);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention(*ring, x, documents, scale_, out);
+      return ring_attention(*ring, x, documents, scale_, products_, out);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
     kernels::attention_forward(x[0], x[1], x[2], documents, scale_, out[0], out[1],
-                               kernels::attention_tiles());
+                               kernels::attention_tiles(), products_);
   }
   // lse's gradient is never used: it only feeds the backward.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
@@ -566,7 +571,7 @@ class AttentionOp final : public Op {
     if (node.inputs.size() == 4) in.push_back(node.inputs[3]);
     // `node` may dangle once the graph grows: everything needed is copied above.
     std::vector<Tensor> d =
-        node.graph->add(std::make_shared<AttentionGradOp>(scale_, context_parallel_), in);
+        node.graph->add(std::make_shared<AttentionGradOp>(scale_, context_parallel_, products_), in);
     grads[0] = d[0], grads[1] = d[1], grads[2] = d[2];
     return grads;
   }
@@ -579,16 +584,19 @@ class AttentionOp final : public Op {
  private:
   float scale_;
   bool context_parallel_;
+  DType products_;
 };
 
 }  // namespace
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
-                 float softmax_scale, bool context_parallel) {
+                 float softmax_scale, bool context_parallel, DType products) {
   if (!q.valid() || !k.valid() || !v.valid()) fail("[attention] q, k and v must be defined");
+  if (products != DType::F32 && products != DType::BF16)
+    fail("[attention] products: must be f32 or bf16, got ", dtype_name(products));
   std::vector<Tensor> in = {q, k, v};
   if (documents.valid()) in.push_back(documents);
-  return q.graph()->add(std::make_shared<AttentionOp>(softmax_scale, context_parallel), in)[0];
+  return q.graph()->add(std::make_shared<AttentionOp>(softmax_scale, context_parallel, products), in)[0];
 }
 
 }  // namespace hspmd::ops

@@ -130,11 +130,14 @@ VOCAB66_CASES = {
 
 
 # Mixed precision (--precision bf16, docs/precision.md): every plan equals the
-# single-process bf16 run. Without tensor parallelism the roundings are the
-# same as one process's: an f32-level loss tolerance (1e-5) and 4e-3 on the
-# weights (measured 8e-4: the GEMMs' f32 sums run in another order for other
-# micro-batch sizes, which moves a few bf16 roundings, and Adam amplifies them).
-# With it, bf16-level ones: the tensor-parallel partial sums are rounded to
+# single-process bf16 run. Without tensor parallelism every value is rounded
+# at the same points as in one process, but the GEMMs' f32 sums run in another
+# order for other micro-batch sizes, and a value that moves by one f32 ulp
+# across a bf16 rounding boundary moves by one bf16 ulp; Adam amplifies that.
+# So a tolerance between f32's and bf16's: 1e-4 on the loss and 2e-2 on the
+# weights (measured 1.5e-5 and 1.1e-2 with the attention products in bf16,
+# 8e-4 on the weights before; the f32-bf16 distance is 6e-2). With it,
+# bf16-level ones: the tensor-parallel partial sums are rounded to
 # bf16 before they are reduced (one process rounds their sum), so the loss
 # may differ by 2e-3 and the weights by 1.5x the distance between the f32
 # and bf16 single-process runs (Adam turns tiny gradient differences into
@@ -305,7 +308,7 @@ def main():
                            "bf16": BF16_CASES, "bf16g": BF16_CASES, "fixed": CASES}[mode][name]
         loss_tol, weight_tol = (1e-5, 1e-4)
         if mode.startswith("bf16"):
-            loss_tol, weight_tol = (1e-5, 4e-3) if name in BF16_SAME_ROUNDING else (2e-3, 1.5 * bf16_noise)
+            loss_tol, weight_tol = (1e-4, 2e-2) if name in BF16_SAME_ROUNDING else (2e-3, 1.5 * bf16_noise)
         want_loss, want_w = want[mode]
         spath = os.path.join(tmp, name + ".json")
         json.dump(strategy, open(spath, "w"))

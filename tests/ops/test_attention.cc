@@ -10,6 +10,8 @@
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
+#include "kernels/basic.h"
+#include "kernels/cpu/bf16_pairs.h"
 
 namespace hspmd {
 namespace {
@@ -496,21 +498,23 @@ struct Zigzag {
 
 // The whole-sequence kernels' results: out, lse, dq, dk, dv.
 std::vector<NDArray> whole_attention(const Inputs& x, const NDArray& pos, const NDArray& dout,
-                                     float scale) {
+                                     float scale, DType products = DType::F32) {
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
   NDArray out = NDArray::empty(x.q.shape(), DType::F32);
   NDArray lse = NDArray::empty({x.q.dim(0), x.q.dim(2), x.q.dim(1)}, DType::F32);
-  kernels::attention_forward(x.q, x.k, x.v, pos, scale, out, lse, tiles);
+  kernels::attention_forward(x.q, x.k, x.v, pos, scale, out, lse, tiles, products);
   NDArray dq = NDArray::empty(x.q.shape(), DType::F32);
   NDArray dk = NDArray::empty(x.k.shape(), DType::F32);
   NDArray dv = NDArray::empty(x.k.shape(), DType::F32);
-  kernels::attention_backward(x.q, x.k, x.v, out, lse, dout, pos, scale, dq, dk, dv, tiles);
+  kernels::attention_backward(x.q, x.k, x.v, out, lse, dout, pos, scale, dq, dk, dv, tiles,
+                              products);
   return {out, lse, dq, dk, dv};
 }
 
 // Every block's queries over every block, merged, give the whole kernel's
-// out and lse; the blocks' backward shares sum to its gradients.
-TEST(Attention, ZigzagBlocksMatchTheWholeSequence) {
+// out and lse; the blocks' backward shares sum to its gradients. Tolerances:
+// tol for out and lse, 5 tol for the gradients.
+void check_zigzag_blocks(DType products, double tol) {
   const Dims d{2, 24, 4, 2, 8};
   const Zigzag z{3, d.S};
   const NDArray pos = positions_of({{4, 9, 11}, {13, 1, 10}});
@@ -518,7 +522,7 @@ TEST(Attention, ZigzagBlocksMatchTheWholeSequence) {
   const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 78);
   TilesGuard guard({3, 2});
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
-  const std::vector<NDArray> want = whole_attention(x, pos, dout, 0.3f);
+  const std::vector<NDArray> want = whole_attention(x, pos, dout, 0.3f, products);
   std::vector<NDArray> k(z.n), v(z.n), dk(z.n), dv(z.n);
   std::vector<std::vector<int64_t>> rows(z.n);
   for (int r = 0; r < z.n; ++r) {
@@ -535,24 +539,112 @@ TEST(Attention, ZigzagBlocksMatchTheWholeSequence) {
     l.fill(-std::numeric_limits<float>::infinity());
     NDArray ob = NDArray::empty(o.shape(), DType::F32), lb = NDArray::empty(l.shape(), DType::F32);
     for (int r = 0; r < z.n; ++r) {
-      kernels::attention_block_forward({q, rows[c], start, k[r], v[r], rows[r], 0.3f}, ob, lb,
-                                       tiles);
+      kernels::attention_block_forward({q, rows[c], start, k[r], v[r], rows[r], 0.3f, products},
+                                       ob, lb, tiles);
       kernels::attention_merge(o, l, ob, lb);
     }
-    expect_close(o, as_double(z.take(want[0], c, 1)), 2e-6, "out" + rank);
-    expect_close(l, as_double(z.take(want[1], c, 2)), 2e-6, "lse" + rank);
+    expect_close(o, as_double(z.take(want[0], c, 1)), tol, "out" + rank);
+    expect_close(l, as_double(z.take(want[1], c, 2)), tol, "lse" + rank);
     NDArray delta = NDArray::empty(l.shape(), DType::F32);
     NDArray dq = NDArray::zeros(q.shape(), DType::F32);
     kernels::attention_row_dots(o, go, delta);
     for (int r = 0; r < z.n; ++r)
-      kernels::attention_block_backward({q, rows[c], start, k[r], v[r], rows[r], 0.3f}, go, l,
-                                        delta, dq, dk[r], dv[r], tiles);
-    expect_close(dq, as_double(z.take(want[2], c, 1)), 1e-5, "dq" + rank);
+      kernels::attention_block_backward({q, rows[c], start, k[r], v[r], rows[r], 0.3f, products},
+                                        go, l, delta, dq, dk[r], dv[r], tiles);
+    expect_close(dq, as_double(z.take(want[2], c, 1)), 5 * tol, "dq" + rank);
   }
   for (int r = 0; r < z.n; ++r) {
-    expect_close(dk[r], as_double(z.take(want[3], r, 1)), 1e-5, "dk of block " + std::to_string(r));
-    expect_close(dv[r], as_double(z.take(want[4], r, 1)), 1e-5, "dv of block " + std::to_string(r));
+    const std::string block = " of block " + std::to_string(r);
+    expect_close(dk[r], as_double(z.take(want[3], r, 1)), 5 * tol, "dk" + block);
+    expect_close(dv[r], as_double(z.take(want[4], r, 1)), 5 * tol, "dv" + block);
   }
+}
+
+TEST(Attention, ZigzagBlocksMatchTheWholeSequence) { check_zigzag_blocks(DType::F32, 2e-6); }
+
+// With bf16 products the blocks round the same operands as the whole kernel;
+// only the forward's probabilities are rounded after a different running
+// max, so they agree to a few bf16 roundings.
+TEST(Attention, ZigzagBlocksMatchTheWholeSequenceInBf16) {
+  check_zigzag_blocks(DType::BF16, 4e-3);
+}
+
+// ---- bf16 tile products ----
+
+double max_abs(const NDArray& a) {
+  double m = 0;
+  for (float v : a.to_vector()) m = std::max(m, static_cast<double>(std::fabs(v)));
+  return m;
+}
+
+double max_diff(const NDArray& a, const NDArray& b) {
+  const std::vector<float> x = a.to_vector(), y = b.to_vector();
+  double m = 0;
+  for (size_t i = 0; i < x.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(x[i]) - y[i]));
+  return m;
+}
+
+const char* const kOutputs[] = {"out", "lse", "dq", "dk", "dv"};
+
+// Odd S, odd D, GQA and documents with odd starts: bf16 products stay within
+// bf16 rounding of the f32 kernel (relative to each output's largest value),
+// and differ from it (they are really used), for any tiles.
+TEST(Attention, Bf16ProductsFollowTheF32Kernel) {
+  const Dims d{2, 37, 4, 2, 7};
+  const NDArray pos = positions_of({{5, 19, 13}, {37}});
+  const Inputs x = random_inputs(d, 91);
+  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 92);
+  for (const AttentionTiles& t : kSmallTiles) {
+    TilesGuard guard(t);
+    const std::string tiles = " (tiles " + std::to_string(t.q) + "x" + std::to_string(t.k) + ")";
+    const std::vector<NDArray> f32 = whole_attention(x, pos, dout, 0.4f);
+    const std::vector<NDArray> bf16 = whole_attention(x, pos, dout, 0.4f, DType::BF16);
+    for (int i = 0; i < 5; ++i) {
+      const double scale = std::max(1.0, max_abs(f32[i])), diff = max_diff(bf16[i], f32[i]);
+      EXPECT_LT(diff, 1.5e-2 * scale) << kOutputs[i] << tiles;
+      EXPECT_GT(diff, 1e-6 * scale) << kOutputs[i] << tiles << ": bf16 products were not used";
+    }
+  }
+}
+
+// A row's results do not depend on the other rows of its batch, bit for bit
+// (micro-batches of any size give the same attention).
+TEST(Attention, Bf16ProductsOfARowDoNotDependOnItsBatch) {
+  const Dims d{3, 200, 4, 2, 16};
+  const Inputs x = random_inputs(d, 95);
+  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 96);
+  const NDArray pos = positions_of({{200}, {70, 130}, {200}});
+  const std::vector<NDArray> all = whole_attention(x, pos, dout, 0.4f, DType::BF16);
+  const auto row = [](const NDArray& a, int64_t b) {
+    Shape s = a.shape();
+    s[0] = 1;
+    NDArray r = NDArray::empty(s, DType::F32);
+    std::copy_n(a.data<float>() + b * r.numel(), r.numel(), r.data<float>());
+    return r;
+  };
+  const Inputs one{row(x.q, 1), row(x.k, 1), row(x.v, 1)};
+  const std::vector<NDArray> alone =
+      whole_attention(one, positions_of({{70, 130}}), row(dout, 1), 0.4f, DType::BF16);
+  for (int i = 0; i < 5; ++i) expect_equal(alone[i], row(all[i], 1), kOutputs[i]);
+}
+
+// The AVX512-BF16 code and the portable fallback multiply the same bf16
+// values with f32 sums: they agree to f32 rounding.
+TEST(Attention, Bf16ProductsNativeAndFallbackAgree) {
+  if (!kernels::bf16_pairs_native()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  const Dims d{2, 29, 4, 1, 16};
+  const NDArray pos = positions_of({{29}, {3, 26}});
+  const Inputs x = random_inputs(d, 93);
+  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 94);
+  TilesGuard guard({8, 6});
+  const std::vector<NDArray> native = whole_attention(x, pos, dout, 0.4f, DType::BF16);
+  kernels::set_bf16_gemm_emulation(true);
+  ASSERT_FALSE(kernels::bf16_pairs_native());
+  const std::vector<NDArray> fallback = whole_attention(x, pos, dout, 0.4f, DType::BF16);
+  kernels::set_bf16_gemm_emulation(false);
+  for (int i = 0; i < 5; ++i)
+    EXPECT_LT(max_diff(native[i], fallback[i]), 1e-5 * std::max(1.0, max_abs(fallback[i])))
+        << kOutputs[i];
 }
 
 }  // namespace

@@ -76,9 +76,13 @@ Tensor swiglu(const Tensor& gate, const Tensor& up);
 // (dim 1), all the same way (the output is then split alike); the op then
 // runs ring attention over the ranks sharing the split (docs/attention.md),
 // which needs S divisible by 2*cp and no cu_seqlens (else hspmd::Error). On
-// one device it changes nothing.
+// one device it changes nothing. `products` BF16 multiplies bf16-rounded
+// operands (q, k, v, the probabilities, the incoming gradient) with f32 sums
+// in every tile product, as mixed precision does for the GEMMs; inputs,
+// outputs, softmax and lse stay f32.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
-                 float softmax_scale, bool context_parallel = false);
+                 float softmax_scale, bool context_parallel = false,
+                 DType products = DType::F32);
 // Softmax cross-entropy: logits [..., V], targets i32 [...]. Returns the
 // scalar sum over tokens with target != ignore_index of -log p(target),
 // divided by `normalizer` (an f32 scalar tensor, usually the number of target

@@ -1,6 +1,8 @@
 // CPU attention over whole sequences: flash-attention tiles of OpenBLAS
-// sgemm with an online softmax. Tiles that the causal / document mask hides
-// entirely are never computed; no S x S matrix is ever materialized.
+// sgemm (or of bf16 products, bf16_pairs.h) with an online softmax. Tiles
+// that the causal / document mask hides entirely are never computed; no
+// S x S matrix is ever materialized. Key tiles lie on a fixed grid of
+// tiles.k rows (the bf16 operands are packed per tile).
 #include "kernels/attention.h"
 
 #include <algorithm>
@@ -36,6 +38,15 @@ struct Problem {
   const int32_t* tile_max;
   float scale;
   AttentionTiles tiles;
+  // bf16 products: the packed operands (attention_tile.h), else empty.
+  bool bf16 = false;
+  Segments qseg, kseg;  // the query and key tiles
+  const uint16_t* q_rows = nullptr;
+  const uint16_t* k_d = nullptr;
+  const uint16_t* v_s = nullptr;
+  const uint16_t* q_cols = nullptr;  // backward
+  const uint16_t* v_d = nullptr;
+  const uint16_t* k_s = nullptr;
   int64_t ldq() const { return Hq * D; }
   int64_t ldk() const { return Hkv * D; }
   // Offsets of row i of head h (query layout) / kv head hk (kv layout) in batch b.
@@ -115,17 +126,21 @@ Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t t
 
 // The problem without its derived buffers (start, kt, vt), which the caller owns.
 Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v, float scale,
-                     AttentionTiles tiles) {
+                     AttentionTiles tiles, DType products) {
   for (const NDArray* a : {&q, &k, &v}) require_backend("attention", *a);
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape(), "attention: ranks");
   Problem p{.B = q.dim(0), .S = q.dim(1), .Hq = q.dim(2), .Hkv = k.dim(2), .D = q.dim(3),
             .G = 1, .q = q.data<float>(), .k = k.data<float>(), .v = v.data<float>(),
             .kt = nullptr, .vt = nullptr, .start = nullptr, .tile_min = nullptr,
-            .tile_max = nullptr, .scale = scale, .tiles = tiles};
+            .tile_max = nullptr, .scale = scale, .tiles = tiles, .bf16 = false, .qseg = {},
+            .kseg = {}};
   HSPMD_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0 && k.dim(0) == p.B && k.dim(1) == p.S &&
                   k.dim(3) == p.D && tiles.q > 0 && tiles.k > 0,
               "attention: shapes");
   p.G = p.Hq / p.Hkv;
+  HSPMD_CHECK(products == DType::F32 || products == DType::BF16, "attention: products dtype");
+  p.bf16 = products == DType::BF16;
+  if (p.bf16) p.qseg = grid_segments(p.S, tiles.q), p.kseg = grid_segments(p.S, tiles.k);
   return p;
 }
 
@@ -138,8 +153,9 @@ inline bool tile_unmasked(const Problem& p, int64_t b, int64_t i0, int64_t j0, i
 
 struct ForwardScratch {
   std::vector<float> s, acc, m, l;
-  ForwardScratch(const AttentionTiles& t, int64_t D)
-      : s(t.q * t.k), acc(t.q * D), m(t.q), l(t.q) {}
+  std::vector<uint16_t> s_bf16;  // P in bf16 (bf16 products)
+  ForwardScratch(const AttentionTiles& t, int64_t D, bool bf16)
+      : s(t.q * t.k), acc(t.q * D), m(t.q), l(t.q), s_bf16(bf16 ? t.q * even(t.k) : 0) {}
 };
 
 // Softmax of one score tile; rescales the accumulated output rows.
@@ -156,21 +172,40 @@ void softmax_tile(const Problem& p, int64_t b, int64_t i0, int64_t i1, int64_t j
   }
 }
 
+// S = scale Q K^T of rows [i0, i0 + mq) of head h and keys [j0, j0 + nk)
+// into s (row stride tiles.k).
+void scores(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t mq, int64_t j0,
+            int64_t nk, float* s) {
+  const int64_t hk = h / p.G, Dp = even(p.D);
+  if (p.bf16)
+    gemm_bf16_pairs(mq, nk, Dp, p.scale, p.q_rows + p.q_at(b, i0, h) / p.D * Dp, p.Hq * Dp,
+                    p.k_d + pairs_d_at(b * p.Hkv + hk, p.S, p.D) + 2 * j0, 2 * p.S, 0.0f, s,
+                    p.tiles.k);
+  else
+    sgemm(false, false, mq, nk, p.D, p.scale, p.q + p.q_at(b, i0, h), p.ldq(),
+          p.kt + p.t_at(b, hk, j0), p.S, 0.0f, s, p.tiles.k);
+}
+
 // Output rows [i0, i1) of query head h in batch b.
 void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t i1, float* out,
                   float* lse, ForwardScratch& w) {
-  const int64_t mq = i1 - i0, hk = h / p.G, D = p.D;
-  const float* qt = p.q + p.q_at(b, i0, h);
+  const int64_t mq = i1 - i0, hk = h / p.G, D = p.D, tk = p.tiles.k;
   std::fill_n(w.m.data(), mq, kNegInf);
   std::fill_n(w.l.data(), mq, 0.0f);
   std::fill_n(w.acc.data(), mq * D, 0.0f);
-  for (int64_t j0 = p.min_start(b, i0); j0 < i1; j0 += p.tiles.k) {
-    const int64_t j1 = std::min(j0 + p.tiles.k, i1);
-    sgemm(false, false, mq, j1 - j0, D, p.scale, qt, p.ldq(), p.kt + p.t_at(b, hk, j0), p.S,
-          0.0f, w.s.data(), p.tiles.k);
+  for (int64_t j0 = p.min_start(b, i0) / tk * tk; j0 < i1; j0 += tk) {
+    const int64_t j1 = std::min(j0 + tk, i1), nk = j1 - j0;
+    scores(p, b, h, i0, mq, j0, nk, w.s.data());
     softmax_tile(p, b, i0, i1, j0, j1, w);
-    sgemm(false, false, mq, D, j1 - j0, 1.0f, w.s.data(), p.tiles.k, p.v + p.k_at(b, j0, hk),
-          p.ldk(), 1.0f, w.acc.data(), D);
+    if (p.bf16) {
+      tile_rows(w.s.data(), mq, nk, tk, w.s_bf16.data(), even(tk));
+      gemm_bf16_pairs(mq, D, even(nk), 1.0f, w.s_bf16.data(), even(tk),
+                      p.v_s + pairs_s_at(b * p.Hkv + hk, p.kseg, D, j0 / tk), 2 * D, 1.0f,
+                      w.acc.data(), D);
+    } else {
+      sgemm(false, false, mq, D, nk, 1.0f, w.s.data(), tk, p.v + p.k_at(b, j0, hk), p.ldk(),
+            1.0f, w.acc.data(), D);
+    }
   }
   for (int64_t r = 0; r < mq; ++r) {
     const float inv = 1.0f / w.l[r];
@@ -189,19 +224,28 @@ struct Grads {
   float* dq;
   float* dk;
   float* dv;
+  const uint16_t* dout_rows = nullptr;  // bf16 products
+  const uint16_t* dout_cols = nullptr;
 };
 
 struct BackwardScratch {
   std::vector<float> p, ds;  // P and dS of one tile [queries, keys]
-  explicit BackwardScratch(const AttentionTiles& t) : p(t.q * t.k), ds(t.q * t.k) {}
+  // bf16 products: P and dS as pairs over their rows, dS as rows, and dK^T,
+  // dV^T [D, keys] of the current key tile.
+  std::vector<uint16_t> p_pairs, ds_pairs, ds_rows;
+  std::vector<float> dkt, dvt;
+  BackwardScratch(const AttentionTiles& t, int64_t D, bool bf16) : p(t.q * t.k), ds(t.q * t.k) {
+    if (!bf16) return;
+    p_pairs.resize(even(t.q) * t.k), ds_pairs.resize(even(t.q) * t.k);
+    ds_rows.resize(t.q * even(t.k)), dkt.resize(D * t.k), dvt.resize(D * t.k);
+  }
 };
 
 // P = exp(scale * Q K^T - lse) of one tile, 0 where masked.
 void recompute_probs(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
                      int64_t i1, int64_t j0, int64_t j1, float* probs) {
-  const int64_t hk = h / p.G, tk = p.tiles.k, nk = j1 - j0;
-  sgemm(false, false, i1 - i0, nk, p.D, p.scale, p.q + p.q_at(b, i0, h), p.ldq(),
-        p.kt + p.t_at(b, hk, j0), p.S, 0.0f, probs, tk);
+  const int64_t tk = p.tiles.k, nk = j1 - j0;
+  scores(p, b, h, i0, i1 - i0, j0, nk, probs);
   const bool full = tile_unmasked(p, b, i0, j0, j1);
   for (int64_t r = 0; r < i1 - i0; ++r) {
     float* row = probs + r * tk;
@@ -218,9 +262,20 @@ void backward_pair(const Problem& p, const Grads& g, int64_t b, int64_t h, int64
   float* probs = w.p.data();
   float* ds = w.ds.data();
   recompute_probs(p, g, b, h, i0, i1, j0, j1, probs);
-  sgemm(true, false, nk, D, mq, 1.0f, probs, tk, g.dout + qo, p.ldq(), 1.0f, g.dv + ko, p.ldk());
-  sgemm(false, false, mq, nk, D, 1.0f, g.dout + qo, p.ldq(), p.vt + p.t_at(b, hk, j0), p.S, 0.0f,
-        ds, tk);
+  const int64_t Dp = even(D), tq = p.tiles.q;
+  const int64_t qc = p.bf16 ? columns_at(b * p.Hq + h, p.qseg, D, i0 / tq) : 0;
+  if (p.bf16) {  // dV^T += dO^T P
+    tile_row_pairs(probs, mq, nk, tk, w.p_pairs.data());
+    gemm_bf16_pairs(D, nk, even(mq), 1.0f, g.dout_cols + qc, p.qseg.padded, w.p_pairs.data(),
+                    2 * nk, 1.0f, w.dvt.data(), tk);
+    gemm_bf16_pairs(mq, nk, Dp, 1.0f, g.dout_rows + qo / D * Dp, p.Hq * Dp,
+                    p.v_d + pairs_d_at(b * p.Hkv + hk, p.S, D) + 2 * j0, 2 * p.S, 0.0f, ds, tk);
+  } else {
+    sgemm(true, false, nk, D, mq, 1.0f, probs, tk, g.dout + qo, p.ldq(), 1.0f, g.dv + ko,
+          p.ldk());
+    sgemm(false, false, mq, nk, D, 1.0f, g.dout + qo, p.ldq(), p.vt + p.t_at(b, hk, j0), p.S,
+          0.0f, ds, tk);
+  }
   for (int64_t r = 0; r < mq; ++r) {
     const float delta = g.delta[p.row_at(b, h, i0 + r)];
     float* dsr = ds + r * tk;
@@ -228,9 +283,20 @@ void backward_pair(const Problem& p, const Grads& g, int64_t b, int64_t h, int64
 #pragma omp simd
     for (int64_t c = 0; c < nk; ++c) dsr[c] = pr[c] * (dsr[c] - delta);
   }
+  if (p.bf16) {  // dQ += scale dS K, dK^T += scale Q^T dS
+    tile_rows(ds, mq, nk, tk, w.ds_rows.data(), even(tk));
+    gemm_bf16_pairs(mq, D, even(nk), p.scale, w.ds_rows.data(), even(tk),
+                    p.k_s + pairs_s_at(b * p.Hkv + hk, p.kseg, D, j0 / tk), 2 * D, 1.0f,
+                    g.dq + qo, p.ldq());
+    tile_row_pairs(ds, mq, nk, tk, w.ds_pairs.data());
+    gemm_bf16_pairs(D, nk, even(mq), p.scale, p.q_cols + qc, p.qseg.padded,
+                    w.ds_pairs.data(), 2 * nk, 1.0f, w.dkt.data(), tk);
+    return;
+  }
   sgemm(false, false, mq, D, nk, p.scale, ds, tk, p.k + ko, p.ldk(), 1.0f, g.dq + qo, p.ldq());
   sgemm(true, false, nk, D, mq, p.scale, ds, tk, p.q + qo, p.ldq(), 1.0f, g.dk + ko, p.ldk());
 }
+
 
 // All gradients touching kv head hk of batch b: its dk, dv rows and the dq
 // rows of its query heads, so no other thread writes them.
@@ -239,12 +305,19 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
   const int64_t tq = p.tiles.q, tk = p.tiles.k;
   for (int64_t j0 = 0; j0 < p.S; j0 += tk) {
     const int64_t j1 = std::min(j0 + tk, p.S);
+    if (p.bf16) {
+      std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);
+      std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
+    }
     for (int64_t h = hk * p.G; h < (hk + 1) * p.G; ++h) {
       for (int64_t i0 = j0 / tq * tq; i0 < p.S; i0 += tq) {
         if (p.min_start(b, i0) >= j1) continue;  // every row's document starts after the keys
         backward_pair(p, g, b, h, i0, std::min(i0 + tq, p.S), j0, j1, w);
       }
     }
+    if (p.bf16)
+      add_transposed(w.dkt.data(), w.dvt.data(), tk, j1 - j0, p.D, g.dk + p.k_at(b, j0, hk),
+                     g.dv + p.k_at(b, j0, hk), p.ldk());
   }
 }
 
@@ -278,21 +351,32 @@ void set_attention_tiles(AttentionTiles tiles) {
 
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
-                       AttentionTiles tiles) {
-  Problem p = make_problem(q, k, v, scale, tiles);
+                       AttentionTiles tiles, DType products) {
+  Problem p = make_problem(q, k, v, scale, tiles, products);
   const Starts starts = document_starts(documents, p.B, p.S, tiles.q);
-  const std::vector<float> kt = heads_transposed(k, p.parallel());
+  std::vector<float> kt;
+  std::vector<uint16_t> q_rows, k_d, v_s;
+  if (p.bf16) {
+    const bool par = p.parallel();
+    q_rows = rows_bf16(p.q, p.B, p.S, p.Hq, p.D, par);
+    k_d = pairs_over_d(rows_bf16(p.k, p.B, p.S, p.Hkv, p.D, par), p.B, p.S, p.Hkv, p.D, par);
+    v_s = pairs_over_s(rows_bf16(p.v, p.B, p.S, p.Hkv, p.D, par), p.B, p.S, p.Hkv, p.D, p.kseg,
+                       par);
+    p.q_rows = q_rows.data(), p.k_d = k_d.data(), p.v_s = v_s.data();
+  } else {
+    kt = heads_transposed(k, p.parallel());
+    p.kt = kt.data();
+  }
   p.start = starts.start.data();
   p.tile_min = starts.tile_min.data();
   p.tile_max = starts.tile_max.data();
-  p.kt = kt.data();
   HSPMD_CHECK(out.shape() == q.shape() && lse.numel() == p.B * p.Hq * p.S, "attention: outputs");
   float* po = out.data<float>();
   float* pl = lse.data<float>();
   const int64_t ntiles = (p.S + tiles.q - 1) / tiles.q, items = p.B * p.Hq * ntiles;
 #pragma omp parallel if (p.parallel())
   {
-    ForwardScratch w(tiles, p.D);
+    ForwardScratch w(tiles, p.D, p.bf16);
 #pragma omp for schedule(dynamic)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t t = ntiles - 1 - it % ntiles, bh = it / ntiles;  // long tiles first
@@ -305,17 +389,34 @@ void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
 void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
                         const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
-                        AttentionTiles tiles) {
-  Problem p = make_problem(q, k, v, scale, tiles);
+                        AttentionTiles tiles, DType products) {
+  Problem p = make_problem(q, k, v, scale, tiles, products);
   for (const NDArray* a : {&out, &lse, &grad_out}) require_backend("attention_grad", *a);
   const Starts starts = document_starts(documents, p.B, p.S, tiles.q);
-  const std::vector<float> kt = heads_transposed(k, p.parallel());
-  const std::vector<float> vt = heads_transposed(v, p.parallel());
+  std::vector<float> kt, vt;
+  std::vector<uint16_t> q_rows, q_cols, k_d, k_s, v_d, dout_rows, dout_cols;
+  const NDArray dout = grad_out.contiguous();
+  if (p.bf16) {
+    const bool par = p.parallel();
+    q_rows = rows_bf16(p.q, p.B, p.S, p.Hq, p.D, par);
+    q_cols = columns_bf16(q_rows, p.B, p.S, p.Hq, p.D, p.qseg, par);
+    const std::vector<uint16_t> k_rows = rows_bf16(p.k, p.B, p.S, p.Hkv, p.D, par);
+    k_d = pairs_over_d(k_rows, p.B, p.S, p.Hkv, p.D, par);
+    k_s = pairs_over_s(k_rows, p.B, p.S, p.Hkv, p.D, p.kseg, par);
+    v_d = pairs_over_d(rows_bf16(p.v, p.B, p.S, p.Hkv, p.D, par), p.B, p.S, p.Hkv, p.D, par);
+    dout_rows = rows_bf16(dout.data<float>(), p.B, p.S, p.Hq, p.D, par);
+    dout_cols = columns_bf16(dout_rows, p.B, p.S, p.Hq, p.D, p.qseg, par);
+    p.q_rows = q_rows.data(), p.q_cols = q_cols.data(), p.k_d = k_d.data(), p.k_s = k_s.data();
+    p.v_d = v_d.data();
+  } else {
+    kt = heads_transposed(k, p.parallel());
+    vt = heads_transposed(v, p.parallel());
+    p.kt = kt.data();
+    p.vt = vt.data();
+  }
   p.start = starts.start.data();
   p.tile_min = starts.tile_min.data();
   p.tile_max = starts.tile_max.data();
-  p.kt = kt.data();
-  p.vt = vt.data();
   HSPMD_CHECK(out.shape() == q.shape() && grad_out.shape() == q.shape() &&
                   lse.numel() == p.B * p.Hq * p.S && dq.shape() == q.shape() &&
                   dk.shape() == k.shape() && dv.shape() == v.shape(),
@@ -323,11 +424,11 @@ void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, co
   NDArray delta = NDArray::empty({p.B, p.Hq, p.S}, DType::F32);
   attention_row_dots(out, grad_out, delta);
   for (NDArray* a : {&dq, &dk, &dv}) a->fill(0.0f);
-  const Grads g{lse.data<float>(), grad_out.data<float>(), delta.data<float>(), dq.data<float>(),
-                dk.data<float>(), dv.data<float>()};
+  const Grads g{lse.data<float>(), dout.data<float>(), delta.data<float>(), dq.data<float>(),
+                dk.data<float>(),  dv.data<float>(),   dout_rows.data(),   dout_cols.data()};
 #pragma omp parallel if (p.parallel())
   {
-    BackwardScratch w(tiles);
+    BackwardScratch w(tiles, p.D, p.bf16);
 #pragma omp for schedule(dynamic)
     for (int64_t it = 0; it < p.B * p.Hkv; ++it) backward_group(p, g, it / p.Hkv, it % p.Hkv, w);
   }

@@ -1,6 +1,7 @@
 // CPU kernels of one block of context-parallel (ring) attention: queries and
 // keys are pieces of a longer sequence, named by their global indices. Same
-// tiles as attention.cc (sgemm, online softmax, flash-attention-2 backward),
+// tiles as attention.cc (sgemm or bf16 products, online softmax,
+// flash-attention-2 backward),
 // but a tile is a run of consecutive global indices, and the mask compares
 // global indices.
 #include <algorithm>
@@ -47,6 +48,10 @@ struct BlockProblem {
   std::vector<int32_t> run_min, run_max;  // per (b, query run): least / greatest start
   float scale;
   AttentionTiles tiles;
+  // bf16 products: the runs as segments and the packed operands (attention_tile.h).
+  bool bf16 = false;
+  Segments qseg, kseg;
+  std::vector<uint16_t> q_rows, q_cols, k_d, k_s, v_d, v_s;
   int64_t ldq() const { return Hq * D; }
   int64_t ldk() const { return Hkv * D; }
   int64_t q_at(int64_t b, int64_t i, int64_t h) const { return ((b * Sq + i) * Hq + h) * D; }
@@ -89,7 +94,17 @@ BlockProblem make_block_problem(const AttentionBlock& blk, AttentionTiles tiles,
                  .run_min = {},
                  .run_max = {},
                  .scale = blk.scale,
-                 .tiles = tiles};
+                 .tiles = tiles,
+                 .bf16 = blk.products == DType::BF16,
+                 .qseg = {},
+                 .kseg = {},
+                 .q_rows = {},
+                 .q_cols = {},
+                 .k_d = {},
+                 .k_s = {},
+                 .v_d = {},
+                 .v_s = {}};
+  HSPMD_CHECK(blk.products == DType::F32 || p.bf16, "attention block: products dtype");
   HSPMD_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0 && k.dim(0) == p.B && k.dim(3) == p.D &&
                   static_cast<int64_t>(blk.q_index.size()) == p.Sq &&
                   static_cast<int64_t>(blk.k_index.size()) == p.Sk &&
@@ -103,8 +118,25 @@ BlockProblem make_block_problem(const AttentionBlock& blk, AttentionTiles tiles,
       p.run_min.push_back(*lo);
       p.run_max.push_back(*hi);
     }
-  p.kt = heads_transposed(k, p.parallel());
-  if (backward) p.vt = heads_transposed(blk.v, p.parallel());
+  const bool par = p.parallel();
+  if (!p.bf16) {
+    p.kt = heads_transposed(k, par);
+    if (backward) p.vt = heads_transposed(blk.v, par);
+    return p;
+  }
+  for (const Run& r : p.qruns) p.qseg.add(r.begin, r.size());
+  for (const Run& r : p.kruns) p.kseg.add(r.begin, r.size());
+  p.q_rows = rows_bf16(p.q, p.B, p.Sq, p.Hq, p.D, par);
+  const std::vector<uint16_t> k_rows = rows_bf16(p.k, p.B, p.Sk, p.Hkv, p.D, par);
+  const std::vector<uint16_t> v_rows = rows_bf16(p.v, p.B, p.Sk, p.Hkv, p.D, par);
+  p.k_d = pairs_over_d(k_rows, p.B, p.Sk, p.Hkv, p.D, par);
+  if (!backward) {
+    p.v_s = pairs_over_s(v_rows, p.B, p.Sk, p.Hkv, p.D, p.kseg, par);
+    return p;
+  }
+  p.q_cols = columns_bf16(p.q_rows, p.B, p.Sq, p.Hq, p.D, p.qseg, par);
+  p.k_s = pairs_over_s(k_rows, p.B, p.Sk, p.Hkv, p.D, p.kseg, par);
+  p.v_d = pairs_over_d(v_rows, p.B, p.Sk, p.Hkv, p.D, par);
   return p;
 }
 
@@ -119,8 +151,23 @@ void mask_tile(const BlockProblem& p, int64_t b, const Run& qr, const Run& kr, f
 
 struct ForwardScratch {
   std::vector<float> s, acc, m, l;
-  ForwardScratch(const AttentionTiles& t, int64_t D) : s(t.q * t.k), acc(t.q * D), m(t.q), l(t.q) {}
+  std::vector<uint16_t> s_bf16;  // P in bf16 (bf16 products)
+  ForwardScratch(const AttentionTiles& t, int64_t D, bool bf16)
+      : s(t.q * t.k), acc(t.q * D), m(t.q), l(t.q), s_bf16(bf16 ? t.q * even(t.k) : 0) {}
 };
+
+// S = scale Q K^T of query run qr, head h, key run kr into s (row stride tiles.k).
+void scores(const BlockProblem& p, int64_t b, int64_t h, const Run& qr, const Run& kr, float* s) {
+  const int64_t hk = h / p.G, Dp = even(p.D);
+  if (p.bf16)
+    gemm_bf16_pairs(qr.size(), kr.size(), Dp, p.scale,
+                    p.q_rows.data() + p.q_at(b, qr.begin, h) / p.D * Dp, p.Hq * Dp,
+                    p.k_d.data() + pairs_d_at(b * p.Hkv + hk, p.Sk, p.D) + 2 * kr.begin,
+                    2 * p.Sk, 0.0f, s, p.tiles.k);
+  else
+    sgemm(false, false, qr.size(), kr.size(), p.D, p.scale, p.q + p.q_at(b, qr.begin, h), p.ldq(),
+          p.kt.data() + p.t_at(b, hk, kr.begin), p.Sk, 0.0f, s, p.tiles.k);
+}
 
 // scores -> probabilities of one visible tile, rescaling the accumulated rows.
 void softmax_tile(const BlockProblem& p, int64_t b, size_t qi, const Run& kr, ForwardScratch& w) {
@@ -142,13 +189,20 @@ void forward_run(const BlockProblem& p, int64_t b, int64_t h, size_t qi, float* 
   std::fill_n(w.m.data(), mq, kNegInf);
   std::fill_n(w.l.data(), mq, 0.0f);
   std::fill_n(w.acc.data(), mq * D, 0.0f);
-  for (const Run& kr : p.kruns) {
+  for (int64_t t = 0; t < static_cast<int64_t>(p.kruns.size()); ++t) {
+    const Run& kr = p.kruns[t];
     if (p.hidden(b, qi, kr)) continue;
-    sgemm(false, false, mq, kr.size(), D, p.scale, p.q + p.q_at(b, qr.begin, h), p.ldq(),
-          p.kt.data() + p.t_at(b, hk, kr.begin), p.Sk, 0.0f, w.s.data(), tk);
+    scores(p, b, h, qr, kr, w.s.data());
     softmax_tile(p, b, qi, kr, w);
-    sgemm(false, false, mq, D, kr.size(), 1.0f, w.s.data(), tk, p.v + p.k_at(b, kr.begin, hk),
-          p.ldk(), 1.0f, w.acc.data(), D);
+    if (p.bf16) {
+      tile_rows(w.s.data(), mq, kr.size(), tk, w.s_bf16.data(), even(tk));
+      gemm_bf16_pairs(mq, D, even(kr.size()), 1.0f, w.s_bf16.data(), even(tk),
+                      p.v_s.data() + pairs_s_at(b * p.Hkv + hk, p.kseg, D, t), 2 * D, 1.0f,
+                      w.acc.data(), D);
+    } else {
+      sgemm(false, false, mq, D, kr.size(), 1.0f, w.s.data(), tk, p.v + p.k_at(b, kr.begin, hk),
+            p.ldk(), 1.0f, w.acc.data(), D);
+    }
   }
   for (int64_t r = 0; r < mq; ++r) {
     const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
@@ -167,29 +221,65 @@ struct Grads {
   float* dq;
   float* dk;
   float* dv;
+  const uint16_t* dout_rows = nullptr;  // bf16 products
+  const uint16_t* dout_cols = nullptr;
 };
 
-// Adds one visible (query run, key run) pair's contributions to dq, dk, dv.
+// One thread's tiles (see attention.cc's BackwardScratch).
+struct BackwardScratch {
+  std::vector<float> p, ds;
+  std::vector<uint16_t> p_pairs, ds_pairs, ds_rows;
+  std::vector<float> dkt, dvt;
+  BackwardScratch(const AttentionTiles& t, int64_t D, bool bf16) : p(t.q * t.k), ds(t.q * t.k) {
+    if (!bf16) return;
+    p_pairs.resize(even(t.q) * t.k), ds_pairs.resize(even(t.q) * t.k);
+    ds_rows.resize(t.q * even(t.k)), dkt.resize(D * t.k), dvt.resize(D * t.k);
+  }
+};
+
+// Adds one visible (query run, key run t) pair's contributions to dq, dk, dv
+// (with bf16 products: to dq and the scratch's dK^T, dV^T).
 void backward_pair(const BlockProblem& p, const Grads& g, int64_t b, int64_t h, size_t qi,
-                   const Run& kr, std::vector<float>& probs, std::vector<float>& ds) {
+                   int64_t t, BackwardScratch& w) {
   const Run& qr = p.qruns[qi];
+  const Run& kr = p.kruns[t];
   const int64_t hk = h / p.G, tk = p.tiles.k, mq = qr.size(), nk = kr.size(), D = p.D;
-  const int64_t qo = p.q_at(b, qr.begin, h), ko = p.k_at(b, kr.begin, hk);
-  float* pt = probs.data();
-  float* st = ds.data();
-  sgemm(false, false, mq, nk, D, p.scale, p.q + qo, p.ldq(), p.kt.data() + p.t_at(b, hk, kr.begin),
-        p.Sk, 0.0f, pt, tk);
+  const int64_t qo = p.q_at(b, qr.begin, h), ko = p.k_at(b, kr.begin, hk), Dp = even(D);
+  float* pt = w.p.data();
+  float* st = w.ds.data();
+  scores(p, b, h, qr, kr, pt);
   if (!p.unmasked(b, qi, kr)) mask_tile(p, b, qr, kr, pt);
   for (int64_t r = 0; r < mq; ++r) probs_row(pt + r * tk, nk, g.lse[p.row_at(b, h, qr.begin + r)]);
-  sgemm(true, false, nk, D, mq, 1.0f, pt, tk, g.dout + qo, p.ldq(), 1.0f, g.dv + ko, p.ldk());
-  sgemm(false, false, mq, nk, D, 1.0f, g.dout + qo, p.ldq(), p.vt.data() + p.t_at(b, hk, kr.begin),
-        p.Sk, 0.0f, st, tk);
+  const int64_t qc =
+      p.bf16 ? columns_at(b * p.Hq + h, p.qseg, D, static_cast<int64_t>(qi)) : 0;
+  if (p.bf16) {  // dV^T += dO^T P; dP = dO V^T
+    tile_row_pairs(pt, mq, nk, tk, w.p_pairs.data());
+    gemm_bf16_pairs(D, nk, even(mq), 1.0f, g.dout_cols + qc, p.qseg.padded, w.p_pairs.data(),
+                    2 * nk, 1.0f, w.dvt.data(), tk);
+    gemm_bf16_pairs(mq, nk, Dp, 1.0f, g.dout_rows + qo / D * Dp, p.Hq * Dp,
+                    p.v_d.data() + pairs_d_at(b * p.Hkv + hk, p.Sk, D) + 2 * kr.begin, 2 * p.Sk,
+                    0.0f, st, tk);
+  } else {
+    sgemm(true, false, nk, D, mq, 1.0f, pt, tk, g.dout + qo, p.ldq(), 1.0f, g.dv + ko, p.ldk());
+    sgemm(false, false, mq, nk, D, 1.0f, g.dout + qo, p.ldq(),
+          p.vt.data() + p.t_at(b, hk, kr.begin), p.Sk, 0.0f, st, tk);
+  }
   for (int64_t r = 0; r < mq; ++r) {
     const float delta = g.delta[p.row_at(b, h, qr.begin + r)];
     float* dsr = st + r * tk;
     const float* pr = pt + r * tk;
 #pragma omp simd
     for (int64_t c = 0; c < nk; ++c) dsr[c] = pr[c] * (dsr[c] - delta);
+  }
+  if (p.bf16) {  // dQ += scale dS K; dK^T += scale Q^T dS
+    tile_rows(st, mq, nk, tk, w.ds_rows.data(), even(tk));
+    gemm_bf16_pairs(mq, D, even(nk), p.scale, w.ds_rows.data(), even(tk),
+                    p.k_s.data() + pairs_s_at(b * p.Hkv + hk, p.kseg, D, t), 2 * D, 1.0f,
+                    g.dq + qo, p.ldq());
+    tile_row_pairs(st, mq, nk, tk, w.ds_pairs.data());
+    gemm_bf16_pairs(D, nk, even(mq), p.scale, p.q_cols.data() + qc, p.qseg.padded,
+                    w.ds_pairs.data(), 2 * nk, 1.0f, w.dkt.data(), tk);
+    return;
   }
   sgemm(false, false, mq, D, nk, p.scale, st, tk, p.k + ko, p.ldk(), 1.0f, g.dq + qo, p.ldq());
   sgemm(true, false, nk, D, mq, p.scale, st, tk, p.q + qo, p.ldq(), 1.0f, g.dk + ko, p.ldk());
@@ -198,11 +288,20 @@ void backward_pair(const BlockProblem& p, const Grads& g, int64_t b, int64_t h, 
 // Everything touching kv head hk of batch b (its dk, dv rows; the dq rows of
 // its query heads), so no other thread writes them.
 void backward_group(const BlockProblem& p, const Grads& g, int64_t b, int64_t hk) {
-  std::vector<float> probs(p.tiles.q * p.tiles.k), ds(p.tiles.q * p.tiles.k);
-  for (const Run& kr : p.kruns)
+  BackwardScratch w(p.tiles, p.D, p.bf16);
+  for (int64_t t = 0; t < static_cast<int64_t>(p.kruns.size()); ++t) {
+    const Run& kr = p.kruns[t];
+    if (p.bf16) {
+      std::fill(w.dkt.begin(), w.dkt.end(), 0.0f);
+      std::fill(w.dvt.begin(), w.dvt.end(), 0.0f);
+    }
     for (int64_t h = hk * p.G; h < (hk + 1) * p.G; ++h)
       for (size_t qi = 0; qi < p.qruns.size(); ++qi)
-        if (!p.hidden(b, qi, kr)) backward_pair(p, g, b, h, qi, kr, probs, ds);
+        if (!p.hidden(b, qi, kr)) backward_pair(p, g, b, h, qi, t, w);
+    if (!p.bf16) continue;
+    add_transposed(w.dkt.data(), w.dvt.data(), p.tiles.k, kr.size(), p.D,
+                   g.dk + p.k_at(b, kr.begin, hk), g.dv + p.k_at(b, kr.begin, hk), p.ldk());
+  }
 }
 
 }  // namespace
@@ -217,7 +316,7 @@ void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArra
   const int64_t nruns = static_cast<int64_t>(p.qruns.size()), items = p.B * p.Hq * nruns;
 #pragma omp parallel if (p.parallel())
   {
-    ForwardScratch w(tiles, p.D);
+    ForwardScratch w(tiles, p.D, p.bf16);
 #pragma omp for schedule(dynamic)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t bh = it / nruns;
@@ -274,8 +373,14 @@ void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out
                   dk.shape() == blk.k.shape() && dv.shape() == blk.k.shape() &&
                   dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous(),
               "attention block grad: shapes");
-  const Grads g{lse.data<float>(), grad_out.data<float>(), delta.data<float>(),
-                dq.data<float>(),  dk.data<float>(),       dv.data<float>()};
+  const NDArray dout = grad_out.contiguous();
+  std::vector<uint16_t> dout_rows, dout_cols;
+  if (p.bf16) {
+    dout_rows = rows_bf16(dout.data<float>(), p.B, p.Sq, p.Hq, p.D, p.parallel());
+    dout_cols = columns_bf16(dout_rows, p.B, p.Sq, p.Hq, p.D, p.qseg, p.parallel());
+  }
+  const Grads g{lse.data<float>(), dout.data<float>(), delta.data<float>(), dq.data<float>(),
+                dk.data<float>(),  dv.data<float>(),   dout_rows.data(),   dout_cols.data()};
 #pragma omp parallel for schedule(dynamic) if (p.parallel())
   for (int64_t it = 0; it < p.B * p.Hkv; ++it) backward_group(p, g, it / p.Hkv, it % p.Hkv);
 }
