@@ -61,9 +61,36 @@ ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr
     (grad_sync ? grad_resolutions_ : resolved).emplace(id, resolve_(spec));
   }
   select_nodes(resolved);
+  find_parameter_only();
   plan_recompute(resolved);
   count_uses();
   instance(bindings_);  // built now, so that its errors surface at construction
+}
+
+void ExecGraph::find_parameter_only() {
+  const Graph& g = *model_.graph;
+  const std::set<std::string> params(model_.names.begin(), model_.names.end());
+  parameter_only_.assign(g.num_nodes(), 0);
+  for (size_t k = 0; k < forward_end_; ++k) {
+    const Node& n = g.node(order_[k]);
+    if (is_leaf(n)) {
+      parameter_only_[n.id] = params.count(n.name) > 0;
+      continue;
+    }
+    if (is_reshard(n) || n.op->may_communicate() || n.inputs.empty()) continue;
+    parameter_only_[n.id] = std::all_of(n.inputs.begin(), n.inputs.end(),
+                                        [&](const Tensor& t) { return parameter_only_[t.node_id()] != 0; });
+  }
+}
+
+ExecGraph::StepScope::StepScope(const ExecGraph& graph) : graph_(graph) {
+  HSPMD_CHECK(!graph_.step_open_, "ExecGraph::StepScope: a step is already open");
+  graph_.step_open_ = true;
+}
+
+ExecGraph::StepScope::~StepScope() {
+  graph_.step_values_.clear();
+  graph_.step_open_ = false;
 }
 
 void ExecGraph::select_nodes(const std::map<int, std::shared_ptr<const Resolution>>& resolved) {
@@ -250,6 +277,12 @@ void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Acti
     return std::vector<NDArray>{values->at(n.name)};  // check_feeds found it
   };
   runner.compute = [&](const Node& n, const std::vector<NDArray>& inputs) {
+    if (step_open_ && parameter_only(n.id)) {  // the step's pre-processing
+      auto it = step_values_.find(n.id);
+      if (it == step_values_.end())
+        it = step_values_.emplace(n.id, compute(*inst.local_ops.at(n.id), n, inputs)).first;
+      return it->second;
+    }
     if (!is_reshard(n)) return compute(*inst.local_ops.at(n.id), n, inputs);
     const std::string name = trace_prefix + (n.name.empty() ? std::string("reshard") : n.name);
     return std::vector<NDArray>{run_reshard(*inst.resolutions.at(n.id), name, inputs[0], world)};

@@ -539,6 +539,7 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   };
   // Sends are deferred (set_deferred_sends): a stage sending activations
   // never waits on a neighbour sending gradients.
+  const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
   const int micro_batches = !pieces_ ? rt_->micro_batches()
                             : rt_->pipeline < 0 ? 0
                                                 : static_cast<int>(token_step_->micro.at(rt_->pipeline).size());

@@ -109,6 +109,25 @@ class ExecGraph {
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world,
                              const Bindings& bindings) const;
 
+  // The step's pre-processing (docs/precision.md): while a StepScope lives,
+  // the forward nodes that read nothing but parameters (and compute without
+  // communicating: under mixed precision, the bf16 compute copies of the
+  // weights) run in the first micro-batch, and the later micro-batches of
+  // the step reuse their outputs. Parameters must not change meanwhile.
+  // Without a scope every micro-batch computes them. One scope at a time.
+  class StepScope {
+   public:
+    explicit StepScope(const ExecGraph& graph);
+    ~StepScope();
+    StepScope(const StepScope&) = delete;
+    StepScope& operator=(const StepScope&) = delete;
+
+   private:
+    const ExecGraph& graph_;
+  };
+  // Whether node `id` is such a parameter-only node of this rank's forward.
+  bool parameter_only(int id) const { return id < static_cast<int>(parameter_only_.size()) && parameter_only_[id]; }
+
   // Activation recomputation (docs/execution.md), for the forwards started
   // after the call. On: forward() keeps only the leaves, the loss and the
   // outputs of the Reshards that bring data from other stages (or send it
@@ -179,6 +198,7 @@ class ExecGraph {
   const Instance& instance(const Bindings& bindings) const;
   std::unique_ptr<LocalOp> make_local_op(const Node& node, const Bindings& bindings) const;
   void select_nodes(const std::map<int, std::shared_ptr<const Resolution>>& forward);
+  void find_parameter_only();
   void count_uses();
   void plan_recompute(const std::map<int, std::shared_ptr<const Resolution>>& forward);
   void check_feeds(const ValueMap& values, const Instance& inst) const;
@@ -195,6 +215,9 @@ class ExecGraph {
   void run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
                  Communicator& world, const char* trace_prefix = "") const;
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
+  std::vector<char> parameter_only_;  // per node id (StepScope)
+  mutable bool step_open_ = false;
+  mutable std::map<int, std::vector<NDArray>> step_values_;  // parameter-only outputs of the open step
   mutable ByteLedger ledger_;
   bool defer_sends_ = false;
   bool recompute_ = false;
