@@ -228,19 +228,6 @@ struct Grads {
   const uint16_t* dout_cols = nullptr;
 };
 
-struct BackwardScratch {
-  std::vector<float> p, ds;  // P and dS of one tile [queries, keys]
-  // bf16 products: P and dS as pairs over their rows, dS as rows, and dK^T,
-  // dV^T [D, keys] of the current key tile.
-  std::vector<uint16_t> p_pairs, ds_pairs, ds_rows;
-  std::vector<float> dkt, dvt;
-  BackwardScratch(const AttentionTiles& t, int64_t D, bool bf16) : p(t.q * t.k), ds(t.q * t.k) {
-    if (!bf16) return;
-    p_pairs.resize(even(t.q) * t.k), ds_pairs.resize(even(t.q) * t.k);
-    ds_rows.resize(t.q * even(t.k)), dkt.resize(D * t.k), dvt.resize(D * t.k);
-  }
-};
-
 // P = exp(scale * Q K^T - lse) of one tile, 0 where masked.
 void recompute_probs(const Problem& p, const Grads& g, int64_t b, int64_t h, int64_t i0,
                      int64_t i1, int64_t j0, int64_t j1, float* probs) {

@@ -225,18 +225,6 @@ struct Grads {
   const uint16_t* dout_cols = nullptr;
 };
 
-// One thread's tiles (see attention.cc's BackwardScratch).
-struct BackwardScratch {
-  std::vector<float> p, ds;
-  std::vector<uint16_t> p_pairs, ds_pairs, ds_rows;
-  std::vector<float> dkt, dvt;
-  BackwardScratch(const AttentionTiles& t, int64_t D, bool bf16) : p(t.q * t.k), ds(t.q * t.k) {
-    if (!bf16) return;
-    p_pairs.resize(even(t.q) * t.k), ds_pairs.resize(even(t.q) * t.k);
-    ds_rows.resize(t.q * even(t.k)), dkt.resize(D * t.k), dvt.resize(D * t.k);
-  }
-};
-
 // Adds one visible (query run, key run t) pair's contributions to dq, dk, dv
 // (with bf16 products: to dq and the scratch's dK^T, dV^T).
 void backward_pair(const BlockProblem& p, const Grads& g, int64_t b, int64_t h, size_t qi,

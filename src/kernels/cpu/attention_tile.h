@@ -15,6 +15,7 @@
 #include "bf16_pairs.h"
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/ndarray.h"
+#include "kernels/attention.h"
 #include "vec_math.h"
 
 namespace hspmd::kernels::attention_tile {
@@ -229,6 +230,20 @@ inline void tile_row_pairs(const float* s, int64_t m, int64_t n, int64_t ld, uin
     bf16_row_pairs(s + 2 * p * ld, 2 * p + 1 < m ? s + (2 * p + 1) * ld : nullptr, n,
                    out + 2 * p * n);
 }
+
+// One thread's backward tiles: P and dS [queries, keys]; with bf16
+// products also P and dS as pairs over their rows, dS as rows, and dK^T,
+// dV^T [D, keys] of the current key tile.
+struct BackwardScratch {
+  std::vector<float> p, ds;
+  std::vector<uint16_t> p_pairs, ds_pairs, ds_rows;
+  std::vector<float> dkt, dvt;
+  BackwardScratch(const AttentionTiles& t, int64_t D, bool bf16) : p(t.q * t.k), ds(t.q * t.k) {
+    if (!bf16) return;
+    p_pairs.resize(even(t.q) * t.k), ds_pairs.resize(even(t.q) * t.k);
+    ds_rows.resize(t.q * even(t.k)), dkt.resize(D * t.k), dvt.resize(D * t.k);
+  }
+};
 
 // Adds a key tile's dK^T, dV^T ([D, n], row stride ld) to its n rows of dk,
 // dv (row stride ldk; the first at dk, dv).
