@@ -64,6 +64,7 @@ ValueMap random_batch(const LlamaConfig& c, int64_t batch, int64_t seq, uint64_t
 
 int main(int argc, char** argv) {
   ensure_passive_omp_wait(argv);
+  tune_host_malloc();
   try {
     Args a = parse(argc, argv);
     set_num_threads(static_cast<int>(a.threads));

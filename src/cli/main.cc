@@ -33,6 +33,7 @@ void print_error(const char* kind, const char* what) {
 
 int main(int argc, char** argv) {
   hspmd::ensure_passive_omp_wait(argv);
+  hspmd::tune_host_malloc();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

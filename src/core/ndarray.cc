@@ -177,14 +177,14 @@ NDArray NDArray::to(DType dtype) const {
   if (dtype == DType::F32) {
     float* o = out.data<float>();
     switch (dtype_) {
-      case DType::BF16: convert(src.data<uint16_t>(), o, bf16_to_f32); break;
+      case DType::BF16: bf16_to_f32_n(src.data<uint16_t>(), o, n); break;
       case DType::I32: convert(src.data<int32_t>(), o, [](int32_t v) { return static_cast<float>(v); }); break;
       case DType::I64: convert(src.data<int64_t>(), o, [](int64_t v) { return static_cast<float>(v); }); break;
       case DType::F32:
       case DType::F64: fail("[ndarray] no conversion from ", dtype_name(dtype_), " to f32");
     }
   } else if (dtype == DType::BF16 && dtype_ == DType::F32) {
-    convert(src.data<float>(), out.data<uint16_t>(), f32_to_bf16);
+    f32_to_bf16_n(src.data<float>(), out.data<uint16_t>(), n);
   } else if (dtype == DType::I64 && dtype_ == DType::I32) {
     convert(src.data<int32_t>(), out.data<int64_t>(), [](int32_t v) { return static_cast<int64_t>(v); });
   } else if (dtype == DType::I32 && dtype_ == DType::I64) {

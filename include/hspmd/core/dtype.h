@@ -35,4 +35,17 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
+// The instruction sets of the bulk conversions below, best first.
+enum class ConvertIsa : uint8_t { kAvx512Bf16, kAvx512F, kScalar };
+// The best one this CPU has (checked once, at the first call).
+ConvertIsa best_convert_isa();
+
+// dst[i] = f32_to_bf16(src[i]) / bf16_to_f32(src[i]) for i < n, bitwise equal
+// to the scalar functions on every path; OpenMP over large arrays. `isa`
+// forces a path (tests); one the CPU lacks falls back to best_convert_isa().
+void f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n,
+                   ConvertIsa isa = ConvertIsa::kAvx512Bf16);
+void bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n,
+                   ConvertIsa isa = ConvertIsa::kAvx512Bf16);
+
 }  // namespace hspmd

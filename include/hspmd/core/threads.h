@@ -19,4 +19,13 @@ namespace hspmd {
 // the re-exec failed, in which case the run goes on with the default policy).
 void ensure_passive_omp_wait(char** argv);
 
+// glibc malloc settings for training processes, also called first thing in
+// main(). NDArray blocks are cached by the CPU allocator, but kernels' scratch
+// (std::vector work arrays) is allocated and freed every step, and glibc
+// serves large blocks with fresh mappings and trims the heap's free top: both
+// page-fault and zero the same memory again at every step. This serves blocks
+// up to 32 MiB from the heap and keeps up to 256 MiB of free heap mapped.
+// A no-op without glibc.
+void tune_host_malloc();
+
 }  // namespace hspmd

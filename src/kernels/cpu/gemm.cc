@@ -87,10 +87,7 @@ bool cpuinfo_has_bf16() {
 
 constexpr int64_t kParallelElems = 1 << 16;
 
-void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > kParallelElems)
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
-}
+void round_to_bf16(const float* src, uint16_t* dst, int64_t n) { f32_to_bf16_n(src, dst, n); }
 
 // fp32 values rounded to the nearest bf16 value, kept in fp32.
 void round_to_bf16_values(const float* src, float* dst, int64_t n) {
@@ -98,10 +95,7 @@ void round_to_bf16_values(const float* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
 }
 
-void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > kParallelElems)
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
-}
+void widen_bf16(const uint16_t* src, float* dst, int64_t n) { bf16_to_f32_n(src, dst, n); }
 
 // An uninitialized scratch array of n elements.
 template <typename T>
