@@ -9,8 +9,15 @@ per emulated second of
   dynamic  token-budget steps of T tokens (--batch-tokens T --max-seq-len L)
            over the strategies of `hspmd plan search --lengths` (one per
            maximum-length bucket), chosen per step (--strategies)
-  buckets  the same steps and strategies with --bucket-switching (the
-           HotSPa-like baseline: bucket by bucket inside each step)
+  buckets  the HotSPa-like baseline (--bucket-switching: bucket by bucket
+           inside each step, switching, gradients accumulated) on
+           HOMOGENEOUS strategies, one per bucket: `plan search --lengths
+           --homogeneous` (every pipeline the same tp, cp, pp, each taking
+           the bucket's maximum; the best such layout per bucket for the
+           same cost-model dispatch, same buckets)
+  buckets-dyn  --bucket-switching on dynamic's own (heterogeneous)
+           strategies (the previous version of this row; kept so that
+           nothing is hidden)
 
 side by side in one run, on 8 emulated ranks of two speeds (ranks 4-7 at
 half speed) whose memory caps hold a piece of L only with TP or CP >= 2
@@ -48,7 +55,7 @@ max_seq_len and the step's longest piece) as a plain SVG.
 
 usage: bench/mixed_length_bench.py [--hspmd build/src/cli/hspmd] [--model M.json] [--docs synthetic|code]
            [--scale paper|context] [--max-seq-len 256] [--batch-tokens 2048] [--steps 12] [--buckets 3]
-           [--cap-gib 0.011|auto] [--max-cp N] [--svg out.svg] [--json out.json]
+           [--cap-gib 0.011|auto] [--max-cp N] [--zero] [--profile P.json] [--svg out.svg] [--json out.json]
 """
 import argparse
 import array
@@ -56,6 +63,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import statistics
 import struct
 import subprocess
@@ -297,6 +305,9 @@ def main():  # noqa: C901
                     help="--max-cp for both plan searches (default: none, the planners' own defaults: 1 for the "
                          "fixed search, the node for --lengths; the profile measures cp 1 and 2)")
     ap.add_argument("--profile-mbs", default="1,2,4,8", help="micro-batch sizes the profile measures")
+    ap.add_argument("--profile", help="reuse this profile (made by `hspmd profile` with the flags this bench "
+                                      "uses for the same model and L) instead of measuring one")
+    ap.add_argument("--zero", action="store_true", help="ZeRO-1 in every mode (all plan searches get --zero)")
     ap.add_argument("--svg", help="write the dynamic mode's per-step choice here")
     ap.add_argument("--json", help="write the figures as JSON here")
     a = ap.parse_args()
@@ -342,27 +353,42 @@ def main():  # noqa: C901
         json.dump(cluster, open(p("cluster.json"), "w"))
         seq_lens = sorted({max(8, L // 8), max(8, L // 4), max(8, L // 2), L})
         t0 = time.perf_counter()
-        run([hs, "profile", "--model", model, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens",
-             ",".join(map(str, seq_lens)), "--micro-batch-sizes", a.profile_mbs, "--repetitions", "3",
-             "-o", p("profile.json")])
+        if a.profile:
+            shutil.copyfile(a.profile, p("profile.json"))
+        else:
+            run([hs, "profile", "--model", model, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens",
+                 ",".join(map(str, seq_lens)), "--micro-batch-sizes", a.profile_mbs, "--repetitions", "3",
+                 "-o", p("profile.json")])
         profile_s = time.perf_counter() - t0
         max_cp = ["--max-cp", str(a.max_cp)] if a.max_cp else []
         common = ["--model", model, "--cluster", p("cluster.json"), "--profile", p("profile.json")]
+        zero = ["--zero"] if a.zero else []
         # fixed: the planner's best strategy for windows of L, documents packed
         t0 = time.perf_counter()
         fixed = json.loads(run([hs, "plan", "search"] + common + ["--global-batch", str(T // L), "--seq-len", str(L),
-                                                                 "-o", p("fixed.json"), "--json"] + max_cp))
+                                                                 "-o", p("fixed.json"), "--json"] + max_cp + zero))
         fixed_plan_s = time.perf_counter() - t0
         # dynamic: one strategy per bucket from the length statistics
         os.mkdir(p("buckets"))
+        os.mkdir(p("homogeneous"))
         t0 = time.perf_counter()
         dyn = json.loads(run([hs, "plan", "search"] + common + ["--lengths", p("docs.bin"), "--batch-tokens", str(T),
                                                                "--max-seq-len", str(L), "--strategies-out", p("buckets"),
-                                                               "--buckets", str(a.buckets), "--json"] + max_cp))
+                                                               "--buckets", str(a.buckets), "--json"] + max_cp + zero))
         dyn_plan_s = time.perf_counter() - t0
-        buckets = sorted((os.path.join(p("buckets"), f) for f in os.listdir(p("buckets"))),
-                         key=lambda f: int(f.split("_")[-1][:-5]))
+        t0 = time.perf_counter()
+        homog = json.loads(run([hs, "plan", "search"] + common + ["--lengths", p("docs.bin"), "--batch-tokens", str(T),
+                                                                 "--max-seq-len", str(L), "--strategies-out",
+                                                                 p("homogeneous"), "--buckets", str(a.buckets),
+                                                                 "--homogeneous", "--json"] + max_cp + zero))
+        homog_plan_s = time.perf_counter() - t0
+
+        def bucket_files(d):
+            return sorted((os.path.join(d, f) for f in os.listdir(d)), key=lambda f: int(f.split("_")[-1][:-5]))
+        buckets = bucket_files(p("buckets"))
+        homog_files = bucket_files(p("homogeneous"))
         strategies = [json.load(open(b)) for b in buckets]
+        homog_strategies = [json.load(open(b)) for b in homog_files]
         train = [hs, "train", "--data", p("docs.bin"), "--steps", str(a.steps), "--nproc", "8", "--threads", "1",
                  "--quiet", "--clock", "model"] + common
         walls = {}
@@ -375,16 +401,21 @@ def main():  # noqa: C901
                      "--log", p("dynamic.jsonl")])
         walls["dynamic"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run(train + ["--strategies", ",".join(buckets), "--batch-tokens", str(T), "--max-seq-len", str(L),
+        run(train + ["--strategies", ",".join(homog_files), "--batch-tokens", str(T), "--max-seq-len", str(L),
                      "--bucket-switching", "--log", p("buckets.jsonl")])
         walls["buckets"] = time.perf_counter() - t0
-        res = {m: throughput(p(f"{m}.jsonl")) for m in ("fixed", "dynamic", "buckets")}
+        t0 = time.perf_counter()
+        run(train + ["--strategies", ",".join(buckets), "--batch-tokens", str(T), "--max-seq-len", str(L),
+                     "--bucket-switching", "--log", p("buckets-dyn.jsonl")])
+        walls["buckets-dyn"] = time.perf_counter() - t0
+        modes = ("fixed", "dynamic", "buckets", "buckets-dyn")
+        res = {m: throughput(p(f"{m}.jsonl")) for m in modes}
         dyn_recs = [r for r in records(p("dynamic.jsonl")) if "loss" in r]
         picks = [r.get("strategy", 0) for r in dyn_recs]
         if [r["pieces"] for r in dyn_recs] != [len(s) for s in plan_steps]:
             print("note: the bench's replica of the steps' pieces differs from the trainer's records", file=sys.stderr)
         switches = {m: sum(1 for r in records(p(f"{m}.jsonl")) if r.get("event") == "switch")
-                    for m in ("dynamic", "buckets")}
+                    for m in ("dynamic", "buckets", "buckets-dyn")}
         strat_len = [strategies[k].get("max_seq_len", L) for k in picks]
         if a.svg:
             name = os.path.basename(model).replace(".json", "")
@@ -392,7 +423,8 @@ def main():  # noqa: C901
                        f"dynamic mode, {name}, {a.docs} documents, L {L}, T {T}: chosen strategy per step")
         bucket_steps = {b["max_seq_len"]: b.get("steps") for b in dyn.get("buckets", [])}
         print(f"{os.path.basename(model)}, {docs_desc}; L {L}, T {T} tokens per step, 8 emulated ranks "
-              f"(4 at half speed), cap {cap:.5f} GiB, {a.steps} steps (the first left out), model clock")
+              f"(4 at half speed), cap {cap:.5f} GiB, {a.steps} steps (the first left out), model clock"
+              + (", ZeRO-1" if a.zero else ""))
         if cap_note:
             print(cap_note)
         print(f"pieces of the first {a.steps} steps: median {statistics.median(len(s) for s in plan_steps):.0f} "
@@ -405,19 +437,25 @@ def main():  # noqa: C901
             ml = s.get("max_seq_len", L)
             print(f"strategy {i} (max_seq_len {ml}, {bucket_steps.get(ml, '?')} planner steps, "
                   f"picked {picks.count(i)}x): {describe(s)}")
-        print(f"per-step choice {picks}; switch events: dynamic {switches['dynamic']}, buckets {switches['buckets']}")
-        print(f"{'mode':8s} {'tokens/emulated s':>18s} {'median step s':>14s} {'median tokens':>14s} {'plan s':>7s}")
-        for m, ps in (("fixed", fixed_plan_s), ("dynamic", dyn_plan_s), ("buckets", dyn_plan_s)):
+        for i, (b, s) in enumerate(zip(homog_files, homog_strategies)):
+            print(f"homogeneous {i} (max_seq_len {s.get('max_seq_len', L)}): {describe(s)}")
+        print(f"per-step choice {picks}; switch events: dynamic {switches['dynamic']}, buckets {switches['buckets']}, "
+              f"buckets-dyn {switches['buckets-dyn']}")
+        print(f"{'mode':11s} {'tokens/emulated s':>18s} {'median step s':>14s} {'median tokens':>14s} {'plan s':>7s}")
+        for m, ps in (("fixed", fixed_plan_s), ("dynamic", dyn_plan_s), ("buckets", homog_plan_s),
+                      ("buckets-dyn", dyn_plan_s)):
             tps, st, tok = res[m]
-            print(f"{m:8s} {tps:18.0f} {st:14.5f} {tok:14.0f} {ps:7.2f}")
-        d, f, b = res["dynamic"][0], res["fixed"][0], res["buckets"][0]
-        print(f"dynamic / fixed: {d / f:.2f}x; dynamic / buckets: {d / b:.2f}x")
+            print(f"{m:11s} {tps:18.0f} {st:14.5f} {tok:14.0f} {ps:7.2f}")
+        d, f, b, bd = res["dynamic"][0], res["fixed"][0], res["buckets"][0], res["buckets-dyn"][0]
+        print(f"dynamic / fixed: {d / f:.2f}x; dynamic / buckets: {d / b:.2f}x; dynamic / buckets-dyn: {d / bd:.2f}x")
         if a.json:
             json.dump({"model": os.path.basename(model), "docs": a.docs, "scale": a.scale if a.docs == "code" else None,
                        "L": L, "T": T, "steps": a.steps, "cap_gib": cap, "cap_note": cap_note,
                        "modes": {m: {"tokens_per_emulated_s": v[0], "median_step_s": v[1], "median_tokens": v[2]}
                                  for m, v in res.items()},
-                       "dynamic_over_fixed": d / f, "dynamic_over_buckets": d / b, "picks": picks,
+                       "dynamic_over_fixed": d / f, "dynamic_over_buckets": d / b,
+                       "dynamic_over_buckets_dyn": d / bd, "zero": a.zero, "picks": picks,
+                       "homogeneous_strategies": [describe(s) for s in homog_strategies],
                        "longest": longest, "strategies": [describe(s) for s in strategies],
                        "strategy_max_seq_len": [s.get("max_seq_len", L) for s in strategies],
                        "fixed_strategy": describe(json.load(open(p("fixed.json")))),

@@ -49,10 +49,72 @@ void print_cost(std::ostream& os, const CostReport& rep) {
 }
 
 struct CostFlags {
-  std::string model, cluster, strategy, profile;
-  int64_t seq_len = 0;
+  std::string model, cluster, strategy, profile, lengths;
+  int64_t seq_len = 0, batch_tokens = 0, max_seq_len = 0;
   bool json = false;
 };
+
+// The pieces of a token file (documents cut at eos, pieces of at most L), as
+// the trainer cuts them.
+std::vector<int64_t> file_pieces(const std::string& path, const LlamaConfig& config, int64_t max_seq_len) {
+  const TokenData data = TokenData::load(path, config.vocab_size);
+  const PackedDocuments docs(data, max_seq_len, config.eos_token_id);
+  std::vector<int64_t> pieces(static_cast<size_t>(docs.num_pieces()));
+  for (int64_t i = 0; i < docs.num_pieces(); ++i) pieces[static_cast<size_t>(i)] = docs.piece_size(i);
+  return pieces;
+}
+
+// plan cost --lengths: the strategy's predicted token-budget steps over a
+// token file (the trainer's dispatch, docs/mixed_length.md, plus the sync).
+int token_cost(const CostFlags& c, const LlamaConfig& config, const Topology& topology, const Strategy& strategy) {
+  if (c.batch_tokens < 1 || c.max_seq_len < 1)
+    fail("[flags] --lengths needs --batch-tokens T >= 1 and --max-seq-len L >= 1");
+  if (c.seq_len != 0) fail("[flags] --seq-len is not read with --lengths (steps are token budgets)");
+  check_input_file("--lengths", c.lengths);
+  const CostModel model = CostModel::load(config, topology, c.profile);
+  const std::vector<int64_t> pieces = file_pieces(c.lengths, config, c.max_seq_len);
+  if (pieces.empty()) fail("[data] ", c.lengths, ": no piece");
+  const PieceCosts costs(model, strategy);
+  const double sync = token_step_sync_seconds(model, strategy);
+  int64_t accepted = 0;
+  for (const Pipeline& p : strategy.pipelines) accepted = std::max(accepted, accepted_piece(strategy, p, c.max_seq_len));
+  std::vector<double> times;
+  double tokens = 0, seconds = 0;
+  int64_t skipped = 0;
+  for (const auto& step : token_steps(pieces, c.batch_tokens)) {
+    if (*std::max_element(step.begin(), step.end()) > accepted) {
+      ++skipped;
+      continue;
+    }
+    const double t = dispatch_token_step(costs, strategy, step, c.max_seq_len).predicted_s + sync;
+    times.push_back(t);
+    seconds += t;
+    for (int64_t len : step) tokens += static_cast<double>(len);
+  }
+  if (times.empty())
+    fail("[strategy] ", c.strategy, ": no pipeline accepts the longest piece of any step (at most ", accepted,
+         " tokens)");
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted.size() % 2 ? sorted[sorted.size() / 2]
+                                          : 0.5 * (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]);
+  if (c.json) {
+    nlohmann::json j = {{"steps", times.size()},      {"skipped_steps", skipped},
+                        {"max_accepted", accepted},   {"sync_s", sync},
+                        {"median_step_s", median},    {"mean_step_s", seconds / static_cast<double>(times.size())},
+                        {"tokens", tokens},           {"tokens_per_s", tokens / seconds},
+                        {"step_s", times}};
+    std::fputs((j.dump(1) + "\n").c_str(), stdout);
+    return 0;
+  }
+  std::ostringstream os;
+  os << times.size() << " token-budget steps of at most " << c.batch_tokens << " tokens (" << skipped
+     << " skipped: a piece above " << accepted << "); predicted step median " << fmt("%.6g", median) << " s, mean "
+     << fmt("%.6g", seconds / static_cast<double>(times.size())) << " s (sync and optimizer " << fmt("%.4g", sync)
+     << " s of it); " << fmt("%.0f", tokens / seconds) << " tokens per predicted second\n";
+  std::fputs(os.str().c_str(), stdout);
+  return 0;
+}
 
 int cost_command(const std::vector<std::string>& args) {
   CostFlags c;
@@ -64,15 +126,23 @@ int cost_command(const std::vector<std::string>& args) {
   f.add_string("model", &c.model, "Hugging Face config.json", true);
   f.add_string("cluster", &c.cluster, "cluster JSON (docs/cluster.md); its ranks are the world", true);
   f.add_string("strategy", &c.strategy, "strategy JSON (docs/strategy.md)", true);
-  f.add_int("seq-len", &c.seq_len, "tokens per sample", true);
+  f.add_int("seq-len", &c.seq_len, "tokens per sample (required without --lengths)");
   f.add_string("profile", &c.profile, "profile JSON for device types without their own (hspmd profile)");
+  f.add_string("lengths", &c.lengths,
+               "token file: predict token-budget steps of its pieces instead (docs/mixed_length.md; needs "
+               "--batch-tokens and --max-seq-len)");
+  f.add_int("batch-tokens", &c.batch_tokens, "with --lengths: tokens per step");
+  f.add_int("max-seq-len", &c.max_seq_len, "with --lengths: the longest piece");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
   if (!f.parse(args)) return 0;
-  if (c.seq_len < 1) fail("[flags] --seq-len must be >= 1, got ", c.seq_len);
+  if (c.lengths.empty() && (c.batch_tokens != 0 || c.max_seq_len != 0))
+    fail("[flags] --batch-tokens and --max-seq-len are read only with --lengths");
+  if (c.lengths.empty() && c.seq_len < 1) fail("[flags] --seq-len must be >= 1, got ", c.seq_len);
   const LlamaConfig config = LlamaConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const Strategy strategy = load_strategy(c.strategy);
   validate(strategy, config, topology.world_size());
+  if (!c.lengths.empty()) return token_cost(c, config, topology, strategy);
   const CostModel model = CostModel::load(config, topology, c.profile);
   const CostReport rep = model.evaluate(strategy, c.seq_len);
   if (c.json) {
@@ -108,7 +178,7 @@ std::vector<int> int_list(const std::string& text, const char* flag) {
 struct MixedFlags {
   std::string model, cluster, lengths, profile, strategies_out, unavailable;
   int64_t batch_tokens = 0, max_seq_len = 0, buckets = 2, max_cp = 0;
-  bool zero = false, json = false, no_recompute = false;
+  bool zero = false, json = false, no_recompute = false, homogeneous = false;
 };
 
 std::string pipeline_summary(const Pipeline& p) {
@@ -140,6 +210,9 @@ int mixed_command(const std::vector<std::string>& args) {
   f.add_int("max-cp", &c.max_cp, "largest context-parallel degree (default: up to the node size)");
   f.add_bool("zero", &c.zero, "ZeRO-1 across each strategy's pipelines");
   f.add_bool("no-recompute", &c.no_recompute, "never use activation recomputation");
+  f.add_bool("homogeneous", &c.homogeneous,
+             "one layout per bucket: every pipeline the same tp, cp, pp and max_seq_len (the best such; the\n"
+             "bucket-switching baseline's strategies)");
   f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("strategies-out", &c.strategies_out, "directory to write one strategy JSON per bucket into");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
@@ -164,6 +237,7 @@ int mixed_command(const std::vector<std::string>& args) {
   o.max_cp = static_cast<int>(c.max_cp);
   o.zero = c.zero;
   o.allow_recompute = !c.no_recompute;
+  o.homogeneous = c.homogeneous;
   o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
   MixedLengthPlan plan = plan_mixed_lengths(model, pieces, o);
   std::vector<std::string> written;

@@ -93,10 +93,24 @@ class BucketPlanner {
     enumerate_types();
   }
   // The best strategy for the bucket's expected step from pipelines of at
-  // least `min_ranks` ranks; `share` is the ZeRO share assumed for memory
-  // (the strategy must have at least that many pipelines). Returns false
-  // when nothing fits.
-  bool plan(LengthBucket& bucket, int share, int min_ranks);
+  // least `min_ranks[c]` ranks on class c; `share` is the ZeRO share assumed
+  // for memory (the strategy must have at least that many pipelines).
+  // Returns false when nothing fits.
+  bool plan(LengthBucket& bucket, int share, const std::vector<int>& min_ranks);
+  // The homogeneous strategies (--homogeneous): for each pipeline type
+  // (tp, cp, pp) that holds a micro-batch of the bucket's maximum on every
+  // class, as many such pipelines as the available ranks place, every one
+  // accepting the maximum, with its expected step as the program computes
+  // one (all intervals on every pipeline). `share` as for plan(); empty
+  // when none fits.
+  std::vector<std::pair<Strategy, double>> homogeneous(const LengthBucket& bucket, int share);
+  // The last plan()'s strategy with every pipeline accepting the longest
+  // interval top (up to the bucket's maximum) whose micro-batch its memory
+  // holds: the program gives each pipeline its run of intervals, while the
+  // dispatch balances better when pipelines may take longer pieces too.
+  Strategy widened(const LengthBucket& bucket) const;
+  int classes() const { return static_cast<int>(classes_.size()); }
+  int class_ranks(int c) const { return classes_[c].ranks; }
 
  private:
   struct Fitted {
@@ -115,6 +129,7 @@ class BucketPlanner {
   std::vector<PipelineType> types_;
   std::map<std::tuple<size_t, int64_t, int>, Fitted> fitted_;
   int share_ = 1;  // the ZeRO share of the current plan()
+  std::vector<size_t> last_types_;  // the type of each pipeline of the last built strategy
 };
 
 void BucketPlanner::enumerate_types() {
@@ -190,7 +205,7 @@ struct ClassBest {
 
 }  // namespace
 
-bool BucketPlanner::plan(LengthBucket& bucket, int share, int min_ranks) {
+bool BucketPlanner::plan(LengthBucket& bucket, int share, const std::vector<int>& min_ranks) {
   const std::vector<LengthInterval>& iv = bucket.intervals;
   const int J = static_cast<int>(iv.size()), C = static_cast<int>(classes_.size());
   share_ = share;
@@ -208,7 +223,7 @@ bool BucketPlanner::plan(LengthBucket& bucket, int share, int min_ranks) {
         for (int j = a; j < e; ++j) tokens += iv[j].tokens;
         for (size_t t = 0; t < types_.size(); ++t) {
           const PipelineType& ty = types_[t];
-          if (ty.size() < min_ranks) continue;
+          if (ty.size() < min_ranks[ty.cls]) continue;
           const Fitted& f = fitted(t, iv[a].hi, share);
           if (!f.feasible) continue;
           const double w = std::max(1e-300, work(f, iv, a, e));
@@ -286,7 +301,7 @@ Strategy BucketPlanner::build(const LengthBucket& bucket, const std::vector<std:
   });
   std::vector<std::vector<std::vector<int>>> free_ranks;
   for (const DeviceClass& c : classes_) free_ranks.push_back(c.nodes);
-  std::vector<std::pair<int, Pipeline>> placed;
+  std::vector<std::tuple<int, Pipeline, size_t>> placed;
   const int L = static_cast<int>(model_.model().num_hidden_layers);
   for (const Want& w : wants) {
     const PipelineType& t = types_[w.type];
@@ -313,14 +328,110 @@ Strategy BucketPlanner::build(const LengthBucket& bucket, const std::vector<std:
       first = st.last_layer + 1;
       p.stages.push_back(st);
     }
-    placed.emplace_back(w.a, std::move(p));
+    placed.emplace_back(w.a, std::move(p), w.type);
   }
-  std::stable_sort(placed.begin(), placed.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  std::stable_sort(placed.begin(), placed.end(),
+                   [](const auto& x, const auto& y) { return std::get<0>(x) < std::get<0>(y); });
   Strategy s;
   s.max_seq_len = static_cast<int>(bucket.max_seq_len);
   s.zero = o_.zero;
-  for (auto& [a, p] : placed) s.pipelines.push_back(std::move(p));
+  last_types_.clear();
+  for (auto& [a, p, type] : placed) s.pipelines.push_back(std::move(p)), last_types_.push_back(type);
   return s;
+}
+
+Strategy BucketPlanner::widened(const LengthBucket& bucket) const {
+  Strategy s = bucket.strategy;
+  for (size_t p = 0; p < s.pipelines.size() && p < last_types_.size(); ++p) {
+    Pipeline& pl = s.pipelines[p];
+    for (const LengthInterval& x : bucket.intervals) {  // longest first
+      if (x.hi <= pl.max_seq_len) break;
+      auto it = fitted_.find({last_types_[p], x.hi, share_});
+      if (it == fitted_.end() || !it->second.feasible) continue;
+      pl.max_seq_len = pl.micro_batch_tokens = static_cast<int>(x.hi);
+      for (Stage& st : pl.stages) st.recompute = it->second.recompute;
+      break;
+    }
+  }
+  return s;
+}
+
+std::vector<std::pair<Strategy, double>> BucketPlanner::homogeneous(const LengthBucket& bucket, int share) {
+  share_ = share;
+  const int64_t m = bucket.max_seq_len;
+  const int L = static_cast<int>(model_.model().num_hidden_layers);
+  // One layout (tp, cp, pp) per candidate, whatever the class: its types
+  // on every class with a rank, each fitted at m (recomputation only where
+  // some class needs it, then on every pipeline).
+  std::map<std::tuple<int, int, int>, std::vector<size_t>> layouts;
+  for (size_t t = 0; t < types_.size(); ++t) layouts[{types_[t].tp, types_[t].cp, types_[t].pp}].push_back(t);
+  std::vector<std::pair<Strategy, double>> out;
+  const std::vector<LengthInterval>& iv = bucket.intervals;
+  const int J = static_cast<int>(iv.size());
+  double pieces = 0, tokens = 0;
+  for (const LengthInterval& x : iv) pieces += x.pieces, tokens += x.tokens;
+  for (const auto& [key, types] : layouts) {
+    bool feasible = true, recompute = false;
+    for (size_t t : types) {
+      const Fitted& f = fitted(t, m, share);
+      feasible = feasible && f.feasible;
+      recompute = recompute || (f.feasible && f.recompute);
+    }
+    if (!feasible) continue;
+    const auto [tp, cp, pp] = key;
+    const std::vector<int> layers = even_layers(L, pp);
+    Strategy s;
+    s.max_seq_len = static_cast<int>(m);
+    s.zero = o_.zero;
+    std::vector<std::pair<size_t, int>> counts;  // (type, pipelines)
+    for (size_t t : types) {
+      counts.emplace_back(t, 0);
+      // As many pipelines as the class's nodes place: stages on consecutive
+      // free ranks of the first node with room.
+      std::vector<std::vector<int>> free_ranks = classes_[types_[t].cls].nodes;
+      while (true) {
+        Pipeline p;
+        p.max_seq_len = static_cast<int>(m);
+        p.micro_batch_tokens = p.max_seq_len;
+        p.micro_batches = pp;
+        std::vector<std::vector<int>> left = free_ranks;
+        int first = 0;
+        for (int k = 0; k < pp; ++k) {
+          auto node = std::find_if(left.begin(), left.end(),
+                                   [&](const std::vector<int>& n) { return static_cast<int>(n.size()) >= tp * cp; });
+          if (node == left.end()) break;
+          Stage st;
+          st.ranks.assign(node->begin(), node->begin() + tp * cp);
+          node->erase(node->begin(), node->begin() + tp * cp);
+          st.cp = cp;
+          st.first_layer = first;
+          st.last_layer = first + layers[k] - 1;
+          st.recompute = recompute;
+          first = st.last_layer + 1;
+          p.stages.push_back(st);
+        }
+        if (static_cast<int>(p.stages.size()) < pp) break;
+        free_ranks = std::move(left);
+        s.pipelines.push_back(std::move(p));
+        ++counts.back().second;
+      }
+    }
+    if (s.pipelines.empty() || (o_.zero && static_cast<int>(s.pipelines.size()) < share)) continue;
+    // The expected step: every interval's work shared by rate, at least
+    // one piece of m on the fastest pipeline.
+    double rate = 0, longest = kInf;
+    for (const auto& [t, n] : counts) {
+      if (n == 0) continue;
+      const Fitted& f = fitted(t, m, share);
+      const double micro = std::max(1.0, tokens / (n * static_cast<double>(m)));
+      rate += n / (std::max(1e-300, work(f, iv, 0, J)) * (1 + (pp - 1) / micro));
+      double one = 0;
+      for (const Quadratic& q : f.stages) one = std::max(one, q.at(static_cast<double>(m)));
+      longest = std::min(longest, one);
+    }
+    out.emplace_back(std::move(s), pieces > 0 ? std::max(1 / rate, longest) : 0.0);
+  }
+  return out;
 }
 
 std::vector<std::vector<int64_t>> token_steps(const std::vector<int64_t>& pieces, int64_t batch_tokens) {
@@ -484,13 +595,43 @@ double median(std::vector<double> v) {
 
 // Plans the bucket; under ZeRO again with fewer assumed sharers until the
 // strategy has at least as many pipelines as its memory assumed.
-bool plan_bucket(BucketPlanner& planner, LengthBucket& b, const MixedLengthOptions& o, int world, int min_ranks) {
+bool plan_bucket(BucketPlanner& planner, LengthBucket& b, const MixedLengthOptions& o, int world,
+                 const std::vector<int>& min_ranks) {
   int share = o.zero ? world : 1;
   while (true) {
     if (!planner.plan(b, share, min_ranks)) return false;
     const int P = static_cast<int>(b.strategy.pipelines.size());
     if (!o.zero || P >= share) return true;
     share = P;
+  }
+}
+
+// The per-class least pipeline sizes to plan with: every combination of
+// 1, 2, 4, ... up to each class's ranks while there are at most 64, else
+// the same least size on every class (1, 2, 4, ... up to the largest class).
+std::vector<std::vector<int>> min_rank_sweep(const BucketPlanner& planner) {
+  const int C = planner.classes();
+  std::vector<std::vector<int>> values(C);
+  size_t combos = 1;
+  int most = 1;
+  for (int c = 0; c < C; ++c) {
+    for (int v = 1; v <= planner.class_ranks(c); v *= 2) values[c].push_back(v);
+    combos *= values[c].size();
+    most = std::max(most, planner.class_ranks(c));
+  }
+  std::vector<std::vector<int>> out;
+  if (combos > 64) {
+    for (int v = 1; v <= most; v *= 2) out.emplace_back(C, v);
+    return out;
+  }
+  std::vector<size_t> at(C, 0);
+  while (true) {
+    std::vector<int> v(C);
+    for (int c = 0; c < C; ++c) v[c] = values[c][at[c]];
+    out.push_back(std::move(v));
+    int c = 0;
+    while (c < C && ++at[c] == values[c].size()) at[c] = 0, ++c;
+    if (c == C) return out;
   }
 }
 
@@ -532,16 +673,39 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
     b.max_seq_len = m;
     b.intervals = bucket_intervals(m, lo, steps, pieces, o.batch_tokens, b.steps);
     BucketPlanner planner(model, o, classes);
-    // The program leaves out the gradient sync, which grows with the
-    // pipelines: plans from pipelines of at least 1, 2, 4, ... ranks are
-    // compared by their full prediction over the bucket's steps.
     bool any = false;
-    for (int min_ranks = 1; min_ranks <= available; min_ranks *= 2) {
-      LengthBucket cand = b;
-      if (!plan_bucket(planner, cand, o, available, min_ranks)) continue;
+    auto keep = [&](LengthBucket& cand) {
       score_bucket(model, cand, steps, lo);
       if (!any || cand.predicted_step_s < b.predicted_step_s) b = std::move(cand);
       any = true;
+    };
+    if (o.homogeneous) {
+      // Every layout that fits, as many pipelines as place, each scored by
+      // its full prediction over the bucket's steps (under ZeRO the memory
+      // assumes the layout's own pipeline count).
+      for (int share = o.zero ? 1 : available; share <= available; ++share)
+        for (auto& [s, expected] : planner.homogeneous(b, share)) {
+          if (o.zero && static_cast<int>(s.pipelines.size()) != share) continue;
+          LengthBucket cand = b;
+          cand.strategy = std::move(s);
+          cand.dp_step_s = expected;
+          keep(cand);
+        }
+    } else {
+      // The program leaves out the gradient sync and the optimizer, which
+      // fall as pipelines get more ranks (fewer replicas, smaller shards)
+      // and cost more on a slower class: plans from pipelines of at least
+      // 1, 2, 4, ... ranks, that least per class (a slow class may want
+      // wider pipelines than a fast one), are compared by their full
+      // prediction over the bucket's steps.
+      for (const std::vector<int>& min_ranks : min_rank_sweep(planner)) {
+        LengthBucket cand = b;
+        if (!plan_bucket(planner, cand, o, available, min_ranks)) continue;
+        LengthBucket wide = cand;
+        wide.strategy = planner.widened(cand);
+        keep(cand);
+        keep(wide);
+      }
     }
     if (!any)
       fail("[search] no pipeline holds a micro-batch of ", m, " tokens in memory (tp x cp up to a node, up to 16 "

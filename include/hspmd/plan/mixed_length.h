@@ -31,6 +31,10 @@ struct MixedLengthOptions {
   int max_cp = 0;            // largest context-parallel degree; 0 = up to the node size
   bool zero = false;         // ZeRO-1 across the strategy's pipelines
   bool allow_recompute = true;
+  // One layout per bucket (every pipeline the same tp, cp, pp and maximum,
+  // as many as the ranks place): the homogeneous strategies of a
+  // bucket-switching baseline (HotSPa), the best such per bucket.
+  bool homogeneous = false;
   std::set<int> unavailable;  // ranks that take no work (failed devices): no pipeline is placed on them
 };
 
