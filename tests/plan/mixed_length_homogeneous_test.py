@@ -20,28 +20,15 @@ TP shards it, and a slow rank's optimizer takes twice as long:
 import argparse
 import json
 import os
-import random
-import struct
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exec"))
 from equivalence_test import MODEL  # noqa: E402
+from mixed_length_plan_test import make_docs  # noqa: E402
 
 L, T = 32, 96
-
-
-def make_docs(path, seed=5, n=6000):
-    """Mostly short documents, a few long ones (ids 1..63, eos 0)."""
-    rng = random.Random(seed)
-    toks = []
-    while len(toks) < n:
-        u = rng.random()
-        k = rng.randint(2, 10) if u < 0.9 else rng.randint(11, 15) if u < 0.98 else rng.randint(17, 80)
-        toks += [rng.randrange(1, 64) for _ in range(k - 1)] + [0]
-    with open(path, "wb") as f:
-        f.write(b"".join(struct.pack("<I", t) for t in toks))
 
 
 def layout(p):
@@ -63,7 +50,7 @@ def main():
         f = lambda name: os.path.join(tmp, name)  # noqa: E731
         model, data, cluster, prof = f("model.json"), f("docs.bin"), f("cluster.json"), f("prof.json")
         json.dump(MODEL, open(model, "w"))
-        make_docs(data)
+        make_docs(data, n=6000)
         dev = {"tflops": 2, "memory_gib": 1, "intra_node_gbps": 10, "inter_node_gbps": 2}
         json.dump({"catalog": {"fast": dev, "slow": dev},
                    "nodes": [{"type": "fast", "ranks": [0, 3]}, {"type": "slow", "ranks": [4, 7], "slowdown": 2.0}]},
