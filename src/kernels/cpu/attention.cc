@@ -198,7 +198,7 @@ void forward_tile(const Problem& p, int64_t b, int64_t h, int64_t i0, int64_t i1
     scores(p, b, h, i0, mq, j0, nk, w.s.data());
     softmax_tile(p, b, i0, i1, j0, j1, w);
     if (p.bf16) {
-      tile_rows(w.s.data(), mq, nk, tk, w.s_bf16.data(), even(tk));
+      bf16_tile_rows(w.s.data(), mq, nk, tk, w.s_bf16.data(), even(tk));
       gemm_bf16_pairs(mq, D, even(nk), 1.0f, w.s_bf16.data(), even(tk),
                       p.v_s + pairs_s_at(b * p.Hkv + hk, p.kseg, D, j0 / tk), 2 * D, 1.0f,
                       w.acc.data(), D);
@@ -271,7 +271,7 @@ void backward_pair(const Problem& p, const Grads& g, int64_t b, int64_t h, int64
     for (int64_t c = 0; c < nk; ++c) dsr[c] = pr[c] * (dsr[c] - delta);
   }
   if (p.bf16) {  // dQ += scale dS K, dK^T += scale Q^T dS
-    tile_rows(ds, mq, nk, tk, w.ds_rows.data(), even(tk));
+    bf16_tile_rows(ds, mq, nk, tk, w.ds_rows.data(), even(tk));
     gemm_bf16_pairs(mq, D, even(nk), p.scale, w.ds_rows.data(), even(tk),
                     p.k_s + pairs_s_at(b * p.Hkv + hk, p.kseg, D, j0 / tk), 2 * D, 1.0f,
                     g.dq + qo, p.ldq());

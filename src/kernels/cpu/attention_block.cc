@@ -195,7 +195,7 @@ void forward_run(const BlockProblem& p, int64_t b, int64_t h, size_t qi, float* 
     scores(p, b, h, qr, kr, w.s.data());
     softmax_tile(p, b, qi, kr, w);
     if (p.bf16) {
-      tile_rows(w.s.data(), mq, kr.size(), tk, w.s_bf16.data(), even(tk));
+      bf16_tile_rows(w.s.data(), mq, kr.size(), tk, w.s_bf16.data(), even(tk));
       gemm_bf16_pairs(mq, D, even(kr.size()), 1.0f, w.s_bf16.data(), even(tk),
                       p.v_s.data() + pairs_s_at(b * p.Hkv + hk, p.kseg, D, t), 2 * D, 1.0f,
                       w.acc.data(), D);
@@ -260,7 +260,7 @@ void backward_pair(const BlockProblem& p, const Grads& g, int64_t b, int64_t h, 
     for (int64_t c = 0; c < nk; ++c) dsr[c] = pr[c] * (dsr[c] - delta);
   }
   if (p.bf16) {  // dQ += scale dS K; dK^T += scale Q^T dS
-    tile_rows(st, mq, nk, tk, w.ds_rows.data(), even(tk));
+    bf16_tile_rows(st, mq, nk, tk, w.ds_rows.data(), even(tk));
     gemm_bf16_pairs(mq, D, even(nk), p.scale, w.ds_rows.data(), even(tk),
                     p.k_s.data() + pairs_s_at(b * p.Hkv + hk, p.kseg, D, t), 2 * D, 1.0f,
                     g.dq + qo, p.ldq());

@@ -150,18 +150,16 @@ inline int64_t pairs_d_at(int64_t bh, int64_t S, int64_t D) { return bh * even(D
 inline std::vector<uint16_t> pairs_over_d(const std::vector<uint16_t>& rows, int64_t B, int64_t S,
                                           int64_t H, int64_t D, bool parallel) {
   const int64_t Dp = even(D);
-  std::vector<uint32_t> out(B * H * Dp / 2 * S);
+  std::vector<uint16_t> out(B * H * Dp * S);
   const uint16_t* in = rows.data();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t dp = 0; dp < Dp / 2; ++dp) {
-      uint32_t* o = out.data() + (bh * Dp / 2 + dp) * S;
-      for (int64_t j = 0; j < S; ++j)
-        std::memcpy(o + j, in + row_at(bh, j, S, H, Dp) + 2 * dp, sizeof(uint32_t));
+      uint16_t* o = out.data() + pairs_d_at(bh, S, D) + dp * 2 * S;
+      for (int64_t j = 0; j < S; ++j)  // one (d, d + 1) pair: 32 bits
+        std::memcpy(o + 2 * j, in + row_at(bh, j, S, H, Dp) + 2 * dp, 2 * sizeof(uint16_t));
     }
-  std::vector<uint16_t> pairs(out.size() * 2);
-  std::memcpy(pairs.data(), out.data(), out.size() * sizeof(uint32_t));
-  return pairs;
+  return out;
 }
 
 // Padded index of row j of segment t.
@@ -214,13 +212,6 @@ inline std::vector<uint16_t> columns_bf16(const std::vector<uint16_t>& rows, int
           o[j] = rows[row_at(bh, j, S, H, Dp) + d];
       }
   return out;
-}
-
-// An f32 tile [m, n] (row stride ld) as bf16 rows [m, even(n)] (row stride
-// ldo), the left operand of a product over its columns.
-inline void tile_rows(const float* s, int64_t m, int64_t n, int64_t ld, uint16_t* out,
-                      int64_t ldo) {
-  bf16_tile_rows(s, m, n, ld, out, ldo);
 }
 
 // The same tile as pairs over its rows, the right operand of a product over

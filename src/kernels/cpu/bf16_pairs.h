@@ -30,7 +30,10 @@ void gemm_bf16_pairs_portable(int64_t m, int64_t n, int64_t kp, float alpha, con
 void bf16_row_pairs(const float* r0, const float* r1, int64_t n, uint16_t* out);
 
 // An f32 tile [m, n] (row stride ld) as bf16 [m, even(n)] (row stride ldo),
-// rounded to nearest even; an odd n gets a zero column.
+// rounded to nearest even; an odd n gets a zero column. The left operand of
+// a tile product. Unlike the bulk f32_to_bf16_n (hspmd/core/dtype.h) it
+// converts a whole strided tile in one call (a call per 64-value row cost
+// more than the conversion) and flushes denormals on AVX512-BF16.
 void bf16_tile_rows(const float* s, int64_t m, int64_t n, int64_t ld, uint16_t* out, int64_t ldo);
 
 // Whether gemm_bf16_pairs runs AVX512-BF16 code now.
