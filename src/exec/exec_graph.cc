@@ -241,12 +241,7 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
   ledger_.op_predicted += op.traffic.sent;
   const bool modeled = clock_ && clock_->modeled();
   if (modeled || observer_) {
-    auto shapes = [](const std::vector<NDArray>& arrays) {
-      std::vector<Shape> out;
-      for (const NDArray& a : arrays) out.push_back(a.valid() ? a.shape() : Shape{0});
-      return out;
-    };
-    const OpWork work = op_work(node, shapes(inputs), shapes(outputs), &op.shard);
+    const OpWork work = op_work(node, inputs, outputs, &op.shard);
     if (modeled) {
       HSPMD_CHECK(time_model_ != nullptr, "a model-mode clock needs an op time model (set_op_time_model)");
       clock_->advance(time_model_->seconds(node.op->type(), work));

@@ -15,6 +15,21 @@ OpWork op_work(const Node& node, const std::vector<Shape>& inputs, const std::ve
   return w;
 }
 
+OpWork op_work(const Node& node, const std::vector<NDArray>& inputs, const std::vector<NDArray>& outputs,
+               const ShardContext* shard) {
+  auto shapes = [](const std::vector<NDArray>& arrays) {
+    std::vector<Shape> out;
+    for (const NDArray& a : arrays) out.push_back(a.valid() ? a.shape() : Shape{0});
+    return out;
+  };
+  const std::vector<Shape> out_shapes = shapes(outputs);
+  OpWork w;
+  w.flops = node.op->flops_on(inputs, out_shapes, shard);
+  for (const auto* list : {&inputs, &outputs})
+    for (const NDArray& a : *list) w.elements += a.valid() ? static_cast<double>(a.numel()) : 0.0;
+  return w;
+}
+
 OpTimeModel::OpTimeModel(std::map<std::string, OpFit> fits, const std::string& source)
     : fits_(std::move(fits)), source_(source) {
   if (fits_.empty())

@@ -104,4 +104,11 @@ double Op::flops(const std::vector<Shape>&, const std::vector<Shape>& outputs, c
   return n;
 }
 
+double Op::flops_on(const std::vector<NDArray>& inputs, const std::vector<Shape>& outputs,
+                    const ShardContext* shard) const {
+  std::vector<Shape> shapes;
+  for (const NDArray& a : inputs) shapes.push_back(a.valid() ? a.shape() : Shape{0});
+  return flops(shapes, outputs, shard);
+}
+
 }  // namespace hspmd

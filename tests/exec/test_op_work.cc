@@ -57,6 +57,42 @@ TEST(OpWork, AttentionCountsTheWholeSequencesKeys) {
             2.0 * 2 * 4 * 8 * 8 * 16);
 }
 
+// With documents the model clock bills the products the mask keeps (the
+// kernels skip the tiles it hides): one document per row bills what no
+// documents bill, two halves of a row half of it, and cu_seqlens what the
+// same documents as positions do; the gradient is 2.5 times the forward.
+TEST(OpWork, AttentionWithDocumentsCountsTheKeptProducts) {
+  Graph g;
+  const SymShape qkv = {SymDim(2), SymDim(8), SymDim(4), SymDim(8)};
+  Tensor q = g.placeholder("q", qkv, DType::F32), k = g.placeholder("k", qkv, DType::F32);
+  Tensor pos = g.placeholder("pos", {SymDim(2), SymDim(8)}, DType::I32);
+  Tensor cu = g.placeholder("cu", {SymDim(5)}, DType::I32);
+  Tensor with_pos = ops::attention(q, k, k, pos, 0.35f, false);
+  Tensor with_cu = ops::attention(q, k, k, cu, 0.35f, false);
+  const Shape local = {2, 8, 4, 8};
+  const NDArray x = NDArray::zeros(local, DType::F32);
+  const NDArray out = NDArray::zeros(local, DType::F32), lse = NDArray::zeros({2, 4, 8}, DType::F32);
+  const double whole = op_work(with_pos.node(), {local, local, local}, {local, {2, 4, 8}}).flops;
+  EXPECT_EQ(whole, 2.0 * 2 * 4 * 8 * 8 * 8);
+  std::vector<int32_t> causal, halves;
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < 8; ++i) causal.push_back(i), halves.push_back(i % 4);
+  const NDArray one_doc = NDArray::from_vector_i32({2, 8}, causal);
+  EXPECT_EQ(op_work(with_pos.node(), {x, x, x, one_doc}, {out, lse}).flops, whole);
+  EXPECT_EQ(op_work(with_pos.node(), {x, x, x, NDArray::from_vector_i32({2, 8}, halves)}, {out, lse}).flops,
+            whole / 2);
+  const NDArray cu_halves = NDArray::from_vector_i32({5}, {0, 4, 8, 12, 16});
+  EXPECT_EQ(op_work(with_cu.node(), {x, x, x, cu_halves}, {out, lse}).flops, whole / 2);
+  // No documents: the shapes' count, as before.
+  EXPECT_EQ(op_work(with_pos.node(), {x, x, x, NDArray()}, {out, lse}).flops, whole);
+  // The gradient op: q, k, v, out, lse, grad_out, documents.
+  const Node& fwd = with_pos.node();
+  const std::vector<Tensor> d = fwd.op->gradient(fwd, {q, Tensor()});
+  ASSERT_EQ(d.at(0).node().op->type(), "attention_grad");
+  EXPECT_EQ(op_work(d.at(0).node(), {x, x, x, out, lse, x, NDArray::from_vector_i32({2, 8}, halves)}, {x, x, x}).flops,
+            2.5 * whole / 2);
+}
+
 TEST(OpWork, ElementwiseOpsCountTheirOutput) {
   Graph g;
   Tensor a = g.placeholder("a", {SymDim(4), SymDim(5)}, DType::F32);

@@ -26,6 +26,10 @@ struct OpWork {
 // in the global tensors, nullptr on one device).
 OpWork op_work(const Node& node, const std::vector<Shape>& inputs, const std::vector<Shape>& outputs,
                const ShardContext* shard = nullptr);
+// The same on the call's arrays (Op::flops_on: value-dependent work, such
+// as attention's document mask, counts what the inputs hold).
+OpWork op_work(const Node& node, const std::vector<NDArray>& inputs, const std::vector<NDArray>& outputs,
+               const ShardContext* shard = nullptr);
 
 // Predicts op times from a profile's per-op fits. Immutable, shareable.
 class OpTimeModel {

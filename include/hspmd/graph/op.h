@@ -118,6 +118,11 @@ class Op {
   // one device) gives global shapes where the local work depends on them.
   virtual double flops(const std::vector<Shape>& inputs, const std::vector<Shape>& outputs,
                        const ShardContext* shard) const;
+  // The same on the call's actual inputs, for ops whose work depends on
+  // input values: attention with documents counts only the products its
+  // document mask keeps. The default calls flops() on the inputs' shapes.
+  virtual double flops_on(const std::vector<NDArray>& inputs, const std::vector<Shape>& outputs,
+                          const ShardContext* shard) const;
 };
 
 }  // namespace hspmd
