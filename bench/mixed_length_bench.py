@@ -11,13 +11,18 @@ per emulated second of
            maximum-length bucket), chosen per step (--strategies)
   buckets  the HotSPa-like baseline (--bucket-switching: bucket by bucket
            inside each step, switching, gradients accumulated) on
-           HOMOGENEOUS strategies, one per bucket: `plan search --lengths
-           --homogeneous` (every pipeline the same tp, cp, pp, each taking
-           the bucket's maximum; the best such layout per bucket for the
-           same cost-model dispatch, same buckets)
-  buckets-dyn  --bucket-switching on dynamic's own (heterogeneous)
-           strategies (the previous version of this row; kept so that
-           nothing is hidden)
+           HOMOGENEOUS strategies, one per bucket, with SPMD's symmetric
+           data parallelism (--dispatch symmetric: micro-batches packed to
+           the bucket's maximum, each to the pipeline with the fewest
+           tokens, blind to device speeds, as HotSPa runs): `plan search
+           --lengths --homogeneous --dispatch symmetric` (every pipeline the
+           same tp, cp, pp, each taking the bucket's maximum, on all ranks
+           or on one device class; the best such layout per bucket under
+           that dispatch, same buckets)
+  buckets-cost  the same flow with HSPMD's cost-model dispatch (device
+           speeds included) on `plan search --lengths --homogeneous`
+           strategies scored under it: a baseline stronger than HotSPa,
+           which keeps only the temporal (length) side of the comparison
 
 side by side in one run, on 8 emulated ranks of two speeds (ranks 4-7 at
 half speed) whose memory caps hold a piece of L only with TP or CP >= 2
@@ -371,6 +376,7 @@ def main():  # noqa: C901
         # dynamic: one strategy per bucket from the length statistics
         os.mkdir(p("buckets"))
         os.mkdir(p("homogeneous"))
+        os.mkdir(p("homogeneous-cost"))
         t0 = time.perf_counter()
         dyn = json.loads(run([hs, "plan", "search"] + common + ["--lengths", p("docs.bin"), "--batch-tokens", str(T),
                                                                "--max-seq-len", str(L), "--strategies-out", p("buckets"),
@@ -380,15 +386,24 @@ def main():  # noqa: C901
         homog = json.loads(run([hs, "plan", "search"] + common + ["--lengths", p("docs.bin"), "--batch-tokens", str(T),
                                                                  "--max-seq-len", str(L), "--strategies-out",
                                                                  p("homogeneous"), "--buckets", str(a.buckets),
-                                                                 "--homogeneous", "--json"] + max_cp + zero))
+                                                                 "--homogeneous", "--dispatch", "symmetric",
+                                                                 "--json"] + max_cp + zero))
         homog_plan_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        json.loads(run([hs, "plan", "search"] + common + ["--lengths", p("docs.bin"), "--batch-tokens", str(T),
+                                                          "--max-seq-len", str(L), "--strategies-out",
+                                                          p("homogeneous-cost"), "--buckets", str(a.buckets),
+                                                          "--homogeneous", "--json"] + max_cp + zero))
+        homog_cost_plan_s = time.perf_counter() - t0
 
         def bucket_files(d):
             return sorted((os.path.join(d, f) for f in os.listdir(d)), key=lambda f: int(f.split("_")[-1][:-5]))
         buckets = bucket_files(p("buckets"))
         homog_files = bucket_files(p("homogeneous"))
+        homog_cost_files = bucket_files(p("homogeneous-cost"))
         strategies = [json.load(open(b)) for b in buckets]
         homog_strategies = [json.load(open(b)) for b in homog_files]
+        homog_cost_strategies = [json.load(open(b)) for b in homog_cost_files]
         train = [hs, "train", "--data", p("docs.bin"), "--steps", str(a.steps), "--nproc", "8", "--threads", "1",
                  "--quiet", "--clock", "model"] + common
         walls = {}
@@ -402,20 +417,20 @@ def main():  # noqa: C901
         walls["dynamic"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         run(train + ["--strategies", ",".join(homog_files), "--batch-tokens", str(T), "--max-seq-len", str(L),
-                     "--bucket-switching", "--log", p("buckets.jsonl")])
+                     "--bucket-switching", "--dispatch", "symmetric", "--log", p("buckets.jsonl")])
         walls["buckets"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run(train + ["--strategies", ",".join(buckets), "--batch-tokens", str(T), "--max-seq-len", str(L),
-                     "--bucket-switching", "--log", p("buckets-dyn.jsonl")])
-        walls["buckets-dyn"] = time.perf_counter() - t0
-        modes = ("fixed", "dynamic", "buckets", "buckets-dyn")
+        run(train + ["--strategies", ",".join(homog_cost_files), "--batch-tokens", str(T), "--max-seq-len", str(L),
+                     "--bucket-switching", "--log", p("buckets-cost.jsonl")])
+        walls["buckets-cost"] = time.perf_counter() - t0
+        modes = ("fixed", "dynamic", "buckets", "buckets-cost")
         res = {m: throughput(p(f"{m}.jsonl")) for m in modes}
         dyn_recs = [r for r in records(p("dynamic.jsonl")) if "loss" in r]
         picks = [r.get("strategy", 0) for r in dyn_recs]
         if [r["pieces"] for r in dyn_recs] != [len(s) for s in plan_steps]:
             print("note: the bench's replica of the steps' pieces differs from the trainer's records", file=sys.stderr)
         switches = {m: sum(1 for r in records(p(f"{m}.jsonl")) if r.get("event") == "switch")
-                    for m in ("dynamic", "buckets", "buckets-dyn")}
+                    for m in ("dynamic", "buckets", "buckets-cost")}
         strat_len = [strategies[k].get("max_seq_len", L) for k in picks]
         if a.svg:
             name = os.path.basename(model).replace(".json", "")
@@ -439,23 +454,26 @@ def main():  # noqa: C901
                   f"picked {picks.count(i)}x): {describe(s)}")
         for i, (b, s) in enumerate(zip(homog_files, homog_strategies)):
             print(f"homogeneous {i} (max_seq_len {s.get('max_seq_len', L)}): {describe(s)}")
+        for i, (b, s) in enumerate(zip(homog_cost_files, homog_cost_strategies)):
+            print(f"homogeneous-cost {i} (max_seq_len {s.get('max_seq_len', L)}): {describe(s)}")
         print(f"per-step choice {picks}; switch events: dynamic {switches['dynamic']}, buckets {switches['buckets']}, "
-              f"buckets-dyn {switches['buckets-dyn']}")
-        print(f"{'mode':11s} {'tokens/emulated s':>18s} {'median step s':>14s} {'median tokens':>14s} {'plan s':>7s}")
+              f"buckets-cost {switches['buckets-cost']}")
+        print(f"{'mode':12s} {'tokens/emulated s':>18s} {'median step s':>14s} {'median tokens':>14s} {'plan s':>7s}")
         for m, ps in (("fixed", fixed_plan_s), ("dynamic", dyn_plan_s), ("buckets", homog_plan_s),
-                      ("buckets-dyn", dyn_plan_s)):
+                      ("buckets-cost", homog_cost_plan_s)):
             tps, st, tok = res[m]
-            print(f"{m:11s} {tps:18.0f} {st:14.5f} {tok:14.0f} {ps:7.2f}")
-        d, f, b, bd = res["dynamic"][0], res["fixed"][0], res["buckets"][0], res["buckets-dyn"][0]
-        print(f"dynamic / fixed: {d / f:.2f}x; dynamic / buckets: {d / b:.2f}x; dynamic / buckets-dyn: {d / bd:.2f}x")
+            print(f"{m:12s} {tps:18.0f} {st:14.5f} {tok:14.0f} {ps:7.2f}")
+        d, f, b, bc = res["dynamic"][0], res["fixed"][0], res["buckets"][0], res["buckets-cost"][0]
+        print(f"dynamic / fixed: {d / f:.2f}x; dynamic / buckets: {d / b:.2f}x; dynamic / buckets-cost: {d / bc:.2f}x")
         if a.json:
             json.dump({"model": os.path.basename(model), "docs": a.docs, "scale": a.scale if a.docs == "code" else None,
                        "L": L, "T": T, "steps": a.steps, "cap_gib": cap, "cap_note": cap_note,
                        "modes": {m: {"tokens_per_emulated_s": v[0], "median_step_s": v[1], "median_tokens": v[2]}
                                  for m, v in res.items()},
                        "dynamic_over_fixed": d / f, "dynamic_over_buckets": d / b,
-                       "dynamic_over_buckets_dyn": d / bd, "zero": a.zero, "picks": picks,
+                       "dynamic_over_buckets_cost": d / bc, "zero": a.zero, "picks": picks,
                        "homogeneous_strategies": [describe(s) for s in homog_strategies],
+                       "homogeneous_cost_strategies": [describe(s) for s in homog_cost_strategies],
                        "longest": longest, "strategies": [describe(s) for s in strategies],
                        "strategy_max_seq_len": [s.get("max_seq_len", L) for s in strategies],
                        "fixed_strategy": describe(json.load(open(p("fixed.json")))),

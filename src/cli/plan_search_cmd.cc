@@ -49,7 +49,7 @@ void print_cost(std::ostream& os, const CostReport& rep) {
 }
 
 struct CostFlags {
-  std::string model, cluster, strategy, profile, lengths;
+  std::string model, cluster, strategy, profile, lengths, dispatch = "cost";
   int64_t seq_len = 0, batch_tokens = 0, max_seq_len = 0;
   bool json = false;
 };
@@ -75,6 +75,7 @@ int token_cost(const CostFlags& c, const LlamaConfig& config, const Topology& to
   const std::vector<int64_t> pieces = file_pieces(c.lengths, config, c.max_seq_len);
   if (pieces.empty()) fail("[data] ", c.lengths, ": no piece");
   const PieceCosts costs(model, strategy);
+  const DispatchRule rule = parse_dispatch_rule(c.dispatch);
   const double sync = token_step_sync_seconds(model, strategy);
   int64_t accepted = 0;
   for (const Pipeline& p : strategy.pipelines) accepted = std::max(accepted, accepted_piece(strategy, p, c.max_seq_len));
@@ -86,7 +87,7 @@ int token_cost(const CostFlags& c, const LlamaConfig& config, const Topology& to
       ++skipped;
       continue;
     }
-    const double t = dispatch_token_step(costs, strategy, step, c.max_seq_len).predicted_s + sync;
+    const double t = dispatch_token_step(costs, strategy, step, c.max_seq_len, rule).predicted_s + sync;
     times.push_back(t);
     seconds += t;
     for (int64_t len : step) tokens += static_cast<double>(len);
@@ -133,10 +134,12 @@ int cost_command(const std::vector<std::string>& args) {
                "--batch-tokens and --max-seq-len)");
   f.add_int("batch-tokens", &c.batch_tokens, "with --lengths: tokens per step");
   f.add_int("max-seq-len", &c.max_seq_len, "with --lengths: the longest piece");
+  f.add_string("dispatch", &c.dispatch,
+               "with --lengths: cost (default) or symmetric, as `hspmd train --dispatch` (docs/mixed_length.md)");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
   if (!f.parse(args)) return 0;
-  if (c.lengths.empty() && (c.batch_tokens != 0 || c.max_seq_len != 0))
-    fail("[flags] --batch-tokens and --max-seq-len are read only with --lengths");
+  if (c.lengths.empty() && (c.batch_tokens != 0 || c.max_seq_len != 0 || c.dispatch != "cost"))
+    fail("[flags] --batch-tokens, --max-seq-len and --dispatch are read only with --lengths");
   if (c.lengths.empty() && c.seq_len < 1) fail("[flags] --seq-len must be >= 1, got ", c.seq_len);
   const LlamaConfig config = LlamaConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
@@ -176,7 +179,7 @@ std::vector<int> int_list(const std::string& text, const char* flag) {
 }
 
 struct MixedFlags {
-  std::string model, cluster, lengths, profile, strategies_out, unavailable;
+  std::string model, cluster, lengths, profile, strategies_out, unavailable, dispatch = "cost";
   int64_t batch_tokens = 0, max_seq_len = 0, buckets = 2, max_cp = 0;
   bool zero = false, json = false, no_recompute = false, homogeneous = false;
 };
@@ -213,6 +216,9 @@ int mixed_command(const std::vector<std::string>& args) {
   f.add_bool("homogeneous", &c.homogeneous,
              "one layout per bucket: every pipeline the same tp, cp, pp and max_seq_len (the best such; the\n"
              "bucket-switching baseline's strategies)");
+  f.add_string("dispatch", &c.dispatch,
+               "how the plans are scored: cost (default) or symmetric, as `hspmd train --dispatch` (with "
+               "--homogeneous: the plans of a symmetric bucket-switching baseline)");
   f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("strategies-out", &c.strategies_out, "directory to write one strategy JSON per bucket into");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
@@ -238,6 +244,7 @@ int mixed_command(const std::vector<std::string>& args) {
   o.zero = c.zero;
   o.allow_recompute = !c.no_recompute;
   o.homogeneous = c.homogeneous;
+  o.dispatch = parse_dispatch_rule(c.dispatch);
   o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
   MixedLengthPlan plan = plan_mixed_lengths(model, pieces, o);
   std::vector<std::string> written;

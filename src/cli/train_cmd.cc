@@ -18,6 +18,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/models/llama.h"
+#include "hspmd/plan/mixed_length.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
 
@@ -269,6 +270,10 @@ int train_command(const std::vector<std::string>& args) {
   f.add_bool("bucket-switching", &o.bucket_switching,
              "with --strategies: each step's pieces in buckets by the smallest strategy that accepts them, run "
              "bucket by bucket, switching inside the step (the HotSPa-like baseline, docs/mixed_length.md)");
+  std::string dispatch = "cost";
+  f.add_string("dispatch", &dispatch,
+               "with --batch-tokens: how a step's pieces go to the pipelines: cost (the cost model, device speeds "
+               "included; default) or symmetric (blind to device speeds, as homogeneous SPMD data parallelism)");
   f.add_string("strategies", &choices,
                "A.json,B.json,...: with --batch-tokens, per step the strategy the cost model favours for its "
                "pieces, switched to online (docs/mixed_length.md); instead of --strategy");
@@ -318,11 +323,13 @@ int train_command(const std::vector<std::string>& args) {
     if (f.given("global-batch")) fail("[flags] --global-batch is not read with --batch-tokens (steps are token budgets)");
     if (f.given("micro-batches")) fail("[flags] --micro-batches is not read with --batch-tokens");
     o.seq_len = max_seq_len;
+    o.symmetric_dispatch = parse_dispatch_rule(dispatch) == DispatchRule::kSymmetric;
   } else if (f.given("max-seq-len")) {
     fail("[flags] --max-seq-len is read only with --batch-tokens");
   } else if (!f.given("seq-len")) {
     fail("[flags] --seq-len is required (or --batch-tokens T --max-seq-len L)");
   }
+  if (f.given("dispatch") && !f.given("batch-tokens")) fail("[flags] --dispatch is read only with --batch-tokens");
 
   if (optimizer != "adamw" && optimizer != "adam")
     fail("[flags] --optimizer: unknown optimizer '", optimizer, "' (expected adamw or adam)");

@@ -180,12 +180,17 @@ const BucketPlanner::Fitted& BucketPlanner::fitted(size_t type, int64_t max_len,
 }
 
 // One pipeline's seconds for all expected pieces of intervals [a, e): its
-// slowest stage's.
+// slowest stage's. The constant term is paid once per micro-batch, not per
+// piece (a micro-batch packs pieces into one call of every op): the
+// pieces' tokens fill micro-batches of the run's longest length.
 double BucketPlanner::work(const Fitted& f, const std::vector<LengthInterval>& iv, int a, int e) const {
+  double tokens = 0;
+  for (int j = a; j < e; ++j) tokens += iv[j].tokens;
+  const double micro = std::max(1.0, tokens / static_cast<double>(iv[a].hi));
   double worst = 0;
   for (const Quadratic& q : f.stages) {
-    double w = 0;
-    for (int j = a; j < e; ++j) w += q.a * iv[j].squares + q.b * iv[j].tokens + q.c * iv[j].pieces;
+    double w = std::max(0.0, q.c) * micro;
+    for (int j = a; j < e; ++j) w += q.a * iv[j].squares + q.b * iv[j].tokens;
     worst = std::max(worst, w);
   }
   return worst;
@@ -454,6 +459,17 @@ int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t defau
   return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted_piece(s, p, default_max);
 }
 
+double PieceCosts::per_micro_batch(size_t pipeline) const {
+  // The constant of a cost a + b*s + c*s^2 from s = 1, 2 (2 y(1) - y(2) =
+  // a - 2c, c is tiny): the fixed cost of a call, with the communication's
+  // latencies, which a length of 0 would leave out.
+  return std::max(0.0, 2 * seconds(pipeline, 1) - seconds(pipeline, 2));
+}
+
+double PieceCosts::marginal(size_t pipeline, int64_t length) const {
+  return std::max(0.0, seconds(pipeline, length) - per_micro_batch(pipeline));
+}
+
 double PieceCosts::seconds(size_t pipeline, int64_t length) const {
   auto [it, fresh] = cache_.try_emplace({pipeline, length}, 0.0);
   if (!fresh) return it->second;
@@ -472,52 +488,142 @@ double PieceCosts::seconds(size_t pipeline, int64_t length) const {
   return it->second;
 }
 
-TokenDispatch dispatch_token_step(const PieceCosts& costs, const Strategy& strategy,
-                                  const std::vector<int64_t>& lengths, int64_t default_max) {
+namespace {
+
+// The slowest pipeline's predicted time under a dispatch: per pipeline its
+// pieces' marginal costs, the fixed cost once per micro-batch, and a fill
+// and drain of (stages - 1) average micro-batches.
+double dispatch_seconds(const PieceCosts& costs, const Strategy& strategy, const std::vector<int64_t>& lengths,
+                        const TokenDispatch& d) {
+  double slowest = 0;
+  for (size_t p = 0; p < d.micro.size(); ++p) {
+    if (d.micro[p].empty()) continue;
+    const double n = static_cast<double>(d.micro[p].size());
+    double total = n * costs.per_micro_batch(p);
+    for (const std::vector<size_t>& mb : d.micro[p])
+      for (size_t i : mb) total += costs.marginal(p, lengths[i]);
+    slowest = std::max(slowest, total * (1 + static_cast<double>(strategy.pipelines[p].stages.size() - 1) / n));
+  }
+  return slowest;
+}
+
+std::vector<size_t> longest_first(const std::vector<int64_t>& lengths) {
+  std::vector<size_t> order(lengths.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
+  return order;
+}
+
+// First-fit decreasing of `items` (longest first already) into bins of `cap`.
+std::vector<std::vector<size_t>> first_fit(const std::vector<size_t>& items, const std::vector<int64_t>& lengths,
+                                           int64_t cap) {
+  std::vector<std::vector<size_t>> bins;
+  std::vector<int64_t> used;
+  for (size_t i : items) {
+    size_t bin = 0;
+    while (bin < used.size() && used[bin] + lengths[i] > cap) ++bin;
+    if (bin == used.size()) used.push_back(0), bins.emplace_back();
+    used[bin] += lengths[i];
+    bins[bin].push_back(i);
+  }
+  return bins;
+}
+
+// kCost: pieces longest first to the accepting pipeline that would finish
+// first (its load: the pieces' marginal costs, and the fixed cost once per
+// micro-batch its tokens fill), then first-fit decreasing per pipeline.
+TokenDispatch dispatch_by_cost(const PieceCosts& costs, const Strategy& strategy, const std::vector<int64_t>& lengths,
+                               int64_t default_max) {
   const size_t P = strategy.pipelines.size();
   TokenDispatch d;
   d.micro.resize(P);
   d.pipeline_tokens.assign(P, 0);
-  std::vector<size_t> order(lengths.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return lengths[a] > lengths[b]; });
   std::vector<double> load(P, 0.0);
+  std::vector<int64_t> cap(P);
+  for (size_t p = 0; p < P; ++p) cap[p] = micro_batch_capacity(strategy, strategy.pipelines[p], default_max);
+  auto filled = [&](size_t p, int64_t tokens) {
+    return static_cast<double>((tokens + cap[p] - 1) / cap[p]) * costs.per_micro_batch(p);
+  };
   std::vector<std::vector<size_t>> got(P);
-  for (size_t i : order) {
+  for (size_t i : longest_first(lengths)) {
     const int64_t len = lengths[i];
     int best = -1;
     double best_end = 0;
     for (size_t p = 0; p < P; ++p) {
       if (len > accepted_piece(strategy, strategy.pipelines[p], default_max)) continue;
-      const double end = load[p] + costs.seconds(p, len);
+      const double end = load[p] + costs.marginal(p, len) + filled(p, d.pipeline_tokens[p] + len);
       if (best < 0 || end < best_end) best = static_cast<int>(p), best_end = end;
     }
     if (best < 0) fail("[search] a piece of ", len, " tokens that no pipeline of the strategy accepts");
-    load[best] = best_end;
+    load[best] += costs.marginal(best, len);
     got[best].push_back(i);
     d.pipeline_tokens[best] += len;
   }
-  for (size_t p = 0; p < P; ++p) {
-    const int64_t cap = micro_batch_capacity(strategy, strategy.pipelines[p], default_max);
-    std::vector<int64_t> used;
-    for (size_t i : got[p]) {
-      size_t bin = 0;
-      while (bin < used.size() && used[bin] + lengths[i] > cap) ++bin;
-      if (bin == used.size()) used.push_back(0), d.micro[p].emplace_back();
-      used[bin] += lengths[i];
-      d.micro[p][bin].push_back(i);
+  for (size_t p = 0; p < P; ++p) d.micro[p] = first_fit(got[p], lengths, cap[p]);
+  return d;
+}
+
+// kSymmetric: SPMD data parallelism, blind to device speeds (what a
+// homogeneous system such as HotSPa or Megatron does): the pieces, longest
+// first, packed first-fit decreasing into micro-batches of the pipelines'
+// smallest capacity (a longer piece alone in its own), then each
+// micro-batch, most tokens first, to the accepting pipeline holding the
+// fewest tokens so far (then the fewest micro-batches, then the first).
+TokenDispatch dispatch_symmetric(const Strategy& strategy, const std::vector<int64_t>& lengths, int64_t default_max) {
+  const size_t P = strategy.pipelines.size();
+  TokenDispatch d;
+  d.micro.resize(P);
+  d.pipeline_tokens.assign(P, 0);
+  int64_t cap = 0;
+  for (const Pipeline& p : strategy.pipelines) {
+    const int64_t c = micro_batch_capacity(strategy, p, default_max);
+    cap = cap == 0 ? c : std::min(cap, c);
+  }
+  std::vector<std::vector<size_t>> bins = first_fit(longest_first(lengths), lengths, std::max<int64_t>(1, cap));
+  auto tokens = [&](const std::vector<size_t>& mb) {
+    int64_t n = 0;
+    for (size_t i : mb) n += lengths[i];
+    return n;
+  };
+  std::stable_sort(bins.begin(), bins.end(),
+                   [&](const auto& a, const auto& b) { return tokens(a) > tokens(b); });
+  for (const std::vector<size_t>& mb : bins) {
+    int64_t longest = 0;
+    for (size_t i : mb) longest = std::max(longest, lengths[i]);
+    int best = -1;
+    for (size_t p = 0; p < P; ++p) {
+      if (longest > accepted_piece(strategy, strategy.pipelines[p], default_max)) continue;
+      if (best < 0 || d.pipeline_tokens[p] < d.pipeline_tokens[best] ||
+          (d.pipeline_tokens[p] == d.pipeline_tokens[best] && d.micro[p].size() < d.micro[best].size()))
+        best = static_cast<int>(p);
     }
-    const double fill = used.empty() ? 0.0
-                                     : load[p] / static_cast<double>(used.size()) *
-                                           static_cast<double>(strategy.pipelines[p].stages.size() - 1);
-    d.predicted_s = std::max(d.predicted_s, load[p] + fill);
+    if (best < 0) fail("[search] a piece of ", longest, " tokens that no pipeline of the strategy accepts");
+    d.micro[best].push_back(mb);
+    d.pipeline_tokens[best] += tokens(mb);
   }
   return d;
 }
 
-double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces) {
+}  // namespace
+
+DispatchRule parse_dispatch_rule(const std::string& name) {
+  if (name == "cost") return DispatchRule::kCost;
+  if (name == "symmetric") return DispatchRule::kSymmetric;
+  fail("[flags] --dispatch must be cost or symmetric, got '", name, "'");
+}
+
+TokenDispatch dispatch_token_step(const PieceCosts& costs, const Strategy& strategy,
+                                  const std::vector<int64_t>& lengths, int64_t default_max, DispatchRule rule) {
+  TokenDispatch d = rule == DispatchRule::kSymmetric ? dispatch_symmetric(strategy, lengths, default_max)
+                                                     : dispatch_by_cost(costs, strategy, lengths, default_max);
+  d.predicted_s = dispatch_seconds(costs, strategy, lengths, d);
+  return d;
+}
+
+double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces,
+                          DispatchRule rule) {
   const PieceCosts costs(model, strategy);
-  return dispatch_token_step(costs, strategy, pieces).predicted_s;
+  return dispatch_token_step(costs, strategy, pieces, 0, rule).predicted_s;
 }
 
 double token_step_sync_seconds(const CostModel& model, const Strategy& strategy) {
@@ -635,12 +741,13 @@ std::vector<std::vector<int>> min_rank_sweep(const BucketPlanner& planner) {
   }
 }
 
-void score_bucket(const CostModel& model, LengthBucket& b, const std::vector<std::vector<int64_t>>& steps, int64_t lo) {
+void score_bucket(const CostModel& model, LengthBucket& b, const std::vector<std::vector<int64_t>>& steps, int64_t lo,
+                  DispatchRule rule) {
   b.sync_s = token_step_sync_seconds(model, b.strategy);
   std::vector<double> times;
   for (const auto& s : steps) {
     const int64_t top = *std::max_element(s.begin(), s.end());
-    if (top > lo && top <= b.max_seq_len) times.push_back(predict_token_step(model, b.strategy, s) + b.sync_s);
+    if (top > lo && top <= b.max_seq_len) times.push_back(predict_token_step(model, b.strategy, s, rule) + b.sync_s);
   }
   b.predicted_step_s = times.empty() ? b.dp_step_s + b.sync_s : median(times);
 }
@@ -672,26 +779,36 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
     LengthBucket b;
     b.max_seq_len = m;
     b.intervals = bucket_intervals(m, lo, steps, pieces, o.batch_tokens, b.steps);
-    BucketPlanner planner(model, o, classes);
     bool any = false;
     auto keep = [&](LengthBucket& cand) {
-      score_bucket(model, cand, steps, lo);
+      score_bucket(model, cand, steps, lo, o.dispatch);
       if (!any || cand.predicted_step_s < b.predicted_step_s) b = std::move(cand);
       any = true;
     };
-    if (o.homogeneous) {
-      // Every layout that fits, as many pipelines as place, each scored by
-      // its full prediction over the bucket's steps (under ZeRO the memory
-      // assumes the layout's own pipeline count).
-      for (int share = o.zero ? 1 : available; share <= available; ++share)
-        for (auto& [s, expected] : planner.homogeneous(b, share)) {
-          if (o.zero && static_cast<int>(s.pipelines.size()) != share) continue;
-          LengthBucket cand = b;
-          cand.strategy = std::move(s);
-          cand.dp_step_s = expected;
-          keep(cand);
-        }
-    } else {
+    // On every device class, and with several classes also on each class
+    // alone: the programs leave out the gradient sync and the optimizer, on
+    // which a slow class can cost more than its pipelines save.
+    std::vector<std::vector<DeviceClass>> class_sets = {classes};
+    if (classes.size() > 1)
+      for (const DeviceClass& c : classes) class_sets.push_back({c});
+    for (const std::vector<DeviceClass>& set : class_sets) {
+      BucketPlanner planner(model, o, set);
+      int ranks = 0;
+      for (const DeviceClass& c : set) ranks += c.ranks;
+      if (o.homogeneous) {
+        // Every layout that fits, as many pipelines as place, each scored by
+        // its full prediction over the bucket's steps (under ZeRO the memory
+        // assumes the layout's own pipeline count).
+        for (int share = o.zero ? 1 : ranks; share <= ranks; ++share)
+          for (auto& [s, expected] : planner.homogeneous(b, share)) {
+            if (o.zero && static_cast<int>(s.pipelines.size()) != share) continue;
+            LengthBucket cand = b;
+            cand.strategy = std::move(s);
+            cand.dp_step_s = expected;
+            keep(cand);
+          }
+        continue;
+      }
       // The program leaves out the gradient sync and the optimizer, which
       // fall as pipelines get more ranks (fewer replicas, smaller shards)
       // and cost more on a slower class: plans from pipelines of at least
@@ -700,7 +817,7 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
       // prediction over the bucket's steps.
       for (const std::vector<int>& min_ranks : min_rank_sweep(planner)) {
         LengthBucket cand = b;
-        if (!plan_bucket(planner, cand, o, available, min_ranks)) continue;
+        if (!plan_bucket(planner, cand, o, ranks, min_ranks)) continue;
         LengthBucket wide = cand;
         wide.strategy = planner.widened(cand);
         keep(cand);
@@ -719,7 +836,8 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
     StepPrediction sp;
     for (int64_t len : st) sp.longest = std::max(sp.longest, len), sp.tokens += len;
     for (const LengthBucket& b : plan.buckets)
-      sp.bucket_s.push_back(sp.longest <= b.max_seq_len ? predict_token_step(model, b.strategy, st) + b.sync_s : -1.0);
+      sp.bucket_s.push_back(sp.longest <= b.max_seq_len ? predict_token_step(model, b.strategy, st, o.dispatch) + b.sync_s
+                                                         : -1.0);
     plan.step_predictions.push_back(std::move(sp));
   }
   plan.planning_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

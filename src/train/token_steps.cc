@@ -71,7 +71,8 @@ DistTrainer::TokenStep DistTrainer::plan_token_step(int64_t cursor, const Strate
 DistTrainer::TokenStep DistTrainer::plan_pieces(const std::vector<int64_t>& chosen, const Strategy& s, int key) const {
   std::vector<int64_t> lengths;
   for (int64_t piece : chosen) lengths.push_back(pieces_->piece_size(piece));
-  const TokenDispatch d = dispatch_token_step(piece_costs(s, key), s, lengths, o_.seq_len);
+  const TokenDispatch d = dispatch_token_step(piece_costs(s, key), s, lengths, o_.seq_len,
+                                              o_.symmetric_dispatch ? DispatchRule::kSymmetric : DispatchRule::kCost);
   TokenStep t;
   t.pieces = static_cast<int64_t>(chosen.size());
   for (int64_t n : lengths) t.tokens += n;

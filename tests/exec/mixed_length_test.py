@@ -322,6 +322,18 @@ def main():
             check("bucket switching: inside a step", bool(both) and n_sw >= 2,
                   f"{len(both)} steps with both buckets, {n_sw} switches")
 
+        # The same with the symmetric dispatch (the HotSPa-like baseline as
+        # the bench runs it: blind to device speeds, micro-batches to the
+        # pipeline with the fewest tokens): still one process's training.
+        rc, err, got, got_w = train("buckets_sym", ["--strategies", strategy_file("choose_a", short_only) + "," +
+                                                    strategy_file("choose_b", CASES["cp_long_short"][1]),
+                                                    "--bucket-switching", "--dispatch", "symmetric", "--nproc", "4"])
+        if rc:
+            check("bucket switching, symmetric dispatch", False, f"exit {rc}: {err.strip()[-400:]}")
+        else:
+            compare("bucket switching, symmetric dispatch", got, got_w,
+                    switches=len([r for r in got if r.get("event") == "switch"]))
+
         elastic_cases(tmp, base, strategy_file, check)
 
         # Bad input: one line, non-zero, before the first step.
@@ -337,6 +349,11 @@ def main():
             rc, err, *_ = train("bad", extra)
             lines = [l for l in err.splitlines() if l.strip()]
             check(what, rc != 0 and len(lines) == 1 and want_err in err, lines[0][:160] if lines else "")
+        rc, err, *_ = train("bad_dispatch", ["--strategy", strategy_file("choose_a", short_only), "--dispatch", "fast",
+                                             "--nproc", "1"])
+        lines = [l for l in err.splitlines() if l.strip()]
+        check("unknown dispatch rule", rc != 0 and len(lines) == 1 and "--dispatch must be cost or symmetric" in err,
+              lines[0][:160] if lines else "")
         r = subprocess.run([a.hspmd, "train", "--model", model, "--data", data, "--steps", "2", "--batch-tokens", "8",
                             "--max-seq-len", str(L), "--quiet"], capture_output=True, text=True)
         check("budget below a piece", r.returncode != 0 and "--batch-tokens 8 is smaller than the longest piece" in

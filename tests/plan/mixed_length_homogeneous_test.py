@@ -14,7 +14,9 @@ TP shards it, and a slow rank's optimizer takes twice as long:
   all tp4 here, 0.3% slower;
 * `--homogeneous`: every pipeline of every bucket has the same layout (tp,
   cp, stages) and accepts the bucket's maximum, the pipelines fill the
-  ranks, and the prediction is no slower than all tp1, tp2 or tp4;
+  ranks or one device class's, and the prediction is no slower than all
+  tp1, tp2 or tp4; with `--dispatch symmetric` likewise, scored as `plan
+  cost --dispatch symmetric` scores it;
 * `plan cost --lengths` leaves out steps it does not accept; its one-line
   errors."""
 import argparse
@@ -74,11 +76,11 @@ def main():
         base = [a.hspmd, "plan", "search", "--model", model, "--cluster", cluster, "--profile", prof,
                 "--max-cp", "1", "--no-recompute", "--json"] + lengths
 
-        def cost(strategy):
+        def cost(strategy, extra=()):
             path = f("cand.json")
             json.dump(strategy, open(path, "w"))
             r = subprocess.run([a.hspmd, "plan", "cost", "--model", model, "--cluster", cluster, "--profile", prof,
-                                "--strategy", path, "--json"] + lengths, capture_output=True, text=True)
+                                "--strategy", path, "--json"] + lengths + list(extra), capture_output=True, text=True)
             if r.returncode:
                 sys.exit("plan cost --lengths failed: " + r.stderr)
             return json.loads(r.stdout)
@@ -119,8 +121,27 @@ def main():
                    all(p["max_seq_len"] == x["max_seq_len"] for p in x["strategy"]["pipelines"]) for x in hb)
         check("--homogeneous: one layout per bucket, each takes the maximum", len(hb) == 2 and same,
               "; ".join(str(sorted({json.dumps(layout(p)) for p in x["strategy"]["pipelines"]})) for x in hb))
-        full = all(sum(len(s["ranks"]) for p in x["strategy"]["pipelines"] for s in p["stages"]) == 8 for x in hb)
-        check("--homogeneous: the pipelines fill the ranks", full)
+        used = [sorted(r for p in x["strategy"]["pipelines"] for s in p["stages"] for r in s["ranks"]) for x in hb]
+        check("--homogeneous: the pipelines fill the ranks, or one class's",
+              all(u in (list(range(8)), list(range(4)), list(range(4, 8))) for u in used), f"ranks used {used}")
+        # Scored under the symmetric dispatch (blind to the slow ranks' speed):
+        # plan cost predicts the chosen plan the same way, no slower than the
+        # same layouts on every rank, and on no more ranks than those.
+        sym = ["--dispatch", "symmetric"]
+        r = subprocess.run(base + ["--buckets", "1", "--homogeneous"] + sym, capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode:
+            sys.exit("plan search --lengths --homogeneous --dispatch symmetric failed: " + r.stderr)
+        hs = json.loads(r.stdout)["buckets"][0]
+        sgot = cost(hs["strategy"], sym)["median_step_s"]
+        check("--dispatch symmetric: predicted as plan cost --dispatch symmetric predicts it",
+              abs(sgot - hs["predicted_step_s"]) <= 1e-9 * sgot, f"{hs['predicted_step_s']:.6g} / {sgot:.6g}")
+        sbest = min(cost(cands[k], sym)["median_step_s"] for k in ("all tp1", "all tp2", "all tp4"))
+        check("--dispatch symmetric: no slower than all tp1, tp2 or tp4", sgot <= sbest * (1 + 1e-9),
+              f"{sgot * 1e3:.3f} ms against {sbest * 1e3:.3f}")
+        t1 = (cost(cands["all tp1"], sym)["median_step_s"], cost(cands["all tp1"])["median_step_s"])
+        check("--dispatch symmetric: blind to the slow ranks (all tp1 slower than by cost)", t1[0] > t1[1],
+              f"{t1[0] * 1e3:.3f} ms against {t1[1] * 1e3:.3f}")
         r = subprocess.run(base + ["--buckets", "1", "--homogeneous"], capture_output=True, text=True, timeout=300)
         h1 = json.loads(r.stdout)["buckets"][0]
         hgot = cost(h1["strategy"])["median_step_s"]
@@ -147,8 +168,11 @@ def main():
                   lines[0][:150] if lines else "")
         err(["--lengths", data], "[flags] --lengths needs --batch-tokens T >= 1 and --max-seq-len L >= 1", pc)
         err(lengths + ["--seq-len", "8"], "[flags] --seq-len is not read with --lengths", pc)
-        err(["--seq-len", "8", "--batch-tokens", "96"], "[flags] --batch-tokens and --max-seq-len are read only "
-            "with --lengths", pc)
+        err(["--seq-len", "8", "--batch-tokens", "96"], "[flags] --batch-tokens, --max-seq-len and --dispatch are "
+            "read only with --lengths", pc)
+        err(["--seq-len", "8", "--dispatch", "symmetric"], "[flags] --batch-tokens, --max-seq-len and --dispatch are "
+            "read only with --lengths", pc)
+        err(lengths + ["--dispatch", "fast"], "[flags] --dispatch must be cost or symmetric, got 'fast'", pc)
     if failures:
         sys.exit(f"{len(failures)} failure(s): {failures}")
     print("all mixed-length candidate cases passed")

@@ -10,9 +10,11 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/plan/cost_model.h"
+#include "hspmd/plan/mixed_length.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/search.h"
 #include "plan/plan_test_util.h"
+#include "test_util.h"
 
 namespace hspmd {
 namespace {
@@ -348,6 +350,73 @@ TEST(Search, CbcAndExactSolversAgree) {
   o.solver = IlpSolver::kExact;
   const SearchResult b = search_strategy(cm, o);
   EXPECT_NEAR(a.best[0].predicted_step_s, b.best[0].predicted_step_s, 1e-12);
+}
+
+
+// Token-budget dispatch (plan/mixed_length.h): a micro-batch packs its pieces
+// into one call of every op, so a call's fixed cost is paid once per
+// micro-batch and each piece adds only its marginal cost. Block forward
+// 1 ms + 10 us per token, backward 2 ms, 8 layers, one rank: a piece of s
+// tokens alone costs 24 ms + 80 us * s.
+TEST(TokenDispatch, FixedCostOncePerMicroBatch) {
+  const LlamaConfig c = model8();
+  auto prof = std::make_shared<Profile>(*flat_profile(c));
+  for (ProfileEntry& e : prof->entries) e.parts["block_fwd"].c = 1e-5 / (e.tp * e.cp);
+  const CostModel cm(c, cluster(4), {}, prof);
+  Pipeline one = pipe({stage({0}, 0, 7)}, 1);
+  one.max_seq_len = 64;
+  one.micro_batch_tokens = 64;
+  Strategy s = make({one});
+  const PieceCosts costs(cm, s);
+  EXPECT_NEAR(costs.seconds(0, 8), 24e-3 + 8 * 80e-6, 1e-9);
+  EXPECT_NEAR(costs.per_micro_batch(0), 24e-3, 1e-9);
+  EXPECT_NEAR(costs.marginal(0, 8), 8 * 80e-6, 1e-9);
+  // Eight pieces of 8 fill one micro-batch of 64; sixteen fill two.
+  TokenDispatch d = dispatch_token_step(costs, s, std::vector<int64_t>(8, 8));
+  ASSERT_EQ(d.micro.at(0).size(), 1u);
+  EXPECT_NEAR(d.predicted_s, 24e-3 + 64 * 80e-6, 1e-9);
+  d = dispatch_token_step(costs, s, std::vector<int64_t>(16, 8));
+  ASSERT_EQ(d.micro.at(0).size(), 2u);
+  EXPECT_NEAR(d.predicted_s, 2 * 24e-3 + 128 * 80e-6, 1e-9);
+  // Two such pipelines: eight short pieces go four and four, one
+  // micro-batch each (not all to one, whose per-piece cost is the same).
+  Pipeline two = one;
+  two.stages = {stage({1}, 0, 7)};
+  s = make({one, two});
+  const PieceCosts both(cm, s);
+  d = dispatch_token_step(both, s, std::vector<int64_t>(8, 8));
+  EXPECT_EQ(d.pipeline_tokens, (std::vector<int64_t>{32, 32}));
+  EXPECT_NEAR(d.predicted_s, 24e-3 + 32 * 80e-6, 1e-9);
+}
+
+// The symmetric rule (the baselines' SPMD data parallelism) is blind to
+// device speeds: against a rank at half speed the cost rule gives the fast
+// pipeline twice the tokens, the symmetric one the same tokens to each, in
+// micro-batches packed to the capacity, and predicts the slow pipeline's
+// time.
+TEST(TokenDispatch, SymmetricRuleIgnoresDeviceSpeeds) {
+  const LlamaConfig c = model8();
+  auto prof = std::make_shared<Profile>(*flat_profile(c));
+  for (ProfileEntry& e : prof->entries) e.parts["block_fwd"].c = 1e-4 / (e.tp * e.cp);
+  const CostModel cm(c, cluster(8, 1e9, {1, 1, 1, 1, 2, 2, 2, 2}), {}, prof);
+  Pipeline fast = pipe({stage({0}, 0, 7)}, 1), slow = pipe({stage({4}, 0, 7)}, 1);
+  fast.max_seq_len = slow.max_seq_len = 32;
+  fast.micro_batch_tokens = slow.micro_batch_tokens = 32;
+  const Strategy s = make({fast, slow});
+  const PieceCosts costs(cm, s);
+  const std::vector<int64_t> pieces(24, 16);  // 384 tokens, micro-batches of two pieces
+  const TokenDispatch by_cost = dispatch_token_step(costs, s, pieces);
+  EXPECT_EQ(by_cost.pipeline_tokens, (std::vector<int64_t>{256, 128}));
+  const TokenDispatch sym = dispatch_token_step(costs, s, pieces, 0, DispatchRule::kSymmetric);
+  EXPECT_EQ(sym.pipeline_tokens, (std::vector<int64_t>{192, 192}));
+  ASSERT_EQ(sym.micro.at(0).size(), 6u);
+  for (const auto& mb : sym.micro.at(1)) EXPECT_EQ(mb.size(), 2u);
+  // Six micro-batches on the slow rank: 2 x (24 ms + 32 x 0.8 ms) each.
+  EXPECT_NEAR(sym.predicted_s, 6 * 2 * (24e-3 + 32 * 8e-4), 1e-9);
+  EXPECT_LT(by_cost.predicted_s, sym.predicted_s);
+  EXPECT_EQ(parse_dispatch_rule("symmetric"), DispatchRule::kSymmetric);
+  EXPECT_NE(testing::error_of([] { parse_dispatch_rule("fast"); }).find("[flags] --dispatch must be cost or symmetric"),
+            std::string::npos);
 }
 
 }  // namespace

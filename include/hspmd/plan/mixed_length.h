@@ -24,6 +24,9 @@
 
 namespace hspmd {
 
+// How a step's pieces go to pipelines: dispatch_token_step below.
+enum class DispatchRule { kCost, kSymmetric };
+
 struct MixedLengthOptions {
   int64_t batch_tokens = 0;  // T: tokens per step
   int64_t max_seq_len = 0;   // L: the longest piece
@@ -36,6 +39,9 @@ struct MixedLengthOptions {
   // bucket-switching baseline (HotSPa), the best such per bucket.
   bool homogeneous = false;
   std::set<int> unavailable;  // ranks that take no work (failed devices): no pipeline is placed on them
+  // How the steps' pieces are dispatched when plans are scored (the
+  // trainer's --dispatch): kSymmetric for a symmetric baseline's plans.
+  DispatchRule dispatch = DispatchRule::kCost;
 };
 
 // One length interval (lo, hi] of a bucket and what a step is expected to
@@ -99,7 +105,12 @@ int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t defau
 class PieceCosts {
  public:
   PieceCosts(const CostModel& model, const Strategy& strategy) : model_(model), strategy_(strategy) {}
+  // One micro-batch holding one piece of `length` tokens.
   double seconds(size_t pipeline, int64_t length) const;
+  // The part of that paid once per micro-batch (the calls' fixed costs)...
+  double per_micro_batch(size_t pipeline) const;
+  // ... and the rest, what each piece packed into a micro-batch adds.
+  double marginal(size_t pipeline, int64_t length) const;
 
  private:
   const CostModel& model_;
@@ -107,23 +118,33 @@ class PieceCosts {
   mutable std::map<std::pair<size_t, int64_t>, double> cache_;
 };
 
-// One token-budget step's dispatch, as the trainer runs it (docs/
-// mixed_length.md "Per step"): pieces longest first (ties in the given
-// order) to the accepting pipeline that would finish first, then first-fit
-// decreasing into micro-batches of the pipeline's capacity.
+// How a token-budget step's pieces go to the pipelines (docs/
+// mixed_length.md "Per step"). kCost: longest first to the accepting
+// pipeline that would finish first by the cost model (device speeds
+// included), then first-fit decreasing into micro-batches of the
+// pipeline's capacity. kSymmetric: data parallelism blind to device speeds,
+// as a homogeneous SPMD system runs it (the HotSPa-like baseline): packed
+// first-fit decreasing into micro-batches of the pipelines' smallest
+// capacity, each micro-batch to the pipeline with the fewest tokens so far.
+// "cost" / "symmetric"; throws hspmd::Error "[flags] --dispatch ..." else.
+DispatchRule parse_dispatch_rule(const std::string& name);
+
 struct TokenDispatch {
   std::vector<std::vector<std::vector<size_t>>> micro;  // per pipeline, per micro-batch: indices into the lengths
   std::vector<int64_t> pipeline_tokens;
-  // The slowest pipeline: its load plus a fill and drain of (stages - 1)
-  // average micro-batches.
+  // The slowest pipeline: its pieces' marginal costs, the fixed cost once
+  // per micro-batch, and a fill and drain of (stages - 1) average
+  // micro-batches.
   double predicted_s = 0;
 };
 // Throws hspmd::Error "[search] ..." when no pipeline accepts a piece.
 TokenDispatch dispatch_token_step(const PieceCosts& costs, const Strategy& strategy,
-                                  const std::vector<int64_t>& lengths, int64_t default_max = 0);
+                                  const std::vector<int64_t>& lengths, int64_t default_max = 0,
+                                  DispatchRule rule = DispatchRule::kCost);
 
 // dispatch_token_step's predicted_s.
-double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces);
+double predict_token_step(const CostModel& model, const Strategy& strategy, const std::vector<int64_t>& pieces,
+                          DispatchRule rule = DispatchRule::kCost);
 
 // What follows the pipelines in a step: gradient sync, optimizer (and the
 // ZeRO gather), from CostModel::evaluate.

@@ -77,6 +77,11 @@ struct TrainOptions {
   // smallest strategy that accepts them, trained bucket by bucket, each on
   // its own strategy, switching inside the step (gradients accumulate).
   bool bucket_switching = false;
+  // --dispatch symmetric: a step's pieces go to the pipelines blind to
+  // device speeds, packed micro-batches to the pipeline with the fewest
+  // tokens (SPMD data parallelism, the baselines' rule); false: by the cost
+  // model (plan/mixed_length.h, DispatchRule).
+  bool symmetric_dispatch = false;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
   int64_t steps = 0;
