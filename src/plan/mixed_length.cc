@@ -460,10 +460,13 @@ int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t defau
 }
 
 double PieceCosts::per_micro_batch(size_t pipeline) const {
+  if (fixed_.empty()) fixed_.assign(strategy_.pipelines.size(), -1.0);
+  double& f = fixed_.at(pipeline);
   // The constant of a cost a + b*s + c*s^2 from s = 1, 2 (2 y(1) - y(2) =
   // a - 2c, c is tiny): the fixed cost of a call, with the communication's
   // latencies, which a length of 0 would leave out.
-  return std::max(0.0, 2 * seconds(pipeline, 1) - seconds(pipeline, 2));
+  if (f < 0) f = std::max(0.0, 2 * seconds(pipeline, 1) - seconds(pipeline, 2));
+  return f;
 }
 
 double PieceCosts::marginal(size_t pipeline, int64_t length) const {

@@ -116,6 +116,7 @@ class PieceCosts {
   const CostModel& model_;
   const Strategy& strategy_;
   mutable std::map<std::pair<size_t, int64_t>, double> cache_;
+  mutable std::vector<double> fixed_;  // per_micro_batch per pipeline (-1: not yet)
 };
 
 // How a token-budget step's pieces go to the pipelines (docs/
