@@ -24,7 +24,14 @@
 
 namespace hspmd {
 
-// How a step's pieces go to pipelines: dispatch_token_step below.
+// How a token-budget step's pieces go to the pipelines (docs/
+// mixed_length.md "Per step"). kCost: longest first to the accepting
+// pipeline that would finish first by the cost model (device speeds
+// included), then first-fit decreasing into micro-batches of the
+// pipeline's capacity. kSymmetric: data parallelism blind to device speeds,
+// as a homogeneous SPMD system runs it (the HotSPa-like baseline): packed
+// first-fit decreasing into micro-batches of the pipelines' smallest
+// capacity, each micro-batch to the pipeline with the fewest tokens so far.
 enum class DispatchRule { kCost, kSymmetric };
 
 struct MixedLengthOptions {
@@ -119,16 +126,11 @@ class PieceCosts {
   mutable std::vector<double> fixed_;  // per_micro_batch per pipeline (-1: not yet)
 };
 
-// How a token-budget step's pieces go to the pipelines (docs/
-// mixed_length.md "Per step"). kCost: longest first to the accepting
-// pipeline that would finish first by the cost model (device speeds
-// included), then first-fit decreasing into micro-batches of the
-// pipeline's capacity. kSymmetric: data parallelism blind to device speeds,
-// as a homogeneous SPMD system runs it (the HotSPa-like baseline): packed
-// first-fit decreasing into micro-batches of the pipelines' smallest
-// capacity, each micro-batch to the pipeline with the fewest tokens so far.
 // "cost" / "symmetric"; throws hspmd::Error "[flags] --dispatch ..." else.
 DispatchRule parse_dispatch_rule(const std::string& name);
+
+// One token-budget step's dispatch under a DispatchRule, as the trainer
+// runs it.
 
 struct TokenDispatch {
   std::vector<std::vector<std::vector<size_t>>> micro;  // per pipeline, per micro-batch: indices into the lengths
