@@ -488,13 +488,12 @@ double attention_products(const std::vector<Shape>& in, const ShardContext* shar
   return 2.0 * static_cast<double>(q[0] * q[2] * q[3]) * static_cast<double>(q[1]) * static_cast<double>(sk);
 }
 
-// attention_products under a document mask: 4 * Hq * D per (query, key)
-// pair the mask keeps. A query at position p of its document keeps p + 1
-// keys; each is counted p + 1/2 so that one document per row bills what no
-// documents bill (S^2 / 2 pairs a row). Positions are q's local rows (under
-// context parallelism too: a position is within its document wherever the
-// row lies); cu_seqlens (never split) give n^2 / 2 per document of n.
-double document_products(const Shape& q, const NDArray& documents, bool whole_rows) {
+// attention_products under a document mask, on whole rows: 4 * Hq * D per
+// (query, key) pair the mask keeps. A query at position p of its document
+// keeps p + 1 keys; each is counted p + 1/2 so that one document per row
+// bills what no documents bill (S^2 / 2 pairs a row); cu_seqlens give
+// n^2 / 2 per document of n.
+double document_products(const Shape& q, const NDArray& documents) {
   const NDArray d = documents.contiguous();
   const int32_t* v = d.data<int32_t>();
   double pairs = 0;
@@ -503,7 +502,7 @@ double document_products(const Shape& q, const NDArray& documents, bool whole_ro
     for (int64_t b = 0; b < rows; ++b)
       for (int64_t i = 0; i < s; ++i) {
         const int64_t p = std::max<int64_t>(0, v[b * s + i]);
-        pairs += static_cast<double>(whole_rows ? std::min(p, i) : p) + 0.5;
+        pairs += static_cast<double>(std::min(p, i)) + 0.5;
       }
   } else {
     for (int64_t j = 0; j + 1 < d.numel(); ++j) {
@@ -514,13 +513,17 @@ double document_products(const Shape& q, const NDArray& documents, bool whole_ro
   return 4.0 * static_cast<double>(q[2] * q[3]) * pairs;
 }
 
-// Op::flops_on of both attention ops: the document mask when there is one.
+// Op::flops_on of both attention ops: the document mask when there is one
+// and the rows are whole on the rank. Under context parallelism the count
+// stays the shapes': the ring balances the work over its zigzag chunks,
+// whose positions a rank's contiguous slice does not hold.
 double attention_products_on(const std::vector<NDArray>& in, size_t documents_at, const ShardContext* shard) {
   std::vector<Shape> shapes;
   for (size_t i = 0; i < std::min<size_t>(in.size(), 2); ++i) shapes.push_back(in[i].shape());
-  if (documents_at >= in.size() || !in[documents_at].valid()) return attention_products(shapes, shard);
   const bool whole_rows = !shard || shard->input_global_shapes.at(1).at(1) == shapes[1][1];
-  return document_products(shapes[0], in[documents_at], whole_rows);
+  if (documents_at >= in.size() || !in[documents_at].valid() || !whole_rows)
+    return attention_products(shapes, shard);
+  return document_products(shapes[0], in[documents_at]);
 }
 
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.

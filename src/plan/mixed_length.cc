@@ -459,6 +459,57 @@ int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t defau
   return p.micro_batch_tokens > 0 ? p.micro_batch_tokens : accepted_piece(s, p, default_max);
 }
 
+StageShape pipeline_stage_shape(const Pipeline& p, size_t k) {
+  const Stage& st = p.stages.at(k);
+  StageShape sh;
+  sh.ranks = st.ranks;
+  sh.cp = st.cp;
+  sh.layers = st.num_layers();
+  sh.first = k == 0;
+  sh.last = k + 1 == p.stages.size();
+  sh.recompute = st.recompute;
+  return sh;
+}
+
+std::vector<double> token_step_rank_compute(const CostModel& model, const Strategy& strategy,
+                                            const std::vector<std::vector<std::vector<int64_t>>>& micro, int world) {
+  std::vector<double> out(static_cast<size_t>(world), 0.0);
+  // The optimizer: a rank's compute in a step of one micro-batch of one
+  // sample at the granularity, less that micro-batch.
+  Strategy one = strategy;
+  for (Pipeline& p : one.pipelines) p.micro_batch_size = 1, p.micro_batches = 1;
+  const int64_t g = sequence_granularity(one);
+  const CostReport rep = model.evaluate(one, g);
+  for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
+    const Pipeline& pl = strategy.pipelines[p];
+    for (size_t k = 0; k < pl.stages.size(); ++k) {
+      const StageShape sh = pipeline_stage_shape(pl, k);
+      for (int r : sh.ranks) {
+        if (r < 0 || r >= world) continue;
+        auto cost = [&](int64_t len) {
+          const auto [f, b] = model.rank_compute(r, sh, len, 1);
+          return f + b;
+        };
+        double& t = out[static_cast<size_t>(r)];
+        t += std::max(0.0, rep.ranks.at(static_cast<size_t>(r)).compute_s - cost(g));
+        const double fixed = std::max(0.0, 2 * cost(1) - cost(2));
+        if (p >= micro.size()) continue;
+        for (const std::vector<int64_t>& mb : micro[p]) {
+          if (sh.cp > 1) {  // attention's bill under context parallelism: the row as one sequence (ops/attention.cc)
+            int64_t row = 0;
+            for (int64_t len : mb) row += len;
+            t += cost(row);
+            continue;
+          }
+          t += fixed;
+          for (int64_t len : mb) t += std::max(0.0, cost(len) - fixed);
+        }
+      }
+    }
+  }
+  return out;
+}
+
 double PieceCosts::per_micro_batch(size_t pipeline) const {
   if (fixed_.empty()) fixed_.assign(strategy_.pipelines.size(), -1.0);
   double& f = fixed_.at(pipeline);
@@ -477,17 +528,8 @@ double PieceCosts::seconds(size_t pipeline, int64_t length) const {
   auto [it, fresh] = cache_.try_emplace({pipeline, length}, 0.0);
   if (!fresh) return it->second;
   const Pipeline& pl = strategy_.pipelines.at(pipeline);
-  for (size_t k = 0; k < pl.stages.size(); ++k) {
-    const Stage& st = pl.stages[k];
-    StageShape sh;
-    sh.ranks = st.ranks;
-    sh.cp = st.cp;
-    sh.layers = st.num_layers();
-    sh.first = k == 0;
-    sh.last = k + 1 == pl.stages.size();
-    sh.recompute = st.recompute;
-    it->second = std::max(it->second, piece_cost(model_.stage_cost(sh, length, 1)));
-  }
+  for (size_t k = 0; k < pl.stages.size(); ++k)
+    it->second = std::max(it->second, piece_cost(model_.stage_cost(pipeline_stage_shape(pl, k), length, 1)));
   return it->second;
 }
 

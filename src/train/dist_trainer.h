@@ -301,6 +301,12 @@ class DistTrainer {
   bool checkpoint_at(int64_t step);
   // Stragglers: after `step`, with its record; may re-plan and switch.
   void watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log);
+  // ... with token-budget steps: each step predicted from its own dispatch;
+  // a straggler's corrected speed goes to the dispatch (no re-plan).
+  void watch_token_stragglers(int64_t step, const StepRecord& r, std::ofstream& log);
+  // Whether the straggler watch runs (--events, an emulated cluster, a
+  // window; not with --bucket-switching).
+  bool watching() const;
   // Per rank, the cost model's compute seconds per step of the current plan
   // under the assumed speeds (0 for idle ranks); empty when it cannot say.
   std::vector<double> predicted_compute(const Topology& topology) const;
@@ -429,6 +435,9 @@ class DistTrainer {
   std::vector<std::vector<double>> window_;  // stragglers: per step in the window, per rank compute
   std::vector<double> window_steps_;         // ... and the emulated step times
   std::vector<double> predicted_;            // per rank compute of the current plan (assumed speeds)
+  // Token-budget steps: per step in the window, per rank compute seen and
+  // predicted from the step's dispatch (kept across choice switches).
+  std::vector<std::vector<double>> token_seen_, token_predicted_;
   bool skip_next_ = true;                    // the first step after a (re)start or switch is not watched
 };
 

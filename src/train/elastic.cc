@@ -169,6 +169,8 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
   window_.clear();
   window_steps_.clear();
   predicted_.clear();
+  token_seen_.clear();
+  token_predicted_.clear();
   // The log keeps one record per step: those of the steps trained again go.
   if (log.is_open()) {
     log.close();
@@ -264,7 +266,9 @@ int64_t DistTrainer::apply_token_event(const ElasticEvent& ev, int64_t step, std
   // Nothing prepared for this step survives: the set, the speeds the
   // dispatch reads and the piece costs may all change below.
   discard_prepared();
-  if (!ev.slowdown.empty()) {  // no straggler watch here: the event's speeds are taken as known
+  token_seen_.clear();  // steps before an event say nothing about the speeds after it
+  token_predicted_.clear();
+  if (!ev.slowdown.empty() && !watching()) {  // no watch to find the new speeds: taken as known
     Topology t = *assumed_;
     for (const auto& [r, factor] : ev.slowdown) t = t.with_slowdown(r, factor);
     assumed_ = std::make_shared<const Topology>(std::move(t));
@@ -349,10 +353,71 @@ std::vector<double> DistTrainer::predicted_compute(const Topology& topology) con
 // assumed speeds are then corrected, the planner searches under them, and
 // the run switches when the predicted gain over the horizon exceeds the
 // switch's cost (planning, specialization, the switch plan's time).
+bool DistTrainer::watching() const {
+  return !events_.empty() && clock_ && o_.straggler_window > 0 && !o_.bucket_switching;
+}
+
+// Token-budget steps: a step's compute follows its pieces, so each step is
+// predicted from its own dispatch (token_step_rank_compute, under the
+// assumed speeds) and the window compares sums: per rank, the compute seen
+// over the window divided by the compute predicted; relative to the median
+// rank, one off by more than the threshold has another speed than assumed.
+// The corrected speeds go to the dispatch from the next step on (pieces
+// move off a slowed pipeline) and to the next re-plan; the strategy set is
+// kept (docs/elastic.md, "Token-budget steps").
+void DistTrainer::watch_token_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
+  if (!token_step_) return;
+  if (std::exchange(skip_next_, false)) return;  // a switch's step: its time is not the pieces'
+  std::vector<std::vector<std::vector<int64_t>>> lengths(token_step_->micro.size());
+  for (size_t p = 0; p < lengths.size(); ++p)
+    for (const std::vector<int64_t>& mb : token_step_->micro[p]) {
+      lengths[p].emplace_back();
+      for (int64_t piece : mb) lengths[p].back().push_back(pieces_->piece_size(piece));
+    }
+  token_seen_.push_back(r.emulated_compute_s);
+  token_predicted_.push_back(token_step_rank_compute(*dispatch_model_, rt_->strategy, lengths, world_.size()));
+  window_steps_.push_back(r.emulated_step_time_s);
+  if (static_cast<int64_t>(token_seen_.size()) < o_.straggler_window) return;
+  std::vector<int> active;
+  std::vector<double> ratio(world_.size(), 0.0);
+  for (int k = 0; k < world_.size(); ++k) {
+    double seen = 0, predicted = 0;
+    for (size_t i = 0; i < token_seen_.size(); ++i) seen += token_seen_[i].at(k), predicted += token_predicted_[i].at(k);
+    if (predicted <= 0 || failed_.count(k)) continue;
+    ratio[k] = seen / predicted;
+    active.push_back(k);
+  }
+  const double observed_step = window_steps_.empty() ? r.emulated_step_time_s : median(window_steps_);
+  token_seen_.clear();
+  token_predicted_.clear();
+  window_steps_.clear();
+  std::vector<double> ratios;
+  for (int k : active) ratios.push_back(ratio[k]);
+  if (ratios.empty()) return;
+  const double mid = median(ratios);
+  if (!(mid > 0)) return;
+  Topology estimated = *assumed_;
+  bool off = false;
+  for (int k : active) {
+    const double rel = ratio[k] / mid;
+    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
+    off = true;
+    estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
+  }
+  if (!off) return;
+  discard_prepared();  // step + 1 was dispatched under the old speeds
+  assumed_ = std::make_shared<const Topology>(std::move(estimated));
+  piece_costs_.clear();
+  dispatch_model_.emplace(CostModel::load(config_, *assumed_, o_.profile_path));
+  nlohmann::json speeds = nlohmann::json::object();
+  for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
+  write_log(log, {{"event", "straggler"}, {"step", step + 1}, {"estimated_slowdown", speeds},
+                  {"observed_step_s", observed_step}, {"switch", false}, {"dispatch", "re-weighted"}});
+}
+
 void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
-  // Token-budget steps have no watch: a step's compute follows its pieces,
-  // which the per-rank prediction of one plan does not (docs/elastic.md).
-  if (events_.empty() || !clock_ || pieces_ || o_.straggler_window == 0 || step + 1 >= o_.steps) return;
+  if (!watching() || step + 1 >= o_.steps) return;
+  if (pieces_) return watch_token_stragglers(step, r, log);
   if (std::exchange(skip_next_, false)) return;
   if (predicted_.empty()) predicted_ = predicted_compute(*assumed_);
   if (predicted_.empty()) return;

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import struct
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,58 @@ def trainer(tmp, base):
     return train
 
 
+def token_straggler_case(tmp, sbase, cluster, strategies, strategy_file, events_file, check):
+    """The straggler watch with token-budget steps: rank 6 (a tp1 pipeline in both strategies, at half speed)
+    drops to an eighth of the fast ranks' speed at step 2 (4x slower), unannounced to the dispatch. Under the
+    model clock (a profile, deterministic), the window of 2 steps compares each rank's emulated compute with
+    the cost model's prediction of its own pieces; it must find rank 6 (x8), leave every other rank's speed,
+    and the dispatch must then give rank 6's pipeline a smaller share; training still equals one process.
+    Steps of 192 tokens, so that every pipeline gets pieces."""
+    steps_n = 10
+    sbase = list(sbase)
+    sbase[sbase.index("--steps") + 1] = str(steps_n)
+    sbase[sbase.index("--batch-tokens") + 1] = "192"
+    model = sbase[sbase.index("--model") + 1]
+    prof = os.path.join(tmp, "token_straggler_profile.json")
+    r = subprocess.run([sbase[0], "profile", "--model", model, "--tp", "1,2", "--cp", "1,2", "--seq-lens", "8,16,32",
+                        "--micro-batch-sizes", "1,2", "--repetitions", "3", "-o", prof], capture_output=True, text=True)
+    if r.returncode:
+        return check("token straggler: profile", False, r.stderr.strip()[-300:])
+    train = trainer(tmp, sbase)
+    rc, err, want, want_w = train("ts_single", [])
+    if rc:
+        return check("token straggler: one process", False, err.strip()[-300:])
+    files = ",".join(strategy_file(f"ts_{i}", x) for i, x in enumerate(strategies))
+    rc, err, got, got_w = train("ts_watch", ["--strategies", files, "--nproc", "8", "--cluster", cluster,
+                                             "--events", events_file("ts", [{"step": 2, "slowdown": {"6": 8.0}}]),
+                                             "--straggler-window", "2", "--clock", "model", "--profile", prof])
+    if rc:
+        return check("token straggler", False, f"exit {rc}: {err.strip()[-400:]}")
+    w = [x for x in want if "loss" in x]
+    s = [x for x in got if "loss" in x]
+    rel = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(w, s)), default=float("inf"))
+    werr = max_weight_error(want_w, got_w)
+    check("token straggler: one process's training", len(s) == steps_n and rel <= 1e-5 and werr <= 1e-4,
+          f"loss rel err {rel:.2e}, weights err {werr:.2e}")
+    found = [x for x in got if x.get("event") == "straggler"]
+    if not found:
+        return check("token straggler: found", False, "no straggler record")
+    est = found[0]["estimated_slowdown"]
+    others = all(abs(v - (1.0 if int(k) < 4 else 2.0)) < 1e-9 for k, v in est.items() if k != "6")
+    check("token straggler: found", len(found) == 1 and 7 < est["6"] < 9 and others,
+          f"before step {found[0]['step']}: {est}")
+    at = found[0]["step"]
+
+    def share(y):  # rank 6's pipeline: index 6 of the short strategy, 5 of the long one
+        k = 6 if y.get("strategy", 0) == 0 else 5
+        return y["pipeline_tokens"][k] / y["tokens"]
+    before = [share(y) for y in s if 2 <= y["step"] < at]
+    after = [share(y) for y in s if y["step"] >= at]
+    check("token straggler: its pipeline's share falls", before and after and
+          statistics.mean(after) < 0.6 * statistics.mean(before),
+          f"rank 6's share {statistics.mean(before):.3f} -> {statistics.mean(after):.3f}" if before and after else "")
+
+
 def elastic_cases(tmp, base, strategy_file, check):
     """Events with token-budget steps on 8 ranks of two speeds (elastic_test's cluster). A lighter tail and a
     budget of 48 tokens: half the steps hold no piece above 16 tokens, so the planner makes two strategies
@@ -94,6 +147,8 @@ def elastic_cases(tmp, base, strategy_file, check):
     ebase = list(base)
     ebase[ebase.index("--data") + 1] = data
     ebase[ebase.index("--batch-tokens") + 1] = "48"
+    sbase = list(ebase)  # the straggler case below: more steps, its own watch
+    ebase += ["--straggler-window", "0"]  # no watch under the CPU clock's noise: a slowdown's speeds are known
 
     train = trainer(tmp, ebase)
 
@@ -185,6 +240,7 @@ def elastic_cases(tmp, base, strategy_file, check):
         check("elastic zero: rollback", [r.get("rollback_to") for r in reconf] == [2, None] and
               sum(reconf[0]["from_checkpoint_bytes"]) > 0, f"{[(r['step'], r.get('rollback_to')) for r in reconf]}")
     run("elastic --strategy", "el_single", [eight(False)[1]], trace, k=1)
+    token_straggler_case(tmp, sbase, cluster, eight(False), strategy_file, events_file, check)
 
     # Killed while writing the checkpoint of step 4: the one of step 3 holds
     # the set re-planned at step 2 and its choice; --resume goes on with them.

@@ -419,5 +419,26 @@ TEST(TokenDispatch, SymmetricRuleIgnoresDeviceSpeeds) {
             std::string::npos);
 }
 
+// The straggler watch's per-rank prediction of a token-budget step: each
+// micro-batch of the rank's pipeline on its stage (the fixed part once,
+// each piece's marginal part), idle ranks nothing; the optimizer is free in
+// this profile. Two stages of 4 layers: per stage 12 ms fixed + 40 us a
+// token.
+TEST(TokenDispatch, RankComputeFollowsThePieces) {
+  const LlamaConfig c = model8();
+  auto prof = std::make_shared<Profile>(*flat_profile(c));
+  for (ProfileEntry& e : prof->entries) e.parts["block_fwd"].c = 1e-5 / (e.tp * e.cp);
+  const CostModel cm(c, cluster(4), {}, prof);
+  Pipeline one = pipe({stage({0}, 0, 7)}, 1), two = pipe({stage({1}, 0, 3), stage({2}, 4, 7)}, 1);
+  one.max_seq_len = two.max_seq_len = 32;
+  const Strategy s = make({one, two});
+  const std::vector<double> t = token_step_rank_compute(cm, s, {{{8, 8}, {16}}, {{4}}}, 4);
+  ASSERT_EQ(t.size(), 4u);
+  EXPECT_NEAR(t[0], 2 * 24e-3 + 32 * 80e-6, 1e-9);
+  EXPECT_NEAR(t[1], 12e-3 + 4 * 40e-6, 1e-9);
+  EXPECT_NEAR(t[2], 12e-3 + 4 * 40e-6, 1e-9);
+  EXPECT_EQ(t[3], 0.0);
+}
+
 }  // namespace
 }  // namespace hspmd

@@ -106,6 +106,21 @@ std::vector<std::vector<int64_t>> token_steps(const std::vector<int64_t>& pieces
 int64_t accepted_piece(const Strategy& s, const Pipeline& p, int64_t default_max = 0);
 int64_t micro_batch_capacity(const Strategy& s, const Pipeline& p, int64_t default_max = 0);
 
+// Stage k of pipeline p as the cost model sees it.
+StageShape pipeline_stage_shape(const Pipeline& p, size_t k);
+
+// Per rank of a world of `world`, the compute seconds the cost model
+// predicts for one token-budget step: every micro-batch of the rank's
+// pipeline on its stage (the fixed part of a call once, each piece's
+// marginal part, as the dispatch costs them; on a context-parallel stage
+// the micro-batch as one sequence of its tokens, as the model clock bills
+// ring attention; `micro`: per pipeline, per micro-batch, the pieces'
+// lengths) and the rank's optimizer step. The
+// straggler watch of token-budget steps compares it with the emulated
+// compute (docs/elastic.md).
+std::vector<double> token_step_rank_compute(const CostModel& model, const Strategy& strategy,
+                                            const std::vector<std::vector<std::vector<int64_t>>>& micro, int world);
+
 // Seconds of one piece on each pipeline of a strategy: its slowest stage's
 // stage_cost (forward, backward and their collectives) at s = the piece's
 // length, b = 1; remembered per (pipeline, length).
