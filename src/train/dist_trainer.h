@@ -307,6 +307,11 @@ class DistTrainer {
   // Whether the straggler watch runs (--events, an emulated cluster, a
   // window; not with --bucket-switching).
   bool watching() const;
+  // The assumed speeds corrected by the window's per-rank ratios of seen to
+  // predicted compute: a rank off the median ratio by more than the
+  // threshold gets its slowdown scaled by its ratio over the median. None
+  // when no rank is off (or nothing was seen).
+  std::optional<Topology> corrected_speeds(const std::vector<int>& active, const std::vector<double>& ratio) const;
   // Per rank, the cost model's compute seconds per step of the current plan
   // under the assumed speeds (0 for idle ranks); empty when it cannot say.
   std::vector<double> predicted_compute(const Topology& topology) const;

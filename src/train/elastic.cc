@@ -353,6 +353,25 @@ std::vector<double> DistTrainer::predicted_compute(const Topology& topology) con
 // assumed speeds are then corrected, the planner searches under them, and
 // the run switches when the predicted gain over the horizon exceeds the
 // switch's cost (planning, specialization, the switch plan's time).
+std::optional<Topology> DistTrainer::corrected_speeds(const std::vector<int>& active,
+                                                      const std::vector<double>& ratio) const {
+  std::vector<double> ratios;
+  for (int k : active) ratios.push_back(ratio[k]);
+  if (ratios.empty()) return std::nullopt;
+  const double mid = median(ratios);
+  if (!(mid > 0)) return std::nullopt;
+  Topology estimated = *assumed_;
+  bool off = false;
+  for (int k : active) {
+    const double rel = ratio[k] / mid;
+    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
+    off = true;
+    estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
+  }
+  if (!off) return std::nullopt;
+  return estimated;
+}
+
 bool DistTrainer::watching() const {
   return !events_.empty() && clock_ && o_.straggler_window > 0 && !o_.bucket_switching;
 }
@@ -391,22 +410,10 @@ void DistTrainer::watch_token_stragglers(int64_t step, const StepRecord& r, std:
   token_seen_.clear();
   token_predicted_.clear();
   window_steps_.clear();
-  std::vector<double> ratios;
-  for (int k : active) ratios.push_back(ratio[k]);
-  if (ratios.empty()) return;
-  const double mid = median(ratios);
-  if (!(mid > 0)) return;
-  Topology estimated = *assumed_;
-  bool off = false;
-  for (int k : active) {
-    const double rel = ratio[k] / mid;
-    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
-    off = true;
-    estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
-  }
-  if (!off) return;
+  std::optional<Topology> estimated = corrected_speeds(active, ratio);
+  if (!estimated) return;
   discard_prepared();  // step + 1 was dispatched under the old speeds
-  assumed_ = std::make_shared<const Topology>(std::move(estimated));
+  assumed_ = std::make_shared<const Topology>(std::move(*estimated));
   piece_costs_.clear();
   dispatch_model_.emplace(CostModel::load(config_, *assumed_, o_.profile_path));
   nlohmann::json speeds = nlohmann::json::object();
@@ -433,30 +440,19 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
     ratio[k] = median(seen) / predicted_[k];
     active.push_back(k);
   }
-  std::vector<double> ratios;
-  for (int k : active) ratios.push_back(ratio[k]);
-  const double mid = median(ratios);
   const double observed_step = median(window_steps_);
   window_.clear();
   window_steps_.clear();
-  if (active.empty() || !(mid > 0)) return;
-  Topology estimated = *assumed_;
-  bool off = false;
-  for (int k : active) {
-    const double rel = ratio[k] / mid;
-    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
-    off = true;
-    estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
-  }
-  if (!off) return;
+  std::optional<Topology> estimated = corrected_speeds(active, ratio);
+  if (!estimated) return;
   const int64_t next_step = step + 1;
-  assumed_ = std::make_shared<const Topology>(std::move(estimated));
+  std::string cause = "straggler:";
+  for (int k : active)  // the ranks whose speed was corrected
+    if (estimated->rank(k).slowdown != assumed_->rank(k).slowdown)
+      cause += " rank " + std::to_string(k) + " x" + detail::concat(estimated->rank(k).slowdown);
+  assumed_ = std::make_shared<const Topology>(std::move(*estimated));
   const std::vector<double> current = predicted_compute(*assumed_);
   double planning_s = 0;
-  std::string cause = "straggler:";
-  for (int k : active)
-    if (std::abs(ratio[k] / mid - 1) > o_.straggler_threshold)
-      cause += " rank " + std::to_string(k) + " x" + detail::concat(assumed_->rank(k).slowdown);
   const Strategy next = replan(*assumed_, next_step, cause, planning_s);
   predicted_ = current;
   const CostModel model = CostModel::load(config_, *assumed_, o_.profile_path);
