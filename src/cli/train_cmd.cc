@@ -18,7 +18,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/models/llama.h"
-#include "hspmd/plan/mixed_length.h"
+#include "hspmd/plan/token_dispatch.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
 

@@ -61,6 +61,8 @@ struct StageCost {
   double fwd = 0, bwd = 0;            // compute (bwd includes the recomputed forward)
   double fwd_comm = 0, bwd_comm = 0;  // collectives inside the stage's forward / backward
   double send_fwd = 0, send_bwd = 0;  // sending the activation on / the gradient back
+  // One micro-batch through the stage: compute and the stage's collectives.
+  double piece() const { return fwd + bwd + fwd_comm + bwd_comm; }
 };
 
 // How a search describes a stage without building a Strategy.
