@@ -56,6 +56,7 @@ bool parse_stats_flags(const std::vector<std::string>& args, StatsFlags& out) {
   }
   check_input_file("--model", out.model);
   check_output_file("[flags] --svg", out.svg, OutputWrite::kStream);
+  check_outputs_apart({{"token file", out.data}, {"--model", out.model}}, {{"--svg", out.svg}});
   return true;
 }
 

@@ -21,6 +21,7 @@
 #include <functional>
 
 #include "hspmd/core/error.h"
+#include "hspmd/train/trainer.h"
 #include "restart.h"
 
 extern char** environ;
@@ -441,6 +442,10 @@ int launch_ranks(const LaunchOptions& o) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   RestartLog log(o.max_restarts > 0 ? o.log_path : "");
+  // One id for the job's every attempt: its ranks stamp it into the
+  // checkpoints they commit, and a restart resumes only those.
+  const std::string run_id = new_run_id();
+  setenv("HSPMD_RUN_ID", run_id.c_str(), 1);
   std::vector<std::string> args = o.rank_args;
   FirstStepWatch watch;
   for (int64_t restarts = 0;; ++restarts) {
@@ -457,7 +462,7 @@ int launch_ranks(const LaunchOptions& o) {
     const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
     RestartPoint point;
     try {
-      point = find_restart_point(o.checkpoint_dir, o.resume_dir);
+      point = find_restart_point(o.checkpoint_dir, o.resume_dir, run_id);
     } catch (const Error& e) {
       std::fprintf(stderr, "hspmd: error: [launch] %s; cannot restart: %s\n", why.c_str(), e.what());
       return 1;

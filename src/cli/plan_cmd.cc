@@ -14,6 +14,7 @@
 #include "flags.h"
 #include "plan_search_cmd.h"
 #include "hspmd/core/error.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/strategy.h"
@@ -88,6 +89,7 @@ int compile_command(const std::vector<std::string>& args) {
     fail("[flags] --seq-len must be positive, got ", seq_len);
   check_input_file("--model", model);
   check_input_file("--strategy", strategy_path);
+  check_outputs_apart({{"--model", model}, {"--strategy", strategy_path}}, {{"--output", output}});
 
   const LlamaConfig config = LlamaConfig::load(model);
   const Strategy strategy = load_strategy(strategy_path);

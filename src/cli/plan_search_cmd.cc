@@ -9,6 +9,7 @@
 
 #include "flags.h"
 #include "hspmd/core/error.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/models/config.h"
@@ -315,6 +316,8 @@ int search_command(const std::vector<std::string>& args) {
   f.add_bool("json", &c.json, "print one JSON document instead of text");
   const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
+  check_outputs_apart({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from}},
+                      {{"--output", c.out}});
   // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
   // between those calls cost more than the calls (measured: 2x the search).
   set_num_threads(1);

@@ -14,6 +14,7 @@
 #include "flags.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/core/error.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/train/profiler.h"
@@ -156,6 +157,7 @@ int profile_command(const std::vector<std::string>& args) {
   if (!f.parse(expanded)) return 0;
 
   if (!std::filesystem::is_regular_file(model)) fail("[profile] --model ", model, ": no such file");
+  check_outputs_apart({{"--model", model}}, {{"--output", output}});
   const auto dir = std::filesystem::absolute(output).parent_path();
   if (!std::filesystem::is_directory(dir))
     fail("[profile] --output ", output, ": directory ", dir.string(), " does not exist");

@@ -69,9 +69,15 @@ std::string format_seconds(double s) {
 
 }  // namespace
 
-RestartPoint find_restart_point(const std::string& checkpoint_dir, const std::string& resume_dir) {
-  for (const std::string* dir : {&checkpoint_dir, &resume_dir})
-    if (!dir->empty() && checkpoint_exists(*dir)) return {load_checkpoint_index(*dir).step, *dir};
+RestartPoint find_restart_point(const std::string& checkpoint_dir, const std::string& resume_dir,
+                                const std::string& run_id) {
+  if (!checkpoint_dir.empty() && checkpoint_exists(checkpoint_dir)) {
+    const CheckpointIndex index = load_checkpoint_index(checkpoint_dir);
+    const auto id = index.meta.find("run_id");
+    if (id != index.meta.end() && id->is_string() && id->get<std::string>() == run_id)
+      return {index.step, checkpoint_dir};
+  }
+  if (!resume_dir.empty() && checkpoint_exists(resume_dir)) return {load_checkpoint_index(resume_dir).step, resume_dir};
   if (!resume_dir.empty()) load_checkpoint_index(resume_dir);  // throws its "no checkpoint" error
   return {};
 }

@@ -15,11 +15,13 @@ struct RestartPoint {
   std::string resume_dir;  // its --resume directory; "" = from the start
 };
 
-// The committed checkpoint of `checkpoint_dir` when there is one, else the
-// run's own --resume directory `resume_dir` when given, else the start.
-// Throws hspmd::Error when the chosen index.json cannot be loaded (malformed,
-// a shard file missing).
-RestartPoint find_restart_point(const std::string& checkpoint_dir, const std::string& resume_dir);
+// The committed checkpoint of `checkpoint_dir` when there is one that this
+// run committed (its meta.run_id is `run_id`), else the run's own --resume
+// directory `resume_dir` when given, else the start: a checkpoint of another
+// run is never resumed. Throws hspmd::Error when the chosen index.json
+// cannot be loaded (malformed, a shard file missing).
+RestartPoint find_restart_point(const std::string& checkpoint_dir, const std::string& resume_dir,
+                                const std::string& run_id);
 
 // `args` with every --resume (`--resume D`, `--resume=D`) removed and
 // `--resume dir` appended; unchanged when dir is "".

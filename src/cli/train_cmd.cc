@@ -19,6 +19,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/models/llama.h"
 #include "hspmd/plan/token_dispatch.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
 
@@ -177,6 +178,22 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
   for (const auto& [flag, path] : inputs) check_input_file(flag, *path);
 }
 
+// No output may be an input or another output (docs/reliability.md), and a
+// checkpoint directory of another run is neither replaced nor resumed
+// unless the flags say so.
+void check_files(const FlagSet& f, const TrainOptions& o) {
+  std::vector<NamedPath> in = {{"--model", o.model_path},       {"--data", o.data_path},   {"--init", o.init_path},
+                               {"--strategy", o.strategy_path}, {"--plan", o.plan_path},   {"--cluster", o.cluster_path},
+                               {"--profile", o.profile_path},   {"--events", o.events_path}};
+  for (const TrainOptions::Switch& sw : o.switches) in.push_back({"--switch", sw.path});
+  for (const std::string& s : o.strategy_choices) in.push_back({"--strategies", s});
+  check_outputs_apart(in, {{"--save", o.save_path}, {"--dump-grads", o.dump_grads_path}, {"--log", o.log_path},
+                           {"--trace", o.trace_path}});
+  if (f.given("overwrite-checkpoint") && o.checkpoint_dir.empty())
+    fail("[flags] --overwrite-checkpoint needs --checkpoint DIR");
+  check_checkpoint_directory(o);
+}
+
 // Flags that only mean something together with others are errors alone,
 // never silently ignored.
 void check_combinations(const FlagSet& f, bool distributed) {
@@ -303,6 +320,9 @@ int train_command(const std::vector<std::string>& args) {
   f.add_bool("checkpoint-sync", &o.checkpoint_sync,
              "write checkpoints inside the step (default: copy the shards, write them on a background thread)");
   f.add_string("resume", &o.resume_dir, "continue from the training checkpoint in this directory");
+  f.add_bool("overwrite-checkpoint", &o.overwrite_checkpoint,
+             "with --checkpoint: start anew in a directory that holds another run's checkpoint, replacing it at the "
+             "first save (without it such a directory is refused unless --resume names it)");
   f.add_int("nproc", &nproc,
             "start this many local ranks through mpirun (with --strategy); without --threads, each rank gets "
             "max(1, cores / N) threads");
@@ -369,6 +389,7 @@ int train_command(const std::vector<std::string>& args) {
     if (o.strategy_choices.empty()) fail("[flags] --strategies needs at least one file");
     o.strategy_path = o.strategy_choices[0];
   }
+  check_files(f, o);
   const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
   if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
   if (!distributed && mpi_world_size() > 1) {

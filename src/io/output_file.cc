@@ -1,5 +1,6 @@
 #include "hspmd/io/output_file.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,7 +38,58 @@ void probe_directory(const std::string& what, const std::string& path, const fs:
   ::unlink(name.c_str());
 }
 
+// What a path names: its device and inode when it exists, else its
+// normalized absolute path (the parents' links resolved).
+struct FileIdentity {
+  bool exists = false;
+  dev_t dev = 0;
+  ino_t ino = 0;
+  std::string path;
+  bool operator==(const FileIdentity& o) const {
+    return exists == o.exists && (exists ? dev == o.dev && ino == o.ino : path == o.path);
+  }
+};
+
+FileIdentity identity(const std::string& path) {
+  FileIdentity id;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    id.exists = true;
+    id.dev = st.st_dev;
+    id.ino = st.st_ino;
+    return id;
+  }
+  std::error_code ec;
+  id.path = fs::weakly_canonical(fs::absolute(path, ec), ec).string();
+  if (ec) id.path = fs::absolute(path).lexically_normal().string();
+  return id;
+}
+
 }  // namespace
+
+void check_outputs_apart(const std::vector<NamedPath>& inputs, const std::vector<NamedPath>& outputs) {
+  std::vector<std::pair<const NamedPath*, FileIdentity>> seen;
+  for (const NamedPath& in : inputs) {
+    if (in.path.empty()) continue;
+    FileIdentity id = identity(in.path);
+    if (id.exists) seen.emplace_back(&in, std::move(id));
+  }
+  const size_t n_inputs = seen.size();
+  for (const NamedPath& out : outputs) {
+    if (out.path.empty()) continue;
+    FileIdentity id = identity(out.path);
+    for (size_t i = 0; i < seen.size(); ++i) {
+      if (!(seen[i].second == id)) continue;
+      const NamedPath& other = *seen[i].first;
+      if (i < n_inputs)
+        fail("[flags] ", out.what, " ", out.path, ": is the same file as ", other.what, " ", other.path,
+             "; writing it would destroy that input");
+      fail("[flags] ", out.what, " ", out.path, ": is the same file as ", other.what, " ", other.path,
+           ", another output");
+    }
+    seen.emplace_back(&out, std::move(id));
+  }
+}
 
 void check_replaceable(const std::string& what, const std::string& path) {
   std::error_code ec;

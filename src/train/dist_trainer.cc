@@ -330,6 +330,9 @@ void DistTrainer::prepare() {
   if (!o_.resume_dir.empty()) {
     reader = std::make_unique<CheckpointReader>(o_.resume_dir);
     start = reader->index().step;
+    std::error_code ec;
+    if (!o_.checkpoint_dir.empty() && std::filesystem::equivalent(o_.resume_dir, o_.checkpoint_dir, ec))
+      resumed_run_id_ = reader->index().meta.value("run_id", std::string());
     if (start >= o_.steps)
       fail("[checkpoint] ", o_.resume_dir, ": it is at step ", start, ", not before --steps ", o_.steps);
   }
@@ -450,7 +453,7 @@ void DistTrainer::save_checkpoint() {
   auto p = std::make_unique<PendingCheckpoint>();
   p->step = state_->step;
   p->meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
-             {"strategy", to_json(rt_->strategy)}};
+             {"strategy", to_json(rt_->strategy)}, {"run_id", run_id_}};
   if (!events_.empty() && !choices_.empty()) {  // the strategy set in force (re-planned perhaps), for --resume
     nlohmann::json set = nlohmann::json::array();
     for (const auto& c : choices_) set.push_back(to_json(*c->strategy));
@@ -554,7 +557,23 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   }
 }
 
+void DistTrainer::agree_on_run_id() {
+  std::string id = o_.run_id;
+  if (const char* env = std::getenv("HSPMD_RUN_ID"); id.empty() && env != nullptr) id = env;
+  if (!id.empty()) {
+    run_id_ = id;
+    return;
+  }
+  uint64_t value = 0;  // rank 0 draws it; the others take rank 0's
+  if (world_.rank() == 0) value = std::stoull(new_run_id(), nullptr, 16);
+  world_.broadcast(&value, 1, DType::I64, 0);
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(value));
+  run_id_ = buf;
+}
+
 std::vector<StepRecord> DistTrainer::run() {
+  agree_on_run_id();
   Adam adam(o_.adam);
   LrSchedule schedule = o_.schedule;
   schedule.total_steps = o_.steps;

@@ -172,6 +172,7 @@ class DistTrainer {
     if (o.skip_nonfinite_steps < 0)
       fail("[flags] --skip-nonfinite-steps must be >= 0, got ", o.skip_nonfinite_steps);
     train_common::check_outputs(o, world.rank());
+    check_checkpoint_directory(o);
     algorithm_ = parse_switch_algorithm(o.switch_algorithm);
     topology_ = std::make_shared<const Topology>(o.cluster_path.empty() ? Topology::uniform(world.size())
                                                                         : Topology::load(o.cluster_path));
@@ -299,6 +300,12 @@ class DistTrainer {
   int64_t most_accepted(const std::vector<const Strategy*>& strategies) const;
   // Whether the committed training checkpoint is the one of `step`.
   bool checkpoint_at(int64_t step);
+  // Whether --checkpoint holds a committed checkpoint of this run (its
+  // meta.run_id is run_id_, or it is the checkpoint this run resumed):
+  // another run's is never read back.
+  bool own_checkpoint() const;
+  // The run's id (TrainOptions::run_id), agreed on by every rank.
+  void agree_on_run_id();
   // Stragglers: after `step`, with its record; may re-plan and switch.
   void watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log);
   // ... with token-budget steps: each step predicted from its own dispatch;
@@ -404,6 +411,10 @@ class DistTrainer {
   const TrainOptions& o_;
   Communicator& world_;
   LlamaConfig config_;
+  std::string run_id_;  // stamped into every checkpoint this run commits
+  // With --resume the --checkpoint directory itself: the run id of the
+  // checkpoint resumed (it counts as this run's own until replaced).
+  std::optional<std::string> resumed_run_id_;
   SwitchAlgorithm algorithm_ = SwitchAlgorithm::kFused;
   std::shared_ptr<const Topology> topology_;
   std::vector<std::shared_ptr<const AnnotationPlan>> plans_;  // the first, then one per switch

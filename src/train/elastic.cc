@@ -29,12 +29,15 @@ void DistTrainer::load_elastic_events() {
   assumed_ = topology_;
 }
 
+bool DistTrainer::own_checkpoint() const {
+  if (o_.checkpoint_dir.empty() || !checkpoint_exists(o_.checkpoint_dir)) return false;
+  const std::string id = checkpoint_run_id(o_.checkpoint_dir);
+  return id == run_id_ || (resumed_run_id_ && id == *resumed_run_id_);
+}
+
 bool DistTrainer::checkpoint_at(int64_t step) {
   finish_checkpoint(true);
-  if (o_.checkpoint_dir.empty()) return false;
-  std::error_code ec;
-  if (!std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json", ec)) return false;
-  return CheckpointReader(o_.checkpoint_dir).index().step == step;
+  return own_checkpoint() && CheckpointReader(o_.checkpoint_dir).index().step == step;
 }
 
 namespace {
@@ -114,8 +117,7 @@ int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int
   so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
   so.lost_ranks = failed_;
   so.have_checkpoint = checkpoint_at(step);
-  if (!so.have_checkpoint && !o_.checkpoint_dir.empty() &&
-      std::filesystem::exists(std::filesystem::path(o_.checkpoint_dir) / "index.json")) {
+  if (!so.have_checkpoint && own_checkpoint()) {
     bool servable = true;  // the same answer on every rank: the switch plan is a pure function
     try {
       switch_plans_.get(*rt_->plan, *plan, *topology_, so);

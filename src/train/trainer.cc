@@ -1,9 +1,14 @@
 #include "hspmd/train/trainer.h"
 
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <random>
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
+#include "hspmd/io/checkpoint.h"
 #include "hspmd/models/config.h"
 #include "train/train_common.h"
 
@@ -26,6 +31,37 @@ void check_options(const TrainOptions& o, const LlamaConfig& c) {
 }
 
 }  // namespace
+
+std::string new_run_id() {
+  std::random_device device;
+  std::seed_seq seed{device(), device(), device(), device(),
+                     static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count())};
+  std::mt19937_64 gen(seed);
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(gen()));
+  return buf;
+}
+
+std::string checkpoint_run_id(const std::string& dir) {
+  const CheckpointIndex index = load_checkpoint_index(dir);
+  const auto it = index.meta.find("run_id");
+  return it != index.meta.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+void check_checkpoint_directory(const TrainOptions& o) {
+  if (o.checkpoint_dir.empty() || o.overwrite_checkpoint || !checkpoint_exists(o.checkpoint_dir)) return;
+  std::error_code ec;
+  if (!o.resume_dir.empty() && std::filesystem::equivalent(o.resume_dir, o.checkpoint_dir, ec)) return;
+  int64_t step = -1;
+  try {
+    step = load_checkpoint_index(o.checkpoint_dir).step;
+  } catch (const Error&) {  // unreadable: still another run's files
+  }
+  fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds the committed checkpoint",
+       step >= 0 ? " of step " + std::to_string(step) : std::string(),
+       " of another run; give --resume ", o.checkpoint_dir, " to continue it, --overwrite-checkpoint to replace it, "
+       "or another directory");
+}
 
 std::vector<StepRecord> train(const TrainOptions& o) {
   const LlamaConfig config = LlamaConfig::load(o.model_path);

@@ -133,6 +133,38 @@ def main():
         ("tokenize eos is a byte", ["tokenize", "--output", p("o.bin"), "--eos", "10", p("cfg.json")], "eos"),
         ("tokenize missing input", ["tokenize", "--output", p("o.bin"), "--eos", "256", p("nope.txt")], "nope.txt"),
     ]
+    # An output that resolves to an input (the same inode: the same name, a
+    # symbolic or a hard link), or to another output, is refused before
+    # anything is written; the inputs stay byte for byte.
+    with open(p("g.txt"), "w") as f:
+        f.write("some text\n")
+    os.symlink(p("data.bin"), p("data_link.bin"))
+    os.link(p("data.bin"), p("data_hard.bin"))
+    with open(p("strategy.json"), "w") as f:
+        json.dump({"pipelines": [{"micro_batch_size": 1, "micro_batches": 2,
+                                  "stages": [{"ranks": [0], "layers": [0, 1]}]}]}, f)
+    guarded = ["cfg.json", "data.bin", "g.txt", "strategy.json"]
+    before = {n: open(p(n), "rb").read() for n in guarded}
+    cases += [
+        ("data stats --svg is the data", ["data", "stats", "--eos", "5", p("data.bin"), "--svg", p("data.bin")],
+         "destroy that input"),
+        ("data stats --svg via a symlink", ["data", "stats", "--eos", "5", p("data.bin"), "--svg", p("data_link.bin")],
+         "destroy that input"),
+        ("data stats --svg is --model", ["data", "stats", "--model", p("cfg.json"), p("data.bin"), "--svg", p("cfg.json")],
+         "--model"),
+        ("train --log is --data", base + ["--log", p("data.bin")], "destroy that input"),
+        ("train --log is a hard link of --data", base + ["--log", p("data_hard.bin")], "--data"),
+        ("train --save is --model", base + ["--save", p("cfg.json")], "--model"),
+        ("train --trace is --data", base + ["--trace", p("data_link.bin")], "--trace"),
+        ("train --dump-grads is --data", base + ["--dump-grads", p("data.bin")], "--dump-grads"),
+        ("train --save is --init", base + ["--init", p("ok.safetensors"), "--save", p("ok.safetensors")], "--init"),
+        ("train two outputs, one file", base + ["--log", p("x.jsonl"), "--trace", p("x.jsonl")], "another output"),
+        ("tokenize --output is an input", ["tokenize", "--eos", "256", "--output", p("g.txt"), p("g.txt")],
+         "destroy that input"),
+        ("plan compile -o is --strategy", ["plan", "compile", "--model", p("cfg.json"), "--strategy",
+                                           p("strategy.json"), "--world", "1", "-o", p("strategy.json")], "--strategy"),
+        ("profile -o is --model", ["profile", "--model", p("cfg.json"), "-o", p("cfg.json")], "--model"),
+    ]
     # The valid baseline must succeed, or the cases below prove nothing.
     ok = subprocess.run([exe] + base + ["--init", p("ok.safetensors")], capture_output=True, text=True)
     failures = []
@@ -154,6 +186,11 @@ def main():
             failures.append(name)
     if os.path.exists(p("o.bin")):
         failures.append("tokenize wrote output despite an error")
+    for n in guarded:
+        if open(p(n), "rb").read() != before[n]:
+            failures.append(f"input {n} was changed by a refused command")
+    if os.path.exists(p("x.jsonl")):
+        failures.append("a refused run wrote its --log")
     if failures:
         sys.exit("FAILED: " + ", ".join(failures))
     print("PASS")

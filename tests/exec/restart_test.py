@@ -13,12 +13,18 @@ ZeRO-1):
   after 10 s), and under --events (the restarted run continues under the
   re-planned strategy). A second kill after one restart (--max-restarts 1)
   ends the job with the usual line and exit 1;
+* --part foreign: a checkpoint directory of another run is never replaced
+  or resumed unasked: a fresh run there is refused with one line (the old
+  checkpoint stays byte for byte); with --overwrite-checkpoint it starts
+  anew, and a rank killed before or after its first commit restarts from
+  this run's own checkpoint (or the start), never from the other run's later
+  step: every step once, with the uninterrupted losses;
 * --part no-restart: with --max-restarts 0 (the default) a killed rank ends
   the job as before; a rank's own error (a non-finite loss) is not restarted;
   --max-restarts without --nproc, --checkpoint or --save-every, or below 0, is
   refused with one line.
 
-usage: restart_test.py --hspmd PATH --repo PATH --part crash|no-restart
+usage: restart_test.py --hspmd PATH --repo PATH --part crash|foreign|no-restart
 """
 import argparse
 import json
@@ -229,6 +235,56 @@ def part_crash(j):
     j.all_gone("twice")
 
 
+def part_foreign(j):
+    # The other run: uninterrupted, its checkpoint at the last step.
+    p = j.start("other")
+    rc, err = j.ends("the other run", p)
+    j.check("the other run: exit 0", rc == 0, err.strip()[-500:])
+    want = {r["step"]: r["loss"] for r in steps_of(records(j.path("other.jsonl")))}
+    ckpt = j.path("other.ckpt")
+    index = open(os.path.join(ckpt, "index.json"), "rb").read()
+    j.check("the other run: its checkpoint at step 12", json.loads(index).get("step") == STEPS, str(index[:80]))
+
+    # A fresh run naming that directory is refused before any rank starts.
+    cmd = j.cmd("fresh")
+    cmd[cmd.index("--checkpoint") + 1] = ckpt
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    j.check("a fresh run in the other run's directory: exit 1, one [flags] --checkpoint line",
+            r.returncode == 1 and len(lines) == 1 and "[flags] --checkpoint" in lines[0] and
+            "of step 12" in lines[0] and "--resume" in lines[0] and "--overwrite-checkpoint" in lines[0],
+            f"rc {r.returncode}: {r.stderr.strip()[:400]!r}")
+    j.check("... the other run's checkpoint is untouched",
+            open(os.path.join(ckpt, "index.json"), "rb").read() == index and
+            len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")]) == 4)
+    base = j.cmd("flags", restarts=None)
+    r = subprocess.run(base[:base.index("--checkpoint")] + ["--overwrite-checkpoint"], capture_output=True,
+                       text=True, timeout=120)
+    j.check("--overwrite-checkpoint without --checkpoint: one [flags] line",
+            r.returncode == 1 and "[flags] --overwrite-checkpoint needs --checkpoint" in r.stderr, r.stderr[:300])
+
+    # With --overwrite-checkpoint: a kill, then a restart that resumes only
+    # this run's own checkpoints (step 12 of the other run would skip the
+    # whole run, or fail it).
+    log = j.path("fresh.jsonl")
+    p = subprocess.Popen(cmd + ["--overwrite-checkpoint"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    killed = j.kill_rank("overwrite", p, 1, lambda: len(steps_of(records(log, False))) >= 2)
+    rc, err = j.ends("overwrite", p)
+    recs = records(log)
+    restarts = [r for r in recs if r.get("event") == "restart"]
+    j.check("overwrite: exit 0 after one restart from this run's own point",
+            rc == 0 and killed is not None and len(restarts) == 1 and restarts[0].get("from_step", 99) < 4,
+            f"rc {rc}: {err.strip()[-600:]!r} {restarts}")
+    j.check("overwrite: each step once with the uninterrupted losses",
+            [(r["step"], r["loss"]) for r in steps_of(recs)] == [(s, want.get(s)) for s in range(STEPS)],
+            str([(r["step"], r["loss"]) for r in steps_of(recs)][:6]))
+    meta = json.load(open(os.path.join(ckpt, "index.json"))).get("meta", {})
+    j.check("overwrite: the directory now holds this run's checkpoint (another run id)",
+            meta.get("run_id") and meta.get("run_id") != json.loads(index)["meta"].get("run_id"), str(meta)[:200])
+    j.all_gone("overwrite")
+
+
 def part_no_restart(j):
     log = j.path("plain.jsonl")
     p = j.start("plain", restarts=None)
@@ -272,12 +328,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--repo", required=True)
-    ap.add_argument("--part", required=True, choices=["crash", "no-restart"])
+    ap.add_argument("--part", required=True, choices=["crash", "foreign", "no-restart"])
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="hspmd-restart-") as tmp:
         j = Job(a, tmp)
         try:
-            {"crash": part_crash, "no-restart": part_no_restart}[a.part](j)
+            {"crash": part_crash, "foreign": part_foreign, "no-restart": part_no_restart}[a.part](j)
         finally:
             for pid in roles(job_pids(j.strategy)):
                 try:

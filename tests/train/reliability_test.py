@@ -111,10 +111,13 @@ def main():
         expect_error("--init with an infinity names the tensor", train("--init", at("inf.safetensors")),
                      name, "inf")
 
+        # An earlier --save file at the path this run saves to (not its --init:
+        # an output that is an input is refused).
+        open(at("earlier.safetensors"), "wb").write(good)
         blown = ["--init", at("good.safetensors"), "--lr", "1e20", "--quiet"]
-        p = train(*blown, "--save", at("good.safetensors"), "--log", at("blown.jsonl"), steps=6)
+        p = train(*blown, "--save", at("earlier.safetensors"), "--log", at("blown.jsonl"), steps=6)
         expect_error("--lr 1e20 stops at a non-finite step", p, "[train] step 1: loss nan", "not finite")
-        check(open(at("good.safetensors"), "rb").read() == good, "the earlier --save is untouched")
+        check(open(at("earlier.safetensors"), "rb").read() == good, "the earlier --save is untouched")
         logged = [json.loads(l) for l in open(at("blown.jsonl"))]
         check(all(r["loss"] is not None and r["grad_norm"] is not None for r in logged),
               f"the log holds only finite steps ({len(logged)} rows)")
@@ -133,10 +136,10 @@ def main():
             expect_error("--skip-nonfinite-steps 1 stops at the second non-finite step", p,
                          "--skip-nonfinite-steps 1")
         # An update that overflows the weights on the last step: nothing non-finite is written.
-        p = train("--init", at("good.safetensors"), "--lr", "1e39", "--save", at("good.safetensors"), steps=1)
+        p = train("--init", at("good.safetensors"), "--lr", "1e39", "--save", at("earlier.safetensors"), steps=1)
         expect_error("non-finite weights are not saved", p, "--save", "non-finite values after step 0",
                      "not written")
-        check(open(at("good.safetensors"), "rb").read() == good, "the earlier --save is still untouched")
+        check(open(at("earlier.safetensors"), "rb").read() == good, "the earlier --save is still untouched")
         p = train("--lr", "1e39", "--checkpoint", at("ckpt"), "--save-every", "1", steps=1)
         expect_error("non-finite weights are not checkpointed", p, "--checkpoint", "checkpoint not written")
         check(not os.path.exists(at("ckpt/index.json")), "no checkpoint is committed")

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace hspmd {
 
@@ -32,5 +33,20 @@ void check_output_directory(const std::string& what, const std::string& path);
 // regular file (symbolic links followed): the check a kRename writer makes
 // right before it writes.
 void check_replaceable(const std::string& what, const std::string& path);
+
+// A file a command reads or writes, and the flag (or role) that names it.
+struct NamedPath {
+  std::string what;  // e.g. "--data", "input"
+  std::string path;
+};
+
+// Throws hspmd::Error "[flags] <what> <path>: is the same file as <what'>
+// <path'>; writing it would destroy that input" (or "... as <what'> <path'>,
+// another output") when an output resolves to an input -- the same inode,
+// through any symbolic or hard link -- or two outputs name the same file,
+// existing or not (compared by inode, else by their absolute, normalized
+// path with existing parents' links resolved). Empty paths and inputs that
+// do not exist are skipped (their loaders report them).
+void check_outputs_apart(const std::vector<NamedPath>& inputs, const std::vector<NamedPath>& outputs);
 
 }  // namespace hspmd

@@ -64,6 +64,16 @@ struct TrainOptions {
   // for the disk (true).
   bool checkpoint_sync = false;
   std::string resume_dir;       // continue from the checkpoint in this directory
+  // A checkpoint_dir that already holds a committed checkpoint is refused
+  // (check_checkpoint_directory) unless the run resumes that very checkpoint
+  // (resume_dir is the same directory) or this is set (--overwrite-checkpoint:
+  // the old checkpoint is replaced at the run's first commit).
+  bool overwrite_checkpoint = false;
+  // Stamped into every checkpoint the run commits (meta.run_id): a restart
+  // resumes only checkpoints of its own run (docs/reliability.md). "": the
+  // environment's HSPMD_RUN_ID (the launcher sets it for its ranks), else a
+  // fresh id drawn by rank 0.
+  std::string run_id;
   int64_t seq_len = 0;
   // Token-budget steps (docs/mixed_length.md): when batch_tokens > 0, each
   // step takes the next document pieces (at most seq_len tokens each) while
@@ -151,6 +161,23 @@ struct StepRecord {
 // be saved (the file or checkpoint is not written), and for a write error
 // on the log or trace (docs/reliability.md).
 std::vector<StepRecord> train(const TrainOptions& options);
+
+// A fresh run id: 16 random hex digits.
+std::string new_run_id();
+
+// The run id stamped into the committed checkpoint of `dir` (its
+// index.json's meta.run_id), "" when it has none (an older checkpoint);
+// throws like load_checkpoint_index when the index cannot be read.
+std::string checkpoint_run_id(const std::string& dir);
+
+// The rule that keeps a run from destroying or adopting another run's
+// checkpoint: throws hspmd::Error "[flags] --checkpoint DIR: holds the
+// committed checkpoint of step K of another run; give --resume DIR to
+// continue it, --overwrite-checkpoint to replace it, or another directory"
+// when options.checkpoint_dir holds a committed checkpoint, unless
+// options.resume_dir is that same directory (by inode) or
+// options.overwrite_checkpoint is set.
+void check_checkpoint_directory(const TrainOptions& options);
 
 class Communicator;
 
