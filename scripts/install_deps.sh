@@ -12,6 +12,7 @@ PACKAGES=(
   libgtest-dev               # GoogleTest
   coinor-libcbc-dev          # CBC: the planner's integer programs (docs/ilp.md)
   python3 python3-torch python3-numpy  # PyTorch oracle tests and the peer benchmark
+  python3-venv               # the Hugging Face oracle's venv (scripts/setup_oracle_venv.sh)
 )
 
 missing=()
