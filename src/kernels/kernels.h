@@ -24,5 +24,12 @@ void mul(const NDArray& a, const NDArray& b, NDArray& out);
 void scale(const NDArray& a, float factor, NDArray& out);
 // out += a (same shapes).
 void accumulate(const NDArray& a, NDArray& out);
+// out = x + bias broadcast over the leading dims: x [..., N], bias [N]
+// (f32). Threaded over rows, vectorized along N.
+void add_bias(const NDArray& x, const NDArray& bias, NDArray& out);
+// dbias [N] = dy [..., N] summed over its leading dims (column sums of dy
+// viewed as [rows, N]), accumulated in double over fixed chunks of rows that
+// are then added in order: the same bits for every thread count.
+void bias_grad(const NDArray& dy, NDArray& dbias);
 
 }  // namespace hspmd::kernels

@@ -391,5 +391,131 @@ TEST(DeduceLayout, ReduceSumOverASplitDimIsPartial) {
   EXPECT_EQ(top.of(r), hetero({sub({0}), sub({1})}, 0, {3, 1}));
 }
 
+// ---- add_bias (x [..., N] + bias [N]) and bias_grad ----
+
+// y = add_bias(x, b) with x [B, S, 8]; the gradients of sum(y) for x and b.
+struct BiasAdd {
+  Graph g;
+  Tensor x = g.placeholder("x", {B, S, 8}, DType::F32);
+  Tensor b = g.parameter("b", {8});
+  Tensor y = ops::add_bias(x, b);
+  std::vector<Tensor> grads = gradients(ops::reduce_sum(y), {x, b});
+};
+
+TEST(DeduceAddBias, TensorParallelSplitsTheBiasLikeTheColumns) {
+  BiasAdd m;
+  // TP 2: a column-parallel projection's output and its bias.
+  const Annotation x = on({0, 1}, {{2, 2}}, {2});
+  AnnotatedGraph ag = deduce(m.g, {{"x", x}, {"b", on({0, 1}, {{0, 2}}, {0})}}, 2);
+  EXPECT_EQ(ag.of(m.y), x);
+  EXPECT_EQ(ag.of(m.grads[0]), x);
+  EXPECT_EQ(ag.of(m.grads[1]), on({0, 1}, {{0, 2}}, {0}));
+  EXPECT_EQ(find_node(m.g, "bias_grad").op->type(), "bias_grad");
+  // DP 2 (slow digit) x TP 2 (fast digit): the bias dup over the batch split,
+  // its gradient partial there.
+  const Annotation dp_tp = on({0, 1, 2, 3}, {{0, 2}, {2, 2}}, {0, 2});
+  AnnotatedGraph ag4 =
+      deduce(m.g, {{"x", dp_tp}, {"b", on({0, 1, 2, 3}, {{kDup, 2}, {0, 2}}, {kDup, 0})}}, 4);
+  EXPECT_EQ(ag4.of(m.y), dp_tp);
+  EXPECT_EQ(ag4.of(m.grads[0]), dp_tp);
+  EXPECT_EQ(ag4.of(m.grads[1]), on({0, 1, 2, 3}, {{kP, 2}, {0, 2}}, {kP, 0}));
+}
+
+TEST(DeduceAddBias, TokenSplitsDuplicateTheBias) {
+  BiasAdd m;
+  const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
+  for (int d : {0, 1}) {  // data parallel, sequence (context) parallel
+    const Annotation x = on({0, 1}, {{d, 2}}, {d});
+    AnnotatedGraph ag = deduce(m.g, {{"x", x}, {"b", dup}}, 2);
+    EXPECT_EQ(ag.of(m.y), x) << "split dim " << d;
+    EXPECT_EQ(ag.of(m.grads[1]), on({0, 1}, {{kP, 2}}, {kP})) << "split dim " << d;
+  }
+  // Everything replicated: so is the bias gradient.
+  EXPECT_EQ(deduce(m.g, {{"x", dup}, {"b", dup}}, 2).of(m.grads[1]), dup);
+}
+
+TEST(DeduceAddBias, HeterogeneousAndUnevenSplits) {
+  BiasAdd m;
+  // Two pipelines cutting the batch 3:1: TP 2 on ranks 0, 1, TP 1 on rank 2.
+  const Annotation x = hetero({sub({0, 1}, {{2, 2}}, {2}), sub({2})}, 0, {3, 1});
+  AnnotatedGraph ag =
+      deduce(m.g, {{"x", x}, {"b", hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, kDup)}}, 3);
+  EXPECT_EQ(ag.of(m.y), x);
+  EXPECT_EQ(ag.of(m.grads[1]), hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, kP));
+  // The columns cut 3:1 across subgroups (6 and 2 of 8), then in two inside
+  // subgroup 0: the bias cut alike.
+  const Annotation cols = hetero({sub({0, 1}, {{2, 2}}, {2}), sub({2})}, 2, {3, 1});
+  const Annotation bias = hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, 0, {3, 1});
+  AnnotatedGraph uneven = deduce(m.g, {{"x", cols}, {"b", bias}}, 3);
+  EXPECT_EQ(uneven.of(m.y), cols);
+  EXPECT_EQ(uneven.of(m.grads[0]), cols);
+  EXPECT_EQ(uneven.of(m.grads[1]), bias);
+  // ... with a batch split inside subgroup 0 instead: the bias dup there.
+  const Annotation mixed = hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, 2, {3, 1});
+  AnnotatedGraph ag_mixed = deduce(
+      m.g,
+      {{"x", mixed}, {"b", hetero({sub({0, 1}, {{kDup, 2}}, {kDup}), sub({2})}, 0, {3, 1})}}, 3);
+  EXPECT_EQ(ag_mixed.of(m.y), mixed);
+  EXPECT_EQ(ag_mixed.of(m.grads[1]), hetero({sub({0, 1}, {{kP, 2}}, {kP}), sub({2})}, 0, {3, 1}));
+  // Other proportions for the bias than for x's columns.
+  expect_error(m.g,
+               {{"x", cols}, {"b", hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, 0, {1, 1})}}, 3,
+               {"op 'add_bias' (node 2)", "different proportions [3, 1] vs [1, 1]"});
+}
+
+TEST(DeduceAddBias, MismatchedBiasIsAnError) {
+  BiasAdd m;
+  const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
+  expect_error(m.g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"b", dup}}, 2,
+               {"[deduce] op 'add_bias' (node 2): input 0 (x) splits dim 2 by 2 but input 1 "
+                "(bias) splits dim 0 by 1",
+                "insert a Reshard"});
+  expect_error(m.g, {{"x", dup}, {"b", on({0, 1}, {{0, 2}}, {0})}}, 2,
+               {"input 0 (x) splits dim 2 by 1 but input 1 (bias) splits dim 0 by 2"});
+  // The bias split on the batch's digit of the devices, not the columns'.
+  expect_error(m.g,
+               {{"x", on({0, 1, 2, 3}, {{0, 2}, {2, 2}}, {0, 2})},
+                {"b", on({0, 1, 2, 3}, {{0, 2}, {kDup, 2}}, {0, kDup})}},
+               4, {"op 'add_bias' (node 2): inputs 0 and 1 order their devices differently"});
+  // Columns cut across subgroups, the bias whole on each.
+  expect_error(m.g,
+               {{"x", hetero({sub({0}), sub({1})}, 2)}, {"b", hetero({sub({0}), sub({1})}, kDup)}},
+               2, {"input 0 (x) splits dim 2 by 2 but input 1 (bias) splits dim 0 by 1",
+                   "across subgroups"});
+  // The bias on other devices.
+  expect_error(m.g, {{"x", on({0, 1}, {{2, 2}}, {2})}, {"b", on({2, 3}, {{0, 2}}, {0})}}, 4,
+               {"op 'add_bias' (node 2): inputs 0 and 1 live on different subgroups"});
+}
+
+TEST(DeduceAddBias, PartialInputsAreRefused) {
+  BiasAdd m;
+  const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
+  expect_error(m.g, {{"x", on({0, 1}, {{kP, 2}}, {kP})}, {"b", dup}}, 2,
+               {"[deduce] op 'add_bias' (node 2): input 0 (x) is partial; a bias is added to the "
+                "whole value, not to each partial term: insert a Reshard to reduce it first"});
+  expect_error(m.g,
+               {{"x", hetero({sub({0}), sub({1})}, kP)}, {"b", hetero({sub({0}), sub({1})}, kDup)}},
+               2, {"input 0 (x) is partial"});
+  Graph h;
+  Tensor x = h.placeholder("x", {B, 8}, DType::F32);
+  Tensor b = h.placeholder("b", {8}, DType::F32);
+  ops::add_bias(x, b);
+  expect_error(h, {{"x", dup}, {"b", on({0, 1}, {{kP, 2}}, {kP})}}, 2, {"input 1 (bias) is partial"});
+}
+
+TEST(DeduceAddBias, BiasGradientIsLinearInThePartialGradient) {
+  // The biased value feeds a column-parallel linear: its gradient, and so the
+  // bias gradient, is a partial sum over the tensor-parallel ranks.
+  Graph g;
+  Tensor x = g.placeholder("x", {B, 8}, DType::F32);
+  Tensor b = g.parameter("b", {8});
+  Tensor w = g.parameter("w", {4, 8});
+  std::vector<Tensor> grads = gradients(ops::reduce_sum(ops::linear(ops::add_bias(x, b), w)), {x, b});
+  const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
+  AnnotatedGraph ag = deduce(g, {{"x", dup}, {"b", dup}, {"w", on({0, 1}, {{0, 2}}, {0})}}, 2);
+  EXPECT_EQ(ag.of(grads[0]), on({0, 1}, {{kP, 2}}, {kP}));
+  EXPECT_EQ(ag.of(grads[1]), on({0, 1}, {{kP, 2}}, {kP}));
+}
+
 }  // namespace
 }  // namespace hspmd

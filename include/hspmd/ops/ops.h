@@ -14,6 +14,11 @@ namespace hspmd::ops {
 
 // ---- elementwise (same shapes, f32) ----
 Tensor add(const Tensor& a, const Tensor& b);
+// x [..., N] + bias [N], the bias broadcast over x's leading dims (x of any
+// rank >= 1, both f32). Deduction: y like x; the bias split along dim 0 like
+// x's last dim and dup over its leading-dim splits; no partial input.
+// Gradient: dx = dy, dbias = dy summed over the leading dims (op bias_grad).
+Tensor add_bias(const Tensor& x, const Tensor& bias);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor scale(const Tensor& a, float factor);
 // A constant tensor of `shape` filled with `value` (f32). It has no input to
