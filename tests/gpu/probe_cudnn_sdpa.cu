@@ -280,6 +280,7 @@ bool run_cfg(Cfg c, cudnnHandle_t handle, cudaStream_t stream) {
     }
   }
 
+  PROBE_CUDA(cudaDeviceSynchronize());  // pageable uploads may still be in flight; `stream` does not wait
   // Forward: outputs poisoned (padded ones zeroed: cuDNN need not write them,
   // and the backward reads O).
   if (varlen(c))
