@@ -9,6 +9,10 @@
 //    B*S tokens;
 //  * i32 [B, S] positions: each token's position in its own document, so
 //    start(i) = max(0, i - positions[i]).
+// A sliding window W > 0 (Mistral's `sliding_window`) raises every start to
+// at least i - W + 1: query i sees keys max(start(i), i - W + 1) <= j <= i.
+// W = 0 is no window. Key tiles the window hides are skipped, so the cost
+// falls with W.
 #pragma once
 
 #include <cstdint>
@@ -48,23 +52,27 @@ std::vector<int32_t> document_starts_from_positions(const NDArray& positions, in
 // `products` is the dtype of the tile products' operands: F32, or BF16 for
 // bf16 operands with f32 sums (mixed precision; softmax, lse and the outputs
 // stay f32). Both run on either CPU (bf16 without AVX512-BF16 is slower).
+// `window`: the sliding window W (0: none); W < 0 throws hspmd::Error
+// "[attention] window: ...".
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
-                       AttentionTiles tiles, DType products = DType::F32);
+                       AttentionTiles tiles, DType products = DType::F32, int64_t window = 0);
 
 // Backward: from the forward's out and lse and the gradient of out, writes
 // dq, dk, dv (shapes of q, k, v; fully overwritten). Throws like the forward.
 void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
                         const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
-                        AttentionTiles tiles, DType products = DType::F32);
+                        AttentionTiles tiles, DType products = DType::F32,
+                        int64_t window = 0);
 
 // ---- blocks of context-parallel (ring) attention (cpu/attention_block.cc) ----
 
 // One (query block, key block) pair of a longer sequence. Rows carry their
 // global sequence indices (the same in every batch row), so the two blocks
 // may be any pieces of the sequence, e.g. two zigzag halves each. Query i
-// sees key j iff q_start[b*Sq + i] <= k_index[j] <= q_index[i]. Tiles never
+// sees key j iff q_start[b*Sq + i] <= k_index[j] <= q_index[i] and, with a
+// window W > 0, q_index[i] - W < k_index[j] (global indices). Tiles never
 // straddle a jump in the indices; tiles the mask hides are skipped, and only
 // tiles the mask cuts are masked. The views must outlive the call.
 struct AttentionBlock {
@@ -75,7 +83,14 @@ struct AttentionBlock {
   std::span<const int64_t> k_index;   // [Sk]
   float scale = 1.0f;
   DType products = DType::F32;        // of the tile products, as attention_forward's
+  int64_t window = 0;                 // sliding window W (0: none), in global indices
 };
+
+// True when no query of the block sees any of its keys (the window or the
+// causal / document mask hides them all): ring attention then skips the
+// block's kernels; they would only return out 0, lse -inf (forward) and add
+// nothing (backward).
+bool attention_block_hidden(const AttentionBlock& blk);
 
 // The block's attention alone: writes out_blk [B, Sq, Hq, D] and lse_blk
 // [B, Hq, Sq] over this block's visible keys. A row that sees none of them

@@ -3,7 +3,9 @@
 // backward. Outputs of the forward: out [B, S, Hq, D] and the rows'
 // log-sum-exp lse [B, Hq, S], kept for the backward. With q's sequence split
 // over cp ranks, both run as ring attention (context parallelism) over the
-// cp group. See docs/attention.md.
+// cp group. An optional sliding window W (query i sees keys i - W < j <= i)
+// applies on every path, in global indices under the ring. See
+// docs/attention.md.
 // Deduction: batch and heads (q's and k/v's heads split by the same degree,
 // which keeps GQA groups together) pass; the head dim must be whole; the
 // sequence may be split (q, k, v and positions alike) only with
@@ -325,10 +327,17 @@ struct RingInputs {
   std::vector<int32_t> start;
   float scale;
   DType products;
+  int64_t window;
   kernels::AttentionBlock block(const Ring& ring, const NDArray& kv_now, int step,
                                 std::vector<int64_t>& k_index) const {
     k_index = ring.zigzag_index((ring.c - step + ring.n) % ring.n);
-    return {q, q_index, start, part(kv_now, 0), part(kv_now, 1), k_index, scale, products};
+    return {q,       q_index, start,    part(kv_now, 0), part(kv_now, 1),
+            k_index, scale,   products, window};
+  }
+  // Whether the window hides every key of the block from every local query
+  // (then the block travels on but is not computed).
+  bool hidden(const kernels::AttentionBlock& blk) const {
+    return window > 0 && kernels::attention_block_hidden(blk);
   }
 };
 
@@ -347,9 +356,9 @@ void ring_forward(const Ring& ring, const RingInputs& x, NDArray& out, NDArray& 
     std::vector<Request> moving;
     if (s + 1 < ring.n) moving = pass_on(ring, now, next, kTagKv);
     const kernels::AttentionBlock blk = x.block(ring, now, s, k_index);
-    if (s == 0) {
+    if (s == 0) {  // the own block: every query sees at least itself
       kernels::attention_block_forward(blk, out, lse, tiles);
-    } else {
+    } else if (!x.hidden(blk)) {
       kernels::attention_block_forward(blk, out_blk, lse_blk, tiles);
       kernels::attention_merge(out, lse, out_blk, lse_blk);
     }
@@ -389,8 +398,9 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
     ring.cp->wait_all(sending[s % 2]);
     g.fill(0.0f);
     NDArray dk = part(g, 0), dv = part(g, 1);
-    kernels::attention_block_backward(x.block(ring, now, s, k_index), grad_out, lse, delta, dq,
-                                      dk, dv, tiles);
+    const kernels::AttentionBlock blk = x.block(ring, now, s, k_index);
+    if (!x.hidden(blk))  // a hidden block's gradients stay zero but still travel
+      kernels::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
     ring.cp->wait_all(incoming);
     if (s > 0) add_into(g, arrived);
     sending[s % 2].push_back(send_to_next(ring, g, kTagGrad));
@@ -407,7 +417,8 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
 // Relayouts q, k, v (and the documents' starts) into zigzag order; `extra`
 // (with sequence dims extra_dims) come along.
 RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
-                       float scale, DType products, const std::vector<NDArray>& extra,
+                       float scale, DType products, int64_t window,
+                       const std::vector<NDArray>& extra,
                        const std::vector<int>& extra_dims, std::vector<NDArray>& extra_zigzag) {
   std::vector<NDArray> arrays = {in[0], in[1], in[2], chunk_starts(ring, positions, in[0].dim(0))};
   std::vector<int> dims = {1, 1, 1, 1};
@@ -415,15 +426,15 @@ RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const N
   dims.insert(dims.end(), extra_dims.begin(), extra_dims.end());
   std::vector<NDArray> z = relayout(ring, arrays, dims, true);
   extra_zigzag.assign(z.begin() + 4, z.end());
-  return RingInputs{z[0], kv_pack(z[1], z[2]), ring.zigzag_index(ring.c), starts_of(z[3]), scale,
-                    products};
+  return RingInputs{z[0],  kv_pack(z[1], z[2]), ring.zigzag_index(ring.c), starts_of(z[3]),
+                    scale, products,            window};
 }
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse (contiguous order).
 void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
-                    float scale, DType products, std::vector<NDArray>& out) {
+                    float scale, DType products, int64_t window, std::vector<NDArray>& out) {
   std::vector<NDArray> none;
-  const RingInputs x = ring_inputs(ring, in, positions, scale, products, {}, {}, none);
+  const RingInputs x = ring_inputs(ring, in, positions, scale, products, window, {}, {}, none);
   NDArray o, lse;
   ring_forward(ring, x, o, lse);
   std::vector<NDArray> back = relayout(ring, {o, lse}, {1, 2}, false);
@@ -433,11 +444,11 @@ void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDAr
 
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 void ring_attention_grad(const Ring& ring, const std::vector<NDArray>& in,
-                         const NDArray& positions, float scale, DType products,
+                         const NDArray& positions, float scale, DType products, int64_t window,
                          std::vector<NDArray>& out) {
   std::vector<NDArray> z;
-  const RingInputs x =
-      ring_inputs(ring, in, positions, scale, products, {in[3], in[4], in[5]}, {1, 2, 1}, z);
+  const RingInputs x = ring_inputs(ring, in, positions, scale, products, window,
+                                   {in[3], in[4], in[5]}, {1, 2, 1}, z);
   const auto [dq, dkv] = ring_backward(ring, x, z[0], z[1], z[2]);
   std::vector<NDArray> back = relayout(ring, {dq, part(dkv, 0), part(dkv, 1)}, {1, 1, 1}, false);
   for (int i = 0; i < 3; ++i) out[i] = back[i];
@@ -479,12 +490,28 @@ std::vector<NDArray> contiguous_inputs(const std::vector<NDArray>& in, size_t n)
   return c;
 }
 
+// The (query, key) pairs a causal document of n tokens keeps under a window
+// W (0: none), each query's own key counted half: sum over positions p of
+// min(p + 1, W) - 1/2, which is n^2 / 2 without a window (or with W >= n).
+double causal_pairs(int64_t n, int64_t window) {
+  const double len = static_cast<double>(n);
+  const double w = window > 0 ? static_cast<double>(std::min(window, n)) : len;
+  return w * (w + 1) / 2 + (len - w) * w - len / 2;
+}
+
 // The score and value products of causal attention on this rank: q's local
 // rows against the keys of the whole sequence (ring attention visits every
-// cp rank's keys), half of them unmasked: 2 * B * Hq * D * Sq * Sk.
-double attention_products(const std::vector<Shape>& in, const ShardContext* shard) {
+// cp rank's keys), half of them unmasked: 2 * B * Hq * D * Sq * Sk. With a
+// window W: 4 * B * Hq * D per kept pair, the rank's Sq / Sk share of a whole
+// row's causal_pairs(Sk, W) (the zigzag ring spreads them evenly, but for
+// the first W tokens).
+double attention_products(const std::vector<Shape>& in, const ShardContext* shard,
+                          int64_t window) {
   const Shape& q = in.at(0);
   const int64_t sk = shard ? shard->input_global_shapes.at(1).at(1) : in.at(1).at(1);
+  if (window > 0 && sk > 0)
+    return 4.0 * static_cast<double>(q[0] * q[2] * q[3]) * causal_pairs(sk, window) *
+           static_cast<double>(q[1]) / static_cast<double>(sk);
   return 2.0 * static_cast<double>(q[0] * q[2] * q[3]) * static_cast<double>(q[1]) * static_cast<double>(sk);
 }
 
@@ -492,8 +519,9 @@ double attention_products(const std::vector<Shape>& in, const ShardContext* shar
 // (query, key) pair the mask keeps. A query at position p of its document
 // keeps p + 1 keys; each is counted p + 1/2 so that one document per row
 // bills what no documents bill (S^2 / 2 pairs a row); cu_seqlens give
-// n^2 / 2 per document of n.
-double document_products(const Shape& q, const NDArray& documents) {
+// n^2 / 2 per document of n. A window W > 0 keeps min(p + 1, W) keys of a
+// query at position p, counted min(p + 1, W) - 1/2 (causal_pairs).
+double document_products(const Shape& q, const NDArray& documents, int64_t window) {
   const NDArray d = documents.contiguous();
   const int32_t* v = d.data<int32_t>();
   double pairs = 0;
@@ -502,12 +530,15 @@ double document_products(const Shape& q, const NDArray& documents) {
     for (int64_t b = 0; b < rows; ++b)
       for (int64_t i = 0; i < s; ++i) {
         const int64_t p = std::max<int64_t>(0, v[b * s + i]);
-        pairs += static_cast<double>(std::min(p, i)) + 0.5;
+        if (window > 0)
+          pairs += static_cast<double>(std::min(std::min(p, i) + 1, window)) - 0.5;
+        else
+          pairs += static_cast<double>(std::min(p, i)) + 0.5;
       }
   } else {
     for (int64_t j = 0; j + 1 < d.numel(); ++j) {
       const double n = static_cast<double>(v[j + 1] - v[j]);
-      pairs += n * n / 2;
+      pairs += window > 0 ? causal_pairs(v[j + 1] - v[j], window) : n * n / 2;
     }
   }
   return 4.0 * static_cast<double>(q[2] * q[3]) * pairs;
@@ -515,22 +546,24 @@ double document_products(const Shape& q, const NDArray& documents) {
 
 // Op::flops_on of both attention ops: the document mask when there is one
 // and the rows are whole on the rank. Under context parallelism the count
-// stays the shapes': the ring balances the work over its zigzag chunks,
-// whose positions a rank's contiguous slice does not hold.
-double attention_products_on(const std::vector<NDArray>& in, size_t documents_at, const ShardContext* shard) {
+// stays the shapes' (with the window's share): the ring balances the work
+// over its zigzag chunks, whose positions a rank's contiguous slice does not
+// hold.
+double attention_products_on(const std::vector<NDArray>& in, size_t documents_at,
+                             const ShardContext* shard, int64_t window) {
   std::vector<Shape> shapes;
   for (size_t i = 0; i < std::min<size_t>(in.size(), 2); ++i) shapes.push_back(in[i].shape());
   const bool whole_rows = !shard || shard->input_global_shapes.at(1).at(1) == shapes[1][1];
   if (documents_at >= in.size() || !in[documents_at].valid() || !whole_rows)
-    return attention_products(shapes, shard);
-  return document_products(shapes[0], in[documents_at]);
+    return attention_products(shapes, shard, window);
+  return document_products(shapes[0], in[documents_at], window);
 }
 
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 class AttentionGradOp final : public Op {
  public:
-  AttentionGradOp(float scale, bool context_parallel, DType products)
-      : scale_(scale), context_parallel_(context_parallel), products_(products) {}
+  AttentionGradOp(float scale, bool context_parallel, DType products, int64_t window)
+      : scale_(scale), context_parallel_(context_parallel), products_(products), window_(window) {}
   std::string type() const override { return "attention_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 6 && in.size() != 7)
@@ -546,10 +579,10 @@ class AttentionGradOp final : public Op {
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, true); }
   // The scores again, then dV, dP, dQ and dK: 2.5 times the forward's products.
   double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
-    return 2.5 * attention_products(in, shard);
+    return 2.5 * attention_products(in, shard, window_);
   }
   double flops_on(const std::vector<NDArray>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
-    return 2.5 * attention_products_on(in, 6, shard);
+    return 2.5 * attention_products_on(in, 6, shard, window_);
   }
   bool may_communicate() const override { return context_parallel_; }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
@@ -557,10 +590,10 @@ class AttentionGradOp final : public Op {
     const NDArray documents = optional_input(in, 6);
     const std::vector<NDArray> x = contiguous_inputs(in, 6);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention_grad(*ring, x, documents, scale_, products_, out);
+      return ring_attention_grad(*ring, x, documents, scale_, products_, window_, out);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
     kernels::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_, out[0],
-                                out[1], out[2], kernels::attention_tiles(), products_);
+                                out[1], out[2], kernels::attention_tiles(), products_, window_);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -572,13 +605,14 @@ class AttentionGradOp final : public Op {
   float scale_;
   bool context_parallel_;
   DType products_;
+  int64_t window_;  // sliding window W (0: none)
 };
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse.
 class AttentionOp final : public Op {
  public:
-  AttentionOp(float scale, bool context_parallel, DType products)
-      : scale_(scale), context_parallel_(context_parallel), products_(products) {}
+  AttentionOp(float scale, bool context_parallel, DType products, int64_t window)
+      : scale_(scale), context_parallel_(context_parallel), products_(products), window_(window) {}
   std::string type() const override { return "attention"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 3 && in.size() != 4)
@@ -589,10 +623,10 @@ class AttentionOp final : public Op {
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, false); }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
-    return attention_products(in, shard);
+    return attention_products(in, shard, window_);
   }
   double flops_on(const std::vector<NDArray>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
-    return attention_products_on(in, 3, shard);
+    return attention_products_on(in, 3, shard, window_);
   }
   bool may_communicate() const override { return context_parallel_; }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
@@ -600,11 +634,11 @@ class AttentionOp final : public Op {
     const NDArray documents = optional_input(in, 3);
     const std::vector<NDArray> x = contiguous_inputs(in, 3);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention(*ring, x, documents, scale_, products_, out);
+      return ring_attention(*ring, x, documents, scale_, products_, window_, out);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
     kernels::attention_forward(x[0], x[1], x[2], documents, scale_, out[0], out[1],
-                               kernels::attention_tiles(), products_);
+                               kernels::attention_tiles(), products_, window_);
   }
   // lse's gradient is never used: it only feeds the backward.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
@@ -615,7 +649,8 @@ class AttentionOp final : public Op {
     if (node.inputs.size() == 4) in.push_back(node.inputs[3]);
     // `node` may dangle once the graph grows: everything needed is copied above.
     std::vector<Tensor> d =
-        node.graph->add(std::make_shared<AttentionGradOp>(scale_, context_parallel_, products_), in);
+        node.graph->add(
+            std::make_shared<AttentionGradOp>(scale_, context_parallel_, products_, window_), in);
     grads[0] = d[0], grads[1] = d[1], grads[2] = d[2];
     return grads;
   }
@@ -629,18 +664,21 @@ class AttentionOp final : public Op {
   float scale_;
   bool context_parallel_;
   DType products_;
+  int64_t window_;  // sliding window W (0: none)
 };
 
 }  // namespace
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
-                 float softmax_scale, bool context_parallel, DType products) {
+                 float softmax_scale, bool context_parallel, DType products, int64_t window) {
   if (!q.valid() || !k.valid() || !v.valid()) fail("[attention] q, k and v must be defined");
   if (products != DType::F32 && products != DType::BF16)
     fail("[attention] products: must be f32 or bf16, got ", dtype_name(products));
+  if (window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", window);
   std::vector<Tensor> in = {q, k, v};
   if (documents.valid()) in.push_back(documents);
-  return q.graph()->add(std::make_shared<AttentionOp>(softmax_scale, context_parallel, products), in)[0];
+  return q.graph()->add(
+      std::make_shared<AttentionOp>(softmax_scale, context_parallel, products, window), in)[0];
 }
 
 }  // namespace hspmd::ops

@@ -7,6 +7,7 @@
 
 #include <ctime>
 #include <string>
+#include <vector>
 
 #include "hspmd/core/error.h"
 #include "hspmd/exec/op_work.h"
@@ -97,6 +98,74 @@ TEST(OpWork, AttentionWithDocumentsCountsTheKeptProducts) {
   ASSERT_EQ(d.at(0).node().op->type(), "attention_grad");
   EXPECT_EQ(op_work(d.at(0).node(), {x, x, x, out, lse, x, NDArray::from_vector_i32({2, 8}, halves)}, {x, x, x}).flops,
             2.5 * whole / 2);
+}
+
+// With a sliding window W the bill is the pairs the mask keeps (i - W < j
+// <= i within the document), each query's own key counted half as in the
+// causal bill above, so that W >= S bills what no window bills: counted by
+// brute force here, without documents (from the shapes alone and from the
+// arrays), with positions and with cu_seqlens; the gradient 2.5 times that;
+// under context parallelism the rank's share of the whole sequence's count.
+TEST(OpWork, AttentionWithWindowCountsTheKeptPairs) {
+  const int64_t B = 2, S = 8, Hq = 4, D = 8;
+  Graph g;
+  const SymShape qkv = {SymDim(B), SymDim(S), SymDim(Hq), SymDim(D)};
+  Tensor q = g.placeholder("q", qkv, DType::F32), k = g.placeholder("k", qkv, DType::F32);
+  Tensor pos = g.placeholder("pos", {SymDim(B), SymDim(S)}, DType::I32);
+  Tensor cu = g.placeholder("cu", {SymDim(6)}, DType::I32);
+  const Shape local = {B, S, Hq, D}, lse_shape = {B, Hq, S};
+  const NDArray x = NDArray::zeros(local, DType::F32);
+  const NDArray out = NDArray::zeros(local, DType::F32), lse = NDArray::zeros(lse_shape, DType::F32);
+  // Documents of 3 and 5 tokens in row 0, one of 8 in row 1.
+  const std::vector<int32_t> doc_pos = {0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7};
+  const NDArray positions = NDArray::from_vector_i32({B, S}, doc_pos);
+  const NDArray cu_seqlens = NDArray::from_vector_i32({6}, {0, 3, 8, 8, 16, 16});
+  // Kept pairs of rows of `len` tokens whose documents start at `start`,
+  // less half a pair per query.
+  const auto kept = [](const std::vector<int64_t>& start, int64_t len, int64_t window) {
+    double pairs = 0;
+    for (size_t t = 0; t < start.size(); ++t) {
+      const int64_t i = static_cast<int64_t>(t) % len;
+      for (int64_t j = 0; j < len; ++j)
+        pairs += j >= start[t] && j <= i && (window == 0 || i - j < window) ? 1 : 0;
+      pairs -= 0.5;
+    }
+    return pairs;
+  };
+  std::vector<int64_t> whole_rows(B * S, 0), doc_starts;
+  for (int64_t t = 0; t < B * S; ++t) doc_starts.push_back(t % S - doc_pos[t]);
+  const double per_pair = 4.0 * Hq * D;
+  const double no_window = op_work(ops::attention(q, k, k, Tensor(), 0.35f).node(),
+                                   {local, local, local}, {local, lse_shape}).flops;
+  for (int64_t w : {1, 2, 3, 5, 7, 8, 20}) {
+    const std::string what = "W=" + std::to_string(w);
+    Tensor plain = ops::attention(q, k, k, Tensor(), 0.35f, false, DType::F32, w);
+    Tensor with_pos = ops::attention(q, k, k, pos, 0.35f, false, DType::F32, w);
+    Tensor with_cu = ops::attention(q, k, k, cu, 0.35f, false, DType::F32, w);
+    const double want = per_pair * kept(whole_rows, S, w);
+    EXPECT_EQ(op_work(plain.node(), {local, local, local}, {local, lse_shape}).flops, want) << what;
+    EXPECT_EQ(op_work(plain.node(), {x, x, x}, {out, lse}).flops, want) << what;
+    if (w >= S) {
+      EXPECT_EQ(want, no_window) << what;
+    }
+    const double docs = per_pair * kept(doc_starts, S, w);
+    EXPECT_EQ(op_work(with_pos.node(), {x, x, x, positions}, {out, lse}).flops, docs) << what;
+    EXPECT_EQ(op_work(with_cu.node(), {x, x, x, cu_seqlens}, {out, lse}).flops, docs) << what;
+    const Node& fwd = with_pos.node();
+    const std::vector<Tensor> d = fwd.op->gradient(fwd, {q, Tensor()});
+    EXPECT_EQ(op_work(d.at(0).node(), {x, x, x, out, lse, x, positions}, {x, x, x}).flops,
+              2.5 * docs)
+        << what;
+    // cp = 2: this rank's 8 queries of the 16, half of the whole rows' count.
+    ShardContext shard;
+    shard.input_global_shapes = {{B, 16, Hq, D}, {B, 16, Hq, D}, {B, 16, Hq, D}, {B, 16}};
+    const double cp_want = per_pair * kept(std::vector<int64_t>(B * 16, 0), 16, w) / 2;
+    EXPECT_EQ(op_work(plain.node(), {local, local, local}, {local, lse_shape}, &shard).flops,
+              cp_want)
+        << what;
+    EXPECT_EQ(op_work(with_pos.node(), {x, x, x, positions}, {out, lse}, &shard).flops, cp_want)
+        << what;
+  }
 }
 
 TEST(OpWork, ElementwiseOpsCountTheirOutput) {

@@ -50,14 +50,14 @@ struct Place {
 struct AttentionGraph {
   Graph g;
   Tensor out, dq;
-  AttentionGraph(const Dims& d, bool positions, bool cu_seqlens = false) {
+  AttentionGraph(const Dims& d, bool positions, bool cu_seqlens = false, int64_t window = 0) {
     Tensor q = g.placeholder("q", sym_shape(d.q()), DType::F32);
     Tensor k = g.placeholder("k", sym_shape(d.kv()), DType::F32);
     Tensor v = g.placeholder("v", sym_shape(d.kv()), DType::F32);
     Tensor docs;
     if (positions) docs = g.placeholder("pos", sym_shape(d.tokens()), DType::I32);
     if (cu_seqlens) docs = g.placeholder("cu", {3}, DType::I32);
-    out = ops::attention(q, k, v, docs, 0.35f, true);
+    out = ops::attention(q, k, v, docs, 0.35f, true, DType::F32, window);
     Tensor grad = g.placeholder("grad", sym_shape(d.q()), DType::F32);
     dq = out.node().op->gradient(out.node(), {grad, Tensor()})[0];
   }
@@ -88,15 +88,17 @@ ShardContext shard(const std::vector<Shape>& in, const std::vector<Box>& in_boxe
   return s;
 }
 
-// Runs the ring on this rank's chunk and compares with the whole-tensor op.
-void check_ring(const Dims& d, const std::vector<int32_t>& pos, int cp, uint64_t seed) {
+// Runs the ring on this rank's chunk and compares with the whole-tensor op
+// (both with the sliding window `window`, 0: none).
+void check_ring(const Dims& d, const std::vector<int32_t>& pos, int cp, uint64_t seed,
+                int64_t window = 0) {
   Communicator& world = test_world();
   if (world.size() % cp != 0) GTEST_SKIP() << "world not divisible by cp=" << cp;
   const Place p(world.rank(), cp);
   const Data x = make_data(d, pos, seed + 10 * p.group);  // each cp group its own data
   const bool docs = !pos.empty();
 
-  AttentionGraph full(d, docs);
+  AttentionGraph full(d, docs, false, window);
   std::vector<NDArray> in = {x.q, x.k, x.v};
   if (docs) in.push_back(x.pos);
   const auto want = run_op(full.out.node(), in, {d.q(), d.lse()});
@@ -108,7 +110,7 @@ void check_ring(const Dims& d, const std::vector<int32_t>& pos, int cp, uint64_t
             tb = p.seq(d.tokens(), 1);
   Dims local = d;
   local.S = d.S / cp;
-  AttentionGraph part(local, docs);
+  AttentionGraph part(local, docs, false, window);
   std::vector<NDArray> lin = {take(x.q, qb), take(x.k, kb), take(x.v, kb)};
   std::vector<Shape> shapes = {d.q(), d.kv(), d.kv()};
   std::vector<Box> boxes = {qb, kb, kb};
@@ -186,6 +188,28 @@ TEST(RingAttention, PackedDocumentsWithBatchOfTwo) {
   for (const auto& tiles : kTiles) {
     TilesGuard guard(tiles);
     check_ring({2, 48, 4, 2, 8}, pos, cp, 3);
+  }
+}
+
+// A sliding window below half a chunk (whole blocks hidden: skipped, while
+// the ring still passes every block on) and one spanning several chunks, so
+// the window crosses chunk boundaries; with and without packed documents.
+TEST(RingAttention, SlidingWindow) {
+  const int cp = test_world().size();
+  const int64_t S = 8 * cp, chunk = S / cp, half = chunk / 2;
+  for (const auto& tiles : kTiles) {
+    TilesGuard guard(tiles);
+    for (int64_t window : {int64_t{1}, half - 1, 2 * chunk + 3, S - 1}) {
+      SCOPED_TRACE("window " + std::to_string(window));
+      check_ring({1, S, 4, 2, 8}, {}, cp, 7, window);
+    }
+  }
+  if (48 % (2 * cp) != 0) return;
+  const std::vector<int32_t> pos = positions({{12, 5, 13, 11, 7}, {6, 17, 2, 22, 1}});
+  TilesGuard guard({3, 2});
+  for (int64_t window : {2, 9, 30}) {
+    SCOPED_TRACE("documents, window " + std::to_string(window));
+    check_ring({2, 48, 4, 2, 8}, pos, cp, 8, window);
   }
 }
 

@@ -1,8 +1,9 @@
 // CPU attention over whole sequences: flash-attention tiles of OpenBLAS
 // sgemm (or of bf16 products, bf16_pairs.h) with an online softmax. Tiles
-// that the causal / document mask hides entirely are never computed; no
-// S x S matrix is ever materialized. Key tiles lie on a fixed grid of
-// tiles.k rows (the bf16 operands are packed per tile).
+// that the causal / document / sliding-window mask hides entirely are never
+// computed; no S x S matrix is ever materialized. Key tiles lie on a fixed
+// grid of tiles.k rows (the bf16 operands are packed per tile). A sliding
+// window is folded into the starts: start(i) >= i - W + 1.
 #include "kernels/attention.h"
 
 #include <algorithm>
@@ -31,13 +32,14 @@ struct Problem {
   const float* v;
   const float* kt;  // k and v transposed to [B, Hkv, D, S], so Q K^T is a plain product
   const float* vt;
-  const int32_t* start;  // [B*S]: position in its row where each token's document starts
+  const int32_t* start;  // [B*S]: where each token's visible keys start in its row (document, window)
   // Per query tile (b, i0 / tiles.q): the least and greatest start of its
   // rows. Starts from positions need not grow along a row.
   const int32_t* tile_min;
   const int32_t* tile_max;
   float scale;
   AttentionTiles tiles;
+  int64_t window = 0;  // sliding window W (0: none); already folded into start
   // bf16 products: the packed operands (attention_tile.h), else empty.
   bool bf16 = false;
   Segments qseg, kseg;  // the query and key tiles
@@ -94,12 +96,18 @@ std::vector<int32_t> starts_from_cu_seqlens(const NDArray& cu, int64_t B, int64_
   return start;
 }
 
-// Document starts of every token, and their range per query tile.
+void check_window(int64_t window) {
+  if (window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", window);
+}
+
+// Where the keys of every token start (its document's start, raised to
+// i - W + 1 by a window W > 0), and their range per query tile.
 struct Starts {
   std::vector<int32_t> start, tile_min, tile_max;
 };
 
-Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t tq) {
+Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t tq,
+                       int64_t window) {
   Starts s;
   if (!documents.valid()) {
     s.start.assign(B * S, 0);
@@ -111,6 +119,9 @@ Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t t
   } else {
     s.start = starts_from_cu_seqlens(documents, B, S);
   }
+  if (window > 0)
+    for (int64_t t = 0; t < B * S; ++t)
+      s.start[t] = static_cast<int32_t>(std::max<int64_t>(s.start[t], t % S - window + 1));
   const int64_t ntq = (S + tq - 1) / tq;
   s.tile_min.resize(B * ntq);
   s.tile_max.resize(B * ntq);
@@ -126,14 +137,15 @@ Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t t
 
 // The problem without its derived buffers (start, kt, vt), which the caller owns.
 Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v, float scale,
-                     AttentionTiles tiles, DType products) {
+                     AttentionTiles tiles, DType products, int64_t window) {
   for (const NDArray* a : {&q, &k, &v}) require_backend("attention", *a);
+  check_window(window);
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape(), "attention: ranks");
   Problem p{.B = q.dim(0), .S = q.dim(1), .Hq = q.dim(2), .Hkv = k.dim(2), .D = q.dim(3),
             .G = 1, .q = q.data<float>(), .k = k.data<float>(), .v = v.data<float>(),
             .kt = nullptr, .vt = nullptr, .start = nullptr, .tile_min = nullptr,
-            .tile_max = nullptr, .scale = scale, .tiles = tiles, .bf16 = false, .qseg = {},
-            .kseg = {}};
+            .tile_max = nullptr, .scale = scale, .tiles = tiles, .window = window, .bf16 = false,
+            .qseg = {}, .kseg = {}};
   HSPMD_CHECK(p.Hkv > 0 && p.Hq % p.Hkv == 0 && k.dim(0) == p.B && k.dim(1) == p.S &&
                   k.dim(3) == p.D && tiles.q > 0 && tiles.k > 0,
               "attention: shapes");
@@ -298,7 +310,9 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
     }
     for (int64_t h = hk * p.G; h < (hk + 1) * p.G; ++h) {
       for (int64_t i0 = j0 / tq * tq; i0 < p.S; i0 += tq) {
-        if (p.min_start(b, i0) >= j1) continue;  // every row's document starts after the keys
+        // The window hides the keys from this query tile and every later one.
+        if (p.window > 0 && i0 - p.window + 1 >= j1) break;
+        if (p.min_start(b, i0) >= j1) continue;  // every row's keys start after these
         backward_pair(p, g, b, h, i0, std::min(i0 + tq, p.S), j0, j1, w);
       }
     }
@@ -338,9 +352,9 @@ void set_attention_tiles(AttentionTiles tiles) {
 
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
-                       AttentionTiles tiles, DType products) {
-  Problem p = make_problem(q, k, v, scale, tiles, products);
-  const Starts starts = document_starts(documents, p.B, p.S, tiles.q);
+                       AttentionTiles tiles, DType products, int64_t window) {
+  Problem p = make_problem(q, k, v, scale, tiles, products, window);
+  const Starts starts = document_starts(documents, p.B, p.S, tiles.q, window);
   std::vector<float> kt;
   std::vector<uint16_t> q_rows, k_d, v_s;
   if (p.bf16) {
@@ -376,10 +390,10 @@ void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
 void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
                         const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
-                        AttentionTiles tiles, DType products) {
-  Problem p = make_problem(q, k, v, scale, tiles, products);
+                        AttentionTiles tiles, DType products, int64_t window) {
+  Problem p = make_problem(q, k, v, scale, tiles, products, window);
   for (const NDArray* a : {&out, &lse, &grad_out}) require_backend("attention_grad", *a);
-  const Starts starts = document_starts(documents, p.B, p.S, tiles.q);
+  const Starts starts = document_starts(documents, p.B, p.S, tiles.q, window);
   std::vector<float> kt, vt;
   std::vector<uint16_t> q_rows, q_cols, k_d, k_s, v_d, dout_rows, dout_cols;
   const NDArray dout = grad_out.contiguous();

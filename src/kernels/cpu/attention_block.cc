@@ -3,7 +3,9 @@
 // tiles as attention.cc (sgemm or bf16 products, online softmax,
 // flash-attention-2 backward),
 // but a tile is a run of consecutive global indices, and the mask compares
-// global indices.
+// global indices. A sliding window W > 0 is folded into the queries' starts
+// (start(i) >= i - W + 1, global), so tiles it hides are skipped like those
+// the causal / document mask hides.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -26,6 +28,19 @@ struct Run {
   int64_t g_last() const { return g0 + end - begin - 1; }
 };
 
+// Global index where the keys of query i (of batch row b) start: its
+// document's start, raised to i - W + 1 by a window W > 0.
+std::vector<int32_t> windowed_starts(const AttentionBlock& blk) {
+  if (blk.window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", blk.window);
+  std::vector<int32_t> start(blk.q_start.begin(), blk.q_start.end());
+  const int64_t Sq = static_cast<int64_t>(blk.q_index.size());
+  if (blk.window > 0 && Sq > 0)
+    for (size_t t = 0; t < start.size(); ++t)
+      start[t] = static_cast<int32_t>(
+          std::max<int64_t>(start[t], blk.q_index[t % Sq] - blk.window + 1));
+  return start;
+}
+
 // Splits rows into runs of at most `tile` rows that never straddle a jump.
 std::vector<Run> runs_of(std::span<const int64_t> index, int64_t tile) {
   std::vector<Run> runs;
@@ -43,7 +58,7 @@ struct BlockProblem {
   const float* k;
   const float* v;
   std::vector<float> kt, vt;  // [B, Hkv, D, Sk]
-  const int32_t* start;       // [B*Sq], global
+  std::vector<int32_t> start;  // [B*Sq], global: where each query's keys start (document, window)
   std::vector<Run> qruns, kruns;
   std::vector<int32_t> run_min, run_max;  // per (b, query run): least / greatest start
   float scale;
@@ -88,7 +103,7 @@ BlockProblem make_block_problem(const AttentionBlock& blk, AttentionTiles tiles,
                  .v = blk.v.data<float>(),
                  .kt = {},
                  .vt = {},
-                 .start = blk.q_start.data(),
+                 .start = {},
                  .qruns = runs_of(blk.q_index, tiles.q),
                  .kruns = runs_of(blk.k_index, tiles.k),
                  .run_min = {},
@@ -111,10 +126,11 @@ BlockProblem make_block_problem(const AttentionBlock& blk, AttentionTiles tiles,
                   static_cast<int64_t>(blk.q_start.size()) == p.B * p.Sq,
               "attention block: shapes");
   p.G = p.Hq / p.Hkv;
+  p.start = windowed_starts(blk);
   for (int64_t b = 0; b < p.B; ++b)
     for (const Run& r : p.qruns) {
-      const auto [lo, hi] =
-          std::minmax_element(p.start + b * p.Sq + r.begin, p.start + b * p.Sq + r.end);
+      const int32_t* row = p.start.data() + b * p.Sq;
+      const auto [lo, hi] = std::minmax_element(row + r.begin, row + r.end);
       p.run_min.push_back(*lo);
       p.run_max.push_back(*hi);
     }
@@ -294,8 +310,31 @@ void backward_group(const BlockProblem& p, const Grads& g, int64_t b, int64_t hk
 
 }  // namespace
 
+bool attention_block_hidden(const AttentionBlock& blk) {
+  HSPMD_CHECK(blk.q_index.empty() || blk.q_start.size() % blk.q_index.size() == 0,
+              "attention block: starts");
+  std::vector<int64_t> keys(blk.k_index.begin(), blk.k_index.end());
+  std::sort(keys.begin(), keys.end());
+  const std::vector<int32_t> start = windowed_starts(blk);
+  const size_t Sq = blk.q_index.size();
+  for (size_t t = 0; t < start.size(); ++t) {
+    const int64_t hi = blk.q_index[t % Sq];
+    const auto first = std::lower_bound(keys.begin(), keys.end(), int64_t{start[t]});
+    if (first != keys.end() && *first <= hi) return false;  // query t sees key *first
+  }
+  return true;
+}
+
 void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
                              AttentionTiles tiles) {
+  if (blk.window > 0 && attention_block_hidden(blk)) {  // nothing to compute or pack
+    HSPMD_CHECK(out_blk.shape() == blk.q.shape() &&
+                    lse_blk.numel() == blk.q.dim(0) * blk.q.dim(2) * blk.q.dim(1),
+                "attention block: outputs");
+    out_blk.fill(0.0f);
+    lse_blk.fill(kNegInf);
+    return;
+  }
   const BlockProblem p = make_block_problem(blk, tiles, false);
   HSPMD_CHECK(out_blk.shape() == blk.q.shape() && lse_blk.numel() == p.B * p.Hq * p.Sq,
               "attention block: outputs");
@@ -355,6 +394,7 @@ void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& de
 void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
                               const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
                               NDArray& dv, AttentionTiles tiles) {
+  if (blk.window > 0 && attention_block_hidden(blk)) return;  // adds nothing
   const BlockProblem p = make_block_problem(blk, tiles, true);
   HSPMD_CHECK(grad_out.shape() == blk.q.shape() && lse.numel() == p.B * p.Hq * p.Sq &&
                   delta.numel() == lse.numel() && dq.shape() == blk.q.shape() &&
