@@ -7,6 +7,7 @@
 #                               nvidia-cudnn-frontend (its include/ folder)
 #   DIR/cudnn-include           cudnn*.h copied from the local CUDA toolkit, a
 #                               fallback for a machine whose cuDNN has no headers
+#   DIR/nccl-include            nccl.h, likewise for NCCL
 # Idempotent: a part already present is kept (FORCE=1 fetches again).
 # Usage: bash scripts/fetch_cudnn_frontend.sh [DIR]
 set -euo pipefail
@@ -66,4 +67,16 @@ if [[ -n "$hdr_src" ]]; then
     awk '{printf "%s%s", sep, $3; sep="."}') from $hdr_src -> $DIR/cudnn-include"
 else
   echo "no cudnn.h found locally; $DIR/cudnn-include not made" >&2
+fi
+
+nccl_src=""
+for d in "${NCCL_INCLUDE_DIR:-}" "$CUDA_HOME/include" /usr/include /usr/include/x86_64-linux-gnu; do
+  if [[ -n "$d" && -f "$d/nccl.h" ]]; then nccl_src=$d; break; fi
+done
+if [[ -n "$nccl_src" ]]; then
+  mkdir -p "$DIR/nccl-include"
+  cp -u "$nccl_src/nccl.h" "$DIR/nccl-include/"
+  echo "nccl.h $(grep -m1 -E '#define NCCL_VERSION_CODE' "$nccl_src/nccl.h" | awk '{print $3}') from $nccl_src -> $DIR/nccl-include"
+else
+  echo "no nccl.h found locally; $DIR/nccl-include not made" >&2
 fi

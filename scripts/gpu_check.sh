@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# Builds and runs the GPU probes (tests/gpu, docs/gpu.md) on a GPU machine,
+# from the repository root, without the rest of hspmd (no CBC needed):
+#   bash scripts/gpu_check.sh            # on the GPU machine
+#   bash scripts/gpu_check.sh --local    # here, without a GPU: builds, every
+#                                        # probe skips (77), and the binaries
+#                                        # are kept in .gpu-deps/prebuilt
+# Needs .gpu-deps (scripts/fetch_cudnn_frontend.sh) carried along: the
+# cudnn_frontend headers, fallback cuDNN/NCCL headers, prebuilt probes.
+#
+# Writes under OUT (default out/gpu), at most 7 files: setup.log (machine,
+# libraries, configure, build), one log per probe, peer_torch.log and
+# summary.txt, which is printed last. No step stops the script: each step's
+# status is collected (PASS, FAIL, SKIP, TIMEOUT, CRASH(rc), NOT_BUILT).
+# Environment: OUT, BUILD_DIR (build-gpu), JOBS, PROBE_TIMEOUT (seconds per
+# probe, 150), TORCH_TIMEOUT (240), BUDGET (540: the whole script; a probe
+# gets at most what is left, and summary.txt is rewritten after every step,
+# so a run cut short still leaves one).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+LOCAL=0
+[[ "${1:-}" == "--local" ]] && LOCAL=1
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUILD_DIR=${BUILD_DIR:-build-gpu}
+if ((LOCAL)); then JOBS=${JOBS:-2}; else JOBS=${JOBS:-$(nproc)}; fi
+PROBE_TIMEOUT=${PROBE_TIMEOUT:-150}
+TORCH_TIMEOUT=${TORCH_TIMEOUT:-240}
+BUDGET=${BUDGET:-540}  # seconds for the whole script: later probes get what is left
+ORIG_LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+PROBES=(probe_cublaslt probe_cudnn_sdpa probe_cuda_graph probe_streams)
+SETUP="$OUT/setup.log"
+SUMMARY="$OUT/summary.txt"
+rm -f "$SETUP" "$SUMMARY" "$OUT"/peer_torch.log
+for p in "${PROBES[@]}"; do rm -f "$OUT/$p.log"; done
+
+T_START=$(date +%s)
+declare -a STEP_NAMES STEP_STATUS STEP_SECS
+note() { echo "$*" | tee -a "$SETUP"; }
+record() { STEP_NAMES+=("$1"); STEP_STATUS+=("$2"); STEP_SECS+=("$3"); write_summary; }
+status_of() {  # exit code -> status word
+  case "$1" in
+    0) echo PASS ;; 1) echo FAIL ;; 77) echo SKIP ;; 124 | 137) echo TIMEOUT ;;
+    *) echo "CRASH($1)" ;;
+  esac
+}
+
+# -------------------------------------------------------------- summary --
+# Status first, then probe, case and shortened fields, 100 characters a line.
+# Every RESULT line that measures something (ms, GB/s, us) or did not PASS
+# is listed; the other PASS lines (correctness checks) are counted per probe.
+write_summary() {
+  {
+  echo "gpu_check $(date -u +%FT%TZ) local=$LOCAL total=$(($(date +%s) - T_START))s"
+  echo "gpu: $GPU_LINE"
+  echo "nvcc: $([[ -n "$NVCC" ]] && "$NVCC" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo none)"
+  cat "$OUT"/*.log 2>/dev/null | grep -E "^INFO probe=(cudnn_sdpa|streams|peer_torch) " |
+    sed -E 's/^INFO probe=//; s/ device="[^"]*"//' | cut -c1-100
+  printf "%-18s %-16s %s\n" step status secs
+  for i in "${!STEP_NAMES[@]}"; do
+    printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
+  done
+  MEASURED="median_ms=|fwd_ms=|gbps|_us="
+  for f in "${PROBES[@]}" peer_torch; do
+    [[ -f "$OUT/$f.log" ]] || continue
+    n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
+    [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
+  done
+  cat "$OUT"/*.log 2>/dev/null | grep -E "^RESULT " | grep -v "case=cudnn_version " |
+    awk -v m="$MEASURED" '!/status=PASS$/ || $0 ~ m' |
+    sed -E 's/^RESULT probe=([^ ]+) case=([^ ]+) (.*) status=([^ ]+)$/\4 \1 \2 \3/;
+            /^[^ ]+ peer_torch /s/ (dq|dk|dv)_err=[^ ]*//g;
+            s/^([^ ]+) cublaslt /\1 lt /; s/^([^ ]+) cudnn_sdpa /\1 sdpa /; s/^([^ ]+) peer_torch /\1 torch /;
+            s/^([^ ]+) cuda_graph /\1 graph /;
+            s/ (M|N|K|B|Hq|Hkv|S|D)=[0-9]+//g;
+            s/ (layout|bound|build_ms|epi|bytes|count|err_tanh|err_erf|gelu|aux_err|stats|stats_err|varlen)=[^ ]*//g;
+            s/ (wall_eager_ms|wall_graph_ms|inst_ms)=[^ ]*//g; s/^UNSUPPORTED /UNSUPP /;
+            s/median_ms=/ms=/g; s/rel_err=/err=/g; s/fwd_tflops=/fTF=/g; s/bwd_tflops=/bTF=/g; s/tflops=/TF=/g;
+            s/fwd_ms=/fms=/g; s/bwd_ms=/bms=/g;
+            s/_err=/=/g; s/gbps_rw=/GB\/s_rw=/g; s/gbps=/GB\/s=/g' |
+    awk '{ printf "%-7s %-7s %-28s", $1, $2, $3; for (i = 4; i <= NF; ++i) printf " %s", $i; printf "\n" }' |
+    cut -c1-100 | head -n 44
+  } >"$SUMMARY"
+}
+
+# ------------------------------------------------------------ machine --
+t0=$(date +%s)
+note "== gpu_check $(date -u +%FT%TZ) local=$LOCAL root=$ROOT jobs=$JOBS"
+note "git: $(git rev-parse --short HEAD 2>/dev/null || echo none) $(git status --porcelain 2>/dev/null | wc -l) changed paths"
+GPU_LINE="none"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$SETUP"
+  GPU_LINE=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+else
+  note "nvidia-smi: not found"
+fi
+
+# Python site-packages (pip's nvidia-* wheels keep libraries in nvidia/*/lib).
+SITES=()
+for py in python3 /opt/torch/.venv/bin/python3; do
+  command -v "$py" >/dev/null 2>&1 || continue
+  while IFS= read -r d; do [[ -d "$d" ]] && SITES+=("$d"); done < <("$py" -c \
+    'import site, sysconfig; print(sysconfig.get_paths()["purelib"]); [print(p) for p in site.getsitepackages()]' 2>/dev/null)
+done
+SITES+=(/opt/torch/.venv/lib/python3*/site-packages)
+note "python3: $(command -v python3 || echo none); site-packages searched: ${SITES[*]}"
+
+# nvcc: PATH, then the usual toolkit places, then pip's nvidia/cu13 or cuda_nvcc.
+NVCC=$(command -v nvcc 2>/dev/null)
+if [[ -z "$NVCC" ]]; then
+  for c in /usr/local/cuda/bin/nvcc /usr/local/cuda-13*/bin/nvcc /usr/local/cuda-1*/bin/nvcc; do
+    [[ -x "$c" ]] && NVCC=$c && break
+  done
+fi
+if [[ -z "$NVCC" ]]; then
+  for s in "${SITES[@]}"; do
+    for c in "$s"/nvidia/cu13/bin/nvcc "$s"/nvidia/cuda_nvcc/bin/nvcc; do
+      [[ -x "$c" ]] && NVCC=$c && break 2
+    done
+  done
+fi
+if [[ -n "$NVCC" ]]; then
+  export CUDACXX=$NVCC
+  export PATH="$(dirname "$NVCC"):$PATH"
+  note "nvcc: $NVCC"
+  "$NVCC" --version 2>&1 | tail -n 2 | tee -a "$SETUP"
+else
+  note "nvcc: not found (the probes cannot be built here; prebuilt ones are used if carried)"
+fi
+note "cmake: $(command -v cmake || echo none) $(cmake --version 2>/dev/null | head -n 1)"
+note "ninja: $(command -v ninja || echo none); g++: $(g++ --version 2>/dev/null | head -n 1)"
+
+# Shared libraries: the toolkit and system first, then pip packages.
+LIB_DIRS=(/usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib
+          /usr/lib/x86_64-linux-gnu /usr/local/cuda-13*/lib64 /usr/local/cuda-13*/lib)
+if [[ -n "$NVCC" ]]; then LIB_DIRS=("$(dirname "$(dirname "$NVCC")")/lib64" "${LIB_DIRS[@]}"); fi
+find_lib() {  # find_lib NAME -> full path of the first match
+  local d f
+  for d in "${LIB_DIRS[@]}"; do
+    [[ -e "$d/$1" ]] && { echo "$d/$1"; return; }
+  done
+  for d in "${SITES[@]}"; do
+    [[ -d "$d/nvidia" ]] || continue
+    f=$(find "$d/nvidia" -maxdepth 3 -name "$1" 2>/dev/null | sort | head -n 1)
+    [[ -n "$f" ]] && { echo "$f"; return; }
+  done
+}
+LDP=()
+declare -A LIB
+for name in libcudnn.so.9 libnccl.so.2 libcublasLt.so.13 libnvrtc.so.13 libcudart.so.13; do
+  LIB[$name]=$(find_lib "$name")
+  if [[ -n "${LIB[$name]}" ]]; then
+    note "lib: $name -> ${LIB[$name]}"
+    d=$(dirname "${LIB[$name]}")
+    [[ " ${LDP[*]} " == *" $d "* ]] || LDP+=("$d")
+  else
+    note "lib: $name -> not found"
+  fi
+done
+LD_NEW=$(IFS=:; echo "${LDP[*]}")
+export LD_LIBRARY_PATH="${LD_NEW}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+note "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+
+# Headers next to the library (same version) first; carried copies last.
+find_header() {  # find_header FILE LIBPATH CARRIED_DIR
+  local d
+  local cands=()
+  [[ -n "$2" ]] && cands+=("$(dirname "$(dirname "$2")")/include")
+  cands+=(/usr/local/cuda/include /usr/include /usr/include/x86_64-linux-gnu "$3")
+  for d in "${cands[@]}"; do [[ -f "$d/$1" ]] && { echo "$d"; return; }; done
+}
+CMAKE_HINTS=()
+CUDNN_INC=$(find_header cudnn.h "${LIB[libcudnn.so.9]}" "$ROOT/.gpu-deps/cudnn-include")
+if [[ -n "$CUDNN_INC" && -n "${LIB[libcudnn.so.9]}" ]]; then
+  hv=$(awk '/#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) /{printf "%s%s", s, $3; s="."}' "$CUDNN_INC/cudnn_version.h" 2>/dev/null)
+  note "cudnn headers: $CUDNN_INC (version $hv; the runtime version is printed by probe_cudnn_sdpa)"
+  CMAKE_HINTS+=("-DCUDNN_INCLUDE_DIR=$CUDNN_INC" "-DCUDNN_LIBRARY=${LIB[libcudnn.so.9]}")
+fi
+NCCL_INC=$(find_header nccl.h "${LIB[libnccl.so.2]}" "$ROOT/.gpu-deps/nccl-include")
+if [[ -n "$NCCL_INC" && -n "${LIB[libnccl.so.2]}" ]]; then
+  note "nccl headers: $NCCL_INC"
+  CMAKE_HINTS+=("-DNCCL_INCLUDE_DIR=$NCCL_INC" "-DNCCL_LIBRARY=${LIB[libnccl.so.2]}")
+fi
+if [[ ! -f .gpu-deps/cudnn_frontend/include/cudnn_frontend.h ]]; then
+  note "cudnn_frontend: .gpu-deps/cudnn_frontend/include missing; trying scripts/fetch_cudnn_frontend.sh"
+  bash scripts/fetch_cudnn_frontend.sh >>"$SETUP" 2>&1 || note "cudnn_frontend: fetch failed (probe_cudnn_sdpa not built)"
+fi
+record environment INFO $(($(date +%s) - t0))
+
+# ------------------------------------------------- peer, during the build --
+# peer_torch needs no build: run it now, on the otherwise idle GPU, and wait
+# for it before the probes so that no two GPU jobs overlap.
+# It keeps the caller's LD_LIBRARY_PATH: torch loads its own pip CUDA libraries.
+T_TORCH=$(date +%s)
+TORCH_RC=$(mktemp)
+(
+  export PEER_TORCH_COMPILE_TIMEOUT=${PEER_TORCH_COMPILE_TIMEOUT:-75}
+  export LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH
+  [[ -n "$LD_LIBRARY_PATH" ]] || unset LD_LIBRARY_PATH
+  timeout -k 10 "$TORCH_TIMEOUT" python3 tests/gpu/peer_torch.py >"$OUT/peer_torch.log" 2>&1
+  echo "$? $(($(date +%s) - T_TORCH))" >"$TORCH_RC"
+) &
+TORCH_PID=$!
+
+# --------------------------------------------------- configure + build --
+t0=$(date +%s)
+GEN=()
+command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
+if [[ -f "$BUILD_DIR/CMakeCache.txt" ]] &&
+   ! grep -q "^CMAKE_HOME_DIRECTORY:INTERNAL=$ROOT/tests/gpu$" "$BUILD_DIR/CMakeCache.txt"; then
+  note "$BUILD_DIR holds another configuration; using $BUILD_DIR-probes"
+  BUILD_DIR=$BUILD_DIR-probes
+fi
+if [[ -f "$BUILD_DIR/CMakeCache.txt" ]]; then GEN=(); fi  # keep the existing generator
+BUILD_STATUS=FAIL
+if command -v cmake >/dev/null 2>&1 && [[ -n "$NVCC" ]]; then
+  note "== configure: cmake -S tests/gpu -B $BUILD_DIR ${GEN[*]} -DHSPMD_CUDA=ON -DHSPMD_BUILD_BENCH=OFF ${CMAKE_HINTS[*]}"
+  if timeout 180 cmake -S tests/gpu -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
+       -DHSPMD_CUDA=ON -DHSPMD_BUILD_BENCH=OFF "${CMAKE_HINTS[@]}" >>"$SETUP" 2>&1; then
+    grep -E "^-- GPU probes" "$SETUP" | tail -n 5
+    note "== build: cmake --build $BUILD_DIR -j $JOBS (keep going)"
+    KEEP=(-k)
+    grep -q "^CMAKE_GENERATOR:INTERNAL=Ninja" "$BUILD_DIR/CMakeCache.txt" && KEEP=(-k 0)
+    if timeout 300 cmake --build "$BUILD_DIR" -j "$JOBS" -- "${KEEP[@]}" >>"$SETUP" 2>&1; then
+      BUILD_STATUS=PASS
+    else
+      note "build: failed or partial (see setup.log); missing probes fall back to .gpu-deps/prebuilt"
+      grep -E "error|Error" "$SETUP" | head -n 20
+    fi
+  else
+    note "configure: failed (see setup.log); falling back to .gpu-deps/prebuilt"
+    tail -n 20 "$SETUP"
+  fi
+else
+  note "configure: skipped (no cmake or no nvcc)"
+fi
+record build "$BUILD_STATUS" $(($(date +%s) - t0))
+
+# Here (--local): keep the binaries for carrying (.gpu-deps/prebuilt), a
+# fallback for a GPU machine where the build fails.
+if ((LOCAL)) && [[ "$BUILD_STATUS" == PASS ]]; then
+  mkdir -p .gpu-deps/prebuilt
+  for p in "${PROBES[@]}"; do [[ -x "$BUILD_DIR/$p" ]] && cp -f "$BUILD_DIR/$p" .gpu-deps/prebuilt/; done
+  note "prebuilt: $(cd .gpu-deps/prebuilt && ls | tr '\n' ' ')($(du -sh .gpu-deps/prebuilt | cut -f1))"
+fi
+
+# ------------------------------------------------------------ peer wait --
+wait "$TORCH_PID" 2>/dev/null
+read -r rc torch_secs <"$TORCH_RC" 2>/dev/null || { rc=127; torch_secs=0; }
+rm -f "$TORCH_RC"
+record peer_torch "$(status_of "$rc")" "$torch_secs"
+echo "== peer_torch: $(status_of "$rc") (log: peer_torch.log)"
+grep -E "^(RESULT|SKIP|INFO)" "$OUT/peer_torch.log" | tail -n 30
+
+# --------------------------------------------------------------- probes --
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+for p in "${PROBES[@]}"; do
+  t0=$(date +%s)
+  bin="$BUILD_DIR/$p"
+  origin=built
+  if [[ ! -x "$bin" && -x ".gpu-deps/prebuilt/$p" ]]; then bin=".gpu-deps/prebuilt/$p"; origin=prebuilt; fi
+  if [[ ! -x "$bin" ]]; then
+    echo "== $p: not built" | tee "$OUT/$p.log"
+    record "$p" NOT_BUILT 0
+    continue
+  fi
+  left=$((T_START + BUDGET - $(date +%s) - 15))
+  limit=$((left < PROBE_TIMEOUT ? left : PROBE_TIMEOUT))
+  if ((limit < 20)); then
+    echo "== $p: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/$p.log"
+    record "$p" NO_TIME 0
+    continue
+  fi
+  echo "== $p ($origin: $bin, timeout ${limit}s)" | tee "$OUT/$p.log"
+  timeout -k 10 "$limit" "$bin" 2>&1 | tee -a "$OUT/$p.log"
+  rc=${PIPESTATUS[0]}
+  st=$(status_of "$rc")
+  [[ "$origin" == prebuilt ]] && st="$st(prebuilt)"
+  echo "== $p: $st rc=$rc $(($(date +%s) - t0))s" | tee -a "$OUT/$p.log"
+  record "$p" "$st" $(($(date +%s) - t0))
+done
+
+write_summary
+echo
+echo "==================== summary ($SUMMARY) ===================="
+cat "$SUMMARY"
