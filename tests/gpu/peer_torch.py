@@ -13,6 +13,7 @@ Prints one `RESULT probe=peer_torch ...` line per result. Exit 0 when nothing
 failed, 1 when a check failed, 77 (skip) without torch or a CUDA device.
 """
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -128,20 +129,29 @@ def compiled_child():
 
 
 def compiled():
+    # Own process group (killed whole on timeout), and inductor compiling in
+    # process: no worker pool left behind to load the machine afterwards.
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--compile-child"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-child"],
-                           capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        stdout, stderr = p.communicate(timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        p.communicate()
         result("mlp_linear_bias_gelu_compiled", "TIMEOUT", limit_s=int(COMPILE_TIMEOUT_S))
         return
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     for ln in lines:
         print(ln, flush=True)
         if ln.endswith("status=FAIL"):
             global failures
             failures += 1
     if not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         result("mlp_linear_bias_gelu_compiled", "UNSUPPORTED", rc=p.returncode, msg=short(RuntimeError(tail[0])))
 
 
