@@ -57,8 +57,9 @@ write_summary() {
   echo "gpu_check $(date -u +%FT%TZ) local=$LOCAL total=$(($(date +%s) - T_START))s"
   echo "gpu: $GPU_LINE"
   echo "nvcc: $([[ -n "$NVCC" ]] && "$NVCC" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo none)"
-  cat "$OUT"/*.log 2>/dev/null | grep -E "^INFO probe=(cudnn_sdpa|streams|peer_torch) " |
-    sed -E 's/^INFO probe=//; s/ device="[^"]*"//' | cut -c1-100
+  # Versions, and the device's properties once (every probe prints them).
+  cat "$OUT"/*.log 2>/dev/null | grep -E "^INFO probe=(cublaslt|cudnn_sdpa|streams|peer_torch) " |
+    awk '!/ cc=/ || /^INFO probe=cublaslt /' | sed -E 's/^INFO probe=//; s/ device="[^"]*"//' | cut -c1-100
   printf "%-18s %-16s %s\n" step status secs
   for i in "${!STEP_NAMES[@]}"; do
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
