@@ -17,7 +17,7 @@
 # gets at most what is left, and summary.txt is rewritten after every step,
 # so a run cut short still leaves one).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
 
 LOCAL=0
@@ -125,7 +125,8 @@ if [[ -z "$NVCC" ]]; then
 fi
 if [[ -n "$NVCC" ]]; then
   export CUDACXX=$NVCC
-  export PATH="$(dirname "$NVCC"):$PATH"
+  PATH="$(dirname "$NVCC"):$PATH"
+  export PATH
   note "nvcc: $NVCC"
   "$NVCC" --version 2>&1 | tail -n 2 | tee -a "$SETUP"
 else
