@@ -15,7 +15,7 @@
 #include "hspmd/core/rng.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/graph/executor.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/optim/adam.h"
 
 using namespace hspmd;
@@ -45,7 +45,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-ValueMap random_batch(const LlamaConfig& c, int64_t batch, int64_t seq, uint64_t seed) {
+ValueMap random_batch(const ModelConfig& c, int64_t batch, int64_t seq, uint64_t seed) {
   Rng rng(seed);
   NDArray ids = NDArray::empty({batch, seq}, DType::I32);
   NDArray tgt = NDArray::empty({batch, seq}, DType::I32);
@@ -68,11 +68,11 @@ int main(int argc, char** argv) {
   try {
     Args a = parse(argc, argv);
     set_num_threads(static_cast<int>(a.threads));
-    LlamaConfig c = LlamaConfig::load(a.model);
-    std::map<std::string, NDArray> params = init_llama_parameters(c, 0);
-    LlamaBuildOptions options;
+    ModelConfig c = ModelConfig::load(a.model);
+    std::map<std::string, NDArray> params = init_model_parameters(c, 0);
+    ModelBuildOptions options;
     options.precision.compute = parse_precision_name(a.precision, "--precision");
-    LlamaGraph m = build_llama(c, options);
+    ModelGraph m = build_model(c, options);
     std::vector<Tensor> fetches = {m.loss};
     fetches.insert(fetches.end(), m.grads.begin(), m.grads.end());
     Executor exec(*m.graph, fetches);

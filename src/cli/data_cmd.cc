@@ -103,7 +103,7 @@ void write_text(const std::string& path, const std::string& text) {
 int stats_command(const std::vector<std::string>& args) {
   StatsFlags flags;
   if (!parse_stats_flags(args, flags)) return 0;
-  if (!flags.model.empty()) flags.eos = LlamaConfig::load(flags.model).eos_token_id;
+  if (!flags.model.empty()) flags.eos = ModelConfig::load(flags.model).eos_token_id;
   // Any uint32 is a token id here: the statistics need no vocabulary.
   const TokenData data = TokenData::load(flags.data, int64_t{1} << 32);
   const std::vector<int64_t> lengths = document_lengths(data.tokens(), static_cast<uint32_t>(flags.eos));

@@ -91,7 +91,7 @@ int compile_command(const std::vector<std::string>& args) {
   check_input_file("--strategy", strategy_path);
   check_outputs_apart({{"--model", model}, {"--strategy", strategy_path}}, {{"--output", output}});
 
-  const LlamaConfig config = LlamaConfig::load(model);
+  const ModelConfig config = ModelConfig::load(model);
   const Strategy strategy = load_strategy(strategy_path);
   const AnnotationPlan plan = compile_plan(config, strategy, static_cast<int>(world), co);
   write_file(output, to_json(plan).dump(1) + "\n");
@@ -330,7 +330,7 @@ AnnotationPlan load_side(const std::string& path, const std::string& model, int 
   const Strategy strategy = load_strategy(path);
   CompileOptions co;
   co.seq_len = seq_len;
-  return compile_plan(LlamaConfig::load(model), strategy, world, co);
+  return compile_plan(ModelConfig::load(model), strategy, world, co);
 }
 
 std::vector<SwitchAlgorithm> switch_algorithms(const std::string& name) {

@@ -57,7 +57,7 @@ struct CostFlags {
 
 // The pieces of a token file (documents cut at eos, pieces of at most L), as
 // the trainer cuts them.
-std::vector<int64_t> file_pieces(const std::string& path, const LlamaConfig& config, int64_t max_seq_len) {
+std::vector<int64_t> file_pieces(const std::string& path, const ModelConfig& config, int64_t max_seq_len) {
   const TokenData data = TokenData::load(path, config.vocab_size);
   const PackedDocuments docs(data, max_seq_len, config.eos_token_id);
   std::vector<int64_t> pieces(static_cast<size_t>(docs.num_pieces()));
@@ -67,7 +67,7 @@ std::vector<int64_t> file_pieces(const std::string& path, const LlamaConfig& con
 
 // plan cost --lengths: the strategy's predicted token-budget steps over a
 // token file (the trainer's dispatch, docs/mixed_length.md, plus the sync).
-int token_cost(const CostFlags& c, const LlamaConfig& config, const Topology& topology, const Strategy& strategy) {
+int token_cost(const CostFlags& c, const ModelConfig& config, const Topology& topology, const Strategy& strategy) {
   if (c.batch_tokens < 1 || c.max_seq_len < 1)
     fail("[flags] --lengths needs --batch-tokens T >= 1 and --max-seq-len L >= 1");
   if (c.seq_len != 0) fail("[flags] --seq-len is not read with --lengths (steps are token budgets)");
@@ -142,7 +142,7 @@ int cost_command(const std::vector<std::string>& args) {
   if (c.lengths.empty() && (c.batch_tokens != 0 || c.max_seq_len != 0 || c.dispatch != "cost"))
     fail("[flags] --batch-tokens, --max-seq-len and --dispatch are read only with --lengths");
   if (c.lengths.empty() && c.seq_len < 1) fail("[flags] --seq-len must be >= 1, got ", c.seq_len);
-  const LlamaConfig config = LlamaConfig::load(c.model);
+  const ModelConfig config = ModelConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const Strategy strategy = load_strategy(c.strategy);
   validate(strategy, config, topology.world_size());
@@ -230,7 +230,7 @@ int mixed_command(const std::vector<std::string>& args) {
   if (c.max_cp < 0) fail("[flags] --max-cp must be >= 0, got ", c.max_cp);
   check_input_file("--lengths", c.lengths);
   set_num_threads(1);
-  const LlamaConfig config = LlamaConfig::load(c.model);
+  const ModelConfig config = ModelConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const CostModel model = CostModel::load(config, topology, c.profile);
   const TokenData data = TokenData::load(c.lengths, config.vocab_size);
@@ -321,7 +321,7 @@ int search_command(const std::vector<std::string>& args) {
   // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
   // between those calls cost more than the calls (measured: 2x the search).
   set_num_threads(1);
-  const LlamaConfig config = LlamaConfig::load(c.model);
+  const ModelConfig config = ModelConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const CostModel model = CostModel::load(config, topology, c.profile);
   SearchOptions o;

@@ -12,11 +12,11 @@
 
 #include "commands.h"
 #include "flags.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/core/ndarray.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/train/profiler.h"
 
 namespace hspmd::cli {
@@ -120,7 +120,7 @@ double emulation_factor(const Profile& p, const ProfileEntry& e, const std::stri
   std::sort(measured.begin(), measured.end());
   const double median = measured[measured.size() / 2];
   int64_t params = 0;  // on one rank of the stage
-  for (const LlamaParameter& q : llama_parameters(p.config)) {
+  for (const ModelParameter& q : model_parameters(p.config)) {
     const int64_t n = shape_numel(q.shape);
     params += q.role == ParamRole::kReplicated ? n : n / e.tp;
   }
@@ -163,7 +163,7 @@ int profile_command(const std::vector<std::string>& args) {
     fail("[profile] --output ", output, ": directory ", dir.string(), " does not exist");
   ProfileOptions o;
   o.model_path = model;
-  o.config = LlamaConfig::load(model);
+  o.config = ModelConfig::load(model);
   o.tp = to_ints(parse_list("tp", tp));
   o.cp = to_ints(parse_list("cp", cp));
   o.seq_lens = parse_list("seq-lens", seqs);

@@ -34,7 +34,7 @@ int tokenize_command(const std::vector<std::string>& args) {
     fail("[flags] --eos ", eos, " is outside the token ids [256, ", UINT32_MAX, "]");
   if (!f.given("eos")) {
     if (model.empty()) fail("[flags] tokenize: give --eos or --model");
-    eos = LlamaConfig::load(model).eos_token_id;
+    eos = ModelConfig::load(model).eos_token_id;
   }
   int64_t n = tokenize_files(f.positional(), output, static_cast<uint32_t>(eos));
   std::fprintf(stderr, "wrote %lld tokens from %zu documents to %s\n", static_cast<long long>(n),

@@ -17,7 +17,7 @@
 #include "launcher.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/plan/token_dispatch.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"

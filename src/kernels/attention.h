@@ -104,8 +104,10 @@ void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArra
 // one with lse = -inf takes the block's.
 void attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk, const NDArray& lse_blk);
 
-// delta [B, Hq, S] = rowsum(grad_out * out) of out, grad_out [B, S, Hq, D].
-void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta);
+// delta [B, Hq, S] = rowsum(grad_out * out) of out, grad_out [B, S, Hq, D];
+// bf16_grad: grad_out rounded to bf16 first, as the bf16 products of dP take
+// it, so that delta and the rows of P o dP agree (their difference is dS).
+void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta, bool bf16_grad = false);
 
 // The block's share of the backward, from the final lse and delta of the
 // whole attention ([B, Hq, Sq] each) and grad_out [B, Sq, Hq, D]: adds to dq

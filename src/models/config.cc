@@ -7,77 +7,15 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
+#include "hspmd/models/model.h"
+#include "models/config_fields.h"
 
 namespace hspmd {
 namespace {
 
 using nlohmann::json;
 
-// Reads fields of one config object, naming `source` in every error.
-class FieldReader {
- public:
-  FieldReader(const json& j, const std::string& source) : j_(j), source_(source) {}
-
-  template <typename... Args>
-  [[noreturn]] void fail_rule(const Args&... args) const {
-    fail("[config] ", source_, ": ", args...);
-  }
-
-  // Required fields: absent -> error. Optional: absent or null -> `out` unchanged.
-  void integer(const char* name, int64_t& out, bool required) const {
-    if (const json* v = find(name, required)) {
-      if (!v->is_number_integer()) wrong_type(name, "an integer", *v);
-      out = v->get<int64_t>();
-    }
-  }
-  void number(const char* name, double& out) const {
-    if (const json* v = find(name, false)) {
-      if (!v->is_number()) wrong_type(name, "a number", *v);
-      out = v->get<double>();
-    }
-  }
-  void string(const char* name, std::string& out) const {
-    if (const json* v = find(name, false)) {
-      if (!v->is_string()) wrong_type(name, "a string", *v);
-      out = v->get<std::string>();
-    }
-  }
-  void boolean(const char* name, bool& out) const {
-    if (const json* v = find(name, false)) {
-      if (!v->is_boolean()) wrong_type(name, "a boolean", *v);
-      out = v->get<bool>();
-    }
-  }
-  // Hugging Face allows a list of EOS ids; the first one ends documents.
-  void integer_or_first_of_list(const char* name, int64_t& out) const {
-    const json* v = find(name, false);
-    if (!v) return;
-    if (v->is_array()) {
-      if (v->empty()) fail_rule("field '", name, "' is an empty list");
-      v = &(*v)[0];
-    }
-    if (!v->is_number_integer()) wrong_type(name, "an integer or a list of integers", *v);
-    out = v->get<int64_t>();
-  }
-
- private:
-  const json* find(const char* name, bool required) const {
-    auto it = j_.find(name);
-    if (it == j_.end() || (!required && it->is_null())) {
-      if (required) fail_rule("missing required field '", name, "'");
-      return nullptr;
-    }
-    return &*it;
-  }
-  [[noreturn]] void wrong_type(const char* name, const char* expected, const json& v) const {
-    fail_rule("field '", name, "' must be ", expected, ", got ", v.type_name(), " ", json_excerpt(v));
-  }
-
-  const json& j_;
-  const std::string& source_;
-};
-
-void validate(const LlamaConfig& c, const FieldReader& r) {
+void validate(const ModelConfig& c, const ConfigFields& r) {
   const std::pair<const char*, int64_t> sizes[] = {
       {"vocab_size", c.vocab_size},
       {"hidden_size", c.hidden_size},
@@ -103,13 +41,10 @@ void validate(const LlamaConfig& c, const FieldReader& r) {
     r.fail_rule("eos_token_id=", c.eos_token_id, " is outside the vocabulary [0, ", c.vocab_size, ")");
 }
 
-// Fields of other models or variants hspmd does not build: each would make the
-// run train a different model than the file describes, so they are refused.
-void reject_unsupported(const json& j, const FieldReader& r, int64_t hidden, int64_t heads) {
+// Fields every family refuses: each would make the run train a different
+// model than the file describes.
+void reject_unsupported(const json& j, const ConfigFields& r, int64_t hidden, int64_t heads) {
   std::string text;
-  r.string("model_type", text);
-  if (!text.empty() && text != "llama") r.fail_rule("model_type '", shorten(text), "' is not supported (only llama)");
-  text.clear();
   r.string("hidden_act", text);
   if (!text.empty() && text != "silu") r.fail_rule("hidden_act '", shorten(text), "' is not supported (only silu)");
   int64_t head_dim = 0;
@@ -123,14 +58,22 @@ void reject_unsupported(const json& j, const FieldReader& r, int64_t hidden, int
     r.boolean(bias, on);
     if (on) r.fail_rule(bias, "=true is not supported (only false)");
   }
+  double dropout = 0;
+  r.number("attention_dropout", dropout);
+  if (dropout != 0) r.fail_rule("attention_dropout=", dropout, " is not supported (only 0: hspmd trains without dropout)");
 }
 
 }  // namespace
 
-LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
-  FieldReader r(j, source);
+ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
+  ConfigFields r(j, source);
   if (!j.is_object()) r.fail_rule("the config is not a JSON object");
-  LlamaConfig c;
+  ModelConfig c;
+  r.string("model_type", c.model_type);
+  const ModelFamily* family = find_model_family(c.model_type);
+  if (family == nullptr)
+    r.fail_rule("model_type '", shorten(c.model_type), "' is not supported (registered: ", registered_model_types(), ")");
+  family->set_defaults(c);
   r.integer("vocab_size", c.vocab_size, true);
   r.integer("hidden_size", c.hidden_size, true);
   r.integer("intermediate_size", c.intermediate_size, true);
@@ -147,19 +90,21 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   r.integer("padded_vocab_size", c.padded_vocab_size, false);
   validate(c, r);
   reject_unsupported(j, r, c.hidden_size, c.num_attention_heads);
+  family->read_config(r, c);
   if (c.padded_vocab_size != 0 && c.padded_vocab_size < c.vocab_size)
     r.fail_rule("padded_vocab_size=", c.padded_vocab_size, " is smaller than vocab_size=", c.vocab_size);
   return c;
 }
 
-LlamaConfig LlamaConfig::load(const std::string& path) {
+ModelConfig ModelConfig::load(const std::string& path) {
   return from_json(read_json_file(path, "config"), path);
 }
 
-double LlamaConfig::parameter_count() const {
+double ModelConfig::parameter_count() const {
   const double h = static_cast<double>(hidden_size), rows = static_cast<double>(table_rows());
   const double kv = static_cast<double>(kv_heads()) * (num_attention_heads > 0 ? h / num_attention_heads : 0);
-  const double layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * static_cast<double>(intermediate_size);
+  const double biases = attention_bias ? h + 2 * kv : 0;  // q, k, v
+  const double layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * static_cast<double>(intermediate_size) + biases;
   return rows * h * (tie_word_embeddings ? 1 : 2) + h + static_cast<double>(num_hidden_layers) * layer;
 }
 
@@ -174,7 +119,7 @@ std::optional<uint64_t> machine_memory_bytes() {
   return std::nullopt;
 }
 
-void check_parameters_fit_memory(const LlamaConfig& c, const std::string& source, int bytes_per_parameter,
+void check_parameters_fit_memory(const ModelConfig& c, const std::string& source, int bytes_per_parameter,
                                  const char* what) {
   const std::optional<uint64_t> total = machine_memory_bytes();
   const double bytes = c.parameter_count() * bytes_per_parameter;
@@ -187,8 +132,9 @@ void check_parameters_fit_memory(const LlamaConfig& c, const std::string& source
   fail("[config] ", source, ": ", gib.str());
 }
 
-json LlamaConfig::to_json() const {
-  json j = {{"vocab_size", vocab_size},
+json ModelConfig::to_json() const {
+  json j = {{"model_type", model_type},
+          {"vocab_size", vocab_size},
           {"hidden_size", hidden_size},
           {"intermediate_size", intermediate_size},
           {"num_hidden_layers", num_hidden_layers},
@@ -201,6 +147,7 @@ json LlamaConfig::to_json() const {
           {"eos_token_id", eos_token_id},
           {"initializer_range", initializer_range}};
   if (table_rows() != vocab_size) j["padded_vocab_size"] = padded_vocab_size;
+  model_family(model_type).write_config(*this, j);
   return j;
 }
 

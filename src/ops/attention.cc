@@ -381,7 +381,7 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
                                           const NDArray& grad_out) {
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
   NDArray delta = NDArray::empty(lse.shape(), DType::F32);
-  kernels::attention_row_dots(out, grad_out, delta);
+  kernels::attention_row_dots(out, grad_out, delta, x.products == DType::BF16);
   NDArray dq = NDArray::zeros(x.q.shape(), DType::F32);
   const Shape& shape = x.kv.shape();
   NDArray now = x.kv, next = NDArray::empty(shape, DType::F32);

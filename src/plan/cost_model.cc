@@ -7,7 +7,7 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/ndarray.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 
 namespace hspmd {
 
@@ -16,8 +16,9 @@ namespace {
 constexpr double kBytes = 4;  // fp32: gradients always; everything on a profiled device
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-bool same_dims(const LlamaConfig& a, const LlamaConfig& b) {
-  return a.hidden_size == b.hidden_size && a.intermediate_size == b.intermediate_size &&
+bool same_dims(const ModelConfig& a, const ModelConfig& b) {
+  return a.model_type == b.model_type && a.sliding_window == b.sliding_window &&
+         a.hidden_size == b.hidden_size && a.intermediate_size == b.intermediate_size &&
          a.num_attention_heads == b.num_attention_heads && a.kv_heads() == b.kv_heads() &&
          a.vocab_size == b.vocab_size;
 }
@@ -27,29 +28,31 @@ bool tp_split(ParamRole role) { return role != ParamRole::kReplicated; }
 
 }  // namespace
 
-CostModel::CostModel(LlamaConfig model, Topology topology,
+CostModel::CostModel(ModelConfig model, Topology topology,
                      std::map<std::string, std::shared_ptr<const Profile>> profiles,
                      std::shared_ptr<const Profile> fallback)
     : model_(std::move(model)), topology_(std::move(topology)), profiles_(std::move(profiles)),
       fallback_(std::move(fallback)) {
   auto check = [&](const Profile& p, const std::string& what) {
     if (!same_dims(p.config, model_))
-      fail("[cost] ", what, ": the profile was made for other model dimensions (hidden ", p.config.hidden_size,
+      fail("[cost] ", what, ": the profile was made for another model (", p.config.model_type, ", window ",
+           p.config.sliding_window, ", hidden ", p.config.hidden_size,
            ", ffn ", p.config.intermediate_size, ", heads ", p.config.num_attention_heads, "/",
-           p.config.kv_heads(), ", vocab ", p.config.vocab_size, ") than the model's (hidden ",
+           p.config.kv_heads(), ", vocab ", p.config.vocab_size, ") than the model's (", model_.model_type,
+           ", window ", model_.sliding_window, ", hidden ",
            model_.hidden_size, ", ffn ", model_.intermediate_size, ", heads ", model_.num_attention_heads, "/",
            model_.kv_heads(), ", vocab ", model_.vocab_size, ")");
   };
   for (const auto& [type, p] : profiles_) check(*p, "device type " + type);
   if (fallback_) check(*fallback_, "--profile");
-  for (const LlamaParameter& p : llama_parameters(model_)) {
+  for (const ModelParameter& p : model_parameters(model_)) {
     const int64_t n = shape_numel(p.shape);
-    if (p.part == LlamaPart::kBlock) {
+    if (p.part == ModelPart::kBlock) {
       if (p.layer == 0) {
         layer_params_ += n;
         if (tp_split(p.role)) layer_tp_params_ += n;
       }
-    } else if (p.role == ParamRole::kVocabulary && p.part == LlamaPart::kEmbedding) {
+    } else if (p.role == ParamRole::kVocabulary && p.part == ModelPart::kEmbedding) {
       embed_params_ += n;
     } else if (tp_split(p.role)) {
       head_params_ += n;
@@ -59,7 +62,7 @@ CostModel::CostModel(LlamaConfig model, Topology topology,
   }
 }
 
-CostModel CostModel::load(const LlamaConfig& model, const Topology& topology, const std::string& profile_path) {
+CostModel CostModel::load(const ModelConfig& model, const Topology& topology, const std::string& profile_path) {
   std::map<std::string, std::shared_ptr<const Profile>> profiles;
   std::set<std::string> types;
   for (int r = 0; r < topology.world_size(); ++r) types.insert(topology.rank(r).device_type);
@@ -118,8 +121,11 @@ double CostModel::roofline_seconds(int rank, const std::string& part, int tp, in
   const double rate = d.tflops * 1e12 * d.efficiency;
   const double tokens = static_cast<double>(b) * static_cast<double>(s) / (tp * cp);
   const double h = static_cast<double>(model_.hidden_size);
-  const double fwd_block = 2.0 * tokens * static_cast<double>(layer_tp_params_)  // the matmuls
-                           + 2.0 * tokens * static_cast<double>(s) * h / cp;     // causal QK^T and PV
+  // The matmuls, then QK^T and PV over the (query, key) pairs the family's
+  // causal attention keeps (s^2 / 2 without a window), split over tp x cp x cp.
+  const double pairs = model_family(model_.model_type).attention_pairs(model_, static_cast<double>(s));
+  const double fwd_block = 2.0 * tokens * static_cast<double>(layer_tp_params_) +
+                           4.0 * static_cast<double>(b) * pairs * h / (tp * cp * cp);
   const double fwd_head = 2.0 * tokens * static_cast<double>(model_.table_rows()) * h;
   const double embed_bytes = tokens * h * kBytes * 2;
   if (part == "block_fwd") return fwd_block / rate;

@@ -4,7 +4,7 @@
 #include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/ops/ops.h"
 #include "hspmd/plan/plan.h"
 
@@ -40,7 +40,7 @@ std::vector<PlannedReshard> resolve_all(const AnnotationPlan& plan, const Annota
   for (const auto& [id, spec] : t.reshards(plan.bindings, resolve_cached.only_rank()))
     if (auto r = resolve_cached(spec)) out.push_back({spec.name, t.phase(id), std::move(r)});
   const std::map<std::string, DType> gather_dtypes = zero_gather_dtypes(plan, t.model);
-  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
+  for (const auto& [name, shape] : model_parameter_shapes(plan.model)) {
     auto it = plan.optimizer_states.find(name);
     if (it == plan.optimizer_states.end()) continue;
     ReshardSpec spec{"zero_gather." + name, shape, gather_dtypes.at(name), it->second,
@@ -96,7 +96,7 @@ std::string AnnotatedTraining::phase(int id) const {
   return id < model.loss.node_id() ? "forward" : "backward";
 }
 
-std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, const LlamaGraph& model) {
+std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, const ModelGraph& model) {
   std::map<std::string, DType> out;
   for (const std::string& name : model.names) out[name] = DType::F32;
   if (!plan.precision.mixed()) return out;
@@ -119,12 +119,12 @@ std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, cons
 }
 
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
-  LlamaBuildOptions options;
+  ModelBuildOptions options;
   options.reshard_points = true;
   options.context_parallel = true;
   options.packed_documents = true;  // fixed-length samples feed positions 0..S-1: plain causal
   options.precision = plan.precision;
-  AnnotatedTraining t{build_llama(plan.model, options), nullptr, plan.precision};
+  AnnotatedTraining t{build_model(plan.model, options), nullptr, plan.precision};
   t.annotated = std::make_unique<AnnotatedGraph>(deduce(*t.model.graph, plan.tensors, plan.world_size));
   return t;
 }

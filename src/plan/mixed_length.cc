@@ -132,7 +132,7 @@ class BucketPlanner {
 };
 
 void BucketPlanner::enumerate_types() {
-  const LlamaConfig& m = model_.model();
+  const ModelConfig& m = model_.model();
   const int L = static_cast<int>(m.num_hidden_layers);
   for (size_t c = 0; c < classes_.size(); ++c) {
     const DeviceClass& dc = classes_[c];

@@ -56,9 +56,9 @@ bool is_point_to_point(CommKind k) {
 
 // The names of the Reshard points that carry the activations from one block
 // (or stage) to the next.
-std::set<std::string> activation_points(const LlamaConfig& model) {
+std::set<std::string> activation_points(const ModelConfig& model) {
   std::set<std::string> names;
-  for (const ReshardPoint& p : llama_reshard_points(model))
+  for (const ReshardPoint& p : model_reshard_points(model))
     if (p.carries_activations()) names.insert(p.name);
   return names;
 }
@@ -71,7 +71,7 @@ void for_each_op(const Resolution& res, F&& f) {
 }
 
 void merge_parameter_subgroups(const AnnotationPlan& plan, RankSets& sets) {
-  for (const auto& [name, shape] : llama_parameter_shapes(plan.model)) {
+  for (const auto& [name, shape] : model_parameter_shapes(plan.model)) {
     auto it = plan.tensors.find(name);
     if (it == plan.tensors.end()) continue;
     for (const Subgroup& sg : it->second.subgroups)
@@ -172,9 +172,9 @@ StageGraph build_stage_graph(RankSets& sets, const std::set<std::pair<int, int>>
 // Root -> the blocks whose parameters its ranks hold, ascending.
 std::map<int, std::set<int>> stage_layers(const AnnotationPlan& plan, RankSets& sets) {
   std::map<int, std::set<int>> layers;
-  for (const LlamaParameter& p : llama_parameters(plan.model)) {
+  for (const ModelParameter& p : model_parameters(plan.model)) {
     auto it = plan.tensors.find(p.name);
-    if (it == plan.tensors.end() || p.part != LlamaPart::kBlock) continue;
+    if (it == plan.tensors.end() || p.part != ModelPart::kBlock) continue;
     for (int r : it->second.all_ranks()) layers[sets.find(r)].insert(static_cast<int>(p.layer));
   }
   return layers;

@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "hspmd/core/error.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 
 namespace hspmd {
 
@@ -49,7 +49,7 @@ using StatesOf = std::function<DistStates(const Stage&)>;
 
 class Compiler {
  public:
-  Compiler(const LlamaConfig& c, const Strategy& s) : c_(c), s_(s) {}
+  Compiler(const ModelConfig& c, const Strategy& s) : c_(c), s_(s) {}
 
   // One subgroup per pipeline: the stage `pick` chooses, with `states`.
   Annotation across(const StagePick& pick, const StatesOf& states, bool tokens) const {
@@ -96,16 +96,16 @@ class Compiler {
   }
 
   // The stage of each pipeline that holds a part of the model.
-  StagePick place(LlamaPart part, int64_t l) const {
+  StagePick place(ModelPart part, int64_t l) const {
     switch (part) {
-      case LlamaPart::kEmbedding: return first;
-      case LlamaPart::kHead: return last;
-      case LlamaPart::kBlock: return layer(l);
+      case ModelPart::kEmbedding: return first;
+      case ModelPart::kHead: return last;
+      case ModelPart::kBlock: return layer(l);
     }
     HSPMD_CHECK(false, "unknown model part");
   }
 
-  Annotation parameter(const LlamaParameter& p) const {
+  Annotation parameter(const ModelParameter& p) const {
     return across(place(p.part, p.layer), split_on(tp_dim(p.role)), false);
   }
 
@@ -161,6 +161,11 @@ class Compiler {
       for (int64_t i = 0; i < P; ++i) a.part_weights.push_back(n / P + (i < n % P ? 1 : 0));
     return a;
   }
+  static bool has_free_dim(const Annotation& a, const Shape& shape) {
+    for (int dim = 0; dim < static_cast<int>(shape.size()); ++dim)
+      if (!split_anywhere(a, dim)) return true;
+    return false;
+  }
   static bool split_anywhere(const Annotation& a, int dim) {
     for (const Subgroup& g : a.subgroups)
       if (g.states.is_split(dim)) return true;
@@ -181,25 +186,27 @@ class Compiler {
     t["positions"] = whole_pipelines();
     t["normalizer"] = across(last, split_on(-1), false);
     std::map<std::string, Annotation> sync;  // parameter -> its synced gradient's annotation
-    for (const LlamaParameter& p : llama_parameters(c_)) {
+    for (const ModelParameter& p : model_parameters(c_)) {
       const Annotation a = parameter(p);
       t[p.name] = sync[p.name] = a;
-      if (s_.zero && a.hsize() > 1)
+      // A parameter whose every dim the stage splits (a TP-split bias) keeps
+      // its optimizer state whole per replica: there is no dim left to cut.
+      if (s_.zero && a.hsize() > 1 && has_free_dim(a, p.shape))
         sync[p.name] = plan.optimizer_states[p.name] = optimizer_state(a, p.shape);
     }
-    for (const ReshardPoint& p : llama_reshard_points(c_))
+    for (const ReshardPoint& p : model_reshard_points(c_))
       t[p.name] = p.kind == ReshardKind::kGradSync ? sync.at(p.parameter) : point(p);
     return plan;
   }
 
  private:
-  const LlamaConfig& c_;
+  const ModelConfig& c_;
   const Strategy& s_;
 };
 
 }  // namespace
 
-AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy, int world_size,
+AnnotationPlan compile_plan(const ModelConfig& config, const Strategy& strategy, int world_size,
                             const CompileOptions& options) {
   validate(strategy, config, world_size);
   const int64_t seq_len = options.seq_len > 0 ? options.seq_len : config.max_position_embeddings;
@@ -210,7 +217,7 @@ AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy,
   // Vocab-parallel embedding and LM head split the vocabulary over every
   // stage's tp ranks: pad it to a multiple of all tp degrees (Megatron's
   // make-vocab-size-divisible-by), with zero rows and masked logits.
-  LlamaConfig model = config;
+  ModelConfig model = config;
   int64_t tp = 1;
   for (const Pipeline& p : strategy.pipelines)
     for (const Stage& st : p.stages) tp = std::lcm(tp, static_cast<int64_t>(st.tp()));

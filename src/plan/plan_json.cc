@@ -5,7 +5,7 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/ops/ops.h"
 #include "hspmd/plan/plan.h"
 
@@ -52,12 +52,12 @@ struct Annotatable {
   bool is_parameter = false;
 };
 
-std::map<std::string, Annotatable> annotatable(const LlamaConfig& c) {
-  LlamaBuildOptions o;
+std::map<std::string, Annotatable> annotatable(const ModelConfig& c) {
+  ModelBuildOptions o;
   o.reshard_points = true;
   o.context_parallel = true;
   o.packed_documents = true;  // the same graph the dry run and the executor build
-  const LlamaGraph m = build_llama(c, o);
+  const ModelGraph m = build_model(c, o);
   std::map<std::string, Annotatable> out;
   for (int id = 0; id < m.graph->num_nodes(); ++id) {
     const Node& n = m.graph->node(id);
@@ -116,7 +116,7 @@ AnnotationPlan plan_from_json(const json& j) {
   if (world.get<int64_t>() > kMaxWorldSize)
     fail("[plan] field 'world_size' ", json_excerpt(world), " is above the limit of ", kMaxWorldSize, " ranks");
   plan.world_size = world.get<int>();
-  plan.model = LlamaConfig::from_json(require(j, "model"), "plan field 'model'");
+  plan.model = ModelConfig::from_json(require(j, "model"), "plan field 'model'");
   if (j.contains("bindings")) {
     if (!j["bindings"].is_object()) fail("[plan] field 'bindings' must be an object");
     for (auto it = j["bindings"].begin(); it != j["bindings"].end(); ++it) {

@@ -186,7 +186,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
   if (!j.is_object()) fail("[profile] ", source, ": not a JSON object");
   Profile p;
   p.model = j.value("model", std::string());
-  p.config = LlamaConfig::from_json(get<json>(j, "config", source), source + ": config");
+  p.config = ModelConfig::from_json(get<json>(j, "config", source), source + ": config");
   p.device = j.value("device", std::string());
   p.threads = j.value("threads", 1);
   p.precision = j.value("precision", std::string("fp32"));

@@ -41,7 +41,7 @@ struct Config {
 
 bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
-bool valid_tp(const LlamaConfig& m, int tp) {
+bool valid_tp(const ModelConfig& m, int tp) {
   return tp >= 1 && m.num_attention_heads % tp == 0 && m.kv_heads() % tp == 0 && m.intermediate_size % tp == 0;
 }
 
@@ -84,7 +84,7 @@ std::vector<DeviceClass> device_classes(const CostModel& model, const SearchOpti
 // The TP groups of a class at degree tp: consecutive available ranks of a
 // node, tp at a time; with `leftovers`, what remains of a node forms groups
 // of the largest valid power of two that fits (else it stays idle).
-std::vector<Group> make_groups(const DeviceClass& c, int cls, int tp, bool leftovers, const LlamaConfig& m) {
+std::vector<Group> make_groups(const DeviceClass& c, int cls, int tp, bool leftovers, const ModelConfig& m) {
   std::vector<Group> groups;
   for (const std::vector<int>& node : c.nodes) {
     size_t i = 0;
@@ -176,7 +176,7 @@ class Searcher {
 
   const CostModel& model_;
   const SearchOptions& o_;
-  const LlamaConfig& m_;
+  const ModelConfig& m_;
   SteadyClock::time_point start_;
   bool timed_out_ = false;
   int configurations_ = 0, ilps_ = 0, pruned_ = 0;

@@ -162,7 +162,7 @@ void validate_ranks(const Stage& st, int p, int s, int world_size, RankOwners& o
     fail_at(p, s, "cp=", st.cp, " does not divide the stage's ", st.ranks.size(), " ranks");
 }
 
-void validate_tp(const Stage& st, int p, int s, const LlamaConfig& c) {
+void validate_tp(const Stage& st, int p, int s, const ModelConfig& c) {
   const int64_t tp = st.tp();
   const std::pair<const char*, int64_t> sizes[] = {{"num_attention_heads", c.num_attention_heads},
                                                    {"num_key_value_heads", c.kv_heads()},
@@ -185,7 +185,7 @@ void validate_layers(const Stage& st, int p, int s, int num_layers, int next) {
     fail_at(p, s, layer_range(st), " overlap the previous stage, which ends at layer ", next - 1);
 }
 
-void validate_pipeline(const Pipeline& pl, int p, const LlamaConfig& c, int world_size, RankOwners& owners) {
+void validate_pipeline(const Pipeline& pl, int p, const ModelConfig& c, int world_size, RankOwners& owners) {
   if (pl.micro_batch_size < 1)
     fail_at(p, -1, "micro_batch_size=", pl.micro_batch_size, " must be at least 1");
   if (pl.micro_batches < 1) fail_at(p, -1, "micro_batches=", pl.micro_batches, " must be at least 1");
@@ -253,7 +253,7 @@ json to_json(const Strategy& strategy) {
   return j;
 }
 
-void validate(const Strategy& strategy, const LlamaConfig& config, int world_size) {
+void validate(const Strategy& strategy, const ModelConfig& config, int world_size) {
   if (world_size < 1) fail("[strategy] world size must be positive, got ", world_size);
   if (world_size > kMaxWorldSize)
     fail("[strategy] world size ", world_size, " is above the limit of ", kMaxWorldSize, " ranks");

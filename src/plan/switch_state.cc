@@ -5,7 +5,7 @@
 #include <string>
 
 #include "hspmd/core/error.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/switch.h"
 
@@ -14,13 +14,13 @@ namespace {
 
 // Embedding 0, block i -> i + 1, the final norm and LM head L + 1 (the
 // model's declared parts, not its names).
-int layer_group(const LlamaParameter& p, int64_t layers) {
-  if (p.part == LlamaPart::kEmbedding) return 0;
-  if (p.part == LlamaPart::kBlock) return static_cast<int>(p.layer) + 1;
+int layer_group(const ModelParameter& p, int64_t layers) {
+  if (p.part == ModelPart::kEmbedding) return 0;
+  if (p.part == ModelPart::kBlock) return static_cast<int>(p.layer) + 1;
   return static_cast<int>(layers) + 1;
 }
 
-using Params = std::vector<LlamaParameter>;
+using Params = std::vector<ModelParameter>;
 
 // Same parameters in the same order with the same shapes, except the rows of
 // the vocabulary tables (a vocabulary padded for another tp).
@@ -129,8 +129,8 @@ std::vector<StateTensor> state_tensors(const AnnotationPlan& from, const Annotat
   if (from.world_size != to.world_size)
     fail("[switch] plans of different world sizes: ", from.world_size, " ranks in the source plan, ", to.world_size,
          " in the destination plan");
-  const Params src = llama_parameters(from.model);
-  const Params dst = llama_parameters(to.model);
+  const Params src = model_parameters(from.model);
+  const Params dst = model_parameters(to.model);
   check_same_model(src, dst);
   std::vector<StateTensor> out;
   out.reserve(3 * dst.size());
@@ -184,7 +184,7 @@ std::string cache_key(const AnnotationPlan& from, const AnnotationPlan& to, cons
   nlohmann::json key = nlohmann::json::array();
   for (const AnnotationPlan* p : {&from, &to}) {
     nlohmann::json side = {{"model", p->model.to_json()}, {"world", p->world_size}, {"mixed", p->precision.mixed()}};
-    for (const auto& [name, shape] : llama_parameter_shapes(p->model)) {
+    for (const auto& [name, shape] : model_parameter_shapes(p->model)) {
       auto it = p->tensors.find(name);
       side["param"][name] = it == p->tensors.end() ? nlohmann::json() : to_json(it->second);
       if (const Annotation* z = slot_layout(*p, name, StateSlot::kMaster)) side["zero"][name] = to_json(*z);

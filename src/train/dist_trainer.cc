@@ -16,7 +16,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::str
            "pipelines' micro-batches, recompute); compile one with `hspmd plan compile`");
     if (plan.world_size != world_.size())
       fail("[plan] ", path, ": compiled for ", plan.world_size, " ranks but the job has ", world_.size());
-    LlamaConfig padded = config_;
+    ModelConfig padded = config_;
     padded.padded_vocab_size = plan.model.padded_vocab_size;
     if (plan.model.to_json() != padded.to_json())
       fail("[plan] ", path, ": its model differs from --model ", o_.model_path);
@@ -41,7 +41,7 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   auto rt = std::make_unique<Runtime>();
   rt->plan = plan;
   rt->strategy = *plan->strategy;
-  for (auto& [name, shape] : llama_parameter_shapes(plan->model)) rt->shapes[name] = shape;
+  for (auto& [name, shape] : model_parameter_shapes(plan->model)) rt->shapes[name] = shape;
   // Every rank's view of the stacked micro-batch must divide along every
   // pipeline's splits, so the granularity is common to all pipelines.
   rt->granularity = sequence_granularity(rt->strategy);
@@ -232,10 +232,10 @@ void DistTrainer::gather_and_write(const std::string& path, const std::string& p
   std::unique_ptr<SafetensorsWriter> writer;
   if (world_.rank() == 0) {
     std::map<std::string, SafetensorsWriter::Declared> declared;
-    for (const auto& [name, shape] : llama_parameter_shapes(config_)) declared[name] = {dtype, shape};
+    for (const auto& [name, shape] : model_parameter_shapes(config_)) declared[name] = {dtype, shape};
     writer = std::make_unique<SafetensorsWriter>(path, declared);
   }
-  for (const LlamaParameter& p : llama_parameters(rt_->plan->model)) {
+  for (const ModelParameter& p : model_parameters(rt_->plan->model)) {
     const std::string& name = p.name;
     auto [layout, array] = local(name);
     NDArray full = rt_->graph->reshard(prefix + name, p.shape, layout, rank0, array, world_);
@@ -386,8 +386,8 @@ void DistTrainer::prepare() {
   }
   std::map<std::string, NDArray> full =
       o_.init_path.empty()
-          ? init_llama_parameters(config_, o_.seed)
-          : validate_llama_weights(config_, load_safetensors(o_.init_path), o_.init_path);
+          ? init_model_parameters(config_, o_.seed)
+          : validate_model_weights(config_, load_safetensors(o_.init_path), o_.init_path);
   if (!o_.init_path.empty()) train_common::check_finite_weights(full, o_.init_path);
   state_ = TrainingState::from_full(rt_->plan, world_.rank(), full);
   state_->seed = o_.seed;

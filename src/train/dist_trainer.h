@@ -153,7 +153,7 @@ struct PendingCheckpoint {
 class DistTrainer {
  public:
   DistTrainer(const TrainOptions& o, Communicator& world)
-      : o_(o), world_(world), config_(LlamaConfig::load(o.model_path)) {
+      : o_(o), world_(world), config_(ModelConfig::load(o.model_path)) {
     train_common::check_finite_options(o);
     // Before any graph or parameter is built: one process holds the whole
     // training state; each of several ranks at least the full f32 model it initializes from.
@@ -410,7 +410,7 @@ class DistTrainer {
 
   const TrainOptions& o_;
   Communicator& world_;
-  LlamaConfig config_;
+  ModelConfig config_;
   std::string run_id_;  // stamped into every checkpoint this run commits
   // With --resume the --checkpoint directory itself: the run id of the
   // checkpoint resumed (it counts as this run's own until replaced).

@@ -86,11 +86,11 @@ struct StageProbe::Impl {
   ValueMap feeds(int64_t s, int64_t b) const;
 };
 
-StageProbe::StageProbe(const LlamaConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
+StageProbe::StageProbe(const ModelConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
                        int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model, Precision precision)
     : impl_(std::make_unique<Impl>(model ? ClockMode::kModel : ClockMode::kCpu)) {
   HSPMD_CHECK(stage >= 0 && stage < static_cast<int>(stage_layers.size()), "probe stage out of range");
-  LlamaConfig c = config;
+  ModelConfig c = config;
   c.num_hidden_layers = std::accumulate(stage_layers.begin(), stage_layers.end(), 0);
   const int group = tp * cp, world = group * static_cast<int>(stage_layers.size());
   CompileOptions co;
@@ -109,14 +109,14 @@ StageProbe::StageProbe(const LlamaConfig& config, int tp, int cp, std::vector<in
     if (m.sink) m.sink->push_back(OpSample{n.id, n.op->type(), w, seconds});
   });
   uint32_t seed = 1;
-  for (const LlamaParameter& p : llama_parameters(m.plan->model)) {
+  for (const ModelParameter& p : model_parameters(m.plan->model)) {
     auto box = m.graph->local_box(p.name, p.shape);
     if (!box) continue;
     NDArray a = NDArray::empty(box->shape(), DType::F32);
     if (p.init == ParamInit::kOnes) a.fill(1.0f);
     else fill_small(a, seed++);
     m.params[p.name] = a;
-    if (p.part == LlamaPart::kBlock) m.block_params.push_back(p.name);
+    if (p.part == ModelPart::kBlock) m.block_params.push_back(p.name);
   }
 }
 
@@ -371,11 +371,12 @@ void check_profile_precision(const Profile& profile, const Precision& precision,
          " (make one with `hspmd profile --precision ", run, "`)");
 }
 
-void check_profile_model(const Profile& profile, const LlamaConfig& model, const std::string& source,
+void check_profile_model(const Profile& profile, const ModelConfig& model, const std::string& source,
                          const std::string& model_source) {
-  auto dims = [](const LlamaConfig& c) {
+  auto dims = [](const ModelConfig& c) {
     std::ostringstream os;
-    os << "hidden " << c.hidden_size << ", heads " << c.num_attention_heads << ", kv heads " << c.kv_heads()
+    os << c.model_type << (c.sliding_window > 0 ? " window " + std::to_string(c.sliding_window) : std::string())
+       << ", hidden " << c.hidden_size << ", heads " << c.num_attention_heads << ", kv heads " << c.kv_heads()
        << ", intermediate " << c.intermediate_size << ", vocab " << c.vocab_size;
     return os.str();
   };
@@ -384,7 +385,7 @@ void check_profile_model(const Profile& profile, const LlamaConfig& model, const
 }
 
 void check_profile_options(const ProfileOptions& o) {
-  const LlamaConfig& c = o.config;
+  const ModelConfig& c = o.config;
   if (o.tp.empty() || o.cp.empty() || o.seq_lens.empty() || o.micro_batch_sizes.empty())
     fail("[profile] --tp, --cp, --seq-lens and --micro-batch-sizes need at least one value each");
   if (o.repetitions < 1) fail("[profile] --repetitions must be >= 1, got ", o.repetitions);

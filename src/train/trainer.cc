@@ -16,7 +16,7 @@ namespace hspmd {
 
 namespace {
 
-void check_options(const TrainOptions& o, const LlamaConfig& c) {
+void check_options(const TrainOptions& o, const ModelConfig& c) {
   train_common::check_finite_options(o);
   if (o.seq_len <= 0) fail("[flags] --seq-len must be positive, got ", o.seq_len);
   if (o.seq_len > c.max_position_embeddings)
@@ -64,7 +64,7 @@ void check_checkpoint_directory(const TrainOptions& o) {
 }
 
 std::vector<StepRecord> train(const TrainOptions& o) {
-  const LlamaConfig config = LlamaConfig::load(o.model_path);
+  const ModelConfig config = ModelConfig::load(o.model_path);
   check_options(o, config);
   TrainOptions one = o;
   Strategy strategy;

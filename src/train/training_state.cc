@@ -12,7 +12,7 @@
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/io/checkpoint.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 
 namespace hspmd {
 
@@ -63,7 +63,7 @@ void copy_box(const float* src, const Box& src_box, float* dst, const Box& dst_b
 
 TrainingState::TrainingState(std::shared_ptr<const AnnotationPlan> plan, int rank)
     : plan_(std::move(plan)), rank_(rank) {
-  for (const auto& [name, shape] : llama_parameter_shapes(plan_->model)) {
+  for (const auto& [name, shape] : model_parameter_shapes(plan_->model)) {
     auto& slots = params_[name];
     for (StateSlot s : kSlots) {
       const Annotation* a = slot_layout(*plan_, name, s);
@@ -98,7 +98,7 @@ int64_t TrainingState::bytes() const {
 TrainingState TrainingState::from_full(std::shared_ptr<const AnnotationPlan> plan, int rank,
                                        const std::map<std::string, NDArray>& full) {
   TrainingState st(std::move(plan), rank);
-  for (const auto& [name, shape] : llama_parameter_shapes(st.plan_->model)) {
+  for (const auto& [name, shape] : model_parameter_shapes(st.plan_->model)) {
     NDArray array = full.at(name);
     if (array.dim(0) != shape[0]) {  // a padded vocabulary: zero rows (docs/vocab_parallel.md)
       NDArray padded = NDArray::zeros(shape, DType::F32);
@@ -314,7 +314,7 @@ TrainingState TrainingState::load(std::shared_ptr<const AnnotationPlan> plan, in
 
 std::vector<TrainingState::NamedShard> TrainingState::checkpoint_shards() const {
   std::vector<NamedShard> out;
-  for (const auto& [name, shape] : llama_parameter_shapes(plan_->model)) {
+  for (const auto& [name, shape] : model_parameter_shapes(plan_->model)) {
     const bool z = zero(name);
     const Annotation& opt = *slot_layout(*plan_, name, StateSlot::kExpAvg);
     if (!is_representative(opt, rank_)) continue;

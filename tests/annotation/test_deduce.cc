@@ -2,7 +2,7 @@
 // shared dim rule, elementwise, matmul, both tiers and the layout ops.
 #include <gtest/gtest.h>
 
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 #include "annotation/deduce_test_util.h"

@@ -2,7 +2,7 @@
 // cross-entropy), constants, Reshards and whole annotated backward graphs.
 #include <gtest/gtest.h>
 
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 #include "annotation/deduce_test_util.h"
@@ -330,8 +330,8 @@ TEST(DeduceGradients, TensorParallelMlp) {
   EXPECT_EQ(mirrors, 2);
 }
 
-LlamaConfig tiny_llama() {
-  return LlamaConfig{.vocab_size = 32,
+ModelConfig tiny_llama() {
+  return ModelConfig{.vocab_size = 32,
                      .hidden_size = 16,
                      .intermediate_size = 32,
                      .num_hidden_layers = 2,
@@ -342,8 +342,8 @@ LlamaConfig tiny_llama() {
 // Data parallel over 2 ranks needs no Reshard: the whole training graph
 // deduces, and every parameter gradient is a partial sum over the replicas.
 TEST(DeduceGradients, DataParallelLlama) {
-  const LlamaConfig c = tiny_llama();
-  LlamaGraph m = build_llama(c);
+  const ModelConfig c = tiny_llama();
+  ModelGraph m = build_model(c);
   const Annotation batch = on({0, 1}, {{0, 2}}, {0});
   const Annotation dup = on({0, 1}, {{kDup, 2}}, {kDup});
   Plan plan{{"input_ids", batch}, {"targets", batch}, {"positions", batch}, {"normalizer", dup}};
@@ -356,7 +356,7 @@ TEST(DeduceGradients, DataParallelLlama) {
 
 // On one device everything is trivially annotated.
 TEST(DeduceGradients, SingleDeviceLlama) {
-  LlamaGraph m = build_llama(tiny_llama(), true);
+  ModelGraph m = build_model(tiny_llama(), true);
   Plan plan{{"input_ids", on({0})},
             {"targets", on({0})},
             {"positions", on({0})},

@@ -154,6 +154,27 @@ BF16_CASES = {
 BF16_SAME_ROUNDING = {"bf16_asym_pp_dp_zero"}
 
 
+# Other model families (docs/models.md): Qwen2's q/k/v biases are split like
+# their projections' rows under TP (and their gradients synchronized like any
+# parameter's); Mistral's sliding window (5 tokens of 16) crosses the zigzag
+# chunks of context parallelism and the packed documents' boundaries.
+QWEN2_CASES = {
+    "qwen2_tp4": CASES["tp4"],
+    "qwen2_cp2_tp2": CASES["cp2_tp2"],
+    "qwen2_asym7_tp421_zero": CASES["asym7_tp421_zero"],
+    "qwen2_hetero_pp_tp": CASES["hetero_pp_tp"],
+}
+MISTRAL_CASES = {
+    "mistral_cp2": CASES["cp2"],
+    "mistral_cp2_tp2": CASES["cp2_tp2"],
+    "mistral_c2_like_zero": CASES["c2_like_zero"],
+}
+MISTRAL_PACKED_CASES = {
+    "mistralpacked_cp_hetero_zero": PACKED_CASES["packed_cp_hetero_zero"],
+}
+FAMILY_MODES = {"qwen2": QWEN2_CASES, "mistral": MISTRAL_CASES, "mistralpacked": MISTRAL_PACKED_CASES}
+
+
 def random_strategy(rng, max_world=8, layers=4, kv_heads=4, global_batch=8):
     """A random valid strategy of at most max_world ranks: 1-3 pipelines
     sharing the global batch in random proportions and micro-batch sizes,
@@ -233,7 +254,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--cases", default=",".join(list(CASES) + list(PACKED_CASES) + list(TIED_CASES) +
-                                                list(VOCAB66_CASES) + list(BF16_CASES)))
+                                                list(VOCAB66_CASES) + list(BF16_CASES) + list(QWEN2_CASES) +
+                                                list(MISTRAL_CASES) + list(MISTRAL_PACKED_CASES)))
     ap.add_argument("--random", type=int, default=6,
                     help="also this many random strategies (random_strategy) on fixed, packed, tied or "
                          "vocab-66 data")
@@ -266,7 +288,10 @@ def main():
              "tied": model_variant("tied", tie_word_embeddings=True),
              "vocab66": model_variant("vocab66", vocab_size=66),
              "bf16": common + ["--precision", "bf16"],
-             "bf16g": common + ["--precision", "bf16", "--grad-reduce-dtype", "bf16"]}
+             "bf16g": common + ["--precision", "bf16", "--grad-reduce-dtype", "bf16"],
+             "qwen2": model_variant("qwen2", model_type="qwen2", tie_word_embeddings=True),
+             "mistral": model_variant("mistral", model_type="mistral", sliding_window=5)}
+    modes["mistralpacked"] = [a if a != data else packed_data for a in modes["mistral"]] + ["--pack-documents"]
     want = {}
     for mode, cmd in modes.items():
         log, weights = os.path.join(tmp, mode + ".jsonl"), os.path.join(tmp, mode + ".safetensors")
@@ -297,15 +322,17 @@ def main():
     for k in range(args.random):  # plans nobody wrote by hand
         name = f"random{args.seed}_{k}"
         world, strategy = random_strategy(pick)
-        mode = pick.choice(["fixed", "packed", "tied", "vocab66"])
-        {"fixed": CASES, "packed": PACKED_CASES, "tied": TIED_CASES, "vocab66": VOCAB66_CASES}[mode][name] = \
-            (world, strategy)
+        mode = pick.choice(["fixed", "packed", "tied", "vocab66", "qwen2", "mistral"])
+        {"fixed": CASES, "packed": PACKED_CASES, "tied": TIED_CASES, "vocab66": VOCAB66_CASES,
+         **FAMILY_MODES}[mode][name] = (world, strategy)
         names.append(name)
     for name in names:
+        family = [m for m, cases in FAMILY_MODES.items() if name in cases]
         mode = ("packed" if name in PACKED_CASES else "tied" if name in TIED_CASES else
-                "vocab66" if name in VOCAB66_CASES else name.split("_")[0] if name in BF16_CASES else "fixed")
+                "vocab66" if name in VOCAB66_CASES else name.split("_")[0] if name in BF16_CASES else
+                family[0] if family else "fixed")
         world, strategy = {"packed": PACKED_CASES, "tied": TIED_CASES, "vocab66": VOCAB66_CASES,
-                           "bf16": BF16_CASES, "bf16g": BF16_CASES, "fixed": CASES}[mode][name]
+                           "bf16": BF16_CASES, "bf16g": BF16_CASES, "fixed": CASES, **FAMILY_MODES}[mode][name]
         loss_tol, weight_tol = (1e-5, 1e-4)
         if mode.startswith("bf16"):
             loss_tol, weight_tol = (1e-4, 2e-2) if name in BF16_SAME_ROUNDING else (2e-3, 1.5 * bf16_noise)

@@ -103,7 +103,7 @@ def main():
             "no cluster": (["--model", model, "--clock", "model", "--profile", path("p.json")],
                            "[flags] --clock model needs --cluster"),
             "another model": (["--model", other, "--cluster", path("c.json"), "--clock", "model",
-                               "--profile", path("p.json")], "made for hidden 64, heads 8"),
+                               "--profile", path("p.json")], "made for llama, hidden 64, heads 8"),
             "profile without the model clock": (["--model", model, "--cluster", path("c.json"),
                                                  "--profile", path("p.json")], "[flags] --profile is read only"),
             "unknown clock": (["--model", model, "--clock", "wall"], "[flags] --clock: 'wall'"),

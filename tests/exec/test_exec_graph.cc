@@ -21,7 +21,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/graph/executor.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/plan/plan.h"
 #include "plan/plan_test_util.h"
 
@@ -33,8 +33,8 @@ using testing::test_world;
 
 constexpr int kWorld = 4;
 
-LlamaConfig model(bool tied) {
-  LlamaConfig c = testing::tiny_config(2);
+ModelConfig model(bool tied) {
+  ModelConfig c = testing::tiny_config(2);
   c.num_key_value_heads = 2;
   c.max_position_embeddings = 32;
   c.tie_word_embeddings = tied;
@@ -92,13 +92,13 @@ Batch make_batch(int64_t b, int64_t s, int64_t vocab, uint32_t seed) {
 
 // A rank's ExecGraph with everything it refers to, and the full weights.
 struct Rank {
-  LlamaConfig config;
+  ModelConfig config;
   AnnotationPlan plan;
   Topology topology = Topology::uniform(kWorld);
   std::unique_ptr<ExecGraph> graph;
   std::map<std::string, NDArray> weights;
 
-  Rank(const LlamaConfig& c, const Strategy& s, Precision precision = {}) : config(c) {
+  Rank(const ModelConfig& c, const Strategy& s, Precision precision = {}) : config(c) {
     CompileOptions o;
     o.seq_len = 16;
     o.precision = precision;
@@ -107,7 +107,7 @@ struct Rank {
     for (const Pipeline& p : s.pipelines) b += p.micro_batch_size;
     graph = std::make_unique<ExecGraph>(plan, topology, test_world().rank(),
                                         Bindings{{"B", b}, {"S", 16}});
-    weights = init_llama_parameters(config, 7);
+    weights = init_model_parameters(config, 7);
   }
 
   // This rank's local boxes of the weights and of the batch.
@@ -127,9 +127,9 @@ struct Reference {
 };
 
 // The single-process graph executor on the whole batch.
-Reference single_process(const LlamaConfig& config, const std::map<std::string, NDArray>& weights,
+Reference single_process(const ModelConfig& config, const std::map<std::string, NDArray>& weights,
                          const Batch& batch) {
-  LlamaGraph m = build_llama(config);
+  ModelGraph m = build_model(config);
   std::vector<Tensor> fetches = {m.loss};
   fetches.insert(fetches.end(), m.grads.begin(), m.grads.end());
   ValueMap values(weights.begin(), weights.end());

@@ -104,8 +104,8 @@ void expect_rank_equals_full(const AnnotationPlan& plan, const Topology& topolog
   }
 }
 
-LlamaConfig example_model(const std::string& name) {
-  return LlamaConfig::load(kRoot + "/examples/models/" + name + ".json");
+ModelConfig example_model(const std::string& name) {
+  return ModelConfig::load(kRoot + "/examples/models/" + name + ".json");
 }
 
 AnnotationPlan example_plan(const std::string& model, const std::string& strategy, int world) {
@@ -125,7 +125,7 @@ TEST(RankDryRun, ExampleStrategiesOfTheTinyModel) {
 // Tied embeddings (a BSR from the first stage to the last), TP changing
 // along a pipeline, ZeRO across pipelines of different TP, an idle rank.
 TEST(RankDryRun, HandBuiltPlans) {
-  LlamaConfig tied = testing::tiny_config();
+  ModelConfig tied = testing::tiny_config();
   tied.tie_word_embeddings = true;
   const Strategy hetero = strategy({pipeline({stage({0, 1}, 0, 1), stage({2, 3}, 2, 3)}, 2),
                                     pipeline({stage({4}, 0, 1), stage({5}, 2, 2), stage({6}, 3, 3)})},

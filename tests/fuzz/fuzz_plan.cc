@@ -11,7 +11,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   return fuzz::expect_only_hspmd_errors([&] {
     const nlohmann::json j = parse_json_text(fuzz::text_of(data, size), "plan", "fuzz");
     if (j.is_object() && j.contains("model")) {
-      const LlamaConfig c = LlamaConfig::from_json(j["model"], "fuzz");
+      const ModelConfig c = ModelConfig::from_json(j["model"], "fuzz");
       if (c.num_hidden_layers > 16 || c.hidden_size > 4096 || c.intermediate_size > 4096 ||
           c.table_rows() > 65536 || c.num_attention_heads > 64)
         return;

@@ -1,19 +1,19 @@
 // The Llama model declares what its parameters and Reshard points are (role,
 // part, layer, kind) instead of leaving readers to parse names: these
 // declarations must agree with the Hugging Face names and with the graph
-// build_llama makes.
+// build_model makes.
 #include <gtest/gtest.h>
 
 #include <set>
 
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {
 namespace {
 
-LlamaConfig config(bool tied, int64_t layers = 3) {
-  return LlamaConfig{.vocab_size = 40,
+ModelConfig config(bool tied, int64_t layers = 3) {
+  return ModelConfig{.vocab_size = 40,
                      .hidden_size = 16,
                      .intermediate_size = 24,
                      .num_hidden_layers = layers,
@@ -46,18 +46,18 @@ ParamRole role_by_name(const std::string& name) {
 
 TEST(LlamaParameters, RolesPartsAndLayersMatchTheirNames) {
   for (bool tied : {false, true}) {
-    const LlamaConfig c = config(tied);
-    const std::vector<LlamaParameter> params = llama_parameters(c);
+    const ModelConfig c = config(tied);
+    const std::vector<ModelParameter> params = model_parameters(c);
     ASSERT_EQ(params.size(), 9 * 3 + (tied ? 2u : 3u));
     std::map<int64_t, int> per_layer;
-    for (const LlamaParameter& p : params) {
+    for (const ModelParameter& p : params) {
       EXPECT_EQ(p.role, role_by_name(p.name)) << p.name;
       EXPECT_EQ(p.layer, layer_in_name(p.name)) << p.name;
       const ParamInit init = ends_with(p.name, "norm.weight") ? ParamInit::kOnes : ParamInit::kNormal;
       EXPECT_EQ(p.init, init) << p.name;
-      const LlamaPart part = p.layer >= 0 ? LlamaPart::kBlock
-                             : p.name == "model.embed_tokens.weight" ? LlamaPart::kEmbedding
-                                                                     : LlamaPart::kHead;
+      const ModelPart part = p.layer >= 0 ? ModelPart::kBlock
+                             : p.name == "model.embed_tokens.weight" ? ModelPart::kEmbedding
+                                                                     : ModelPart::kHead;
       EXPECT_EQ(p.part, part) << p.name;
       ++per_layer[p.layer];
     }
@@ -69,12 +69,12 @@ TEST(LlamaParameters, RolesPartsAndLayersMatchTheirNames) {
 
 TEST(LlamaParameters, ShapesListIsTheDeclarationsNamesAndShapes) {
   for (bool tied : {false, true}) {
-    const LlamaConfig c = config(tied);
+    const ModelConfig c = config(tied);
     std::vector<std::pair<std::string, Shape>> expected;
-    for (const LlamaParameter& p : llama_parameters(c)) expected.emplace_back(p.name, p.shape);
-    EXPECT_EQ(llama_parameter_shapes(c), expected);
-    const LlamaGraph m = build_llama(c);
-    EXPECT_EQ(m.parameters, llama_parameters(c));
+    for (const ModelParameter& p : model_parameters(c)) expected.emplace_back(p.name, p.shape);
+    EXPECT_EQ(model_parameter_shapes(c), expected);
+    const ModelGraph m = build_model(c);
+    EXPECT_EQ(m.parameters, model_parameters(c));
     ASSERT_EQ(m.names.size(), m.parameters.size());
     for (size_t i = 0; i < m.names.size(); ++i) {
       EXPECT_EQ(m.names[i], m.parameters[i].name);
@@ -99,12 +99,12 @@ ReshardKind kind_by_name(const std::string& name) {
 
 TEST(LlamaReshardPoints, KindsAndLayersMatchTheirNames) {
   for (bool tied : {false, true}) {
-    const LlamaConfig c = config(tied);
-    const std::vector<LlamaParameter> params = llama_parameters(c);
-    std::map<std::string, LlamaParameter> by_name;
-    for (const LlamaParameter& p : params) by_name[p.name] = p;
+    const ModelConfig c = config(tied);
+    const std::vector<ModelParameter> params = model_parameters(c);
+    std::map<std::string, ModelParameter> by_name;
+    for (const ModelParameter& p : params) by_name[p.name] = p;
     int grads = 0, carriers = 0;
-    for (const ReshardPoint& p : llama_reshard_points(c)) {
+    for (const ReshardPoint& p : model_reshard_points(c)) {
       EXPECT_EQ(p.kind, kind_by_name(p.name)) << p.name;
       const bool block_input = p.name == "model.layers." + std::to_string(p.layer) + ".input";
       EXPECT_EQ(p.carries_activations(), p.name == "lm_head.input" || block_input) << p.name;
@@ -112,7 +112,7 @@ TEST(LlamaReshardPoints, KindsAndLayersMatchTheirNames) {
       if (p.kind == ReshardKind::kGradSync) {
         ++grads;
         EXPECT_EQ(p.name, "grad." + p.parameter);
-        const LlamaParameter& param = by_name.at(p.parameter);
+        const ModelParameter& param = by_name.at(p.parameter);
         EXPECT_EQ(p.part, param.part) << p.name;
         EXPECT_EQ(p.layer, param.layer) << p.name;
         continue;
@@ -126,14 +126,14 @@ TEST(LlamaReshardPoints, KindsAndLayersMatchTheirNames) {
   }
 }
 
-// build_llama records exactly the declared points, in graph order, on the
+// build_model records exactly the declared points, in graph order, on the
 // named forward Reshards; the gradients are the grad.{parameter} points.
 TEST(LlamaReshardPoints, TheGraphHasExactlyTheDeclaredPoints) {
   for (bool tied : {false, true}) {
-    const LlamaConfig c = config(tied);
-    LlamaBuildOptions o;
+    const ModelConfig c = config(tied);
+    ModelBuildOptions o;
     o.reshard_points = true;
-    const LlamaGraph m = build_llama(c, o);
+    const ModelGraph m = build_model(c, o);
     std::vector<ReshardPoint> in_graph;
     for (const auto& [id, point] : m.points) {
       const Node& n = m.graph->node(id);
@@ -143,7 +143,7 @@ TEST(LlamaReshardPoints, TheGraphHasExactlyTheDeclaredPoints) {
       EXPECT_EQ(m.point(id), &point);
       in_graph.push_back(point);
     }
-    EXPECT_EQ(in_graph, llama_reshard_points(c));
+    EXPECT_EQ(in_graph, model_reshard_points(c));
     for (int id = 0; id < m.graph->num_nodes(); ++id) {
       const Node& n = m.graph->node(id);
       if (ops::is_reshard(n) && ops::reshard_mirror_of(n) < 0) {

@@ -3,13 +3,13 @@
 #include <gtest/gtest.h>
 
 #include "hspmd/graph/executor.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 
 namespace hspmd {
 namespace {
 
-LlamaConfig tiny(bool tied) {
-  return LlamaConfig{.vocab_size = 32,
+ModelConfig tiny(bool tied) {
+  return ModelConfig{.vocab_size = 32,
                      .hidden_size = 16,
                      .intermediate_size = 24,
                      .num_hidden_layers = 2,
@@ -18,9 +18,9 @@ LlamaConfig tiny(bool tied) {
                      .tie_word_embeddings = tied};
 }
 
-ValueMap feeds(const LlamaConfig& c) {
+ValueMap feeds(const ModelConfig& c) {
   ValueMap v;
-  for (auto& [name, a] : init_llama_parameters(c, 7)) v[name] = a;
+  for (auto& [name, a] : init_model_parameters(c, 7)) v[name] = a;
   std::vector<int32_t> ids, targets, positions;
   for (int b = 0; b < 2; ++b)
     for (int s = 0; s < 5; ++s) {
@@ -35,18 +35,18 @@ ValueMap feeds(const LlamaConfig& c) {
   return v;
 }
 
-std::vector<NDArray> run(const LlamaGraph& m, const ValueMap& values) {
+std::vector<NDArray> run(const ModelGraph& m, const ValueMap& values) {
   std::vector<Tensor> fetches = {m.loss};
   fetches.insert(fetches.end(), m.grads.begin(), m.grads.end());
   return Executor(*m.graph, fetches).run(values);
 }
 
 void expect_same_training_step(bool tied) {
-  const LlamaConfig c = tiny(tied);
-  LlamaBuildOptions points;
+  const ModelConfig c = tiny(tied);
+  ModelBuildOptions points;
   points.reshard_points = true;
   points.context_parallel = true;
-  const LlamaGraph plain = build_llama(c), marked = build_llama(c, points);
+  const ModelGraph plain = build_model(c), marked = build_model(c, points);
   ASSERT_EQ(plain.names, marked.names);
   const ValueMap values = feeds(c);
   const std::vector<NDArray> a = run(plain, values), b = run(marked, values);

@@ -10,8 +10,8 @@
 
 namespace hspmd::testing {
 
-inline LlamaConfig tiny_config(int layers = 4) {
-  return LlamaConfig{.vocab_size = 64,
+inline ModelConfig tiny_config(int layers = 4) {
+  return ModelConfig{.vocab_size = 64,
                      .hidden_size = 32,
                      .intermediate_size = 64,
                      .num_hidden_layers = layers,

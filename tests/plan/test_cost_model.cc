@@ -21,8 +21,8 @@ namespace {
 
 using testing::stage;
 
-LlamaConfig model8() {
-  LlamaConfig c = testing::tiny_config(8);
+ModelConfig model8() {
+  ModelConfig c = testing::tiny_config(8);
   c.max_position_embeddings = 64;
   return c;
 }
@@ -30,7 +30,7 @@ LlamaConfig model8() {
 // A profile whose parts take fixed times: block 1 ms forward, 2 ms
 // backward at tp 1 (halved per TP doubling), embedding and head free,
 // optimizer free.
-std::shared_ptr<const Profile> flat_profile(const LlamaConfig& c, double head = 0) {
+std::shared_ptr<const Profile> flat_profile(const ModelConfig& c, double head = 0) {
   auto p = std::make_shared<Profile>();
   p->config = c;
   for (int tp : {1, 2, 4})
@@ -81,7 +81,7 @@ Pipeline pipe(std::vector<Stage> stages, int micro_batches, int bs = 1) {
 }
 
 TEST(CostModel, OneF1BAndGPipeMatchTheirClosedFormWithEqualStages) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(4), {}, flat_profile(c));
   for (const char* schedule : {"1f1b", "gpipe"})
     for (int m : {1, 4, 7}) {
@@ -96,7 +96,7 @@ TEST(CostModel, OneF1BAndGPipeMatchTheirClosedFormWithEqualStages) {
 }
 
 TEST(CostModel, SlowestStageSetsThePaceAndSlowdownScalesCompute) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   // The second node (ranks 4-7) is slowed down 2x.
   const CostModel cm(c, cluster(8, 1e9, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c));
   const Strategy s = make({pipe({stage({0}, 0, 3), stage({4}, 4, 7)}, 8)});
@@ -110,7 +110,7 @@ TEST(CostModel, SlowestStageSetsThePaceAndSlowdownScalesCompute) {
 }
 
 TEST(CostModel, DataParallelPipelinesEndTogetherAtTheSlowest) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(8, 1e9, {1, 1, 1, 1, 3, 3, 3, 3}), {}, flat_profile(c));
   const Strategy s = make({pipe({stage({0}, 0, 7)}, 3), pipe({stage({4}, 0, 7)}, 1)});
   const CostReport r = cm.evaluate(s, 16);
@@ -120,7 +120,7 @@ TEST(CostModel, DataParallelPipelinesEndTogetherAtTheSlowest) {
 }
 
 TEST(CostModel, RooflineHalvesBlockWorkUnderTwoWayTensorParallelism) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(4), {}, nullptr);
   const double t1 = cm.part_seconds(0, "block_fwd", 1, 1, 32, 2);
   const double t2 = cm.part_seconds(0, "block_fwd", 2, 1, 32, 2);
@@ -138,7 +138,7 @@ TEST(CostModel, RooflineHalvesBlockWorkUnderTwoWayTensorParallelism) {
 // slowest link per collective), within a few percent (the model rounds the
 // vocabulary-parallel loss's scalars).
 TEST(CostModel, StageCollectivesMatchTheDryRun) {
-  LlamaConfig c = model8();
+  ModelConfig c = model8();
   c.vocab_size = 64;
   const double gbps = 1;  // every link 1 GB/s
   const Topology topo = cluster(8, gbps);
@@ -180,7 +180,7 @@ TEST(CostModel, StageCollectivesMatchTheDryRun) {
 }
 
 TEST(CostModel, ZeroShrinksOptimizerStatesAndCapsAreReported) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const Topology topo = cluster(4, 1e9, {}, 0.0001);  // 0.1 MiB per rank
   const CostModel cm(c, topo, {}, flat_profile(c));
   const std::vector<Pipeline> pipes = {pipe({stage({0}, 0, 7)}, 1), pipe({stage({1}, 0, 7)}, 1),
@@ -193,14 +193,14 @@ TEST(CostModel, ZeroShrinksOptimizerStatesAndCapsAreReported) {
 }
 
 TEST(CostModel, ProfileOfOtherDimensionsIsRejected) {
-  const LlamaConfig c = model8();
-  LlamaConfig other = c;
+  const ModelConfig c = model8();
+  ModelConfig other = c;
   other.hidden_size = 64;
   try {
     CostModel cm(c, cluster(2), {}, flat_profile(other));
     FAIL() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("[cost] --profile: the profile was made for other model dimensions"),
+    EXPECT_NE(std::string(e.what()).find("[cost] --profile: the profile was made for another model"),
               std::string::npos)
         << e.what();
   }
@@ -220,7 +220,7 @@ SearchOptions options(int batch) {
 // The search (ILPs) against scoring every layer split and micro-batch
 // split of the same configurations with the full model: within 5%.
 TEST(Search, IlpSecondLevelIsWithinFivePercentOfExhaustive) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   struct Case {
     std::vector<double> slowdown;
     int batch;
@@ -247,7 +247,7 @@ TEST(Search, IlpSecondLevelIsWithinFivePercentOfExhaustive) {
 // Three device classes (ranks 0-3 at full speed, 4-5 at 1/1.5, 6-7 at
 // 1/2.5, each pair its own node).
 TEST(Search, ThreeDeviceClassesWithinFivePercentOfExhaustive) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const nlohmann::json nodes = {{{"type", "d"}, {"ranks", {0, 3}}},
                                 {{"type", "d"}, {"ranks", {4, 5}}, {"slowdown", 1.5}},
                                 {{"type", "d"}, {"ranks", {6, 7}}, {"slowdown", 2.5}}};
@@ -274,7 +274,7 @@ TEST(Search, ThreeDeviceClassesWithinFivePercentOfExhaustive) {
 }
 
 TEST(Search, TimeLimitKeepsTheBestSoFar) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c));
   SearchOptions o = options(8);
   o.time_limit_s = 1e-9;
@@ -287,7 +287,7 @@ TEST(Search, TimeLimitKeepsTheBestSoFar) {
 }
 
 TEST(Search, NeverReturnsAStrategyThatOverflowsAndNamesTheShortfall) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel roomy(c, cluster(8, 25, {}, 1), {}, flat_profile(c));
   const SearchResult r = search_strategy(roomy, options(8));
   ASSERT_FALSE(r.best.empty());
@@ -312,7 +312,7 @@ TEST(Search, NeverReturnsAStrategyThatOverflowsAndNamesTheShortfall) {
 }
 
 TEST(Search, ReplanAvoidsUnavailableRanks) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c));
   const SearchResult first = search_strategy(cm, options(8));
   SearchOptions o = options(8);
@@ -327,7 +327,7 @@ TEST(Search, ReplanAvoidsUnavailableRanks) {
 // A cluster where one big pipeline is best: with min_pipelines 2 every
 // candidate has two or more, and none beats the unconstrained best.
 TEST(Search, MinPipelinesKeepsReplicas) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 1, 1, 1, 1}), {}, flat_profile(c));
   SearchOptions o = options(8);
   o.unavailable = {7};
@@ -342,7 +342,7 @@ TEST(Search, MinPipelinesKeepsReplicas) {
 }
 
 TEST(Search, CbcAndExactSolversAgree) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   const CostModel cm(c, cluster(8, 25, {1, 1, 1, 1, 2, 2, 2, 2}), {}, flat_profile(c, 1e-3));
   SearchOptions o = options(8);
   o.solver = IlpSolver::kCbc;
@@ -359,7 +359,7 @@ TEST(Search, CbcAndExactSolversAgree) {
 // 1 ms + 10 us per token, backward 2 ms, 8 layers, one rank: a piece of s
 // tokens alone costs 24 ms + 80 us * s.
 TEST(TokenDispatch, FixedCostOncePerMicroBatch) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   auto prof = std::make_shared<Profile>(*flat_profile(c));
   for (ProfileEntry& e : prof->entries) e.parts["block_fwd"].c = 1e-5 / (e.tp * e.cp);
   const CostModel cm(c, cluster(4), {}, prof);
@@ -395,7 +395,7 @@ TEST(TokenDispatch, FixedCostOncePerMicroBatch) {
 // micro-batches packed to the capacity, and predicts the slow pipeline's
 // time.
 TEST(TokenDispatch, SymmetricRuleIgnoresDeviceSpeeds) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   auto prof = std::make_shared<Profile>(*flat_profile(c));
   for (ProfileEntry& e : prof->entries) e.parts["block_fwd"].c = 1e-4 / (e.tp * e.cp);
   const CostModel cm(c, cluster(8, 1e9, {1, 1, 1, 1, 2, 2, 2, 2}), {}, prof);
@@ -425,7 +425,7 @@ TEST(TokenDispatch, SymmetricRuleIgnoresDeviceSpeeds) {
 // this profile. Two stages of 4 layers: per stage 12 ms fixed + 40 us a
 // token.
 TEST(TokenDispatch, RankComputeFollowsThePieces) {
-  const LlamaConfig c = model8();
+  const ModelConfig c = model8();
   auto prof = std::make_shared<Profile>(*flat_profile(c));
   for (ProfileEntry& e : prof->entries) e.parts["block_fwd"].c = 1e-5 / (e.tp * e.cp);
   const CostModel cm(c, cluster(4), {}, prof);

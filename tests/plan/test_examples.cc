@@ -15,7 +15,7 @@ std::vector<PlannedReshard> dry_run_example(const std::string& model, const std:
                                             const std::string& cluster) {
   const Topology topology = Topology::load(kRoot + "/examples/clusters/" + cluster + ".json");
   const AnnotationPlan plan =
-      compile_plan(LlamaConfig::load(kRoot + "/examples/models/" + model + ".json"),
+      compile_plan(ModelConfig::load(kRoot + "/examples/models/" + model + ".json"),
                    load_strategy(kRoot + "/examples/strategies/" + strategy + ".json"),
                    topology.world_size());
   return dry_run(plan, topology);

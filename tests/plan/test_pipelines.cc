@@ -15,7 +15,7 @@ namespace {
 
 const std::string kRoot = HSPMD_SOURCE_DIR;
 
-LlamaConfig tiny(int layers = 4) { return testing::tiny_config(layers); }
+ModelConfig tiny(int layers = 4) { return testing::tiny_config(layers); }
 using testing::stage;
 
 using testing::pipeline;
@@ -55,7 +55,7 @@ std::string describe(const std::vector<DiscoveredPipeline>& pipelines) {
 }
 
 // Discovery reproduces `s` exactly, and the ranks it names nowhere are idle.
-void expect_discovers(const LlamaConfig& config, const Strategy& s, int world,
+void expect_discovers(const ModelConfig& config, const Strategy& s, int world,
                       const Topology& topology) {
   const AnnotationPlan plan = compile_plan(config, s, world);
   const auto found = discover_pipelines(plan, dry_run(plan, topology));
@@ -68,7 +68,7 @@ void expect_discovers(const LlamaConfig& config, const Strategy& s, int world,
         EXPECT_EQ(where[r], (PipelinePosition{static_cast<int>(p), static_cast<int>(st)})) << "rank " << r;
 }
 
-void expect_discovers(const LlamaConfig& config, const Strategy& s, int world) {
+void expect_discovers(const ModelConfig& config, const Strategy& s, int world) {
   expect_discovers(config, s, world, Topology::uniform(world));
 }
 
@@ -104,7 +104,7 @@ TEST(DiscoverPipelines, EveryExampleStrategy) {
   const auto start = std::chrono::steady_clock::now();
   for (const Example& e : examples) {
     SCOPED_TRACE(e.strategy);
-    expect_discovers(LlamaConfig::load(kRoot + "/examples/models/" + e.model + ".json"),
+    expect_discovers(ModelConfig::load(kRoot + "/examples/models/" + e.model + ".json"),
                      load_strategy(kRoot + "/examples/strategies/" + e.strategy + ".json"), e.world);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -131,7 +131,7 @@ TEST(DiscoverPipelines, HeteroPipelinesAndZero) {
 // The tied embedding travels from the first stage to the last one; it does
 // not make the last stage a successor of the first.
 TEST(DiscoverPipelines, TiedEmbeddings) {
-  LlamaConfig c = tiny();
+  ModelConfig c = tiny();
   c.tie_word_embeddings = true;
   expect_discovers(c, hetero(), 8);
   expect_discovers(c, strategy({pipeline({stage({0, 1, 2, 3}, 0, 1, 2), stage({4, 5, 6, 7}, 2, 3, 2)})}), 8);

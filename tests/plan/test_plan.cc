@@ -11,7 +11,7 @@
 namespace hspmd {
 namespace {
 
-LlamaConfig tiny(int layers = 4) { return testing::tiny_config(layers); }
+ModelConfig tiny(int layers = 4) { return testing::tiny_config(layers); }
 using testing::stage;
 
 Pipeline pipeline(int mbs, int micro, std::vector<Stage> stages) {
@@ -76,15 +76,15 @@ TEST(CompilePlan, AnnotatesPipelinesAndStages) {
 // gradient-sync points.
 TEST(CompilePlan, FollowsTheModelsDeclarations) {
   for (bool tied : {false, true}) {
-    LlamaConfig c = tiny();
+    ModelConfig c = tiny();
     c.tie_word_embeddings = tied;
     const AnnotationPlan plan = compile_plan(c, hetero(), 8);
     std::set<std::string> expected = {"input_ids", "targets", "positions", "normalizer"};
-    for (const LlamaParameter& p : llama_parameters(plan.model)) {
+    for (const ModelParameter& p : model_parameters(plan.model)) {
       expected.insert(p.name);
       const Subgroup& pipeline1 = plan.tensors.at(p.name).subgroups[1];  // ranks 4, 5, 6: one each
-      const int rank = p.part == LlamaPart::kEmbedding ? 4
-                       : p.part == LlamaPart::kHead    ? 6
+      const int rank = p.part == ModelPart::kEmbedding ? 4
+                       : p.part == ModelPart::kHead    ? 6
                                                        : (p.layer < 2 ? 4 : p.layer == 2 ? 5 : 6);
       EXPECT_EQ(pipeline1.devices.ranks, std::vector<int>{rank}) << p.name;
       const DistStates& tp2 = plan.tensors.at(p.name).subgroups[0].states;  // a tp-2 stage
@@ -92,7 +92,7 @@ TEST(CompilePlan, FollowsTheModelsDeclarations) {
       EXPECT_EQ(dim < 0 ? tp2.degree(kDup) : tp2.degree(dim), 2) << p.name;
     }
     std::set<std::string> grad_syncs;
-    for (const ReshardPoint& p : llama_reshard_points(plan.model)) {
+    for (const ReshardPoint& p : model_reshard_points(plan.model)) {
       expected.insert(p.name);
       if (p.kind == ReshardKind::kGradSync) grad_syncs.insert(p.name);
     }
@@ -110,14 +110,14 @@ TEST(CompilePlan, FollowsTheModelsDeclarations) {
 // tp: the tables gain zero rows, the loss masks their logits, and the plan's
 // JSON keeps the padding.
 TEST(CompilePlan, PadsTheVocabularyForTensorParallelism) {
-  LlamaConfig c = tiny();
+  ModelConfig c = tiny();
   c.vocab_size = 63;
   const AnnotationPlan plan = compile_plan(c, hetero(), 8);  // tp 2 and 1
   EXPECT_EQ(plan.model.vocab_size, 63);
   EXPECT_EQ(plan.model.table_rows(), 64);
   const AnnotationPlan back = plan_from_json(to_json(plan));
   EXPECT_EQ(back.model.table_rows(), 64);
-  const LlamaGraph m = build_llama(plan.model);
+  const ModelGraph m = build_model(plan.model);
   EXPECT_EQ(m.params[0].shape()[0], SymDim(64));  // model.embed_tokens.weight
   EXPECT_NO_THROW(dry_run(plan, Topology::uniform(8)));
   EXPECT_EQ(compile_plan(tiny(), hetero(), 8).model.table_rows(), 64);  // 64 divides: no padding
@@ -244,7 +244,7 @@ TEST(DryRun, ContextParallelStage) {
 // LM head, and its gradient comes back (still partial across pipelines) to
 // be summed with the embedding's own at gradient sync.
 TEST(DryRun, TiedEmbeddingsTravelBetweenStages) {
-  LlamaConfig c = tiny();
+  ModelConfig c = tiny();
   c.tie_word_embeddings = true;
   const auto all = dry_run(compile_plan(c, hetero(), 8), Topology::uniform(8));
   const CommKind forward = kind_on(find(all, "lm_head.weight"), 2);
@@ -257,7 +257,7 @@ TEST(DryRun, TiedEmbeddingsTravelBetweenStages) {
 // Tied embeddings with cp: the LM head's gradient is partial over the cp
 // ranks; it travels back pairwise and is summed at gradient sync.
 TEST(DryRun, TiedEmbeddingsWithContextParallel) {
-  LlamaConfig c = tiny();
+  ModelConfig c = tiny();
   c.tie_word_embeddings = true;
   Strategy s;
   s.pipelines = {pipeline(1, 2, {stage({0, 1, 2, 3}, 0, 1, 2), stage({4, 5, 6, 7}, 2, 3, 2)})};
@@ -319,7 +319,7 @@ TEST(PlanJson, RejectsMalformedPlans) {
 // (10 layers each) on 32 ranks each. Only annotations and boxes are handled,
 // so the big shapes cost nothing.
 TEST(DryRun, SixtyFourRanksEightyLayers) {
-  LlamaConfig c = tiny(80);
+  ModelConfig c = tiny(80);
   c.hidden_size = 8192;
   c.intermediate_size = 28672;
   c.num_attention_heads = 64;

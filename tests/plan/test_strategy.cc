@@ -14,8 +14,8 @@ namespace {
 using nlohmann::json;
 
 // The tiny test model: 8 layers, 8 heads, 4 KV heads, FFN 128, vocab 256.
-LlamaConfig tiny() {
-  return LlamaConfig{.vocab_size = 256,
+ModelConfig tiny() {
+  return ModelConfig{.vocab_size = 256,
                      .hidden_size = 64,
                      .intermediate_size = 128,
                      .num_hidden_layers = 8,
@@ -50,7 +50,7 @@ std::string parse_error(const json& j) {
   return error_of([&] { strategy_from_json(j); });
 }
 
-std::string validate_error(const json& j, int world = 8, const LlamaConfig& c = tiny()) {
+std::string validate_error(const json& j, int world = 8, const ModelConfig& c = tiny()) {
   return error_of([&] { validate(strategy_from_json(j), c, world); });
 }
 
@@ -308,7 +308,7 @@ TEST(StrategyValidate, TensorParallelRules) {
   j["pipelines"][0]["stages"][0]["ranks"] = {0, 1, 7};
   EXPECT_MESSAGE(validate_error(j),
                  "[strategy] pipeline 0 stage 0: tp=3 does not divide num_attention_heads=8");
-  LlamaConfig c = tiny();
+  ModelConfig c = tiny();
   c.num_attention_heads = 2;
   c.num_key_value_heads = 1;
   EXPECT_MESSAGE(validate_error(hetero(), 8, c),
@@ -328,7 +328,7 @@ TEST(StrategyValidate, TensorParallelRules) {
 }
 
 TEST(StrategyValidate, KvHeadsDefaultToHeads) {
-  LlamaConfig c = tiny();
+  ModelConfig c = tiny();
   c.num_key_value_heads = 0;  // hand-built config: means "= heads"
   EXPECT_EQ(validate_error(hetero(), 8, c), "");
 }
@@ -410,7 +410,7 @@ TEST(StrategyExamples, AllValidate) {
   for (const Example& e : examples) {
     SCOPED_TRACE(e.strategy);
     const Strategy s = load_strategy(root + "strategies/" + e.strategy + ".json");
-    const LlamaConfig c = LlamaConfig::load(root + "models/" + e.model + ".json");
+    const ModelConfig c = ModelConfig::load(root + "models/" + e.model + ".json");
     EXPECT_NO_THROW(validate(s, c, e.world));
     EXPECT_EQ(s.global_batch(), e.global_batch);
     EXPECT_EQ(idle_ranks(s, e.world), e.idle);

@@ -41,7 +41,7 @@ Strategy tp(const std::vector<int>& ranks, int layers = 4) {
   return strategy({pipeline({stage(ranks, 0, layers - 1)})});
 }
 
-AnnotationPlan compile(const Strategy& s, int world, LlamaConfig config = testing::tiny_config()) {
+AnnotationPlan compile(const Strategy& s, int world, ModelConfig config = testing::tiny_config()) {
   return compile_plan(config, s, world);
 }
 
@@ -354,7 +354,7 @@ TEST(Switch, StateTensorsRejectOtherModelsAndWorlds) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()).rfind("[switch] plans of different models: ", 0), 0u) << e.what();
   }
-  LlamaConfig wide = testing::tiny_config();
+  ModelConfig wide = testing::tiny_config();
   wide.intermediate_size = 128;
   EXPECT_THROW(state_tensors(a, compile(tp({0, 1}), 4, wide)), Error);
 }
@@ -408,7 +408,7 @@ TEST(Switch, WorldChangeWithIdleRanks) {
 }
 
 TEST(Switch, PaddedVocabularyChanges) {
-  LlamaConfig c = testing::tiny_config();
+  ModelConfig c = testing::tiny_config();
   c.vocab_size = 66;  // tp 2 keeps 66 rows, tp 4 pads to 68
   const AnnotationPlan two = compile(tp({0, 1}), 4, c), four = compile(tp({0, 1, 2, 3}), 4, c);
   ASSERT_EQ(two.model.table_rows(), 66);
@@ -635,7 +635,7 @@ Strategy random_strategy(std::mt19937& rng) {
 TEST(Switch, RandomPlans) {
   std::mt19937 rng(20261122);
   const Topology topo = hetero_topology();
-  LlamaConfig c = testing::tiny_config();
+  ModelConfig c = testing::tiny_config();
   c.vocab_size = 66;
   int cases = 0;
   for (int tries = 0; cases < 24 && tries < 200; ++tries) {

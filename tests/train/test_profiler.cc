@@ -11,7 +11,7 @@
 #include <string>
 
 #include "hspmd/core/error.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/train/profiler.h"
 #include "test_util.h"
 
@@ -20,8 +20,8 @@ namespace {
 
 using testing::error_of;
 
-LlamaConfig tiny() {
-  LlamaConfig c;
+ModelConfig tiny() {
+  ModelConfig c;
   c.vocab_size = 256;
   c.hidden_size = 64;
   c.intermediate_size = 128;
@@ -119,7 +119,7 @@ TEST(Profiler, LayerMemoryFromTheAllocator) {
   const Profile& p = shared_profile();
   ASSERT_EQ(p.memory.size(), 2u);
   int64_t full = 0, split = 0;  // one block's parameters, and the part TP splits
-  for (const LlamaParameter& param : llama_parameters(tiny()))
+  for (const ModelParameter& param : model_parameters(tiny()))
     if (param.layer == 0) {
       full += shape_numel(param.shape) * 4;
       if (param.role != ParamRole::kReplicated) split += shape_numel(param.shape) * 4;
@@ -193,14 +193,14 @@ TEST(Profiler, BadOptionsAreOneLine) {
 TEST(Profiler, AProfileServesOnlyItsModelsDimensions) {
   Profile p;
   p.config = tiny();
-  LlamaConfig deeper = tiny();
+  ModelConfig deeper = tiny();
   deeper.num_hidden_layers = 32;
   check_profile_model(p, deeper, "p.json", "m.json");  // layers may differ
-  LlamaConfig wider = tiny();
+  ModelConfig wider = tiny();
   wider.hidden_size = 128;
   EXPECT_EQ(error_of([&] { check_profile_model(p, wider, "p.json", "m.json"); }),
-            "[profile] p.json: made for hidden 64, heads 8, kv heads 4, intermediate 128, vocab 256, but m.json "
-            "has hidden 128, heads 8, kv heads 4, intermediate 128, vocab 256");
+            "[profile] p.json: made for llama, hidden 64, heads 8, kv heads 4, intermediate 128, vocab 256, but m.json "
+            "has llama, hidden 128, heads 8, kv heads 4, intermediate 128, vocab 256");
 }
 
 TEST(Profiler, JsonRoundTripKeepsTheStageActivations) {

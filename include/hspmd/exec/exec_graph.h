@@ -27,7 +27,7 @@
 #include "hspmd/exec/op_work.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/graph/executor.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 
@@ -56,7 +56,7 @@ class ExecGraph {
   int rank() const { return rank_; }
   const AnnotationPlan& plan() const { return *plan_; }
   const Topology& topology() const { return *topology_; }
-  const LlamaGraph& model() const { return model_; }
+  const ModelGraph& model() const { return model_; }
   const Bindings& bindings() const { return bindings_; }  // the constructor's
   // The annotation of a leaf, a named Reshard output or a parameter gradient
   // after gradient sync ("grad.<param>").
@@ -233,7 +233,7 @@ class ExecGraph {
   int rank_;
   Bindings bindings_;
   AnnotatedTraining training_;
-  const LlamaGraph& model_ = training_.model;
+  const ModelGraph& model_ = training_.model;
   const AnnotatedGraph* annotated_ = nullptr;
   mutable ResolutionCache resolve_;                // alike Reshards resolve once
   mutable std::map<Bindings, std::unique_ptr<const Instance>> instances_;

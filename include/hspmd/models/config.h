@@ -1,8 +1,10 @@
-// The model configuration: the Hugging Face Llama config.json fields hspmd
-// reads (docs/architecture.md, "The Llama model"). Unknown fields are ignored;
-// known fields that would describe another model (model_type, hidden_act,
-// head_dim, rope_scaling, attention_bias, mlp_bias) are refused unless they
-// match what hspmd builds.
+// The model configuration: the Hugging Face config.json fields hspmd reads,
+// for every registered model family (docs/models.md): the decoder fields
+// they share, plus what a family adds (Qwen2's q/k/v biases, Mistral's
+// sliding window). Unknown fields are ignored; known fields that would
+// describe another model (an unregistered model_type, hidden_act, head_dim,
+// rope_scaling, dropout, biases a family does not have) are refused unless
+// they match what hspmd builds.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +15,10 @@
 
 namespace hspmd {
 
-struct LlamaConfig {
+struct ModelConfig {
+  // The Hugging Face model_type: which registered family builds the model
+  // (models/model.h, model_family). Absent in a file: "llama".
+  std::string model_type = "llama";
   // Required.
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -37,6 +42,13 @@ struct LlamaConfig {
   // the same (docs/vocab_parallel.md). Not a Hugging Face field; a plan's
   // JSON carries it as "padded_vocab_size".
   int64_t padded_vocab_size = 0;
+  // Family features (set by the family from its own fields, never read
+  // from a file directly):
+  // q, k and v projections with a bias (Qwen2: self_attn.{q,k,v}_proj.bias).
+  bool attention_bias = false;
+  // Sliding-window attention (Mistral's sliding_window): token i attends to
+  // keys i - W < j <= i; 0 = none.
+  int64_t sliding_window = 0;
 
   int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
@@ -46,19 +58,22 @@ struct LlamaConfig {
   // head counts again), as a double so that no config overflows it.
   double parameter_count() const;
 
-  // Parses and validates. `source` names the file in errors. Throws
+  // Parses and validates; the family named by model_type reads its own
+  // fields and defaults (docs/models.md). `source` names the file in errors. Throws
   // hspmd::Error "[config] <source>: <rule>" for a missing required field, a
   // field of the wrong JSON type, or an impossible value (non-positive sizes,
   // heads not dividing hidden_size, KV heads not dividing heads, odd head_dim,
   // eos_token_id outside the vocabulary, non-positive rms_norm_eps, rope_theta
-  // or initializer_range), and for what hspmd does not build: model_type
-  // other than "llama", hidden_act other than "silu", head_dim other than
+  // or initializer_range), and for what hspmd does not build: a model_type
+  // no family is registered for, hidden_act other than "silu", head_dim other than
   // hidden_size / num_attention_heads, a non-null rope_scaling, or
-  // attention_bias / mlp_bias true. Optional fields given as null take their
-  // default. Values echoed in errors are cut to 80 characters.
-  static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
+  // attention_bias / mlp_bias true where the family has no such biases,
+  // attention_dropout other than 0, or what the family refuses. Optional fields
+  // given as null take their default. Values echoed in errors are cut to 80
+  // characters.
+  static ModelConfig from_json(const nlohmann::json& j, const std::string& source);
   // Reads a config.json; also throws for a missing file or malformed JSON.
-  static LlamaConfig load(const std::string& path);
+  static ModelConfig load(const std::string& path);
   // Every field above (num_key_value_heads resolved); from_json reads it back.
   nlohmann::json to_json() const;
 };
@@ -71,7 +86,7 @@ std::optional<uint64_t> machine_memory_bytes();
 // GiB (MemTotal)" when the full model at `bytes_per_parameter` exceeds the
 // machine's memory; called before anything of that size is allocated. Does
 // nothing where MemTotal cannot be read.
-void check_parameters_fit_memory(const LlamaConfig& config, const std::string& source, int bytes_per_parameter = 4,
+void check_parameters_fit_memory(const ModelConfig& config, const std::string& source, int bytes_per_parameter = 4,
                                  const char* what = "f32 weights");
 
 }  // namespace hspmd

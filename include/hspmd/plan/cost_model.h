@@ -80,14 +80,14 @@ class CostModel {
   // `profiles`: device type name -> its profile (types absent use `fallback`;
   // with no fallback either, the roofline). Every profile must be of the
   // model's dimensions (throws "[cost] ..." otherwise).
-  CostModel(LlamaConfig model, Topology topology,
+  CostModel(ModelConfig model, Topology topology,
             std::map<std::string, std::shared_ptr<const Profile>> profiles = {},
             std::shared_ptr<const Profile> fallback = nullptr);
   // Loads the catalog's profiles (DeviceSpec::profile) and, when
   // `profile_path` is not empty, a fallback profile for the other types.
-  static CostModel load(const LlamaConfig& model, const Topology& topology, const std::string& profile_path);
+  static CostModel load(const ModelConfig& model, const Topology& topology, const std::string& profile_path);
 
-  const LlamaConfig& model() const { return model_; }
+  const ModelConfig& model() const { return model_; }
   const Topology& topology() const { return topology_; }
 
   // Seconds of one profiled part ("block_fwd", ... kProfileParts) on `rank`
@@ -136,7 +136,7 @@ class CostModel {
   std::pair<double, double> group_link(const std::vector<int>& ranks) const;
   double roofline_seconds(int rank, const std::string& part, int tp, int cp, int64_t s, int64_t b) const;
 
-  LlamaConfig model_;
+  ModelConfig model_;
   Topology topology_;
   std::map<std::string, std::shared_ptr<const Profile>> profiles_;
   std::shared_ptr<const Profile> fallback_;

@@ -18,7 +18,7 @@
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/annotation/deduce.h"
 #include "hspmd/graph/op.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/models/config.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/resolver.h"
@@ -27,7 +27,7 @@
 namespace hspmd {
 
 struct AnnotationPlan {
-  LlamaConfig model;
+  ModelConfig model;
   int world_size = 1;
   // Leaf placeholders (input_ids, targets, positions, normalizer, ...),
   // parameters (Hugging Face names) and named Reshard outputs (e.g.
@@ -56,7 +56,7 @@ struct CompileOptions {
 
 // Strategy -> annotation plan for the Llama model (validates the strategy
 // first; throws its errors).
-AnnotationPlan compile_plan(const LlamaConfig& config, const Strategy& strategy, int world_size,
+AnnotationPlan compile_plan(const ModelConfig& config, const Strategy& strategy, int world_size,
                             const CompileOptions& options = {});
 
 // JSON form (docs/plan.md); plan_from_json validates every annotation and
@@ -73,7 +73,7 @@ bool is_plan_file(const std::string& path);
 // points (docs/plan.md), deduced under the plan. The dry run and each rank's
 // executable graph start from it (one code path).
 struct AnnotatedTraining {
-  LlamaGraph model;
+  ModelGraph model;
   std::unique_ptr<AnnotatedGraph> annotated;
   Precision precision;  // the plan's: the grad.{parameter} Reshards carry precision.grad_reduce
 
@@ -94,7 +94,7 @@ AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan);
 // when the training graph reads the parameter only through casts to bf16
 // (the linear weights: their bf16 compute copies are all the replicas use),
 // f32 otherwise (norm scales, the embedding table). One pass over the graph.
-std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, const LlamaGraph& model);
+std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, const ModelGraph& model);
 
 // resolve() with memory: Reshards that differ only by name (the layers of a
 // stage, the same ZeRO gather every step) share one resolution, whose `name`

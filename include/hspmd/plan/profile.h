@@ -103,7 +103,7 @@ struct LayerMemory {
 
 struct Profile {
   std::string model;        // the model file the profile was made for (informational)
-  LlamaConfig config;       // its dimensions: a profile only serves the same shapes
+  ModelConfig config;       // its dimensions: a profile only serves the same shapes
   std::string device;       // e.g. the CPU model name
   int threads = 1;          // kernel threads per rank during the measurement
   // The precision the model computed in ("fp32" or "bf16", hspmd train

@@ -85,7 +85,7 @@ nlohmann::json to_json(const Strategy& strategy);
 // num_attention_heads, num_key_value_heads, intermediate_size or
 // vocab_size; an unknown schedule.
 // Also throws "[strategy] world size must be positive" for world_size < 1.
-void validate(const Strategy& strategy, const LlamaConfig& config, int world_size);
+void validate(const Strategy& strategy, const ModelConfig& config, int world_size);
 
 // Ranks of [0, world_size) that no stage names (they stay idle), ascending.
 // Ranks outside the world are ignored (validate() rejects them).

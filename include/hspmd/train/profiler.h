@@ -27,7 +27,7 @@ namespace hspmd {
 
 struct ProfileOptions {
   std::string model_path;  // recorded in Profile::model
-  LlamaConfig config;      // the model's dimensions (its layer count is not used)
+  ModelConfig config;      // the model's dimensions (its layer count is not used)
   std::vector<int> tp = {1}, cp = {1};
   std::vector<int64_t> seq_lens = {16, 32, 64};
   std::vector<int64_t> micro_batch_sizes = {1, 2};
@@ -58,7 +58,7 @@ Profile profile_model(const ProfileOptions& options);
 // Throws hspmd::Error "[profile] ..." unless `profile` was measured in the
 // run's precision.
 void check_profile_precision(const Profile& profile, const Precision& precision, const std::string& source);
-void check_profile_model(const Profile& profile, const LlamaConfig& model, const std::string& source,
+void check_profile_model(const Profile& profile, const ModelConfig& model, const std::string& source,
                          const std::string& model_source);
 
 // One op a stage ran: its node, type, work and the compute seconds billed.
@@ -86,7 +86,7 @@ struct StageRun {
 // arbitrary small values. Throws the plan compiler's errors.
 class StageProbe {
  public:
-  StageProbe(const LlamaConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
+  StageProbe(const ModelConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
              int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model = nullptr, Precision precision = {});
   ~StageProbe();
   StageProbe(const StageProbe&) = delete;

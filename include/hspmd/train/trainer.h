@@ -11,7 +11,7 @@
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
 #include "hspmd/optim/adam.h"
-#include "hspmd/models/llama.h"
+#include "hspmd/models/model.h"
 #include "hspmd/optim/lr_schedule.h"
 #include "hspmd/plan/strategy.h"
 

@@ -423,7 +423,7 @@ void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, co
                   dk.shape() == k.shape() && dv.shape() == v.shape(),
               "attention_grad: shapes");
   NDArray delta = NDArray::empty({p.B, p.Hq, p.S}, DType::F32);
-  attention_row_dots(out, grad_out, delta);
+  attention_row_dots(out, grad_out, delta, p.bf16);
   for (NDArray* a : {&dq, &dk, &dv}) a->fill(0.0f);
   const Grads g{lse.data<float>(), dout.data<float>(), delta.data<float>(), dq.data<float>(),
                 dk.data<float>(),  dv.data<float>(),   dout_rows.data(),   dout_cols.data()};

@@ -6,6 +6,7 @@
 // global indices. A sliding window W > 0 is folded into the queries' starts
 // (start(i) >= i - W + 1, global), so tiles it hides are skipped like those
 // the causal / document mask hides.
+#include <cstring>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -373,7 +374,18 @@ void attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk, const N
   }
 }
 
-void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta) {
+namespace {
+// x rounded to the nearest bf16 value (ties to even), as a float.
+inline float bf16_value(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+}  // namespace
+
+void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta, bool bf16_grad) {
   HSPMD_CHECK(out.ndim() == 4 && grad_out.shape() == out.shape() &&
                   delta.numel() == out.dim(0) * out.dim(1) * out.dim(2),
               "attention row dots: shapes");
@@ -384,8 +396,13 @@ void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& de
 #pragma omp parallel for schedule(static) if (B * S * H * D > (int64_t{1} << 18))
   for (int64_t t = 0; t < B * S * H; ++t) {
     float s = 0;
+    if (bf16_grad) {  // the dO the bf16 products of dP use: rowsum(P o dP) and this agree
 #pragma omp simd reduction(+ : s)
-    for (int64_t e = 0; e < D; ++e) s += o[t * D + e] * g[t * D + e];
+      for (int64_t e = 0; e < D; ++e) s += o[t * D + e] * bf16_value(g[t * D + e]);
+    } else {
+#pragma omp simd reduction(+ : s)
+      for (int64_t e = 0; e < D; ++e) s += o[t * D + e] * g[t * D + e];
+    }
     const int64_t h = t % H, i = t / H % S, b = t / H / S;
     dl[(b * H + h) * S + i] = s;
   }

@@ -1,4 +1,8 @@
-// The Llama model (Hugging Face LlamaForCausalLM semantics) as a defined graph.
+// Models: the contract every model family implements (ModelFamily), the
+// registry that finds a family by its Hugging Face model_type, and the
+// family-independent functions the rest of hspmd calls (parameters, Reshard
+// points, the training graph, initialization, weight checks), which forward
+// to the config's family. docs/models.md says how to add a family.
 #pragma once
 
 #include <cstdint>
@@ -14,11 +18,13 @@
 
 namespace hspmd {
 
+class ConfigFields;  // src/models/config_fields.h
+
 // Where a parameter or a Reshard point sits in the model: the embedding
 // (before the blocks), a transformer block, or the head (final norm, LM
 // head, loss). A pipeline places the embedding on its first stage, block i
 // on the stage holding layer i, and the head on its last stage.
-enum class LlamaPart { kEmbedding, kBlock, kHead };
+enum class ModelPart { kEmbedding, kBlock, kHead };
 
 // A parameter's tensor-parallel role (Megatron-style, docs/plan.md):
 //   kColumnParallel  a linear weight [out, in] whose output rows may be split
@@ -30,26 +36,26 @@ enum class LlamaPart { kEmbedding, kBlock, kHead };
 //   kReplicated      never split (the RMSNorm scales)
 enum class ParamRole { kColumnParallel, kRowParallel, kVocabulary, kReplicated };
 
-// How a parameter starts without a checkpoint (init_llama_parameters):
-// N(0, initializer_range^2), or all ones (the RMSNorm scales).
-enum class ParamInit { kNormal, kOnes };
+// How a parameter starts without a checkpoint (init_model_parameters):
+// N(0, initializer_range^2), all ones (the RMSNorm scales) or zeros (biases).
+enum class ParamInit { kNormal, kOnes, kZeros };
 
 // One parameter as the model declares it.
-struct LlamaParameter {
+struct ModelParameter {
   std::string name;  // Hugging Face name
   Shape shape;
   ParamRole role = ParamRole::kReplicated;
   ParamInit init = ParamInit::kNormal;
-  LlamaPart part = LlamaPart::kBlock;
+  ModelPart part = ModelPart::kBlock;
   int64_t layer = -1;  // the block's index for kBlock, else -1
-  bool operator==(const LlamaParameter&) const = default;
+  bool operator==(const ModelParameter&) const = default;
 };
 
 // The model's parameters, in Hugging Face order and naming (lm_head.weight
 // only when the embeddings are not tied). Cheap: builds no graph.
-std::vector<LlamaParameter> llama_parameters(const LlamaConfig& config);
+std::vector<ModelParameter> model_parameters(const ModelConfig& config);
 // Their names and shapes, in the same order.
-std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaConfig& config);
+std::vector<std::pair<std::string, Shape>> model_parameter_shapes(const ModelConfig& config);
 
 // What a named Reshard point of the training graph carries (docs/plan.md):
 //   kEmbeddingOutput  model.embed_tokens.out: the embedding's output (partial
@@ -82,7 +88,7 @@ enum class ReshardKind {
 struct ReshardPoint {
   std::string name;  // the plan's handle, e.g. "model.layers.3.input"
   ReshardKind kind = ReshardKind::kBlockInput;
-  LlamaPart part = LlamaPart::kBlock;  // kGradSync: its parameter's
+  ModelPart part = ModelPart::kBlock;  // kGradSync: its parameter's
   int64_t layer = -1;                  // the block's index for kBlock, else -1
   std::string parameter;               // kGradSync, kTiedHead: the parameter it carries
   bool operator==(const ReshardPoint&) const = default;
@@ -93,21 +99,21 @@ struct ReshardPoint {
   }
 };
 
-// The named Reshard points build_llama adds with `reshard_points`, in graph
+// The named Reshard points build_model adds with `reshard_points`, in graph
 // order (the order of their nodes). Cheap: builds no graph.
-std::vector<ReshardPoint> llama_reshard_points(const LlamaConfig& config);
+std::vector<ReshardPoint> model_reshard_points(const ModelConfig& config);
 
 // The training graph of one model replica. Placeholders (B, S symbolic):
 //   input_ids, targets, positions: i32 [B, S]; normalizer: f32 scalar (number
 //   of counted target tokens of the whole global batch). With packed
 //   documents, positions restart at 0 at each document and also mask the
 //   attention to each token's own document (docs/data.md).
-struct LlamaGraph {
+struct ModelGraph {
   std::unique_ptr<Graph> graph = std::make_unique<Graph>();
   Tensor input_ids, targets, positions, normalizer;
   Tensor loss;                       // scalar: sum of token losses / normalizer
   std::vector<std::string> names;    // parameter names, same order as params/grads
-  std::vector<LlamaParameter> parameters;  // their declarations, same order
+  std::vector<ModelParameter> parameters;  // their declarations, same order
   std::vector<Tensor> params;
   std::vector<Tensor> grads;         // d(loss)/d(param)
   // With reshard points: Reshard node id -> the point it is (mirrors and
@@ -142,10 +148,10 @@ struct Precision {
 // "fp32" / "bf16" -> the compute dtype; throws hspmd::Error "[precision] ...".
 DType parse_precision_name(const std::string& name, const std::string& what);
 
-struct LlamaBuildOptions {
+struct ModelBuildOptions {
   bool packed_documents = false;  // attention masked per document by the positions
   // Add the named Reshard points an annotation plan refers to (docs/plan.md;
-  // ReshardKind lists them), recorded in LlamaGraph::points. On one device
+  // ReshardKind lists them), recorded in ModelGraph::points. On one device
   // every Reshard is the identity: the loss is unchanged.
   bool reshard_points = false;
   bool context_parallel = false;  // attention may take a sequence-split input
@@ -155,21 +161,62 @@ struct LlamaBuildOptions {
 // Builds the forward graph and its backward graph. Throws hspmd::Error for an
 // invalid config. With reshard points, `grads` are the outputs of the
 // grad.{parameter} Reshards.
-LlamaGraph build_llama(const LlamaConfig& config, const LlamaBuildOptions& options);
-LlamaGraph build_llama(const LlamaConfig& config, bool packed_documents = false);
+ModelGraph build_model(const ModelConfig& config, const ModelBuildOptions& options);
+ModelGraph build_model(const ModelConfig& config, bool packed_documents = false);
+
+// A model family: everything hspmd needs of one model architecture,
+// registered under its Hugging Face model_type (src/models/registry.cc). The
+// plan, the executors, the trainer, checkpoints and the CLI reach a model only
+// through these methods (and the free functions below, which forward to the
+// config's family).
+class ModelFamily {
+ public:
+  virtual ~ModelFamily() = default;
+  // The Hugging Face model_type, e.g. "llama".
+  virtual std::string model_type() const = 0;
+  // Before the shared fields are read: the family's defaults where Hugging
+  // Face's config class for it differs from ModelConfig's (e.g.
+  // max_position_embeddings).
+  virtual void set_defaults(ModelConfig& c) const { (void)c; }
+  // After the shared fields are read and validated: the family's own fields
+  // into `c`, refusing what it does not build with fields.fail_rule(...)
+  // ("[config] <source>: <rule>").
+  virtual void read_config(const ConfigFields& fields, ModelConfig& c) const = 0;
+  // The family's own fields into a config JSON that read_config reads back.
+  virtual void write_config(const ModelConfig& c, nlohmann::json& j) const = 0;
+  // Its parameters, in Hugging Face order and naming. Cheap: builds no graph.
+  virtual std::vector<ModelParameter> parameters(const ModelConfig& c) const = 0;
+  // The named Reshard points build() adds with reshard_points, in graph order.
+  virtual std::vector<ReshardPoint> reshard_points(const ModelConfig& c) const = 0;
+  // The training graph of one replica (see build_model).
+  virtual ModelGraph build(const ModelConfig& c, const ModelBuildOptions& o) const = 0;
+  // Per-layer cost terms for the cost model and the search: the (query,
+  // key) pairs one layer's causal attention computes for a sequence of
+  // `seq_len` tokens, in the continuous form the roofline uses (S^2 / 2
+  // without a window; the model clock counts exact pairs, exec/op_work.h).
+  virtual double attention_pairs(const ModelConfig& c, double seq_len) const;
+};
+
+// The family registered for `model_type`, or nullptr.
+const ModelFamily* find_model_family(const std::string& model_type);
+// The family of `model_type`; throws hspmd::Error "[config] model_type 'x'
+// is not supported (registered: ...)" for an unregistered one.
+const ModelFamily& model_family(const std::string& model_type);
+// "llama, mistral, qwen2": the registered model types, sorted.
+std::string registered_model_types();
 
 // Initial parameters: linear and embedding weights ~ N(0, initializer_range^2),
 // norm weights = 1. Each tensor depends only on (seed, its name). Throws
 // hspmd::Error (check_parameters_fit_memory) before allocating anything when
 // the parameters alone exceed the machine's memory.
-std::map<std::string, NDArray> init_llama_parameters(const LlamaConfig& config, uint64_t seed);
+std::map<std::string, NDArray> init_model_parameters(const ModelConfig& config, uint64_t seed);
 
 // Checks that `weights` (e.g. loaded from safetensors) holds exactly the
 // model's tensors with the right shapes, and converts them to f32. Extra
 // tensors are an error too (except lm_head.weight when embeddings are tied,
 // which must then equal nothing: it is ignored). Throws hspmd::Error
 // "[weights] <source>: <tensor>: <rule>".
-std::map<std::string, NDArray> validate_llama_weights(const LlamaConfig& config,
+std::map<std::string, NDArray> validate_model_weights(const ModelConfig& config,
                                                       std::map<std::string, NDArray> weights,
                                                       const std::string& source);
 

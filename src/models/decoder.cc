@@ -1,4 +1,6 @@
-#include "hspmd/models/llama.h"
+// The decoder the registered families share (Llama, and Qwen2 and Mistral
+// with their variations): parameters, Reshard points and the training graph.
+#include "models/decoder.h"
 
 #include <cmath>
 
@@ -20,7 +22,7 @@ struct BlockPoints {
 
 BlockPoints block_points(int64_t i) {
   auto point = [i](ReshardKind kind, const char* local) {
-    return ReshardPoint{layer_prefix(i) + local, kind, LlamaPart::kBlock, i, ""};
+    return ReshardPoint{layer_prefix(i) + local, kind, ModelPart::kBlock, i, ""};
   };
   return {point(ReshardKind::kBlockInput, "input"),
           point(ReshardKind::kPositions, "positions"),
@@ -33,15 +35,15 @@ BlockPoints block_points(int64_t i) {
 const char* const kEmbedding = "model.embed_tokens.weight";
 
 ReshardPoint embedding_output_point() {
-  return {"model.embed_tokens.out", ReshardKind::kEmbeddingOutput, LlamaPart::kEmbedding, -1, ""};
+  return {"model.embed_tokens.out", ReshardKind::kEmbeddingOutput, ModelPart::kEmbedding, -1, ""};
 }
 ReshardPoint head_input_point() {
-  return {"lm_head.input", ReshardKind::kHeadInput, LlamaPart::kHead, -1, ""};
+  return {"lm_head.input", ReshardKind::kHeadInput, ModelPart::kHead, -1, ""};
 }
 ReshardPoint tied_head_point() {
-  return {"lm_head.weight", ReshardKind::kTiedHead, LlamaPart::kHead, -1, kEmbedding};
+  return {"lm_head.weight", ReshardKind::kTiedHead, ModelPart::kHead, -1, kEmbedding};
 }
-ReshardPoint grad_point(const LlamaParameter& p) {
+ReshardPoint grad_point(const ModelParameter& p) {
   return {"grad." + p.name, ReshardKind::kGradSync, p.part, p.layer, p.name};
 }
 
@@ -49,7 +51,7 @@ ReshardPoint grad_point(const LlamaParameter& p) {
 // the model's points), else returns `t` itself.
 class Marker {
  public:
-  Marker(const LlamaBuildOptions& o, LlamaGraph& m) : on_(o.reshard_points), m_(m) {}
+  Marker(const ModelBuildOptions& o, ModelGraph& m) : on_(o.reshard_points), m_(m) {}
   Tensor operator()(const Tensor& t, ReshardPoint point) const {
     if (!on_) return t;
     const Tensor out = ops::reshard(t, point.name);
@@ -59,11 +61,11 @@ class Marker {
 
  private:
   bool on_;
-  LlamaGraph& m_;
+  ModelGraph& m_;
 };
 
 // One transformer block: pre-norm attention and SwiGLU MLP with residuals.
-Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const Marker& mark,
+Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const Marker& mark,
                          int64_t i, Tensor h, const Tensor& block_positions, Graph& g) {
   const std::string p = layer_prefix(i);
   const BlockPoints points = block_points(i);
@@ -80,16 +82,22 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const
   const auto lo = [&](const Tensor& t) { return ops::cast(t, o.precision.compute); };
   const auto f32 = [](const Tensor& t) { return ops::cast(t, DType::F32); };
   Tensor x = mark(lo(ops::rms_norm(h, param("input_layernorm.weight"), eps)), points.attn_input);
-  Tensor q = ops::reshape(ops::linear(x, lo(param("self_attn.q_proj.weight"))), {B, S, Hq, D});
-  Tensor k = ops::reshape(ops::linear(x, lo(param("self_attn.k_proj.weight"))), {B, S, Hkv, D});
-  Tensor v = ops::reshape(ops::linear(x, lo(param("self_attn.v_proj.weight"))), {B, S, Hkv, D});
+  // A projection, plus its bias where the family has them (Qwen2): added in
+  // f32 to the f32 product, split like the projection's rows under TP.
+  const auto project = [&](const char* name) {
+    const Tensor y = ops::linear(x, lo(param(std::string("self_attn.") + name + ".weight")));
+    return c.attention_bias ? ops::add_bias(y, param(std::string("self_attn.") + name + ".bias")) : y;
+  };
+  Tensor q = ops::reshape(project("q_proj"), {B, S, Hq, D});
+  Tensor k = ops::reshape(project("k_proj"), {B, S, Hkv, D});
+  Tensor v = ops::reshape(project("v_proj"), {B, S, Hkv, D});
   q = ops::rope(q, positions, theta);
   k = ops::rope(k, positions, theta);
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
                             static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel,
-                            o.precision.compute);
+                            o.precision.compute, c.sliding_window);
   a = ops::reshape(a, {B, S, Hq * D});
   const Tensor attn_out = ops::linear(lo(a), lo(param("self_attn.o_proj.weight")));
   h = ops::add(h, f32(mark(lo(attn_out), points.attn_output)));
@@ -101,17 +109,21 @@ Tensor transformer_block(const LlamaConfig& c, const LlamaBuildOptions& o, const
   return ops::add(h, f32(mark(lo(down), points.mlp_output)));
 }
 
-// The nine parameters of block i, in Hugging Face order.
-void append_block_parameters(const LlamaConfig& c, int64_t i, std::vector<LlamaParameter>& out) {
+// The parameters of block i, in Hugging Face order: nine, and three
+// biases with attention_bias.
+void append_block_parameters(const ModelConfig& c, int64_t i, std::vector<ModelParameter>& out) {
   const int64_t H = c.hidden_size, D = c.head_dim(), F = c.intermediate_size;
   const int64_t q_out = c.num_attention_heads * D, kv_out = c.kv_heads() * D;
   const ParamRole col = ParamRole::kColumnParallel, row = ParamRole::kRowParallel;
   auto add = [&](const char* local, Shape shape, ParamRole role, ParamInit init = ParamInit::kNormal) {
-    out.push_back({layer_prefix(i) + local, std::move(shape), role, init, LlamaPart::kBlock, i});
+    out.push_back({layer_prefix(i) + local, std::move(shape), role, init, ModelPart::kBlock, i});
   };
   add("self_attn.q_proj.weight", {q_out, H}, col);
+  if (c.attention_bias) add("self_attn.q_proj.bias", {q_out}, col, ParamInit::kZeros);
   add("self_attn.k_proj.weight", {kv_out, H}, col);
+  if (c.attention_bias) add("self_attn.k_proj.bias", {kv_out}, col, ParamInit::kZeros);
   add("self_attn.v_proj.weight", {kv_out, H}, col);
+  if (c.attention_bias) add("self_attn.v_proj.bias", {kv_out}, col, ParamInit::kZeros);
   add("self_attn.o_proj.weight", {H, q_out}, row);
   add("mlp.gate_proj.weight", {F, H}, col);
   add("mlp.up_proj.weight", {F, H}, col);
@@ -122,27 +134,20 @@ void append_block_parameters(const LlamaConfig& c, int64_t i, std::vector<LlamaP
 
 }  // namespace
 
-std::vector<LlamaParameter> llama_parameters(const LlamaConfig& c) {
+std::vector<ModelParameter> decoder_parameters(const ModelConfig& c) {
   const int64_t H = c.hidden_size, V = c.table_rows();
   const ParamRole vocab = ParamRole::kVocabulary;
-  std::vector<LlamaParameter> out = {
-      {kEmbedding, {V, H}, vocab, ParamInit::kNormal, LlamaPart::kEmbedding, -1}};
+  std::vector<ModelParameter> out = {
+      {kEmbedding, {V, H}, vocab, ParamInit::kNormal, ModelPart::kEmbedding, -1}};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) append_block_parameters(c, i, out);
   out.push_back(
-      {"model.norm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes, LlamaPart::kHead, -1});
+      {"model.norm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes, ModelPart::kHead, -1});
   if (!c.tie_word_embeddings)
-    out.push_back({"lm_head.weight", {V, H}, vocab, ParamInit::kNormal, LlamaPart::kHead, -1});
+    out.push_back({"lm_head.weight", {V, H}, vocab, ParamInit::kNormal, ModelPart::kHead, -1});
   return out;
 }
 
-std::vector<std::pair<std::string, Shape>> llama_parameter_shapes(const LlamaConfig& c) {
-  std::vector<std::pair<std::string, Shape>> shapes;
-  for (LlamaParameter& p : llama_parameters(c))
-    shapes.emplace_back(std::move(p.name), std::move(p.shape));
-  return shapes;
-}
-
-std::vector<ReshardPoint> llama_reshard_points(const LlamaConfig& c) {
+std::vector<ReshardPoint> decoder_reshard_points(const ModelConfig& c) {
   std::vector<ReshardPoint> out = {embedding_output_point()};
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const BlockPoints b = block_points(i);  // in the order transformer_block marks them
@@ -150,24 +155,12 @@ std::vector<ReshardPoint> llama_reshard_points(const LlamaConfig& c) {
   }
   out.push_back(head_input_point());
   if (c.tie_word_embeddings) out.push_back(tied_head_point());
-  for (const LlamaParameter& p : llama_parameters(c)) out.push_back(grad_point(p));
+  for (const ModelParameter& p : decoder_parameters(c)) out.push_back(grad_point(p));
   return out;
 }
 
-DType parse_precision_name(const std::string& name, const std::string& what) {
-  if (name == "fp32" || name == "f32") return DType::F32;
-  if (name == "bf16") return DType::BF16;
-  fail("[precision] ", what, ": '", name, "' (expected fp32 or bf16)");
-}
-
-LlamaGraph build_llama(const LlamaConfig& c, bool packed_documents) {
-  LlamaBuildOptions o;
-  o.packed_documents = packed_documents;
-  return build_llama(c, o);
-}
-
-LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
-  LlamaGraph m;
+ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
+  ModelGraph m;
   Graph& g = *m.graph;
   const Marker mark(o, m);
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
@@ -175,8 +168,8 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
   m.targets = g.placeholder("targets", {B, S}, DType::I32);
   m.positions = g.placeholder("positions", {B, S}, DType::I32);
   m.normalizer = g.placeholder("normalizer", {}, DType::F32);
-  m.parameters = llama_parameters(c);
-  for (const LlamaParameter& p : m.parameters) {
+  m.parameters = decoder_parameters(c);
+  for (const ModelParameter& p : m.parameters) {
     m.names.push_back(p.name);
     m.params.push_back(g.parameter(p.name, p.shape));
   }
@@ -201,44 +194,6 @@ LlamaGraph build_llama(const LlamaConfig& c, const LlamaBuildOptions& o) {
     m.grads[i] = mark(m.grads[i], grad_point(m.parameters[i]));
   }
   return m;
-}
-
-std::map<std::string, NDArray> init_llama_parameters(const LlamaConfig& c, uint64_t seed) {
-  check_parameters_fit_memory(c, "model to initialize");
-  std::map<std::string, NDArray> params;
-  for (const LlamaParameter& p : llama_parameters(c)) {
-    NDArray a = NDArray::empty(p.shape, DType::F32);
-    if (p.init == ParamInit::kOnes)
-      a.fill(1.0f);
-    else
-      fill_normal(a, seed, p.name, static_cast<float>(c.initializer_range));
-    params.emplace(p.name, std::move(a));
-  }
-  return params;
-}
-
-std::map<std::string, NDArray> validate_llama_weights(const LlamaConfig& c,
-                                                      std::map<std::string, NDArray> weights,
-                                                      const std::string& source) {
-  std::map<std::string, NDArray> out;
-  for (const auto& [name, shape] : llama_parameter_shapes(c)) {
-    auto it = weights.find(name);
-    if (it == weights.end()) fail("[weights] ", source, ": missing tensor ", name);
-    const NDArray& a = it->second;
-    if (a.dtype() != DType::F32 && a.dtype() != DType::BF16)
-      fail("[weights] ", source, ": ", name, ": dtype ", dtype_name(a.dtype()),
-           " is not F32 or BF16");
-    if (a.shape() != shape)
-      fail("[weights] ", source, ": ", name, ": shape ", shape_str(a.shape()), " but the config needs ",
-           shape_str(shape));
-    out.emplace(name, a.dtype() == DType::F32 ? a.contiguous() : a.to(DType::F32));
-    weights.erase(it);
-  }
-  if (c.tie_word_embeddings) weights.erase("lm_head.weight");
-  if (!weights.empty())
-    fail("[weights] ", source, ": unexpected tensor ", weights.begin()->first,
-         " (not a parameter of this model)");
-  return out;
 }
 
 }  // namespace hspmd

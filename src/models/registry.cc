@@ -1,0 +1,117 @@
+// The registry of model families and the family-independent functions,
+// which forward to the config's family (models/model.h).
+#include <algorithm>
+#include <map>
+
+#include "hspmd/core/error.h"
+#include "hspmd/core/rng.h"
+#include "hspmd/models/model.h"
+#include "models/llama/llama.h"
+#include "models/mistral/mistral.h"
+#include "models/qwen2/qwen2.h"
+
+namespace hspmd {
+
+namespace {
+
+// The registered families, one line each (docs/models.md, "Adding a family").
+const std::map<std::string, const ModelFamily*>& families() {
+  static const std::map<std::string, const ModelFamily*> all = [] {
+    std::map<std::string, const ModelFamily*> m;
+    for (const ModelFamily* f : {&llama_family(), &qwen2_family(), &mistral_family()}) m.emplace(f->model_type(), f);
+    return m;
+  }();
+  return all;
+}
+
+}  // namespace
+
+double ModelFamily::attention_pairs(const ModelConfig&, double seq_len) const { return seq_len * seq_len / 2; }
+
+const ModelFamily* find_model_family(const std::string& model_type) {
+  const auto it = families().find(model_type);
+  return it == families().end() ? nullptr : it->second;
+}
+
+const ModelFamily& model_family(const std::string& model_type) {
+  if (const ModelFamily* f = find_model_family(model_type)) return *f;
+  fail("[config] model_type '", model_type, "' is not supported (registered: ", registered_model_types(), ")");
+}
+
+std::string registered_model_types() {
+  std::string out;
+  for (const auto& [type, family] : families()) out += (out.empty() ? "" : ", ") + type;
+  return out;
+}
+
+std::vector<ModelParameter> model_parameters(const ModelConfig& c) {
+  return model_family(c.model_type).parameters(c);
+}
+
+std::vector<std::pair<std::string, Shape>> model_parameter_shapes(const ModelConfig& c) {
+  std::vector<std::pair<std::string, Shape>> shapes;
+  for (ModelParameter& p : model_parameters(c)) shapes.emplace_back(std::move(p.name), std::move(p.shape));
+  return shapes;
+}
+
+std::vector<ReshardPoint> model_reshard_points(const ModelConfig& c) {
+  return model_family(c.model_type).reshard_points(c);
+}
+
+ModelGraph build_model(const ModelConfig& c, const ModelBuildOptions& o) {
+  return model_family(c.model_type).build(c, o);
+}
+
+ModelGraph build_model(const ModelConfig& c, bool packed_documents) {
+  ModelBuildOptions o;
+  o.packed_documents = packed_documents;
+  return build_model(c, o);
+}
+
+DType parse_precision_name(const std::string& name, const std::string& what) {
+  if (name == "fp32" || name == "f32") return DType::F32;
+  if (name == "bf16") return DType::BF16;
+  fail("[precision] ", what, ": '", name, "' (expected fp32 or bf16)");
+}
+
+std::map<std::string, NDArray> init_model_parameters(const ModelConfig& c, uint64_t seed) {
+  check_parameters_fit_memory(c, "model to initialize");
+  std::map<std::string, NDArray> params;
+  for (const ModelParameter& p : model_parameters(c)) {
+    NDArray a = NDArray::empty(p.shape, DType::F32);
+    if (p.init == ParamInit::kOnes)
+      a.fill(1.0f);
+    else if (p.init == ParamInit::kZeros)
+      a.fill(0.0f);
+    else
+      fill_normal(a, seed, p.name, static_cast<float>(c.initializer_range));
+    params.emplace(p.name, std::move(a));
+  }
+  return params;
+}
+
+std::map<std::string, NDArray> validate_model_weights(const ModelConfig& c,
+                                                      std::map<std::string, NDArray> weights,
+                                                      const std::string& source) {
+  std::map<std::string, NDArray> out;
+  for (const auto& [name, shape] : model_parameter_shapes(c)) {
+    auto it = weights.find(name);
+    if (it == weights.end()) fail("[weights] ", source, ": missing tensor ", name);
+    const NDArray& a = it->second;
+    if (a.dtype() != DType::F32 && a.dtype() != DType::BF16)
+      fail("[weights] ", source, ": ", name, ": dtype ", dtype_name(a.dtype()),
+           " is not F32 or BF16");
+    if (a.shape() != shape)
+      fail("[weights] ", source, ": ", name, ": shape ", shape_str(a.shape()), " but the config needs ",
+           shape_str(shape));
+    out.emplace(name, a.dtype() == DType::F32 ? a.contiguous() : a.to(DType::F32));
+    weights.erase(it);
+  }
+  if (c.tie_word_embeddings) weights.erase("lm_head.weight");
+  if (!weights.empty())
+    fail("[weights] ", source, ": unexpected tensor ", weights.begin()->first,
+         " (not a parameter of this model)");
+  return out;
+}
+
+}  // namespace hspmd
