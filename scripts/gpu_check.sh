@@ -79,11 +79,12 @@ write_summary() {
             s/ (M|N|K|B|Hq|Hkv|S|D)=[0-9]+//g;
             s/ (layout|bound|build_ms|epi|bytes|count|err_tanh|err_erf|gelu|aux_err|stats|stats_err|varlen)=[^ ]*//g;
             s/ (wall_eager_ms|wall_graph_ms|inst_ms)=[^ ]*//g; s/^UNSUPPORTED /UNSUPP /;
+            s/ (window|match_w|param_for_w|distinct|err_wm1|err_w|err_wp1|baseline|full_fwd_ms|full_bwd_ms|api)=[^ ]*//g;
             s/median_ms=/ms=/g; s/rel_err=/err=/g; s/fwd_tflops=/fTF=/g; s/bwd_tflops=/bTF=/g; s/tflops=/TF=/g;
             s/fwd_ms=/fms=/g; s/bwd_ms=/bms=/g;
             s/_err=/=/g; s/gbps_rw=/GB\/s_rw=/g; s/gbps=/GB\/s=/g' |
     awk '{ printf "%-7s %-7s %-28s", $1, $2, $3; for (i = 4; i <= NF; ++i) printf " %s", $i; printf "\n" }' |
-    cut -c1-100 | head -n 44
+    cut -c1-100 | head -n 52
   } >"$SUMMARY"
 }
 

@@ -12,6 +12,14 @@
 // seq_len_q/seq_len_kv, and THD ragged offsets) are optional features: when
 // the installed cuDNN refuses them the line says UNSUPPORTED with cuDNN's
 // text and the probe does not fail.
+//
+// Sliding-window causal attention (Mistral: query i attends keys
+// i - W < j <= i, W keys with the diagonal) is optional too: the graphs set
+// set_diagonal_band_left_bound(W) and the output is compared with float64
+// references for windows W-1, W and W+1; the line names the one it matches
+// (match_w) and the left bound that gives a window of W (param_for_w), and the
+// backward is checked against the matched window. swa_mapping sums that up;
+// swa_speedup compares the timed window case with perf_d128_s4096.
 #include "probe_common.cuh"
 
 #include "sdpa_graph.h"
@@ -48,6 +56,8 @@ struct Cfg {
   bool full_ref;            // false: forward checked on sampled rows, backward for finiteness
   bool timed;
   bool optional;            // a refused graph is UNSUPPORTED, not FAIL
+  int64_t window = 0;       // > 0: sliding window, frontend left bound = window
+  const char* baseline = nullptr;  // timed case without the window: swa_speedup
 };
 
 bool varlen(const Cfg& c) { return !c.seqlen.empty(); }
@@ -75,18 +85,21 @@ std::vector<int64_t> strides(const Cfg& c, int64_t H) {
 }
 
 Spec graph_spec(const Cfg& c) {
-  return {c.B, c.Hq, c.Hkv, c.S, c.D, strides(c, c.Hq), strides(c, c.Hkv), varlen(c), c.layout == Layout::THD};
+  return {c.B, c.Hq, c.Hkv, c.S, c.D, strides(c, c.Hq), strides(c, c.Hkv), varlen(c), c.layout == Layout::THD, c.window};
 }
 
 // ------------------------------------------------------ CPU reference --
 // Float64 causal attention of one (b, hq): forward O and log-sum-exp, and,
-// when dO is given, dQ and this head's contributions to dK and dV.
+// when dO is given, dQ and this head's contributions to dK and dV. window > 0:
+// row i sees keys max(0, i - window + 1) .. i (HF's sliding window).
 struct HeadRef {
   std::vector<double> O, lse, dQ, dK, dV;  // [L x D] (lse [L])
 };
 
 HeadRef ref_head(const Cfg& c, int64_t L, const std::vector<double>& q, const std::vector<double>& k,
-                 const std::vector<double>& v, const std::vector<double>* dO, const std::vector<int64_t>* rows) {
+                 const std::vector<double>& v, const std::vector<double>* dO, const std::vector<int64_t>* rows,
+                 int64_t window = 0) {
+  auto lo = [window](int64_t i) { return window > 0 ? std::max<int64_t>(0, i - window + 1) : 0; };
   const int64_t D = c.D;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   HeadRef r;
@@ -98,19 +111,19 @@ HeadRef ref_head(const Cfg& c, int64_t L, const std::vector<double>& q, const st
   auto forward_row = [&](int64_t i) {
     std::fill(r.O.begin() + i * D, r.O.begin() + (i + 1) * D, 0.0);  // rows may repeat
     double m = -INFINITY;
-    for (int64_t j = 0; j <= i; ++j) {
+    for (int64_t j = lo(i); j <= i; ++j) {
       double s = 0;
       for (int64_t d = 0; d < D; ++d) s += q[i * D + d] * k[j * D + d];
       srow[j] = s * scale;
       m = std::max(m, srow[j]);
     }
     double l = 0;
-    for (int64_t j = 0; j <= i; ++j) {
+    for (int64_t j = lo(i); j <= i; ++j) {
       srow[j] = std::exp(srow[j] - m);
       l += srow[j];
     }
     r.lse[i] = m + std::log(l);
-    for (int64_t j = 0; j <= i; ++j) {
+    for (int64_t j = lo(i); j <= i; ++j) {
       double p = srow[j] / l;
       if (dO) P[i * L + j] = p;
       for (int64_t d = 0; d < D; ++d) r.O[i * D + d] += p * v[j * D + d];
@@ -129,7 +142,7 @@ HeadRef ref_head(const Cfg& c, int64_t L, const std::vector<double>& q, const st
   for (int64_t i = 0; i < L; ++i) {
     double Di = 0;
     for (int64_t d = 0; d < D; ++d) Di += (*dO)[i * D + d] * r.O[i * D + d];
-    for (int64_t j = 0; j <= i; ++j) {
+    for (int64_t j = lo(i); j <= i; ++j) {
       double p = P[i * L + j];
       double dp = 0;
       for (int64_t d = 0; d < D; ++d) {
@@ -138,7 +151,7 @@ HeadRef ref_head(const Cfg& c, int64_t L, const std::vector<double>& q, const st
       }
       ds[j] = p * (dp - Di) * scale;
     }
-    for (int64_t j = 0; j <= i; ++j)
+    for (int64_t j = lo(i); j <= i; ++j)
       for (int64_t d = 0; d < D; ++d) {
         r.dQ[i * D + d] += ds[j] * k[j * D + d];
         r.dK[j * D + d] += ds[j] * q[i * D + d];
@@ -202,15 +215,32 @@ std::string quote_safe(const std::string& msg) {
 
 bool g_gqa_refused = false;
 
+// Window cases: which window the output matched (swa_mapping), and the timed
+// cases' medians by name (swa_speedup).
+struct SwaMatch {
+  std::string name;
+  int64_t window, match_w;
+  bool distinct;
+};
+std::vector<SwaMatch> g_swa;
+std::unordered_map<std::string, std::pair<double, double>> g_times;  // fwd_ms, bwd_ms
+
+// (query, key) pairs a causal row set of length L attends with window w (0: none).
+double attended_pairs(int64_t L, int64_t w) {
+  if (w <= 0 || w >= L) return 0.5 * L * (L + 1);
+  return 0.5 * w * (w + 1) + static_cast<double>(L - w) * w;
+}
+
 // One configuration: build both graphs, run, check, time. Returns false when
 // a GQA graph was refused (the caller retries with Hkv = Hq).
 bool run_cfg(Cfg c, cudnnHandle_t handle, cudaStream_t stream) {
   const int64_t nq = c.B * c.S * c.Hq * c.D, nkv = c.B * c.S * c.Hkv * c.D;
   const bool gqa = c.Hkv != c.Hq;
-  char shape[160];
-  std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld S=%lld D=%lld layout=%s%s",
+  char shape[192], win[48] = "";
+  if (c.window > 0) std::snprintf(win, sizeof win, " window=%lld", (long long)c.window);
+  std::snprintf(shape, sizeof shape, "B=%lld Hq=%lld Hkv=%lld S=%lld D=%lld layout=%s%s%s",
                 (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.S, (long long)c.D,
-                layout_name(c.layout), varlen(c) ? " varlen=1" : "");
+                layout_name(c.layout), varlen(c) ? " varlen=1" : "", win);
 
   std::string err;
   double fwd_build_ms = 0, bwd_build_ms = 0;
@@ -322,76 +352,130 @@ bool run_cfg(Cfg c, cudnnHandle_t handle, cudaStream_t stream) {
     return m;
   };
 
-  double eO = 0, eS_ln = 0, eS_log2 = 0, edQ = 0, edK = 0, edV = 0;
-  bool bwd_finite = true;
-  if (c.full_ref) {
-    std::vector<double> rO(nq, 0), rdQ(nq, 0), rdK(nkv, 0), rdV(nkv, 0), rS(c.B * c.Hq * c.S, 0);
-    std::vector<HeadRef> parts(c.B * c.Hq);
-    parallel_for(c.B * c.Hq, [&](int64_t i) {
-      int64_t b = i / c.Hq, h = i % c.Hq, hk = h / group;
-      auto q = head(hQ, c.Hq, b, h), k = head(hK, c.Hkv, b, hk), v = head(hV, c.Hkv, b, hk);
-      auto o = head(hdO, c.Hq, b, h);
-      parts[i] = ref_head(c, len_of(c, b), q, k, v, &o, nullptr);
-    });
-    for (int64_t i = 0; i < c.B * c.Hq; ++i) {
-      int64_t b = i / c.Hq, h = i % c.Hq, hk = h / group;
-      const HeadRef& r = parts[i];
-      for (int64_t s = 0; s < len_of(c, b); ++s) {
-        rS[(b * c.Hq + h) * c.S + s] = r.lse[s];
-        for (int64_t d = 0; d < c.D; ++d) {
-          rO[offset(c, c.Hq, b, h, s, d)] = r.O[s * c.D + d];
-          rdQ[offset(c, c.Hq, b, h, s, d)] = r.dQ[s * c.D + d];
-          rdK[offset(c, c.Hkv, b, hk, s, d)] += r.dK[s * c.D + d];  // GQA: sum over the group
-          rdV[offset(c, c.Hkv, b, hk, s, d)] += r.dV[s * c.D + d];
-        }
-      }
-    }
-    eO = rel_err(gather(gO, c, c.Hq), gather(rO, c, c.Hq));
-    edQ = rel_err(gather(gdQ, c, c.Hq), gather(rdQ, c, c.Hq));
-    edK = rel_err(gather(gdK, c, c.Hkv), gather(rdK, c, c.Hkv));
-    edV = rel_err(gather(gdV, c, c.Hkv), gather(rdV, c, c.Hkv));
-    std::vector<double> sg, sr, sr2;
-    for (int64_t b = 0; b < c.B; ++b)
-      for (int64_t h = 0; h < c.Hq; ++h)
+  // Errors against the float64 reference with window w (0: causal only).
+  struct Errs {
+    double eO = 0, eS_ln = 0, eS_log2 = 0, edQ = 0, edK = 0, edV = 0;
+    double eDisc = INFINITY;  // window cases: O on rows s >= window - 1 only
+    bool bwd_finite = true;
+  };
+  auto check = [&](int64_t w) {
+    Errs e;
+    if (c.full_ref) {
+      std::vector<double> rO(nq, 0), rdQ(nq, 0), rdK(nkv, 0), rdV(nkv, 0), rS(c.B * c.Hq * c.S, 0);
+      std::vector<HeadRef> parts(c.B * c.Hq);
+      parallel_for(c.B * c.Hq, [&](int64_t i) {
+        int64_t b = i / c.Hq, h = i % c.Hq, hk = h / group;
+        auto q = head(hQ, c.Hq, b, h), k = head(hK, c.Hkv, b, hk), v = head(hV, c.Hkv, b, hk);
+        auto o = head(hdO, c.Hq, b, h);
+        parts[i] = ref_head(c, len_of(c, b), q, k, v, &o, nullptr, w);
+      });
+      for (int64_t i = 0; i < c.B * c.Hq; ++i) {
+        int64_t b = i / c.Hq, h = i % c.Hq, hk = h / group;
+        const HeadRef& r = parts[i];
         for (int64_t s = 0; s < len_of(c, b); ++s) {
-          sg.push_back(gS[(b * c.Hq + h) * c.S + s]);
-          sr.push_back(rS[(b * c.Hq + h) * c.S + s]);
-          sr2.push_back(sr.back() / std::log(2.0));
-        }
-    eS_ln = rel_err(sg, sr);
-    eS_log2 = rel_err(sg, sr2);
-  } else {
-    // Forward on 8 random rows of every (b, hq); backward outputs finite.
-    std::vector<double> og, orf, sg, sr, sr2;
-    std::vector<std::vector<int64_t>> rows(c.B * c.Hq);
-    std::mt19937_64 rng(5);
-    for (auto& r : rows)
-      for (int i = 0; i < 8; ++i) r.push_back(rng() % c.S);
-    std::vector<HeadRef> parts(c.B * c.Hq);
-    parallel_for(c.B * c.Hq, [&](int64_t i) {
-      int64_t b = i / c.Hq, h = i % c.Hq, hk = h / group;
-      auto q = head(hQ, c.Hq, b, h), k = head(hK, c.Hkv, b, hk), v = head(hV, c.Hkv, b, hk);
-      parts[i] = ref_head(c, len_of(c, b), q, k, v, nullptr, &rows[i]);
-    });
-    for (int64_t i = 0; i < c.B * c.Hq; ++i) {
-      int64_t b = i / c.Hq, h = i % c.Hq;
-      for (int64_t s : rows[i]) {
-        sg.push_back(gS[(b * c.Hq + h) * c.S + s]);
-        sr.push_back(parts[i].lse[s]);
-        sr2.push_back(parts[i].lse[s] / std::log(2.0));
-        for (int64_t d = 0; d < c.D; ++d) {
-          og.push_back(gO[offset(c, c.Hq, b, h, s, d)]);
-          orf.push_back(parts[i].O[s * c.D + d]);
+          rS[(b * c.Hq + h) * c.S + s] = r.lse[s];
+          for (int64_t d = 0; d < c.D; ++d) {
+            rO[offset(c, c.Hq, b, h, s, d)] = r.O[s * c.D + d];
+            rdQ[offset(c, c.Hq, b, h, s, d)] = r.dQ[s * c.D + d];
+            rdK[offset(c, c.Hkv, b, hk, s, d)] += r.dK[s * c.D + d];  // GQA: sum over the group
+            rdV[offset(c, c.Hkv, b, hk, s, d)] += r.dV[s * c.D + d];
+          }
         }
       }
+      e.eO = rel_err(gather(gO, c, c.Hq), gather(rO, c, c.Hq));
+      e.edQ = rel_err(gather(gdQ, c, c.Hq), gather(rdQ, c, c.Hq));
+      e.edK = rel_err(gather(gdK, c, c.Hkv), gather(rdK, c, c.Hkv));
+      e.edV = rel_err(gather(gdV, c, c.Hkv), gather(rdV, c, c.Hkv));
+      std::vector<double> sg, sr, sr2;
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t h = 0; h < c.Hq; ++h)
+          for (int64_t s = 0; s < len_of(c, b); ++s) {
+            sg.push_back(gS[(b * c.Hq + h) * c.S + s]);
+            sr.push_back(rS[(b * c.Hq + h) * c.S + s]);
+            sr2.push_back(sr.back() / std::log(2.0));
+          }
+      e.eS_ln = rel_err(sg, sr);
+      e.eS_log2 = rel_err(sg, sr2);
+      if (c.window > 0) {  // O on the rows where windows W-1, W, W+1 differ
+        std::vector<double> dg, dr;
+        for (int64_t b = 0; b < c.B; ++b)
+          for (int64_t h = 0; h < c.Hq; ++h)
+            for (int64_t s = c.window - 1; s < len_of(c, b); ++s)
+              for (int64_t d = 0; d < c.D; ++d) {
+                dg.push_back(gO[offset(c, c.Hq, b, h, s, d)]);
+                dr.push_back(rO[offset(c, c.Hq, b, h, s, d)]);
+              }
+        e.eDisc = rel_err(dg, dr);
+      }
+    } else {
+      // Forward on 8 random rows of every (b, hq); backward outputs finite.
+      std::vector<double> og, orf, sg, sr, sr2, dg, dr;
+      std::vector<std::vector<int64_t>> rows(c.B * c.Hq);
+      std::mt19937_64 rng(5);
+      for (auto& r : rows)
+        for (int i = 0; i < 8; ++i) r.push_back(rng() % c.S);
+      std::vector<HeadRef> parts(c.B * c.Hq);
+      parallel_for(c.B * c.Hq, [&](int64_t i) {
+        int64_t b = i / c.Hq, h = i % c.Hq, hk = h / group;
+        auto q = head(hQ, c.Hq, b, h), k = head(hK, c.Hkv, b, hk), v = head(hV, c.Hkv, b, hk);
+        parts[i] = ref_head(c, len_of(c, b), q, k, v, nullptr, &rows[i], w);
+      });
+      for (int64_t i = 0; i < c.B * c.Hq; ++i) {
+        int64_t b = i / c.Hq, h = i % c.Hq;
+        for (int64_t s : rows[i]) {
+          sg.push_back(gS[(b * c.Hq + h) * c.S + s]);
+          sr.push_back(parts[i].lse[s]);
+          sr2.push_back(parts[i].lse[s] / std::log(2.0));
+          for (int64_t d = 0; d < c.D; ++d) {
+            og.push_back(gO[offset(c, c.Hq, b, h, s, d)]);
+            orf.push_back(parts[i].O[s * c.D + d]);
+            if (c.window > 0 && s >= c.window - 1) {
+              dg.push_back(og.back());
+              dr.push_back(orf.back());
+            }
+          }
+        }
+      }
+      e.eO = rel_err(og, orf);
+      if (c.window > 0) e.eDisc = rel_err(dg, dr);
+      e.eS_ln = rel_err(sg, sr);
+      e.eS_log2 = rel_err(sg, sr2);
+      for (const auto* v : {&gdQ, &gdK, &gdV})
+        for (double x : *v)
+          if (!std::isfinite(x)) e.bwd_finite = false;
     }
-    eO = rel_err(og, orf);
-    eS_ln = rel_err(sg, sr);
-    eS_log2 = rel_err(sg, sr2);
-    for (const auto* v : {&gdQ, &gdK, &gdV})
-      for (double x : *v)
-        if (!std::isfinite(x)) bwd_finite = false;
+    return e;
+  };
+  // A window case is compared with windows W-1, W, W+1 and keeps the one its
+  // output matches best (on the rows where they differ).
+  Errs errs;
+  int64_t match_w = 0;
+  double disc[3] = {INFINITY, INFINITY, INFINITY};
+  bool distinct = false;
+  if (c.window > 0) {
+    int best = 0;
+    for (int k = 0; k < 3; ++k) {
+      Errs e = check(c.window - 1 + k);
+      disc[k] = e.eDisc;
+      if (k == 0 || e.eDisc < errs.eDisc) {
+        errs = e;
+        best = k;
+      }
+    }
+    match_w = c.window - 1 + best;
+    double second = INFINITY;
+    for (int k = 0; k < 3; ++k)
+      if (k != best) second = std::min(second, disc[k]);
+    // Distinct: the match is within the bound and the next best is 4x off.
+    distinct = errs.eDisc <= 2e-2 && !(second <= 4 * errs.eDisc);
+    g_swa.push_back({c.name, c.window, match_w, distinct});
+  } else {
+    errs = check(0);
   }
+  const double eO = errs.eO, eS_ln = errs.eS_ln, eS_log2 = errs.eS_log2;
+  const double edQ = errs.edQ, edK = errs.edK, edV = errs.edV;
+  const bool bwd_finite = errs.bwd_finite;
+
 
   const double bound = 2e-2;
   const char* stats_kind = eS_ln <= eS_log2 ? "ln" : "log2";
@@ -405,11 +489,23 @@ bool run_cfg(Cfg c, cudnnHandle_t handle, cudaStream_t stream) {
     bwd_ms = median_ms(stream, 20, 50, [&] { execute(bwd, handle, bpack, ws, "graph(sdpa bwd).execute"); });
   }
   double fwd_flops = 4.0 * c.B * c.Hq * c.S * c.S * c.D / 2;  // causal: half the products
+  if (c.window > 0) {  // the pairs inside the window
+    double pairs = 0;
+    for (int64_t b = 0; b < c.B; ++b) pairs += attended_pairs(len_of(c, b), c.window);
+    fwd_flops = 4.0 * c.Hq * c.D * pairs;
+  }
+  if (c.timed) g_times[c.name] = {fwd_ms, bwd_ms};
+  // Window cases: the matched window and the left bound that gives window W.
+  char match[192] = "";
+  if (c.window > 0)
+    std::snprintf(match, sizeof match, " match_w=%lld param_for_w=%lld distinct=%s err_wm1=%.2e err_w=%.2e err_wp1=%.2e",
+                  (long long)match_w, (long long)(2 * c.window - match_w), distinct ? "yes" : "no", disc[0], disc[1],
+                  disc[2]);
   char timing[160] = "";
   if (c.timed)
     std::snprintf(timing, sizeof timing, " median_ms=%.4f tflops=%.1f", fwd_ms, fwd_flops / (fwd_ms * 1e-3) / 1e12);
-  result((c.name + "_fwd").c_str(), pass_fail(fwd_ok), "%s rel_err=%.2e stats=%s stats_err=%.2e build_ms=%.0f%s",
-         shape, eO, stats_kind, eS, fwd_build_ms, timing);
+  result((c.name + "_fwd").c_str(), pass_fail(fwd_ok), "%s rel_err=%.2e stats=%s stats_err=%.2e%s build_ms=%.0f%s",
+         shape, eO, stats_kind, eS, match, fwd_build_ms, timing);
   if (c.timed)
     std::snprintf(timing, sizeof timing, " median_ms=%.4f tflops=%.1f", bwd_ms,
                   2.5 * fwd_flops / (bwd_ms * 1e-3) / 1e12);
@@ -419,6 +515,18 @@ bool run_cfg(Cfg c, cudnnHandle_t handle, cudaStream_t stream) {
   else
     result((c.name + "_bwd").c_str(), pass_fail(bwd_ok), "%s check=finite build_ms=%.0f%s", shape, bwd_build_ms,
            timing);
+  // Timed window case: speedup over the same shape without the window.
+  if (c.timed && c.baseline) {
+    auto it = g_times.find(c.baseline);
+    if (it == g_times.end())
+      result("swa_speedup", "INFO", "window=%lld baseline=%s missing", (long long)c.window, c.baseline);
+    else
+      result("swa_speedup", "INFO",
+             "fwd_x=%.2f bwd_x=%.2f ideal_x=%.2f window=%lld S=%lld baseline=%s full_fwd_ms=%.4f full_bwd_ms=%.4f",
+             it->second.first / fwd_ms, it->second.second / bwd_ms,
+             attended_pairs(c.S, 0) / attended_pairs(c.S, c.window), (long long)c.window, (long long)c.S, c.baseline,
+             it->second.first, it->second.second);
+  }
   return true;
 }
 
@@ -447,6 +555,12 @@ int main() {
       {"d128_s1000", 1, 8, 2, 1000, 128, Layout::BSHD, {}, true, false, true},
       {"d128_padded", 2, 8, 2, 1024, 128, Layout::BSHD, {1000, 517}, true, false, true},
       {"d128_thd", 3, 8, 2, 640, 128, Layout::THD, {600, 317, 107}, true, false, true},
+      // Sliding window (Mistral), left bound = window: W a multiple of 64 and
+      // not, with packed documents, and timed against perf_d128_s4096.
+      {"swa_d128_s1024_w256", 2, 8, 2, 1024, 128, Layout::BSHD, {}, true, false, true, 256},
+      {"swa_d128_s1024_w100", 2, 8, 2, 1024, 128, Layout::BSHD, {}, true, false, true, 100},
+      {"swa_d128_thd_w256", 3, 8, 2, 640, 128, Layout::THD, {600, 317, 107}, true, false, true, 256},
+      {"perf_swa_d128_s4096_w1024", 2, 32, 8, 4096, 128, Layout::BSHD, {}, false, true, true, 1024, "perf_d128_s4096"},
   };
   bool gqa_reported = false;
   for (Cfg c : cfgs) {
@@ -459,6 +573,27 @@ int main() {
       result("gqa", "INFO", "supported=yes Hq=%lld Hkv=%lld", (long long)c.Hq, (long long)c.Hkv);
     }
     gqa_reported = true;
+  }
+  // Sliding window: the left bound that gives HF's window W (keys
+  // i - W < j <= i) is W + offset; one offset from every distinct match.
+  {
+    int n = 0, nd = 0;
+    bool consistent = true;
+    int64_t off = 0;
+    for (const SwaMatch& m : g_swa) {
+      ++n;
+      if (!m.distinct) continue;
+      int64_t o = m.window - m.match_w;  // param W gave window match_w: W needs W + o
+      if (nd++ == 0)
+        off = o;
+      else if (o != off)
+        consistent = false;
+    }
+    if (nd == 0)
+      result("swa_mapping", "INFO", "left_bound=unknown cases=%d matched=0", n);
+    else
+      result("swa_mapping", "INFO", "left_bound=W%+lld cases=%d matched=%d consistent=%s api=set_diagonal_band_left_bound",
+             (long long)off, n, nd, consistent ? "yes" : "no");
   }
 
   PROBE_CUDNN(cudnnDestroy(handle));

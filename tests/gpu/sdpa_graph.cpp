@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <exception>
 
 namespace fe = cudnn_frontend;
 
@@ -50,8 +51,28 @@ TensorPtr stats_tensor(const Spec& s, TensorPtr t) {
 
 }  // namespace
 
+namespace {
+GraphPtr build_graph(const Spec& s, bool backward, cudnnHandle_t handle, std::string* err);
+}  // namespace
+
+// Graph construction can throw (graph::sdpa: "No suitable implementation for
+// given SDPA_attributes" when no implementation takes the attributes, e.g. a
+// sliding window the installed cuDNN lacks): that is a refused graph too.
 GraphPtr build(const Spec& s, bool backward, cudnnHandle_t handle, std::string* err, double* build_ms) {
   auto t0 = std::chrono::steady_clock::now();
+  GraphPtr g;
+  try {
+    g = build_graph(s, backward, handle, err);
+  } catch (const std::exception& e) {
+    *err = std::string("graph construction: ") + e.what();
+    g = nullptr;
+  }
+  *build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return g;
+}
+
+namespace {
+GraphPtr build_graph(const Spec& s, bool backward, cudnnHandle_t handle, std::string* err) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -73,6 +94,7 @@ GraphPtr build(const Spec& s, bool backward, cudnnHandle_t handle, std::string* 
       opts.set_padding_mask(true)
           .set_seq_len_q(int_tensor(*g, "seq_q", U_SEQ_Q, s.B))
           .set_seq_len_kv(int_tensor(*g, "seq_kv", U_SEQ_KV, s.B));
+    if (s.window > 0) opts.set_diagonal_band_left_bound(static_cast<int>(s.window));
     auto [O, Stats] = g->sdpa(Q, K, V, opts);
     as_output(O, s, U_O, false, oo);
     stats_tensor(s, Stats)->set_output(true);
@@ -85,6 +107,7 @@ GraphPtr build(const Spec& s, bool backward, cudnnHandle_t handle, std::string* 
       opts.set_padding_mask(true)
           .set_seq_len_q(int_tensor(*g, "seq_q", U_SEQ_Q, s.B))
           .set_seq_len_kv(int_tensor(*g, "seq_kv", U_SEQ_KV, s.B));
+    if (s.window > 0) opts.set_diagonal_band_left_bound(static_cast<int>(s.window));
     auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
     as_output(dQ, s, U_DQ, false, oq);
     as_output(dK, s, U_DK, true, ok);
@@ -100,10 +123,10 @@ GraphPtr build(const Spec& s, bool backward, cudnnHandle_t handle, std::string* 
   bool ok_all = stage("validate", g->validate()) && stage("build_operation_graph", g->build_operation_graph(handle)) &&
                 stage("create_execution_plans", g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK})) &&
                 stage("check_support", g->check_support()) && stage("build_plans", g->build_plans());
-  *build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!ok_all) return nullptr;
   return GraphPtr(new Graph{g});
 }
+}  // namespace
 
 int64_t workspace_size(const Graph& g) { return g.g->get_workspace_size(); }
 

@@ -25,6 +25,12 @@ struct Spec {
   std::vector<int64_t> q_strides, kv_strides;  // [B, H, S, D] strides: Q, O, dO, dQ / K, V, dK, dV
   bool padding_mask;  // int32 [B] seq_len_q, seq_len_kv inputs (U_SEQ_Q, U_SEQ_KV)
   bool ragged;        // int32 [B+1] ragged offsets in elements (U_OFF_Q/K/V/O): packed (THD) tensors
+  // Sliding window on top of the causal mask: > 0 sets the frontend's
+  // SDPA_attributes / SDPA_backward_attributes::set_diagonal_band_left_bound(window)
+  // (top-left diagonal alignment, right bound 0 from set_causal_mask). The
+  // frontend's composite graph keeps score (i, j) when j + window > i, i.e.
+  // keys i - window < j <= i; probe_cudnn_sdpa checks that empirically.
+  int64_t window = 0;
 };
 
 struct Graph;
@@ -33,7 +39,7 @@ struct GraphDeleter {
 };
 using GraphPtr = std::unique_ptr<Graph, GraphDeleter>;
 
-// Causal SDPA, bf16 I/O, fp32 compute, scale 1/sqrt(D). The forward also
+// Causal SDPA (optionally sliding-window, Spec::window), bf16 I/O, fp32 compute, scale 1/sqrt(D). The forward also
 // writes the fp32 softmax stats [B, Hq, S, 1] (U_STATS) that the backward
 // reads. Null on failure, *err = "<stage>: <frontend message>".
 GraphPtr build(const Spec& spec, bool backward, cudnnHandle_t handle, std::string* err, double* build_ms);
