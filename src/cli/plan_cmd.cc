@@ -2,6 +2,7 @@
 // dry run of a plan's communication rank by rank, and the plan that moves the
 // training state from one plan to another (docs/switching.md).
 #include <algorithm>
+#include <cmath>
 #include <climits>
 #include <cstdio>
 #include <fstream>
@@ -411,7 +412,8 @@ bool parse_switch_flags(const std::vector<std::string>& args, SwitchFlags& s) {
   if (s.world < 1) fail("[flags] --world must be >= 1, got ", s.world);
   if (s.seq_len < 0 || (f.given("seq-len") && s.seq_len == 0))
     fail("[flags] --seq-len must be positive, got ", s.seq_len);
-  if (s.bucket_mb < 0) fail("[flags] --bucket-mb must be >= 0, got ", s.bucket_mb);
+  if (!(s.bucket_mb >= 0) || !std::isfinite(s.bucket_mb))
+    fail("[flags] --bucket-mb must be a finite number >= 0, got ", s.bucket_mb);
   return true;
 }
 

@@ -3,6 +3,7 @@
 #include "plan_search_cmd.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -65,6 +66,16 @@ std::vector<int64_t> file_pieces(const std::string& path, const ModelConfig& con
   return pieces;
 }
 
+// train refuses a token budget below the longest piece; so does the cost of
+// a strategy under one (the planner refuses a budget below --max-seq-len).
+void check_budget_holds_pieces(const std::vector<int64_t>& pieces, int64_t batch_tokens, const std::string& path,
+                               int64_t max_seq_len) {
+  const int64_t longest = pieces.empty() ? 0 : *std::max_element(pieces.begin(), pieces.end());
+  if (batch_tokens < longest)
+    fail("[flags] --batch-tokens ", batch_tokens, " is smaller than the longest piece of ", path, " (", longest,
+         " tokens; pieces are at most --max-seq-len ", max_seq_len, ")");
+}
+
 // plan cost --lengths: the strategy's predicted token-budget steps over a
 // token file (the trainer's dispatch, docs/mixed_length.md, plus the sync).
 int token_cost(const CostFlags& c, const ModelConfig& config, const Topology& topology, const Strategy& strategy) {
@@ -75,6 +86,7 @@ int token_cost(const CostFlags& c, const ModelConfig& config, const Topology& to
   const CostModel model = CostModel::load(config, topology, c.profile);
   const std::vector<int64_t> pieces = file_pieces(c.lengths, config, c.max_seq_len);
   if (pieces.empty()) fail("[data] ", c.lengths, ": no piece");
+  check_budget_holds_pieces(pieces, c.batch_tokens, c.lengths, c.max_seq_len);
   const PieceCosts costs(model, strategy);
   const DispatchRule rule = parse_dispatch_rule(c.dispatch);
   const double sync = token_step_sync_seconds(model, strategy);
@@ -237,7 +249,7 @@ int mixed_command(const std::vector<std::string>& args) {
   const PackedDocuments docs(data, c.max_seq_len, config.eos_token_id);
   std::vector<int64_t> pieces(static_cast<size_t>(docs.num_pieces()));
   for (int64_t i = 0; i < docs.num_pieces(); ++i) pieces[static_cast<size_t>(i)] = docs.piece_size(i);
-  MixedLengthOptions o;
+  MixedLengthOptions o;  // the planner refuses a budget below --max-seq-len itself
   o.batch_tokens = c.batch_tokens;
   o.max_seq_len = c.max_seq_len;
   o.buckets = static_cast<int>(c.buckets);
@@ -340,7 +352,8 @@ int search_command(const std::vector<std::string>& args) {
   if (c.solver == "cbc") o.solver = IlpSolver::kCbc;
   else if (c.solver == "exact") o.solver = IlpSolver::kExact;
   else fail("[flags] --solver must be cbc or exact, got '", c.solver, "'");
-  if (c.time_limit <= 0) fail("[flags] --time-limit must be positive, got ", c.time_limit);
+  if (!(c.time_limit > 0) || !std::isfinite(c.time_limit))
+    fail("[flags] --time-limit must be a positive number of seconds, got ", c.time_limit);
   o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
   Strategy previous;
   if (!c.from.empty()) {

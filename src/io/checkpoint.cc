@@ -5,7 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
+#include <charconv>
+#include <cmath>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -209,6 +212,15 @@ void fsync_dir(const std::string& dir) {
   if (d.fd >= 0) ::fsync(d.fd);  // best effort: some file systems refuse it
 }
 
+// A write of dir/<name>.tmp failed (a full disk, say): the partial file is
+// removed, so that it does not keep the disk full, and the error thrown.
+template <typename... Args>
+[[noreturn]] void fail_removing_tmp(const std::string& dir, const std::string& name, const Args&... args) {
+  std::error_code ec;
+  fs::remove(fs::path(dir) / (name + ".tmp"), ec);
+  fail_dir(dir, args...);
+}
+
 // Opens dir/<name>.tmp for writing (truncated).
 int open_tmp(const std::string& dir, const std::string& name) {
   const std::string tmp = (fs::path(dir) / (name + ".tmp")).string();
@@ -219,20 +231,21 @@ int open_tmp(const std::string& dir, const std::string& name) {
 
 // fsyncs and closes dir/<name>.tmp, renames it to dir/<name>, fsyncs dir.
 void finish_tmp(const std::string& dir, const std::string& name, Fd& fd) {
-  if (::fsync(fd.fd) != 0) fail_dir(dir, "cannot fsync '", name, ".tmp': ", errno_text());
+  if (::fsync(fd.fd) != 0) fail_removing_tmp(dir, name, "cannot fsync '", name, ".tmp': ", errno_text());
   const int f = fd.fd;
   fd.fd = -1;
-  if (::close(f) != 0) fail_dir(dir, "cannot close '", name, ".tmp': ", errno_text());
+  if (::close(f) != 0) fail_removing_tmp(dir, name, "cannot close '", name, ".tmp': ", errno_text());
   const fs::path target = fs::path(dir) / name;
   std::error_code ec;
   fs::rename(target.string() + ".tmp", target, ec);
-  if (ec) fail_dir(dir, "cannot rename '", name, ".tmp' to '", name, "': ", ec.message());
+  if (ec) fail_removing_tmp(dir, name, "cannot rename '", name, ".tmp' to '", name, "': ", ec.message());
   fsync_dir(dir);
 }
 
 void write_text_atomic(const std::string& dir, const std::string& name, const std::string& text) {
   Fd fd(open_tmp(dir, name));
-  if (!write_all(fd.fd, text.data(), text.size())) fail_dir(dir, "cannot write '", name, ".tmp': ", errno_text());
+  if (!write_all(fd.fd, text.data(), text.size()))
+    fail_removing_tmp(dir, name, "cannot write '", name, ".tmp': ", errno_text());
   finish_tmp(dir, name, fd);
 }
 
@@ -280,7 +293,16 @@ bool plain_file_name(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
 }
 
-CheckpointShardRef parse_shard_ref(const Where& w, const std::string& ctx, const json& v, const Shape& shape) {
+constexpr const char* kChecksumPrefix = "fnv1a64w:";
+
+std::string checksum_text(uint64_t c) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%s%016llx", kChecksumPrefix, static_cast<unsigned long long>(c));
+  return buf;
+}
+
+CheckpointShardRef parse_shard_ref(const Where& w, const std::string& ctx, const json& v, const Shape& shape,
+                                   const std::string& tensor) {
   CheckpointShardRef ref;
   const json& file = field(w, v, ctx, "file");
   const json& key = field(w, v, ctx, "key");
@@ -290,6 +312,23 @@ CheckpointShardRef parse_shard_ref(const Where& w, const std::string& ctx, const
   ref.file = file.get<std::string>();
   ref.key = key.get<std::string>();
   ref.box = parse_box(w, ctx, field(w, v, ctx, "box"), shape);
+  // The key names this tensor's box: an index whose key points at another
+  // tensor's (or box's) data would load the wrong numbers.
+  if (ref.key != shard_key(tensor, ref.box))
+    w.fail(ctx, "\"key\" '", shorten(ref.key), "' is not this tensor's box (expected '", shard_key(tensor, ref.box),
+           "')");
+  if (v.contains("checksum")) {
+    const json& c = v["checksum"];
+    const std::string text = c.is_string() ? c.get<std::string>() : "";
+    const std::string prefix = kChecksumPrefix;
+    uint64_t value = 0;
+    const char* digits = text.c_str() + std::min(text.size(), prefix.size());
+    const auto [end, ec] = std::from_chars(digits, text.c_str() + text.size(), value, 16);
+    if (text.rfind(prefix, 0) != 0 || text.size() != prefix.size() + 16 || ec != std::errc() ||
+        end != text.c_str() + text.size())
+      w.fail(ctx, "\"checksum\" is not \"", prefix, "<16 hex digits>\": ", json_excerpt(c));
+    ref.checksum = value;
+  }
   return ref;
 }
 
@@ -303,14 +342,17 @@ CheckpointTensor parse_tensor(const Where& w, const std::string& name, const jso
   t.dtype = *dt;
   const json& shards = field(w, v, ctx, "shards");
   if (!shards.is_array()) w.fail(ctx, "\"shards\" is not a list");
-  for (const json& s : shards) t.shards.push_back(parse_shard_ref(w, ctx, s, t.shape));
+  for (const json& s : shards) t.shards.push_back(parse_shard_ref(w, ctx, s, t.shape, name));
   return t;
 }
 
 json tensor_json(const CheckpointTensor& t) {
   json shards = json::array();
-  for (const CheckpointShardRef& s : t.shards)
-    shards.push_back({{"file", s.file}, {"key", s.key}, {"box", box_json(s.box)}});
+  for (const CheckpointShardRef& s : t.shards) {
+    json j = {{"file", s.file}, {"key", s.key}, {"box", box_json(s.box)}};
+    if (s.checksum) j["checksum"] = checksum_text(*s.checksum);
+    shards.push_back(std::move(j));
+  }
   return {{"shape", t.shape}, {"dtype", dtype_to_name(t.dtype)}, {"shards", shards}};
 }
 
@@ -540,7 +582,7 @@ void write_shard_file(const std::string& dir, const std::string& name, int64_t s
   bool ok = write_all(fd.fd, header.data(), header.size());
   if (ok && fault_requested(step, rank)) crash_mid_write(fd.fd, shards);
   for (size_t i = 0; ok && i < shards.size(); ++i) ok = write_all(fd.fd, shards[i].data.raw_data(), shards[i].data.nbytes());
-  if (!ok) fail_dir(dir, "cannot write '", name, ".tmp': ", errno_text());
+  if (!ok) fail_removing_tmp(dir, name, "cannot write '", name, ".tmp': ", errno_text());
   finish_tmp(dir, name, fd);
 }
 
@@ -550,7 +592,8 @@ json part_index(int64_t step, int rank, const std::vector<Prepared>& shards) {
     CheckpointTensor& t = tensors[p.shard->tensor];
     t.shape = p.shard->global_shape;
     t.dtype = p.data.dtype();
-    t.shards.push_back({shard_file_name(step, rank), p.key, p.shard->box});
+    t.shards.push_back({shard_file_name(step, rank), p.key, p.shard->box,
+                        checkpoint_checksum(p.data.raw_data(), p.data.nbytes())});
   }
   json j = {{"format", kPartFormat}, {"version", kVersion}, {"step", step}, {"rank", rank}, {"tensors", json::object()}};
   for (const auto& [name, t] : tensors) j["tensors"][name] = tensor_json(t);
@@ -558,6 +601,24 @@ json part_index(int64_t step, int rank, const std::vector<Prepared>& shards) {
 }
 
 }  // namespace
+
+uint64_t checkpoint_checksum(const void* data, size_t bytes) {
+  constexpr uint64_t kPrime = 0x100000001b3ull;
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto* p = static_cast<const unsigned char*>(data);
+  size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, p + i, 8);  // little-endian machines only (as the files)
+    h = (h ^ word) * kPrime;
+  }
+  if (i < bytes) {
+    uint64_t word = 0;
+    std::memcpy(&word, p + i, bytes - i);
+    h = (h ^ word) * kPrime;
+  }
+  return (h ^ static_cast<uint64_t>(bytes)) * kPrime;
+}
 
 void write_checkpoint_shards(const std::string& dir, int64_t step, int rank,
                              const std::vector<CheckpointShard>& shards) {
@@ -743,6 +804,31 @@ void copy_region(const std::string& dir, const std::string& file, int fd, const 
 
 }  // namespace
 
+// The whole entry, once per (file, key): its checksum must be the index's.
+void CheckpointReader::verify(const ShardFile& f, const StEntry& e, const std::string& tensor,
+                              const CheckpointShardRef& s) const {
+  std::vector<char> bytes(static_cast<size_t>(e.end - e.begin));
+  if (!pread_all(f.fd.fd, bytes.data(), bytes.size(), e.begin))
+    fail_dir(dir_, "shard file '", s.file, "': cannot read ", bytes.size(), " bytes at offset ", e.begin);
+  const uint64_t got = checkpoint_checksum(bytes.data(), bytes.size());
+  if (got != *s.checksum)
+    fail_dir(dir_, "shard file '", s.file, "': key '", s.key, "' (tensor '", tensor,
+             "'): checksum mismatch: the data is corrupt (index ", checksum_text(*s.checksum), ", file ",
+             checksum_text(got), ")");
+}
+
+// A checkpoint holds finite numbers only: a NaN or infinity is named here,
+// not at the first step that trips on it.
+void CheckpointReader::check_finite(const std::string& tensor, const Box& box, const NDArray& a) const {
+  if (a.dtype() != DType::F32 && a.dtype() != DType::BF16) return;
+  const NDArray f = a.dtype() == DType::F32 ? a : a.to(DType::F32);
+  const float* x = f.data<float>();
+  for (int64_t i = 0; i < f.numel(); ++i)
+    if (!std::isfinite(x[i]))
+      fail_dir(dir_, "tensor '", tensor, "' holds ", x[i], " at element ", i, " of box ", to_string(box),
+               " (a checkpoint holds finite values only)");
+}
+
 NDArray CheckpointReader::read(const std::string& name, const Box& box) {
   const CheckpointTensor& t = tensor(name);
   if (!box_fits(box, t.shape))
@@ -752,9 +838,12 @@ NDArray CheckpointReader::read(const std::string& name, const Box& box) {
   std::vector<Box> left = cover(box, shard_boxes(t), [&](size_t i, const Box& region) {
     const CheckpointShardRef& s = t.shards[i];
     const ShardFile& f = *open(s.file).file;
-    copy_region(dir_, s.file, f.fd.fd, shard_entry(dir_, f, name, s, t.dtype), s.box, region, box, out);
+    const StEntry& e = shard_entry(dir_, f, name, s, t.dtype);
+    if (s.checksum && verified_.insert({s.file, s.key}).second) verify(f, e, name, s);
+    copy_region(dir_, s.file, f.fd.fd, e, s.box, region, box, out);
   });
   if (!left.empty()) fail_uncovered(dir_, name, left.front());
+  check_finite(name, box, out);
   return out;
 }
 

@@ -106,6 +106,10 @@ void check_output_file(const std::string& what, const std::string& path, OutputW
   const fs::file_status st = fs::status(path, ec);
   if (fs::is_directory(st)) fail(what, " ", path, ": is a directory, not a file");
   if (how == OutputWrite::kRename) check_replaceable(what, path);
+  // Opening a FIFO for writing blocks until a reader comes (forever, for a
+  // run); a socket cannot be opened at all. Devices (/dev/null) stay allowed.
+  if (how == OutputWrite::kStream && (fs::is_fifo(st) || fs::is_socket(st)))
+    fail(what, " ", path, ": is ", kind_of(st.type()), ", not a file or device; refusing to block on it");
   if (fs::exists(st) && ::access(path.c_str(), W_OK) != 0)
     fail(what, " ", path, ": not writable: ", std::strerror(errno));
   if (how == OutputWrite::kRename || !fs::exists(st)) probe_directory(what, path, dir);

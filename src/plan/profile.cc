@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <set>
 
@@ -65,6 +66,40 @@ std::vector<double> least_squares(const std::vector<std::vector<double>>& rows,
   return x;
 }
 
+// The least-squares fit with every coefficient >= 0 (a time is a sum of
+// non-negative costs): for these few columns, the best fit over every subset
+// of the columns whose solution is non-negative (the others at 0). Empty
+// when no subset solves.
+std::vector<double> nonnegative_least_squares(const std::vector<std::vector<double>>& rows,
+                                              const std::vector<double>& y) {
+  const size_t n = rows.empty() ? 0 : rows[0].size();
+  std::vector<double> best;
+  double best_err = std::numeric_limits<double>::infinity();
+  for (unsigned mask = 1; mask < (1u << n); ++mask) {
+    std::vector<size_t> cols;
+    for (size_t c = 0; c < n; ++c)
+      if (mask & (1u << c)) cols.push_back(c);
+    std::vector<std::vector<double>> sub(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (size_t c : cols) sub[i].push_back(rows[i][c]);
+    const std::vector<double> x = least_squares(sub, y);
+    if (x.empty() || std::any_of(x.begin(), x.end(), [](double v) { return v < 0; })) continue;
+    double err = 0;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      double fit = 0;
+      for (size_t k = 0; k < cols.size(); ++k) fit += x[k] * sub[i][k];
+      const double w = y[i] > 0 ? 1.0 / (y[i] * y[i]) : 1.0;
+      err += w * (fit - y[i]) * (fit - y[i]);
+    }
+    if (err < best_err) {
+      best_err = err;
+      best.assign(n, 0.0);
+      for (size_t k = 0; k < cols.size(); ++k) best[cols[k]] = x[k];
+    }
+  }
+  return best;
+}
+
 json fit_json(const PartFit& f) {
   json samples = json::array();
   for (const FitSample& s : f.samples) samples.push_back({{"s", s.s}, {"b", s.b}, {"seconds", s.seconds}});
@@ -82,11 +117,20 @@ T get(const json& j, const char* key, const std::string& where) {
   }
 }
 
+// A fitted coefficient is a time (per unit of work): finite and >= 0, or
+// the cost model would predict negative step times.
+double coefficient(const json& j, const char* key, const std::string& where) {
+  const double v = get<double>(j, key, where);
+  if (!std::isfinite(v) || v < 0)
+    fail("[profile] ", where, ".", key, ": ", v, " is not a finite number >= 0 (a fitted time; profile again)");
+  return v;
+}
+
 PartFit fit_from_json(const json& j, const std::string& where) {
   PartFit f;
-  f.a = get<double>(j, "a", where);
-  f.c = get<double>(j, "c", where);
-  f.d = get<double>(j, "d", where);
+  f.a = coefficient(j, "a", where);
+  f.c = coefficient(j, "c", where);
+  f.d = coefficient(j, "d", where);
   f.max_rel_error = j.value("max_rel_error", 0.0);
   f.mean_rel_error = j.value("mean_rel_error", 0.0);
   if (j.contains("samples"))
@@ -119,7 +163,7 @@ void PartFit::fit() {
     rows.push_back(row);
     y.push_back(s.seconds);
   }
-  std::vector<double> x = least_squares(rows, y);
+  std::vector<double> x = nonnegative_least_squares(rows, y);
   if (x.empty()) {  // degenerate: a constant at the mean
     double sum = 0;
     for (double v : y) sum += v;
@@ -213,8 +257,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
   }
   if (j.contains("optimizer")) {
     const json& o = j.at("optimizer");
-    p.optimizer.per_param_s = get<double>(o, "per_param_s", source + ": optimizer");
-    p.optimizer.fixed_s = get<double>(o, "fixed_s", source + ": optimizer");
+    p.optimizer.per_param_s = coefficient(o, "per_param_s", source + ": optimizer");
+    p.optimizer.fixed_s = coefficient(o, "fixed_s", source + ": optimizer");
     p.optimizer.max_rel_error = o.value("max_rel_error", 0.0);
     if (o.contains("samples"))
       for (const json& s : o.at("samples"))
@@ -225,9 +269,9 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
     for (const auto& [type, f] : j.at("ops").items()) {
       const std::string where = source + ": ops." + type;
       OpFit o;
-      o.overhead_s = get<double>(f, "overhead_s", where);
-      o.s_per_flop = get<double>(f, "s_per_flop", where);
-      o.s_per_element = get<double>(f, "s_per_element", where);
+      o.overhead_s = coefficient(f, "overhead_s", where);
+      o.s_per_flop = coefficient(f, "s_per_flop", where);
+      o.s_per_element = coefficient(f, "s_per_element", where);
       o.max_rel_error = f.value("max_rel_error", 0.0);
       o.samples = f.value("samples", 0);
       p.ops[type] = o;

@@ -149,6 +149,9 @@ Topology Topology::from_json(const json& j) {
       Reader::fail_at(where + ".type", "unknown device type '", shorten(type.get<std::string>()), "' (not in the catalog)");
     RankInfo info{static_cast<int>(n), found->first, Reader::positive(nodes[n], where, "slowdown", 1.0),
                   Reader::positive(nodes[n], where, "memory_cap_gib", 0.0, true)};
+    if (!slowdown_in_range(info.slowdown))
+      Reader::fail_at(where + ".slowdown", "must lie in [", kMinSlowdown, ", ", kMaxSlowdown,
+                      "] (a compute-time multiplier), got ", info.slowdown);
     auto [first, last] = parse_range(nodes[n], where);
     for (int r = first; r <= last; ++r) {
       auto [it, fresh] = by_rank.emplace(r, std::make_pair(found->second, info));

@@ -9,6 +9,7 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
+#include "hspmd/resolve/topology.h"
 
 namespace hspmd {
 
@@ -102,6 +103,9 @@ std::vector<ElasticEvent> load_events(const std::string& path, int world_size, i
         if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0)
           fail(where, ": \"slowdown\": rank ", rank, ": the factor must be a finite number > 0, got ",
                json_excerpt(value));
+        if (!slowdown_in_range(value.get<double>()))
+          fail(where, ": \"slowdown\": rank ", rank, ": the factor must lie in [", kMinSlowdown, ", ", kMaxSlowdown,
+               "] (a compute-time multiplier), got ", json_excerpt(value));
         ev.slowdown[rank] = value.get<double>();
       }
     }

@@ -19,9 +19,9 @@ namespace {
 void check_options(const TrainOptions& o, const ModelConfig& c) {
   train_common::check_finite_options(o);
   if (o.seq_len <= 0) fail("[flags] --seq-len must be positive, got ", o.seq_len);
-  if (o.seq_len > c.max_position_embeddings)
-    fail("[flags] --seq-len ", o.seq_len, " exceeds max_position_embeddings ",
-         c.max_position_embeddings, " of ", o.model_path);
+  if (o.seq_len > c.max_position_embeddings)  // with token budgets, seq_len is --max-seq-len
+    fail("[flags] ", o.batch_tokens > 0 ? "--max-seq-len " : "--seq-len ", o.seq_len,
+         " exceeds max_position_embeddings ", c.max_position_embeddings, " of ", o.model_path);
   if (o.steps <= 0) fail("[flags] --steps must be positive, got ", o.steps);
   if (o.batch_tokens > 0) return;  // token-budget steps: no batch of samples
   if (o.global_batch <= 0) fail("[flags] --global-batch must be positive, got ", o.global_batch);
@@ -57,10 +57,11 @@ void check_checkpoint_directory(const TrainOptions& o) {
     step = load_checkpoint_index(o.checkpoint_dir).step;
   } catch (const Error&) {  // unreadable: still another run's files
   }
-  fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds the committed checkpoint",
-       step >= 0 ? " of step " + std::to_string(step) : std::string(),
-       " of another run; give --resume ", o.checkpoint_dir, " to continue it, --overwrite-checkpoint to replace it, "
-       "or another directory");
+  const std::string fix = "; give --resume " + o.checkpoint_dir +
+                          " to continue it, --overwrite-checkpoint to replace it, or another directory";
+  if (step >= 0) fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds the committed checkpoint of step ", step,
+                      " of another run", fix);
+  fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds a committed checkpoint of another run", fix);
 }
 
 std::vector<StepRecord> train(const TrainOptions& o) {

@@ -143,6 +143,7 @@ def main():
     with open(p("strategy.json"), "w") as f:
         json.dump({"pipelines": [{"micro_batch_size": 1, "micro_batches": 2,
                                   "stages": [{"ranks": [0], "layers": [0, 1]}]}]}, f)
+    os.mkfifo(p("fifo.svg"))  # an output opened for writing would block on it forever
     guarded = ["cfg.json", "data.bin", "g.txt", "strategy.json"]
     before = {n: open(p(n), "rb").read() for n in guarded}
     cases += [
@@ -164,6 +165,9 @@ def main():
         ("plan compile -o is --strategy", ["plan", "compile", "--model", p("cfg.json"), "--strategy",
                                            p("strategy.json"), "--world", "1", "-o", p("strategy.json")], "--strategy"),
         ("profile -o is --model", ["profile", "--model", p("cfg.json"), "-o", p("cfg.json")], "--model"),
+        ("data stats --svg is a FIFO", ["data", "stats", "--eos", "5", p("data.bin"), "--svg", p("fifo.svg")],
+         "is a FIFO"),
+        ("train --log is a FIFO", base + ["--log", p("fifo.svg")], "is a FIFO"),
     ]
     # The valid baseline must succeed, or the cases below prove nothing.
     ok = subprocess.run([exe] + base + ["--init", p("ok.safetensors")], capture_output=True, text=True)

@@ -34,6 +34,10 @@ def main():
         f.write("hello")
     os.mkdir(p("adir"))
     os.mkfifo(p("fifo"))
+    json.dump({"catalog": {"cpu": {"tflops": 1, "memory_gib": 16, "intra_node_gbps": 10, "inter_node_gbps": 1}},
+               "nodes": [{"type": "cpu", "ranks": [0, 0]}]}, open(p("cluster.json"), "w"))
+    with open(p("long.bin"), "wb") as f:  # one document of 40 tokens: pieces of 32 and 8
+        f.write(struct.pack("<41I", *([5] * 40 + [256])))
 
     base = ["train", "--model", p("cfg.json"), "--data", p("data.bin"), "--seq-len", "16",
             "--global-batch", "2", "--steps", "1", "--threads", "1", "--quiet"]
@@ -65,6 +69,20 @@ def main():
         ("micro-batches under a strategy", dist + ["--micro-batches", "2"], "--micro-batches"),
         ("timeout without nproc", dist + ["--timeout", "10"], "--timeout"),
         ("switch file is a FIFO", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("fifo")], "is a FIFO"),
+        # Not-a-number values pass a "< 0" or "<= 0" test; each is refused by name.
+        ("plan search time-limit nan", ["plan", "search", "--model", p("cfg.json"), "--cluster", p("cluster.json"),
+                                        "--global-batch", "2", "--seq-len", "16", "--time-limit", "nan"],
+         "--time-limit"),
+        ("plan switch bucket-mb nan", ["plan", "switch", "--model", p("cfg.json"), "--from", p("s.json"), "--to",
+                                       p("s.json"), "--world", "1", "--bucket-mb", "nan"], "--bucket-mb"),
+        # With token budgets the longest piece is --max-seq-len, and the message says so.
+        ("max-seq-len beyond the model", [a for a in base if a not in ("--seq-len", "16", "--global-batch", "2")] +
+         ["--batch-tokens", "4096", "--max-seq-len", "2048"], "--max-seq-len 2048 exceeds"),
+        # plan cost refuses the token budget that train refuses.
+        ("plan cost budget below a piece", ["plan", "cost", "--model", p("cfg.json"), "--strategy", p("s.json"),
+                                            "--cluster", p("cluster.json"), "--lengths", p("long.bin"),
+                                            "--batch-tokens", "10", "--max-seq-len", "32"],
+         "--batch-tokens 10 is smaller than the longest piece"),
     ]
     failures = []
     for name, args, needle in cases:

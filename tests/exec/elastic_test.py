@@ -219,7 +219,11 @@ def bad_events_case(e):
                                  "every rank"),
            "unknown key": ([{"step": 2, "fial": [1]}], "unknown key 'fial'"),
            "step beyond the run": ([{"step": 9, "fail": [1]}], "must lie in"),
-           "not a list": ({"step": 2}, "expected a JSON list")}
+           "not a list": ({"step": 2}, "expected a JSON list"),
+           # Factors the emulated clocks cannot carry (1e30 ran to 9.2e9 s, then 0).
+           "slowdown 1e30": ([{"step": 2, "slowdown": {"1": 1e30}}], "must lie in [0.001, 1000]"),
+           "slowdown 1e308": ([{"step": 2, "slowdown": {"1": 1e308}}], "must lie in [0.001, 1000]"),
+           "slowdown 1e-300": ([{"step": 2, "slowdown": {"1": 1e-300}}], "must lie in [0.001, 1000]")}
     for what, (events, want) in bad.items():
         rc, err, steps, evs, _ = e.train("bad", c2_like(False)[1], events)
         lines = [l for l in err.splitlines() if l.strip()]

@@ -1,9 +1,11 @@
 #include "hspmd/io/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -265,6 +267,92 @@ TEST(Checkpoint, KilledWriterLeavesPreviousCheckpointLoadable) {
   ::unsetenv("HSPMD_FAULT_KILL_CHECKPOINT");
 }
 
+// A full disk while a shard file is written (simulated with RLIMIT_FSIZE,
+// which makes write() fail with EFBIG as ENOSPC would, in a child process):
+// a one-line error, and no partial ".tmp" left to keep the disk full.
+TEST(Checkpoint, AFailedWriteLeavesNoTemporaryFile) {
+  const std::string dir = fresh_dir("full_disk");
+  const Model m;
+  save(dir, 1, m.ranks());
+  const std::vector<CheckpointShard> shards = m.ranks()[0];
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small {64, 64};
+    ::setrlimit(RLIMIT_FSIZE, &small);
+    try {
+      write_checkpoint_shards(dir, 2, 0, shards);
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      ::_exit(msg.find("cannot write 'step-00000002-rank-00000.safetensors.tmp'") != std::string::npos ? 3 : 4);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 3) << "3: the write error; 4: another error; 0: no error";
+  const std::set<std::string> files = files_in(dir);
+  for (const std::string& f : files) EXPECT_FALSE(f.ends_with(".tmp")) << f;
+  EXPECT_EQ(CheckpointReader(dir).index().step, 1);
+}
+
+// Contents are verified on load: a flipped byte (the per-shard checksum), a
+// NaN (named with its tensor), an index key that points at another tensor's
+// data.
+TEST(Checkpoint, ContentsAreVerified) {
+  const Model m;
+  {
+    const std::string dir = fresh_dir("flipped_byte");
+    save(dir, 3, m.ranks());
+    const json index = read_json(dir + "/index.json");
+    for (const json& s : index["tensors"]["weight"]["shards"])
+      EXPECT_EQ(s["checksum"].get<std::string>().rfind("fnv1a64w:", 0), 0u) << s.dump();
+    // Flip one bit of the last byte of rank 0's shard file (its data).
+    const std::string file = dir + "/step-00000003-rank-00000.safetensors";
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    char c = 0;
+    f.get(c);
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x10));
+    f.close();
+    CheckpointReader reader(dir);
+    bool mismatch = false;
+    for (const char* t : {"bias", "weight", "cube"}) {
+      try {
+        reader.read(t, whole(reader.tensor(t).shape));
+      } catch (const Error& e) {
+        mismatch = std::string(e.what()).find("checksum mismatch: the data is corrupt") != std::string::npos;
+      }
+    }
+    EXPECT_TRUE(mismatch);
+  }
+  {
+    const std::string dir = fresh_dir("nan_weight");
+    NDArray bad = m.weight.clone();
+    bad.data<float>()[13] = std::nanf("");
+    save(dir, 3, {{shard_of("weight", bad, whole({6, 8}))}});
+    expect_error(dir, "tensor 'weight' holds nan at element 13 of box",
+                 [&] { CheckpointReader(dir).read("weight", whole({6, 8})); });
+  }
+  {
+    const std::string dir = fresh_dir("key_elsewhere");
+    save(dir, 3, m.ranks());
+    json index = read_json(dir + "/index.json");
+    // Point weight's first shard at bias's data (a real key of the same file).
+    json& ref = index["tensors"]["weight"]["shards"][0];
+    ref["key"] = "bias@0:4";
+    write_text(dir + "/index.json", index.dump());
+    expect_error(dir, "\"key\" 'bias@0:4' is not this tensor's box", [&] { load_checkpoint_index(dir); });
+    ref["key"] = "weight@0:3,0:8";
+    ref["checksum"] = "crc:12";
+    write_text(dir + "/index.json", index.dump());
+    expect_error(dir, "\"checksum\" is not", [&] { load_checkpoint_index(dir); });
+  }
+}
+
 TEST(Checkpoint, LoadErrors) {
   const std::string dir = fresh_dir("load_errors");
   expect_error(dir, "no checkpoint (index.json missing)", [&] { load_checkpoint_index(dir); });
@@ -327,8 +415,10 @@ TEST(Checkpoint, ReadErrors) {
   expect_same(partial.read("weight", make_box({0, 0}, {5, 8})), box_slice(m.weight, make_box({0, 0}, {5, 8})));
   expect_error(dir, "tensor 'weight': elements [5:6, 1:3] are in no shard",
                [&] { partial.read("weight", make_box({4, 1}, {6, 3})); });
-  // An index key that the shard file does not hold.
+  // An index key that the shard file does not hold (its box changed alike:
+  // a key that is not the entry's own box is refused with the index).
   shards[0]["key"] = "weight@0:3,0:7";
+  shards[0]["box"] = {{0, 3}, {0, 7}};
   write_text(dir + "/index.json", index.dump());
   expect_error(dir, "shard file 'step-00000005-rank-00000.safetensors' has no key 'weight@0:3,0:7'",
                [&] { CheckpointReader(dir).read("weight", make_box({0, 0}, {1, 1})); });

@@ -442,3 +442,54 @@ TEST(TokenDispatch, RankComputeFollowsThePieces) {
 
 }  // namespace
 }  // namespace hspmd
+
+namespace hspmd {
+namespace {
+
+// A part's fit is a sum of non-negative costs: measurements whose unconstrained
+// least squares has a negative intercept (as `hspmd profile` once produced,
+// embed_bwd d = -4e-5) give a fit with every coefficient >= 0, still close.
+TEST(ProfileFit, CoefficientsAreNeverNegative) {
+  PartFit f;
+  // t = 1e-6 * b * s exactly, minus a little at the small points: the free
+  // fit's intercept goes below zero.
+  for (int64_t s : {16, 32, 64, 128})
+    for (int64_t b : {1, 2}) f.samples.push_back({s, b, 1e-6 * static_cast<double>(b * s) * (s <= 16 ? 0.8 : 1.0)});
+  f.fit();
+  EXPECT_GE(f.a, 0);
+  EXPECT_GE(f.c, 0);
+  EXPECT_GE(f.d, 0);
+  EXPECT_LT(f.max_rel_error, 0.35);
+  for (const FitSample& x : f.samples) EXPECT_GE(f.at(x.s, x.b), 0);
+}
+
+// A loaded profile with a negative fitted time is refused, naming the field.
+TEST(ProfileFit, NegativeCoefficientsAreRefusedOnLoad) {
+  Profile p;
+  p.config.vocab_size = 64;
+  p.config.hidden_size = 32;
+  p.config.intermediate_size = 64;
+  p.config.num_hidden_layers = 2;
+  p.config.num_attention_heads = 4;
+  ProfileEntry e;
+  PartFit fit;
+  fit.a = 1e-9;
+  fit.c = 1e-7;
+  fit.d = 1e-5;
+  for (const char* part : kProfileParts) e.parts[part] = fit;
+  p.entries.push_back(e);
+  nlohmann::json j = p.to_json();
+  Profile::from_json(j, "p.json");  // valid
+  j["entries"][0]["parts"]["embed_bwd"]["d"] = -4e-5;
+  try {
+    Profile::from_json(j, "p.json");
+    FAIL() << "accepted a negative fit";
+  } catch (const Error& err) {
+    EXPECT_STREQ(err.what(),
+                 "[profile] p.json: entries[0].embed_bwd.d: -4e-05 is not a finite number >= 0 (a fitted time; "
+                 "profile again)");
+  }
+}
+
+}  // namespace
+}  // namespace hspmd

@@ -113,6 +113,11 @@ TEST(Topology, Errors) {
   j = mixed_cluster();
   j["nodes"][0]["slowdown"] = -1;
   expect_error(j, "nodes[0].slowdown: must be positive");
+  for (double x : {1e30, 1e308, 1e-300, 1e-4, 1001.0}) {
+    j = mixed_cluster();
+    j["nodes"][0]["slowdown"] = x;
+    expect_error(j, "nodes[0].slowdown: must lie in [0.001, 1000] (a compute-time multiplier)");
+  }
   j = mixed_cluster();
   j["catalog"]["H800"].erase("tflops");
   expect_error(j, "catalog.H800.tflops: missing");

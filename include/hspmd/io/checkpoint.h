@@ -19,7 +19,7 @@
 //   {"format": "hspmd-checkpoint", "version": 1, "step": K, "meta": {...},
 //    "tensors": {"<name>": {"shape": [...], "dtype": "F32",
 //       "shards": [{"file": "step-...safetensors", "key": "...",
-//                   "box": [[begin, end], ...]}]}}}
+//                   "box": [[begin, end], ...], "checksum": "fnv1a64w:..."}]}}}
 //
 // Protocol: every rank calls write_checkpoint_shards(dir, K, rank, ...); the
 // caller barriers; rank 0 calls commit_checkpoint(dir, K, world, meta). Each
@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -94,7 +96,15 @@ struct CheckpointShardRef {
   std::string file;
   std::string key;
   Box box;
+  // checkpoint_checksum of the entry's bytes as written; absent in
+  // checkpoints written before checksums (then nothing is verified).
+  std::optional<uint64_t> checksum;
 };
+
+// The checksum stored per shard ("checksum": "fnv1a64w:<16 hex digits>"):
+// FNV-1a over the bytes taken as little-endian 64-bit words (the tail
+// zero-padded), then the byte count folded in. Catches any flipped byte.
+uint64_t checkpoint_checksum(const void* data, size_t bytes);
 
 struct CheckpointTensor {
   Shape shape;
@@ -117,6 +127,11 @@ bool checkpoint_exists(const std::string& dir);
 // missing or mistyped field, a box outside its tensor's shape, a file name
 // with a path separator); "shard file '<file>' missing (tensor '<name>')".
 CheckpointIndex load_checkpoint_index(const std::string& dir);
+
+namespace checkpoint_detail {  // src/io/checkpoint.cc
+struct ShardFile;
+struct StEntry;
+}  // namespace checkpoint_detail
 
 // Reads arbitrary global boxes of the tensors of a committed checkpoint.
 // Shard files are opened on first use and kept open with their parsed
@@ -150,10 +165,14 @@ class CheckpointReader {
  private:
   struct OpenFile;
   OpenFile& open(const std::string& file);
+  void verify(const checkpoint_detail::ShardFile& f, const checkpoint_detail::StEntry& e,
+              const std::string& tensor, const CheckpointShardRef& s) const;
+  void check_finite(const std::string& tensor, const Box& box, const NDArray& a) const;
 
   std::string dir_;
   CheckpointIndex index_;
   std::map<std::string, std::unique_ptr<OpenFile>> files_;
+  std::set<std::pair<std::string, std::string>> verified_;  // (file, key) whose checksum matched
 };
 
 }  // namespace hspmd

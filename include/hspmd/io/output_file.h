@@ -11,7 +11,8 @@ namespace hspmd {
 // How a writer puts its output at a path.
 enum class OutputWrite {
   kRename,  // a temporary file beside it, renamed into place (safetensors, token files)
-  kStream,  // opened and written in place (logs, traces): a device such as /dev/full is allowed
+  kStream,  // opened and written in place (logs, traces): a device such as /dev/full is allowed, a FIFO
+            // or socket is not (opening a FIFO would block until a reader comes)
 };
 
 // Throws hspmd::Error "<what> <path>: <why>" (one line) unless `path` can be

@@ -31,6 +31,12 @@ struct DeviceSpec {
   std::string profile;
 };
 
+// The range a slowdown factor may take in a cluster file or an events file:
+// beyond it the emulated clocks lose their meaning (1e30 overflowed them)
+// and no real device pair differs that much (the paper's H800 and H20: 6.7x).
+inline constexpr double kMinSlowdown = 1e-3, kMaxSlowdown = 1e3;
+inline bool slowdown_in_range(double x) { return x >= kMinSlowdown && x <= kMaxSlowdown; }
+
 // Per-rank facts.
 struct RankInfo {
   int node = 0;                  // index into the cluster's nodes
