@@ -33,6 +33,9 @@ using kernels::GemmF32Backend;
 
 namespace {
 
+// The stream the kernels here run on.
+Stream& cpu_stream() { return default_stream(Device::cpu()); }
+
 struct Shape3 {
   std::string name;
   int64_t m, n, k;
@@ -153,26 +156,26 @@ int main(int argc, char** argv) {
     std::vector<std::pair<const char*, std::function<void()>>> cases;
     cases.push_back({"fp32_openblas", [&] {
                        kernels::set_f32_gemm_backend(GemmF32Backend::kOpenBLAS);
-                       kernels::matmul(a, b, s.ta, s.tb, out);
+                       kernels::matmul(cpu_stream(), a, b, s.ta, s.tb, out);
                      }});
     if (have_dnnl)
       cases.push_back({"fp32_onednn", [&] {
                          kernels::set_f32_gemm_backend(GemmF32Backend::kOneDNN);
-                         kernels::matmul(a, b, s.ta, s.tb, out);
+                         kernels::matmul(cpu_stream(), a, b, s.ta, s.tb, out);
                        }});
     if (kernels::bf16_gemm_native()) {
       cases.push_back({"bf16_onednn", [&] {
                          kernels::set_bf16_gemm_emulation(false);
-                         kernels::matmul(a16, b16, s.ta, s.tb, out);
+                         kernels::matmul(cpu_stream(), a16, b16, s.ta, s.tb, out);
                        }});
       cases.push_back({"bf16_onednn_f32in", [&] {
                          kernels::set_bf16_gemm_emulation(false);
-                         kernels::matmul(a, b, s.ta, s.tb, out, GemmCompute::kBF16);
+                         kernels::matmul(cpu_stream(), a, b, s.ta, s.tb, out, GemmCompute::kBF16);
                        }});
     }
     cases.push_back({"bf16_emulated", [&] {
                        kernels::set_bf16_gemm_emulation(true);
-                       kernels::matmul(a16, b16, s.ta, s.tb, out);
+                       kernels::matmul(cpu_stream(), a16, b16, s.ta, s.tb, out);
                      }});
     std::vector<std::function<void()>> fs;
     for (auto& c : cases) fs.push_back(c.second);

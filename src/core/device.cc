@@ -68,4 +68,25 @@ Allocator& allocator_for(Device device) {
   fail("[device] ", device.str(), ": this build has no CUDA backend");
 }
 
+Stream& default_stream(Device device) {
+  static Stream cpu(Device::cpu(), 0);
+  if (device.type == DeviceType::CPU) return cpu;
+  fail("[device] ", device.str(), ": this build has no CUDA backend");
+}
+
+void Event::record(Stream& stream) {
+  stream.synchronize();
+  stream_ = &stream;
+  at_ = std::chrono::steady_clock::now();
+}
+
+void Event::synchronize() const {
+  HSPMD_CHECK(recorded(), "Event::synchronize before record");
+}
+
+double Event::elapsed_ms(const Event& start) const {
+  HSPMD_CHECK(recorded() && start.recorded(), "Event::elapsed_ms of an event never recorded");
+  return std::chrono::duration<double, std::milli>(at_ - start.at_).count();
+}
+
 }  // namespace hspmd

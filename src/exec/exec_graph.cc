@@ -42,14 +42,14 @@ bool is_representative(const Annotation& a, int rank) {
 }
 
 ExecGraph::ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank,
-                     Bindings bindings)
+                     Bindings bindings, Device device)
     : ExecGraph(std::make_shared<const AnnotationPlan>(plan), std::make_shared<const Topology>(topology), rank,
-                std::move(bindings)) {}
+                std::move(bindings), device) {}
 
 ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr<const Topology> topology,
-                     int rank, Bindings bindings)
+                     int rank, Bindings bindings, Device device)
     : plan_(std::move(plan)), topology_(std::move(topology)), rank_(rank), bindings_(std::move(bindings)),
-      training_(annotate_training_graph(*plan_)), resolve_(*topology_, rank) {
+      device_(device), training_(annotate_training_graph(*plan_)), resolve_(*topology_, rank) {
   annotated_ = training_.annotated.get();
   // The Reshards this rank takes part in, each resolved for it alone.
   std::map<int, std::shared_ptr<const Resolution>> resolved;  // forward and backward Reshards
@@ -225,6 +225,8 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
     if (!clocked) clocked = std::make_unique<ClockedCommunicator>(group, *clock_, *topology_, ranks);
     return *clocked;
   };
+  op->ctx.device = device_;
+  op->ctx.stream = &default_stream(device_);
   op->ctx.bindings = &bindings;
   op->ctx.shard = &op->shard;
   return op;
@@ -358,7 +360,7 @@ NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const An
 }
 
 void ExecGraph::check_memory(const Node& node) const {
-  const size_t used = allocator_for(Device::cpu()).current_bytes();
+  const size_t used = allocator_for(device_).current_bytes();
   if (used > memory_cap_)
     fail("[emulate] rank ", rank_, ": out of memory: ", used / 1048576.0, " MiB in use after ",
          node.op->type(), node.name.empty() ? "" : " '" + node.name + "'", " exceeds its cap of ",

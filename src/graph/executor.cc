@@ -130,6 +130,7 @@ NDArray checked_leaf(const Node& node, const NDArray& value, const Bindings& bin
 
 std::vector<NDArray> Executor::run(const ValueMap& values) const {
   const Bindings bindings = bind_leaves(graph_, order_, values);
+  Stream& stream = default_stream(device_);
   NodeRunner runner;
   runner.leaf = [&](const Node& node) {
     return std::vector<NDArray>{checked_leaf(node, values.at(node.name), bindings)};
@@ -137,6 +138,7 @@ std::vector<NDArray> Executor::run(const ValueMap& values) const {
   runner.compute = [&](const Node& node, const std::vector<NDArray>& inputs) {
     OpContext ctx;
     ctx.device = device_;
+    ctx.stream = &stream;
     ctx.bindings = &bindings;
     for (const auto& meta : node.outputs) {
       ctx.out_shapes.push_back(eval_shape(meta.shape, bindings));

@@ -19,6 +19,7 @@
 #include <span>
 #include <vector>
 
+#include "hspmd/core/device.h"
 #include "hspmd/core/ndarray.h"
 
 namespace hspmd::kernels {
@@ -54,13 +55,14 @@ std::vector<int32_t> document_starts_from_positions(const NDArray& positions, in
 // stay f32). Both run on either CPU (bf16 without AVX512-BF16 is slower).
 // `window`: the sliding window W (0: none); W < 0 throws hspmd::Error
 // "[attention] window: ...".
-void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
+void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles, DType products = DType::F32, int64_t window = 0);
 
 // Backward: from the forward's out and lse and the gradient of out, writes
 // dq, dk, dv (shapes of q, k, v; fully overwritten). Throws like the forward.
-void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
+void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
+                        const NDArray& out,
                         const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
                         AttentionTiles tiles, DType products = DType::F32,
@@ -95,24 +97,26 @@ bool attention_block_hidden(const AttentionBlock& blk);
 // The block's attention alone: writes out_blk [B, Sq, Hq, D] and lse_blk
 // [B, Hq, Sq] over this block's visible keys. A row that sees none of them
 // gets out 0 and lse -inf.
-void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
-                             AttentionTiles tiles);
+void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_blk,
+                             NDArray& lse_blk, AttentionTiles tiles);
 
 // Merges a block's (out_blk, lse_blk) into the running (out, lse), the
 // log-sum-exp way: lse' = log(e^lse + e^lse_blk), out' = (e^lse out +
 // e^lse_blk out_blk) / e^lse'. A row with lse_blk = -inf keeps its values;
 // one with lse = -inf takes the block's.
-void attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk, const NDArray& lse_blk);
+void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_blk,
+                     const NDArray& lse_blk);
 
 // delta [B, Hq, S] = rowsum(grad_out * out) of out, grad_out [B, S, Hq, D];
 // bf16_grad: grad_out rounded to bf16 first, as the bf16 products of dP take
 // it, so that delta and the rows of P o dP agree (their difference is dS).
-void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta, bool bf16_grad = false);
+void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, NDArray& delta,
+                        bool bf16_grad = false);
 
 // The block's share of the backward, from the final lse and delta of the
 // whole attention ([B, Hq, Sq] each) and grad_out [B, Sq, Hq, D]: adds to dq
 // (shape of q) and to dk, dv (shape of k).
-void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
+void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArray& grad_out,
                               const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
                               NDArray& dv, AttentionTiles tiles);
 

@@ -1,8 +1,8 @@
 // Kernels of the basic ops: linear algebra, layout, reductions and the model
 // ops (embedding, RMSNorm, RoPE, SwiGLU, cross-entropy).
 //
-// Same contract as kernels.h: each function checks its device through
-// require_backend(), arrays are contiguous, outputs are preallocated by the
+// Same contract as kernels.h: each kernel takes its stream first and runs on
+// the stream's device (dispatch.cc), arrays are contiguous, outputs are preallocated by the
 // caller with the right shape. Results are deterministic for a given thread
 // count. Data errors (ids, targets) throw hspmd::Error.
 #pragma once
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "hspmd/core/device.h"
 #include "hspmd/core/ndarray.h"
 
 namespace hspmd::kernels {
@@ -33,7 +34,7 @@ enum class GemmCompute { kF32, kBF16 };
 // HSPMD_GEMM_F32=openblas or set_f32_gemm_backend()). oneDNN primitives are
 // made once per shape, transposes and dtypes (and thread count) and cached;
 // both libraries use the thread count of set_num_threads().
-void matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
             GemmCompute compute = GemmCompute::kF32);
 
 // Whether this build and CPU run bf16 GEMMs natively: oneDNN is linked, its
@@ -63,17 +64,17 @@ GemmF32Backend f32_gemm_backend();
 
 // ---- layout ----
 // out = a with dims d0 and d1 swapped (materialized).
-void transpose(const NDArray& a, int d0, int d1, NDArray& out);
+void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out);
 // out = a[..., begin : begin + out.dim(axis), ...].
-void slice(const NDArray& a, int axis, int64_t begin, NDArray& out);
+void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out);
 // out = zeros, then out[..., begin : begin + grad.dim(axis), ...] = grad.
-void slice_backward(const NDArray& grad, int axis, int64_t begin, NDArray& out);
+void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDArray& out);
 // out = the parts joined along `axis`.
-void concat(const std::vector<NDArray>& parts, int axis, NDArray& out);
+void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out);
 // out = sum of a over the dims with reduced[d] set (out keeps the others).
-void reduce_sum(const NDArray& a, const std::vector<bool>& reduced, NDArray& out);
+void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, NDArray& out);
 // Inverse of reduce_sum's shape change: out[i] = g[i with reduced dims dropped].
-void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArray& out);
+void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& reduced, NDArray& out);
 
 // ---- model ops ----
 // `weight` holds vocabulary rows [vocab_begin, vocab_begin + weight.dim(0)) of
@@ -81,30 +82,32 @@ void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArr
 // 0, weight.dim(0)). out[t, :] = weight[ids[t] - vocab_begin, :] for the ids
 // it holds, zeros for the others (a partial sum over the vocab shards).
 // Throws hspmd::Error on an id outside [0, vocab_size).
-void embedding(const NDArray& weight, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
-               NDArray& out);
+void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t vocab_begin,
+               int64_t vocab_size, NDArray& out);
 // dweight (rows [vocab_begin, vocab_begin + dweight.dim(0)) of vocab_size) =
 // zeros, then dweight[ids[t] - vocab_begin, :] += grad[t, :] for the ids it
 // holds, in token order. Throws like embedding.
-void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
+void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
                         int64_t vocab_size, NDArray& dweight);
 // out = x * rsqrt(mean(x^2, -1) + eps) * weight.
-void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out);
-void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
-                       NDArray& dx, NDArray& dweight);
+void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
+void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
+                       float eps, NDArray& dx, NDArray& dweight);
 // Rotates x [B, S, heads, D] by angle positions[b, s] * theta^(-2i/D)
 // (rotate_half convention); `inverse` rotates by the negated angle.
-void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out);
+void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
+          NDArray& out);
 // out = silu(gate) * up.
-void swiglu(const NDArray& gate, const NDArray& up, NDArray& out);
-void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
-                     NDArray& dup);
+void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
+void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up,
+                     NDArray& dgate, NDArray& dup);
 // loss (scalar) = Σ_{targets != ignore} (logsumexp(row) - row[target]) / normalizer;
 // lse [rows] receives logsumexp(row) (0 for ignored rows) for the backward.
 // Throws hspmd::Error on a target outside [0, V) that is not ignore_index.
 // `classes` > 0: only the first `classes` columns are classes (a padded
 // vocabulary); the others are left out of the softmax.
-void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
+void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets,
+                   const NDArray& normalizer,
                    int ignore_index, NDArray& loss, NDArray& lse, int64_t classes = 0);
 // Vocab-parallel cross-entropy, where `logits` holds vocabulary entries
 // [vocab_begin, vocab_begin + logits.dim(-1)) of vocab_size, in two steps
@@ -115,14 +118,14 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
 //    [0, vocab_size) that is not ignore_index.
 //    With `classes` > 0, entries >= classes are left out (a shard holding
 //    none of them gets local_lse -inf).
-void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
+void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& targets,
                                int64_t vocab_begin, int64_t vocab_size, int ignore_index,
                                NDArray& local_lse, NDArray& target_logit, int64_t classes = 0);
 // 2. From every shard's local_lse gathered as shard_lse [shards, rows] and
 //    target_logit summed over the shards: lse[r] = m + log Σ_s exp(shard_lse[s, r] - m)
 //    with m the max over shards (0 for ignored rows), and loss as above. The
 //    result depends on the inputs only, so every shard computes the same.
-void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit,
+void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& target_logit,
                            const NDArray& targets, const NDArray& normalizer, int ignore_index,
                            NDArray& loss, NDArray& lse);
 // dlogits = dloss * (exp(row - lse) - onehot(target)) / normalizer; zero for
@@ -130,7 +133,8 @@ void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit
 // logits.dim(-1)) and `lse` the log-sum-exp over the whole vocabulary, so a
 // vocab shard needs no communication.
 // Entries >= classes (when > 0) get zero gradient.
-void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
+void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logits,
+                            const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
                             int64_t vocab_begin, NDArray& dlogits, int64_t classes = 0);
 

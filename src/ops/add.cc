@@ -22,7 +22,7 @@ class AddOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::add(in[0], in[1], out[0]);
+    kernels::add(*ctx.stream, in[0], in[1], out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {g[0], g[0]};

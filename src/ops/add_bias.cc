@@ -39,7 +39,7 @@ class BiasGradOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::bias_grad(in[0].contiguous(), out[0]);
+    kernels::bias_grad(*ctx.stream, in[0].contiguous(), out[0]);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -75,7 +75,7 @@ class AddBiasOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::add_bias(in[0].contiguous(), in[1].contiguous(), out[0]);
+    kernels::add_bias(*ctx.stream, in[0].contiguous(), in[1].contiguous(), out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     if (!g[0].valid()) return {Tensor(), Tensor()};

@@ -125,6 +125,7 @@ constexpr int kTagGrad = 7111;
 // where every rank has the same share of the causal work.
 struct Ring {
   Communicator* cp = nullptr;
+  Stream* stream = nullptr;  // the op's (ctx.stream): the block kernels run on it
   int n = 1, c = 0;
   int64_t S = 0, half = 0;
   Box q_box;  // q's global box on this rank
@@ -157,6 +158,7 @@ std::optional<Ring> ring_of(const OpContext& ctx, int documents_rank) {
   const int64_t S = ctx.shard->input_global_shapes.at(0).at(1);
   if (box.end.at(1) - box.begin.at(1) == S) return std::nullopt;
   Ring ring;
+  ring.stream = ctx.stream;
   ring.q_box = box;
   ring.cp = &ctx.shard->group_along(0, 1);
   ring.n = ring.cp->size();
@@ -346,10 +348,10 @@ struct RingInputs {
 void ring_forward(const Ring& ring, const RingInputs& x, NDArray& out, NDArray& lse) {
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
   const int64_t B = x.q.dim(0), L = x.q.dim(1), Hq = x.q.dim(2);
-  out = NDArray::empty(x.q.shape(), DType::F32);
-  lse = NDArray::empty({B, Hq, L}, DType::F32);
-  NDArray out_blk = NDArray::empty(out.shape(), DType::F32);
-  NDArray lse_blk = NDArray::empty(lse.shape(), DType::F32);
+  out = NDArray::empty(x.q.shape(), DType::F32, x.q.device());
+  lse = NDArray::empty({B, Hq, L}, DType::F32, x.q.device());
+  NDArray out_blk = NDArray::empty(out.shape(), DType::F32, x.q.device());
+  NDArray lse_blk = NDArray::empty(lse.shape(), DType::F32, x.q.device());
   NDArray now = x.kv, next = NDArray::empty(x.kv.shape(), DType::F32);
   std::vector<int64_t> k_index;
   for (int s = 0; s < ring.n; ++s) {
@@ -357,10 +359,10 @@ void ring_forward(const Ring& ring, const RingInputs& x, NDArray& out, NDArray& 
     if (s + 1 < ring.n) moving = pass_on(ring, now, next, kTagKv);
     const kernels::AttentionBlock blk = x.block(ring, now, s, k_index);
     if (s == 0) {  // the own block: every query sees at least itself
-      kernels::attention_block_forward(blk, out, lse, tiles);
+      kernels::attention_block_forward(*ring.stream, blk, out, lse, tiles);
     } else if (!x.hidden(blk)) {
-      kernels::attention_block_forward(blk, out_blk, lse_blk, tiles);
-      kernels::attention_merge(out, lse, out_blk, lse_blk);
+      kernels::attention_block_forward(*ring.stream, blk, out_blk, lse_blk, tiles);
+      kernels::attention_merge(*ring.stream, out, lse, out_blk, lse_blk);
     }
     ring.cp->wait_all(moving);
     std::swap(now, next);
@@ -380,9 +382,9 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
                                           const NDArray& out, const NDArray& lse,
                                           const NDArray& grad_out) {
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
-  NDArray delta = NDArray::empty(lse.shape(), DType::F32);
-  kernels::attention_row_dots(out, grad_out, delta, x.products == DType::BF16);
-  NDArray dq = NDArray::zeros(x.q.shape(), DType::F32);
+  NDArray delta = NDArray::empty(lse.shape(), DType::F32, lse.device());
+  kernels::attention_row_dots(*ring.stream, out, grad_out, delta, x.products == DType::BF16);
+  NDArray dq = NDArray::zeros(x.q.shape(), DType::F32, x.q.device());
   const Shape& shape = x.kv.shape();
   NDArray now = x.kv, next = NDArray::empty(shape, DType::F32);
   NDArray grads[2] = {NDArray::empty(shape, DType::F32), NDArray::empty(shape, DType::F32)};
@@ -400,7 +402,7 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
     NDArray dk = part(g, 0), dv = part(g, 1);
     const kernels::AttentionBlock blk = x.block(ring, now, s, k_index);
     if (!x.hidden(blk))  // a hidden block's gradients stay zero but still travel
-      kernels::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
+      kernels::attention_block_backward(*ring.stream, blk, grad_out, lse, delta, dq, dk, dv, tiles);
     ring.cp->wait_all(incoming);
     if (s > 0) add_into(g, arrived);
     sending[s % 2].push_back(send_to_next(ring, g, kTagGrad));
@@ -592,7 +594,8 @@ class AttentionGradOp final : public Op {
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
       return ring_attention_grad(*ring, x, documents, scale_, products_, window_, out);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
-    kernels::attention_backward(x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_, out[0],
+    kernels::attention_backward(*ctx.stream, x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_,
+                                out[0],
                                 out[1], out[2], kernels::attention_tiles(), products_, window_);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
@@ -637,7 +640,7 @@ class AttentionOp final : public Op {
       return ring_attention(*ring, x, documents, scale_, products_, window_, out);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
-    kernels::attention_forward(x[0], x[1], x[2], documents, scale_, out[0], out[1],
+    kernels::attention_forward(*ctx.stream, x[0], x[1], x[2], documents, scale_, out[0], out[1],
                                kernels::attention_tiles(), products_, window_);
   }
   // lse's gradient is never used: it only feeds the backward.

@@ -43,7 +43,7 @@ class ConcatOp final : public Op {
     std::vector<NDArray> parts;
     for (const auto& p : in) parts.push_back(p.contiguous());
     out[0] = ctx.alloc(0);
-    kernels::concat(parts, norm_axis("concat", axis_, out[0].ndim()), out[0]);
+    kernels::concat(*ctx.stream, parts, norm_axis("concat", axis_, out[0].ndim()), out[0]);
   }
 
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {

@@ -49,8 +49,8 @@ void vocab_parallel_forward(const OpContext& ctx, const std::vector<NDArray>& in
   const int64_t rows = targets.numel();
   NDArray local_lse = NDArray::empty({rows}, DType::F32, logits.device());
   NDArray target_logit = NDArray::empty({rows}, DType::F32, logits.device());
-  kernels::cross_entropy_shard_stats(logits, targets, v.begin, v.size, ignore_index, local_lse,
-                                     target_logit, classes);
+  kernels::cross_entropy_shard_stats(*ctx.stream, logits, targets, v.begin, v.size, ignore_index,
+                                     local_lse, target_logit, classes);
   Communicator& group = ctx.shard->group_along(0, logits.ndim() - 1);
   NDArray shard_lse = NDArray::empty({group.size(), rows}, DType::F32, logits.device());
   std::vector<Request> pending;
@@ -58,8 +58,8 @@ void vocab_parallel_forward(const OpContext& ctx, const std::vector<NDArray>& in
                                            std::vector<int64_t>(group.size(), rows)));
   pending.push_back(group.start_all_reduce(target_logit.data<float>(), rows));
   group.wait_all(pending);
-  kernels::cross_entropy_combine(shard_lse, target_logit, targets, in[2], ignore_index, out[0],
-                                 out[1]);
+  kernels::cross_entropy_combine(*ctx.stream, shard_lse, target_logit, targets, in[2],
+                                 ignore_index, out[0], out[1]);
 }
 
 // Labels: tokens t0.., vocab v. Forward inputs: logits, targets, normalizer;
@@ -97,7 +97,8 @@ class CrossEntropyGradOp final : public Op {
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     const VocabRange v = vocab_range(ctx, 1, in[1]);
-    kernels::cross_entropy_backward(in[0], in[1].contiguous(), in[2].contiguous(), in[3],
+    kernels::cross_entropy_backward(*ctx.stream, in[0], in[1].contiguous(), in[2].contiguous(),
+                                    in[3],
                                     in[4].contiguous(), ignore_index_, v.begin, out[0], classes_);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
@@ -148,8 +149,8 @@ class CrossEntropyOp final : public Op {
     out[1] = ctx.alloc(1);
     const VocabRange v = vocab_range(ctx, 0, in[0]);
     if (v.whole())
-      kernels::cross_entropy(in[0].contiguous(), in[1].contiguous(), in[2], ignore_index_, out[0],
-                             out[1], classes_);
+      kernels::cross_entropy(*ctx.stream, in[0].contiguous(), in[1].contiguous(), in[2],
+                             ignore_index_, out[0], out[1], classes_);
     else
       vocab_parallel_forward(ctx, in, ignore_index_, classes_, v, out);
   }

@@ -60,7 +60,8 @@ class EmbeddingGradOp final : public Op {
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     const VocabRange v = vocab_range(ctx, /*of_output=*/true, out[0].dim(0));
-    kernels::embedding_backward(in[0].contiguous(), in[1].contiguous(), v.begin, v.size, out[0]);
+    kernels::embedding_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(), v.begin,
+                                v.size, out[0]);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -103,7 +104,8 @@ class EmbeddingOp final : public Op {
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     const VocabRange v = vocab_range(ctx, /*of_output=*/false, in[0].dim(0));
-    kernels::embedding(in[0].contiguous(), in[1].contiguous(), v.begin, v.size, out[0]);
+    kernels::embedding(*ctx.stream, in[0].contiguous(), in[1].contiguous(), v.begin, v.size,
+                       out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor weight = node.inputs[0], ids = node.inputs[1];

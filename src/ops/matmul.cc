@@ -105,12 +105,12 @@ class MatmulOp final : public Op {
     const NDArray& a = in[0];
     const NDArray& b = in[1];
     if (b.ndim() <= 2) {
-      kernels::matmul(a, b, trans_a_, trans_b_, out[0]);
+      kernels::matmul(*ctx.stream, a, b, trans_a_, trans_b_, out[0]);
       return;
     }
     const int64_t n = b.dim(-1);
-    kernels::matmul(a, b.contiguous().reshape({n == 0 ? 0 : b.numel() / n, n}), trans_a_,
-                    trans_b_, out[0]);
+    kernels::matmul(*ctx.stream, a, b.contiguous().reshape({n == 0 ? 0 : b.numel() / n, n}),
+                    trans_a_, trans_b_, out[0]);
   }
 
   // With A' = op(A), B' = op(B), C = A'B': dA' = dC B'^T and dB' = A'^T dC.

@@ -21,7 +21,7 @@ class MulOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::mul(in[0], in[1], out[0]);
+    kernels::mul(*ctx.stream, in[0], in[1], out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor a = node.inputs[0], b = node.inputs[1];

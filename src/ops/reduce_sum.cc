@@ -39,7 +39,7 @@ class BroadcastReducedOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::broadcast_reduced(in[0].contiguous(), reduced_, out[0]);
+    kernels::broadcast_reduced(*ctx.stream, in[0].contiguous(), reduced_, out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override;
   std::vector<Annotation> deduce(const DeduceContext& ctx,
@@ -83,7 +83,7 @@ class ReduceSumOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::reduce_sum(in[0].contiguous(), reduced_mask(axes_, in[0].ndim()), out[0]);
+    kernels::reduce_sum(*ctx.stream, in[0].contiguous(), reduced_mask(axes_, in[0].ndim()), out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const SymShape shape = node.inputs[0].shape();

@@ -42,8 +42,8 @@ class RmsNormGradOp final : public Op {
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
-    kernels::rms_norm_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), eps_,
-                               out[0], out[1]);
+    kernels::rms_norm_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(),
+                               in[2].contiguous(), eps_, out[0], out[1]);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -72,7 +72,7 @@ class RmsNormOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::rms_norm(in[0].contiguous(), in[1].contiguous(), eps_, out[0]);
+    kernels::rms_norm(*ctx.stream, in[0].contiguous(), in[1].contiguous(), eps_, out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor x = node.inputs[0], w = node.inputs[1];

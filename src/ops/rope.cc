@@ -30,7 +30,7 @@ class RopeOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::rope(in[0].contiguous(), in[1].contiguous(), theta_, inverse_, out[0]);
+    kernels::rope(*ctx.stream, in[0].contiguous(), in[1].contiguous(), theta_, inverse_, out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor positions = node.inputs[1];

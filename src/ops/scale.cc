@@ -20,7 +20,7 @@ class ScaleOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::scale(in[0], factor_, out[0]);
+    kernels::scale(*ctx.stream, in[0], factor_, out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {scale(g[0], factor_)};

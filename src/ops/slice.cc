@@ -47,7 +47,7 @@ class SliceOp final : public Op {
       return;
     }
     out[0] = ctx.alloc(0);
-    kernels::slice(a, axis, begin_, out[0]);
+    kernels::slice(*ctx.stream, a, axis, begin_, out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override;
   std::vector<Annotation> deduce(const DeduceContext& ctx,
@@ -85,8 +85,8 @@ class SliceGradOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::slice_backward(in[0].contiguous(), norm_axis("slice_grad", axis_, in[0].ndim()),
-                            begin_, out[0]);
+    kernels::slice_backward(*ctx.stream, in[0].contiguous(), norm_axis("slice_grad", axis_,
+                            in[0].ndim()), begin_, out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {slice(g[0], axis_, begin_, end_)};

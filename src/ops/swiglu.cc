@@ -21,8 +21,8 @@ class SwigluGradOp final : public Op {
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
-    kernels::swiglu_backward(in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), out[0],
-                             out[1]);
+    kernels::swiglu_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(),
+                             in[2].contiguous(), out[0], out[1]);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -48,7 +48,7 @@ class SwigluOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    kernels::swiglu(in[0].contiguous(), in[1].contiguous(), out[0]);
+    kernels::swiglu(*ctx.stream, in[0].contiguous(), in[1].contiguous(), out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor gate = node.inputs[0], up = node.inputs[1];

@@ -24,8 +24,8 @@ class TransposeOp final : public Op {
                std::vector<NDArray>& out) const override {
     const int n = in[0].ndim();
     out[0] = ctx.alloc(0);
-    kernels::transpose(in[0], norm_axis("transpose", dim0_, n), norm_axis("transpose", dim1_, n),
-                       out[0]);
+    kernels::transpose(*ctx.stream, in[0], norm_axis("transpose", dim0_, n), norm_axis("transpose",
+                       dim1_, n), out[0]);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     return {transpose(g[0], dim0_, dim1_)};

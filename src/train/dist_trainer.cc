@@ -524,7 +524,7 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     for (auto& [name, g] : mb.raw_grads) {
       auto it = raw.find(name);
       if (it == raw.end()) raw.emplace(name, g.clone());
-      else kernels::accumulate(g, it->second);
+      else kernels::accumulate(graph.stream(), g, it->second);
     }
   };
   auto forward = [&](int micro) {
@@ -602,7 +602,7 @@ std::vector<StepRecord> DistTrainer::run() {
     const auto t0 = Clock::now();
     world_.reset_bytes();
     rt_->graph->reset_ledger();
-    allocator_for(Device::cpu()).reset_peak();
+    allocator_for(rt_->graph->device()).reset_peak();
     const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
     const int64_t first = state_->samples;
     const bool bucketed = pieces_ && o_.bucket_switching;
@@ -616,7 +616,7 @@ std::vector<StepRecord> DistTrainer::run() {
                                      : source_->normalizer(first, global_batch);
     // What the rank holds before its micro-batches: parameters, optimizer
     // states; the schedule's peak above it is activations (and raw grads).
-    const size_t held = allocator_for(Device::cpu()).current_bytes();
+    const size_t held = allocator_for(rt_->graph->device()).current_bytes();
     StepRecord r;
     r.step = step;
     std::map<std::string, NDArray> synced;
@@ -632,7 +632,7 @@ std::vector<StepRecord> DistTrainer::run() {
       double loss = 0;
       accumulate_schedule(raw, loss, normalizer);
       rt_->graph->wait_sends(world_);
-      activations = allocator_for(Device::cpu()).peak_bytes() - held;
+      activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
       r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0,
                                  world_);
       post0 = clock_ ? clock_->now() : 0;
@@ -670,7 +670,7 @@ std::vector<StepRecord> DistTrainer::run() {
     mine.op_predicted = graph.ledger().op_predicted;
     mine.clock_ns = clock_ ? ns(clock_->now()) : 0;
     mine.compute_ns = clock_ ? ns(clock_->compute_s()) : 0;
-    mine.peak_bytes = static_cast<int64_t>(allocator_for(Device::cpu()).peak_bytes());
+    mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
     mine.activation_bytes = static_cast<int64_t>(activations);
     fill_record(gather_metrics(mine, world_), r);
     r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -149,7 +149,7 @@ StageRun StageProbe::run(int64_t s, int64_t b, bool recompute) {
   HSPMD_CHECK(s <= m.max_seq_len, "probe sequence ", s, " beyond its plan's ", m.max_seq_len);
   const ValueMap values = m.feeds(s, b);
   m.graph->set_recompute(recompute);
-  Allocator& alloc = allocator_for(Device::cpu());
+  Allocator& alloc = allocator_for(m.graph->device());
   StageRun r;
   const auto held = static_cast<int64_t>(alloc.current_bytes());
   m.sink = &r.fwd_ops;

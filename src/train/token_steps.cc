@@ -180,7 +180,7 @@ double DistTrainer::run_buckets(int64_t step, float normalizer, std::ofstream& l
     accumulate_schedule(raw, loss, normalizer);
     ExecGraph& graph = *rt_->graph;
     graph.wait_sends(world_);
-    activations = std::max(activations, allocator_for(Device::cpu()).peak_bytes() - held);
+    activations = std::max(activations, allocator_for(graph.device()).peak_bytes() - held);
     loss_total += all_reduce_scalar(is_representative(graph.loss_annotation(), world_.rank()) ? loss : 0.0, world_);
     std::map<std::string, NDArray> now = graph.sync_gradients(raw, world_);
     for (const std::string& name : graph.model().names) {  // the same order on every rank
@@ -193,7 +193,7 @@ double DistTrainer::run_buckets(int64_t step, float normalizer, std::ofstream& l
       }
       auto g = now.find(name);
       if (g != now.end()) {
-        if (sum.valid()) kernels::accumulate(g->second, sum);
+        if (sum.valid()) kernels::accumulate(graph.stream(), g->second, sum);
         else sum = g->second;
       }
       if (sum.valid()) synced[name] = sum;

@@ -87,6 +87,13 @@ Shard& TrainingState::optimized(const std::string& param) {
   return slot(param, zero(param) ? StateSlot::kMaster : StateSlot::kParam);
 }
 
+Device TrainingState::device() const {
+  for (const auto& [name, slots] : params_)
+    for (const Shard& s : slots)
+      if (s.held()) return s.data.device();
+  return Device::cpu();
+}
+
 int64_t TrainingState::bytes() const {
   int64_t n = 0;
   for (const auto& [name, slots] : params_)
@@ -262,7 +269,7 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
                                         CheckpointReader* checkpoint, VirtualClock* clock,
                                         SwitchReport* report) && {
   const auto t0 = std::chrono::steady_clock::now();
-  Allocator& alloc = allocator_for(Device::cpu());
+  Allocator& alloc = allocator_for(device());
   const int64_t before = static_cast<int64_t>(alloc.current_bytes());
   alloc.reset_peak();
   TrainingState next(std::move(to), rank_);

@@ -78,6 +78,7 @@ TEST(RunNodes, ReleasesAfterTheLastCountedRead) {
   runner.leaf = [](const Node&) { return std::vector<NDArray>{NDArray::from_vector({2}, {1, 2})}; };
   runner.compute = [](const Node& n, const std::vector<NDArray>& inputs) {
     OpContext ctx;
+    ctx.stream = &default_stream(Device::cpu());
     ctx.out_shapes = {{2}};
     ctx.out_dtypes = {DType::F32};
     return run_op(n, ctx, inputs);

@@ -17,6 +17,9 @@
 namespace hspmd {
 namespace {
 
+// The stream the kernels here run on.
+Stream& cpu_stream() { return default_stream(Device::cpu()); }
+
 using kernels::GemmCompute;
 using kernels::GemmF32Backend;
 
@@ -101,7 +104,7 @@ TEST(GemmBf16, MatchesRoundedReferenceForEveryTranspositionAndShape) {
           auto [sa, sb] = operand_shapes(d.m, d.n, d.k, ta, tb);
           NDArray a = random_f32(sa, seed++), b = random_f32(sb, seed++);
           NDArray out = NDArray::empty({d.m, d.n}, out_dtype);
-          kernels::matmul(a, b, ta, tb, out, GemmCompute::kBF16);
+          kernels::matmul(cpu_stream(), a, b, ta, tb, out, GemmCompute::kBF16);
           expect_close(out, reference(a, b, ta, tb, true), 1e-5,
                        std::to_string(d.m) + "x" + std::to_string(d.n) + "x" +
                            std::to_string(d.k) + " ta=" + std::to_string(ta) +
@@ -125,7 +128,7 @@ TEST(GemmBf16, MixedOperandDtypesComputeInBf16) {
         if (db == DType::BF16) b = b.to(DType::BF16);
         for (DType out_dtype : {DType::F32, DType::BF16}) {
           NDArray out = NDArray::empty({d.m, d.n}, out_dtype);
-          kernels::matmul(a, b, ta, tb, out);  // compute defaults to kF32
+          kernels::matmul(cpu_stream(), a, b, ta, tb, out);  // compute defaults to kF32
           expect_close(out, reference(a, b, ta, tb, true), 1e-5,
                        std::string(dtype_name(da)) + " x " + dtype_name(db) + " -> " +
                            dtype_name(out_dtype) + " ta=" + std::to_string(ta) +
@@ -139,7 +142,7 @@ TEST(GemmBf16, FlattensLeadingDimsOfA) {
   GemmSettings settings;
   NDArray a = random_f32({2, 3, 8}, 7).to(DType::BF16), b = random_f32({8, 5}, 8);
   NDArray out = NDArray::empty({2, 3, 5}, DType::F32);
-  kernels::matmul(a, b, false, false, out);
+  kernels::matmul(cpu_stream(), a, b, false, false, out);
   expect_close(out, reference(a, b, false, false, true), 1e-5, "[2,3,8] x [8,5]");
 }
 
@@ -150,12 +153,12 @@ TEST(GemmBf16, EmptyDims) {
     // m = 0: nothing to write.
     NDArray a = NDArray::empty({0, 4}, DType::BF16), b = random_f32({4, 3}, 1);
     NDArray out = NDArray::empty({0, 3}, DType::BF16);
-    kernels::matmul(a, b, false, false, out);
+    kernels::matmul(cpu_stream(), a, b, false, false, out);
     // k = 0 (a weight gradient over no tokens: [0, 3]^T · [0, 2]): zeros.
     NDArray a0 = NDArray::empty({0, 3}, DType::BF16), b0 = NDArray::empty({0, 2}, DType::F32);
     NDArray out0 = NDArray::empty({3, 2}, DType::BF16);
     out0.fill(5.0f);
-    kernels::matmul(a0, b0, true, false, out0, GemmCompute::kBF16);
+    kernels::matmul(cpu_stream(), a0, b0, true, false, out0, GemmCompute::kBF16);
     for (float v : out0.to_vector()) EXPECT_EQ(v, 0.0f);
   }
 }
@@ -169,11 +172,11 @@ TEST(GemmBf16, SameShapeTwiceGivesSameResult) {
     NDArray a = random_f32(sa, 20), b = random_f32(sb, 21);
     NDArray first = NDArray::empty({33, 65}, DType::F32);
     NDArray second = NDArray::empty({33, 65}, DType::F32);
-    kernels::matmul(a, b, ta, true, first, GemmCompute::kBF16);
-    kernels::matmul(a, b, ta, true, second, GemmCompute::kBF16);
+    kernels::matmul(cpu_stream(), a, b, ta, true, first, GemmCompute::kBF16);
+    kernels::matmul(cpu_stream(), a, b, ta, true, second, GemmCompute::kBF16);
     EXPECT_EQ(std::memcmp(first.raw_data(), second.raw_data(), first.nbytes()), 0);
     NDArray c = random_f32(sa, 22);
-    kernels::matmul(c, b, ta, true, second, GemmCompute::kBF16);
+    kernels::matmul(cpu_stream(), c, b, ta, true, second, GemmCompute::kBF16);
     expect_close(second, reference(c, b, ta, true, true), 1e-5, "new data, cached shape");
   }
 }
@@ -194,10 +197,10 @@ TEST(GemmBf16, ForcedEmulationMatchesDefaultPath) {
           NDArray by_default = NDArray::empty({d.m, d.n}, DType::F32);
           NDArray emulated = NDArray::empty({d.m, d.n}, DType::F32);
           kernels::set_bf16_gemm_emulation(false);
-          kernels::matmul(a, b, ta, tb, by_default, GemmCompute::kBF16);
+          kernels::matmul(cpu_stream(), a, b, ta, tb, by_default, GemmCompute::kBF16);
           kernels::set_bf16_gemm_emulation(true);
           EXPECT_TRUE(kernels::bf16_gemm_emulated());
-          kernels::matmul(a, b, ta, tb, emulated, GemmCompute::kBF16);
+          kernels::matmul(cpu_stream(), a, b, ta, tb, emulated, GemmCompute::kBF16);
           const Reference ref = reference(a, b, ta, tb, true);
           expect_close(emulated, ref, 1e-5, "emulated");
           const std::vector<float> x = by_default.to_vector(), y = emulated.to_vector();
@@ -220,12 +223,12 @@ TEST(GemmF32, BothBackendsMatchUnroundedReference) {
         for (GemmF32Backend backend : {GemmF32Backend::kOpenBLAS, GemmF32Backend::kOneDNN}) {
           if (!kernels::set_f32_gemm_backend(backend)) continue;  // no oneDNN in this build
           NDArray out = NDArray::empty({d.m, d.n}, DType::F32);
-          kernels::matmul(a, b, ta, tb, out);
+          kernels::matmul(cpu_stream(), a, b, ta, tb, out);
           expect_close(out, ref, 1e-5,
                        std::string(backend == GemmF32Backend::kOneDNN ? "oneDNN" : "OpenBLAS") +
                            " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb));
           NDArray out16 = NDArray::empty({d.m, d.n}, DType::BF16);  // fp32 product, bf16 store
-          kernels::matmul(a, b, ta, tb, out16);
+          kernels::matmul(cpu_stream(), a, b, ta, tb, out16);
           expect_close(out16, ref, 1e-5, "f32 -> bf16 output");
         }
       }
@@ -238,11 +241,11 @@ TEST(GemmF32, ComputeKindChangesOnlyBf16) {
   const float x = 1.0f + std::ldexp(1.0f, -12);  // not a bf16 value
   NDArray a = NDArray::from_vector({1, 1}, {x}), b = NDArray::from_vector({1, 1}, {1.0f});
   NDArray out = NDArray::empty({1, 1}, DType::F32);
-  kernels::matmul(a, b, false, false, out);
+  kernels::matmul(cpu_stream(), a, b, false, false, out);
   EXPECT_EQ(out.to_vector()[0], x);
   for (bool emulate : {false, true}) {
     kernels::set_bf16_gemm_emulation(emulate);
-    kernels::matmul(a, b, false, false, out, GemmCompute::kBF16);
+    kernels::matmul(cpu_stream(), a, b, false, false, out, GemmCompute::kBF16);
     EXPECT_EQ(out.to_vector()[0], 1.0f);
   }
 }
@@ -256,7 +259,7 @@ TEST(GemmBf16, ThreadCountsShareNoPrimitive) {
   for (int threads : {1, 2, 1}) {
     set_num_threads(threads);
     NDArray out = NDArray::empty({96, 72}, DType::F32);
-    kernels::matmul(a, b, false, false, out, GemmCompute::kBF16);
+    kernels::matmul(cpu_stream(), a, b, false, false, out, GemmCompute::kBF16);
     expect_close(out, ref, 1e-5, "threads " + std::to_string(threads));
   }
   set_num_threads(before);
@@ -279,7 +282,7 @@ TEST(GemmBackends, DescriptionNamesTheBackends) {
 TEST(GemmBackends, RejectsIntegerDtypes) {
   NDArray a = NDArray::zeros({2, 2}, DType::I32), b = random_f32({2, 2}, 1);
   NDArray out = NDArray::empty({2, 2}, DType::F32);
-  EXPECT_NE(testing::error_of([&] { kernels::matmul(a, b, false, false, out); })
+  EXPECT_NE(testing::error_of([&] { kernels::matmul(cpu_stream(), a, b, false, false, out); })
                 .find("must be f32 or bf16"),
             std::string::npos);
 }

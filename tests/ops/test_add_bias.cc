@@ -12,6 +12,9 @@
 namespace hspmd {
 namespace {
 
+// The stream the kernels here run on.
+Stream& cpu_stream() { return default_stream(Device::cpu()); }
+
 using testing::expect_gradients_match;
 using testing::random_array;
 
@@ -94,7 +97,7 @@ TEST(AddBias, BiasGradientBitsDoNotDependOnTheThreadCount) {
     for (int threads : {1, 2, 3, 4}) {
       set_num_threads(threads);
       NDArray db = NDArray::empty({shape.back()}, DType::F32);
-      kernels::bias_grad(dy, db);
+      kernels::bias_grad(cpu_stream(), dy, db);
       results.push_back(db.to_vector());
     }
     for (size_t k = 1; k < results.size(); ++k)
@@ -106,7 +109,7 @@ TEST(AddBias, BiasGradientBitsDoNotDependOnTheThreadCount) {
 TEST(AddBias, EmptyRowsGiveAZeroBiasGradient) {
   NDArray dy = NDArray::empty({0, 5}, DType::F32);
   NDArray db = NDArray::empty({5}, DType::F32);
-  kernels::bias_grad(dy, db);
+  kernels::bias_grad(cpu_stream(), dy, db);
   EXPECT_EQ(db.to_vector(), std::vector<float>(5, 0.0f));
 }
 

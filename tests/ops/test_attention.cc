@@ -16,6 +16,9 @@
 namespace hspmd {
 namespace {
 
+// The stream the kernels here run on.
+Stream& cpu_stream() { return default_stream(Device::cpu()); }
+
 using kernels::AttentionTiles;
 using testing::expect_gradients_match;
 using testing::random_array;
@@ -505,12 +508,13 @@ std::vector<NDArray> whole_attention(const Inputs& x, const NDArray& pos, const 
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
   NDArray out = NDArray::empty(x.q.shape(), DType::F32);
   NDArray lse = NDArray::empty({x.q.dim(0), x.q.dim(2), x.q.dim(1)}, DType::F32);
-  kernels::attention_forward(x.q, x.k, x.v, pos, scale, out, lse, tiles, products, window);
+  kernels::attention_forward(cpu_stream(), x.q, x.k, x.v, pos, scale, out, lse, tiles, products,
+                             window);
   NDArray dq = NDArray::empty(x.q.shape(), DType::F32);
   NDArray dk = NDArray::empty(x.k.shape(), DType::F32);
   NDArray dv = NDArray::empty(x.k.shape(), DType::F32);
-  kernels::attention_backward(x.q, x.k, x.v, out, lse, dout, pos, scale, dq, dk, dv, tiles,
-                              products, window);
+  kernels::attention_backward(cpu_stream(), x.q, x.k, x.v, out, lse, dout, pos, scale, dq, dk, dv,
+                              tiles, products, window);
   return {out, lse, dq, dk, dv};
 }
 
@@ -549,20 +553,20 @@ int check_zigzag_blocks(DType products, double tol, int n = 3, int64_t window = 
     for (int r = 0; r < z.n; ++r) {
       const kernels::AttentionBlock blk{q, rows[c], start, k[r], v[r], rows[r], 0.3f, products,
                                         window};
-      kernels::attention_block_forward(blk, ob, lb, tiles);
+      kernels::attention_block_forward(cpu_stream(), blk, ob, lb, tiles);
       if (kernels::attention_block_hidden(blk)) {  // what the ring skips adds nothing
         ++hidden;
         for (float e : lb.to_vector()) EXPECT_EQ(e, -std::numeric_limits<float>::infinity());
       }
-      kernels::attention_merge(o, l, ob, lb);
+      kernels::attention_merge(cpu_stream(), o, l, ob, lb);
     }
     expect_close(o, as_double(z.take(want[0], c, 1)), tol, "out" + rank);
     expect_close(l, as_double(z.take(want[1], c, 2)), tol, "lse" + rank);
     NDArray delta = NDArray::empty(l.shape(), DType::F32);
     NDArray dq = NDArray::zeros(q.shape(), DType::F32);
-    kernels::attention_row_dots(o, go, delta);
+    kernels::attention_row_dots(cpu_stream(), o, go, delta);
     for (int r = 0; r < z.n; ++r)
-      kernels::attention_block_backward(
+      kernels::attention_block_backward(cpu_stream(),
           {q, rows[c], start, k[r], v[r], rows[r], 0.3f, products, window}, go, l, delta, dq,
           dk[r], dv[r], tiles);
     expect_close(dq, as_double(z.take(want[2], c, 1)), 5 * tol, "dq" + rank);
@@ -983,7 +987,7 @@ TEST(AttentionWindow, MergeOfHiddenRowsKeepsValues) {
   NDArray lse = NDArray::from_vector({1, 1, 3}, {0.5f, 0.25f, -inf});
   const NDArray ob = NDArray::from_vector({1, 3, 1, 2}, {7, 7, 5, 6, 9, 9});
   const NDArray lb = NDArray::from_vector({1, 1, 3}, {-inf, 0.25f, -inf});
-  kernels::attention_merge(out, lse, ob, lb);
+  kernels::attention_merge(cpu_stream(), out, lse, ob, lb);
   const std::vector<float> o = out.to_vector(), l = lse.to_vector();
   EXPECT_EQ(o[0], 1.0f);
   EXPECT_EQ(o[1], 2.0f);
@@ -1009,7 +1013,7 @@ TEST(AttentionWindow, NegativeWindowIsAnError) {
   EXPECT_EQ(msg.rfind("[attention] window: ", 0), 0u) << "'" << msg << "'";
   const Inputs x = random_inputs({1, 4, 2, 1, 4}, 115);
   NDArray out = NDArray::empty(x.q.shape(), DType::F32), lse = NDArray::empty({1, 2, 4}, DType::F32);
-  EXPECT_THROW(kernels::attention_forward(x.q, x.k, x.v, NDArray(), 1.0f, out, lse,
+  EXPECT_THROW(kernels::attention_forward(cpu_stream(), x.q, x.k, x.v, NDArray(), 1.0f, out, lse,
                                           kernels::attention_tiles(), DType::F32, -3),
                Error);
 }

@@ -5,6 +5,9 @@
 namespace hspmd {
 namespace {
 
+// The stream the kernels here run on.
+Stream& cpu_stream() { return default_stream(Device::cpu()); }
+
 using testing::expect_gradients_match;
 using testing::random_array;
 
@@ -91,7 +94,8 @@ TEST(CrossEntropy, ShardOfPaddingOnly) {
   NDArray shard_lse = NDArray::empty({2, 2}, DType::F32), picked = NDArray::zeros({2}, DType::F32);
   for (int s = 0; s < 2; ++s) {
     NDArray lse = NDArray::empty({2}, DType::F32), tl = NDArray::empty({2}, DType::F32);
-    kernels::cross_entropy_shard_stats(logits.slice(1, 4 * s, 4 * s + 4).contiguous(), targets, 4 * s, 8,
+    kernels::cross_entropy_shard_stats(cpu_stream(), logits.slice(1, 4 * s,
+                                       4 * s + 4).contiguous(), targets, 4 * s, 8,
                                        -100, lse, tl, 5);
     for (int r = 0; r < 2; ++r) {
       shard_lse.data<float>()[s * 2 + r] = lse.data<float>()[r];
@@ -99,7 +103,7 @@ TEST(CrossEntropy, ShardOfPaddingOnly) {
     }
   }
   NDArray loss = NDArray::empty({}, DType::F32), lse = NDArray::empty({2}, DType::F32);
-  kernels::cross_entropy_combine(shard_lse, picked, targets, norm, -100, loss, lse);
+  kernels::cross_entropy_combine(cpu_stream(), shard_lse, picked, targets, norm, -100, loss, lse);
   EXPECT_NEAR(loss.data<float>()[0], reference_loss(logits.slice(1, 0, 5).contiguous(), t, 2.0, -100), 1e-5);
 }
 

@@ -19,6 +19,7 @@ inline std::vector<NDArray> run_op(const Node& node, const std::vector<NDArray>&
                                    const std::vector<Shape>& out_shapes,
                                    const ShardContext* shard = nullptr) {
   OpContext ctx;
+  ctx.stream = &default_stream(Device::cpu());
   ctx.out_shapes = out_shapes;
   for (const TensorMeta& m : node.outputs) ctx.out_dtypes.push_back(m.dtype);
   ctx.device = Device::cpu();

@@ -1,13 +1,15 @@
-// Devices and their allocators.
+// Devices, their allocators and streams.
 //
 // A Device names where memory lives and kernels run. Only the CPU backend is
-// built today; a CUDA device (with streams) slots in behind the same
-// Allocator interface and the kernel dispatch in src/kernels/, without any
-// change to op files.
+// built today; a CUDA device slots in behind the same Allocator and Stream
+// interfaces and the kernel dispatch in src/kernels/, without any change to
+// op files.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace hspmd {
@@ -47,5 +49,53 @@ class Allocator {
 // The process-wide allocator of a device. Throws hspmd::Error when the
 // device type has no backend in this build.
 Allocator& allocator_for(Device device);
+
+// An ordered queue of work on one device: every kernel takes the stream it
+// runs on (src/kernels/*.h), and work issued to one stream runs in issue
+// order. On the CPU, kernels run inline in the calling thread, so a CPU
+// stream's work is done when the kernel returns and synchronize() returns at
+// once. A backend with asynchronous queues derives from Stream (CUDA: one
+// wrapping a cudaStream_t, returned by native_handle()). Not copyable: code
+// holds streams by reference.
+class Stream {
+ public:
+  Stream(Device device, int id) : device_(device), id_(id) {}
+  virtual ~Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  Device device() const { return device_; }
+  int id() const { return id_; }  // 0: the device's default stream
+  // Waits until all work issued to this stream has finished (CPU: no-op).
+  virtual void synchronize() {}
+  // The backend's queue handle (a cudaStream_t for CUDA); nullptr on the CPU.
+  virtual void* native_handle() const { return nullptr; }
+
+ private:
+  Device device_;
+  int id_ = 0;
+};
+
+// The process-wide default stream (id 0) of a device, where ops run unless
+// told otherwise. Throws hspmd::Error when the device type has no backend in
+// this build.
+Stream& default_stream(Device device);
+
+// A point in a stream's work, for waiting and timing. CPU: record()
+// synchronizes the stream and takes a timestamp (steady clock).
+class Event {
+ public:
+  // Marks the point after the work issued to `stream` so far.
+  void record(Stream& stream);
+  bool recorded() const { return stream_ != nullptr; }
+  // Waits until the work before the recorded point has finished.
+  void synchronize() const;
+  // Milliseconds from `start`'s point to this one; both must be recorded.
+  double elapsed_ms(const Event& start) const;
+
+ private:
+  Stream* stream_ = nullptr;
+  std::chrono::steady_clock::time_point at_{};
+};
 
 }  // namespace hspmd

@@ -45,10 +45,13 @@ class ExecGraph {
   // resolver's errors.
   // The graph shares ownership of `plan` and `topology`: graphs of several
   // plans may live at once (a plan switch builds the next beside the last).
+  // `device`: where this rank's ops run and allocate (their OpContext's
+  // device, its default stream); CPU is the only one built today.
   ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr<const Topology> topology, int rank,
-            Bindings bindings);
+            Bindings bindings, Device device = Device::cpu());
   // Copies `plan` and `topology`.
-  ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank, Bindings bindings);
+  ExecGraph(const AnnotationPlan& plan, const Topology& topology, int rank, Bindings bindings,
+            Device device = Device::cpu());
   ~ExecGraph();
   ExecGraph(const ExecGraph&) = delete;  // its ops' contexts point into it
   ExecGraph& operator=(const ExecGraph&) = delete;
@@ -58,6 +61,10 @@ class ExecGraph {
   const Topology& topology() const { return *topology_; }
   const ModelGraph& model() const { return model_; }
   const Bindings& bindings() const { return bindings_; }  // the constructor's
+  // Where this rank's ops run: their device and its default stream (the
+  // device's allocator measures the rank's memory).
+  Device device() const { return device_; }
+  Stream& stream() const { return default_stream(device_); }
   // The annotation of a leaf, a named Reshard output or a parameter gradient
   // after gradient sync ("grad.<param>").
   const Annotation& annotation(const std::string& name) const;
@@ -232,6 +239,7 @@ class ExecGraph {
   std::shared_ptr<const Topology> topology_;
   int rank_;
   Bindings bindings_;
+  Device device_;
   AnnotatedTraining training_;
   const ModelGraph& model_ = training_.model;
   const AnnotatedGraph* annotated_ = nullptr;

@@ -54,6 +54,9 @@ struct OpContext {
   std::vector<Shape> out_shapes;
   std::vector<DType> out_dtypes;
   Device device;
+  // The stream the op's kernels run on (a stream of `device`): never null
+  // when an op computes; the executors set their device's default stream.
+  Stream* stream = nullptr;
   const Bindings* bindings = nullptr;
   const ShardContext* shard = nullptr;
 

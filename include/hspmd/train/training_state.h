@@ -67,6 +67,9 @@ class TrainingState {
   bool zero(const std::string& param) const { return plan_->optimizer_states.count(param) > 0; }
   // Bytes of every array this rank holds.
   int64_t bytes() const;
+  // The device its arrays live on (that of the first array it holds; CPU
+  // when it holds none).
+  Device device() const;
 
   int64_t step = 0;        // optimizer steps taken (Adam's bias-correction count)
   int64_t samples = 0;     // data cursor: samples the steps so far consumed

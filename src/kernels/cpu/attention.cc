@@ -13,6 +13,7 @@
 
 #include "attention_tile.h"
 #include "hspmd/core/error.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
 namespace hspmd::kernels {
@@ -66,7 +67,7 @@ struct Problem {
 
 // Validates cu_seqlens against its contract (see attention.h).
 void check_cu_seqlens(const NDArray& cu, int64_t total) {
-  require_backend("attention", cu);
+  cpu::require_contiguous("attention", cu);
   if (cu.dtype() != DType::I32 || cu.ndim() != 1)
     fail("[attention] cu_seqlens: must be a 1-D i32 array");
   const int32_t* c = cu.data<int32_t>();
@@ -138,7 +139,7 @@ Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t t
 // The problem without its derived buffers (start, kt, vt), which the caller owns.
 Problem make_problem(const NDArray& q, const NDArray& k, const NDArray& v, float scale,
                      AttentionTiles tiles, DType products, int64_t window) {
-  for (const NDArray* a : {&q, &k, &v}) require_backend("attention", *a);
+  for (const NDArray* a : {&q, &k, &v}) cpu::require_contiguous("attention", *a);
   check_window(window);
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape(), "attention: ranks");
   Problem p{.B = q.dim(0), .S = q.dim(1), .Hq = q.dim(2), .Hkv = k.dim(2), .D = q.dim(3),
@@ -324,8 +325,11 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
 
 }  // namespace
 
+// A host helper (no stream): it reads positions in host memory.
 std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first) {
-  require_backend("attention", positions);
+  if (positions.device().type != DeviceType::CPU)
+    no_kernel("document_starts_from_positions", positions.device());
+  cpu::require_contiguous("attention", positions);
   if (positions.dtype() != DType::I32 || positions.ndim() != 2)
     fail("[attention] document positions: must be a 2-D i32 array [B, S]");
   const NDArray pos = positions.contiguous();
@@ -350,9 +354,9 @@ void set_attention_tiles(AttentionTiles tiles) {
   g_tile_k = tiles.k;
 }
 
-void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
-                       const NDArray& documents, float scale, NDArray& out, NDArray& lse,
-                       AttentionTiles tiles, DType products, int64_t window) {
+void cpu::attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
+                            const NDArray& documents, float scale, NDArray& out, NDArray& lse,
+                            AttentionTiles tiles, DType products, int64_t window) {
   Problem p = make_problem(q, k, v, scale, tiles, products, window);
   const Starts starts = document_starts(documents, p.B, p.S, tiles.q, window);
   std::vector<float> kt;
@@ -387,12 +391,13 @@ void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
   }
 }
 
-void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
-                        const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
-                        float scale, NDArray& dq, NDArray& dk, NDArray& dv,
-                        AttentionTiles tiles, DType products, int64_t window) {
+void cpu::attention_backward(const NDArray& q, const NDArray& k, const NDArray& v,
+                             const NDArray& out,
+                             const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
+                             float scale, NDArray& dq, NDArray& dk, NDArray& dv,
+                             AttentionTiles tiles, DType products, int64_t window) {
   Problem p = make_problem(q, k, v, scale, tiles, products, window);
-  for (const NDArray* a : {&out, &lse, &grad_out}) require_backend("attention_grad", *a);
+  for (const NDArray* a : {&out, &lse, &grad_out}) cpu::require_contiguous("attention_grad", *a);
   const Starts starts = document_starts(documents, p.B, p.S, tiles.q, window);
   std::vector<float> kt, vt;
   std::vector<uint16_t> q_rows, q_cols, k_d, k_s, v_d, dout_rows, dout_cols;

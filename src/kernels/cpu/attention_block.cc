@@ -14,6 +14,7 @@
 #include "attention_tile.h"
 #include "hspmd/core/error.h"
 #include "kernels/attention.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
 namespace hspmd::kernels {
@@ -87,7 +88,7 @@ struct BlockProblem {
 };
 
 BlockProblem make_block_problem(const AttentionBlock& blk, AttentionTiles tiles, bool backward) {
-  for (const NDArray* a : {&blk.q, &blk.k, &blk.v}) require_backend("attention", *a);
+  for (const NDArray* a : {&blk.q, &blk.k, &blk.v}) cpu::require_contiguous("attention", *a);
   const NDArray &q = blk.q, &k = blk.k;
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.shape() == blk.v.shape() && q.is_contiguous() &&
                   k.is_contiguous() && blk.v.is_contiguous(),
@@ -326,8 +327,8 @@ bool attention_block_hidden(const AttentionBlock& blk) {
   return true;
 }
 
-void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
-                             AttentionTiles tiles) {
+void cpu::attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
+                                  AttentionTiles tiles) {
   if (blk.window > 0 && attention_block_hidden(blk)) {  // nothing to compute or pack
     HSPMD_CHECK(out_blk.shape() == blk.q.shape() &&
                     lse_blk.numel() == blk.q.dim(0) * blk.q.dim(2) * blk.q.dim(1),
@@ -353,7 +354,8 @@ void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArra
   }
 }
 
-void attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk, const NDArray& lse_blk) {
+void cpu::attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk,
+                          const NDArray& lse_blk) {
   HSPMD_CHECK(out.ndim() == 4 && out.shape() == out_blk.shape() && lse.shape() == lse_blk.shape() &&
                   lse.numel() == out.dim(0) * out.dim(2) * out.dim(1),
               "attention merge: shapes");
@@ -385,7 +387,8 @@ inline float bf16_value(float x) {
 }
 }  // namespace
 
-void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta, bool bf16_grad) {
+void cpu::attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta,
+                             bool bf16_grad) {
   HSPMD_CHECK(out.ndim() == 4 && grad_out.shape() == out.shape() &&
                   delta.numel() == out.dim(0) * out.dim(1) * out.dim(2),
               "attention row dots: shapes");
@@ -408,9 +411,9 @@ void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& de
   }
 }
 
-void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
-                              const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
-                              NDArray& dv, AttentionTiles tiles) {
+void cpu::attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
+                                   const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
+                                   NDArray& dv, AttentionTiles tiles) {
   if (blk.window > 0 && attention_block_hidden(blk)) return;  // adds nothing
   const BlockProblem p = make_block_problem(blk, tiles, true);
   HSPMD_CHECK(grad_out.shape() == blk.q.shape() && lse.numel() == p.B * p.Hq * p.Sq &&

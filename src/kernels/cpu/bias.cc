@@ -5,9 +5,10 @@
 #include <vector>
 
 #include "hspmd/core/error.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -20,8 +21,8 @@ constexpr int64_t kRowChunk = 512;
 }  // namespace
 
 void add_bias(const NDArray& x, const NDArray& bias, NDArray& out) {
-  require_backend("add_bias", x);
-  require_backend("add_bias", bias);
+  require_contiguous("add_bias", x);
+  require_contiguous("add_bias", bias);
   const int64_t n = bias.numel(), rows = n == 0 ? 0 : x.numel() / n;
   HSPMD_CHECK(x.ndim() >= 1 && x.dim(-1) == n && out.numel() == x.numel(), "add_bias: sizes");
   const float* px = x.data<float>();
@@ -37,7 +38,7 @@ void add_bias(const NDArray& x, const NDArray& bias, NDArray& out) {
 }
 
 void bias_grad(const NDArray& dy, NDArray& dbias) {
-  require_backend("bias_grad", dy);
+  require_contiguous("bias_grad", dy);
   const int64_t n = dbias.numel(), rows = n == 0 ? 0 : dy.numel() / n;
   HSPMD_CHECK(dy.ndim() >= 1 && dy.dim(-1) == n, "bias_grad: sizes");
   const float* g = dy.data<float>();
@@ -69,4 +70,4 @@ void bias_grad(const NDArray& dy, NDArray& dbias) {
   }
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

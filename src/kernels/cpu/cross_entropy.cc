@@ -9,10 +9,11 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 #include "vec_math.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -44,8 +45,8 @@ int64_t class_columns(int64_t v, int64_t begin, int64_t classes) {
 
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
                    int ignore_index, NDArray& loss, NDArray& lse, int64_t classes) {
-  require_backend("cross_entropy", logits);
-  require_backend("cross_entropy", targets);
+  require_contiguous("cross_entropy", logits);
+  require_contiguous("cross_entropy", targets);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && loss.numel() == 1, "cross_entropy: sizes");
   const int64_t n = class_columns(v, 0, classes);
@@ -72,8 +73,8 @@ void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray&
 void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
                                int64_t vocab_begin, int64_t vocab_size, int ignore_index,
                                NDArray& local_lse, NDArray& target_logit, int64_t classes) {
-  require_backend("cross_entropy", logits);
-  require_backend("cross_entropy", targets);
+  require_contiguous("cross_entropy", logits);
+  require_contiguous("cross_entropy", targets);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && local_lse.numel() == rows &&
                   target_logit.numel() == rows,
@@ -106,7 +107,7 @@ void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,
 void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit,
                            const NDArray& targets, const NDArray& normalizer, int ignore_index,
                            NDArray& loss, NDArray& lse) {
-  require_backend("cross_entropy", shard_lse);
+  require_contiguous("cross_entropy", shard_lse);
   const int64_t rows = targets.numel(), shards = shard_lse.dim(0);
   HSPMD_CHECK(shard_lse.numel() == shards * rows && target_logit.numel() == rows &&
                   lse.numel() == rows && loss.numel() == 1,
@@ -133,7 +134,7 @@ void cross_entropy_combine(const NDArray& shard_lse, const NDArray& target_logit
 void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
                             int64_t vocab_begin, NDArray& dlogits, int64_t classes) {
-  require_backend("cross_entropy_backward", logits);
+  require_contiguous("cross_entropy_backward", logits);
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v,
               "cross_entropy_backward: sizes");
@@ -157,4 +158,4 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
   }
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

@@ -1,11 +1,10 @@
 #include "hspmd/core/error.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
-void require_backend(const char* kernel, const NDArray& a) {
-  if (a.device().type != DeviceType::CPU)
-    fail("[", kernel, "] no ", a.device().str(), " kernel in this build");
+void require_contiguous(const char* kernel, const NDArray& a) {
   HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
 }
 
@@ -13,7 +12,7 @@ namespace {
 
 template <typename F>
 void binary(const char* name, const NDArray& a, const NDArray& b, NDArray& out, F f) {
-  require_backend(name, a);
+  require_contiguous(name, a);
   HSPMD_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), name, ": sizes differ");
   const float* pa = a.data<float>();
   const float* pb = b.data<float>();
@@ -41,4 +40,4 @@ void accumulate(const NDArray& a, NDArray& out) {
   binary("accumulate", a, out, out, [](float x, float y) { return x + y; });
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

@@ -4,9 +4,10 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -23,8 +24,8 @@ void check_ids(const NDArray& ids, int64_t vocab) {
 
 void embedding(const NDArray& weight, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
                NDArray& out) {
-  require_backend("embedding", weight);
-  require_backend("embedding", ids);
+  require_contiguous("embedding", weight);
+  require_contiguous("embedding", ids);
   const int64_t rows = weight.dim(0), hidden = weight.dim(1), tokens = ids.numel();
   HSPMD_CHECK(out.numel() == tokens * hidden, "embedding: output size");
   HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + rows <= vocab_size, "embedding: vocab range");
@@ -44,7 +45,7 @@ void embedding(const NDArray& weight, const NDArray& ids, int64_t vocab_begin, i
 
 void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
                         int64_t vocab_size, NDArray& dweight) {
-  require_backend("embedding_backward", grad);
+  require_contiguous("embedding_backward", grad);
   const int64_t rows = dweight.dim(0), hidden = dweight.dim(1), tokens = ids.numel();
   HSPMD_CHECK(grad.numel() == tokens * hidden, "embedding_backward: grad size");
   HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + rows <= vocab_size,
@@ -71,4 +72,4 @@ void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_b
   }
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

@@ -23,6 +23,7 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
 #ifdef HSPMD_HAVE_DNNL
@@ -277,11 +278,11 @@ bool float_dtype(DType t) { return t == DType::F32 || t == DType::BF16; }
 
 }  // namespace
 
-void matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute) {
-  require_backend("matmul", a);
-  require_backend("matmul", b);
-  require_backend("matmul", out);
+void cpu::matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+                 GemmCompute compute) {
+  cpu::require_contiguous("matmul", a);
+  cpu::require_contiguous("matmul", b);
+  cpu::require_contiguous("matmul", out);
   HSPMD_CHECK(a.ndim() >= 1 && b.ndim() == 2, "matmul: ranks ", a.ndim(), ", ", b.ndim());
   if (!float_dtype(a.dtype()) || !float_dtype(b.dtype()) || !float_dtype(out.dtype()))
     fail("[matmul] dtypes ", dtype_name(a.dtype()), ", ", dtype_name(b.dtype()), " -> ",

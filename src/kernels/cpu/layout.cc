@@ -5,9 +5,10 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -38,7 +39,7 @@ void transpose_tile(const T* src, int64_t src_row, T* dst, int64_t dst_row, int6
 }  // namespace
 
 void transpose(const NDArray& a, int d0, int d1, NDArray& out) {
-  require_backend("transpose", a);
+  require_contiguous("transpose", a);
   const int n = a.ndim();
   if (d0 > d1) std::swap(d0, d1);
   HSPMD_CHECK(0 <= d0 && d1 < n && out.numel() == a.numel(), "transpose: bad dims");
@@ -74,7 +75,7 @@ void transpose(const NDArray& a, int d0, int d1, NDArray& out) {
 }
 
 void slice(const NDArray& a, int axis, int64_t begin, NDArray& out) {
-  require_backend("slice", a);
+  require_contiguous("slice", a);
   const Shape& s = a.shape();
   const int64_t outer = dims_product(s, 0, axis), inner = dims_product(s, axis + 1, a.ndim());
   const int64_t len = out.dim(axis);
@@ -85,7 +86,7 @@ void slice(const NDArray& a, int axis, int64_t begin, NDArray& out) {
 }
 
 void slice_backward(const NDArray& grad, int axis, int64_t begin, NDArray& out) {
-  require_backend("slice_backward", grad);
+  require_contiguous("slice_backward", grad);
   const Shape& s = out.shape();
   const int64_t outer = dims_product(s, 0, axis), inner = dims_product(s, axis + 1, out.ndim());
   const int64_t len = grad.dim(axis);
@@ -103,7 +104,7 @@ void concat(const std::vector<NDArray>& parts, int axis, NDArray& out) {
   const int64_t es = static_cast<int64_t>(dtype_size(out.dtype()));
   int64_t offset = 0;
   for (const auto& p : parts) {
-    require_backend("concat", p);
+    require_contiguous("concat", p);
     const int64_t len = p.dim(axis);
     HSPMD_CHECK(offset + len <= s[axis], "concat: parts exceed the output");
     copy_blocks(static_cast<const char*>(p.raw_data()), len * inner * es,
@@ -114,4 +115,4 @@ void concat(const std::vector<NDArray>& parts, int axis, NDArray& out) {
   HSPMD_CHECK(offset == s[axis], "concat: parts do not fill the output");
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

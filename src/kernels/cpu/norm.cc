@@ -6,9 +6,10 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -29,8 +30,8 @@ float inv_rms(const float* x, int64_t h, float eps) {
 }  // namespace
 
 void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
-  require_backend("rms_norm", x);
-  require_backend("rms_norm", weight);
+  require_contiguous("rms_norm", x);
+  require_contiguous("rms_norm", weight);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
   const float* px = x.data<float>();
@@ -47,7 +48,7 @@ void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) 
 
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
                        NDArray& dx, NDArray& dweight) {
-  require_backend("rms_norm_backward", dy);
+  require_contiguous("rms_norm_backward", dy);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dweight.numel() == h,
               "rms_norm_backward: sizes");
@@ -89,4 +90,4 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
   }
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

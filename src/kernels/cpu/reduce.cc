@@ -4,9 +4,10 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -47,7 +48,7 @@ void for_each_mapped(const Shape& shape, const Shape& out_strides, F f) {
 }  // namespace
 
 void reduce_sum(const NDArray& a, const std::vector<bool>& reduced, NDArray& out) {
-  require_backend("reduce_sum", a);
+  require_contiguous("reduce_sum", a);
   HSPMD_CHECK(static_cast<int>(reduced.size()) == a.ndim(), "reduce_sum: mask rank");
   std::vector<double> acc(out.numel(), 0.0);
   const float* x = a.data<float>();
@@ -58,7 +59,7 @@ void reduce_sum(const NDArray& a, const std::vector<bool>& reduced, NDArray& out
 }
 
 void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArray& out) {
-  require_backend("broadcast_reduced", g);
+  require_contiguous("broadcast_reduced", g);
   HSPMD_CHECK(static_cast<int>(reduced.size()) == out.ndim(), "broadcast_reduced: mask rank");
   const float* x = g.data<float>();
   float* y = out.data<float>();
@@ -66,4 +67,4 @@ void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArr
                   [&](int64_t i, int64_t o) { y[i] = x[o]; });
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

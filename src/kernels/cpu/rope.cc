@@ -9,9 +9,10 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -52,8 +53,8 @@ std::shared_ptr<const RopeTable> rope_table(float theta, int64_t d, int32_t lo, 
 }  // namespace
 
 void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out) {
-  require_backend("rope", x);
-  require_backend("rope", positions);
+  require_contiguous("rope", x);
+  require_contiguous("rope", positions);
   HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
   const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3), half = d / 2;
   HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
@@ -83,4 +84,4 @@ void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse,
   }
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

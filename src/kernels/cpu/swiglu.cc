@@ -4,10 +4,11 @@
 
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
+#include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 #include "vec_math.h"
 
-namespace hspmd::kernels {
+namespace hspmd::kernels::cpu {
 
 namespace {
 
@@ -27,8 +28,8 @@ void for_blocks(int64_t n, F f) {
 }  // namespace
 
 void swiglu(const NDArray& gate, const NDArray& up, NDArray& out) {
-  require_backend("swiglu", gate);
-  require_backend("swiglu", up);
+  require_contiguous("swiglu", gate);
+  require_contiguous("swiglu", up);
   const int64_t n = gate.numel();
   HSPMD_CHECK(up.numel() == n && out.numel() == n, "swiglu: sizes");
   const float* g = gate.data<float>();
@@ -46,7 +47,7 @@ void swiglu(const NDArray& gate, const NDArray& up, NDArray& out) {
 
 void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup) {
-  require_backend("swiglu_backward", dy);
+  require_contiguous("swiglu_backward", dy);
   const int64_t n = gate.numel();
   HSPMD_CHECK(dy.numel() == n && up.numel() == n && dgate.numel() == n && dup.numel() == n,
               "swiglu_backward: sizes");
@@ -72,4 +73,4 @@ void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, 
   });
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu

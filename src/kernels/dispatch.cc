@@ -1,0 +1,297 @@
+// The kernel dispatch: every public kernel (kernels.h, basic.h, attention.h)
+// checks that its arrays live on the stream's device, then switches once on
+// that device's type and calls the backend's implementation (CPU:
+// cpu/cpu.h). A device type without an implementation of the kernel ends in
+// no_kernel(), the one place that declares missing backend support. A CUDA
+// backend adds `case DeviceType::CUDA: return cuda::<kernel>(s, ...);` to
+// each switch (and src/kernels/cuda/); no op file changes.
+#include <initializer_list>
+
+#include "cpu/cpu.h"
+#include "hspmd/core/error.h"
+#include "kernels/attention.h"
+#include "kernels/basic.h"
+#include "kernels/kernels.h"
+
+namespace hspmd::kernels {
+
+void no_kernel(const char* kernel, Device device) {
+  fail("[kernels] ", kernel, ": no kernel for device ", device.str(), " in this build");
+}
+
+namespace {
+
+// The device type the kernel runs on: the stream's, after checking that
+// every (valid) array lives on the stream's device.
+DeviceType device_of(const char* kernel, const Stream& s,
+                     std::initializer_list<const NDArray*> arrays) {
+  const Device d = s.device();
+  for (const NDArray* a : arrays)
+    if (a->valid() && !(a->device() == d))
+      fail("[kernels] ", kernel, ": an array lives on ", a->device().str(), " but the stream on ",
+           d.str());
+  return d.type;
+}
+
+}  // namespace
+
+// ---- kernels.h ----
+
+void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
+  switch (device_of("add", s, {&a, &b, &out})) {
+    case DeviceType::CPU: return cpu::add(a, b, out);
+    default: no_kernel("add", s.device());
+  }
+}
+
+void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
+  switch (device_of("mul", s, {&a, &b, &out})) {
+    case DeviceType::CPU: return cpu::mul(a, b, out);
+    default: no_kernel("mul", s.device());
+  }
+}
+
+void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
+  switch (device_of("scale", s, {&a, &out})) {
+    case DeviceType::CPU: return cpu::scale(a, factor, out);
+    default: no_kernel("scale", s.device());
+  }
+}
+
+void accumulate(Stream& s, const NDArray& a, NDArray& out) {
+  switch (device_of("accumulate", s, {&a, &out})) {
+    case DeviceType::CPU: return cpu::accumulate(a, out);
+    default: no_kernel("accumulate", s.device());
+  }
+}
+
+void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
+  switch (device_of("add_bias", s, {&x, &bias, &out})) {
+    case DeviceType::CPU: return cpu::add_bias(x, bias, out);
+    default: no_kernel("add_bias", s.device());
+  }
+}
+
+void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
+  switch (device_of("bias_grad", s, {&dy, &dbias})) {
+    case DeviceType::CPU: return cpu::bias_grad(dy, dbias);
+    default: no_kernel("bias_grad", s.device());
+  }
+}
+
+// ---- basic.h ----
+
+void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+            GemmCompute compute) {
+  switch (device_of("matmul", s, {&a, &b, &out})) {
+    case DeviceType::CPU: return cpu::matmul(a, b, trans_a, trans_b, out, compute);
+    default: no_kernel("matmul", s.device());
+  }
+}
+
+void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
+  switch (device_of("transpose", s, {&a, &out})) {
+    case DeviceType::CPU: return cpu::transpose(a, d0, d1, out);
+    default: no_kernel("transpose", s.device());
+  }
+}
+
+void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
+  switch (device_of("slice", s, {&a, &out})) {
+    case DeviceType::CPU: return cpu::slice(a, axis, begin, out);
+    default: no_kernel("slice", s.device());
+  }
+}
+
+void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDArray& out) {
+  switch (device_of("slice_backward", s, {&grad, &out})) {
+    case DeviceType::CPU: return cpu::slice_backward(grad, axis, begin, out);
+    default: no_kernel("slice_backward", s.device());
+  }
+}
+
+void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out) {
+  for (const NDArray& p : parts) device_of("concat", s, {&p});
+  switch (device_of("concat", s, {&out})) {
+    case DeviceType::CPU: return cpu::concat(parts, axis, out);
+    default: no_kernel("concat", s.device());
+  }
+}
+
+void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, NDArray& out) {
+  switch (device_of("reduce_sum", s, {&a, &out})) {
+    case DeviceType::CPU: return cpu::reduce_sum(a, reduced, out);
+    default: no_kernel("reduce_sum", s.device());
+  }
+}
+
+void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& reduced,
+                       NDArray& out) {
+  switch (device_of("broadcast_reduced", s, {&g, &out})) {
+    case DeviceType::CPU: return cpu::broadcast_reduced(g, reduced, out);
+    default: no_kernel("broadcast_reduced", s.device());
+  }
+}
+
+void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t vocab_begin,
+               int64_t vocab_size, NDArray& out) {
+  switch (device_of("embedding", s, {&weight, &ids, &out})) {
+    case DeviceType::CPU: return cpu::embedding(weight, ids, vocab_begin, vocab_size, out);
+    default: no_kernel("embedding", s.device());
+  }
+}
+
+void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
+                        int64_t vocab_size, NDArray& dweight) {
+  switch (device_of("embedding_backward", s, {&grad, &ids, &dweight})) {
+    case DeviceType::CPU: return cpu::embedding_backward(grad, ids, vocab_begin, vocab_size,
+                                                         dweight);
+    default: no_kernel("embedding_backward", s.device());
+  }
+}
+
+void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
+  switch (device_of("rms_norm", s, {&x, &weight, &out})) {
+    case DeviceType::CPU: return cpu::rms_norm(x, weight, eps, out);
+    default: no_kernel("rms_norm", s.device());
+  }
+}
+
+void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
+                       float eps, NDArray& dx, NDArray& dweight) {
+  switch (device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {
+    case DeviceType::CPU: return cpu::rms_norm_backward(dy, x, weight, eps, dx, dweight);
+    default: no_kernel("rms_norm_backward", s.device());
+  }
+}
+
+void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
+          NDArray& out) {
+  switch (device_of("rope", s, {&x, &positions, &out})) {
+    case DeviceType::CPU: return cpu::rope(x, positions, theta, inverse, out);
+    default: no_kernel("rope", s.device());
+  }
+}
+
+void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
+  switch (device_of("swiglu", s, {&gate, &up, &out})) {
+    case DeviceType::CPU: return cpu::swiglu(gate, up, out);
+    default: no_kernel("swiglu", s.device());
+  }
+}
+
+void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up,
+                     NDArray& dgate, NDArray& dup) {
+  switch (device_of("swiglu_backward", s, {&dy, &gate, &up, &dgate, &dup})) {
+    case DeviceType::CPU: return cpu::swiglu_backward(dy, gate, up, dgate, dup);
+    default: no_kernel("swiglu_backward", s.device());
+  }
+}
+
+void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets,
+                   const NDArray& normalizer, int ignore_index, NDArray& loss, NDArray& lse,
+                   int64_t classes) {
+  switch (device_of("cross_entropy", s, {&logits, &targets, &normalizer, &loss, &lse})) {
+    case DeviceType::CPU:
+      return cpu::cross_entropy(logits, targets, normalizer, ignore_index, loss, lse, classes);
+    default: no_kernel("cross_entropy", s.device());
+  }
+}
+
+void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& targets,
+                               int64_t vocab_begin, int64_t vocab_size, int ignore_index,
+                               NDArray& local_lse, NDArray& target_logit, int64_t classes) {
+  switch (device_of("cross_entropy_shard_stats", s, {&logits, &targets, &local_lse, &target_logit})) {
+    case DeviceType::CPU:
+      return cpu::cross_entropy_shard_stats(logits, targets, vocab_begin, vocab_size, ignore_index,
+                                            local_lse, target_logit, classes);
+    default: no_kernel("cross_entropy_shard_stats", s.device());
+  }
+}
+
+void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& target_logit,
+                           const NDArray& targets, const NDArray& normalizer, int ignore_index,
+                           NDArray& loss, NDArray& lse) {
+  switch (device_of("cross_entropy_combine", s,
+                    {&shard_lse, &target_logit, &targets, &normalizer, &loss, &lse})) {
+    case DeviceType::CPU:
+      return cpu::cross_entropy_combine(shard_lse, target_logit, targets, normalizer, ignore_index,
+                                        loss, lse);
+    default: no_kernel("cross_entropy_combine", s.device());
+  }
+}
+
+void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logits,
+                            const NDArray& targets, const NDArray& normalizer, const NDArray& lse,
+                            int ignore_index, int64_t vocab_begin, NDArray& dlogits,
+                            int64_t classes) {
+  switch (device_of("cross_entropy_backward", s,
+                    {&dloss, &logits, &targets, &normalizer, &lse, &dlogits})) {
+    case DeviceType::CPU:
+      return cpu::cross_entropy_backward(dloss, logits, targets, normalizer, lse, ignore_index,
+                                         vocab_begin, dlogits, classes);
+    default: no_kernel("cross_entropy_backward", s.device());
+  }
+}
+
+// ---- attention.h ----
+
+void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
+                       const NDArray& documents, float scale, NDArray& out, NDArray& lse,
+                       AttentionTiles tiles, DType products, int64_t window) {
+  switch (device_of("attention_forward", s, {&q, &k, &v, &documents, &out, &lse})) {
+    case DeviceType::CPU:
+      return cpu::attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
+    default: no_kernel("attention_forward", s.device());
+  }
+}
+
+void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
+                        const NDArray& out, const NDArray& lse, const NDArray& grad_out,
+                        const NDArray& documents, float scale, NDArray& dq, NDArray& dk,
+                        NDArray& dv, AttentionTiles tiles, DType products, int64_t window) {
+  switch (device_of("attention_backward", s,
+                    {&q, &k, &v, &out, &lse, &grad_out, &documents, &dq, &dk, &dv})) {
+    case DeviceType::CPU:
+      return cpu::attention_backward(q, k, v, out, lse, grad_out, documents, scale, dq, dk, dv,
+                                     tiles, products, window);
+    default: no_kernel("attention_backward", s.device());
+  }
+}
+
+void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_blk,
+                             NDArray& lse_blk, AttentionTiles tiles) {
+  switch (device_of("attention_block_forward", s, {&blk.q, &blk.k, &blk.v, &out_blk, &lse_blk})) {
+    case DeviceType::CPU: return cpu::attention_block_forward(blk, out_blk, lse_blk, tiles);
+    default: no_kernel("attention_block_forward", s.device());
+  }
+}
+
+void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_blk,
+                     const NDArray& lse_blk) {
+  switch (device_of("attention_merge", s, {&out, &lse, &out_blk, &lse_blk})) {
+    case DeviceType::CPU: return cpu::attention_merge(out, lse, out_blk, lse_blk);
+    default: no_kernel("attention_merge", s.device());
+  }
+}
+
+void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, NDArray& delta,
+                        bool bf16_grad) {
+  switch (device_of("attention_row_dots", s, {&out, &grad_out, &delta})) {
+    case DeviceType::CPU: return cpu::attention_row_dots(out, grad_out, delta, bf16_grad);
+    default: no_kernel("attention_row_dots", s.device());
+  }
+}
+
+void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArray& grad_out,
+                              const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
+                              NDArray& dv, AttentionTiles tiles) {
+  switch (device_of("attention_block_backward", s,
+                    {&blk.q, &blk.k, &blk.v, &grad_out, &lse, &delta, &dq, &dk, &dv})) {
+    case DeviceType::CPU:
+      return cpu::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
+    default: no_kernel("attention_block_backward", s.device());
+  }
+}
+
+}  // namespace hspmd::kernels
