@@ -315,7 +315,7 @@ int train_command(const std::vector<std::string>& args) {
                "a rank whose compute is off its assumed speed by more than this fraction is a straggler (default 0.25)");
   f.add_int("straggler-horizon", &o.straggler_horizon,
             "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)");
-  f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md)");
+  f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md); without --save-every, one after the last step");
   f.add_int("save-every", &o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
   f.add_bool("checkpoint-sync", &o.checkpoint_sync,
              "write checkpoints inside the step (default: copy the shards, write them on a background thread)");

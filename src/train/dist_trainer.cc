@@ -2,6 +2,7 @@
 // their own samples, gradient sync and the ZeRO gathers through the plan's
 // Reshards, AdamW on local shards (the class: train/dist_trainer.h).
 #include "train/dist_trainer.h"
+#include "train/resume_checks.h"
 
 #include "kernels/basic.h"
 
@@ -335,6 +336,10 @@ void DistTrainer::prepare() {
       resumed_run_id_ = reader->index().meta.value("run_id", std::string());
     if (start >= o_.steps)
       fail("[checkpoint] ", o_.resume_dir, ": it is at step ", start, ", not before --steps ", o_.steps);
+    // Before any state is read: the meta's fields, and the model and data
+    // mode it was written under (docs/checkpoint.md, "What a resume checks").
+    train_common::read_resume_cursor(reader->index().meta, o_.resume_dir);
+    train_common::check_resume_matches(reader->index().meta, config_, o_, o_.resume_dir);
   }
   plan_index_ = plan_at(start);
   std::shared_ptr<const AnnotationPlan> first = plans_[plan_index_];
@@ -380,8 +385,9 @@ void DistTrainer::prepare() {
     state_ = TrainingState::load(rt_->plan, world_.rank(), *reader);
     const nlohmann::json& meta = reader->index().meta;
     state_->step = start;
-    state_->samples = meta.at("samples").get<int64_t>();
-    state_->seed = meta.at("seed").get<uint64_t>();
+    const train_common::ResumeCursor cursor = train_common::read_resume_cursor(meta, o_.resume_dir);
+    state_->samples = cursor.samples;
+    state_->seed = cursor.seed;
     return;
   }
   std::map<std::string, NDArray> full =
@@ -454,6 +460,7 @@ void DistTrainer::save_checkpoint() {
   p->step = state_->step;
   p->meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
              {"strategy", to_json(rt_->strategy)}, {"run_id", run_id_}};
+  p->meta.update(train_common::resume_meta(config_, o_));  // "model", "data": what a resume must match
   if (!events_.empty() && !choices_.empty()) {  // the strategy set in force (re-planned perhaps), for --resume
     nlohmann::json set = nlohmann::json::array();
     for (const auto& c : choices_) set.push_back(to_json(*c->strategy));
@@ -681,7 +688,10 @@ std::vector<StepRecord> DistTrainer::run() {
                                    std::chrono::duration<double>(Clock::now() - start).count());
     records.push_back(r);
     finish_checkpoint(false);
-    if (o_.save_every > 0 && (step + 1) % o_.save_every == 0) save_checkpoint();
+    // --checkpoint without --save-every: one checkpoint, after the last step.
+    if ((o_.save_every > 0 && (step + 1) % o_.save_every == 0) ||
+        (o_.save_every == 0 && !o_.checkpoint_dir.empty() && step + 1 == o_.steps))
+      save_checkpoint();
     watch_stragglers(step, r, log);
     if (o_.on_step) o_.on_step(step);
   }

@@ -1,6 +1,7 @@
 // Elastic training (docs/elastic.md): events, re-plans, reconfiguration,
 // rollback to the last checkpoint, and the straggler watch.
 #include "train/dist_trainer.h"
+#include "train/resume_checks.h"
 
 namespace hspmd::dist {
 
@@ -162,8 +163,9 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
   state_ = TrainingState::load(rt_->plan, world_.rank(), reader);
   const nlohmann::json& meta = reader.index().meta;
   state_->step = back;
-  state_->samples = meta.at("samples").get<int64_t>();
-  state_->seed = meta.at("seed").get<uint64_t>();
+  const train_common::ResumeCursor cursor = train_common::read_resume_cursor(meta, o_.checkpoint_dir);
+  state_->samples = cursor.samples;
+  state_->seed = cursor.seed;
   const double load_s = std::chrono::duration<double>(Clock::now() - t1).count();
   const std::vector<int64_t> read = gather_counts({state_->bytes()}, world_)[0];
   if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
