@@ -619,8 +619,13 @@ std::vector<StepRecord> DistTrainer::run() {
       for (int64_t piece : step_pieces(first)) counted += pieces_->piece_size(piece) - 1;
     else if (pieces_)
       counted = token_step_->counted;
-    const float normalizer = pieces_ ? static_cast<float>(std::max<int64_t>(1, counted))
-                                     : source_->normalizer(first, global_batch);
+    if (!pieces_) counted = source_->targets(first, global_batch);
+    // A step with no target (its documents all one token long) would train
+    // on nothing and report loss 0: the same answer on every rank.
+    if (counted == 0)
+      fail("[data] ", o_.data_path, ": step ", step, " has no target token (every document in it is one token "
+           "long: nothing to predict)");
+    const float normalizer = static_cast<float>(counted);
     // What the rank holds before its micro-batches: parameters, optimizer
     // states; the schedule's peak above it is activations (and raw grads).
     const size_t held = allocator_for(rt_->graph->device()).current_bytes();

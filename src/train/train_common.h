@@ -93,9 +93,13 @@ class SampleSource {
   // The loss normalizer of the `count` samples from `first` (a global
   // batch): their counted targets, at least 1; and their real tokens.
   float normalizer(int64_t first, int64_t count) const {
+    return static_cast<float>(std::max<int64_t>(1, targets(first, count)));
+  }
+  // Their counted targets (0: nothing to predict, e.g. one-token documents).
+  int64_t targets(int64_t first, int64_t count) const {
     int64_t n = 0;
     for (int64_t b = 0; b < count; ++b) n += counted_targets(first + b);
-    return static_cast<float>(std::max<int64_t>(1, n));
+    return n;
   }
   int64_t tokens(int64_t first, int64_t count) const {
     int64_t n = 0;

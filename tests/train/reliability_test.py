@@ -146,6 +146,19 @@ def main():
         expect_error("--skip-nonfinite-steps -1 is refused", train("--skip-nonfinite-steps", "-1"),
                      "--skip-nonfinite-steps")
 
+        # Nothing to predict: only one-token documents (2000 eos tokens) give
+        # steps without a single target, refused rather than logged as loss 0.
+        with open(at("eos.bin"), "wb") as f:
+            f.write(struct.pack("<2000I", *([0] * 2000)))
+        only_eos = [a.hspmd, "train", "--model", model, "--data", at("eos.bin"), "--threads", "1", "--quiet",
+                    "--steps", "2"]
+        expect_error("one-token documents, packed: no target", run(only_eos + ["--seq-len", "32", "--global-batch",
+                                                                              "2", "--pack-documents"]),
+                     "[data]", "step 0 has no target token")
+        expect_error("one-token documents, token budgets: no target",
+                     run(only_eos + ["--batch-tokens", "512", "--max-seq-len", "128"]),
+                     "[data]", "step 0 has no target token")
+
         if a.mpi:
             json.dump({"pipelines": [{"micro_batch_size": 2, "micro_batches": 2,
                                       "stages": [{"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [4, 7]}]}]},
