@@ -209,7 +209,10 @@ class DistTrainer {
       for (int r : sw.lost_ranks)
         if (r < 0 || r >= world.size()) fail("[flags] --switch-lost ", sw.step, ": rank ", r, " is outside the world");
       last = sw.step;
-      plans_.push_back(load_plan_file(sw.path));
+      plans_.push_back(load_named_plan_file(sw.path, "--switch " + std::to_string(sw.step)));
+      if (o.batch_tokens == 0 && plans_.back()->strategy->global_batch() != plans_[0]->strategy->global_batch())
+        fail("[flags] --switch ", sw.step, ":", sw.path, ": global batch ", plans_.back()->strategy->global_batch(),
+             ", the run's is ", plans_[0]->strategy->global_batch(), " (a switch keeps the global batch)");
     }
     for (const auto& p : plans_)  // every plan is checked before the first step
       if (o.batch_tokens == 0 && o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
@@ -221,7 +224,8 @@ class DistTrainer {
       if (!o.switches.empty()) fail("[flags] --strategies does not go with --switch");
       choices_.push_back(plans_[0]);
       replan_buckets_ = static_cast<int>(o.strategy_choices.size());
-      for (size_t i = 1; i < o.strategy_choices.size(); ++i) choices_.push_back(load_plan_file(o.strategy_choices[i]));
+      for (size_t i = 1; i < o.strategy_choices.size(); ++i)
+        choices_.push_back(load_named_plan_file(o.strategy_choices[i], "--strategies"));
     }
     if (o.bucket_switching) {
       if (choices_.empty()) fail("[flags] --bucket-switching needs --strategies (one strategy per length bucket)");
@@ -241,6 +245,17 @@ class DistTrainer {
  private:
   // A strategy (compiled) or a trainable plan for this job.
   std::shared_ptr<const AnnotationPlan> load_plan_file(const std::string& path) const;
+  // The same, its errors naming the flag and the file: "[flags] --switch 3:
+  // s.json: <the error>" unless the error names the file already.
+  std::shared_ptr<const AnnotationPlan> load_named_plan_file(const std::string& path, const std::string& flag) const {
+    try {
+      return load_plan_file(path);
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (what.find(path) != std::string::npos) throw;
+      fail("[flags] ", flag, ": ", path, ": ", what);
+    }
+  }
   std::shared_ptr<const AnnotationPlan> compile(const Strategy& strategy) const;
   std::unique_ptr<Runtime> specialize(std::shared_ptr<const AnnotationPlan> plan) const;
   // How the switch to plans_[index] is planned: the checkpoint serves lost

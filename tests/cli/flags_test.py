@@ -28,6 +28,10 @@ def main():
     p = lambda n: os.path.join(tmp, n)  # noqa: E731
     json.dump(CONFIG, open(p("cfg.json"), "w"))
     json.dump(STRATEGY, open(p("s.json"), "w"))
+    json.dump({"pipelines": [{"micro_batch_size": 4, "micro_batches": 1, "stages": [{"ranks": [0], "layers": [0, 0]}]}]},
+              open(p("s4.json"), "w"))
+    json.dump({"pipelines": [{"micro_batch_size": 2, "micro_batches": 1, "stages": [{"ranks": [0, 1], "layers": [0, 0]}]}]},
+              open(p("s2r.json"), "w"))
     with open(p("data.bin"), "wb") as f:
         f.write(struct.pack("<200I", *([5] * 200)))
     with open(p("doc.txt"), "w") as f:
@@ -69,6 +73,12 @@ def main():
         ("micro-batches under a strategy", dist + ["--micro-batches", "2"], "--micro-batches"),
         ("timeout without nproc", dist + ["--timeout", "10"], "--timeout"),
         ("switch file is a FIFO", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("fifo")], "is a FIFO"),
+        # A switch keeps the global batch (as events do), and a bad strategy
+        # there is named with its flag and file.
+        ("switch to another global batch", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("s4.json")],
+         "global batch 4, the run's is 2"),
+        ("switch to a strategy for more ranks", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("s2r.json")],
+         "--switch 1: " + p("s2r.json")),
         # Not-a-number values pass a "< 0" or "<= 0" test; each is refused by name.
         ("plan search time-limit nan", ["plan", "search", "--model", p("cfg.json"), "--cluster", p("cluster.json"),
                                         "--global-batch", "2", "--seq-len", "16", "--time-limit", "nan"],
