@@ -1,14 +1,19 @@
 // hspmd profile: measure a model's parts on this machine -> profile JSON
 // (docs/profiling.md).
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
-#include <unistd.h>
-#include <sstream>
 
 #include "commands.h"
 #include "flags.h"
@@ -60,6 +65,23 @@ void print_table(const Profile& p, double seconds) {
   std::fprintf(stderr, "op fits: %zu op types; profiled in %.1f s\n", p.ops.size() - p.ops.count(kAnyOp), seconds);
 }
 
+// The calibration directories of profiles that were killed (SIGKILL leaves
+// them): hspmd-calibrate-<pid> in the temporary directory whose process is
+// gone.
+void remove_stale_calibrations() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string prefix = "hspmd-calibrate-";
+  for (const auto& e : fs::directory_iterator(fs::temp_directory_path(), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (pid <= 0 || *end != '\0' || pid == getpid()) continue;
+    if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) fs::remove_all(e.path(), ec);
+  }
+}
+
 // The emulation factor of one profiled degree (docs/profiling.md): trains
 // `ranks` emulated ranks as ranks / (tp * cp) whole-model pipelines of one
 // tp x cp stage and one micro-batch (b = 1, s = the longest profiled
@@ -71,6 +93,7 @@ double emulation_factor(const Profile& p, const ProfileEntry& e, const std::stri
   namespace fs = std::filesystem;
   const int group = e.tp * e.cp, pipelines = ranks / group;
   if (pipelines < 1) fail("[profile] --emulated-ranks ", ranks, " is smaller than tp x cp = ", group);
+  remove_stale_calibrations();
   const fs::path dir = fs::temp_directory_path() / ("hspmd-calibrate-" + std::to_string(getpid()));
   fs::create_directories(dir);
   struct Cleanup {
@@ -156,6 +179,13 @@ int profile_command(const std::vector<std::string>& args) {
   const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
 
+  // Each emulated rank is a process on this machine: beyond 32 per core
+  // the calibration measures the scheduler, and 1000 ranks on 2 cores ran
+  // the machine to a load of 199.
+  const int64_t most_ranks = 32 * static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  if (emulated_ranks < 0 || emulated_ranks > most_ranks)
+    fail("[profile] --emulated-ranks ", emulated_ranks, " must lie in [0, ", most_ranks,
+         "] on this machine (32 per core: each is a process here)");
   if (!std::filesystem::is_regular_file(model)) fail("[profile] --model ", model, ": no such file");
   check_outputs_apart({{"--model", model}}, {{"--output", output}});
   const auto dir = std::filesystem::absolute(output).parent_path();
@@ -185,7 +215,6 @@ int profile_command(const std::vector<std::string>& args) {
                    e.emulation_factor, p.emulation_ranks);
     }
   }
-  if (emulated_ranks < 0) fail("[profile] --emulated-ranks must be >= 0, got ", emulated_ranks);
   p.save(output);
   print_table(p, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::fprintf(stderr, "wrote %s\n", output.c_str());

@@ -73,6 +73,9 @@ def main():
         ("micro-batches under a strategy", dist + ["--micro-batches", "2"], "--micro-batches"),
         ("timeout without nproc", dist + ["--timeout", "10"], "--timeout"),
         ("switch file is a FIFO", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("fifo")], "is a FIFO"),
+        # Every emulated rank is a process here: a count no machine runs is refused up front.
+        ("profile emulated-ranks 100000", ["profile", "--model", p("cfg.json"), "-o", p("prof.json"),
+                                           "--emulated-ranks", "100000"], "--emulated-ranks 100000 must lie in"),
         # A switch keeps the global batch (as events do), and a bad strategy
         # there is named with its flag and file.
         ("switch to another global batch", with_flag(dist, "--steps", "3") + ["--switch", "1:" + p("s4.json")],
@@ -114,7 +117,7 @@ def main():
               f"{r.stderr.strip()[:200]}")
         if problems:
             failures.append(name)
-    for out in ("o.bin", "p.json", "t.json"):
+    for out in ("o.bin", "p.json", "t.json", "prof.json"):
         if os.path.exists(p(out)):
             failures.append(f"{out} written despite an error")
 

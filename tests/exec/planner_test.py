@@ -88,10 +88,15 @@ def main():
 
         # --- profile, calibrated to 4 emulated ranks per degree ---
         prof = os.path.join(tmp, "profile.json")
+        # A killed profile's calibration directory (pid 2^22 + 1 is past Linux's pid_max default
+        # of 2^22): the next calibration removes it.
+        stale = os.path.join(tempfile.gettempdir(), "hspmd-calibrate-%d" % (2 ** 22 + 1))
+        os.makedirs(stale, exist_ok=True)
         p = run([hs, "profile", "--model", model, "--tp", "1,2", "--seq-lens", "32,64", "--micro-batch-sizes",
                  "1,2", "--repetitions", "3", "--emulated-ranks", "4", "-o", prof])
         pj = json.load(open(prof))
         check(pj["emulation_ranks"] == 4, "profile records its emulated ranks")
+        check(not os.path.exists(stale), "a killed profile's calibration directory is removed")
         for e in pj["entries"]:
             check(0.5 < e["emulation_factor"] < 5, "tp %d emulation factor %.3f is sane" % (e["tp"], e["emulation_factor"]))
 
