@@ -43,9 +43,11 @@ struct Reader {
     return j[field];
   }
 
-  // A number > 0 (or >= 0 with allow_zero); `fallback` when absent and given.
+  static constexpr double kMaxFigure = 1e9;
+  // A number > 0 (or >= 0 with allow_zero), at most kMaxFigure; `fallback`
+  // when absent and given.
   static double positive(const json& j, const std::string& where, const char* field, double fallback,
-                         bool allow_zero = false) {
+                         bool allow_zero = false, double most = kMaxFigure) {
     if (!j.contains(field)) {
       if (fallback < 0) fail_at(where + "." + field, "missing");
       return fallback;
@@ -55,6 +57,10 @@ struct Reader {
     const double x = v.get<double>();
     if (allow_zero ? x < 0 : x <= 0)
       fail_at(where + "." + field, "must be ", allow_zero ? "non-negative" : "positive", ", got ", json_excerpt(v));
+    // Beyond any device (1e9 GiB, TFLOP/s or GB/s): such a figure only
+    // overflows what is computed from it (memory_gib 1e308 became an
+    // infinite capacity deep in the planner's integer programs).
+    if (x > most) fail_at(where + "." + field, "must be at most 1e9, got ", json_excerpt(v));
     return x;
   }
 
@@ -147,7 +153,8 @@ Topology Topology::from_json(const json& j) {
     auto found = type_of.find(type.get<std::string>());
     if (found == type_of.end())
       Reader::fail_at(where + ".type", "unknown device type '", shorten(type.get<std::string>()), "' (not in the catalog)");
-    RankInfo info{static_cast<int>(n), found->first, Reader::positive(nodes[n], where, "slowdown", 1.0),
+    RankInfo info{static_cast<int>(n), found->first,
+                  Reader::positive(nodes[n], where, "slowdown", 1.0, false, HUGE_VAL),  // its own range below
                   Reader::positive(nodes[n], where, "memory_cap_gib", 0.0, true)};
     if (!slowdown_in_range(info.slowdown))
       Reader::fail_at(where + ".slowdown", "must lie in [", kMinSlowdown, ", ", kMaxSlowdown,

@@ -113,6 +113,9 @@ TEST(Topology, Errors) {
   j = mixed_cluster();
   j["nodes"][0]["slowdown"] = -1;
   expect_error(j, "nodes[0].slowdown: must be positive");
+  j = mixed_cluster();
+  j["catalog"]["H800"]["memory_gib"] = 1e308;
+  expect_error(j, "catalog.H800.memory_gib: must be at most 1e9, got 1e+308");
   for (double x : {1e30, 1e308, 1e-300, 1e-4, 1001.0}) {
     j = mixed_cluster();
     j["nodes"][0]["slowdown"] = x;
