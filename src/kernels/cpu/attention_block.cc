@@ -6,7 +6,6 @@
 // global indices. A sliding window W > 0 is folded into the queries' starts
 // (start(i) >= i - W + 1, global), so tiles it hides are skipped like those
 // the causal / document mask hides.
-#include <cstring>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -376,17 +375,6 @@ void cpu::attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk,
   }
 }
 
-namespace {
-// x rounded to the nearest bf16 value (ties to even), as a float.
-inline float bf16_value(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-}  // namespace
-
 void cpu::attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta,
                              bool bf16_grad) {
   HSPMD_CHECK(out.ndim() == 4 && grad_out.shape() == out.shape() &&
@@ -401,7 +389,7 @@ void cpu::attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArra
     float s = 0;
     if (bf16_grad) {  // the dO the bf16 products of dP use: rowsum(P o dP) and this agree
 #pragma omp simd reduction(+ : s)
-      for (int64_t e = 0; e < D; ++e) s += o[t * D + e] * bf16_value(g[t * D + e]);
+      for (int64_t e = 0; e < D; ++e) s += o[t * D + e] * bf16_to_f32(f32_to_bf16(g[t * D + e]));
     } else {
 #pragma omp simd reduction(+ : s)
       for (int64_t e = 0; e < D; ++e) s += o[t * D + e] * g[t * D + e];
