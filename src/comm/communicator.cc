@@ -9,6 +9,50 @@
 
 namespace hspmd {
 
+namespace {
+
+// The buffer of an NDArray form: contiguous and on the stream's device.
+void* array_buffer(const NDArray& a, const Stream& stream, const char* call) {
+  if (!a.valid() || !a.is_contiguous())
+    fail("[comm] ", call, ": the buffer must be a valid contiguous array");
+  if (!(a.device() == stream.device()))
+    fail("[comm] ", call, ": the array lives on ", a.device().str(), " but the stream on ",
+         stream.device().str());
+  return a.raw_data();
+}
+
+}  // namespace
+
+Request Communicator::start_all_reduce(Stream& stream, NDArray& data, ReduceOp op) {
+  return start_all_reduce(stream, array_buffer(data, stream, "all_reduce"), data.numel(), data.dtype(), op);
+}
+
+Request Communicator::start_reduce_scatter(Stream& stream, const NDArray& send, NDArray& recv,
+                                           const std::vector<int64_t>& counts) {
+  if (send.dtype() != recv.dtype()) fail("[comm] reduce_scatter: send and recv dtypes differ");
+  return start_reduce_scatter(stream, array_buffer(send, stream, "reduce_scatter"),
+                              array_buffer(recv, stream, "reduce_scatter"), counts, send.dtype());
+}
+
+Request Communicator::start_all_gather(Stream& stream, const NDArray& send, NDArray& recv,
+                                       const std::vector<int64_t>& counts) {
+  if (send.dtype() != recv.dtype()) fail("[comm] all_gather: send and recv dtypes differ");
+  return start_all_gather(stream, array_buffer(send, stream, "all_gather"),
+                          array_buffer(recv, stream, "all_gather"), counts, send.dtype());
+}
+
+Request Communicator::start_broadcast(Stream& stream, NDArray& data, int root) {
+  return start_broadcast(stream, array_buffer(data, stream, "broadcast"), data.numel(), data.dtype(), root);
+}
+
+Request Communicator::start_send(Stream& stream, const NDArray& data, int peer, int tag) {
+  return start_send(stream, array_buffer(data, stream, "send"), data.numel(), data.dtype(), peer, tag);
+}
+
+Request Communicator::start_recv(Stream& stream, NDArray& data, int peer, int tag) {
+  return start_recv(stream, array_buffer(data, stream, "recv"), data.numel(), data.dtype(), peer, tag);
+}
+
 void Communicator::all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
   std::vector<Request> r;
   r.push_back(start_all_reduce(data, count, dtype, op));
@@ -47,11 +91,26 @@ void Communicator::recv(void* data, int64_t count, DType dtype, int peer, int ta
 
 void Communicator::batched_send_recv(const std::vector<SendBuffer>& sends, const std::vector<RecvBuffer>& recvs,
                                      int tag) {
+  batched_send_recv(host_stream(), sends, recvs, tag);
+}
+
+void Communicator::batched_send_recv(Stream& stream, const std::vector<SendBuffer>& sends,
+                                     const std::vector<RecvBuffer>& recvs, int tag) {
   std::vector<Request> r;
   // Receives first: a library may then match incoming data without buffering.
-  for (const RecvBuffer& b : recvs) r.push_back(start_recv(b.data, b.count, b.dtype, b.peer, tag));
-  for (const SendBuffer& b : sends) r.push_back(start_send(b.data, b.count, b.dtype, b.peer, tag));
+  for (const RecvBuffer& b : recvs) r.push_back(start_recv(stream, b.data, b.count, b.dtype, b.peer, tag));
+  for (const SendBuffer& b : sends) r.push_back(start_send(stream, b.data, b.count, b.dtype, b.peer, tag));
   wait_all(r);
+}
+
+SendBuffer send_buffer(int peer, const NDArray& a) {
+  if (!a.valid() || !a.is_contiguous()) fail("[comm] send: the buffer must be a valid contiguous array");
+  return SendBuffer{peer, a.raw_data(), a.numel(), a.dtype()};
+}
+
+RecvBuffer recv_buffer(int peer, NDArray& a) {
+  if (!a.valid() || !a.is_contiguous()) fail("[comm] recv: the buffer must be a valid contiguous array");
+  return RecvBuffer{peer, a.raw_data(), a.numel(), a.dtype()};
 }
 
 void Communicator::count_all_reduce(int64_t count, DType dtype) {
@@ -102,31 +161,37 @@ class SingleProcessCommunicator final : public Communicator {
     return *this;
   }
 
-  Request do_all_reduce(void*, int64_t count, DType, ReduceOp) override {
+  Request do_all_reduce(Stream& stream, void*, int64_t count, DType, ReduceOp) override {
+    stream.synchronize();
     check_count(count, "all_reduce");
     return {};
   }
-  Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                DType dtype) override {
+    stream.synchronize();
     check_counts(counts, "reduce_scatter");
     copy(send, recv, counts[0], dtype);
     return {};
   }
-  Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                            DType dtype) override {
+    stream.synchronize();
     check_counts(counts, "all_gather");
     copy(send, recv, counts[0], dtype);
     return {};
   }
-  Request do_broadcast(void*, int64_t count, DType, int root) override {
+  Request do_broadcast(Stream& stream, void*, int64_t count, DType, int root) override {
+    stream.synchronize();
     check_count(count, "broadcast");
     if (root != 0) fail("[comm] broadcast from rank ", root, " ", kNeedsMpi);
     return {};
   }
-  Request do_send(const void*, int64_t, DType, int peer, int) override {
+  Request do_send(Stream& stream, const void*, int64_t, DType, int peer, int) override {
+    stream.synchronize();
     fail("[comm] send to rank ", peer, " ", kNeedsMpi);
   }
-  Request do_recv(void*, int64_t, DType, int peer, int) override {
+  Request do_recv(Stream& stream, void*, int64_t, DType, int peer, int) override {
+    stream.synchronize();
     fail("[comm] recv from rank ", peer, " ", kNeedsMpi);
   }
   void wait_all(std::vector<Request>& requests) override { requests.clear(); }

@@ -3,11 +3,11 @@
 // phase, wait them all, then unpack what arrived into the fresh buffer.
 #include "hspmd/comm/execute.h"
 
-#include <deque>
 #include <set>
 
 #include "hspmd/comm/pack.h"
 #include "hspmd/core/error.h"
+#include "kernels/memory.h"
 #include "resolve/internal.h"
 
 namespace hspmd {
@@ -17,18 +17,22 @@ using resolve_internal::contains;
 using resolve_internal::member_index;
 
 // Data that lands in the fresh buffer once the phase's requests complete:
-// `boxes` packed one after the other in `data`.
+// `boxes` packed one after the other in `data` (a flat array).
 struct Arrival {
-  const std::byte* data = nullptr;
+  NDArray data;
   std::vector<Box> boxes;
 };
+
+// Elements [offset, offset + count) of a flat array (a view).
+NDArray flat_part(const NDArray& a, int64_t offset, int64_t count) { return a.slice(0, offset, offset + count); }
 
 }  // namespace
 
 class PhaseRun {
  public:
-  PhaseRun(int rank, const std::optional<Box>& in_box, const NDArray& current, DType dtype, Communicator& world)
-      : rank_(rank), in_box_(in_box), current_(current), dtype_(dtype), es_(dtype_size(dtype)), world_(world) {}
+  PhaseRun(int rank, const std::optional<Box>& in_box, const NDArray& current, DType dtype, Communicator& world,
+           Stream& stream)
+      : rank_(rank), in_box_(in_box), current_(current), dtype_(dtype), world_(world), stream_(stream) {}
 
   void start(const CommOp& op);
   // Waits everything started (but the sends, when `deferred` takes them) and
@@ -36,31 +40,32 @@ class PhaseRun {
   NDArray finish(const std::optional<Box>& out_box, PendingSends* deferred);
 
  private:
-  // A zeroed buffer of `count` elements of the Reshard's dtype.
-  std::byte* buffer(int64_t count) {
-    return buffers_.emplace_back(static_cast<size_t>(count) * es_, std::byte{0}).data();
-  }
-  std::byte* at(std::byte* p, int64_t elements) const { return p + elements * static_cast<int64_t>(es_); }
-  int64_t pack(const Box& region, std::byte* out) const;
+  // A zeroed flat buffer of `count` elements of the Reshard's dtype, on the
+  // stream's device, kept alive until the phase is finished (a started
+  // operation reads or writes it until it is waited).
+  NDArray buffer(int64_t count) { return buffers_.emplace_back(kernels::zeros(stream_, {count}, dtype_)); }
+  // Packs `region` into `out` from element `offset` on; returns region.numel().
+  int64_t pack(const Box& region, const NDArray& out, int64_t offset) const;
   void start_collective(const CommOp& op);
 
   int rank_;
   const std::optional<Box>& in_box_;
   const NDArray& current_;
   DType dtype_;
-  size_t es_;
   Communicator& world_;
-  std::deque<std::vector<std::byte>> buffers_;  // deque: pointers stay valid as it grows
+  Stream& stream_;
+  std::vector<NDArray> buffers_;
   std::vector<Request> requests_;
   std::vector<Request> sends_;
-  std::vector<size_t> send_buffers_;  // indices into buffers_
+  std::vector<NDArray> send_buffers_;  // kept alive until the sends complete (deferred: by PendingSends)
   std::vector<Arrival> arrivals_;
 };
 
-int64_t PhaseRun::pack(const Box& region, std::byte* out) const {
+int64_t PhaseRun::pack(const Box& region, const NDArray& out, int64_t offset) const {
   HSPMD_CHECK(in_box_ && contains(*in_box_, region), "rank ", rank_, " reads ", to_string(region),
               " outside its in_box");
-  return pack_box(current_, *in_box_, region, out);
+  NDArray part = flat_part(out, offset, region.numel());
+  return pack_box(stream_, current_, *in_box_, region, part);
 }
 
 void PhaseRun::start_collective(const CommOp& op) {
@@ -71,25 +76,25 @@ void PhaseRun::start_collective(const CommOp& op) {
                                                     : std::vector<Box>{op.box};
   int64_t send_count = 0;
   for (const Box& b : send_boxes) send_count += b.numel();
-  std::byte* send = buffer(send_count);
+  NDArray send = buffer(send_count);
   if (contributes)
-    for (int64_t off = 0; const Box& b : send_boxes) off += pack(b, at(send, off));
+    for (int64_t off = 0; const Box& b : send_boxes) off += pack(b, send, off);
   std::vector<int64_t> counts;
   for (const Box& b : op.pieces) counts.push_back(b.numel());
   const bool alone = op.group.size() == 1;  // no communicator needed (nor possible on a stub)
   if (op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce) {
-    if (!alone) requests_.push_back(world_.group(op.group).start_all_reduce(send, send_count, dtype_));
+    if (!alone) requests_.push_back(world_.group(op.group).start_all_reduce(stream_, send));
     arrivals_.push_back({send, {op.box}});
   } else if (is_reduce_scatter(op.kind)) {
-    std::byte* recv = alone ? send : buffer(counts[me]);
-    if (!alone) requests_.push_back(world_.group(op.group).start_reduce_scatter(send, recv, counts, dtype_));
+    NDArray recv = alone ? send : buffer(counts[me]);
+    if (!alone) requests_.push_back(world_.group(op.group).start_reduce_scatter(stream_, send, recv, counts));
     arrivals_.push_back({recv, {op.pieces[me]}});
   } else {
     HSPMD_CHECK(op.pieces.size() == op.group.size(), "all_gather with ", op.pieces.size(), " pieces");
     int64_t total = 0;
     for (int64_t c : counts) total += c;
-    std::byte* recv = alone ? send : buffer(total);
-    if (!alone) requests_.push_back(world_.group(op.group).start_all_gather(send, recv, counts, dtype_));
+    NDArray recv = alone ? send : buffer(total);
+    if (!alone) requests_.push_back(world_.group(op.group).start_all_gather(stream_, send, recv, counts));
     arrivals_.push_back({recv, op.pieces});
   }
 }
@@ -97,28 +102,28 @@ void PhaseRun::start_collective(const CommOp& op) {
 void PhaseRun::start(const CommOp& op) {
   if (is_collective(op.kind)) start_collective(op);
   if (op.kind == CommKind::kLocalSlice) {
-    std::byte* copy = buffer(op.box.numel());
-    pack(op.box, copy);
+    NDArray copy = buffer(op.box.numel());
+    pack(op.box, copy, 0);
     arrivals_.push_back({copy, {op.box}});
   }
   for (const Box& b : op.keeps) {
-    std::byte* copy = buffer(b.numel());
-    pack(b, copy);
+    NDArray copy = buffer(b.numel());
+    pack(b, copy, 0);
     arrivals_.push_back({copy, {b}});
   }
   for (const Transfer& t : op.sends) {
     int64_t count = 0;
     for (const Box& b : t.boxes) count += b.numel();
-    std::byte* msg = buffer(count);
-    send_buffers_.push_back(buffers_.size() - 1);
-    for (int64_t off = 0; const Box& b : t.boxes) off += pack(b, at(msg, off));
-    sends_.push_back(world_.start_send(msg, count, dtype_, t.peer, kReshardTag));
+    NDArray msg = buffer(count);
+    send_buffers_.push_back(msg);
+    for (int64_t off = 0; const Box& b : t.boxes) off += pack(b, msg, off);
+    sends_.push_back(world_.start_send(stream_, msg, t.peer, kReshardTag));
   }
   for (const Transfer& t : op.recvs) {
     int64_t count = 0;
     for (const Box& b : t.boxes) count += b.numel();
-    std::byte* msg = buffer(count);
-    requests_.push_back(world_.start_recv(msg, count, dtype_, t.peer, kReshardTag));
+    NDArray msg = buffer(count);
+    requests_.push_back(world_.start_recv(stream_, msg, t.peer, kReshardTag));
     arrivals_.push_back({msg, t.boxes});
   }
 }
@@ -130,18 +135,18 @@ NDArray PhaseRun::finish(const std::optional<Box>& out_box, PendingSends* deferr
   }
   world_.wait_all(requests_);
   if (deferred != nullptr && !sends_.empty()) {
-    // Moving a vector keeps its heap buffer: the in-flight sends stay valid.
-    for (size_t i : send_buffers_) deferred->buffers_.push_back(std::move(buffers_[i]));
+    // The arrays share their storage: the in-flight sends stay valid.
+    for (NDArray& b : send_buffers_) deferred->buffers_.push_back(std::move(b));
     for (Request& r : sends_) deferred->requests_.push_back(std::move(r));
     deferred->world_ = &world_;
   }
   if (!out_box) return NDArray();
-  NDArray fresh = NDArray::zeros(out_box->shape(), dtype_);
+  NDArray fresh = kernels::zeros(stream_, out_box->shape(), dtype_);
   for (const Arrival& a : arrivals_) {
-    const std::byte* p = a.data;
+    int64_t off = 0;
     for (const Box& b : a.boxes) {
       HSPMD_CHECK(contains(*out_box, b), "rank ", rank_, " writes ", to_string(b), " outside its out_box");
-      p += unpack_box(p, fresh, *out_box, b) * static_cast<int64_t>(es_);
+      off += unpack_box(stream_, flat_part(a.data, off, a.data.numel() - off), fresh, *out_box, b);
     }
   }
   return fresh;
@@ -161,12 +166,15 @@ void create_groups(const RankResolution& plan, Communicator& world) {
 
 }  // namespace
 
-void PendingSends::send(std::vector<std::byte> data, DType dtype, int peer, int tag, Communicator& world) {
+void PendingSends::send(Stream& stream, NDArray data, int peer, int tag, Communicator& world) {
   buffers_.push_back(std::move(data));
-  const std::vector<std::byte>& b = buffers_.back();
-  requests_.push_back(
-      world.start_send(b.data(), static_cast<int64_t>(b.size() / dtype_size(dtype)), dtype, peer, tag));
+  requests_.push_back(world.start_send(stream, buffers_.back(), peer, tag));
   world_ = &world;
+}
+
+void PendingSends::send(const std::vector<float>& data, int peer, int tag, Communicator& world) {
+  send(default_stream(Device::cpu()), NDArray::from_vector({static_cast<int64_t>(data.size())}, data), peer,
+       tag, world);
 }
 
 void PendingSends::wait(Communicator& world) {
@@ -183,7 +191,8 @@ PendingSends::~PendingSends() {
 }
 
 NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world,
-                PendingSends* deferred) {
+                PendingSends* deferred, Stream* stream) {
+  Stream& s = stream != nullptr ? *stream : default_stream(Device::cpu());
   if (world.size() > 1 && rank != world.rank())
     fail("[comm] reshard '", resolution.name, "': execute for rank ", rank, " on rank ", world.rank());
   auto it = resolution.ranks.find(rank);
@@ -202,7 +211,7 @@ NDArray execute(const Resolution& resolution, int rank, const NDArray& local_inp
   for (size_t p = 0; p < plan.phases.size(); ++p) {
     const CommPhase& ph = plan.phases[p];
     HSPMD_CHECK(ph.in_box == box, "rank ", rank, " phase ", p, ": in_box does not match its buffer");
-    PhaseRun run(rank, box, current, resolution.dtype, world);
+    PhaseRun run(rank, box, current, resolution.dtype, world, s);
     for (const CommOp& op : ph.ops) run.start(op);
     current = run.finish(ph.out_box, deferred);
     box = ph.out_box;

@@ -110,14 +110,14 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Communicator& group(const std::vector<int>& ranks) override;
-  Request do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
-  Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) override;
+  Request do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                DType dtype) override;
-  Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                            DType dtype) override;
-  Request do_broadcast(void* data, int64_t count, DType dtype, int root) override;
-  Request do_send(const void* data, int64_t count, DType dtype, int peer, int tag) override;
-  Request do_recv(void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request do_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) override;
+  Request do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
   void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
@@ -164,7 +164,8 @@ void MpiCommunicator::check_counts(const std::vector<int64_t>& counts, const cha
   to_int(offset, call);
 }
 
-Request MpiCommunicator::do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
+Request MpiCommunicator::do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) {
+  stream.synchronize();
   auto r = std::make_unique<MpiRequest>();
   check(MPI_Iallreduce(MPI_IN_PLACE, data, to_int(count, "MPI_Iallreduce"), mpi_type(dtype), mpi_op(dtype, op), comm_,
                        &r->request),
@@ -173,8 +174,9 @@ Request MpiCommunicator::do_all_reduce(void* data, int64_t count, DType dtype, R
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+Request MpiCommunicator::do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                               DType dtype) {
+  stream.synchronize();
   auto r = std::make_unique<MpiRequest>();
   check_counts(counts, "MPI_Ireduce_scatter", *r);
   check(MPI_Ireduce_scatter(send, recv, r->counts.data(), mpi_type(dtype), mpi_op(dtype, ReduceOp::kSum), comm_,
@@ -184,8 +186,9 @@ Request MpiCommunicator::do_reduce_scatter(const void* send, void* recv, const s
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+Request MpiCommunicator::do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                           DType dtype) {
+  stream.synchronize();
   auto r = std::make_unique<MpiRequest>();
   check_counts(counts, "MPI_Iallgatherv", *r);
   const MPI_Datatype type = mpi_type(dtype);
@@ -196,7 +199,8 @@ Request MpiCommunicator::do_all_gather(const void* send, void* recv, const std::
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::do_broadcast(void* data, int64_t count, DType dtype, int root) {
+Request MpiCommunicator::do_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) {
+  stream.synchronize();
   check_peer(root, "MPI_Ibcast");
   auto r = std::make_unique<MpiRequest>();
   check(MPI_Ibcast(data, to_int(count, "MPI_Ibcast"), mpi_type(dtype), root, comm_, &r->request), "MPI_Ibcast");
@@ -204,7 +208,8 @@ Request MpiCommunicator::do_broadcast(void* data, int64_t count, DType dtype, in
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::do_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
+Request MpiCommunicator::do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) {
+  stream.synchronize();
   check_peer(peer, "MPI_Isend");
   auto r = std::make_unique<MpiRequest>();
   check(MPI_Isend(data, to_int(count, "MPI_Isend"), mpi_type(dtype), peer, tag, comm_, &r->request), "MPI_Isend");
@@ -212,7 +217,8 @@ Request MpiCommunicator::do_send(const void* data, int64_t count, DType dtype, i
   return Request(std::move(r));
 }
 
-Request MpiCommunicator::do_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
+Request MpiCommunicator::do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) {
+  stream.synchronize();
   check_peer(peer, "MPI_Irecv");
   auto r = std::make_unique<MpiRequest>();
   r->call = "MPI_Irecv";

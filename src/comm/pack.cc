@@ -1,43 +1,51 @@
-// Box packing (pack.h), row by row with the resolver's box-array walker.
+// Box packing (pack.h): one block copy between the shard and the message.
 #include "hspmd/comm/pack.h"
 
-#include <algorithm>
-#include <cstddef>
-#include <cstring>
-
 #include "hspmd/core/error.h"
-#include "resolve/box_arrays.h"
+#include "kernels/memory.h"
 #include "resolve/internal.h"
 
 namespace hspmd {
 
 using resolve_internal::contains;
-using resolve_internal::for_rows;
 using resolve_internal::is_empty;
 
-int64_t pack_box(const NDArray& from, const Box& from_box, const Box& region, void* out) {
+namespace {
+
+// `region`'s corner relative to `box`'s.
+Shape offset_in(const Box& box, const Box& region) {
+  Shape at(region.begin.size());
+  for (size_t d = 0; d < at.size(); ++d) at[d] = region.begin[d] - box.begin[d];
+  return at;
+}
+
+// The first region.numel() elements of the flat buffer `a`, viewed as the region.
+NDArray region_view(const NDArray& a, const Box& region, const char* what) {
+  const int64_t n = region.numel();
+  HSPMD_CHECK(a.is_contiguous() && a.numel() >= n, what, ": buffer of ", a.numel(), " elements for ",
+              to_string(region));
+  return a.reshape({a.numel()}).slice(0, 0, n).reshape(region.shape());
+}
+
+}  // namespace
+
+int64_t pack_box(Stream& stream, const NDArray& from, const Box& from_box, const Box& region,
+                 NDArray& out) {
   if (is_empty(region)) return 0;
   HSPMD_CHECK(contains(from_box, region), "pack ", to_string(region), " from ", to_string(from_box));
-  const size_t es = dtype_size(from.dtype());
-  const auto* src = static_cast<const std::byte*>(from.raw_data());
-  auto* dst = static_cast<std::byte*>(out);
-  for_rows(region, from_box, region, [&](int64_t a, int64_t, int64_t n) {
-    std::memcpy(dst, src + a * es, n * es);
-    dst += n * es;
-  });
+  NDArray view = region_view(out, region, "pack");
+  kernels::copy_block(stream, from.reshape(from_box.shape()), offset_in(from_box, region), view,
+                      Shape(region.begin.size(), 0), region.shape());
   return region.numel();
 }
 
-int64_t unpack_box(const void* in, NDArray& to, const Box& to_box, const Box& region) {
+int64_t unpack_box(Stream& stream, const NDArray& in, NDArray& to, const Box& to_box,
+                   const Box& region) {
   if (is_empty(region)) return 0;
   HSPMD_CHECK(contains(to_box, region), "unpack ", to_string(region), " into ", to_string(to_box));
-  const size_t es = dtype_size(to.dtype());
-  auto* dst = static_cast<std::byte*>(to.raw_data());
-  const auto* src = static_cast<const std::byte*>(in);
-  for_rows(region, region, to_box, [&](int64_t, int64_t b, int64_t n) {
-    std::memcpy(dst + b * es, src, n * es);
-    src += n * es;
-  });
+  NDArray target = to.reshape(to_box.shape());
+  kernels::copy_block(stream, region_view(in, region, "unpack"), Shape(region.begin.size(), 0),
+                      target, offset_in(to_box, region), region.shape());
   return region.numel();
 }
 

@@ -44,20 +44,23 @@ class ShadowCommunicator final : public Communicator {
   void abort(int) override {}
 
  protected:
-  Request do_all_reduce(void*, int64_t count, DType dtype, ReduceOp) override {
+  Request do_all_reduce(Stream& stream, void*, int64_t count, DType dtype, ReduceOp) override {
+    stream.synchronize();
     count_all_reduce(count, dtype);
     return {};
   }
-  Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                             DType dtype) override {
+    stream.synchronize();
     check_counts(counts, "reduce_scatter");
     count_reduce_scatter(counts, dtype);
     const auto* src = static_cast<const char*>(send) + bytes_of(offset(counts, rank_), dtype);
     if (src != recv) std::memmove(recv, src, bytes_of(counts[rank_], dtype));
     return {};
   }
-  Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                         DType dtype) override {
+    stream.synchronize();
     check_counts(counts, "all_gather");
     count_all_gather(counts, dtype);
     auto* out = static_cast<char*>(recv);
@@ -67,17 +70,20 @@ class ShadowCommunicator final : public Communicator {
       if (m != rank_) std::memset(out + bytes_of(offset(counts, m), dtype), 0, bytes_of(counts[m], dtype));
     return {};
   }
-  Request do_broadcast(void*, int64_t count, DType dtype, int root) override {
+  Request do_broadcast(Stream& stream, void*, int64_t count, DType dtype, int root) override {
+    stream.synchronize();
     check_peer(root, "broadcast");
     count_broadcast(count, dtype, root);
     return {};
   }
-  Request do_send(const void*, int64_t count, DType dtype, int peer, int) override {
+  Request do_send(Stream& stream, const void*, int64_t count, DType dtype, int peer, int) override {
+    stream.synchronize();
     check_peer(peer, "send");
     count_send(count, dtype);
     return {};
   }
-  Request do_recv(void* data, int64_t count, DType dtype, int peer, int) override {
+  Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int) override {
+    stream.synchronize();
     check_peer(peer, "recv");
     count_recv(count, dtype);
     std::memset(data, 0, bytes_of(count, dtype));

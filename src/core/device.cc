@@ -1,5 +1,7 @@
 #include "hspmd/core/device.h"
 
+#include <ctime>
+
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -87,6 +89,28 @@ void Event::synchronize() const {
 double Event::elapsed_ms(const Event& start) const {
   HSPMD_CHECK(recorded() && start.recorded(), "Event::elapsed_ms of an event never recorded");
   return std::chrono::duration<double, std::milli>(at_ - start.at_).count();
+}
+
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+void WorkTimer::begin() {
+  if (stream_ != nullptr)
+    start_.record(*stream_);
+  else
+    cpu0_ = process_cpu_seconds();
+}
+
+double WorkTimer::end_s() {
+  if (stream_ == nullptr) return process_cpu_seconds() - cpu0_;
+  HSPMD_CHECK(start_.recorded(), "WorkTimer::end_s before begin");
+  Event end;
+  end.record(*stream_);
+  end.synchronize();
+  return end.elapsed_ms(start_) * 1e-3;
 }
 
 }  // namespace hspmd

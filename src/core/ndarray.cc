@@ -49,21 +49,21 @@ NDArray NDArray::empty(const Shape& shape, DType dtype, Device device) {
 
 NDArray NDArray::zeros(const Shape& shape, DType dtype, Device device) {
   NDArray a = empty(shape, dtype, device);
-  std::memset(a.raw_data(), 0, a.nbytes());
+  std::memset(a.host_raw_data("NDArray::zeros"), 0, a.nbytes());
   return a;
 }
 
 NDArray NDArray::from_vector(const Shape& shape, const std::vector<float>& values) {
   HSPMD_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape));
   NDArray a = empty(shape, DType::F32);
-  std::memcpy(a.raw_data(), values.data(), a.nbytes());
+  std::memcpy(a.host_raw_data(), values.data(), a.nbytes());
   return a;
 }
 
 NDArray NDArray::from_vector_i32(const Shape& shape, const std::vector<int32_t>& values) {
   HSPMD_CHECK(static_cast<int64_t>(values.size()) == shape_numel(shape));
   NDArray a = empty(shape, DType::I32);
-  std::memcpy(a.raw_data(), values.data(), a.nbytes());
+  std::memcpy(a.host_raw_data(), values.data(), a.nbytes());
   return a;
 }
 
@@ -82,6 +82,23 @@ void* NDArray::raw_data() const {
   HSPMD_CHECK(valid(), "use of an invalid NDArray");
   return static_cast<char*>(storage_->data()) + offset_ * dtype_size(dtype_);
 }
+
+void* NDArray::host_raw_data(const char* what) const {
+  HSPMD_CHECK(valid(), "use of an invalid NDArray");
+  if (storage_->device().type != DeviceType::CPU)
+    fail("[ndarray] ", what, ": the array lives on ", storage_->device().str(), ", not on the host");
+  return raw_data();
+}
+
+template <typename T>
+T* NDArray::host_data(const char* what) const {
+  (void)host_raw_data(what);
+  return data<T>();
+}
+template float* NDArray::host_data<float>(const char*) const;
+template uint16_t* NDArray::host_data<uint16_t>(const char*) const;
+template int32_t* NDArray::host_data<int32_t>(const char*) const;
+template int64_t* NDArray::host_data<int64_t>(const char*) const;
 
 template <typename T>
 T* NDArray::data() const {
@@ -134,7 +151,7 @@ namespace {
 // Copies a strided array element by element into contiguous memory.
 void gather_strided(const NDArray& src, char* dst) {
   const size_t es = dtype_size(src.dtype());
-  const char* base = static_cast<const char*>(src.raw_data());
+  const char* base = static_cast<const char*>(src.host_raw_data("NDArray::contiguous"));
   const int n = src.ndim();
   const int64_t total = src.numel();
   std::vector<int64_t> idx(n, 0);
@@ -161,11 +178,12 @@ NDArray NDArray::contiguous() const {
 NDArray NDArray::clone() const {
   NDArray src = contiguous();
   NDArray out = empty(shape_, dtype_, device());
-  std::memcpy(out.raw_data(), src.raw_data(), nbytes());
+  std::memcpy(out.raw_data(), src.host_raw_data("NDArray::clone"), nbytes());
   return out;
 }
 
 NDArray NDArray::to(DType dtype) const {
+  (void)host_raw_data("NDArray::to");
   NDArray src = contiguous();
   if (dtype == dtype_) return src.clone();
   NDArray out = empty(shape_, dtype, device());
@@ -196,6 +214,7 @@ NDArray NDArray::to(DType dtype) const {
 }
 
 void NDArray::fill(float value) {
+  (void)host_raw_data("NDArray::fill");
   HSPMD_CHECK(is_contiguous());
   const int64_t n = numel();
   switch (dtype_) {
@@ -207,6 +226,7 @@ void NDArray::fill(float value) {
 }
 
 std::vector<float> NDArray::to_vector() const {
+  (void)host_raw_data("NDArray::to_vector");
   NDArray f = dtype_ == DType::F32 ? contiguous() : to(DType::F32);
   const float* p = f.data<float>();
   return std::vector<float>(p, p + f.numel());

@@ -46,7 +46,7 @@ uint64_t tensor_seed(uint64_t seed, std::string_view name) {
 void fill_normal(NDArray& array, uint64_t seed, std::string_view name, float std) {
   HSPMD_CHECK(array.dtype() == DType::F32 && array.is_contiguous());
   Rng rng(tensor_seed(seed, name));
-  float* p = array.data<float>();
+  float* p = array.host_data<float>("fill_normal");
   for (int64_t i = 0, n = array.numel(); i < n; ++i) p[i] = static_cast<float>(rng.normal() * std);
 }
 

@@ -66,53 +66,53 @@ Request ClockedCommunicator::collective(Request data, int64_t bytes) {
   return Request(std::move(impl));
 }
 
-Request ClockedCommunicator::do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) {
+Request ClockedCommunicator::do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) {
   start_clock();
   const int n = size();
-  return collective(inner_.start_all_reduce(data, count, dtype, op),
+  return collective(inner_.start_all_reduce(stream, data, count, dtype, op),
                     2 * (n - 1) * bytes_of(count, dtype) / std::max(n, 1));
 }
 
-Request ClockedCommunicator::do_reduce_scatter(const void* send, void* recv,
+Request ClockedCommunicator::do_reduce_scatter(Stream& stream, const void* send, void* recv,
                                                   const std::vector<int64_t>& counts, DType dtype) {
   start_clock();
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  return collective(inner_.start_reduce_scatter(send, recv, counts, dtype),
+  return collective(inner_.start_reduce_scatter(stream, send, recv, counts, dtype),
                     bytes_of(total - counts.at(rank()), dtype));
 }
 
-Request ClockedCommunicator::do_all_gather(const void* send, void* recv,
+Request ClockedCommunicator::do_all_gather(Stream& stream, const void* send, void* recv,
                                               const std::vector<int64_t>& counts, DType dtype) {
   start_clock();
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  return collective(inner_.start_all_gather(send, recv, counts, dtype),
+  return collective(inner_.start_all_gather(stream, send, recv, counts, dtype),
                     bytes_of(total - counts.at(rank()), dtype));
 }
 
-Request ClockedCommunicator::do_broadcast(void* data, int64_t count, DType dtype, int root) {
+Request ClockedCommunicator::do_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) {
   start_clock();
-  return collective(inner_.start_broadcast(data, count, dtype, root), bytes_of(count, dtype));
+  return collective(inner_.start_broadcast(stream, data, count, dtype, root), bytes_of(count, dtype));
 }
 
-Request ClockedCommunicator::do_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
+Request ClockedCommunicator::do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) {
   HSPMD_CHECK(tag >= 0 && tag < kClockTagOffset, "clocked communicator: tag ", tag, " too large");
   auto impl = std::make_unique<Impl>();
   impl->kind = Impl::kSend;
   impl->start = start_clock();
   impl->seconds = link_seconds(peer, bytes_of(count, dtype));
-  impl->data = inner_.start_send(data, count, dtype, peer, tag);
+  impl->data = inner_.start_send(stream, data, count, dtype, peer, tag);
   impl->clocks = {impl->start};
   impl->clock = inner_.start_send(impl->clocks.data(), 1, DType::F64, peer, tag + kClockTagOffset);
   return Request(std::move(impl));
 }
 
-Request ClockedCommunicator::do_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
+Request ClockedCommunicator::do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) {
   HSPMD_CHECK(tag >= 0 && tag < kClockTagOffset, "clocked communicator: tag ", tag, " too large");
   auto impl = std::make_unique<Impl>();
   impl->kind = Impl::kRecv;
   impl->start = start_clock();
   impl->seconds = link_seconds(peer, bytes_of(count, dtype));
-  impl->data = inner_.start_recv(data, count, dtype, peer, tag);
+  impl->data = inner_.start_recv(stream, data, count, dtype, peer, tag);
   impl->clocks.resize(1);
   impl->clock = inner_.start_recv(impl->clocks.data(), 1, DType::F64, peer, tag + kClockTagOffset);
   return Request(std::move(impl));

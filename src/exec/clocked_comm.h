@@ -39,15 +39,15 @@ class ClockedCommunicator final : public Communicator {
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   Communicator& group(const std::vector<int>& ranks) override { return inner_.group(ranks); }
-  Request do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) override;
-  Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) override;
+  Request do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                DType dtype) override;
-  Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  Request do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                            DType dtype) override;
-  Request do_broadcast(void* data, int64_t count, DType dtype, int root) override;
+  Request do_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) override;
   // Tags must be below kClockTagOffset: the clock travels on tag + offset.
-  Request do_send(const void* data, int64_t count, DType dtype, int peer, int tag) override;
-  Request do_recv(void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) override;
+  Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { inner_.barrier(); }
   void abort(int code) override { inner_.abort(code); }

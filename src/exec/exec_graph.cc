@@ -10,6 +10,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
 #include "hspmd/ops/ops.h"
+#include "kernels/memory.h"
 
 namespace hspmd {
 
@@ -271,7 +272,8 @@ void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Acti
   NodeRunner runner;
   runner.leaf = [&](const Node& n) {
     HSPMD_CHECK(values != nullptr, "leaf '", n.name, "' after the loss");
-    return std::vector<NDArray>{values->at(n.name)};  // check_feeds found it
+    // check_feeds found it; a host feed (a batch) moves to the graph's device.
+    return std::vector<NDArray>{kernels::to_device(stream(), values->at(n.name))};
   };
   runner.compute = [&](const Node& n, const std::vector<NDArray>& inputs) {
     if (step_open_ && parameter_only(n.id)) {  // the step's pre-processing
@@ -314,7 +316,8 @@ ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world) co
   const Graph& g = *model_.graph;
   MicroBatch out;
   const auto& loss = a.slots[model_.loss.node_id()];
-  if (!loss.empty() && loss[0].valid()) out.loss = loss[0].data<float>()[0];
+  if (!loss.empty() && loss[0].valid())
+    out.loss = kernels::to_host(stream(), loss[0]).host_data<float>("the loss")[0];
   for (const auto& [name, id] : grad_sync_node_) {
     const Tensor raw = g.node(id).inputs[0];
     const auto& s = a.slots[raw.node_id()];
@@ -405,7 +408,7 @@ NDArray ExecGraph::run_reshard(const Resolution& r, const std::string& name, con
   const double t0 = clock_ ? clock_->now() : 0;
   if (clock_) sync_clock(r, world);
   const int64_t before = world.bytes().sent;
-  NDArray out = execute(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr);
+  NDArray out = execute(r, rank_, in, world, defer_sends_ ? &pending_ : nullptr, &stream());
   ledger_.measured += world.bytes().sent - before;
   ledger_.predicted += r.ranks.at(rank_).bytes_sent;
   if (clock_ && !r.ranks.at(rank_).phases.empty())  // identities are not communication

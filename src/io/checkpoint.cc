@@ -569,7 +569,7 @@ bool fault_requested(int64_t step, int rank) {
 
 // The test hook: leaves a partial temporary file and dies like a crash.
 [[noreturn]] void crash_mid_write(int fd, const std::vector<Prepared>& shards) {
-  if (!shards.empty()) (void)write_all(fd, shards[0].data.raw_data(), shards[0].data.nbytes() / 2);
+  if (!shards.empty()) (void)write_all(fd, shards[0].data.host_raw_data("checkpoint write"), shards[0].data.nbytes() / 2);
   ::fsync(fd);
   ::kill(::getpid(), SIGKILL);
   std::abort();  // not reached
@@ -581,7 +581,7 @@ void write_shard_file(const std::string& dir, const std::string& name, int64_t s
   const std::string header = shard_file_header(step, rank, shards);
   bool ok = write_all(fd.fd, header.data(), header.size());
   if (ok && fault_requested(step, rank)) crash_mid_write(fd.fd, shards);
-  for (size_t i = 0; ok && i < shards.size(); ++i) ok = write_all(fd.fd, shards[i].data.raw_data(), shards[i].data.nbytes());
+  for (size_t i = 0; ok && i < shards.size(); ++i) ok = write_all(fd.fd, shards[i].data.host_raw_data("checkpoint write"), shards[i].data.nbytes());
   if (!ok) fail_removing_tmp(dir, name, "cannot write '", name, ".tmp': ", errno_text());
   finish_tmp(dir, name, fd);
 }
@@ -593,7 +593,7 @@ json part_index(int64_t step, int rank, const std::vector<Prepared>& shards) {
     t.shape = p.shard->global_shape;
     t.dtype = p.data.dtype();
     t.shards.push_back({shard_file_name(step, rank), p.key, p.shard->box,
-                        checkpoint_checksum(p.data.raw_data(), p.data.nbytes())});
+                        checkpoint_checksum(p.data.host_raw_data("checkpoint write"), p.data.nbytes())});
   }
   json j = {{"format", kPartFormat}, {"version", kVersion}, {"step", step}, {"rank", rank}, {"tensors", json::object()}};
   for (const auto& [name, t] : tensors) j["tensors"][name] = tensor_json(t);
@@ -790,7 +790,7 @@ void copy_region(const std::string& dir, const std::string& file, int fd, const 
   while (j > 0 && whole(j)) --j;
   int64_t run = 1;
   for (int d = std::max(j, 0); d < n; ++d) run *= region.end[d] - region.begin[d];
-  char* base = static_cast<char*>(out.raw_data());
+  char* base = static_cast<char*>(out.host_raw_data("checkpoint read"));
   Shape at = region.begin;
   while (true) {
     const uint64_t from = e.begin + static_cast<uint64_t>(linear(src, at)) * esize;
@@ -822,7 +822,7 @@ void CheckpointReader::verify(const ShardFile& f, const StEntry& e, const std::s
 void CheckpointReader::check_finite(const std::string& tensor, const Box& box, const NDArray& a) const {
   if (a.dtype() != DType::F32 && a.dtype() != DType::BF16) return;
   const NDArray f = a.dtype() == DType::F32 ? a : a.to(DType::F32);
-  const float* x = f.data<float>();
+  const float* x = f.host_data<float>("checkpoint check");
   for (int64_t i = 0; i < f.numel(); ++i)
     if (!std::isfinite(x[i]))
       fail_dir(dir_, "tensor '", tensor, "' holds ", x[i], " at element ", i, " of box ", to_string(box),

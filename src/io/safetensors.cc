@@ -168,7 +168,7 @@ void read_tensor(std::ifstream& in, const std::string& path, const std::string& 
                  const Entry& e, NDArray& out) {
   if (e.end == e.begin) return;
   in.seekg(static_cast<std::streamoff>(data_start + e.begin));
-  in.read(static_cast<char*>(out.raw_data()), static_cast<std::streamsize>(e.end - e.begin));
+  in.read(static_cast<char*>(out.host_raw_data("safetensors read")), static_cast<std::streamsize>(e.end - e.begin));
   if (!in) fail_file(path, "tensor '", name, "': cannot read its data");
 }
 
@@ -229,7 +229,7 @@ std::string write_file(const std::string& path, const std::string& header,
   out.write(reinterpret_cast<const char*>(len), kHeaderLengthBytes);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   for (const auto& [name, t] : tensors)
-    out.write(static_cast<const char*>(t.raw_data()), static_cast<std::streamsize>(t.nbytes()));
+    out.write(static_cast<const char*>(t.host_raw_data("safetensors write")), static_cast<std::streamsize>(t.nbytes()));
   out.close();
   if (!out) return "writing " + path + " failed (disk full or I/O error)";
   return "";
@@ -317,7 +317,7 @@ void SafetensorsWriter::write(const std::string& name, const NDArray& tensor) {
               shape_str(it->second.shape));
   const NDArray c = tensor.contiguous();
   w.out.seekp(static_cast<std::streamoff>(w.offsets.at(name)));
-  w.out.write(static_cast<const char*>(c.raw_data()), static_cast<std::streamsize>(c.nbytes()));
+  w.out.write(static_cast<const char*>(c.host_raw_data("safetensors write")), static_cast<std::streamsize>(c.nbytes()));
   if (!w.out) fail_file(w.path, "writing ", w.tmp, " failed (disk full or I/O error)");
 }
 

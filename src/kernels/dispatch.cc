@@ -12,6 +12,7 @@
 #include "kernels/attention.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
+#include "kernels/memory.h"
 
 namespace hspmd::kernels {
 
@@ -291,6 +292,71 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
     case DeviceType::CPU:
       return cpu::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
     default: no_kernel("attention_block_backward", s.device());
+  }
+}
+
+// ---- memory.h ----
+
+void fill(Stream& s, NDArray& out, float value) {
+  switch (device_of("fill", s, {&out})) {
+    case DeviceType::CPU: return cpu::fill(out, value);
+    default: no_kernel("fill", s.device());
+  }
+}
+
+NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
+  switch (s.device().type) {
+    case DeviceType::CPU: return cpu::zeros(shape, dtype);
+    default: no_kernel("zeros", s.device());
+  }
+}
+
+void copy(Stream& s, const NDArray& from, NDArray& out) {
+  switch (device_of("copy", s, {&from, &out})) {
+    case DeviceType::CPU: return cpu::copy(from, out);
+    default: no_kernel("copy", s.device());
+  }
+}
+
+void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to,
+                const Shape& to_start, const Shape& extent, bool accumulate) {
+  switch (device_of("copy_block", s, {&from, &to})) {
+    case DeviceType::CPU: return cpu::copy_block(from, from_start, to, to_start, extent, accumulate);
+    default: no_kernel("copy_block", s.device());
+  }
+}
+
+NDArray to_host(Stream& s, const NDArray& a) {
+  switch (device_of("to_host", s, {&a})) {
+    case DeviceType::CPU: return a;  // the host is the CPU device
+    default: no_kernel("to_host", s.device());
+  }
+}
+
+NDArray to_device(Stream& s, const NDArray& a) {
+  if (!a.valid() || a.device() == s.device()) return a;  // there already (CPU: the host)
+  if (a.device().type != DeviceType::CPU)
+    fail("[kernels] to_device: the array lives on ", a.device().str(), ", neither on the host nor on ",
+         s.device().str());
+  switch (s.device().type) {
+    default: no_kernel("to_device", s.device());
+  }
+}
+
+double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
+  for (const NDArray& a : arrays) device_of("sum_of_squares", s, {&a});
+  switch (s.device().type) {
+    case DeviceType::CPU: return cpu::sum_of_squares(arrays);
+    default: no_kernel("sum_of_squares", s.device());
+  }
+}
+
+void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+  for (const AdamTensor& t : tensors)
+    device_of("adam_step", s, {t.param, t.grad, t.exp_avg, t.exp_avg_sq});
+  switch (s.device().type) {
+    case DeviceType::CPU: return cpu::adam_step(tensors, f);
+    default: no_kernel("adam_step", s.device());
   }
 }
 

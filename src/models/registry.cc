@@ -28,6 +28,18 @@ const std::map<std::string, const ModelFamily*>& families() {
 
 double ModelFamily::attention_pairs(const ModelConfig&, double seq_len) const { return seq_len * seq_len / 2; }
 
+double ModelFamily::activation_bytes_per_token(const ModelConfig& c, double element_bytes, int tp, int cp,
+                                               bool recompute) const {
+  // The norms' inputs and outputs, q, k, v and their rotated copies, the
+  // attention output and its log-sum-exp (fp32), the MLP's gate, up and
+  // product, and the residual sums; recomputed: only the block's input.
+  const double h = static_cast<double>(c.hidden_size), f = static_cast<double>(c.intermediate_size);
+  const double kv = static_cast<double>(c.kv_heads() * c.head_dim());
+  const double heads = static_cast<double>(c.num_attention_heads);
+  if (recompute) return h * element_bytes / (tp * cp);
+  return ((8 * h + 4 * kv + 4 * f) * element_bytes + heads * 4.0) / (tp * cp);
+}
+
 const ModelFamily* find_model_family(const std::string& model_type) {
   const auto it = families().find(model_type);
   return it == families().end() ? nullptr : it->second;

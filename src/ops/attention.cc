@@ -17,6 +17,8 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/attention.h"
+#include "kernels/kernels.h"
+#include "kernels/memory.h"
 #include "op_util.h"
 
 namespace hspmd::ops {
@@ -177,27 +179,28 @@ std::optional<Ring> ring_of(const OpContext& ctx, int documents_rank) {
   return ring;
 }
 
-// Copies half p (along `dim`) of a contiguous array to / from packed memory.
-void copy_half(const NDArray& a, int dim, int p, float* packed, bool pack) {
-  int64_t outer = 1, inner = 1;
-  for (int d = 0; d < dim; ++d) outer *= a.dim(d);
-  for (int d = dim + 1; d < a.ndim(); ++d) inner *= a.dim(d);
-  const int64_t len = a.dim(dim), h = len / 2, n = h * inner;
-  float* base = a.data<float>();
-  for (int64_t o = 0; o < outer; ++o) {
-    float* at = base + (o * len + p * h) * inner;
-    if (pack)
-      std::copy(at, at + n, packed + o * n);
-    else
-      std::copy(packed + o * n, packed + (o + 1) * n, at);
-  }
+// Copies half p (along `dim`) of a contiguous array to / from elements
+// [offset, offset + numel / 2) of the flat array `packed`, row-major.
+void copy_half(Stream& stream, const NDArray& a, int dim, int p, const NDArray& packed,
+               int64_t offset, bool pack) {
+  const int64_t h = a.dim(dim) / 2;
+  Shape extent = a.shape(), at(a.ndim(), 0), zero(a.ndim(), 0);
+  extent[dim] = h;
+  at[dim] = p * h;
+  NDArray part = packed.slice(0, offset, offset + shape_numel(extent)).reshape(extent);
+  NDArray target = a;
+  if (pack)
+    kernels::copy_block(stream, a, at, part, zero, extent);
+  else
+    kernels::copy_block(stream, part, zero, target, at, extent);
 }
 
 // Copies half p of every array to / from one packed message.
-void copy_halves(const std::vector<NDArray>& arrays, const std::vector<int>& dims, int p,
-                 float* packed, bool pack) {
-  for (size_t i = 0; i < arrays.size(); packed += arrays[i].numel() / 2, ++i)
-    copy_half(arrays[i], dims[i], p, packed, pack);
+void copy_halves(Stream& stream, const std::vector<NDArray>& arrays, const std::vector<int>& dims,
+                 int p, const NDArray& packed, bool pack) {
+  int64_t offset = 0;
+  for (size_t i = 0; i < arrays.size(); offset += arrays[i].numel() / 2, ++i)
+    copy_half(stream, arrays[i], dims[i], p, packed, offset, pack);
 }
 
 // Where the local half p goes in a relayout (its new owner and position
@@ -225,27 +228,29 @@ std::vector<NDArray> relayout(const Ring& ring, const std::vector<NDArray>& arra
                               const std::vector<int>& dims, bool to_zigzag) {
   int64_t count = 0;
   for (const NDArray& a : arrays) count += a.numel() / 2;
-  std::vector<float> sent[2], got[2];
+  Stream& stream = *ring.stream;
+  const Device device = stream.device();
+  NDArray sent[2], got[2];
   std::vector<Request> requests;
   for (int p = 0; p < 2; ++p) {
     const auto [peer, pos] = relayout_destination(ring, p, to_zigzag);
-    sent[p].resize(count);
-    copy_halves(arrays, dims, p, sent[p].data(), true);
+    sent[p] = NDArray::empty({count}, DType::F32, device);
+    copy_halves(stream, arrays, dims, p, sent[p], true);
     if (peer == ring.c)
-      got[pos] = std::move(sent[p]);
+      got[pos] = sent[p];
     else
-      requests.push_back(ring.cp->start_send(sent[p].data(), count, peer, kTagRelayout + pos));
+      requests.push_back(ring.cp->start_send(stream, sent[p], peer, kTagRelayout + pos));
   }
   for (int p = 0; p < 2; ++p) {
     const int peer = relayout_source(ring, p, to_zigzag);
     if (peer == ring.c) continue;
-    got[p].resize(count);
-    requests.push_back(ring.cp->start_recv(got[p].data(), count, peer, kTagRelayout + p));
+    got[p] = NDArray::empty({count}, DType::F32, device);
+    requests.push_back(ring.cp->start_recv(stream, got[p], peer, kTagRelayout + p));
   }
   ring.cp->wait_all(requests);
   std::vector<NDArray> result;
-  for (const NDArray& a : arrays) result.push_back(NDArray::empty(a.shape(), DType::F32));
-  for (int p = 0; p < 2; ++p) copy_halves(result, dims, p, got[p].data(), false);
+  for (const NDArray& a : arrays) result.push_back(NDArray::empty(a.shape(), DType::F32, device));
+  for (int p = 0; p < 2; ++p) copy_halves(stream, result, dims, p, got[p], false);
   return result;
 }
 
@@ -283,35 +288,37 @@ NDArray chunk_starts(const Ring& ring, const NDArray& positions, int64_t B) {
   if (bad[1] > 0)
     fail("[attention] document positions: a cp rank holds a negative position (rule: "
          "positions >= 0)");
-  return NDArray::from_vector({B, ring.local()}, std::vector<float>(start.begin(), start.end()));
+  return kernels::to_device(*ring.stream, NDArray::from_vector({B, ring.local()},
+                                                               std::vector<float>(start.begin(), start.end())));
 }
 
-std::vector<int32_t> starts_of(const NDArray& f) {
-  const std::vector<float> v = f.to_vector();
+std::vector<int32_t> starts_of(Stream& stream, const NDArray& f) {
+  const std::vector<float> v = kernels::to_host(stream, f).to_vector();
   return std::vector<int32_t>(v.begin(), v.end());
 }
 
 // Keys and values of one block, packed to travel as one message: [2, B, L, Hkv, D].
-NDArray kv_pack(const NDArray& k, const NDArray& v) {
-  Shape shape = k.shape();
-  shape.insert(shape.begin(), 2);
-  NDArray kv = NDArray::empty(shape, DType::F32);
-  std::copy(k.data<float>(), k.data<float>() + k.numel(), kv.data<float>());
-  std::copy(v.data<float>(), v.data<float>() + v.numel(), kv.data<float>() + k.numel());
-  return kv;
-}
-
 NDArray part(const NDArray& packed, int i) {
   const Shape shape(packed.shape().begin() + 1, packed.shape().end());
   return packed.slice(0, i, i + 1).reshape(shape);
 }
 
+NDArray kv_pack(Stream& stream, const NDArray& k, const NDArray& v) {
+  Shape shape = k.shape();
+  shape.insert(shape.begin(), 2);
+  NDArray kv = NDArray::empty(shape, DType::F32, stream.device());
+  NDArray pk = part(kv, 0), pv = part(kv, 1);
+  kernels::copy(stream, k, pk);
+  kernels::copy(stream, v, pv);
+  return kv;
+}
+
 Request send_to_next(const Ring& ring, const NDArray& a, int tag) {
-  return ring.cp->start_send(a.data<float>(), a.numel(), ring.next(), tag);
+  return ring.cp->start_send(*ring.stream, a, ring.next(), tag);
 }
 
 Request receive_from_prev(const Ring& ring, NDArray& a, int tag) {
-  return ring.cp->start_recv(a.data<float>(), a.numel(), ring.prev(), tag);
+  return ring.cp->start_recv(*ring.stream, a, ring.prev(), tag);
 }
 
 // Starts sending `block` to the next rank and receiving the previous rank's into `into`.
@@ -352,7 +359,7 @@ void ring_forward(const Ring& ring, const RingInputs& x, NDArray& out, NDArray& 
   lse = NDArray::empty({B, Hq, L}, DType::F32, x.q.device());
   NDArray out_blk = NDArray::empty(out.shape(), DType::F32, x.q.device());
   NDArray lse_blk = NDArray::empty(lse.shape(), DType::F32, x.q.device());
-  NDArray now = x.kv, next = NDArray::empty(x.kv.shape(), DType::F32);
+  NDArray now = x.kv, next = NDArray::empty(x.kv.shape(), DType::F32, x.kv.device());
   std::vector<int64_t> k_index;
   for (int s = 0; s < ring.n; ++s) {
     std::vector<Request> moving;
@@ -369,12 +376,6 @@ void ring_forward(const Ring& ring, const RingInputs& x, NDArray& out, NDArray& 
   }
 }
 
-void add_into(NDArray& a, const NDArray& b) {
-  float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  for (int64_t i = 0; i < a.numel(); ++i) pa[i] += pb[i];
-}
-
 // Ring backward: dq stays; the gradients of each block ([2, ...] like kv)
 // follow it round the ring, each rank adding its share, and reach the
 // block's owner after n hops. Returns dq and the own block's dk, dv (packed).
@@ -384,11 +385,12 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
   const kernels::AttentionTiles tiles = kernels::attention_tiles();
   NDArray delta = NDArray::empty(lse.shape(), DType::F32, lse.device());
   kernels::attention_row_dots(*ring.stream, out, grad_out, delta, x.products == DType::BF16);
-  NDArray dq = NDArray::zeros(x.q.shape(), DType::F32, x.q.device());
+  NDArray dq = kernels::zeros(*ring.stream, x.q.shape(), DType::F32);
   const Shape& shape = x.kv.shape();
-  NDArray now = x.kv, next = NDArray::empty(shape, DType::F32);
-  NDArray grads[2] = {NDArray::empty(shape, DType::F32), NDArray::empty(shape, DType::F32)};
-  NDArray arrived = NDArray::empty(shape, DType::F32);
+  const Device device = x.kv.device();
+  NDArray now = x.kv, next = NDArray::empty(shape, DType::F32, device);
+  NDArray grads[2] = {NDArray::empty(shape, DType::F32, device), NDArray::empty(shape, DType::F32, device)};
+  NDArray arrived = NDArray::empty(shape, DType::F32, device);
   std::vector<Request> sending[2], incoming;
   std::vector<int64_t> k_index;
   for (int s = 0; s < ring.n; ++s) {
@@ -398,13 +400,13 @@ std::pair<NDArray, NDArray> ring_backward(const Ring& ring, const RingInputs& x,
       incoming.push_back(receive_from_prev(ring, arrived, kTagGrad));
     NDArray& g = grads[s % 2];
     ring.cp->wait_all(sending[s % 2]);
-    g.fill(0.0f);
+    kernels::fill(*ring.stream, g, 0.0f);
     NDArray dk = part(g, 0), dv = part(g, 1);
     const kernels::AttentionBlock blk = x.block(ring, now, s, k_index);
     if (!x.hidden(blk))  // a hidden block's gradients stay zero but still travel
       kernels::attention_block_backward(*ring.stream, blk, grad_out, lse, delta, dq, dk, dv, tiles);
     ring.cp->wait_all(incoming);
-    if (s > 0) add_into(g, arrived);
+    if (s > 0) kernels::accumulate(*ring.stream, arrived, g);  // g += arrived
     sending[s % 2].push_back(send_to_next(ring, g, kTagGrad));
     ring.cp->wait_all(moving);
     std::swap(now, next);
@@ -428,8 +430,8 @@ RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const N
   dims.insert(dims.end(), extra_dims.begin(), extra_dims.end());
   std::vector<NDArray> z = relayout(ring, arrays, dims, true);
   extra_zigzag.assign(z.begin() + 4, z.end());
-  return RingInputs{z[0],  kv_pack(z[1], z[2]), ring.zigzag_index(ring.c), starts_of(z[3]),
-                    scale, products,            window};
+  return RingInputs{z[0],  kv_pack(*ring.stream, z[1], z[2]), ring.zigzag_index(ring.c),
+                    starts_of(*ring.stream, z[3]), scale, products, window};
 }
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse (contiguous order).
@@ -524,8 +526,8 @@ double attention_products(const std::vector<Shape>& in, const ShardContext* shar
 // n^2 / 2 per document of n. A window W > 0 keeps min(p + 1, W) keys of a
 // query at position p, counted min(p + 1, W) - 1/2 (causal_pairs).
 double document_products(const Shape& q, const NDArray& documents, int64_t window) {
-  const NDArray d = documents.contiguous();
-  const int32_t* v = d.data<int32_t>();
+  const NDArray d = kernels::to_host(default_stream(documents.device()), documents).contiguous();
+  const int32_t* v = d.host_data<int32_t>("document_products");
   double pairs = 0;
   if (d.ndim() == 2) {
     const int64_t rows = d.shape()[0], s = d.shape()[1];

@@ -54,9 +54,9 @@ void vocab_parallel_forward(const OpContext& ctx, const std::vector<NDArray>& in
   Communicator& group = ctx.shard->group_along(0, logits.ndim() - 1);
   NDArray shard_lse = NDArray::empty({group.size(), rows}, DType::F32, logits.device());
   std::vector<Request> pending;
-  pending.push_back(group.start_all_gather(local_lse.data<float>(), shard_lse.data<float>(),
+  pending.push_back(group.start_all_gather(*ctx.stream, local_lse, shard_lse,
                                            std::vector<int64_t>(group.size(), rows)));
-  pending.push_back(group.start_all_reduce(target_logit.data<float>(), rows));
+  pending.push_back(group.start_all_reduce(*ctx.stream, target_logit));
   group.wait_all(pending);
   kernels::cross_entropy_combine(*ctx.stream, shard_lse, target_logit, targets, in[2],
                                  ignore_index, out[0], out[1]);

@@ -2,6 +2,7 @@
 // shape of another tensor, living on that tensor's devices (it seeds the
 // backward pass with d(loss)/d(loss) = 1).
 #include "hspmd/ops/ops.h"
+#include "kernels/memory.h"
 #include "op_util.h"
 
 namespace hspmd::ops {
@@ -19,7 +20,7 @@ class FillOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>&,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    out[0].fill(value_);
+    kernels::fill(*ctx.stream, out[0], value_);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>&) const override {
     return {};
@@ -50,7 +51,7 @@ class FillLikeOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>&,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
-    out[0].fill(value_);
+    kernels::fill(*ctx.stream, out[0], value_);
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>&) const override {
     return {Tensor()};

@@ -5,29 +5,16 @@
 #include <numbers>
 
 #include "hspmd/core/error.h"
+#include "kernels/kernels.h"
+#include "kernels/memory.h"
 
 namespace hspmd {
 
 namespace {
 
-constexpr int64_t kParallelThreshold = 1 << 15;
-
-double sum_of_squares(const NDArray& a) {
-  HSPMD_CHECK(a.dtype() == DType::F32 && a.is_contiguous(),
-              "gradient norm needs contiguous f32 arrays");
-  const float* x = a.data<float>();
-  const int64_t n = a.numel();
-  double sum = 0.0;
-#pragma omp parallel for simd reduction(+ : sum) schedule(static) if (n >= kParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
-  return sum;
-}
-
-void scale(NDArray& a, float factor) {
-  float* x = a.data<float>();
-  const int64_t n = a.numel();
-#pragma omp parallel for simd schedule(static) if (n >= kParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+// The stream of the gradients' device (that of the first; kernels check the others).
+Stream& grads_stream(const std::map<std::string, NDArray>& grads) {
+  return default_stream(grads.empty() ? Device::cpu() : grads.begin()->second.device());
 }
 
 }  // namespace
@@ -52,18 +39,26 @@ LrScheduleKind LrSchedule::parse_kind(const std::string& name) {
        "' (expected constant, warmup or cosine)");
 }
 
+float clip_coefficient(double norm, double max_norm) {
+  if (max_norm > 0 && norm > max_norm) return static_cast<float>(max_norm / (norm + 1e-6));
+  return 1.0f;
+}
+
+void scale_grads(std::map<std::string, NDArray>& grads, float coef) {
+  if (coef == 1.0f) return;
+  Stream& s = grads_stream(grads);
+  for (auto& [name, g] : grads) kernels::scale(s, g, coef, g);
+}
+
 double global_grad_norm(const std::map<std::string, NDArray>& grads) {
-  double sum = 0.0;
-  for (const auto& [name, g] : grads) sum += sum_of_squares(g);
-  return std::sqrt(sum);
+  std::vector<NDArray> arrays;
+  for (const auto& [name, g] : grads) arrays.push_back(g);
+  return std::sqrt(kernels::sum_of_squares(grads_stream(grads), arrays));
 }
 
 double clip_grad_norm(std::map<std::string, NDArray>& grads, double max_norm) {
   const double norm = global_grad_norm(grads);
-  if (max_norm <= 0.0) return norm;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0)
-    for (auto& [name, g] : grads) scale(g, static_cast<float>(coef));
+  scale_grads(grads, clip_coefficient(norm, max_norm));
   return norm;
 }
 

@@ -292,17 +292,10 @@ double CostModel::activation_bytes(const StageShape& st, int64_t s, int64_t b) c
         per_token_stage =
             st.recompute ? m.stage_activation_bytes_per_token_recompute : m.stage_activation_bytes_per_token;
       }
-  if (per_token_layer < 0) {
-    // The blocks keep (flash-style attention: no s x s probabilities) the
-    // norms' inputs and outputs, q, k, v and their rotated copies, the
-    // attention output and its log-sum-exp, the MLP's gate, up and product,
-    // and the residual sums; with recomputation only the block's input.
-    const double ab = activation_element_bytes(st.ranks.front());
-    const double h = static_cast<double>(model_.hidden_size), f = static_cast<double>(model_.intermediate_size);
-    const double kv = static_cast<double>(model_.kv_heads() * model_.head_dim());
-    const double heads = static_cast<double>(model_.num_attention_heads);
-    per_token_layer = st.recompute ? h * ab / (tp * cp) : ((8 * h + 4 * kv + 4 * f) * ab + heads * kBytes) / (tp * cp);
-  }
+  if (per_token_layer < 0)  // no profile of this layer: the family's estimate
+    per_token_layer = model_family(model_.model_type)
+                          .activation_bytes_per_token(model_, activation_element_bytes(st.ranks.front()), tp, cp,
+                                                      st.recompute);
   double bytes = tokens * (per_token_layer * st.layers + per_token_stage);
   if (st.last)  // logits of the vocabulary shard and their softmax (fp32)
     bytes += 2 * tokens / (tp * cp) * static_cast<double>(model_.table_rows()) * kBytes;

@@ -1,4 +1,4 @@
-// compile_plan: a Strategy becomes an annotation plan for the Llama model.
+// compile_plan: a Strategy becomes an annotation plan for the model of its config (any registered family).
 // Pipelines are the top tier (one subgroup per pipeline: the stage holding
 // the tensor's layer), stages the bottom tier (Megatron-style tensor
 // parallelism, optionally tp x cp). See docs/plan.md.

@@ -23,16 +23,16 @@ NDArray extract(const NDArray& a, const Box& a_box, const Box& region) {
 }
 
 void copy_region(const NDArray& from, const Box& from_box, NDArray& to, const Box& to_box, const Box& region) {
-  const float* src = from.data<float>();
-  float* dst = to.data<float>();
+  const float* src = from.host_data<float>();
+  float* dst = to.host_data<float>();
   for_rows(region, from_box, to_box, [&](int64_t a, int64_t b, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[b + i] = src[a + i];
   });
 }
 
 void add_region(const NDArray& from, const Box& from_box, NDArray& to, const Box& to_box, const Box& region) {
-  const float* src = from.data<float>();
-  float* dst = to.data<float>();
+  const float* src = from.host_data<float>();
+  float* dst = to.host_data<float>();
   for_rows(region, from_box, to_box, [&](int64_t a, int64_t b, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[b + i] += src[a + i];
   });
@@ -54,8 +54,8 @@ std::vector<NDArray> split_terms(const NDArray& total, int n, Rng& rng) {
   NDArray last = total.clone();
   for (int t = 0; t + 1 < n; ++t) {
     NDArray term = NDArray::empty(total.shape(), DType::F32);
-    float* p = term.data<float>();
-    float* l = last.data<float>();
+    float* p = term.host_data<float>();
+    float* l = last.host_data<float>();
     for (int64_t i = 0; i < term.numel(); ++i) {
       p[i] = static_cast<float>(std::floor(rng.uniform() * 17.0) - 8.0);
       l[i] -= p[i];
@@ -78,8 +78,8 @@ std::string index_str(const Box& region, int64_t flat) {
 
 // First element where a (holding `region`) differs from b (same box); "" when equal.
 std::string compare(const NDArray& a, const NDArray& b, const Box& region, const std::string& who) {
-  const float* x = a.data<float>();
-  const float* y = b.data<float>();
+  const float* x = a.host_data<float>();
+  const float* y = b.host_data<float>();
   for (int64_t i = 0; i < a.numel(); ++i)
     if (x[i] != y[i]) {
       std::ostringstream os;

@@ -48,8 +48,8 @@ struct Fresh {
     if (is_empty(region)) return;
     HSPMD_CHECK(box && contains(*box, region), "rank ", rank, " writes ", to_string(region), " outside its out_box");
     HSPMD_CHECK(contains(from_box, region), "rank ", rank, " copies ", to_string(region), " from a smaller box");
-    const float* src = from.data<float>();
-    float* dst = data.data<float>();
+    const float* src = from.host_data<float>();
+    float* dst = data.host_data<float>();
     for_rows(region, from_box, *box, [&](int64_t a, int64_t b, int64_t n) {
       std::copy(src + a, src + a + n, dst + b);
       std::fill(written.begin() + b, written.begin() + b + n, 1);

@@ -5,6 +5,8 @@
 #include "train/resume_checks.h"
 
 #include "kernels/basic.h"
+#include "kernels/kernels.h"
+#include "kernels/memory.h"
 
 namespace hspmd {
 namespace dist {
@@ -153,7 +155,7 @@ ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) con
   NDArray targets = NDArray::zeros({rows, width}, DType::I32);
   NDArray positions = NDArray::zeros({rows, width}, DType::I32);
   const int64_t at = row * width;
-  fill(ids.data<int32_t>() + at, targets.data<int32_t>() + at, positions.data<int32_t>() + at);
+  fill(ids.host_data<int32_t>() + at, targets.host_data<int32_t>() + at, positions.host_data<int32_t>() + at);
   NDArray norm = NDArray::empty({}, DType::F32);
   norm.fill(normalizer);
   bindings = Bindings{{"B", rows}, {"S", width}};
@@ -169,18 +171,13 @@ ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) con
 }
 
 double DistTrainer::global_grad_norm(std::map<std::string, NDArray>& synced) const {
-  double sumsq = 0;
-  for (const auto& [name, g] : synced) {
-    if (!is_representative(rt_->graph->annotation("grad." + name), world_.rank())) continue;
-    const float* x = g.data<float>();
-    for (int64_t i = 0; i < g.numel(); ++i) sumsq += static_cast<double>(x[i]) * x[i];
-  }
+  // Each gradient once over the ranks: the representative holders'.
+  std::vector<NDArray> mine;
+  for (const auto& [name, g] : synced)
+    if (is_representative(rt_->graph->annotation("grad." + name), world_.rank())) mine.push_back(g);
+  const double sumsq = kernels::sum_of_squares(rt_->graph->stream(), mine);
   const double norm = std::sqrt(all_reduce_scalar(sumsq, world_));
-  if (o_.clip_grad > 0 && norm > o_.clip_grad) {
-    const float scale = static_cast<float>(o_.clip_grad / (norm + 1e-6));
-    for (auto& [name, g] : synced)
-      for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] *= scale;
-  }
+  scale_grads(synced, clip_coefficient(norm, o_.clip_grad));
   return norm;
 }
 
@@ -559,7 +556,8 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     // A pipeline that got no piece this step contributes zero gradients.
     for (const std::string& name : graph.model().names) {
       const Shard& sh = state_->slot(name, StateSlot::kParam);
-      if (sh.held() && !raw.count(name)) raw.emplace(name, NDArray::zeros(sh.data.shape(), DType::F32));
+      if (sh.held() && !raw.count(name))
+        raw.emplace(name, kernels::zeros(graph.stream(), sh.data.shape(), DType::F32));
     }
   }
 }

@@ -103,7 +103,7 @@ inline void broadcast_text(std::string& text, Communicator& world) {
   int64_t n = static_cast<int64_t>(text.size());
   world.broadcast(&n, 1, 0);
   std::vector<int64_t> words((n + 7) / 8, 0);
-  if (world.rank() == 0 && n > 0) std::memcpy(words.data(), text.data(), static_cast<size_t>(n));
+  if (world.rank() == 0 && n > 0) std::copy(text.begin(), text.end(), reinterpret_cast<char*>(words.data()));
   if (!words.empty()) world.broadcast(words.data(), static_cast<int64_t>(words.size()), 0);
   text.assign(reinterpret_cast<const char*>(words.data()), static_cast<size_t>(n));
 }

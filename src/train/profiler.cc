@@ -31,7 +31,7 @@ double median(std::vector<double> v) {
 
 // Arbitrary small values, deterministic: the values do not change the time.
 void fill_small(NDArray& a, uint32_t seed) {
-  float* p = a.data<float>();
+  float* p = a.host_data<float>("fill_small");
   uint32_t x = seed * 2654435761u + 1;
   for (int64_t i = 0; i < a.numel(); ++i) {
     x = x * 1664525u + 1013904223u;
@@ -131,9 +131,9 @@ ValueMap StageProbe::Impl::feeds(int64_t s, int64_t b) const {
   uint32_t x = 12345;
   for (int64_t i = 0; i < b * s; ++i) {
     x = x * 1664525u + 1013904223u;
-    ids.data<int32_t>()[i] = static_cast<int32_t>((x >> 8) % vocab);
-    targets.data<int32_t>()[i] = static_cast<int32_t>((x >> 4) % vocab);
-    positions.data<int32_t>()[i] = static_cast<int32_t>(i % s);
+    ids.host_data<int32_t>()[i] = static_cast<int32_t>((x >> 8) % vocab);
+    targets.host_data<int32_t>()[i] = static_cast<int32_t>((x >> 4) % vocab);
+    positions.host_data<int32_t>()[i] = static_cast<int32_t>(i % s);
   }
   NDArray norm = NDArray::empty({}, DType::F32);
   norm.fill(static_cast<float>(b * s));

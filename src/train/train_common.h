@@ -17,6 +17,7 @@
 #include "hspmd/graph/executor.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
+#include "kernels/memory.h"
 
 namespace hspmd::train_common {
 
@@ -46,8 +47,9 @@ inline void check_finite_options(const TrainOptions& o) {
 
 // The index of the first NaN or infinite element of `a` (F32 or BF16), or -1.
 inline int64_t first_nonfinite(const NDArray& a) {
-  const NDArray f = a.dtype() == DType::F32 ? a.contiguous() : a.to(DType::F32).contiguous();
-  const float* x = f.data<float>();
+  const NDArray h = kernels::to_host(default_stream(a.device()), a);
+  const NDArray f = h.dtype() == DType::F32 ? h.contiguous() : h.to(DType::F32).contiguous();
+  const float* x = f.host_data<float>("first_nonfinite");
   for (int64_t i = 0; i < f.numel(); ++i)
     if (!std::isfinite(x[i])) return i;
   return -1;
@@ -58,7 +60,8 @@ inline int64_t first_nonfinite(const NDArray& a) {
 inline void check_finite_weights(const std::map<std::string, NDArray>& weights, const std::string& path) {
   for (const auto& [name, t] : weights)
     if (const int64_t i = first_nonfinite(t); i >= 0)
-      fail("[init] ", path, ": tensor '", name, "' holds ", t.to(DType::F32).contiguous().data<float>()[i],
+      fail("[init] ", path, ": tensor '", name, "' holds ",
+           kernels::to_host(default_stream(t.device()), t).to(DType::F32).to_vector()[i],
            " at element ", i, " (weights must be finite)");
 }
 
@@ -121,8 +124,8 @@ inline ValueMap make_batch(const SampleSource& source, int64_t first, int64_t co
   NDArray targets = NDArray::empty({count, width}, DType::I32);
   NDArray positions = NDArray::empty({count, width}, DType::I32);
   for (int64_t b = 0; b < count; ++b)
-    source.fill(first + b, width, ids.data<int32_t>() + b * width,
-                targets.data<int32_t>() + b * width, positions.data<int32_t>() + b * width);
+    source.fill(first + b, width, ids.host_data<int32_t>() + b * width,
+                targets.host_data<int32_t>() + b * width, positions.host_data<int32_t>() + b * width);
   NDArray norm = NDArray::empty({}, DType::F32);
   norm.fill(normalizer);
   return {{"input_ids", ids}, {"targets", targets}, {"positions", positions}, {"normalizer", norm}};

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/device.h"
@@ -13,6 +12,7 @@
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/io/checkpoint.h"
 #include "hspmd/models/model.h"
+#include "kernels/memory.h"
 
 namespace hspmd {
 
@@ -29,34 +29,27 @@ bool slot_of_kind(StateSlot slot, StateSlot kind) {
   return slot == kind;
 }
 
-// Copies `box` (global coordinates, inside both) from an array holding
-// `src_box` to one holding `dst_box`; f32, row-major, contiguous.
-void copy_box(const float* src, const Box& src_box, float* dst, const Box& dst_box, const Box& box) {
-  const size_t n = box.begin.size();
+// `box`'s corner relative to `holder`'s.
+Shape corner_in(const Box& holder, const Box& box) {
+  Shape at(box.begin.size());
+  for (size_t d = 0; d < at.size(); ++d) at[d] = box.begin[d] - holder.begin[d];
+  return at;
+}
+
+// Copies `box` (global coordinates, inside both) from `src`, holding
+// `src_box`, into `dst`, holding `dst_box` (f32, contiguous), on `stream`.
+void copy_box(Stream& stream, const NDArray& src, const Box& src_box, NDArray& dst, const Box& dst_box,
+              const Box& box) {
   if (box.numel() == 0) return;
-  if (n == 0) {
-    *dst = *src;
-    return;
-  }
-  const Shape ss = src_box.shape(), ds = dst_box.shape();
-  const int64_t row = box.end[n - 1] - box.begin[n - 1];
-  Shape idx = box.begin;
-  while (true) {
-    int64_t so = 0, dof = 0;
-    for (size_t d = 0; d < n; ++d) {
-      so = so * ss[d] + (idx[d] - src_box.begin[d]);
-      dof = dof * ds[d] + (idx[d] - dst_box.begin[d]);
-    }
-    std::memcpy(dst + dof, src + so, static_cast<size_t>(row) * sizeof(float));
-    size_t d = n - 1;
-    while (d > 0) {
-      --d;
-      if (++idx[d] < box.end[d]) break;
-      idx[d] = box.begin[d];
-      if (d == 0) return;
-    }
-    if (n == 1) return;
-  }
+  NDArray to = dst.reshape(dst_box.shape());
+  kernels::copy_block(stream, src.reshape(src_box.shape()), corner_in(src_box, box), to,
+                      corner_in(dst_box, box), box.shape());
+}
+
+// Elements [offset, offset + box.numel()) of the flat array `flat`, as an
+// array holding `box`.
+NDArray flat_box(const NDArray& flat, int64_t offset, const Box& box) {
+  return flat.slice(0, offset, offset + box.numel()).reshape(box.shape());
 }
 
 }  // namespace
@@ -108,8 +101,10 @@ TrainingState TrainingState::from_full(std::shared_ptr<const AnnotationPlan> pla
   for (const auto& [name, shape] : model_parameter_shapes(st.plan_->model)) {
     NDArray array = full.at(name);
     if (array.dim(0) != shape[0]) {  // a padded vocabulary: zero rows (docs/vocab_parallel.md)
-      NDArray padded = NDArray::zeros(shape, DType::F32);
-      std::copy(array.data<float>(), array.data<float>() + array.numel(), padded.data<float>());
+      Stream& host = default_stream(Device::cpu());
+      NDArray padded = kernels::zeros(host, shape, DType::F32);
+      NDArray head = padded.slice(0, 0, array.dim(0));
+      kernels::copy(host, array.contiguous(), head);
       array = padded;
     }
     for (StateSlot s : kSlots) {
@@ -124,9 +119,9 @@ TrainingState TrainingState::from_full(std::shared_ptr<const AnnotationPlan> pla
 
 namespace {
 
-// Writes every part of a slice (box `box` of state tensor `t`, data laid out
-// as `box` at `src`) into the new state's shards of that tensor it overlaps.
-void deliver(TrainingState& to, const StateTensor& t, const float* src, const Box& box) {
+// Writes every part of a slice (box `box` of state tensor `t`, the array
+// `src` holding `box`) into the new state's shards of that tensor it overlaps.
+void deliver(Stream& stream, TrainingState& to, const StateTensor& t, const NDArray& src, const Box& box) {
   for (StateSlot s : kSlots) {
     if (!slot_of_kind(s, t.kind)) continue;
     Shard& sh = to.slot(t.param, s);
@@ -138,7 +133,7 @@ void deliver(TrainingState& to, const StateTensor& t, const float* src, const Bo
       part.end[d] = std::min(box.end[d], sh.box.end[d]);
       empty = empty || part.begin[d] >= part.end[d];
     }
-    if (!empty) copy_box(src, box, sh.data.data<float>(), sh.box, part);
+    if (!empty) copy_box(stream, src, box, sh.data, sh.box, part);
   }
 }
 
@@ -167,34 +162,36 @@ std::vector<double> all_clocks(const VirtualClock& clock, Communicator& world) {
 namespace {
 
 // One message of a round, packed from `from`'s slots in the message's order.
-NDArray pack(const TrainingState& from, const SwitchPlan& sp, const SwitchMessage& m) {
-  NDArray out = NDArray::empty({m.bytes / 4}, DType::F32);
-  float* p = out.data<float>();
+NDArray pack(Stream& stream, const TrainingState& from, const SwitchPlan& sp, const SwitchMessage& m) {
+  NDArray out = NDArray::empty({m.bytes / 4}, DType::F32, stream.device());
+  int64_t offset = 0;
   for (const SliceRef& s : m.slices) {
     const Shard& src = from.slot(sp.tensors[s.tensor].param, s.src_slot);
     HSPMD_CHECK(src.held(), "rank ", from.rank(), " sends a slot it does not hold");
-    copy_box(src.data.data<float>(), src.box, p, s.box, s.box);
-    p += s.box.numel();
+    NDArray part = flat_box(out, offset, s.box);
+    copy_box(stream, src.data, src.box, part, s.box, s.box);
+    offset += s.box.numel();
   }
   return out;
 }
 
-void unpack(TrainingState& to, const SwitchPlan& sp, const SwitchMessage& m, const NDArray& buffer) {
-  const float* p = buffer.data<float>();
+void unpack(Stream& stream, TrainingState& to, const SwitchPlan& sp, const SwitchMessage& m,
+            const NDArray& buffer) {
+  int64_t offset = 0;
   for (const SliceRef& s : m.slices) {
-    deliver(to, sp.tensors[s.tensor], p, s.box);
-    p += s.box.numel();
+    deliver(stream, to, sp.tensors[s.tensor], flat_box(buffer, offset, s.box), s.box);
+    offset += s.box.numel();
   }
 }
 
 // The rank's new arrays of the round's tensors, zero-filled (padding rows
 // of a vocabulary need no transfer).
-void allocate_round(TrainingState& next, const SwitchPlan& sp, const SwitchRound& round) {
+void allocate_round(Stream& stream, TrainingState& next, const SwitchPlan& sp, const SwitchRound& round) {
   for (int t : round.tensors)
     for (const StateHolding& h : sp.tensors[t].needers) {
       if (h.rank != next.rank()) continue;
       Shard& sh = next.slot(sp.tensors[t].param, h.slot);
-      if (!sh.held()) sh.data = NDArray::zeros(h.box.shape(), DType::F32);
+      if (!sh.held()) sh.data = kernels::zeros(stream, h.box.shape(), DType::F32);
     }
 }
 
@@ -203,11 +200,12 @@ void allocate_round(TrainingState& next, const SwitchPlan& sp, const SwitchRound
 // Keeps and checkpoint reads of one round (no communication).
 void TrainingState::copy_local(const RankSwitchRound& r, const SwitchPlan& sp, TrainingState& next,
                                CheckpointReader* checkpoint, SwitchReport& rep) const {
+  Stream& stream = default_stream(device());
   for (const SliceRef& s : r.keeps) {
     const Shard& src = slot(sp.tensors[s.tensor].param, s.src_slot);
-    NDArray tmp = NDArray::empty(s.box.shape(), DType::F32);
-    copy_box(src.data.data<float>(), src.box, tmp.data<float>(), s.box, s.box);
-    deliver(next, sp.tensors[s.tensor], tmp.data<float>(), s.box);
+    NDArray tmp = NDArray::empty(s.box.shape(), DType::F32, stream.device());
+    copy_box(stream, src.data, src.box, tmp, s.box, s.box);
+    deliver(stream, next, sp.tensors[s.tensor], tmp, s.box);
   }
   for (const SliceRef& s : r.checkpoint) {
     if (!checkpoint)
@@ -215,7 +213,7 @@ void TrainingState::copy_local(const RankSwitchRound& r, const SwitchPlan& sp, T
            "' must come from a checkpoint but none was given (--checkpoint)");
     NDArray got = checkpoint->read(sp.tensors[s.tensor].name(), s.box);
     rep.checkpoint_bytes += static_cast<int64_t>(got.nbytes());
-    deliver(next, sp.tensors[s.tensor], got.data<float>(), s.box);
+    deliver(stream, next, sp.tensors[s.tensor], kernels::to_device(stream, got), s.box);
   }
 }
 
@@ -226,7 +224,8 @@ void TrainingState::copy_local(const RankSwitchRound& r, const SwitchPlan& sp, T
 void TrainingState::run_round(const SwitchRound& round, const SwitchPlan& sp, TrainingState& next,
                               const Topology& topology, Communicator& world, CheckpointReader* checkpoint,
                               VirtualClock* clock, SwitchReport& rep) {
-  allocate_round(next, sp, round);
+  Stream& stream = default_stream(device());
+  allocate_round(stream, next, sp, round);
   std::vector<double> clocks;
   if (clock) clocks = all_clocks(*clock, world);
   auto mine = round.ranks.find(rank_);
@@ -237,12 +236,12 @@ void TrainingState::run_round(const SwitchRound& round, const SwitchPlan& sp, Tr
     std::vector<SendBuffer> sends;
     std::vector<RecvBuffer> recvs;
     for (const SwitchMessage& m : r.sends) {
-      out.push_back(pack(*this, sp, m));
-      sends.push_back(SendBuffer{m.peer, out.back().data<float>(), m.bytes / 4});
+      out.push_back(pack(stream, *this, sp, m));
+      sends.push_back(send_buffer(m.peer, out.back()));
     }
     for (const SwitchMessage& m : r.recvs) {
-      in.push_back(NDArray::empty({m.bytes / 4}, DType::F32));
-      recvs.push_back(RecvBuffer{m.peer, in.back().data<float>(), m.bytes / 4});
+      in.push_back(NDArray::empty({m.bytes / 4}, DType::F32, stream.device()));
+      recvs.push_back(recv_buffer(m.peer, in.back()));
     }
     copy_local(r, sp, next, checkpoint, rep);
     if (clock) {
@@ -253,10 +252,10 @@ void TrainingState::run_round(const SwitchRound& round, const SwitchPlan& sp, Tr
       clock->communicate(ready, link_seconds(r, rank_, topology));
     }
     const int64_t sent0 = world.bytes().sent;  // the clocks' exchanges are not the switch's
-    world.batched_send_recv(sends, recvs, kSwitchTag);
+    world.batched_send_recv(stream, sends, recvs, kSwitchTag);
     rep.bytes_sent += world.bytes().sent - sent0;
     if (clock) clock->begin_compute();
-    for (size_t k = 0; k < r.recvs.size(); ++k) unpack(next, sp, r.recvs[k], in[k]);
+    for (size_t k = 0; k < r.recvs.size(); ++k) unpack(stream, next, sp, r.recvs[k], in[k]);
     if (clock) clock->end_compute();
   }
   for (int t : round.tensors)
@@ -307,14 +306,15 @@ TrainingState TrainingState::load(std::shared_ptr<const AnnotationPlan> plan, in
       if (!sh.placed()) continue;
       const StateSlot kind = s == StateSlot::kMaster ? StateSlot::kParam : s;
       const std::string tensor = state_tensor_name(name, kind);
-      sh.data = NDArray::zeros(sh.box.shape(), DType::F32);
+      Stream& host = default_stream(Device::cpu());  // a loaded state starts on the host
+      sh.data = kernels::zeros(host, sh.box.shape(), DType::F32);
       // A vocabulary padded otherwise: rows beyond the checkpoint's stay zero.
       Box box = sh.box;
       const Shape& stored = checkpoint.index().tensors.at(tensor).shape;
       if (stored.empty() || box.begin[0] >= stored[0]) continue;
       box.end[0] = std::min(box.end[0], stored[0]);
       NDArray got = checkpoint.read(tensor, box);
-      copy_box(got.data<float>(), box, sh.data.data<float>(), sh.box, box);
+      copy_box(host, got, box, sh.data, sh.box, box);
     }
   return st;
 }
@@ -329,7 +329,10 @@ std::vector<TrainingState::NamedShard> TrainingState::checkpoint_shards() const 
     for (auto [kind, s] : {std::pair{StateSlot::kParam, weights}, std::pair{StateSlot::kExpAvg, StateSlot::kExpAvg},
                            std::pair{StateSlot::kExpAvgSq, StateSlot::kExpAvgSq}}) {
       const Shard& sh = slot(name, s);
-      if (sh.held()) out.push_back(NamedShard{state_tensor_name(name, kind), shape, sh});
+      if (!sh.held()) continue;
+      Shard host = sh;  // the files are written from host memory
+      host.data = kernels::to_host(default_stream(sh.data.device()), sh.data);
+      out.push_back(NamedShard{state_tensor_name(name, kind), shape, host});
     }
   }
   return out;

@@ -125,14 +125,18 @@ TEST(SingleProcessCommunicator, WorldWithoutALauncherIsTheStub) {
 TEST(Pack, BoxesRoundTrip) {
   const NDArray global = iota({6, 4});
   const Box whole{{0, 0}, {6, 4}}, region{{1, 1}, {4, 3}};
-  std::vector<float> buf(6);
-  EXPECT_EQ(pack_box(global, whole, region, buf.data()), 6);
-  EXPECT_EQ(buf, (std::vector<float>{-120, -119, -116, -115, -112, -111}));
+  Stream& s = default_stream(Device::cpu());
+  NDArray buf = NDArray::zeros({8}, DType::F32);  // room to spare: the first 6 are used
+  EXPECT_EQ(pack_box(s, global, whole, region, buf), 6);
+  EXPECT_EQ(buf.to_vector(), (std::vector<float>{-120, -119, -116, -115, -112, -111, 0, 0}));
   NDArray back = NDArray::zeros({6, 4}, DType::F32);
-  EXPECT_EQ(unpack_box(buf.data(), back, whole, region), 6);
+  EXPECT_EQ(unpack_box(s, buf, back, whole, region), 6);
   EXPECT_EQ(back.to_vector()[5], -120.0f);
-  EXPECT_EQ(pack_box(global, whole, Box{{2, 0}, {2, 4}}, buf.data()), 0);
-  EXPECT_THROW(pack_box(global, region, whole, buf.data()), InternalError);
+  EXPECT_EQ(back.to_vector()[4], 0.0f);
+  EXPECT_EQ(pack_box(s, global, whole, Box{{2, 0}, {2, 4}}, buf), 0);
+  EXPECT_THROW(pack_box(s, global, region, whole, buf), InternalError);
+  NDArray small = NDArray::zeros({5}, DType::F32);
+  EXPECT_THROW(pack_box(s, global, whole, region, small), InternalError);
 }
 
 // Runs every rank of `s` alone on a single-process world and checks the outputs.

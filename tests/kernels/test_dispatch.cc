@@ -2,11 +2,14 @@
 // error of a missing backend kernel, and the device check of the dispatch.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "hspmd/core/device.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
+#include "hspmd/exec/virtual_clock.h"
 #include "test_util.h"
 
 namespace hspmd {
@@ -38,6 +41,39 @@ TEST(Event, TimesCpuWork) {
   end.record(s);
   end.synchronize();
   EXPECT_GE(end.elapsed_ms(start), 0.0);
+}
+
+// The one timing interface: process CPU time counts the work this thread
+// does; stream events count the time that passes (on the CPU, wall time),
+// a sleep included.
+TEST(WorkTimer, CpuTimeAndStreamEvents) {
+  WorkTimer cpu = WorkTimer::process_cpu();
+  WorkTimer events = WorkTimer::events(default_stream(Device::cpu()));
+  EXPECT_FALSE(cpu.uses_events());
+  EXPECT_TRUE(events.uses_events());
+  events.begin();
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  EXPECT_GE(events.end_s(), 0.055);
+  cpu.begin();
+  const double until = process_cpu_seconds() + 0.05;
+  volatile double x = 0;
+  while (process_cpu_seconds() < until) x = x + 1.0;
+  EXPECT_GE(cpu.end_s(), 0.05);
+}
+
+TEST(WorkTimer, TheEmulatorsClockReadsItsTimer) {
+  VirtualClock clock(2.0);
+  clock.set_timer(WorkTimer::events(default_stream(Device::cpu())));
+  clock.begin_compute();
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  clock.end_compute();
+  EXPECT_GE(clock.compute_s(), 2.0 * 0.035);  // slowdown x the timed 40 ms
+  VirtualClock model(2.0, ClockMode::kModel);
+  model.set_timer(WorkTimer::events(default_stream(Device::cpu())));
+  model.begin_compute();
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  model.end_compute();
+  EXPECT_EQ(model.compute_s(), 0.0);  // model mode reads no time
 }
 
 TEST(KernelDispatch, MissingKernelIsOneLine) {

@@ -30,6 +30,17 @@
 //    (naming the MPI call), a peer or member outside the communicator,
 //    counts that do not fit, or, on the stub, anything that needs another
 //    rank ("[comm] send to rank 1 needs MPI ...").
+//  * Stream order: every operation is enqueued on a Stream (device.h), the
+//    one it is started with: it begins after the work issued to that stream
+//    so far (it reads its send buffer as that work leaves it), and its
+//    completion is its Request, waited on the host by wait_all, or ordered
+//    before later work of a stream by wait_on (on the host where a backend
+//    has no device queue). The forms without a stream are for host
+//    buffers: they use the CPU's default stream. The NDArray forms take the
+//    count and dtype from the array (contiguous, on the stream's device).
+//    MPI, a host library, synchronizes the stream before it posts the
+//    operation (a no-op on the CPU, whose streams run inline), then behaves
+//    as before; a device library (NCCL) enqueues on the stream itself.
 //  * Not thread-safe: one thread drives a communicator and its groups.
 #pragma once
 
@@ -38,7 +49,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "hspmd/core/device.h"
 #include "hspmd/core/dtype.h"
+#include "hspmd/core/ndarray.h"
 
 namespace hspmd {
 
@@ -95,6 +108,11 @@ struct RecvBuffer {
   DType dtype = DType::F32;
 };
 
+// A whole array (valid, contiguous; hspmd::Error otherwise) as a batch's
+// message: its elements, count and dtype.
+SendBuffer send_buffer(int peer, const NDArray& a);
+RecvBuffer recv_buffer(int peer, NDArray& a);
+
 // Bytes this rank handed to the library since the last reset, over a world
 // communicator and all its groups, as elements times their dtype's size.
 // Collectives count the ring-algorithm volumes of resolver.h (all_reduce
@@ -127,38 +145,82 @@ class Communicator {
   virtual Communicator& group(const std::vector<int>& ranks) = 0;
 
   // Non-blocking collectives and point-to-point (see the contract above),
-  // over `count` elements of `dtype`; each forwards to its do_* (what a
-  // backend implements, below), so overloads never hide one another.
+  // over `count` elements of `dtype`, enqueued on `stream`; each forwards to
+  // its do_* (what a backend implements, below), so overloads never hide one
+  // another.
   // all_reduce: combines `count` elements in place over the members (`op`).
-  Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op = ReduceOp::kSum) {
-    return do_all_reduce(data, count, dtype, op);
+  Request start_all_reduce(Stream& stream, void* data, int64_t count, DType dtype,
+                           ReduceOp op = ReduceOp::kSum) {
+    return do_all_reduce(stream, data, count, dtype, op);
   }
   // reduce_scatter: `send` holds size() consecutive pieces, piece i of
   // counts[i] elements (0 allowed); member i receives the sum of piece i into
   // `recv` (counts[rank()] elements). Every member passes the same counts.
-  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
-    return do_reduce_scatter(send, recv, counts, dtype);
+  Request start_reduce_scatter(Stream& stream, const void* send, void* recv,
+                               const std::vector<int64_t>& counts, DType dtype) {
+    return do_reduce_scatter(stream, send, recv, counts, dtype);
   }
   // all_gather: member i contributes counts[i] elements from `send`; every
   // member receives all pieces, consecutive in member order, into `recv`.
-  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
-    return do_all_gather(send, recv, counts, dtype);
+  Request start_all_gather(Stream& stream, const void* send, void* recv,
+                           const std::vector<int64_t>& counts, DType dtype) {
+    return do_all_gather(stream, send, recv, counts, dtype);
   }
   // broadcast: `count` elements from member `root` to every member, in place.
-  Request start_broadcast(void* data, int64_t count, DType dtype, int root) {
-    return do_broadcast(data, count, dtype, root);
+  Request start_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) {
+    return do_broadcast(stream, data, count, dtype, root);
   }
   // send / recv: one message to / from `peer` (a rank of this communicator).
   // A received message must have exactly `count` elements (else hspmd::Error).
+  Request start_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) {
+    return do_send(stream, data, count, dtype, peer, tag);
+  }
+  Request start_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) {
+    return do_recv(stream, data, count, dtype, peer, tag);
+  }
+
+  // The same on arrays (contiguous, on the stream's device; the whole array
+  // is the buffer; hspmd::Error otherwise). all_gather and reduce_scatter
+  // take the pieces' counts as above.
+  Request start_all_reduce(Stream& stream, NDArray& data, ReduceOp op = ReduceOp::kSum);
+  Request start_reduce_scatter(Stream& stream, const NDArray& send, NDArray& recv,
+                               const std::vector<int64_t>& counts);
+  Request start_all_gather(Stream& stream, const NDArray& send, NDArray& recv,
+                           const std::vector<int64_t>& counts);
+  Request start_broadcast(Stream& stream, NDArray& data, int root);
+  Request start_send(Stream& stream, const NDArray& data, int peer, int tag);
+  Request start_recv(Stream& stream, NDArray& data, int peer, int tag);
+
+  // Host buffers: the forms above on the CPU's default stream.
+  Request start_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op = ReduceOp::kSum) {
+    return start_all_reduce(host_stream(), data, count, dtype, op);
+  }
+  Request start_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
+    return start_reduce_scatter(host_stream(), send, recv, counts, dtype);
+  }
+  Request start_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts, DType dtype) {
+    return start_all_gather(host_stream(), send, recv, counts, dtype);
+  }
+  Request start_broadcast(void* data, int64_t count, DType dtype, int root) {
+    return start_broadcast(host_stream(), data, count, dtype, root);
+  }
   Request start_send(const void* data, int64_t count, DType dtype, int peer, int tag) {
-    return do_send(data, count, dtype, peer, tag);
+    return start_send(host_stream(), data, count, dtype, peer, tag);
   }
   Request start_recv(void* data, int64_t count, DType dtype, int peer, int tag) {
-    return do_recv(data, count, dtype, peer, tag);
+    return start_recv(host_stream(), data, count, dtype, peer, tag);
   }
   // Waits every request (of this communicator, its world or any group of
   // that world), then empties `requests`. Throws on the first failure.
   virtual void wait_all(std::vector<Request>& requests) = 0;
+  // Orders every request before the work issued to `stream` after this
+  // call, then empties `requests`. The default (backends without device
+  // queues: MPI, the stub) waits them on the host, which orders them before
+  // anything; a device backend makes the stream wait for their events.
+  virtual void wait_on(std::vector<Request>& requests, Stream& stream) {
+    (void)stream;
+    wait_all(requests);
+  }
   virtual void barrier() = 0;
   // Ends the whole job with exit code `code` after a rank failed, so that no
   // other rank waits forever (MPI_Abort). Single process: returns.
@@ -193,6 +255,9 @@ class Communicator {
   // once, then waited together: any pattern of pairwise exchanges completes
   // without deadlock.
   void batched_send_recv(const std::vector<SendBuffer>& sends, const std::vector<RecvBuffer>& recvs, int tag = 0);
+  // The same with device buffers, ordered on `stream`.
+  void batched_send_recv(Stream& stream, const std::vector<SendBuffer>& sends, const std::vector<RecvBuffer>& recvs,
+                         int tag = 0);
 
   // Blocking f32 forms.
   void all_reduce(float* data, int64_t count) { all_reduce(data, count, DType::F32); }
@@ -239,16 +304,18 @@ class Communicator {
 
  protected:
   // The backend's operations behind start_* (same contracts).
-  virtual Request do_all_reduce(void* data, int64_t count, DType dtype, ReduceOp op) = 0;
-  virtual Request do_reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts,
+  virtual Request do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) = 0;
+  virtual Request do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                     DType dtype) = 0;
-  virtual Request do_all_gather(const void* send, void* recv, const std::vector<int64_t>& counts,
+  virtual Request do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                                 DType dtype) = 0;
-  virtual Request do_broadcast(void* data, int64_t count, DType dtype, int root) = 0;
-  virtual Request do_send(const void* data, int64_t count, DType dtype, int peer, int tag) = 0;
-  virtual Request do_recv(void* data, int64_t count, DType dtype, int peer, int tag) = 0;
+  virtual Request do_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) = 0;
+  virtual Request do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) = 0;
+  virtual Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) = 0;
 
   explicit Communicator(std::shared_ptr<ByteCounters> counters) : counters_(std::move(counters)) {}
+  // The CPU's default stream, where host buffers are ordered.
+  static Stream& host_stream() { return default_stream(Device::cpu()); }
   // Adds the ring-model volumes of one operation (counts in elements of
   // `dtype`) to the counters.
   void count_all_reduce(int64_t count, DType dtype);

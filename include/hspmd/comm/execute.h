@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstddef>
-#include <cstring>
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/ndarray.h"
@@ -45,8 +44,11 @@ namespace hspmd {
 // is itself sending backward gradients (1F1B); call deferred->wait() before
 // the buffers' owner goes away (e.g. at the end of the step).
 class PendingSends;
+//
+// `stream` (optional, default the CPU's): where packing, unpacking and the
+// communication are ordered (the arrays' device).
 NDArray execute(const Resolution& resolution, int rank, const NDArray& local_input, Communicator& world,
-                PendingSends* deferred = nullptr);
+                PendingSends* deferred = nullptr, Stream* stream = nullptr);
 
 // Sends still in flight after execute(..., deferred): owns their buffers.
 class PendingSends {
@@ -58,19 +60,15 @@ class PendingSends {
   // Waits every pending send, then frees the buffers. Throws like wait_all.
   void wait(Communicator& world);
   bool empty() const { return requests_.empty(); }
-  // Starts sending `data` (elements of `dtype`, kept here until it
-  // completes) to `peer` of `world`.
-  void send(std::vector<std::byte> data, DType dtype, int peer, int tag, Communicator& world);
-  // The same for f32 values (copied).
-  void send(const std::vector<float>& data, int peer, int tag, Communicator& world) {
-    std::vector<std::byte> bytes(data.size() * sizeof(float));
-    if (!data.empty()) std::memcpy(bytes.data(), data.data(), bytes.size());
-    send(std::move(bytes), DType::F32, peer, tag, world);
-  }
+  // Starts sending `data` (a contiguous array, kept here until the send
+  // completes) to `peer` of `world`, ordered on `stream`.
+  void send(Stream& stream, NDArray data, int peer, int tag, Communicator& world);
+  // The same for f32 host values (copied into a host array).
+  void send(const std::vector<float>& data, int peer, int tag, Communicator& world);
 
  private:
   friend class PhaseRun;
-  std::vector<std::vector<std::byte>> buffers_;
+  std::vector<NDArray> buffers_;
   std::vector<Request> requests_;
   Communicator* world_ = nullptr;
 };

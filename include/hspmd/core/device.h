@@ -98,4 +98,32 @@ class Event {
   std::chrono::steady_clock::time_point at_{};
 };
 
+// How long the work between begin() and end_s() took: the one timing
+// interface of the emulator's clock (exec/virtual_clock.h) and the profiler,
+// whatever runs the work.
+//  * process_cpu(): the process's CPU time over the bracket (CPU work: the
+//    emulated cluster bills what a rank computed, not what it waited for a
+//    core shared with other ranks).
+//  * events(stream): two Events recorded on the stream around the work
+//    (asynchronous device work: the time the device spent on it; end_s()
+//    waits for the stream). On the CPU, whose streams run inline, wall time.
+class WorkTimer {
+ public:
+  static WorkTimer process_cpu() { return WorkTimer(nullptr); }
+  static WorkTimer events(Stream& stream) { return WorkTimer(&stream); }
+
+  void begin();
+  double end_s();  // seconds since begin()
+  bool uses_events() const { return stream_ != nullptr; }
+
+ private:
+  explicit WorkTimer(Stream* stream) : stream_(stream) {}
+  Stream* stream_ = nullptr;
+  Event start_;
+  double cpu0_ = 0;
+};
+
+// This process's CPU time in seconds (all threads).
+double process_cpu_seconds();
+
 }  // namespace hspmd

@@ -45,7 +45,8 @@ class NDArray {
  public:
   NDArray() = default;  // an invalid (empty) array; valid() is false.
 
-  // New uninitialized / zero-filled contiguous array.
+  // New uninitialized contiguous array on `device`; zero-filled host array
+  // (kernels::zeros makes one on a device).
   static NDArray empty(const Shape& shape, DType dtype, Device device = Device::cpu());
   static NDArray zeros(const Shape& shape, DType dtype, Device device = Device::cpu());
   // Contiguous f32 array holding `values` (size must equal the shape's numel).
@@ -63,10 +64,22 @@ class NDArray {
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
   bool is_contiguous() const;
 
-  // Typed pointer to the first element. Checks the dtype matches T.
+  // Typed pointer to the first element, in the array's device memory.
+  // Checks the dtype matches T. For kernels (src/kernels/) and communicator
+  // backends only, which know the device; everything above them reaches
+  // tensor bytes through kernels, or host_data() for host staging arrays
+  // (scripts/lint_tensor_bytes.py keeps it so, in CI).
   template <typename T>
   T* data() const;
   void* raw_data() const;
+  // The same pointers for arrays that must live in host memory: batches
+  // built on the host, values read back for logging, files read and written,
+  // checkers. Throws hspmd::Error "[ndarray] <what>: the array lives on
+  // <device>, not on the host" for any other device, so that a device array
+  // never reaches a host loop unnoticed (copy it with kernels::to_host).
+  template <typename T>
+  T* host_data(const char* what = "host_data") const;
+  void* host_raw_data(const char* what = "host_raw_data") const;
 
   // Views (no copy). reshape requires a contiguous array and equal numel;
   // transpose swaps two dims; slice keeps [begin, end) of dim `axis`.
@@ -74,11 +87,13 @@ class NDArray {
   NDArray transpose(int dim0, int dim1) const;
   NDArray slice(int axis, int64_t begin, int64_t end) const;
 
-  // Copies (always new storage).
-  NDArray contiguous() const;  // returns *this when already contiguous
+  // Host conveniences. Each touches the elements in host memory, so it
+  // refuses an array on another device (the host_data error naming the
+  // method); device code uses the kernels of the same name (kernels/memory.h).
+  // Copies (always new storage):
+  NDArray contiguous() const;  // returns *this when already contiguous (any device)
   NDArray clone() const;
   NDArray to(DType dtype) const;  // f32 <-> bf16, i32 <-> i64, i32/i64 -> f32
-
   // Fills a contiguous array with a constant.
   void fill(float value);
   // Copies the elements as f32 (converting from any dtype) into a vector.

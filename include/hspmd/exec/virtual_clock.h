@@ -5,15 +5,20 @@
 // the step times of the EMULATED cluster, independent of how many ranks share
 // this machine's cores.
 //
+// The compute time comes from a WorkTimer (core/device.h), the one timing
+// interface: process CPU time by default (CPU ranks), events on a stream for
+// device work (set_timer).
+//
 // In model mode (`hspmd train --clock model`, docs/profiling.md) no CPU time
 // is ever read: compute advances the clock only through advance(), by a
 // prediction from a measured profile, so the emulated times are
 // deterministic and independent of the machine's load.
 #pragma once
 
-#include <ctime>
 #include <string>
 #include <vector>
+
+#include "hspmd/core/device.h"
 
 namespace hspmd {
 
@@ -43,14 +48,18 @@ class VirtualClock {
   double compute_s() const { return compute_; }  // virtual seconds spent computing
   double comm_s() const { return comm_; }        // virtual seconds waiting or transferring
 
-  // Brackets a computation: advances by its process CPU time x slowdown.
-  // Model mode: both do nothing (no CPU time is read).
+  // Brackets a computation: advances by its time on the timer (process CPU
+  // time unless set_timer chose another) x slowdown. Model mode: both do
+  // nothing (no time is read).
   void begin_compute() {
-    if (mode_ == ClockMode::kCpu) cpu0_ = cpu_seconds();
+    if (mode_ == ClockMode::kCpu) timer_.begin();
   }
   void end_compute() {
-    if (mode_ == ClockMode::kCpu) advance(cpu_seconds() - cpu0_);
+    if (mode_ == ClockMode::kCpu) advance(timer_.end_s());
   }
+  // How compute brackets are timed (WorkTimer::events(stream) for a device).
+  void set_timer(WorkTimer timer) { timer_ = timer; }
+  const WorkTimer& timer() const { return timer_; }
   // Bills `seconds` of compute on this machine: advances by seconds x
   // slowdown (model mode: a prediction for the work just done).
   void advance(double seconds) {
@@ -74,15 +83,10 @@ class VirtualClock {
   const std::vector<TraceEvent>& events() const { return events_; }
 
  private:
-  static double cpu_seconds() {
-    timespec t{};
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
-  }
-
   double slowdown_;
   ClockMode mode_;
-  double now_ = 0, compute_ = 0, comm_ = 0, cpu0_ = 0;
+  double now_ = 0, compute_ = 0, comm_ = 0;
+  WorkTimer timer_ = WorkTimer::process_cpu();
   bool tracing_ = false;
   std::vector<TraceEvent> events_;
 };

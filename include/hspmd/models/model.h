@@ -195,6 +195,14 @@ class ModelFamily {
   // `seq_len` tokens, in the continuous form the roofline uses (S^2 / 2
   // without a window; the model clock counts exact pairs, exec/op_work.h).
   virtual double attention_pairs(const ModelConfig& c, double seq_len) const;
+  // Bytes one layer keeps for the backward per token of the sequence, on a
+  // rank that holds 1 / (tp x cp) of it, with activations of `element_bytes`
+  // (4 fp32, 2 bf16; the attention's log-sum-exp is always fp32); with
+  // `recompute`, what a recomputed layer keeps (its input). The cost model's
+  // estimate where no profile measured the layer. The default is the
+  // pre-norm decoder's (flash-style attention: no S x S probabilities).
+  virtual double activation_bytes_per_token(const ModelConfig& c, double element_bytes, int tp, int cp,
+                                            bool recompute) const;
 };
 
 // The family registered for `model_type`, or nullptr.

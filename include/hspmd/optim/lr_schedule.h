@@ -30,13 +30,22 @@ struct LrSchedule {
   static LrScheduleKind parse_kind(const std::string& name);
 };
 
-// Global L2 norm of all gradients (accumulated in double).
-double global_grad_norm(const std::map<std::string, NDArray>& grads);
+// Gradient clipping, the one implementation the trainer and tests share
+// (the elements are touched by kernels only: kernels::sum_of_squares and
+// kernels::scale, on the stream of the gradients' device).
+//
+// The factor clipping scales every gradient by, given the global norm:
+// max_norm / (norm + 1e-6) when max_norm > 0 and norm > max_norm (as
+// torch.nn.utils.clip_grad_norm_), else 1 (no clipping).
+float clip_coefficient(double norm, double max_norm);
+// Multiplies every gradient by `coef` (nothing when coef == 1).
+void scale_grads(std::map<std::string, NDArray>& grads, float coef);
 
-// Scales every gradient by max_norm / (norm + 1e-6) when the global norm
-// exceeds max_norm (as torch.nn.utils.clip_grad_norm_). Returns the norm
-// before clipping. max_norm <= 0 disables clipping (the norm is still
-// returned). Gradients must be contiguous f32 (else hspmd::InternalError).
+// Global L2 norm of all gradients (squares accumulated in double, in map
+// order). Gradients must be contiguous f32 (else hspmd::InternalError).
+double global_grad_norm(const std::map<std::string, NDArray>& grads);
+// Clips by clip_coefficient(global_grad_norm(grads), max_norm); returns the
+// norm before clipping. max_norm <= 0 disables clipping.
 double clip_grad_norm(std::map<std::string, NDArray>& grads, double max_norm);
 
 }  // namespace hspmd

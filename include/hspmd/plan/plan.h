@@ -54,7 +54,7 @@ struct CompileOptions {
   Precision precision;
 };
 
-// Strategy -> annotation plan for the Llama model (validates the strategy
+// Strategy -> annotation plan for the model (any registered family; validates the strategy
 // first; throws its errors).
 AnnotationPlan compile_plan(const ModelConfig& config, const Strategy& strategy, int world_size,
                             const CompileOptions& options = {});
@@ -69,7 +69,7 @@ AnnotationPlan load_plan(const std::string& path);
 // (the strategy loader then reports it, naming the file).
 bool is_plan_file(const std::string& path);
 
-// The plan's training graph, annotated: the Llama graph with its Reshard
+// The plan's training graph, annotated: the model's graph with its Reshard
 // points (docs/plan.md), deduced under the plan. The dry run and each rank's
 // executable graph start from it (one code path).
 struct AnnotatedTraining {

@@ -12,6 +12,7 @@
 #include "hspmd/core/ndarray.h"
 #include "kernels/attention.h"
 #include "kernels/basic.h"
+#include "kernels/memory.h"
 
 namespace hspmd::kernels::cpu {
 
@@ -74,5 +75,14 @@ void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& de
 void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
                               const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
                               NDArray& dv, AttentionTiles tiles);
+
+// ---- memory.h ----
+void fill(NDArray& out, float value);
+NDArray zeros(const Shape& shape, DType dtype);
+void copy(const NDArray& from, NDArray& out);
+void copy_block(const NDArray& from, const Shape& from_start, NDArray& to, const Shape& to_start,
+                const Shape& extent, bool accumulate);
+double sum_of_squares(const std::vector<NDArray>& arrays);
+void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f);
 
 }  // namespace hspmd::kernels::cpu

@@ -1,0 +1,154 @@
+// Memory kernels on the CPU (memory.h): fills, copies, block copies and host
+// transfers (the host is the CPU device: no copy), and the optimizer's
+// multi-tensor kernels.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "hspmd/core/dtype.h"
+#include "hspmd/core/error.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/memory.h"
+
+namespace hspmd::kernels::cpu {
+
+void fill(NDArray& out, float value) {
+  require_contiguous("fill", out);
+  const int64_t n = out.numel();
+  switch (out.dtype()) {
+    case DType::F32: std::fill_n(out.data<float>(), n, value); break;
+    case DType::BF16: std::fill_n(out.data<uint16_t>(), n, f32_to_bf16(value)); break;
+    case DType::I32: std::fill_n(out.data<int32_t>(), n, static_cast<int32_t>(value)); break;
+    case DType::I64: std::fill_n(out.data<int64_t>(), n, static_cast<int64_t>(value)); break;
+    case DType::F64: fail("[kernels] fill: no f64 arrays");
+  }
+}
+
+NDArray zeros(const Shape& shape, DType dtype) {
+  NDArray a = NDArray::empty(shape, dtype, Device::cpu());
+  if (a.nbytes() > 0) std::memset(a.raw_data(), 0, a.nbytes());
+  return a;
+}
+
+void copy(const NDArray& from, NDArray& out) {
+  require_contiguous("copy", from);
+  require_contiguous("copy", out);
+  HSPMD_CHECK(from.dtype() == out.dtype() && from.numel() == out.numel(), "copy: ",
+              dtype_name(from.dtype()), shape_str(from.shape()), " into ", dtype_name(out.dtype()),
+              shape_str(out.shape()));
+  if (from.nbytes() > 0 && from.raw_data() != out.raw_data())
+    std::memcpy(out.raw_data(), from.raw_data(), from.nbytes());
+}
+
+void copy_block(const NDArray& from, const Shape& from_start, NDArray& to, const Shape& to_start,
+                const Shape& extent, bool accumulate) {
+  require_contiguous("copy_block", from);
+  require_contiguous("copy_block", to);
+  const size_t n = extent.size();
+  HSPMD_CHECK(from.dtype() == to.dtype(), "copy_block: ", dtype_name(from.dtype()), " into ",
+              dtype_name(to.dtype()));
+  HSPMD_CHECK(from.ndim() == static_cast<int>(n) && to.ndim() == static_cast<int>(n) &&
+                  from_start.size() == n && to_start.size() == n,
+              "copy_block: ranks differ");
+  HSPMD_CHECK(!accumulate || to.dtype() == DType::F32, "copy_block: accumulates f32 only");
+  for (size_t d = 0; d < n; ++d) {
+    HSPMD_CHECK(extent[d] >= 0 && from_start[d] >= 0 && to_start[d] >= 0 &&
+                    from_start[d] + extent[d] <= from.shape()[d] &&
+                    to_start[d] + extent[d] <= to.shape()[d],
+                "copy_block: block ", shape_str(extent), " at ", shape_str(from_start), " of ",
+                shape_str(from.shape()), " into ", shape_str(to_start), " of ", shape_str(to.shape()));
+    if (extent[d] == 0) return;
+  }
+  const size_t es = dtype_size(from.dtype());
+  const auto* src = static_cast<const char*>(from.raw_data());
+  auto* dst = static_cast<char*>(to.raw_data());
+  if (n == 0) {  // scalars
+    if (accumulate) *reinterpret_cast<float*>(dst) += *reinterpret_cast<const float*>(src);
+    else std::memcpy(dst, src, es);
+    return;
+  }
+  const Shape sa = from.strides(), sb = to.strides();
+  const int64_t len = extent[n - 1];
+  std::vector<int64_t> idx(n, 0);
+  while (true) {
+    int64_t oa = 0, ob = 0;
+    for (size_t d = 0; d < n; ++d) {
+      oa += (from_start[d] + idx[d]) * sa[d];
+      ob += (to_start[d] + idx[d]) * sb[d];
+    }
+    if (accumulate) {
+      const float* x = reinterpret_cast<const float*>(src) + oa;
+      float* y = reinterpret_cast<float*>(dst) + ob;
+      for (int64_t i = 0; i < len; ++i) y[i] += x[i];
+    } else {
+      std::memcpy(dst + ob * static_cast<int64_t>(es), src + oa * static_cast<int64_t>(es),
+                  static_cast<size_t>(len) * es);
+    }
+    size_t d = n - 1;
+    while (true) {
+      if (d == 0) return;
+      --d;
+      if (++idx[d] < extent[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+double sum_of_squares(const std::vector<NDArray>& arrays) {
+  double sum = 0;
+  for (const NDArray& a : arrays) {
+    require_contiguous("sum_of_squares", a);
+    const float* x = a.data<float>();
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+  }
+  return sum;
+}
+
+namespace {
+
+// Below this many elements the OpenMP fork costs more than the loop.
+constexpr int64_t kAdamParallelThreshold = 1 << 15;
+
+// a - b * c, rounded once where the CPU has FMA: the rounding GCC chose for
+// the scalar loop. Vectorized, it would fuse a's own product (p * decay)
+// instead, and the bf16 runs of tests/exec compare one process with
+// multi-rank runs closely enough to see the difference.
+inline float minus_product(float a, float b, float c) {
+#ifdef FP_FAST_FMAF
+  return std::fma(-b, c, a);
+#else
+  return a - b * c;
+#endif
+}
+
+void adam_tensor(float* p, const float* g, float* m, float* v, int64_t n, const AdamFactors& f) {
+#pragma omp parallel for simd schedule(static) if (n >= kAdamParallelThreshold)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] + f.l2 * p[i];
+    const float pi = p[i] * f.decay_scale;
+    const float mi = f.beta1 * m[i] + f.one_minus_beta1 * gi;
+    const float vi = f.beta2 * v[i] + f.one_minus_beta2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    // Same operation order as torch: denom = sqrt(v) / sqrt(bc2) + eps.
+    p[i] = minus_product(pi, f.step_size, mi / (std::sqrt(vi) / f.sqrt_bc2 + f.eps));
+  }
+}
+
+}  // namespace
+
+void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+  for (const AdamTensor& t : tensors) {
+    for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad,
+                             static_cast<const NDArray*>(t.exp_avg), static_cast<const NDArray*>(t.exp_avg_sq)}) {
+      HSPMD_CHECK(a != nullptr && a->dtype() == DType::F32 && a->numel() == t.param->numel(),
+                  "adam_step: param, grad and moments must be f32 of one size");
+      require_contiguous("adam_step", *a);
+    }
+    adam_tensor(t.param->data<float>(), t.grad->data<float>(), t.exp_avg->data<float>(),
+                t.exp_avg_sq->data<float>(), t.param->numel(), f);
+  }
+}
+
+}  // namespace hspmd::kernels::cpu

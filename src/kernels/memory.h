@@ -1,0 +1,73 @@
+// Memory kernels: fills, copies, block copies between boxes, host transfers,
+// and the optimizer's multi-tensor kernels (norm, AdamW). Everything above
+// src/kernels/ that moves or combines tensor elements outside an op's math
+// (communication packing, state resharding, attention's ring messages,
+// gradient clipping, the optimizer) calls these; see kernels.h for the
+// dispatch rules (stream first, arrays on the stream's device).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "hspmd/core/device.h"
+#include "hspmd/core/ndarray.h"
+
+namespace hspmd::kernels {
+
+// ---- fills and copies (any dtype; contiguous arrays) ----
+// Sets every element of `out` to `value` (converted to out's dtype as
+// NDArray::fill does: bf16 rounded to nearest even, integers truncated).
+void fill(Stream& s, NDArray& out, float value);
+// A new array on the stream's device, every element zero.
+NDArray zeros(Stream& s, const Shape& shape, DType dtype);
+// out = from (same dtype and element count; shapes may differ).
+void copy(Stream& s, const NDArray& from, NDArray& out);
+
+// Block copy between two contiguous arrays of one dtype and rank: for every
+// index i of `extent`, to[to_start + i] = from[from_start + i] (or += with
+// `accumulate`, f32 only). Both blocks must lie inside their arrays
+// (hspmd::InternalError otherwise). Packing a box into a message is a block
+// copy into an array of the box's shape; unpacking is the reverse.
+void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to,
+                const Shape& to_start, const Shape& extent, bool accumulate = false);
+
+// ---- host transfers ----
+// The array in host memory: `a` itself when it lives there already (no copy:
+// a CPU stream), else a host copy once the stream's work on `a` is done.
+NDArray to_host(Stream& s, const NDArray& a);
+// The array on the stream's device: `a` itself when it lives there already
+// (every array on a CPU stream), else a copy of the host array `a` in the
+// stream's order (an array on a third device: hspmd::Error).
+NDArray to_device(Stream& s, const NDArray& a);
+
+// ---- optimizer ----
+// Σ x² over every element of `arrays` (f32, contiguous), accumulated in
+// double one element after the other in the given order (a fixed order:
+// the same bits on every run and every thread count). Returns to the host.
+double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays);
+
+// The scalar factors of one AdamW / Adam step, computed by the caller in
+// double and narrowed once.
+struct AdamFactors {
+  float beta1 = 0, beta2 = 0, eps = 0;
+  float one_minus_beta1 = 0, one_minus_beta2 = 0;
+  float l2 = 0;           // Adam with L2: wd * p added to the gradient
+  float decay_scale = 1;  // AdamW: p *= 1 - lr * wd
+  float sqrt_bc2 = 1;     // sqrt(1 - beta2^t)
+  float step_size = 0;    // lr / (1 - beta1^t)
+};
+// One tensor of a multi-tensor AdamW step: param, grad, and the two moments,
+// f32, contiguous, one shape.
+struct AdamTensor {
+  NDArray* param = nullptr;
+  const NDArray* grad = nullptr;
+  NDArray* exp_avg = nullptr;
+  NDArray* exp_avg_sq = nullptr;
+};
+// The update of torch.optim.AdamW / Adam in torch's operation order, on every
+// tensor of the list (one launch on a device backend):
+//   g = grad + l2 * p; p *= decay_scale; m = b1 m + (1-b1) g;
+//   v = b2 v + (1-b2) g²; p -= step_size * m / (sqrt(v) / sqrt_bc2 + eps).
+void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f);
+
+}  // namespace hspmd::kernels

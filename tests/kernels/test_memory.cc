@@ -1,0 +1,179 @@
+// The memory kernels (kernels/memory.h): fills, copies, block copies between
+// boxes, host transfers, the ordered sum of squares and the multi-tensor
+// AdamW; the host accessors of NDArray; and the stream-ordered communicator
+// forms that take arrays.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "hspmd/comm/communicator.h"
+#include "hspmd/core/device.h"
+#include "hspmd/optim/adam.h"
+#include "hspmd/optim/lr_schedule.h"
+#include "kernels/memory.h"
+#include "test_util.h"
+
+namespace hspmd {
+namespace {
+
+Stream& cpu() { return default_stream(Device::cpu()); }
+
+std::vector<float> iota(int64_t n, float from = 0) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = from + static_cast<float>(i);
+  return v;
+}
+
+TEST(MemoryKernels, FillConvertsToEveryDtype) {
+  NDArray f = NDArray::empty({3}, DType::F32), b = NDArray::empty({2}, DType::BF16),
+          i = NDArray::empty({2}, DType::I32), l = NDArray::empty({2}, DType::I64);
+  kernels::fill(cpu(), f, 1.5f);
+  kernels::fill(cpu(), b, 1.00390625f);  // between two bf16 values: rounds to even (1.0)
+  kernels::fill(cpu(), i, -2.7f);
+  kernels::fill(cpu(), l, 3.0f);
+  EXPECT_EQ(f.to_vector(), std::vector<float>({1.5f, 1.5f, 1.5f}));
+  EXPECT_EQ(b.to_vector(), std::vector<float>({1.0f, 1.0f}));
+  EXPECT_EQ(i.to_vector(), std::vector<float>({-2.0f, -2.0f}));
+  EXPECT_EQ(l.to_vector(), std::vector<float>({3.0f, 3.0f}));
+  EXPECT_EQ(kernels::zeros(cpu(), {2, 2}, DType::F32).to_vector(), std::vector<float>(4, 0.0f));
+}
+
+TEST(MemoryKernels, CopyBlockMovesABoxBetweenArrays) {
+  // from [3, 4] = 0..11; its block [1:3, 1:3] goes to [0:2, 2:4] of a [2, 5] array.
+  NDArray from = NDArray::from_vector({3, 4}, iota(12));
+  NDArray to = kernels::zeros(cpu(), {2, 5}, DType::F32);
+  kernels::copy_block(cpu(), from, {1, 1}, to, {0, 2}, {2, 2});
+  EXPECT_EQ(to.to_vector(), std::vector<float>({0, 0, 5, 6, 0, 0, 0, 9, 10, 0}));
+  // accumulate adds instead
+  kernels::copy_block(cpu(), from, {0, 0}, to, {0, 0}, {1, 3}, true);
+  EXPECT_EQ(to.to_vector(), std::vector<float>({0, 1, 7, 6, 0, 0, 0, 9, 10, 0}));
+  // any dtype: i32, and a 3-d block
+  std::vector<int32_t> ints(12);
+  for (int i = 0; i < 12; ++i) ints[i] = i;
+  NDArray a = NDArray::from_vector_i32({2, 2, 3}, ints);
+  NDArray b = kernels::zeros(cpu(), {1, 2, 2}, DType::I32);
+  kernels::copy_block(cpu(), a, {1, 0, 1}, b, {0, 0, 0}, {1, 2, 2});
+  EXPECT_EQ(b.to_vector(), std::vector<float>({7, 8, 10, 11}));
+  // an empty block moves nothing; scalars copy
+  kernels::copy_block(cpu(), from, {0, 0}, to, {0, 0}, {0, 2});
+  NDArray s = NDArray::from_vector({}, {4.0f}), t = kernels::zeros(cpu(), {}, DType::F32);
+  kernels::copy_block(cpu(), s, {}, t, {}, {});
+  EXPECT_EQ(t.to_vector(), std::vector<float>({4.0f}));
+}
+
+TEST(MemoryKernels, CopyBlockRefusesABlockOutsideItsArrays) {
+  NDArray from = NDArray::from_vector({3, 4}, iota(12));
+  NDArray to = kernels::zeros(cpu(), {2, 2}, DType::F32);
+  EXPECT_THROW(kernels::copy_block(cpu(), from, {2, 0}, to, {0, 0}, {2, 2}), InternalError);
+  EXPECT_THROW(kernels::copy_block(cpu(), from, {0, 0}, to, {1, 0}, {2, 2}), InternalError);
+  NDArray other = kernels::zeros(cpu(), {2, 2}, DType::I32);
+  EXPECT_THROW(kernels::copy_block(cpu(), from, {0, 0}, other, {0, 0}, {2, 2}), InternalError);
+  EXPECT_THROW(kernels::copy_block(cpu(), other, {0, 0}, other, {0, 0}, {1, 1}, true), InternalError);
+}
+
+TEST(MemoryKernels, HostTransfersOnTheCpuAreTheArrayItself) {
+  NDArray a = NDArray::from_vector({2}, {1, 2});
+  EXPECT_EQ(kernels::to_host(cpu(), a).raw_data(), a.raw_data());
+  EXPECT_EQ(kernels::to_device(cpu(), a).raw_data(), a.raw_data());
+  NDArray out = NDArray::empty({2}, DType::F32);
+  kernels::copy(cpu(), a, out);
+  EXPECT_EQ(out.to_vector(), a.to_vector());
+  EXPECT_NE(out.raw_data(), a.raw_data());
+}
+
+TEST(MemoryKernels, MissingDeviceKernelsAreOneLine) {
+  Stream cuda(Device{DeviceType::CUDA, 0}, 1);  // a stream object only
+  NDArray a = NDArray::from_vector({2}, {1, 2});
+  EXPECT_EQ(testing::error_of([&] { kernels::to_device(cuda, a); }),
+            "[kernels] to_device: no kernel for device cuda:0 in this build");
+  EXPECT_EQ(testing::error_of([&] { kernels::fill(cuda, a, 0); }),
+            "[kernels] fill: an array lives on cpu:0 but the stream on cuda:0");
+}
+
+TEST(MemoryKernels, SumOfSquaresIsOrderedInDouble) {
+  // The same bits as one double accumulator over the arrays in order.
+  NDArray a = NDArray::from_vector({3}, {0.1f, 1e8f, -3.0f});
+  NDArray b = NDArray::from_vector({2}, {1e-8f, 7.0f});
+  double want = 0;
+  for (float x : {0.1f, 1e8f, -3.0f, 1e-8f, 7.0f}) want += static_cast<double>(x) * x;
+  EXPECT_EQ(kernels::sum_of_squares(cpu(), {a, b}), want);
+  EXPECT_EQ(kernels::sum_of_squares(cpu(), {}), 0.0);
+}
+
+TEST(MemoryKernels, AdamStepMatchesTheScalarRule) {
+  // Two tensors in one call, against the update written out in double-free
+  // f32 (torch's order; the kernel fuses the last multiply-subtract where
+  // the CPU has FMA, so compare to a few ulps).
+  const kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.5f, 0.01f};
+  NDArray p1 = NDArray::from_vector({3}, {1, -2, 3}), g1 = NDArray::from_vector({3}, {0.5f, 0.25f, -1});
+  NDArray m1 = NDArray::from_vector({3}, {0.1f, 0, 0}), v1 = NDArray::from_vector({3}, {0.01f, 0, 0});
+  NDArray p2 = NDArray::from_vector({1}, {4}), g2 = NDArray::from_vector({1}, {2});
+  NDArray m2 = kernels::zeros(cpu(), {1}, DType::F32), v2 = kernels::zeros(cpu(), {1}, DType::F32);
+  const auto p0 = p1.to_vector(), gv = g1.to_vector(), m0 = m1.to_vector(), v0 = v1.to_vector();
+  kernels::adam_step(cpu(), {{&p1, &g1, &m1, &v1}, {&p2, &g2, &m2, &v2}}, f);
+  for (int i = 0; i < 3; ++i) {
+    const float m = f.beta1 * m0[i] + f.one_minus_beta1 * gv[i];
+    const float v = f.beta2 * v0[i] + f.one_minus_beta2 * gv[i] * gv[i];
+    const float p = p0[i] * f.decay_scale - f.step_size * (m / (std::sqrt(v) / f.sqrt_bc2 + f.eps));
+    EXPECT_FLOAT_EQ(m1.to_vector()[i], m);
+    EXPECT_FLOAT_EQ(v1.to_vector()[i], v);
+    EXPECT_NEAR(p1.to_vector()[i], p, 4e-7f * std::fabs(p));
+  }
+  EXPECT_FLOAT_EQ(m2.to_vector()[0], 0.2f);
+  EXPECT_NE(p2.to_vector()[0], 4.0f);  // the second tensor was updated too
+  NDArray wrong = NDArray::from_vector({2}, {0, 0});
+  EXPECT_THROW(kernels::adam_step(cpu(), {{&p1, &wrong, &m1, &v1}}, f), InternalError);
+}
+
+TEST(GradClipping, OneRuleForTrainerAndTests) {
+  EXPECT_EQ(clip_coefficient(5.0, 10.0), 1.0f);
+  EXPECT_EQ(clip_coefficient(5.0, 0.0), 1.0f);
+  EXPECT_EQ(clip_coefficient(5.0, -1.0), 1.0f);
+  EXPECT_EQ(clip_coefficient(5.0, 1.0), static_cast<float>(1.0 / (5.0 + 1e-6)));
+}
+
+TEST(NDArrayHost, HostAccessorsOnTheCpu) {
+  NDArray a = NDArray::from_vector({2}, {1, 2});
+  EXPECT_EQ(a.host_data<float>(), a.data<float>());
+  EXPECT_EQ(a.host_raw_data(), a.raw_data());
+  EXPECT_THROW(a.host_data<int32_t>(), InternalError);  // the dtype is still checked
+}
+
+// A CPU stream that counts how often a communicator synchronizes it.
+class CountingStream : public Stream {
+ public:
+  CountingStream() : Stream(Device::cpu(), 7) {}
+  void synchronize() override { ++syncs; }
+  int syncs = 0;
+};
+
+TEST(CommunicatorStreams, OperationsAreOrderedAfterTheStreamsWork) {
+  auto world = make_single_process_communicator();
+  CountingStream s;
+  NDArray a = NDArray::from_vector({3}, {1, 2, 3});
+  NDArray gathered = NDArray::empty({3}, DType::F32);
+  std::vector<Request> r;
+  r.push_back(world->start_all_reduce(s, a));
+  r.push_back(world->start_all_gather(s, a, gathered, {3}));
+  EXPECT_EQ(s.syncs, 2);  // a host library waits for the stream before it reads
+  world->wait_on(r, s);
+  EXPECT_TRUE(r.empty());
+  EXPECT_EQ(gathered.to_vector(), a.to_vector());
+  EXPECT_EQ(world->bytes().sent, 0);  // one member: nothing travels
+}
+
+TEST(CommunicatorStreams, ArraysMustBeContiguousAndOnTheStreamsDevice) {
+  auto world = make_single_process_communicator();
+  Stream cuda(Device{DeviceType::CUDA, 0}, 1);
+  NDArray a = NDArray::from_vector({2, 2}, {1, 2, 3, 4});
+  EXPECT_EQ(testing::error_of([&] { world->start_all_reduce(cuda, a); }),
+            "[comm] all_reduce: the array lives on cpu:0 but the stream on cuda:0");
+  NDArray t = a.transpose(0, 1);
+  EXPECT_EQ(testing::error_of([&] { world->start_all_reduce(default_stream(Device::cpu()), t); }),
+            "[comm] all_reduce: the buffer must be a valid contiguous array");
+}
+
+}  // namespace
+}  // namespace hspmd
