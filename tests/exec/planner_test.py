@@ -7,7 +7,9 @@ two device speeds, with examples/models/llama-tiny-8l.json:
 * `hspmd plan search`: a valid strategy whose predicted step is no worse
   than any hand-written strategy of the same batch under the same model,
   alternatives in order; under `--clock model` (deterministic emulated
-  times) it trains faster than the best hand-written one;
+  times) it trains within 5% of the best hand-written one and faster than
+  every other (the search predicts with part fits, the model clock bills
+  per op: a near-tie may fall either way by a few percent);
 * memory caps: the searched plan trains under the caps where a hand-written
   one runs out of memory; nothing fitting is one line naming a rank;
 * re-plan: `--from S --unavailable R` leaves R idle."""

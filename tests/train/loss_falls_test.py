@@ -31,8 +31,9 @@ def main():
                        check=True)
         rows = [json.loads(l) for l in open(log)]
     keys = {"step", "loss", "tokens", "step_time_s", "tokens_per_s", "lr", "grad_norm"}
-    if len(rows) != 40 or any(set(r) < keys for r in rows):
-        sys.exit(f"log has {len(rows)} rows or misses fields {keys}")
+    missing = [(i, sorted(keys - set(r))) for i, r in enumerate(rows) if not keys <= set(r)]
+    if len(rows) != 40 or missing:
+        sys.exit(f"log has {len(rows)} rows (want 40); rows missing fields: {missing[:3]}")
     first = sum(r["loss"] for r in rows[:5]) / 5
     last = sum(r["loss"] for r in rows[-5:]) / 5
     print(f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}")

@@ -205,6 +205,11 @@ class ModelFamily {
                                             bool recompute) const;
 };
 
+// Adds a family to the registry under its model_type (InternalError when
+// another family holds it). The families layer (src/models/families.cc)
+// registers the built-in ones while the program starts; returns true so that
+// a static initializer can call it.
+bool register_model_family(const ModelFamily& family);
 // The family registered for `model_type`, or nullptr.
 const ModelFamily* find_model_family(const std::string& model_type);
 // The family of `model_type`; throws hspmd::Error "[config] model_type 'x'
