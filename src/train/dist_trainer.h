@@ -415,6 +415,9 @@ class DistTrainer {
   bool skip_nonfinite(StepRecord& r, int64_t& skipped) const;
   // One JSON line to the log (rank 0); a write error ends the run.
   void write_log(std::ofstream& log, const nlohmann::json& j) const;
+  // The reconfigure record of a re-plan at the resume (failed ranks in the
+  // checkpoint's plan), logged once the log is open; null when none.
+  nlohmann::json resume_replan_;
   // The ranks' metrics into the record (the emulated step from the clocks).
   void fill_record(const std::vector<StepMetrics>& all, StepRecord& r);
   void save();

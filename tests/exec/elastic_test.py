@@ -211,6 +211,37 @@ def resume_case(e):
     h.check("resumed plan avoids failed ranks", index["step"] == 5 and not uses & {1, 5}, f"plan uses {sorted(uses)}")
 
 
+def resume_foreign_plan_case(e):
+    """A checkpoint written by a run without events (step 5, every rank busy)
+    resumed under an events file that fails ranks 5 and 1 before step 5: the
+    resumed run re-plans before it trains (a reconfigure record at step 5),
+    no step gives 1 or 5 work, and it trains the same model. Before the fix
+    the checkpoint's plan gave the failed ranks work."""
+    h = e.h
+    ckpt = h.path("foreign_ckpt")
+    events = [{"step": 2, "fail": [5]}, {"step": 4, "fail": [1]}]
+    # run A: the same strategy, no failures (a slowdown of 1 after the
+    # checkpoint step keeps --events legal); killed after writing step 5.
+    env = dict(os.environ, HSPMD_FAULT_KILL_CHECKPOINT="2:6")
+    extra = ["--checkpoint", ckpt, "--save-every", "1"]
+    e.train("foreign_a", c2_like(False)[1], [{"step": 8, "slowdown": {"2": 1.0}}], extra, env=env)
+    index = json.load(open(os.path.join(ckpt, "index.json")))
+    used = {r for p in index["meta"]["strategy"]["pipelines"] for s in p["stages"] for r in s["ranks"]} \
+        if "strategy" in index["meta"] else set(range(8))
+    rc, err, steps, evs, weights = e.train("foreign_b", c2_like(False)[1], events, ["--resume", ckpt] + extra)
+    if rc:
+        return h.check("resume: failed ranks in the checkpoint's plan", False, f"exit {rc}: {err.strip()[-400:]}")
+    steps = [s for s in steps if s["step"] >= index["step"]]
+    reconf = [x for x in evs if x["event"] == "reconfigure" and x["step"] >= index["step"]]
+    uses = {r for x in reconf[:1] for p in x["strategy"]["pipelines"] for s in p["stages"] for r in s["ranks"]}
+    h.compare(f"resume: failed ranks in the checkpoint's plan @{index['step']}", steps, reconf, weights,
+              first_step=index["step"], want_switches=1)
+    h.check("resume re-plans away from failed ranks",
+            index["step"] == 5 and used & {1, 5} and reconf and reconf[0]["step"] == 5 and
+            reconf[0]["cause"].startswith("resume") and not uses & {1, 5},
+            f"checkpoint plan uses {sorted(used)}, resumed plan uses {sorted(uses)}")
+
+
 def bad_events_case(e):
     h = e.h
     bad = {"rank outside the world": ([{"step": 2, "fail": [8]}], "outside the world"),
@@ -248,6 +279,7 @@ def main():
         if a.part in ("all", "more"):
             named_strategy_case(e)
             resume_case(e)
+            resume_foreign_plan_case(e)
             bad_events_case(e)
         failures += h.failures
         if a.part in ("all", "more"):
