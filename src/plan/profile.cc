@@ -117,6 +117,26 @@ T get(const json& j, const char* key, const std::string& where) {
   }
 }
 
+// An optional field: `fallback` when absent; a value of the wrong JSON type
+// (null, a string for a number, ...) is refused like a required one's.
+template <typename T>
+T optional_field(const json& j, const char* key, T fallback, const std::string& where) {
+  if (!j.is_object() || !j.contains(key)) return fallback;
+  return get<T>(j, key, where);
+}
+
+// A field that must be a JSON array / object.
+const json& array_field(const json& j, const char* key, const std::string& where) {
+  const json& v = j.at(key);
+  if (!v.is_array()) fail("[profile] ", where, ".", key, ": must be an array");
+  return v;
+}
+const json& object_field(const json& j, const char* key, const std::string& where) {
+  const json& v = j.at(key);
+  if (!v.is_object()) fail("[profile] ", where, ".", key, ": must be an object");
+  return v;
+}
+
 // A fitted coefficient is a time (per unit of work): finite and >= 0, or
 // the cost model would predict negative step times.
 double coefficient(const json& j, const char* key, const std::string& where) {
@@ -131,10 +151,10 @@ PartFit fit_from_json(const json& j, const std::string& where) {
   f.a = coefficient(j, "a", where);
   f.c = coefficient(j, "c", where);
   f.d = coefficient(j, "d", where);
-  f.max_rel_error = j.value("max_rel_error", 0.0);
-  f.mean_rel_error = j.value("mean_rel_error", 0.0);
+  f.max_rel_error = optional_field(j, "max_rel_error", 0.0, where);
+  f.mean_rel_error = optional_field(j, "mean_rel_error", 0.0, where);
   if (j.contains("samples"))
-    for (const json& s : j.at("samples"))
+    for (const json& s : array_field(j, "samples", where))
       f.samples.push_back({get<int64_t>(s, "s", where), get<int64_t>(s, "b", where),
                            get<double>(s, "seconds", where)});
   return f;
@@ -229,14 +249,14 @@ nlohmann::json Profile::to_json() const {
 Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
   if (!j.is_object()) fail("[profile] ", source, ": not a JSON object");
   Profile p;
-  p.model = j.value("model", std::string());
+  p.model = optional_field(j, "model", std::string(), source);
   p.config = ModelConfig::from_json(get<json>(j, "config", source), source + ": config");
-  p.device = j.value("device", std::string());
-  p.threads = j.value("threads", 1);
-  p.precision = j.value("precision", std::string("fp32"));
+  p.device = optional_field(j, "device", std::string(), source);
+  p.threads = optional_field(j, "threads", 1, source);
+  p.precision = optional_field(j, "precision", std::string("fp32"), source);
   if (p.precision != "fp32" && p.precision != "bf16")
     fail("[profile] ", source, ": precision: '", p.precision, "' (expected fp32 or bf16)");
-  p.repetitions = j.value("repetitions", 0);
+  p.repetitions = optional_field(j, "repetitions", 0, source);
   const json entries = get<json>(j, "entries", source);
   if (!entries.is_array() || entries.empty()) fail("[profile] ", source, ": entries: must be a non-empty array");
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -250,7 +270,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
       if (!parts.contains(part)) fail("[profile] ", where, ": missing part '", part, "'");
       e.parts[part] = fit_from_json(parts.at(part), where + "." + part);
     }
-    e.emulation_factor = entries[i].value("emulation_factor", 1.0);
+    e.emulation_factor = optional_field(entries[i], "emulation_factor", 1.0, where);
     if (!(e.emulation_factor > 0)) fail("[profile] ", where, ": emulation_factor must be positive");
     if (p.find(e.tp, e.cp)) fail("[profile] ", where, ": tp ", e.tp, " cp ", e.cp, " appears twice");
     p.entries.push_back(std::move(e));
@@ -259,25 +279,25 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
     const json& o = j.at("optimizer");
     p.optimizer.per_param_s = coefficient(o, "per_param_s", source + ": optimizer");
     p.optimizer.fixed_s = coefficient(o, "fixed_s", source + ": optimizer");
-    p.optimizer.max_rel_error = o.value("max_rel_error", 0.0);
+    p.optimizer.max_rel_error = optional_field(o, "max_rel_error", 0.0, source + ": optimizer");
     if (o.contains("samples"))
-      for (const json& s : o.at("samples"))
+      for (const json& s : array_field(o, "samples", source + ": optimizer"))
         p.optimizer.samples.emplace_back(get<int64_t>(s, "n", source + ": optimizer"),
                                          get<double>(s, "seconds", source + ": optimizer"));
   }
   if (j.contains("ops"))
-    for (const auto& [type, f] : j.at("ops").items()) {
+    for (const auto& [type, f] : object_field(j, "ops", source).items()) {
       const std::string where = source + ": ops." + type;
       OpFit o;
       o.overhead_s = coefficient(f, "overhead_s", where);
       o.s_per_flop = coefficient(f, "s_per_flop", where);
       o.s_per_element = coefficient(f, "s_per_element", where);
-      o.max_rel_error = f.value("max_rel_error", 0.0);
-      o.samples = f.value("samples", 0);
+      o.max_rel_error = optional_field(f, "max_rel_error", 0.0, where);
+      o.samples = optional_field(f, "samples", 0, where);
       p.ops[type] = o;
     }
   if (j.contains("memory"))
-    for (const json& m : j.at("memory")) {
+    for (const json& m : array_field(j, "memory", source)) {
       const std::string where = source + ": memory";
       LayerMemory l;
       l.tp = get<int>(m, "tp", where);
@@ -287,11 +307,12 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
       l.optimizer_bytes = get<int64_t>(m, "optimizer_bytes", where);
       l.activation_bytes_per_token = get<double>(m, "activation_bytes_per_token", where);
       l.activation_bytes_per_token_recompute = get<double>(m, "activation_bytes_per_token_recompute", where);
-      l.stage_activation_bytes_per_token = m.value("stage_activation_bytes_per_token", 0.0);
-      l.stage_activation_bytes_per_token_recompute = m.value("stage_activation_bytes_per_token_recompute", 0.0);
+      l.stage_activation_bytes_per_token = optional_field(m, "stage_activation_bytes_per_token", 0.0, where);
+      l.stage_activation_bytes_per_token_recompute =
+          optional_field(m, "stage_activation_bytes_per_token_recompute", 0.0, where);
       p.memory.push_back(l);
     }
-  p.emulation_ranks = j.value("emulation_ranks", 0);
+  p.emulation_ranks = optional_field(j, "emulation_ranks", 0, source);
   return p;
 }
 

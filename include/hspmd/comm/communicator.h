@@ -120,7 +120,9 @@ RecvBuffer recv_buffer(int peer, NDArray& a);
 // (n-1)·own piece; all_gather sends (n-1)·own piece, receives total - own
 // piece; broadcast: the root sends the buffer once per other member),
 // point-to-point the exact message sizes, so that they compare with the
-// resolver's predictions (f32 bytes) whatever algorithm the library picks.
+// resolver's predictions (bytes of the tensor's dtype) whatever algorithm the
+// library picks. For collectives they therefore confirm the sizes of the
+// calls, not the traffic the library puts on the wire.
 struct ByteCounters {
   int64_t sent = 0;
   int64_t received = 0;
