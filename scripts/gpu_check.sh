@@ -8,7 +8,7 @@
 # Needs .gpu-deps (scripts/fetch_cudnn_frontend.sh) carried along: the
 # cudnn_frontend headers, fallback cuDNN/NCCL headers, prebuilt probes.
 #
-# Writes under OUT (default out/gpu), at most 7 files: setup.log (machine,
+# Writes under OUT (default out/gpu), at most 8 files: setup.log (machine,
 # libraries, configure, build), one log per probe, peer_torch.log and
 # summary.txt, which is printed last. No step stops the script: each step's
 # status is collected (PASS, FAIL, SKIP, TIMEOUT, CRASH(rc), NOT_BUILT).
@@ -35,7 +35,7 @@ PROBES=(probe_cublaslt probe_cudnn_sdpa probe_cuda_graph probe_streams)
 SETUP="$OUT/setup.log"
 SUMMARY="$OUT/summary.txt"
 rm -f "$SETUP" "$SUMMARY" "$OUT"/peer_torch.log
-for p in "${PROBES[@]}"; do rm -f "$OUT/$p.log"; done
+for p in "${PROBES[@]}" conformance_memory; do rm -f "$OUT/$p.log"; done
 
 T_START=$(date +%s)
 declare -a STEP_NAMES STEP_STATUS STEP_SECS
@@ -65,7 +65,7 @@ write_summary() {
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|_us="
-  for f in "${PROBES[@]}" peer_torch; do
+  for f in "${PROBES[@]}" peer_torch conformance_memory; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -285,6 +285,36 @@ for p in "${PROBES[@]}"; do
   echo "== $p: $st rc=$rc $(($(date +%s) - t0))s" | tee -a "$OUT/$p.log"
   record "$p" "$st" $(($(date +%s) - t0))
 done
+
+# ------------------------------------------- CUDA backend conformance --
+# hspmd's own CUDA backend (docs/cuda.md) against its CPU backend: core and
+# kernels only (-DHSPMD_GPU_KERNELS_ONLY=ON: no CBC needed), one program.
+t0=$(date +%s)
+KBUILD=${KBUILD_DIR:-build-gpu-kernels}
+left=$((T_START + BUDGET - $(date +%s) - 15))
+if ((left < 60)); then
+  echo "== conformance_memory: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/conformance_memory.log"
+  record conformance_memory NO_TIME 0
+elif [[ -z "$NVCC" ]]; then
+  record conformance_memory NOT_BUILT 0
+else
+  {
+    echo "== configure + build: cmake -S . -B $KBUILD -DHSPMD_GPU_KERNELS_ONLY=ON; target conformance_memory"
+    timeout $((left / 2)) cmake -S . -B "$KBUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DHSPMD_CUDA=ON \
+      -DHSPMD_GPU_KERNELS_ONLY=ON "${CMAKE_HINTS[@]}" &&
+      timeout $((left / 2)) cmake --build "$KBUILD" -j "$JOBS" --target conformance_memory
+  } >"$OUT/conformance_memory.log" 2>&1
+  if [[ -x "$KBUILD/tests/gpu/conformance_memory" ]]; then
+    left=$((T_START + BUDGET - $(date +%s) - 10))
+    timeout -k 10 $((left < PROBE_TIMEOUT ? left : PROBE_TIMEOUT)) "$KBUILD/tests/gpu/conformance_memory" 2>&1 |
+      tee -a "$OUT/conformance_memory.log"
+    rc=${PIPESTATUS[0]}
+    record conformance_memory "$(status_of "$rc")" $(($(date +%s) - t0))
+  else
+    grep -E "error|Error" "$OUT/conformance_memory.log" | head -n 10
+    record conformance_memory NOT_BUILT $(($(date +%s) - t0))
+  fi
+fi
 
 write_summary
 echo

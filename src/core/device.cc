@@ -8,6 +8,9 @@
 #include <vector>
 
 #include "hspmd/core/error.h"
+#ifdef HSPMD_HAVE_CUDA
+#include "core/cuda_runtime.h"
+#endif
 
 namespace hspmd {
 
@@ -64,30 +67,83 @@ class CpuAllocator final : public Allocator {
 
 }  // namespace
 
+bool built_with_cuda() {
+#ifdef HSPMD_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#ifdef HSPMD_HAVE_CUDA
+  return cuda_rt::device_count();
+#else
+  return 0;
+#endif
+}
+
+void require_device(Device device) {
+  if (device.type == DeviceType::CPU) {
+    if (device.index != 0) fail("[device] ", device.str(), ": the host is cpu:0");
+    return;
+  }
+  if (!built_with_cuda()) fail("[device] ", device.str(), ": this build has no CUDA backend");
+  const int n = cuda_device_count();
+  if (n == 0) fail("[device] ", device.str(), ": no CUDA device is visible to this process");
+  if (device.index < 0 || device.index >= n)
+    fail("[device] ", device.str(), ": no such device (", n, " CUDA device", n == 1 ? "" : "s", " visible)");
+}
+
 Allocator& allocator_for(Device device) {
   static CpuAllocator cpu;
   if (device.type == DeviceType::CPU) return cpu;
+#ifdef HSPMD_HAVE_CUDA
+  require_device(device);
+  return cuda_rt::allocator(device.index);
+#else
   fail("[device] ", device.str(), ": this build has no CUDA backend");
+#endif
 }
 
 Stream& default_stream(Device device) {
   static Stream cpu(Device::cpu(), 0);
   if (device.type == DeviceType::CPU) return cpu;
+#ifdef HSPMD_HAVE_CUDA
+  require_device(device);
+  return cuda_rt::default_stream(device.index);
+#else
   fail("[device] ", device.str(), ": this build has no CUDA backend");
+#endif
 }
 
 void Event::record(Stream& stream) {
-  stream.synchronize();
   stream_ = &stream;
+#ifdef HSPMD_HAVE_CUDA
+  if (stream.device().type == DeviceType::CUDA) {
+    native_ = cuda_rt::record_event(stream);
+    return;
+  }
+#endif
+  stream.synchronize();
   at_ = std::chrono::steady_clock::now();
 }
 
 void Event::synchronize() const {
   HSPMD_CHECK(recorded(), "Event::synchronize before record");
+#ifdef HSPMD_HAVE_CUDA
+  if (native_) cuda_rt::synchronize_event(native_.get());
+#endif
 }
 
 double Event::elapsed_ms(const Event& start) const {
   HSPMD_CHECK(recorded() && start.recorded(), "Event::elapsed_ms of an event never recorded");
+#ifdef HSPMD_HAVE_CUDA
+  if (native_ || start.native_) {
+    HSPMD_CHECK(native_ && start.native_, "Event::elapsed_ms between a CUDA and a CPU event");
+    return cuda_rt::elapsed_ms(start.native_.get(), native_.get());
+  }
+#endif
   return std::chrono::duration<double, std::milli>(at_ - start.at_).count();
 }
 

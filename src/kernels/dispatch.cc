@@ -8,6 +8,14 @@
 #include <initializer_list>
 
 #include "cpu/cpu.h"
+#ifdef HSPMD_HAVE_CUDA
+#include "cuda/cuda.h"
+#define HSPMD_CUDA_CASE(call) \
+  case DeviceType::CUDA:      \
+    return cuda::call;
+#else
+#define HSPMD_CUDA_CASE(call)
+#endif
 #include "hspmd/core/error.h"
 #include "kernels/attention.h"
 #include "kernels/basic.h"
@@ -41,6 +49,7 @@ DeviceType device_of(const char* kernel, const Stream& s,
 void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
   switch (device_of("add", s, {&a, &b, &out})) {
     case DeviceType::CPU: return cpu::add(a, b, out);
+    HSPMD_CUDA_CASE(add(s, a, b, out))
     default: no_kernel("add", s.device());
   }
 }
@@ -48,6 +57,7 @@ void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
 void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
   switch (device_of("mul", s, {&a, &b, &out})) {
     case DeviceType::CPU: return cpu::mul(a, b, out);
+    HSPMD_CUDA_CASE(mul(s, a, b, out))
     default: no_kernel("mul", s.device());
   }
 }
@@ -55,6 +65,7 @@ void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
   switch (device_of("scale", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::scale(a, factor, out);
+    HSPMD_CUDA_CASE(scale(s, a, factor, out))
     default: no_kernel("scale", s.device());
   }
 }
@@ -62,6 +73,7 @@ void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
 void accumulate(Stream& s, const NDArray& a, NDArray& out) {
   switch (device_of("accumulate", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::accumulate(a, out);
+    HSPMD_CUDA_CASE(accumulate(s, a, out))
     default: no_kernel("accumulate", s.device());
   }
 }
@@ -300,6 +312,7 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
 void fill(Stream& s, NDArray& out, float value) {
   switch (device_of("fill", s, {&out})) {
     case DeviceType::CPU: return cpu::fill(out, value);
+    HSPMD_CUDA_CASE(fill(s, out, value))
     default: no_kernel("fill", s.device());
   }
 }
@@ -307,6 +320,7 @@ void fill(Stream& s, NDArray& out, float value) {
 NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
   switch (s.device().type) {
     case DeviceType::CPU: return cpu::zeros(shape, dtype);
+    HSPMD_CUDA_CASE(zeros(s, shape, dtype))
     default: no_kernel("zeros", s.device());
   }
 }
@@ -314,6 +328,7 @@ NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
 void copy(Stream& s, const NDArray& from, NDArray& out) {
   switch (device_of("copy", s, {&from, &out})) {
     case DeviceType::CPU: return cpu::copy(from, out);
+    HSPMD_CUDA_CASE(copy(s, from, out))
     default: no_kernel("copy", s.device());
   }
 }
@@ -322,6 +337,7 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
                 const Shape& to_start, const Shape& extent, bool accumulate) {
   switch (device_of("copy_block", s, {&from, &to})) {
     case DeviceType::CPU: return cpu::copy_block(from, from_start, to, to_start, extent, accumulate);
+    HSPMD_CUDA_CASE(copy_block(s, from, from_start, to, to_start, extent, accumulate))
     default: no_kernel("copy_block", s.device());
   }
 }
@@ -329,6 +345,7 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
 NDArray to_host(Stream& s, const NDArray& a) {
   switch (device_of("to_host", s, {&a})) {
     case DeviceType::CPU: return a;  // the host is the CPU device
+    HSPMD_CUDA_CASE(to_host(s, a))
     default: no_kernel("to_host", s.device());
   }
 }
@@ -339,6 +356,7 @@ NDArray to_device(Stream& s, const NDArray& a) {
     fail("[kernels] to_device: the array lives on ", a.device().str(), ", neither on the host nor on ",
          s.device().str());
   switch (s.device().type) {
+    HSPMD_CUDA_CASE(to_device(s, a))
     default: no_kernel("to_device", s.device());
   }
 }
@@ -347,6 +365,7 @@ double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
   for (const NDArray& a : arrays) device_of("sum_of_squares", s, {&a});
   switch (s.device().type) {
     case DeviceType::CPU: return cpu::sum_of_squares(arrays);
+    HSPMD_CUDA_CASE(sum_of_squares(s, arrays))
     default: no_kernel("sum_of_squares", s.device());
   }
 }
@@ -356,6 +375,7 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
     device_of("adam_step", s, {t.param, t.grad, t.exp_avg, t.exp_avg_sq});
   switch (s.device().type) {
     case DeviceType::CPU: return cpu::adam_step(tensors, f);
+    HSPMD_CUDA_CASE(adam_step(s, tensors, f))
     default: no_kernel("adam_step", s.device());
   }
 }

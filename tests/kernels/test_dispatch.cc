@@ -28,9 +28,17 @@ TEST(Stream, CpuDefaultStreamRunsInline) {
   EXPECT_EQ(out.data<float>()[2], 6.0f);
 }
 
-TEST(Stream, NoCudaBackend) {
-  EXPECT_EQ(testing::error_of([] { default_stream(Device{DeviceType::CUDA, 0}); }),
-            "[device] cuda:0: this build has no CUDA backend");
+TEST(Stream, CudaDeviceErrorsAreOneLine) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
+  // Without a usable device: why not, in one line, before any work.
+  const std::string want = built_with_cuda() ? "[device] cuda:0: no CUDA device is visible to this process"
+                                             : "[device] cuda:0: this build has no CUDA backend";
+  EXPECT_EQ(testing::error_of([] { default_stream(Device::cuda(0)); }), want);
+  EXPECT_EQ(testing::error_of([] { allocator_for(Device::cuda(0)); }), want);
+  EXPECT_EQ(testing::error_of([] { require_device(Device::cuda(0)); }), want);
+  EXPECT_EQ(testing::error_of([] { require_device(Device{DeviceType::CPU, 1}); }),
+            "[device] cpu:1: the host is cpu:0");
+  EXPECT_NO_THROW(require_device(Device::cpu()));
 }
 
 TEST(Event, TimesCpuWork) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace hspmd {
@@ -21,6 +22,7 @@ struct Device {
   int index = 0;
 
   static Device cpu() { return {DeviceType::CPU, 0}; }
+  static Device cuda(int index = 0) { return {DeviceType::CUDA, index}; }
   bool operator==(const Device&) const = default;
   std::string str() const;
 };
@@ -81,8 +83,19 @@ class Stream {
 // this build.
 Stream& default_stream(Device device);
 
+// Whether this build has the CUDA backend, and how many CUDA devices this
+// process sees (0 without the backend, a driver or a device).
+bool built_with_cuda();
+int cuda_device_count();
+// Throws "[device] cuda:N: ..." in one line unless `device` can be used:
+// a build without CUDA, no GPU, an index that does not exist.
+void require_device(Device device);
+
 // A point in a stream's work, for waiting and timing. CPU: record()
-// synchronizes the stream and takes a timestamp (steady clock).
+// synchronizes the stream and takes a timestamp (steady clock). CUDA: a
+// cudaEvent recorded on the stream (timing enabled); synchronize() waits for
+// it and elapsed_ms() reads the time between two such events. Copies share
+// the recorded point.
 class Event {
  public:
   // Marks the point after the work issued to `stream` so far.
@@ -96,6 +109,7 @@ class Event {
  private:
   Stream* stream_ = nullptr;
   std::chrono::steady_clock::time_point at_{};
+  std::shared_ptr<void> native_;  // the cudaEvent_t of a CUDA stream
 };
 
 // How long the work between begin() and end_s() took: the one timing

@@ -1,0 +1,40 @@
+// The CUDA device runtime behind core's Device, Allocator, Stream and Event
+// (built only with HSPMD_HAVE_CUDA; docs/cuda.md). Internal to core and the
+// CUDA kernels: nothing above kernels includes it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "hspmd/core/device.h"
+
+namespace hspmd::cuda_rt {
+
+// CUDA devices this process sees (0 when the driver or a device is missing).
+int device_count();
+
+// The caching allocator of device `index`: freed blocks are kept by size and
+// reused (no cudaMalloc / cudaFree in a step once the sizes repeat); when
+// cudaMalloc fails the cache is released and the allocation tried once more,
+// then "[cuda:N] out of memory allocating B bytes (C in use, peak P): ..."
+// is thrown.
+Allocator& allocator(int index);
+
+// The default stream (id 0) of device `index`: a stream of its own (not the
+// legacy NULL stream), so that work on it can be captured in CUDA graphs.
+Stream& default_stream(int index);
+
+// Events on a CUDA stream (timing enabled), shared by copies of an Event.
+std::shared_ptr<void> record_event(Stream& stream);
+void synchronize_event(void* event);
+double elapsed_ms(void* start, void* end);
+
+// Throws "[cuda] <call>: <error string>" unless `status` (a cudaError_t) is
+// cudaSuccess.
+void check(int status, const char* call);
+
+// Makes `index` the calling thread's current device.
+void set_device(int index);
+
+}  // namespace hspmd::cuda_rt

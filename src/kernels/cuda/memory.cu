@@ -1,0 +1,300 @@
+// CUDA memory kernels (memory.h) and the elementwise f32 kernels
+// (kernels.h) on a CUDA stream.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "core/cuda_runtime.h"
+#include "hspmd/core/dtype.h"
+#include "hspmd/core/error.h"
+#include "kernels/cuda/cuda.h"
+
+namespace hspmd::kernels::cuda {
+
+namespace {
+
+cudaStream_t native(Stream& s) { return static_cast<cudaStream_t>(s.native_handle()); }
+
+void launched(const char* kernel) { cuda_rt::check(cudaGetLastError(), kernel); }
+
+void require_contiguous(const char* kernel, const NDArray& a) {
+  HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
+}
+
+constexpr int kThreads = 256;
+
+unsigned blocks_for(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
+}
+
+// ---- elementwise ----
+
+enum class Binary { kAdd, kMul };
+
+__global__ void binary_kernel(const float* a, const float* b, float* out, int64_t n, Binary op) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = op == Binary::kAdd ? a[i] + b[i] : a[i] * b[i];
+}
+
+__global__ void scale_kernel(const float* a, float factor, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = a[i] * factor;
+}
+
+void binary(Stream& s, const char* name, const NDArray& a, const NDArray& b, NDArray& out, Binary op) {
+  require_contiguous(name, a);
+  require_contiguous(name, b);
+  HSPMD_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), name, ": sizes differ");
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  binary_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), b.data<float>(), out.data<float>(), n, op);
+  launched(name);
+}
+
+// ---- fills ----
+
+template <typename T>
+__global__ void fill_kernel(T* out, T value, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = value;
+}
+
+template <typename T>
+void fill_as(Stream& s, NDArray& out, T value) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  fill_kernel<T><<<blocks_for(n), kThreads, 0, native(s)>>>(out.data<T>(), value, n);
+  launched("fill");
+}
+
+// ---- block copies ----
+
+constexpr int kMaxDims = 8;
+
+struct BlockGeometry {
+  int ndim = 0;
+  int64_t extent[kMaxDims];
+  int64_t from_stride[kMaxDims], to_stride[kMaxDims];
+  int64_t from_offset = 0, to_offset = 0;  // elements of the blocks' corners
+};
+
+// One thread per element of the block: its index in the block, decomposed
+// over the extent, gives its offsets in both arrays.
+template <typename T, bool kAccumulate>
+__global__ void block_kernel(const T* from, T* to, BlockGeometry g, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t rest = i, a = g.from_offset, b = g.to_offset;
+    for (int d = g.ndim - 1; d >= 0; --d) {
+      const int64_t k = rest % g.extent[d];
+      rest /= g.extent[d];
+      a += k * g.from_stride[d];
+      b += k * g.to_stride[d];
+    }
+    if constexpr (kAccumulate)
+      to[b] += from[a];
+    else
+      to[b] = from[a];
+  }
+}
+
+// ---- sum of squares: fixed grid, partial sums in double, summed in order ----
+
+constexpr int kSumBlocks = 240;
+
+__global__ void square_partials_kernel(const float* x, int64_t n, double* partials) {
+  __shared__ double part[kThreads];
+  double sum = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    sum += static_cast<double>(x[i]) * x[i];
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = part[0];
+}
+
+// total += Σ partials, one thread, in a fixed order.
+__global__ void add_partials_kernel(const double* partials, int count, double* total) {
+  double sum = *total;
+  for (int i = 0; i < count; ++i) sum += partials[i];
+  *total = sum;
+}
+
+// ---- AdamW ----
+
+__global__ void adam_kernel(float* p, const float* g, float* m, float* v, int64_t n, AdamFactors f) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gi = g[i] + f.l2 * p[i];
+    const float pi = p[i] * f.decay_scale;
+    const float mi = f.beta1 * m[i] + f.one_minus_beta1 * gi;
+    const float vi = f.beta2 * v[i] + f.one_minus_beta2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    // torch's order: denom = sqrt(v) / sqrt(bc2) + eps; the last
+    // multiply-subtract fused, as on CPUs with FMA.
+    p[i] = __fmaf_rn(-f.step_size, mi / (sqrtf(vi) / f.sqrt_bc2 + f.eps), pi);
+  }
+}
+
+}  // namespace
+
+void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) { binary(s, "add", a, b, out, Binary::kAdd); }
+
+void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) { binary(s, "mul", a, b, out, Binary::kMul); }
+
+void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
+  require_contiguous("scale", a);
+  HSPMD_CHECK(a.numel() == out.numel(), "scale: sizes differ");
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  scale_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), factor, out.data<float>(), n);
+  launched("scale");
+}
+
+void accumulate(Stream& s, const NDArray& a, NDArray& out) { binary(s, "accumulate", a, out, out, Binary::kAdd); }
+
+void fill(Stream& s, NDArray& out, float value) {
+  require_contiguous("fill", out);
+  switch (out.dtype()) {
+    case DType::F32: return fill_as<float>(s, out, value);
+    case DType::BF16: return fill_as<uint16_t>(s, out, f32_to_bf16(value));
+    case DType::I32: return fill_as<int32_t>(s, out, static_cast<int32_t>(value));
+    case DType::I64: return fill_as<int64_t>(s, out, static_cast<int64_t>(value));
+    case DType::F64: fail("[kernels] fill: no f64 arrays");
+  }
+}
+
+NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
+  NDArray a = NDArray::empty(shape, dtype, s.device());
+  if (a.nbytes() > 0) cuda_rt::check(cudaMemsetAsync(a.raw_data(), 0, a.nbytes(), native(s)), "cudaMemsetAsync");
+  return a;
+}
+
+void copy(Stream& s, const NDArray& from, NDArray& out) {
+  require_contiguous("copy", from);
+  require_contiguous("copy", out);
+  HSPMD_CHECK(from.dtype() == out.dtype() && from.numel() == out.numel(), "copy: ", dtype_name(from.dtype()),
+              shape_str(from.shape()), " into ", dtype_name(out.dtype()), shape_str(out.shape()));
+  if (from.nbytes() > 0 && from.raw_data() != out.raw_data())
+    cuda_rt::check(cudaMemcpyAsync(out.raw_data(), from.raw_data(), from.nbytes(), cudaMemcpyDeviceToDevice,
+                                   native(s)),
+                   "cudaMemcpyAsync");
+}
+
+void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to, const Shape& to_start,
+                const Shape& extent, bool accumulate) {
+  require_contiguous("copy_block", from);
+  require_contiguous("copy_block", to);
+  const size_t n = extent.size();
+  HSPMD_CHECK(from.dtype() == to.dtype(), "copy_block: ", dtype_name(from.dtype()), " into ", dtype_name(to.dtype()));
+  HSPMD_CHECK(from.ndim() == static_cast<int>(n) && to.ndim() == static_cast<int>(n) && from_start.size() == n &&
+                  to_start.size() == n,
+              "copy_block: ranks differ");
+  HSPMD_CHECK(n <= static_cast<size_t>(kMaxDims), "copy_block: more than ", kMaxDims, " dims");
+  HSPMD_CHECK(!accumulate || to.dtype() == DType::F32, "copy_block: accumulates f32 only");
+  BlockGeometry g;
+  g.ndim = static_cast<int>(n);
+  int64_t count = 1;
+  for (size_t d = 0; d < n; ++d) {
+    HSPMD_CHECK(extent[d] >= 0 && from_start[d] >= 0 && to_start[d] >= 0 &&
+                    from_start[d] + extent[d] <= from.shape()[d] && to_start[d] + extent[d] <= to.shape()[d],
+                "copy_block: block ", shape_str(extent), " at ", shape_str(from_start), " of ",
+                shape_str(from.shape()), " into ", shape_str(to_start), " of ", shape_str(to.shape()));
+    g.extent[d] = extent[d];
+    g.from_stride[d] = from.strides()[d];
+    g.to_stride[d] = to.strides()[d];
+    g.from_offset += from_start[d] * from.strides()[d];
+    g.to_offset += to_start[d] * to.strides()[d];
+    count *= extent[d];
+  }
+  if (count == 0) return;
+  const unsigned blocks = blocks_for(count);
+  cudaStream_t st = native(s);
+  switch (dtype_size(from.dtype())) {
+    case 2:
+      block_kernel<uint16_t, false><<<blocks, kThreads, 0, st>>>(static_cast<const uint16_t*>(from.raw_data()),
+                                                                 static_cast<uint16_t*>(to.raw_data()), g, count);
+      break;
+    case 4:
+      if (accumulate)
+        block_kernel<float, true><<<blocks, kThreads, 0, st>>>(from.data<float>(), to.data<float>(), g, count);
+      else
+        block_kernel<uint32_t, false><<<blocks, kThreads, 0, st>>>(static_cast<const uint32_t*>(from.raw_data()),
+                                                                   static_cast<uint32_t*>(to.raw_data()), g, count);
+      break;
+    case 8:
+      block_kernel<uint64_t, false><<<blocks, kThreads, 0, st>>>(static_cast<const uint64_t*>(from.raw_data()),
+                                                                 static_cast<uint64_t*>(to.raw_data()), g, count);
+      break;
+    default: fail("[kernels] copy_block: no ", dtype_size(from.dtype()), "-byte elements");
+  }
+  launched("copy_block");
+}
+
+NDArray to_host(Stream& s, const NDArray& a) {
+  require_contiguous("to_host", a);
+  NDArray host = NDArray::empty(a.shape(), a.dtype(), Device::cpu());
+  if (a.nbytes() > 0)
+    cuda_rt::check(cudaMemcpyAsync(host.raw_data(), a.raw_data(), a.nbytes(), cudaMemcpyDeviceToHost, native(s)),
+                   "cudaMemcpyAsync");
+  s.synchronize();  // the host reads it next
+  return host;
+}
+
+NDArray to_device(Stream& s, const NDArray& host) {
+  const NDArray h = host.contiguous();
+  NDArray a = NDArray::empty(h.shape(), h.dtype(), s.device());
+  // From pageable memory the call returns once the bytes are staged: `host`
+  // may go away after it.
+  if (h.nbytes() > 0)
+    cuda_rt::check(cudaMemcpyAsync(a.raw_data(), h.raw_data(), h.nbytes(), cudaMemcpyHostToDevice, native(s)),
+                   "cudaMemcpyAsync");
+  return a;
+}
+
+double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
+  NDArray partials = NDArray::empty({kSumBlocks}, DType::I64, s.device());  // 8-byte slots for doubles
+  NDArray total = zeros(s, {1}, DType::I64);
+  auto* p = static_cast<double*>(partials.raw_data());
+  auto* t = static_cast<double*>(total.raw_data());
+  for (const NDArray& a : arrays) {
+    require_contiguous("sum_of_squares", a);
+    HSPMD_CHECK(a.dtype() == DType::F32, "sum_of_squares: f32 arrays only");
+    if (a.numel() == 0) continue;
+    square_partials_kernel<<<kSumBlocks, kThreads, 0, native(s)>>>(a.data<float>(), a.numel(), p);
+    add_partials_kernel<<<1, 1, 0, native(s)>>>(p, kSumBlocks, t);
+    launched("sum_of_squares");
+  }
+  double result = 0;
+  cuda_rt::check(cudaMemcpyAsync(&result, t, sizeof result, cudaMemcpyDeviceToHost, native(s)), "cudaMemcpyAsync");
+  s.synchronize();
+  return result;
+}
+
+void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+  for (const AdamTensor& t : tensors) {
+    for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad, static_cast<const NDArray*>(t.exp_avg),
+                             static_cast<const NDArray*>(t.exp_avg_sq)}) {
+      HSPMD_CHECK(a != nullptr && a->dtype() == DType::F32 && a->numel() == t.param->numel(),
+                  "adam_step: param, grad and moments must be f32 of one size");
+      require_contiguous("adam_step", *a);
+    }
+    const int64_t n = t.param->numel();
+    if (n == 0) continue;
+    adam_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(t.param->data<float>(), t.grad->data<float>(),
+                                                          t.exp_avg->data<float>(), t.exp_avg_sq->data<float>(), n, f);
+    launched("adam_step");
+  }
+}
+
+}  // namespace hspmd::kernels::cuda
