@@ -84,6 +84,7 @@ int token_cost(const CostFlags& c, const ModelConfig& config, const Topology& to
   if (c.seq_len != 0) fail("[flags] --seq-len is not read with --lengths (steps are token budgets)");
   check_input_file("--lengths", c.lengths);
   const CostModel model = CostModel::load(config, topology, c.profile);
+  model.require_profiles_for_emulation(c.cluster);
   const std::vector<int64_t> pieces = file_pieces(c.lengths, config, c.max_seq_len);
   if (pieces.empty()) fail("[data] ", c.lengths, ": no piece");
   check_budget_holds_pieces(pieces, c.batch_tokens, c.lengths, c.max_seq_len);
@@ -160,6 +161,7 @@ int cost_command(const std::vector<std::string>& args) {
   validate(strategy, config, topology.world_size());
   if (!c.lengths.empty()) return token_cost(c, config, topology, strategy);
   const CostModel model = CostModel::load(config, topology, c.profile);
+  model.require_profiles_for_emulation(c.cluster);
   const CostReport rep = model.evaluate(strategy, c.seq_len);
   if (c.json) {
     std::fputs((rep.to_json().dump(1) + "\n").c_str(), stdout);
@@ -245,6 +247,7 @@ int mixed_command(const std::vector<std::string>& args) {
   const ModelConfig config = ModelConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const CostModel model = CostModel::load(config, topology, c.profile);
+  model.require_profiles_for_emulation(c.cluster);
   const TokenData data = TokenData::load(c.lengths, config.vocab_size);
   const PackedDocuments docs(data, c.max_seq_len, config.eos_token_id);
   std::vector<int64_t> pieces(static_cast<size_t>(docs.num_pieces()));
@@ -336,6 +339,7 @@ int search_command(const std::vector<std::string>& args) {
   const ModelConfig config = ModelConfig::load(c.model);
   const Topology topology = Topology::load(c.cluster);
   const CostModel model = CostModel::load(config, topology, c.profile);
+  model.require_profiles_for_emulation(c.cluster);
   SearchOptions o;
   o.global_batch = static_cast<int>(c.global_batch);
   o.seq_len = c.seq_len;

@@ -87,6 +87,16 @@ const Profile* CostModel::profile_of(int rank) const {
 
 bool CostModel::profiled(int rank) const { return profile_of(rank) != nullptr; }
 
+void CostModel::require_profiles_for_emulation(const std::string& cluster) const {
+  for (int r = 0; r < topology_.world_size(); ++r)
+    if (topology_.rank(r).emulated && !profiled(r))
+      fail("[plan] ", cluster, ": rank ", r, " (device type '", topology_.rank(r).device_type,
+           "') is emulated on this CPU (its node gives \"slowdown\" or \"memory_cap_gib\") but has no "
+           "profile, and the catalog's tflops roofline says nothing about this CPU: measure one with `hspmd "
+           "profile --model M -o P.json` and pass --profile P.json (or give the type a \"profile\" in the "
+           "catalog)");
+}
+
 double CostModel::activation_element_bytes(int rank) const {
   const Profile* p = profile_of(rank);
   return p && p->precision != "bf16" ? kBytes : 2.0;

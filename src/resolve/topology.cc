@@ -155,7 +155,8 @@ Topology Topology::from_json(const json& j) {
       Reader::fail_at(where + ".type", "unknown device type '", shorten(type.get<std::string>()), "' (not in the catalog)");
     RankInfo info{static_cast<int>(n), found->first,
                   Reader::positive(nodes[n], where, "slowdown", 1.0, false, HUGE_VAL),  // its own range below
-                  Reader::positive(nodes[n], where, "memory_cap_gib", 0.0, true)};
+                  Reader::positive(nodes[n], where, "memory_cap_gib", 0.0, true),
+                  nodes[n].contains("slowdown") || nodes[n].contains("memory_cap_gib")};
     if (!slowdown_in_range(info.slowdown))
       Reader::fail_at(where + ".slowdown", "must lie in [", kMinSlowdown, ", ", kMaxSlowdown,
                       "] (a compute-time multiplier), got ", info.slowdown);
@@ -244,10 +245,10 @@ nlohmann::json Topology::to_json() const {
     const RankInfo& info = ranks_[r];
     while (last + 1 < world_size() && ranks_[last + 1].node == info.node &&
            ranks_[last + 1].device_type == info.device_type && ranks_[last + 1].slowdown == info.slowdown &&
-           ranks_[last + 1].memory_cap_gib == info.memory_cap_gib)
+           ranks_[last + 1].memory_cap_gib == info.memory_cap_gib && ranks_[last + 1].emulated == info.emulated)
       ++last;
     json node = {{"type", info.device_type}, {"ranks", {r, last}}};
-    if (info.slowdown != 1.0) node["slowdown"] = info.slowdown;
+    if (info.slowdown != 1.0 || info.emulated) node["slowdown"] = info.slowdown;
     if (info.memory_cap_gib != 0) node["memory_cap_gib"] = info.memory_cap_gib;
     nodes.push_back(node);
     r = last + 1;

@@ -40,6 +40,8 @@ def main():
     os.mkfifo(p("fifo"))
     json.dump({"catalog": {"cpu": {"tflops": 1, "memory_gib": 16, "intra_node_gbps": 10, "inter_node_gbps": 1}},
                "nodes": [{"type": "cpu", "ranks": [0, 0]}]}, open(p("cluster.json"), "w"))
+    json.dump({"catalog": {"cpu": {"tflops": 1, "memory_gib": 16, "intra_node_gbps": 10, "inter_node_gbps": 1}},
+               "nodes": [{"type": "cpu", "ranks": [0, 0], "slowdown": 2.0}]}, open(p("emulated.json"), "w"))
     with open(p("long.bin"), "wb") as f:  # one document of 40 tokens: pieces of 32 and 8
         f.write(struct.pack("<41I", *([5] * 40 + [256])))
 
@@ -91,6 +93,15 @@ def main():
         # With token budgets the longest piece is --max-seq-len, and the message says so.
         ("max-seq-len beyond the model", [a for a in base if a not in ("--seq-len", "16", "--global-batch", "2")] +
          ["--batch-tokens", "4096", "--max-seq-len", "2048"], "--max-seq-len 2048 exceeds"),
+        # A cluster emulated on this CPU is timed from a profile of this CPU,
+        # never from the catalog's roofline (it predicted 0.006 s where the
+        # emulator measured 0.107 s).
+        ("plan search emulated, no profile", ["plan", "search", "--model", p("cfg.json"), "--cluster",
+                                              p("emulated.json"), "--global-batch", "2", "--seq-len", "16"],
+         "is emulated on this CPU"),
+        ("plan cost emulated, no profile", ["plan", "cost", "--model", p("cfg.json"), "--strategy", p("s.json"),
+                                            "--cluster", p("emulated.json"), "--seq-len", "16"],
+         "hspmd profile"),
         # plan cost refuses the token budget that train refuses.
         ("plan cost budget below a piece", ["plan", "cost", "--model", p("cfg.json"), "--strategy", p("s.json"),
                                             "--cluster", p("cluster.json"), "--lengths", p("long.bin"),

@@ -493,3 +493,37 @@ TEST(ProfileFit, NegativeCoefficientsAreRefusedOnLoad) {
 
 }  // namespace
 }  // namespace hspmd
+
+namespace hspmd {
+namespace {
+
+// A cluster emulated on this CPU ("slowdown" or "memory_cap_gib" in a node)
+// must be timed from a profile of this CPU: without one the roofline's
+// prediction contradicts what the emulator measures (94% off), so plan
+// search / cost refuse in one line naming `hspmd profile`.
+TEST(CostModel, EmulatedRanksNeedAProfile) {
+  const ModelConfig c = model8();
+  auto topo = [](nlohmann::json extra) {
+    nlohmann::json slow = {{"type", "d"}, {"ranks", {4, 7}}};
+    if (extra.is_object()) slow.update(extra);
+    return Topology::from_json(
+        {{"catalog", {{"d", {{"tflops", 1}, {"memory_gib", 1}, {"intra_node_gbps", 25}, {"inter_node_gbps", 5}}}}},
+         {"nodes", {{{"type", "d"}, {"ranks", {0, 3}}}, slow}}});
+  };
+  const std::string e = testing::error_of(
+      [&] { CostModel(c, topo({{"slowdown", 2.0}}), {}, nullptr).require_profiles_for_emulation("c.json"); });
+  EXPECT_EQ(e.rfind("[plan] c.json: rank 4 (device type 'd') is emulated on this CPU", 0), 0u) << e;
+  EXPECT_NE(e.find("hspmd profile"), std::string::npos);
+  EXPECT_THROW(CostModel(c, topo({{"memory_cap_gib", 4}}), {}, nullptr).require_profiles_for_emulation("c.json"),
+               Error);
+  // With a profile, or on a cluster that emulates nothing, no error; and
+  // the mark survives the cluster's JSON round trip (slowdown 1 included).
+  EXPECT_NO_THROW(CostModel(c, topo({{"slowdown", 2.0}}), {}, flat_profile(c, 0.5e-3))
+                      .require_profiles_for_emulation("c.json"));
+  EXPECT_NO_THROW(CostModel(c, topo(nlohmann::json::object()), {}, nullptr).require_profiles_for_emulation("c.json"));
+  EXPECT_TRUE(Topology::from_json(topo({{"slowdown", 1.0}}).to_json()).rank(5).emulated);
+  EXPECT_FALSE(Topology::from_json(topo(nlohmann::json::object()).to_json()).rank(5).emulated);
+}
+
+}  // namespace
+}  // namespace hspmd

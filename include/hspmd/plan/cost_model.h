@@ -97,6 +97,12 @@ class CostModel {
   double optimizer_seconds(int rank, int64_t n) const;
   // Whether `rank`'s device is timed from a profile (else the roofline).
   bool profiled(int rank) const;
+  // Throws "[plan] <cluster>: rank R (device type T) is emulated on this CPU
+  // ... but has no profile ..." in one line when a rank whose node gives
+  // "slowdown" or "memory_cap_gib" (a device emulated on this CPU) would be
+  // timed by the catalog's roofline: its tflops say nothing about this CPU,
+  // and the emulator would then measure something else entirely.
+  void require_profiles_for_emulation(const std::string& cluster) const;
   // Bytes of an activation element on `rank`: 4 on a device profiled in
   // fp32, 2 on one profiled in bf16 (--precision bf16 carries bf16
   // activations) and on a roofline device (bf16 mixed precision, as its

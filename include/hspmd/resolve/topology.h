@@ -43,6 +43,9 @@ struct RankInfo {
   std::string device_type;       // key of the catalog
   double slowdown = 1.0;         // emulation on CPU: compute time multiplier (>= 1 slower)
   double memory_cap_gib = 0;     // emulation on CPU: memory cap, 0 = none
+  // Its node gives "slowdown" or "memory_cap_gib": a device emulated on this
+  // CPU, whose compute only a profile of this CPU can predict.
+  bool emulated = false;
 };
 
 class Topology {
