@@ -204,7 +204,24 @@ int profile_command(const std::vector<std::string>& args) {
   check_profile_options(o);
   o.progress = [](const std::string& what) { std::fprintf(stderr, "[profile] %s\n", what.c_str()); };
   const auto t0 = std::chrono::steady_clock::now();
+  // How quiet the machine is: a profile taken while other processes share
+  // its cores times the scheduler as much as the model.
+  double load[1] = {0};
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const double load_before = getloadavg(load, 1) == 1 ? load[0] : 0;
+  const double cpu0 = process_cpu_seconds();
   Profile p = profile_model(o);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  p.cpu_share = wall > 0 ? (process_cpu_seconds() - cpu0) / (wall * static_cast<double>(threads)) : 0;
+  p.load_before = load_before;
+  p.load_after = getloadavg(load, 1) == 1 ? load[0] : 0;
+  p.cores = cores;
+  if (p.measured_under_load())
+    std::fprintf(stderr,
+                 "[profile] warning: the machine was busy while the parts were timed (%s): the times may "
+                 "be too slow or uneven; profile again on a quiet machine (the profile records it, and plan "
+                 "search / plan cost will say so)\n",
+                 p.load_summary().c_str());
   if (emulated_ranks > 0) {
     if (threads != 1) fail("[profile] --emulated-ranks needs --threads 1 (how emulated ranks run)");
     p.emulation_ranks = static_cast<int>(emulated_ranks);

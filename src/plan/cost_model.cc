@@ -560,6 +560,12 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
     rep.predicted_step_s = std::max(rep.predicted_step_s, rc.step_s);
   }
   rep.notes = notes_;
+  std::set<const Profile*> busy;
+  for (int r = 0; r < world; ++r)
+    if (const Profile* p = profile_of(r); p && p->measured_under_load() && busy.insert(p).second)
+      rep.notes.push_back("the profile of device type '" + topology_.rank(r).device_type +
+                          "' was measured on a busy machine (" + p->load_summary() +
+                          "): its times may be off; profile again on a quiet machine");
   if (profiles_.empty() && !fallback_)
     rep.notes.push_back("compute from the roofline (no profile): FLOPs / (tflops x efficiency)");
   return rep;

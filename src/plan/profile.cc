@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <fstream>
 #include <set>
@@ -243,7 +244,9 @@ nlohmann::json Profile::to_json() const {
                          {"max_rel_error", optimizer.max_rel_error}, {"samples", opt_samples}}},
           {"ops", ops_j},
           {"memory", mem},
-          {"emulation_ranks", emulation_ranks}};
+          {"emulation_ranks", emulation_ranks},
+          {"measurement", {{"cpu_share", cpu_share}, {"load_before", load_before}, {"load_after", load_after},
+                           {"cores", cores}, {"under_load", measured_under_load()}}}};
 }
 
 Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
@@ -313,7 +316,28 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
       p.memory.push_back(l);
     }
   p.emulation_ranks = optional_field(j, "emulation_ranks", 0, source);
+  if (j.contains("measurement")) {
+    const json& m = object_field(j, "measurement", source);
+    const std::string where = source + ": measurement";
+    p.cpu_share = optional_field(m, "cpu_share", 0.0, where);
+    p.load_before = optional_field(m, "load_before", 0.0, where);
+    p.load_after = optional_field(m, "load_after", 0.0, where);
+    p.cores = optional_field(m, "cores", 0, where);
+  }
   return p;
+}
+
+bool Profile::measured_under_load() const {
+  if (cores <= 0) return false;  // not recorded
+  const double others = std::max(load_before, load_after) - threads;
+  return (cpu_share > 0 && cpu_share < 0.75) || others > 0.5 * cores;
+}
+
+std::string Profile::load_summary() const {
+  char text[160];
+  std::snprintf(text, sizeof text, "it got %.0f%% of its %d core%s, load %.1f then %.1f on %d cores",
+                100 * cpu_share, threads, threads == 1 ? "" : "s", load_before, load_after, cores);
+  return text;
 }
 
 Profile Profile::load(const std::string& path) { return from_json(read_json_file(path, "profile"), path); }

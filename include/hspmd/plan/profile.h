@@ -117,6 +117,17 @@ struct Profile {
   // How many emulated ranks the entries' emulation factors were measured
   // with (0: not calibrated).
   int emulation_ranks = 0;
+  // How quiet the machine was while the parts were timed (hspmd profile):
+  // the share of its cores the measurement got (process CPU time over wall
+  // time x threads; 1 on a quiet machine) and the 1-minute load average
+  // before and after, on `cores` cores. 0 when not recorded.
+  double cpu_share = 0, load_before = 0, load_after = 0;
+  int cores = 0;
+  // Whether those say the machine was busy (cpu_share below 0.75, or a
+  // load beyond the profile's own threads above half the cores).
+  bool measured_under_load() const;
+  // "it got 52% of its cores, load 3.1 on 2 cores" (for warnings).
+  std::string load_summary() const;
 
   // The entry for (tp, cp), or nullptr.
   const ProfileEntry* find(int tp, int cp) const;
