@@ -47,10 +47,18 @@ def main():
             f.write(b"".join(struct.pack("<I", rng.randrange(256)) for _ in range(20000)))
         json.dump(STRATEGY, open(path("s.json"), "w"))
         json.dump(CLUSTER, open(path("c.json"), "w"))
-        rc, err = run([a.hspmd, "profile", "--model", model, "--tp", "1,2", "--seq-lens", "32,64",
-                       "--micro-batch-sizes", "1,2", "--repetitions", "3", "-o", path("p.json")])
-        if rc:
-            sys.exit("hspmd profile failed: " + err)
+        # The model clock predicts from the profile, the CPU clock measures
+        # the run: a profile taken while the machine was busy (the profile
+        # says so, docs/profiling.md) shifts their ratio (1.56x once), so a
+        # busy profile is taken again, up to three times.
+        for attempt in range(3):
+            rc, err = run([a.hspmd, "profile", "--model", model, "--tp", "1,2", "--seq-lens", "32,64",
+                           "--micro-batch-sizes", "1,2", "--repetitions", "3", "-o", path("p.json")])
+            if rc:
+                sys.exit("hspmd profile failed: " + err)
+            if not json.load(open(path("p.json"))).get("measurement", {}).get("under_load"):
+                break
+            print("profile %d was taken on a busy machine; again" % (attempt + 1))
         base = [a.hspmd, "train", "--model", model, "--data", path("data.bin"), "--seq-len", "64", "--steps", "4",
                 "--lr", "1e-3", "--threads", "1", "--quiet", "--strategy", path("s.json"), "--nproc", "5"]
         logs = {}
