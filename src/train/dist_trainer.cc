@@ -278,7 +278,13 @@ bool DistTrainer::skip_nonfinite(StepRecord& r, int64_t& skipped) const {
 
 void DistTrainer::write_log(std::ofstream& log, const nlohmann::json& j) const {
   if (!log.is_open()) return;
-  log << j.dump() << "\n" << std::flush;
+  // Every record carries the wall-clock time it was written (seconds since
+  // the epoch): spans between records, and across a restart, are then
+  // measured on one clock (bench/restart_vs_online.py).
+  nlohmann::json stamped = j;
+  stamped["unix_time"] =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  log << stamped.dump() << "\n" << std::flush;
   if (!log) fail("[train] --log ", o_.log_path, ": write failed (disk full or I/O error)");
 }
 
