@@ -74,6 +74,16 @@ def strategies():
     S["bs2_hetero"] = {"pipelines": [pipe(2, [st([0, 1], 0, 7)], bs=2), pipe(1, [st([2, 3], 0, 7)], bs=2),
                                      pipe(2, [st([4], 0, 3), st([6], 4, 7)], bs=1),
                                      pipe(2, [st([5], 0, 3), st([7], 4, 7)], bs=1)]}
+    # Proportional data parallelism: one rank per replica, the work by speed
+    # (ranks 0-3 at 1, 4-5 at 1.5, 6-7 at 2.5: 5 : 3 : 2), as micro-batch
+    # sizes or as micro-batch counts; and TP 2 on the fast node beside
+    # speed-weighted single ranks.
+    S["dp8_proportional_bs"] = {"pipelines": [pipe(1, [st([r], 0, 7)], bs=5 if r < 4 else 3 if r < 6 else 2)
+                                              for r in range(8)]}
+    S["dp8_proportional_mb"] = {"pipelines": [pipe(5 if r < 4 else 3 if r < 6 else 2, [st([r], 0, 7)])
+                                              for r in range(8)]}
+    S["tp2_fast_dp_slow"] = {"pipelines": [pipe(5, [st([0, 1], 0, 7)], bs=2), pipe(5, [st([2, 3], 0, 7)], bs=2)] +
+                                          [pipe(3 if r < 6 else 2, [st([r], 0, 7)]) for r in range(4, 8)]}
     for s in S.values():
         s.setdefault("schedule", "1f1b")
         s.setdefault("zero", False)
