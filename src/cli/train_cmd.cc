@@ -277,6 +277,10 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
   f.add_string("cluster", &o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
   f.add_string("trace", &o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
+  std::string device = "cpu";
+  f.add_string("device", &device,
+               "cpu (default), cuda or cuda:N: where the model computes (the CUDA backend is in progress, "
+               "docs/cuda.md)");
   std::string clock = "cpu";
   f.add_string("clock", &clock,
                "emulated compute time: cpu (measured CPU time, default) or model (predicted from --profile: "
@@ -335,6 +339,13 @@ int train_command(const std::vector<std::string>& args) {
             "with --nproc, --checkpoint and --save-every: when a rank dies (killed by a signal), restart the job "
             "from the last checkpoint, at most this many times (default 0)");
   if (!f.parse(args)) return 0;
+  // The device first, before any work: a build without CUDA, no GPU, an
+  // index that does not exist, each in one line.
+  const Device where = parse_device_name(device, "--device");
+  require_device(where);
+  if (where.type == DeviceType::CUDA)
+    fail("[train] --device ", where.str(), ": training on CUDA is not available yet: the CUDA backend has its "
+         "device runtime and memory kernels, not every op's kernels (docs/cuda.md)");
   if (f.given("batch-tokens")) {
     if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);
     if (!f.given("max-seq-len")) fail("[flags] --batch-tokens needs --max-seq-len L (the longest piece)");

@@ -83,6 +83,16 @@ int cuda_device_count() {
 #endif
 }
 
+Device parse_device_name(const std::string& text, const std::string& flag) {
+  if (text == "cpu" || text == "cpu:0") return Device::cpu();
+  if (text == "cuda") return Device::cuda(0);
+  if (text.rfind("cuda:", 0) == 0 && text.size() > 5 && text.size() <= 9 &&
+      text.find_first_not_of("0123456789", 5) == std::string::npos)
+    return Device::cuda(std::stoi(text.substr(5)));
+  fail("[flags] ", flag, ": '", text.size() > 40 ? text.substr(0, 40) + "..." : text,
+       "' (expected cpu, cuda or cuda:N)");
+}
+
 void require_device(Device device) {
   if (device.type == DeviceType::CPU) {
     if (device.index != 0) fail("[device] ", device.str(), ": the host is cpu:0");

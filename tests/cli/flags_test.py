@@ -102,6 +102,11 @@ def main():
         ("plan cost emulated, no profile", ["plan", "cost", "--model", p("cfg.json"), "--strategy", p("s.json"),
                                             "--cluster", p("emulated.json"), "--seq-len", "16"],
          "hspmd profile"),
+        # --device: checked before any work, one line whatever the reason
+        # (no CUDA in the build, no GPU, no such index, CUDA training not yet).
+        ("device cuda", base + ["--device", "cuda"], "cuda:0"),
+        ("device cuda index", base + ["--device", "cuda:7"], "cuda:7"),
+        ("device unknown", base + ["--device", "tpu"], "--device: 'tpu' (expected cpu, cuda or cuda:N)"),
         # plan cost refuses the token budget that train refuses.
         ("plan cost budget below a piece", ["plan", "cost", "--model", p("cfg.json"), "--strategy", p("s.json"),
                                             "--cluster", p("cluster.json"), "--lengths", p("long.bin"),

@@ -87,6 +87,9 @@ Stream& default_stream(Device device);
 // process sees (0 without the backend, a driver or a device).
 bool built_with_cuda();
 int cuda_device_count();
+// "cpu", "cuda" (= cuda:0) or "cuda:N" as a Device; anything else throws
+// "[flags] <flag>: '<text>' (expected cpu, cuda or cuda:N)".
+Device parse_device_name(const std::string& text, const std::string& flag);
 // Throws "[device] cuda:N: ..." in one line unless `device` can be used:
 // a build without CUDA, no GPU, an index that does not exist.
 void require_device(Device device);
