@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/block_cache.h"
 #include "hspmd/core/error.h"
 
 namespace hspmd::cuda_rt {
@@ -41,15 +42,9 @@ class CudaAllocator final : public Allocator {
 
   void* allocate(size_t bytes) override {
     const size_t rounded = round(bytes);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = cache_.find(rounded);
-      if (it != cache_.end() && !it->second.empty()) {
-        void* p = it->second.back();
-        it->second.pop_back();
-        account_alloc(bytes);
-        return p;
-      }
+    if (void* p = cache_.take(rounded)) {
+      account_alloc(bytes);
+      return p;
     }
     set_device(index_);
     void* p = nullptr;
@@ -70,22 +65,17 @@ class CudaAllocator final : public Allocator {
 
   void deallocate(void* ptr, size_t bytes) override {
     account_free(bytes);
-    std::lock_guard<std::mutex> lock(mu_);
-    cache_[round(bytes)].push_back(ptr);
+    cache_.put(round(bytes), ptr);
   }
 
  private:
   static size_t round(size_t bytes) { return bytes == 0 ? 512 : (bytes + 511) / 512 * 512; }
   void release_cache() {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [size, blocks] : cache_)
-      for (void* p : blocks) (void)cudaFree(p);
-    cache_.clear();
+    cache_.drain([](void* p) { (void)cudaFree(p); });
   }
 
   int index_;
-  std::mutex mu_;
-  std::unordered_map<size_t, std::vector<void*>> cache_;
+  BlockCache cache_;
 };
 
 class CudaStream final : public Stream {

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/block_cache.h"
 #include "hspmd/core/error.h"
 #ifdef HSPMD_HAVE_CUDA
 #include "core/cuda_runtime.h"
@@ -34,20 +35,11 @@ namespace {
 class CpuAllocator final : public Allocator {
  public:
   ~CpuAllocator() override {
-    for (auto& [size, blocks] : cache_)
-      for (void* p : blocks) std::free(p);
+    cache_.drain([](void* p) { std::free(p); });
   }
   void* allocate(size_t bytes) override {
     const size_t rounded = round(bytes);
-    void* p = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = cache_.find(rounded);
-      if (it != cache_.end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
-      }
-    }
+    void* p = cache_.take(rounded);
     if (p == nullptr) p = std::aligned_alloc(64, rounded);
     if (p == nullptr) fail("[cpu] out of memory allocating ", bytes, " bytes");
     account_alloc(bytes);
@@ -55,14 +47,12 @@ class CpuAllocator final : public Allocator {
   }
   void deallocate(void* ptr, size_t bytes) override {
     account_free(bytes);
-    std::lock_guard<std::mutex> lock(mu_);
-    cache_[round(bytes)].push_back(ptr);
+    cache_.put(round(bytes), ptr);
   }
 
  private:
   static size_t round(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
-  std::mutex mu_;
-  std::unordered_map<size_t, std::vector<void*>> cache_;
+  BlockCache cache_;
 };
 
 }  // namespace
