@@ -166,6 +166,7 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
   switch (device_of("rms_norm", s, {&x, &weight, &out})) {
     case DeviceType::CPU: return cpu::rms_norm(x, weight, eps, out);
+    HSPMD_CUDA_CASE(rms_norm(s, x, weight, eps, out))
     default: no_kernel("rms_norm", s.device());
   }
 }
@@ -174,6 +175,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
                        float eps, NDArray& dx, NDArray& dweight) {
   switch (device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {
     case DeviceType::CPU: return cpu::rms_norm_backward(dy, x, weight, eps, dx, dweight);
+    HSPMD_CUDA_CASE(rms_norm_backward(s, dy, x, weight, eps, dx, dweight))
     default: no_kernel("rms_norm_backward", s.device());
   }
 }
@@ -189,6 +191,7 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
   switch (device_of("swiglu", s, {&gate, &up, &out})) {
     case DeviceType::CPU: return cpu::swiglu(gate, up, out);
+    HSPMD_CUDA_CASE(swiglu(s, gate, up, out))
     default: no_kernel("swiglu", s.device());
   }
 }
@@ -197,6 +200,7 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
                      NDArray& dgate, NDArray& dup) {
   switch (device_of("swiglu_backward", s, {&dy, &gate, &up, &dgate, &dup})) {
     case DeviceType::CPU: return cpu::swiglu_backward(dy, gate, up, dgate, dup);
+    HSPMD_CUDA_CASE(swiglu_backward(s, dy, gate, up, dgate, dup))
     default: no_kernel("swiglu_backward", s.device());
   }
 }

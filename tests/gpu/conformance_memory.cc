@@ -13,6 +13,7 @@
 
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "kernels/basic.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
 
@@ -163,6 +164,49 @@ void optimizer() {
   });
 }
 
+// Largest |a - b| relative to the largest |b| (at least 1).
+double rel_diff(const NDArray& a, const NDArray& b) {
+  const std::vector<float> y = b.to_vector();
+  double m = 1;
+  for (float v : y) m = std::max(m, static_cast<double>(std::fabs(v)));
+  return max_diff(a, b) / m;
+}
+
+void ops() {
+  run_case("rms_norm", [] {
+    // Rows of an odd width; sums in double on both backends.
+    const NDArray x = random_f32({5, 3, 203}, 21), w = random_f32({203}, 22), dy = random_f32({5, 3, 203}, 23);
+    NDArray y = NDArray::empty(x.shape(), DType::F32), gy = NDArray::empty(x.shape(), DType::F32, Device::cuda(0));
+    kernels::rms_norm(cpu(), x, w, 1e-5f, y);
+    kernels::rms_norm(gpu(), up(x), up(w), 1e-5f, gy);
+    NDArray dx = NDArray::empty(x.shape(), DType::F32), dw = NDArray::empty(w.shape(), DType::F32);
+    NDArray gdx = NDArray::empty(x.shape(), DType::F32, Device::cuda(0));
+    NDArray gdw = NDArray::empty(w.shape(), DType::F32, Device::cuda(0));
+    kernels::rms_norm_backward(cpu(), dy, x, w, 1e-5f, dx, dw);
+    kernels::rms_norm_backward(gpu(), up(dy), up(x), up(w), 1e-5f, gdx, gdw);
+    const double e1 = rel_diff(down(gy), y), e2 = rel_diff(down(gdx), dx), e3 = rel_diff(down(gdw), dw);
+    char d[96];
+    std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e", e1, e2, e3);
+    result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6, d);
+  });
+  run_case("swiglu", [] {
+    const NDArray g = random_f32({7, 333}, 24), u = random_f32({7, 333}, 25), dy = random_f32({7, 333}, 26);
+    NDArray y = NDArray::empty(g.shape(), DType::F32), gy = NDArray::empty(g.shape(), DType::F32, Device::cuda(0));
+    kernels::swiglu(cpu(), g, u, y);
+    kernels::swiglu(gpu(), up(g), up(u), gy);
+    NDArray dg = NDArray::empty(g.shape(), DType::F32), du = NDArray::empty(g.shape(), DType::F32);
+    NDArray gdg = NDArray::empty(g.shape(), DType::F32, Device::cuda(0));
+    NDArray gdu = NDArray::empty(g.shape(), DType::F32, Device::cuda(0));
+    kernels::swiglu_backward(cpu(), dy, g, u, dg, du);
+    kernels::swiglu_backward(gpu(), up(dy), up(g), up(u), gdg, gdu);
+    // expf on the GPU, a polynomial exp on the CPU: a few ulps apart.
+    const double e1 = rel_diff(down(gy), y), e2 = rel_diff(down(gdg), dg), e3 = rel_diff(down(gdu), du);
+    char d[96];
+    std::snprintf(d, sizeof d, "y=%.1e dgate=%.1e dup=%.1e", e1, e2, e3);
+    result("swiglu", e1 < 1e-5 && e2 < 1e-5 && e3 < 1e-5, d);
+  });
+}
+
 void runtime() {
   run_case("device_errors", [] {
     auto error_of = [](auto&& f) -> std::string {
@@ -216,6 +260,7 @@ int main() {
   fills_and_copies();
   elementwise();
   optimizer();
+  ops();
   runtime();
   std::printf("conformance_memory: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

@@ -21,6 +21,14 @@ void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out);
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out);
 void accumulate(Stream& s, const NDArray& a, NDArray& out);
 
+// ---- basic.h (f32) ----
+void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
+void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
+                       NDArray& dweight);
+void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
+void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
+                     NDArray& dup);
+
 // ---- memory.h ----
 void fill(Stream& s, NDArray& out, float value);
 NDArray zeros(Stream& s, const Shape& shape, DType dtype);

@@ -1,0 +1,172 @@
+// CUDA RMSNorm and SwiGLU, forward and backward, f32 (basic.h contracts).
+// RMSNorm: one block per row; sums in double as the CPU kernel does, so the
+// two agree to f32 rounding. dweight: one thread per column walks the rows
+// in order (a fixed order: the same bits on every run).
+#include <cuda_runtime.h>
+
+#include "core/cuda_runtime.h"
+#include "hspmd/core/error.h"
+#include "kernels/cuda/cuda.h"
+
+namespace hspmd::kernels::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+cudaStream_t native(Stream& s) { return static_cast<cudaStream_t>(s.native_handle()); }
+
+void launched(const char* kernel) { cuda_rt::check(cudaGetLastError(), kernel); }
+
+void require_contiguous(const char* kernel, const NDArray& a) {
+  HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
+}
+
+// Sums `v` over the block (blockDim.x threads, a power of two); every thread
+// gets the total.
+__device__ double block_sum(double v, double* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
+    __syncthreads();
+  }
+  const double total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
+__device__ float inv_rms(double ss, int64_t h, float eps) {
+  return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(h) + eps));
+}
+
+__global__ void rms_norm_kernel(const float* x, const float* w, float eps, float* y, int64_t h) {
+  __shared__ double scratch[kThreads];
+  const float* xr = x + blockIdx.x * h;
+  float* yr = y + blockIdx.x * h;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+  const float s = inv_rms(block_sum(ss, scratch), h, eps);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = w[i] * (xr[i] * s);
+}
+
+__global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
+                                   int64_t h) {
+  __shared__ double scratch[kThreads];
+  const float* xr = x + blockIdx.x * h;
+  const float* gr = dy + blockIdx.x * h;
+  float* dr = dx + blockIdx.x * h;
+  double ss = 0, dot = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    ss += static_cast<double>(xr[i]) * xr[i];
+    dot += static_cast<double>(gr[i]) * w[i] * xr[i];
+  }
+  ss = block_sum(ss, scratch);
+  dot = block_sum(dot, scratch);
+  const float s = inv_rms(ss, h, eps);
+  const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) dr[i] = s * w[i] * gr[i] - xr[i] * c;
+}
+
+// dweight[j] = Σ_rows dy[r, j] * x[r, j] * s_r; s_r recomputed per row.
+__global__ void rms_norm_row_scale_kernel(const float* x, float eps, float* s, int64_t h) {
+  __shared__ double scratch[kThreads];
+  const float* xr = x + blockIdx.x * h;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+  ss = block_sum(ss, scratch);
+  if (threadIdx.x == 0) s[blockIdx.x] = inv_rms(ss, h, eps);
+}
+
+__global__ void rms_norm_dw_kernel(const float* dy, const float* x, const float* s, float* dw, int64_t rows,
+                                   int64_t h) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= h) return;
+  double acc = 0;
+  for (int64_t r = 0; r < rows; ++r) acc += static_cast<double>(dy[r * h + j]) * (x[r * h + j] * s[r]);
+  dw[j] = static_cast<float>(acc);
+}
+
+__device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = g[i] * sigmoidf(g[i]) * u[i];
+}
+
+__global__ void swiglu_backward_kernel(const float* d, const float* g, const float* u, float* dg, float* du,
+                                       int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float s = sigmoidf(g[i]);
+    du[i] = d[i] * g[i] * s;
+    dg[i] = d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));  // silu'(x) = s (1 + x (1 - s))
+  }
+}
+
+unsigned blocks_for(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
+}
+
+}  // namespace
+
+void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
+  require_contiguous("rms_norm", x);
+  require_contiguous("rms_norm", weight);
+  const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
+  HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
+  if (rows == 0) return;
+  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(x.data<float>(), weight.data<float>(),
+                                                                           eps, out.data<float>(), h);
+  launched("rms_norm");
+}
+
+void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
+                       NDArray& dweight) {
+  require_contiguous("rms_norm_backward", dy);
+  require_contiguous("rms_norm_backward", x);
+  const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
+  HSPMD_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dweight.numel() == h,
+              "rms_norm_backward: sizes");
+  if (h == 0) return;
+  if (rows == 0) {
+    fill(s, dweight, 0.0f);
+    return;
+  }
+  rms_norm_dx_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
+      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), h);
+  launched("rms_norm_backward");
+  NDArray scale = NDArray::empty({rows}, DType::F32, s.device());
+  rms_norm_row_scale_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(x.data<float>(), eps,
+                                                                                     scale.data<float>(), h);
+  rms_norm_dw_kernel<<<blocks_for(h), kThreads, 0, native(s)>>>(dy.data<float>(), x.data<float>(),
+                                                                scale.data<float>(), dweight.data<float>(), rows, h);
+  launched("rms_norm_backward");
+}
+
+void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
+  require_contiguous("swiglu", gate);
+  require_contiguous("swiglu", up);
+  const int64_t n = gate.numel();
+  HSPMD_CHECK(up.numel() == n && out.numel() == n, "swiglu: sizes");
+  if (n == 0) return;
+  swiglu_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(gate.data<float>(), up.data<float>(), out.data<float>(), n);
+  launched("swiglu");
+}
+
+void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
+                     NDArray& dup) {
+  require_contiguous("swiglu_backward", dy);
+  const int64_t n = gate.numel();
+  HSPMD_CHECK(dy.numel() == n && up.numel() == n && dgate.numel() == n && dup.numel() == n,
+              "swiglu_backward: sizes");
+  if (n == 0) return;
+  swiglu_backward_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(dy.data<float>(), gate.data<float>(),
+                                                                    up.data<float>(), dgate.data<float>(),
+                                                                    dup.data<float>(), n);
+  launched("swiglu_backward");
+}
+
+}  // namespace hspmd::kernels::cuda
