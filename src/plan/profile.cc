@@ -328,9 +328,10 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& source) {
 }
 
 bool Profile::measured_under_load() const {
-  if (cores <= 0) return false;  // not recorded
-  const double others = std::max(load_before, load_after) - threads;
-  return (cpu_share > 0 && cpu_share < 0.75) || others > 0.5 * cores;
+  // The share of its cores the measurement got is immediate; the load
+  // average trails by a minute (after a busy minute a quiet machine still
+  // shows it), so it is recorded but does not decide.
+  return cores > 0 && cpu_share > 0 && cpu_share < 0.75;
 }
 
 std::string Profile::load_summary() const {

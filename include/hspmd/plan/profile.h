@@ -123,8 +123,8 @@ struct Profile {
   // before and after, on `cores` cores. 0 when not recorded.
   double cpu_share = 0, load_before = 0, load_after = 0;
   int cores = 0;
-  // Whether those say the machine was busy (cpu_share below 0.75, or a
-  // load beyond the profile's own threads above half the cores).
+  // Whether the machine was busy: cpu_share below 0.75 (the load average,
+  // which trails by a minute, is recorded for information only).
   bool measured_under_load() const;
   // "it got 52% of its cores, load 3.1 on 2 cores" (for warnings).
   std::string load_summary() const;
