@@ -372,33 +372,7 @@ void DistTrainer::prepare() {
   if (pieces_) dispatch_model_.emplace(CostModel::load(config_, assumed_ ? *assumed_ : *topology_, o_.profile_path));
   const auto t0 = Clock::now();
   rt_ = specialize(first);
-  if (reader && !events_.empty()) {
-    // The checkpoint's plan may predate the events' failures (a checkpoint
-    // of a run without them, or from before them): a rank the events failed
-    // before the resumed step must get no work. Re-plan now, as the event
-    // would have; the state is read from the checkpoint under the new plan.
-    std::vector<int> lost;
-    for (int r : rt_->strategy.ranks())
-      if (failed_.count(r)) lost.push_back(r);
-    if (!lost.empty()) {
-      std::string names;
-      for (int r : lost) names += (names.empty() ? "" : ",") + std::to_string(r);
-      const std::string cause =
-          "resume: failed rank" + std::string(lost.size() > 1 ? "s " : " ") + names + " in the checkpoint's plan";
-      if (pieces_)
-        fail("[events] ", o_.events_path, ": rank ", lost.front(), " failed before step ", start,
-             ", but the checkpoint ", o_.resume_dir, " was written under strategies that give it work; with "
-             "--batch-tokens, resume with the events the checkpoint's run went through");
-      double planning_s = 0;
-      const Strategy next = replan(assumed_ ? *assumed_ : *topology_, start, cause, planning_s);
-      resume_replan_ = {{"event", "reconfigure"}, {"step", start}, {"cause", cause}, {"planning_s", planning_s},
-                        {"failed", std::vector<int>(failed_.begin(), failed_.end())}, {"strategy", to_json(next)},
-                        // nothing moves between ranks: every rank reads its state from the checkpoint
-                        {"bytes_sent", std::vector<int64_t>(world_.size(), 0)},
-                        {"predicted_bytes", std::vector<int64_t>(world_.size(), 0)}, {"from_checkpoint", true}};
-      rt_ = specialize(compile(next));
-    }
-  }
+  if (reader && !events_.empty()) replan_failed_at_resume(start);
   last_specialize_s_ = std::chrono::duration<double>(Clock::now() - t0).count();
   // --strategies: every choice specialized now (the same order on every
   // rank: creating communicator groups is collective); a per-step switch

@@ -415,6 +415,9 @@ class DistTrainer {
   bool skip_nonfinite(StepRecord& r, int64_t& skipped) const;
   // One JSON line to the log (rank 0); a write error ends the run.
   void write_log(std::ofstream& log, const nlohmann::json& j) const;
+  // A resume under events whose checkpoint plan gives a failed rank work:
+  // re-plans before the first step (elastic.cc).
+  void replan_failed_at_resume(int64_t start);
   // The reconfigure record of a re-plan at the resume (failed ranks in the
   // checkpoint's plan), logged once the log is open; null when none.
   nlohmann::json resume_replan_;

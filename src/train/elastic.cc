@@ -209,6 +209,34 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
   return back;
 }
 
+// Resume under events: the checkpoint's plan may predate the events'
+// failures (a checkpoint of a run without them, or from before them), and a
+// rank the events failed before the resumed step must get no work. Re-plans
+// now, as the event would have; the state is then read from the checkpoint
+// under the new plan, and the record is logged once the log is open.
+void DistTrainer::replan_failed_at_resume(int64_t start) {
+  std::vector<int> lost;
+  for (int r : rt_->strategy.ranks())
+    if (failed_.count(r)) lost.push_back(r);
+  if (lost.empty()) return;
+  std::string names;
+  for (int r : lost) names += (names.empty() ? "" : ",") + std::to_string(r);
+  const std::string cause =
+      "resume: failed rank" + std::string(lost.size() > 1 ? "s " : " ") + names + " in the checkpoint's plan";
+  if (pieces_)
+    fail("[events] ", o_.events_path, ": rank ", lost.front(), " failed before step ", start, ", but the checkpoint ",
+         o_.resume_dir, " was written under strategies that give it work; with --batch-tokens, resume with the "
+         "events the checkpoint's run went through");
+  double planning_s = 0;
+  const Strategy next = replan(assumed_ ? *assumed_ : *topology_, start, cause, planning_s);
+  resume_replan_ = {{"event", "reconfigure"}, {"step", start}, {"cause", cause}, {"planning_s", planning_s},
+                    {"failed", std::vector<int>(failed_.begin(), failed_.end())}, {"strategy", to_json(next)},
+                    // nothing moves between ranks: every rank reads its state from the checkpoint
+                    {"bytes_sent", std::vector<int64_t>(world_.size(), 0)},
+                    {"predicted_bytes", std::vector<int64_t>(world_.size(), 0)}, {"from_checkpoint", true}};
+  rt_ = specialize(compile(next));
+}
+
 int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
   for (const auto& [r, factor] : ev.slowdown) {
     if (r == world_.rank() && clock_) clock_->set_slowdown(factor);

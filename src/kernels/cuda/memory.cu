@@ -9,25 +9,13 @@
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
 #include "kernels/cuda/cuda.h"
+#include "kernels/cuda/launch.cuh"
 
 namespace hspmd::kernels::cuda {
 
 namespace {
 
-cudaStream_t native(Stream& s) { return static_cast<cudaStream_t>(s.native_handle()); }
-
-void launched(const char* kernel) { cuda_rt::check(cudaGetLastError(), kernel); }
-
-void require_contiguous(const char* kernel, const NDArray& a) {
-  HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
-}
-
-constexpr int kThreads = 256;
-
-unsigned blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
-}
+using namespace launch;
 
 // ---- elementwise ----
 

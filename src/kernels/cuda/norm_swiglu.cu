@@ -7,20 +7,13 @@
 #include "core/cuda_runtime.h"
 #include "hspmd/core/error.h"
 #include "kernels/cuda/cuda.h"
+#include "kernels/cuda/launch.cuh"
 
 namespace hspmd::kernels::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-
-cudaStream_t native(Stream& s) { return static_cast<cudaStream_t>(s.native_handle()); }
-
-void launched(const char* kernel) { cuda_rt::check(cudaGetLastError(), kernel); }
-
-void require_contiguous(const char* kernel, const NDArray& a) {
-  HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
-}
+using namespace launch;
 
 // Sums `v` over the block (blockDim.x threads, a power of two); every thread
 // gets the total.
@@ -103,11 +96,6 @@ __global__ void swiglu_backward_kernel(const float* d, const float* g, const flo
     du[i] = d[i] * g[i] * s;
     dg[i] = d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));  // silu'(x) = s (1 + x (1 - s))
   }
-}
-
-unsigned blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
 }
 
 }  // namespace
