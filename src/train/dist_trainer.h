@@ -43,6 +43,7 @@
 #include "hspmd/train/training_state.h"
 #include "kernels/kernels.h"
 #include "train/schedules.h"
+#include "train/straggler_window.h"
 #include "train/train_common.h"
 
 namespace hspmd::dist {
@@ -469,12 +470,12 @@ class DistTrainer {
   int64_t events_done_ = -1;               // events up to this step have happened
   std::shared_ptr<const Topology> assumed_;  // the planner's view: speeds as last estimated
   double last_specialize_s_ = 0;
-  std::vector<std::vector<double>> window_;  // stragglers: per step in the window, per rank compute
+  // Stragglers: per step in the window, per rank compute seen and predicted
+  // and its role (token-budget steps: predicted from the step's dispatch,
+  // kept across choice switches); the roles' model factors stay.
+  StragglerWindow window_;
   std::vector<double> window_steps_;         // ... and the emulated step times
   std::vector<double> predicted_;            // per rank compute of the current plan (assumed speeds)
-  // Token-budget steps: per step in the window, per rank compute seen and
-  // predicted from the step's dispatch (kept across choice switches).
-  std::vector<std::vector<double>> token_seen_, token_predicted_;
   bool skip_next_ = true;                    // the first step after a (re)start or switch is not watched
 };
 

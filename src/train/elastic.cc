@@ -173,8 +173,6 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
   window_.clear();
   window_steps_.clear();
   predicted_.clear();
-  token_seen_.clear();
-  token_predicted_.clear();
   // The log keeps one record per step: those of the steps trained again go.
   if (log.is_open()) {
     log.close();
@@ -298,8 +296,7 @@ int64_t DistTrainer::apply_token_event(const ElasticEvent& ev, int64_t step, std
   // Nothing prepared for this step survives: the set, the speeds the
   // dispatch reads and the piece costs may all change below.
   discard_prepared();
-  token_seen_.clear();  // steps before an event say nothing about the speeds after it
-  token_predicted_.clear();
+  window_.clear();  // steps before an event say nothing about the speeds after it
   if (!ev.slowdown.empty() && !watching()) {  // no watch to find the new speeds: taken as known
     Topology t = *assumed_;
     for (const auto& [r, factor] : ev.slowdown) t = t.with_slowdown(r, factor);
@@ -404,6 +401,18 @@ std::optional<Topology> DistTrainer::corrected_speeds(const std::vector<int>& ac
   return estimated;
 }
 
+namespace {
+
+// The straggler records' "role_factors": per role, the cost model's learned
+// error (the role's ratio seen / predicted relative to the median rank).
+nlohmann::json role_factors(const StragglerWindow& window) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [role, f] : window.factors()) out[role.name()] = f;
+  return out;
+}
+
+}  // namespace
+
 bool DistTrainer::watching() const {
   return !events_.empty() && clock_ && o_.straggler_window > 0 && !o_.bucket_switching;
 }
@@ -425,22 +434,15 @@ void DistTrainer::watch_token_stragglers(int64_t step, const StepRecord& r, std:
       lengths[p].emplace_back();
       for (int64_t piece : mb) lengths[p].back().push_back(pieces_->piece_size(piece));
     }
-  token_seen_.push_back(r.emulated_compute_s);
-  token_predicted_.push_back(token_step_rank_compute(*dispatch_model_, rt_->strategy, lengths, world_.size()));
+  window_.add(r.emulated_compute_s,
+              token_step_rank_compute(*dispatch_model_, rt_->strategy, lengths, world_.size()),
+              straggler_roles(rt_->strategy, world_.size()));
   window_steps_.push_back(r.emulated_step_time_s);
-  if (static_cast<int64_t>(token_seen_.size()) < o_.straggler_window) return;
+  if (static_cast<int64_t>(window_.size()) < o_.straggler_window) return;
   std::vector<int> active;
-  std::vector<double> ratio(world_.size(), 0.0);
-  for (int k = 0; k < world_.size(); ++k) {
-    double seen = 0, predicted = 0;
-    for (size_t i = 0; i < token_seen_.size(); ++i) seen += token_seen_[i].at(k), predicted += token_predicted_[i].at(k);
-    if (predicted <= 0 || failed_.count(k)) continue;
-    ratio[k] = seen / predicted;
-    active.push_back(k);
-  }
+  const std::vector<double> ratio = window_.ratios(failed_, true, active);
   const double observed_step = window_steps_.empty() ? r.emulated_step_time_s : median(window_steps_);
-  token_seen_.clear();
-  token_predicted_.clear();
+  window_.clear();
   window_steps_.clear();
   std::optional<Topology> estimated = corrected_speeds(active, ratio);
   if (!estimated) return;
@@ -451,7 +453,8 @@ void DistTrainer::watch_token_stragglers(int64_t step, const StepRecord& r, std:
   nlohmann::json speeds = nlohmann::json::object();
   for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
   write_log(log, {{"event", "straggler"}, {"step", step + 1}, {"estimated_slowdown", speeds},
-                  {"observed_step_s", observed_step}, {"switch", false}, {"dispatch", "re-weighted"}});
+                  {"role_factors", role_factors(window_)}, {"observed_step_s", observed_step}, {"switch", false},
+                  {"dispatch", "re-weighted"}});
 }
 
 void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
@@ -460,18 +463,11 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
   if (std::exchange(skip_next_, false)) return;
   if (predicted_.empty()) predicted_ = predicted_compute(*assumed_);
   if (predicted_.empty()) return;
-  window_.push_back(r.emulated_compute_s);
+  window_.add(r.emulated_compute_s, predicted_, straggler_roles(rt_->strategy, world_.size()));
   window_steps_.push_back(r.emulated_step_time_s);
   if (static_cast<int64_t>(window_.size()) < o_.straggler_window) return;
   std::vector<int> active;
-  std::vector<double> ratio(world_.size(), 0.0);
-  for (int k = 0; k < world_.size(); ++k) {
-    if (predicted_[k] <= 0 || failed_.count(k)) continue;
-    std::vector<double> seen;
-    for (const auto& w : window_) seen.push_back(w.at(k));
-    ratio[k] = median(seen) / predicted_[k];
-    active.push_back(k);
-  }
+  const std::vector<double> ratio = window_.ratios(failed_, false, active);
   const double observed_step = median(window_steps_);
   window_.clear();
   window_steps_.clear();
@@ -512,7 +508,7 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
   nlohmann::json speeds = nlohmann::json::object();
   for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
   write_log(log, {{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
-                  {"predicted_step_s", now_s}, {"replanned_step_s", next_s}, {"observed_step_s", observed_step},
+                  {"role_factors", role_factors(window_)}, {"predicted_step_s", now_s}, {"replanned_step_s", next_s}, {"observed_step_s", observed_step},
                   {"horizon_steps", horizon}, {"gain_s", gain_s}, {"cost_s", cost_s}, {"switch", go}});
   // A straggler re-plan keeps every rank's memory: never a rollback.
   if (go) reconfigure(plan, next_step, cause, planning_s, log);
