@@ -13,11 +13,12 @@ down so that transfers matter at this model size):
   error         predicted / emulated - 1
 
 and the median and largest |error|. With --search it also runs `hspmd plan
-search` on the same cluster and batch, trains the strategy it returns and
+search` on the same cluster for each --search-batch, trains the strategy it returns and
 the best hand-written one of the table, and prints both emulated step times.
 
 usage: bench/planner_bench.py [--hspmd build/src/cli/hspmd] [--steps 4]
-           [--profile P.json] [--only NAME,...] [--search] [--json out.json]
+           [--profile P.json] [--only NAME,...] [--search] [--search-batch 8,30]
+           [--json out.json]
 """
 import argparse
 import json
@@ -123,6 +124,7 @@ def main():
     ap.add_argument("--profile", default="")
     ap.add_argument("--only", default="")
     ap.add_argument("--search", action="store_true")
+    ap.add_argument("--search-batch", default="8,30", help="global batches to search (comma-separated)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_planner_bench_")
@@ -154,21 +156,25 @@ def main():
           f"largest {100 * max(errs):.1f}%, within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}")
     out = {"rows": rows}
     if args.search:
-        batch = 8
-        found = os.path.join(tmp, "searched.json")
-        res = json.loads(run([args.hspmd, "plan", "search", "--model", MODEL, "--cluster", cluster, "--global-batch",
-                              str(batch), "--seq-len", str(SEQ), "--profile", profile, "-o", found, "--json"]))
-        emu = emulate(args.hspmd, tmp, "searched", found, data, cluster, args.steps)
-        hand = [r for r in rows if sum(p["micro_batch_size"] * p["micro_batches"]
-                                       for p in strategies()[r["strategy"]]["pipelines"]) == batch]
-        best = min(hand, key=lambda r: r["emulated_s"]) if hand else None
-        print(f"\nsearch (global batch {batch}): predicted {res['predicted_step_s']:.5f} s, emulated {emu:.5f} s, "
-              f"{res['search_s']:.3f} s of search")
-        if best:
-            print(f"best hand-written strategy of batch {batch}: {best['strategy']}, emulated {best['emulated_s']:.5f} s"
-                  f" (searched / hand-written = {emu / best['emulated_s']:.3f})")
-        out["search"] = {"predicted_s": res["predicted_step_s"], "emulated_s": emu, "search_s": res["search_s"],
-                         "strategy": res["strategy"], "best_hand_written": best}
+        out["search"] = []
+        for batch in (int(x) for x in args.search_batch.split(",")):
+            found = os.path.join(tmp, f"searched_{batch}.json")
+            res = json.loads(run([args.hspmd, "plan", "search", "--model", MODEL, "--cluster", cluster,
+                                  "--global-batch", str(batch), "--seq-len", str(SEQ), "--profile", profile,
+                                  "-o", found, "--json"]))
+            emu = emulate(args.hspmd, tmp, f"searched_{batch}", found, data, cluster, args.steps)
+            hand = [r for r in rows if sum(p["micro_batch_size"] * p["micro_batches"]
+                                           for p in strategies()[r["strategy"]]["pipelines"]) == batch]
+            best = min(hand, key=lambda r: r["emulated_s"]) if hand else None
+            print(f"\nsearch (global batch {batch}): predicted {res['predicted_step_s']:.5f} s, emulated {emu:.5f} s "
+                  f"({100 * (res['predicted_step_s'] / emu - 1):+.1f}%), {res['search_s']:.3f} s of search; "
+                  f"{json.dumps(res['strategy'])}")
+            if best:
+                print(f"best hand-written strategy of batch {batch}: {best['strategy']}, emulated "
+                      f"{best['emulated_s']:.5f} s (searched / hand-written = {emu / best['emulated_s']:.3f})")
+            out["search"].append({"global_batch": batch, "predicted_s": res["predicted_step_s"], "emulated_s": emu,
+                                  "search_s": res["search_s"], "strategy": res["strategy"],
+                                  "best_hand_written": best})
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)
 

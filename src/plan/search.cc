@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include "hspmd/core/error.h"
 #include "hspmd/plan/ilp.h"
@@ -173,6 +174,10 @@ class Searcher {
   void enumerate_mixed(const std::vector<std::vector<Group>>& per_class, int cp);
   void enumerate_separate(const std::vector<std::vector<Group>>& per_class, int cp);
   void enumerate_symmetric();
+  // The best strategies scored so far again, each pipeline with its own
+  // micro-batch size (see resize()).
+  void refine_sizes();
+  std::optional<Strategy> resize(const Strategy& st) const;
 
   const CostModel& model_;
   const SearchOptions& o_;
@@ -670,6 +675,111 @@ void Searcher::enumerate_symmetric() {
   }
 }
 
+// The second level gives every pipeline of a configuration one micro-batch
+// size b, from {1, 2, 4, 8} dividing the batch. Pipelines of different
+// speeds want different sizes: a call's fixed cost is paid per micro-batch,
+// so a one-stage pipeline does best with one large micro-batch, and the
+// fast replicas of proportional data parallelism take 5 samples where the
+// slow take 2 (batch 30 on speeds 1, 1/1.5, 1/2.5), sizes the second level
+// never tries (unless --micro-batch-sizes names them). Here each of the best strategies found is taken again with
+// its stages and layers as they are: per pipeline and per sample count S,
+// the best (size b, count n = S / b) by the stage costs (the bottleneck
+// stage n times plus the others once, as the micro-batch program counts;
+// a size whose activations overflow a rank's memory ends the sizes), then
+// the split of the batch over the pipelines that minimises the slowest, by
+// dynamic programming over sample counts; the result is scored by the
+// whole model like any candidate.
+void Searcher::refine_sizes() {
+  if (o_.previous && !o_.previous->pipelines.empty()) return;  // a re-plan keeps its micro-batch size
+  std::vector<const Scored*> all;
+  for (const auto& [key, sc] : scored_) all.push_back(&sc);
+  std::sort(all.begin(), all.end(), [](const Scored* a, const Scored* b) {
+    return a->step != b->step ? a->step < b->step : a->key < b->key;
+  });
+  std::vector<std::pair<Strategy, std::string>> best;
+  for (size_t i = 0; i < all.size() && i < static_cast<size_t>(std::max(o_.top_k, 8)); ++i)
+    best.emplace_back(all[i]->strategy, all[i]->family);
+  for (const auto& [st, family] : best) {
+    if (out_of_time()) return;
+    if (std::optional<Strategy> s = resize(st)) score(std::move(*s), family + "+sizes");
+  }
+}
+
+std::optional<Strategy> Searcher::resize(const Strategy& st) const {
+  const int G = o_.global_batch;
+  const int P = static_cast<int>(st.pipelines.size());
+  if (static_cast<double>(P) * G * G > 5e7) return std::nullopt;  // the program's table
+  const double inf = std::numeric_limits<double>::infinity();
+  // Sizes: the ones the user allows (--micro-batch-sizes), else 1 .. 64.
+  std::vector<int> sizes = o_.micro_batch_sizes;
+  if (sizes.empty())
+    for (int b = 1; b <= std::min(G, 64); ++b) sizes.push_back(b);
+  std::sort(sizes.begin(), sizes.end());
+  std::vector<std::vector<double>> time(P, std::vector<double>(G + 1, inf));  // [p][S]
+  std::vector<std::vector<int>> size(P, std::vector<int>(G + 1, 0));
+  for (int p = 0; p < P; ++p) {
+    const std::vector<Stage>& stages = st.pipelines[p].stages;
+    const int K = static_cast<int>(stages.size());
+    std::vector<StageShape> shapes(K);
+    for (int k = 0; k < K; ++k) {
+      shapes[k].ranks = stages[k].ranks;
+      shapes[k].cp = stages[k].cp;
+      shapes[k].layers = stages[k].num_layers();
+      shapes[k].first = k == 0;
+      shapes[k].last = k + 1 == K;
+      shapes[k].recompute = stages[k].recompute;
+    }
+    const int min_n = o_.schedule == "gpipe" ? 1 : K;
+    for (int b : sizes) {
+      double worst = 0, sum = 0;
+      bool fits = true;
+      for (int k = 0; k < K && fits; ++k) {
+        const StageCost c = model_.stage_cost(shapes[k], o_.seq_len, b);
+        double t = c.fwd + c.bwd + c.fwd_comm + c.bwd_comm;
+        if (k + 1 < K) t += 2 * model_.boundary_seconds(shapes[k], shapes[k + 1], o_.seq_len, b);
+        if (k > 0) t += 2 * model_.boundary_seconds(shapes[k - 1], shapes[k], o_.seq_len, b);
+        worst = std::max(worst, t);
+        sum += t;
+        const int in_flight = o_.schedule == "gpipe" ? std::max(1, G / (b * P)) : K - k;
+        const double bytes =
+            model_.stage_memory(shapes[k], o_.seq_len, b, in_flight, o_.zero ? P : 1.0, o_.zero).total();
+        for (int r : shapes[k].ranks) fits = fits && bytes <= model_.capacity_bytes(r);
+      }
+      if (!fits) break;  // larger micro-batches hold more activations
+      for (int n = min_n; n * b <= G; ++n) {
+        const double t = sum - worst + worst * n;
+        if (t < time[p][n * b]) time[p][n * b] = t, size[p][n * b] = b;
+      }
+    }
+  }
+  // best[s]: the least slowest-pipeline time of pipelines 0..p with s samples.
+  std::vector<double> best(G + 1, inf);
+  best[0] = 0;
+  std::vector<std::vector<int>> take(P, std::vector<int>(G + 1, 0));
+  for (int p = 0; p < P; ++p) {
+    std::vector<double> next(G + 1, inf);
+    for (int S = 1; S <= G; ++S) {
+      if (!std::isfinite(time[p][S])) continue;
+      for (int s = S; s <= G; ++s) {
+        if (!std::isfinite(best[s - S])) continue;
+        const double t = std::max(best[s - S], time[p][S]);
+        if (t < next[s]) next[s] = t, take[p][s] = S;
+      }
+    }
+    best = std::move(next);
+  }
+  if (!std::isfinite(best[G])) return std::nullopt;
+  Strategy out = st;
+  for (int p = P - 1, left = G; p >= 0; --p) {
+    const int S = take[p][left];
+    out.pipelines[p].micro_batch_size = size[p][S];
+    out.pipelines[p].micro_batches = S / size[p][S];
+    left -= S;
+  }
+  if (out == st) return std::nullopt;
+  return out;
+}
+
 SearchResult Searcher::run() {
   classes_ = device_classes(model_, o_);
   if (classes_.empty()) fail("[search] no available rank: every rank of the cluster is unavailable");
@@ -722,6 +832,7 @@ SearchResult Searcher::run() {
     rec(0);
   }
   second_levels();
+  refine_sizes();
   SearchResult res;
   std::vector<const Scored*> all;
   for (const auto& [key, s] : scored_) all.push_back(&s);

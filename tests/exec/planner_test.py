@@ -10,6 +10,8 @@ two device speeds, with examples/models/llama-tiny-8l.json:
   times) it trains within 5% of the best hand-written one and faster than
   every other (the search predicts with part fits, the model clock bills
   per op: a near-tie may fall either way by a few percent);
+* three device speeds, global batch 30: the searched plan trains within 10%
+  of the best hand-written one (speed-proportional data parallelism);
 * memory caps: the searched plan trains under the caps where a hand-written
   one runs out of memory; nothing fitting is one line naming a rank;
 * re-plan: `--from S --unavailable R` leaves R idle."""
@@ -194,6 +196,39 @@ def main():
               "searched %.5f s within 5%% of the best hand-written %s (%.5f s)" % (searched, best, hand[best]))
         check(all(searched < v for n, v in hand.items() if n != best),
               "searched %.5f s beats every other hand-written strategy %s" % (searched, hand))
+
+        # --- three speeds, global batch 30 (docs/planner.md, "Micro-batch sizes per pipeline") ---
+        # Ranks 0-3 at full speed, 4-5 at 1/1.5, 6-7 at 1/2.5, a node each.
+        # The best hand-written strategies give every rank its share by speed
+        # (5 : 3 : 2); the search must come within 10% of the best of them
+        # under the model clock. Before per-pipeline micro-batch sizes its
+        # candidates stopped at size 2 and it came out 1.19x slower.
+        c3 = {"catalog": {"cpu": {"tflops": 1, "memory_gib": 1, "intra_node_gbps": 2, "inter_node_gbps": 0.5}},
+              "nodes": [{"type": "cpu", "ranks": [0, 3]}, {"type": "cpu", "ranks": [4, 5], "slowdown": 1.5},
+                        {"type": "cpu", "ranks": [6, 7], "slowdown": 2.5}]}
+        c3_path = os.path.join(tmp, "three_speeds.json")
+        json.dump(c3, open(c3_path, "w"))
+        share = lambda r: 5 if r < 4 else 3 if r < 6 else 2
+        hand30 = {
+            "proportional_bs": {"pipelines": [pipe(1, [st([r], 0, 7)], bs=share(r)) for r in range(8)]},
+            "proportional_mb": {"pipelines": [pipe(share(r), [st([r], 0, 7)]) for r in range(8)]},
+            "tp2_fast_dp_slow": {"pipelines": [pipe(5, [st([0, 1], 0, 7)], bs=2), pipe(5, [st([2, 3], 0, 7)], bs=2)] +
+                                              [pipe(share(r), [st([r], 0, 7)]) for r in range(4, 8)]},
+        }
+        times30 = {}
+        for name, s in hand30.items():
+            pth = os.path.join(tmp, name + ".json")
+            json.dump(dict(s, schedule="1f1b", zero=False), open(pth, "w"))
+            times30[name] = emulate(pth, name, c3_path)
+        found30 = os.path.join(tmp, "found30.json")
+        run([hs, "plan", "search", "--model", model, "--cluster", c3_path, "--global-batch", "30", "--seq-len",
+             str(SEQ), "--profile", flat, "-o", found30])
+        searched30 = emulate(found30, "found30", c3_path)
+        best30 = min(times30, key=times30.get)
+        print("three speeds, batch 30 (model clock): searched %.5f s, hand-written %s" % (searched30, times30))
+        check(searched30 <= 1.10 * times30[best30],
+              "three speeds: searched %.5f s within 10%% of the best hand-written %s (%.5f s): %s"
+              % (searched30, best30, times30[best30], open(found30).read()))
 
         # --- memory caps ---
         dp8 = cost(paths["dp8"])
