@@ -98,6 +98,7 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
             GemmCompute compute) {
   switch (device_of("matmul", s, {&a, &b, &out})) {
     case DeviceType::CPU: return cpu::matmul(a, b, trans_a, trans_b, out, compute);
+    HSPMD_CUDA_CASE(matmul(s, a, b, trans_a, trans_b, out, compute))
     default: no_kernel("matmul", s.device());
   }
 }

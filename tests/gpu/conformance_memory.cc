@@ -207,6 +207,39 @@ void ops() {
   });
 }
 
+// cuBLAS against the CPU GEMM: every transpose combination on odd sizes
+// (a 3-D left operand), f32 and bf16 products, f32 and bf16 results. The
+// bf16 products are exact in f32 on both sides; only the order of the sums
+// differs, so the bounds are a few f32 roundings of the largest result (and
+// one bf16 rounding for a bf16 result).
+void gemm() {
+  run_case("matmul", [] {
+    char d[160];
+    double worst_f32 = 0, worst_bf16 = 0, worst_out = 0;
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        const int64_t m = 37, k = 129, n = 67;
+        const NDArray a = ta ? random_f32({k, m}, 30 + ta) : random_f32({1, m, k}, 32);
+        const NDArray b = tb ? random_f32({n, k}, 33) : random_f32({k, n}, 34);
+        for (kernels::GemmCompute c : {kernels::GemmCompute::kF32, kernels::GemmCompute::kBF16}) {
+          NDArray want = NDArray::empty({m, n}, DType::F32);
+          kernels::matmul(cpu(), a, b, ta, tb, want, c);
+          NDArray got = NDArray::empty({m, n}, DType::F32, Device::cuda(0));
+          kernels::matmul(gpu(), up(a), up(b), ta, tb, got, c);
+          double& w = c == kernels::GemmCompute::kF32 ? worst_f32 : worst_bf16;
+          w = std::max(w, rel_diff(down(got), want));
+        }
+        NDArray want16 = NDArray::empty({m, n}, DType::BF16);
+        kernels::matmul(cpu(), a, b, ta, tb, want16, kernels::GemmCompute::kBF16);
+        NDArray got16 = NDArray::empty({m, n}, DType::BF16, Device::cuda(0));
+        kernels::matmul(gpu(), up(a), up(b), ta, tb, got16, kernels::GemmCompute::kBF16);
+        worst_out = std::max(worst_out, rel_diff(down(got16), want16));
+      }
+    std::snprintf(d, sizeof d, "f32=%.1e bf16=%.1e bf16_out=%.1e", worst_f32, worst_bf16, worst_out);
+    result("matmul", worst_f32 < 2e-5 && worst_bf16 < 2e-5 && worst_out < 8e-3, d);
+  });
+}
+
 void runtime() {
   run_case("device_errors", [] {
     auto error_of = [](auto&& f) -> std::string {
@@ -261,6 +294,7 @@ int main() {
   elementwise();
   optimizer();
   ops();
+  gemm();
   runtime();
   std::printf("conformance_memory: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

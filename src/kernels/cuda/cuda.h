@@ -11,6 +11,7 @@
 
 #include "hspmd/core/device.h"
 #include "hspmd/core/ndarray.h"
+#include "kernels/basic.h"
 #include "kernels/memory.h"
 
 namespace hspmd::kernels::cuda {
@@ -21,7 +22,11 @@ void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out);
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out);
 void accumulate(Stream& s, const NDArray& a, NDArray& out);
 
-// ---- basic.h (f32) ----
+// ---- basic.h ----
+// cuBLAS (gemm.cu): f32 or bf16 products, f32 accumulation.
+void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+            GemmCompute compute);
+// f32:
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
                        NDArray& dweight);

@@ -1,0 +1,154 @@
+// matmul on CUDA: cuBLAS (cublasGemmEx) with the same contract as the CPU
+// kernel (kernels/basic.h): out = op(a2) · op(b), a2 = a viewed as
+// [numel / a.dim(-1), a.dim(-1)], row-major. fp32 products accumulate in
+// fp32 (CUBLAS_COMPUTE_32F, no TF32: the handle keeps the default math
+// mode and cuBLAS only uses TF32 when asked); bf16 products (an operand is
+// BF16 or compute is kBF16) take both operands in bf16 (an f32 operand is
+// rounded to nearest even first, as the CPU kernel does) and accumulate in
+// fp32; out is F32 or BF16.
+//
+// Row-major C[m,n] = A·B is column-major C^T[n,m] = B^T·A^T, so cuBLAS is
+// called with the operands swapped: first B (ldb = b.dim(1)), then A (lda =
+// a.dim(-1)), ldc = n.
+#include <cublas_v2.h>  // types and prototypes only: the library is opened at run time
+#include <cuda_bf16.h>
+
+#include <dlfcn.h>
+
+#include <map>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/basic.h"
+#include "kernels/cuda/cuda.h"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/memory.h"
+
+namespace hspmd::kernels::cuda {
+namespace {
+
+// cuBLAS is opened at the first CUDA matmul, not linked: linked, its
+// libraries (cuBLAS and cuBLASLt, ~600 MB) are mapped and relocated when
+// any hspmd process starts, 0.15 s and 230 MB of resident memory per
+// process even for CPU-only runs of many emulated ranks.
+struct Blas {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                            const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                            cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
+  decltype(&cublasGetStatusString) status_string = nullptr;
+};
+
+const Blas& blas() {
+  static const Blas b = [] {
+    void* lib = nullptr;
+    std::string tried;
+    // The loader's path first, then the toolkit this was built against.
+    for (const char* name : {"libcublas.so." HSPMD_CUBLAS_MAJOR, HSPMD_CUBLAS_DIR "/libcublas.so." HSPMD_CUBLAS_MAJOR,
+                             "libcublas.so"}) {
+      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (lib) break;
+      const char* why = dlerror();
+      tried += std::string(tried.empty() ? "" : "; ") + name + ": " + (why ? why : "not found");
+    }
+    if (!lib) fail("[cuda] matmul: cannot load cuBLAS (", tried, ")");
+    Blas out;
+    const auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (!fn) fail("[cuda] matmul: cuBLAS has no ", name);
+    };
+    sym(out.create, "cublasCreate_v2");
+    sym(out.set_stream, "cublasSetStream_v2");
+    sym(out.gemm_ex, "cublasGemmEx");
+    sym(out.status_string, "cublasGetStatusString");
+    return out;
+  }();
+  return b;
+}
+
+void check_blas(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS)
+    fail("[cuda] ", what, ": cuBLAS error ", static_cast<int>(st), " (", blas().status_string(st), ")");
+}
+
+// One cuBLAS handle per (thread, device): a handle is not safe to share
+// between threads that set different streams; each call binds its stream.
+cublasHandle_t handle_for(Stream& s) {
+  thread_local std::map<int, cublasHandle_t> handles;
+  const int dev = s.device().index;
+  auto it = handles.find(dev);
+  if (it == handles.end()) {
+    cuda_rt::check(cudaSetDevice(dev), "cudaSetDevice");
+    cublasHandle_t h = nullptr;
+    check_blas(blas().create(&h), "cublasCreate");
+    it = handles.emplace(dev, h).first;
+  }
+  check_blas(blas().set_stream(it->second, launch::native(s)), "cublasSetStream");
+  return it->second;
+}
+
+__global__ void to_bf16_kernel(const float* in, __nv_bfloat16* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
+// `a` as bf16 on the device: itself when it is BF16, else a rounded copy
+// (kept alive by the returned array).
+NDArray as_bf16(Stream& s, const NDArray& a) {
+  if (a.dtype() == DType::BF16) return a;
+  NDArray out = NDArray::empty(a.shape(), DType::BF16, a.device());
+  const int64_t n = a.numel();
+  if (n > 0) {
+    to_bf16_kernel<<<launch::blocks_for(n), launch::kThreads, 0, launch::native(s)>>>(
+        a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()), n);
+    launch::launched("matmul: round to bf16");
+  }
+  return out;
+}
+
+cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+}  // namespace
+
+void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+            GemmCompute compute) {
+  launch::require_contiguous("matmul", a);
+  launch::require_contiguous("matmul", b);
+  launch::require_contiguous("matmul", out);
+  HSPMD_CHECK(a.ndim() >= 1 && b.ndim() == 2, "matmul: ranks ", a.ndim(), ", ", b.ndim());
+  for (DType t : {a.dtype(), b.dtype(), out.dtype()})
+    if (t != DType::F32 && t != DType::BF16)
+      fail("[matmul] dtypes ", dtype_name(a.dtype()), ", ", dtype_name(b.dtype()), " -> ", dtype_name(out.dtype()),
+           ": each must be f32 or bf16");
+  const int64_t a_cols = a.dim(-1);
+  const int64_t a_rows = a_cols == 0 ? 0 : a.numel() / a_cols;
+  const int64_t m = trans_a ? a_cols : a_rows;
+  const int64_t k = trans_a ? a_rows : a_cols;
+  const int64_t n = trans_b ? b.dim(0) : b.dim(1);
+  const int64_t kb = trans_b ? b.dim(1) : b.dim(0);
+  HSPMD_CHECK(k == kb && out.numel() == m * n, "matmul: inner dims ", k, " vs ", kb);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    fill(s, out, 0.0f);
+    return;
+  }
+  constexpr int64_t kMax = 0x7fffffff;  // cuBLAS's int dimensions
+  if (m > kMax || n > kMax || k > kMax)
+    fail("[matmul] ", m, " x ", k, " x ", n, ": a dimension exceeds cuBLAS's 2^31 - 1");
+  const bool bf16 = compute == GemmCompute::kBF16 || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
+  const NDArray a_op = bf16 ? as_bf16(s, a) : a, b_op = bf16 ? as_bf16(s, b) : b;
+  const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const float alpha = 1.0f, beta = 0.0f;
+  // Column-major view: C^T (n x m) = op(B)^T (n x k) · op(A)^T (k x m).
+  check_blas(blas().gemm_ex(handle_for(s), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b_op.raw_data(),
+                          in_type, static_cast<int>(b.dim(1)), a_op.raw_data(), in_type, static_cast<int>(a_cols),
+                          &beta, out.raw_data(), cuda_type(out.dtype()), static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT),
+             "cublasGemmEx");
+}
+
+}  // namespace hspmd::kernels::cuda
