@@ -81,6 +81,7 @@ void accumulate(Stream& s, const NDArray& a, NDArray& out) {
 void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
   switch (device_of("add_bias", s, {&x, &bias, &out})) {
     case DeviceType::CPU: return cpu::add_bias(x, bias, out);
+    HSPMD_CUDA_CASE(add_bias(s, x, bias, out))
     default: no_kernel("add_bias", s.device());
   }
 }
@@ -88,6 +89,7 @@ void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
 void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
   switch (device_of("bias_grad", s, {&dy, &dbias})) {
     case DeviceType::CPU: return cpu::bias_grad(dy, dbias);
+    HSPMD_CUDA_CASE(bias_grad(s, dy, dbias))
     default: no_kernel("bias_grad", s.device());
   }
 }
@@ -106,6 +108,7 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
 void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
   switch (device_of("transpose", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::transpose(a, d0, d1, out);
+    HSPMD_CUDA_CASE(transpose(s, a, d0, d1, out))
     default: no_kernel("transpose", s.device());
   }
 }
@@ -113,6 +116,7 @@ void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
 void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
   switch (device_of("slice", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::slice(a, axis, begin, out);
+    HSPMD_CUDA_CASE(slice(s, a, axis, begin, out))
     default: no_kernel("slice", s.device());
   }
 }
@@ -120,6 +124,7 @@ void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
 void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDArray& out) {
   switch (device_of("slice_backward", s, {&grad, &out})) {
     case DeviceType::CPU: return cpu::slice_backward(grad, axis, begin, out);
+    HSPMD_CUDA_CASE(slice_backward(s, grad, axis, begin, out))
     default: no_kernel("slice_backward", s.device());
   }
 }
@@ -128,6 +133,7 @@ void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out
   for (const NDArray& p : parts) device_of("concat", s, {&p});
   switch (device_of("concat", s, {&out})) {
     case DeviceType::CPU: return cpu::concat(parts, axis, out);
+    HSPMD_CUDA_CASE(concat(s, parts, axis, out))
     default: no_kernel("concat", s.device());
   }
 }
@@ -135,6 +141,7 @@ void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out
 void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, NDArray& out) {
   switch (device_of("reduce_sum", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::reduce_sum(a, reduced, out);
+    HSPMD_CUDA_CASE(reduce_sum(s, a, reduced, out))
     default: no_kernel("reduce_sum", s.device());
   }
 }
@@ -143,6 +150,7 @@ void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& red
                        NDArray& out) {
   switch (device_of("broadcast_reduced", s, {&g, &out})) {
     case DeviceType::CPU: return cpu::broadcast_reduced(g, reduced, out);
+    HSPMD_CUDA_CASE(broadcast_reduced(s, g, reduced, out))
     default: no_kernel("broadcast_reduced", s.device());
   }
 }
@@ -151,6 +159,7 @@ void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t voc
                int64_t vocab_size, NDArray& out) {
   switch (device_of("embedding", s, {&weight, &ids, &out})) {
     case DeviceType::CPU: return cpu::embedding(weight, ids, vocab_begin, vocab_size, out);
+    HSPMD_CUDA_CASE(embedding(s, weight, ids, vocab_begin, vocab_size, out))
     default: no_kernel("embedding", s.device());
   }
 }
@@ -160,6 +169,7 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
   switch (device_of("embedding_backward", s, {&grad, &ids, &dweight})) {
     case DeviceType::CPU: return cpu::embedding_backward(grad, ids, vocab_begin, vocab_size,
                                                          dweight);
+    HSPMD_CUDA_CASE(embedding_backward(s, grad, ids, vocab_begin, vocab_size, dweight))
     default: no_kernel("embedding_backward", s.device());
   }
 }
@@ -185,6 +195,7 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
           NDArray& out) {
   switch (device_of("rope", s, {&x, &positions, &out})) {
     case DeviceType::CPU: return cpu::rope(x, positions, theta, inverse, out);
+    HSPMD_CUDA_CASE(rope(s, x, positions, theta, inverse, out))
     default: no_kernel("rope", s.device());
   }
 }
@@ -212,6 +223,7 @@ void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets,
   switch (device_of("cross_entropy", s, {&logits, &targets, &normalizer, &loss, &lse})) {
     case DeviceType::CPU:
       return cpu::cross_entropy(logits, targets, normalizer, ignore_index, loss, lse, classes);
+    HSPMD_CUDA_CASE(cross_entropy(s, logits, targets, normalizer, ignore_index, loss, lse, classes))
     default: no_kernel("cross_entropy", s.device());
   }
 }
@@ -223,6 +235,7 @@ void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& 
     case DeviceType::CPU:
       return cpu::cross_entropy_shard_stats(logits, targets, vocab_begin, vocab_size, ignore_index,
                                             local_lse, target_logit, classes);
+    HSPMD_CUDA_CASE(cross_entropy_shard_stats(s, logits, targets, vocab_begin, vocab_size, ignore_index, local_lse, target_logit, classes))
     default: no_kernel("cross_entropy_shard_stats", s.device());
   }
 }
@@ -235,6 +248,7 @@ void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& t
     case DeviceType::CPU:
       return cpu::cross_entropy_combine(shard_lse, target_logit, targets, normalizer, ignore_index,
                                         loss, lse);
+    HSPMD_CUDA_CASE(cross_entropy_combine(s, shard_lse, target_logit, targets, normalizer, ignore_index, loss, lse))
     default: no_kernel("cross_entropy_combine", s.device());
   }
 }
@@ -248,6 +262,7 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
     case DeviceType::CPU:
       return cpu::cross_entropy_backward(dloss, logits, targets, normalizer, lse, ignore_index,
                                          vocab_begin, dlogits, classes);
+    HSPMD_CUDA_CASE(cross_entropy_backward(s, dloss, logits, targets, normalizer, lse, ignore_index, vocab_begin, dlogits, classes))
     default: no_kernel("cross_entropy_backward", s.device());
   }
 }

@@ -5,6 +5,7 @@
 // the allocator's accounting. Exits 0 (pass), 1 (a case failed) or 77 (no
 // CUDA device: CTest reports it skipped). One line per case:
 //   RESULT probe=conformance_memory case=<c> ... status=PASS|FAIL
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -240,6 +241,160 @@ void gemm() {
   });
 }
 
+std::vector<int32_t> random_id_vector(int64_t n, int32_t lo, int32_t hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> u(lo, hi - 1);
+  std::vector<int32_t> v(n);
+  for (int32_t& x : v) x = u(rng);
+  return v;
+}
+
+NDArray random_ids(int64_t n, int32_t lo, int32_t hi, uint32_t seed) {
+  return NDArray::from_vector_i32({n}, random_id_vector(n, lo, hi, seed));
+}
+
+// The message of the hspmd::Error f throws ("" when none).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+NDArray dev_empty(const Shape& shape, DType t = DType::F32) { return NDArray::empty(shape, t, Device::cuda(0)); }
+
+// The layout kernels move bytes and the reductions add in double in the CPU
+// kernels' order: equal bit for bit. RoPE and cross-entropy compute
+// transcendental functions on both sides: within 1e-6.
+void layout_and_model_ops() {
+  run_case("layout", [] {
+    const NDArray a = random_f32({3, 5, 7, 4}, 40);
+    NDArray t = NDArray::empty({3, 4, 7, 5}, DType::F32), gt = dev_empty({3, 4, 7, 5});
+    kernels::transpose(cpu(), a, 1, 3, t);
+    kernels::transpose(gpu(), up(a), 1, 3, gt);
+    const NDArray a16 = a.to(DType::BF16);
+    NDArray t16 = NDArray::empty({3, 4, 7, 5}, DType::BF16), gt16 = dev_empty({3, 4, 7, 5}, DType::BF16);
+    kernels::transpose(cpu(), a16, 1, 3, t16);
+    kernels::transpose(gpu(), up(a16), 1, 3, gt16);
+    NDArray sl = NDArray::empty({3, 2, 7, 4}, DType::F32), gsl = dev_empty({3, 2, 7, 4});
+    kernels::slice(cpu(), a, 1, 2, sl);
+    kernels::slice(gpu(), up(a), 1, 2, gsl);
+    NDArray sb = NDArray::empty({3, 5, 7, 4}, DType::F32), gsb = dev_empty({3, 5, 7, 4});
+    kernels::slice_backward(cpu(), sl, 1, 2, sb);
+    kernels::slice_backward(gpu(), up(sl), 1, 2, gsb);
+    const NDArray b = random_f32({3, 2, 7, 4}, 41);
+    NDArray c = NDArray::empty({3, 7, 7, 4}, DType::F32), gc = dev_empty({3, 7, 7, 4});
+    kernels::concat(cpu(), {a, b}, 1, c);
+    kernels::concat(gpu(), {up(a), up(b)}, 1, gc);
+    const double e = std::max({max_diff(down(gt), t), max_diff(down(gt16), t16), max_diff(down(gsl), sl),
+                               max_diff(down(gsb), sb), max_diff(down(gc), c)});
+    result("layout", e == 0, "max_diff=" + std::to_string(e));
+  });
+  run_case("reductions", [] {
+    const NDArray a = random_f32({4, 6, 5}, 42);
+    const std::vector<bool> mask = {true, false, true};
+    NDArray r = NDArray::empty({6}, DType::F32), gr = dev_empty({6});
+    kernels::reduce_sum(cpu(), a, mask, r);
+    kernels::reduce_sum(gpu(), up(a), mask, gr);
+    NDArray br = NDArray::empty({4, 6, 5}, DType::F32), gbr = dev_empty({4, 6, 5});
+    kernels::broadcast_reduced(cpu(), r, mask, br);
+    kernels::broadcast_reduced(gpu(), up(r), mask, gbr);
+    const NDArray x = random_f32({1100, 37}, 43), bias = random_f32({37}, 44);
+    NDArray y = NDArray::empty(x.shape(), DType::F32), gy = dev_empty(x.shape());
+    kernels::add_bias(cpu(), x, bias, y);
+    kernels::add_bias(gpu(), up(x), up(bias), gy);
+    NDArray db = NDArray::empty({37}, DType::F32), gdb = dev_empty({37});
+    kernels::bias_grad(cpu(), x, db);  // 1100 rows: three chunks of the CPU's partial sums
+    kernels::bias_grad(gpu(), up(x), gdb);
+    const double e = std::max({max_diff(down(gr), r), max_diff(down(gbr), br), max_diff(down(gy), y),
+                               max_diff(down(gdb), db)});
+    result("reductions", e == 0, "max_diff=" + std::to_string(e));
+  });
+  run_case("embedding", [] {
+    // A vocabulary shard [40, 90) of 100: ids outside it give zeros.
+    const NDArray w = random_f32({50, 33}, 45), ids = random_ids(77, 0, 100, 46), g = random_f32({77, 33}, 47);
+    NDArray y = NDArray::empty({77, 33}, DType::F32), gy = dev_empty({77, 33});
+    kernels::embedding(cpu(), w, ids, 40, 100, y);
+    kernels::embedding(gpu(), up(w), up(ids), 40, 100, gy);
+    NDArray dw = NDArray::empty({50, 33}, DType::F32), gdw = dev_empty({50, 33});
+    kernels::embedding_backward(cpu(), g, ids, 40, 100, dw);
+    kernels::embedding_backward(gpu(), up(g), up(ids), 40, 100, gdw);
+    const NDArray bad = NDArray::from_vector_i32({3}, {5, 100, 7});
+    const std::string want = error_of([&] { kernels::embedding(cpu(), w, bad, 40, 100, y); });
+    const std::string got = error_of([&] { kernels::embedding(gpu(), up(w), up(bad), 40, 100, gy); });
+    const double e = std::max(max_diff(down(gy), y), max_diff(down(gdw), dw));
+    result("embedding", e == 0 && !want.empty() && got == want, "max_diff=" + std::to_string(e) + " error=\"" + got + "\"");
+  });
+  run_case("rope", [] {
+    const NDArray x = random_f32({2, 9, 3, 16}, 48), pos = random_ids(18, 0, 4096, 49);
+    double e = 0;
+    for (bool inverse : {false, true}) {
+      NDArray y = NDArray::empty(x.shape(), DType::F32), gy = dev_empty(x.shape());
+      kernels::rope(cpu(), x, pos, 10000.0f, inverse, y);
+      kernels::rope(gpu(), up(x), up(pos), 10000.0f, inverse, gy);
+      e = std::max(e, rel_diff(down(gy), y));
+    }
+    char d[64];
+    std::snprintf(d, sizeof d, "rel=%.1e", e);
+    result("rope", e < 1e-6, d);
+  });
+  run_case("cross_entropy", [] {
+    const int64_t rows = 9, v = 301;
+    const NDArray logits = random_f32({rows, v}, 50);
+    std::vector<int32_t> tv = random_id_vector(rows, 0, 290, 51);
+    tv[4] = -100;  // ignored
+    const NDArray targets = NDArray::from_vector_i32({rows}, tv), norm = NDArray::from_vector({1}, {8.0f});
+    const NDArray dloss = NDArray::from_vector({1}, {1.5f});
+    double e = 0;
+    for (int64_t classes : {int64_t{0}, int64_t{290}}) {
+      NDArray loss = NDArray::empty({1}, DType::F32), lse = NDArray::empty({rows}, DType::F32);
+      NDArray gloss = dev_empty({1}), glse = dev_empty({rows});
+      kernels::cross_entropy(cpu(), logits, targets, norm, -100, loss, lse, classes);
+      kernels::cross_entropy(gpu(), up(logits), up(targets), up(norm), -100, gloss, glse, classes);
+      NDArray dx = NDArray::empty({rows, v}, DType::F32), gdx = dev_empty({rows, v});
+      kernels::cross_entropy_backward(cpu(), dloss, logits, targets, norm, lse, -100, 0, dx, classes);
+      kernels::cross_entropy_backward(gpu(), up(dloss), up(logits), up(targets), up(norm), up(lse), -100, 0, gdx,
+                                      classes);
+      e = std::max({e, rel_diff(down(gloss), loss), rel_diff(down(glse), lse), rel_diff(down(gdx), dx)});
+      // Two vocabulary shards [0, 150) and [150, 301): stats per shard, then
+      // the combine, against the CPU's.
+      NDArray parts = NDArray::empty({2, rows}, DType::F32), picked = NDArray::zeros({rows}, DType::F32);
+      NDArray gparts = dev_empty({2, rows}), gpicked = kernels::zeros(gpu(), {rows}, DType::F32);
+      for (int shard = 0; shard < 2; ++shard) {
+        const int64_t begin = shard == 0 ? 0 : 150, width = shard == 0 ? 150 : v - 150;
+        NDArray part = NDArray::empty({rows, width}, DType::F32);
+        kernels::slice(cpu(), logits, 1, begin, part);
+        NDArray l = NDArray::empty({rows}, DType::F32), p = NDArray::empty({rows}, DType::F32);
+        NDArray gl = dev_empty({rows}), gp = dev_empty({rows});
+        kernels::cross_entropy_shard_stats(cpu(), part, targets, begin, v, -100, l, p, classes);
+        kernels::cross_entropy_shard_stats(gpu(), up(part), up(targets), begin, v, -100, gl, gp, classes);
+        kernels::copy_block(cpu(), l, {0}, parts, {shard, 0}, {1, rows}, false);
+        kernels::copy_block(gpu(), gl, {0}, gparts, {shard, 0}, {1, rows}, false);
+        kernels::accumulate(cpu(), p, picked);
+        kernels::accumulate(gpu(), gp, gpicked);
+      }
+      NDArray closs = NDArray::empty({1}, DType::F32), clse = NDArray::empty({rows}, DType::F32);
+      NDArray gcloss = dev_empty({1}), gclse = dev_empty({rows});
+      kernels::cross_entropy_combine(cpu(), parts, picked, targets, norm, -100, closs, clse);
+      kernels::cross_entropy_combine(gpu(), gparts, gpicked, up(targets), up(norm), -100, gcloss, gclse);
+      e = std::max({e, rel_diff(down(gcloss), closs), rel_diff(down(gclse), clse), rel_diff(down(gclse), lse)});
+    }
+    const NDArray bad = NDArray::from_vector_i32({2}, {3, 400});
+    NDArray loss = NDArray::empty({1}, DType::F32), lse = NDArray::empty({2}, DType::F32);
+    NDArray gloss = dev_empty({1}), glse = dev_empty({2});
+    const NDArray two = random_f32({2, v}, 52);
+    const std::string want = error_of([&] { kernels::cross_entropy(cpu(), two, bad, norm, -100, loss, lse); });
+    const std::string got =
+        error_of([&] { kernels::cross_entropy(gpu(), up(two), up(bad), up(norm), -100, gloss, glse); });
+    char d[64];
+    std::snprintf(d, sizeof d, "rel=%.1e", e);
+    result("cross_entropy", e < 1e-6 && !want.empty() && got == want, std::string(d) + " error=\"" + got + "\"");
+  });
+}
+
 void runtime() {
   run_case("device_errors", [] {
     auto error_of = [](auto&& f) -> std::string {
@@ -295,6 +450,7 @@ int main() {
   optimizer();
   ops();
   gemm();
+  layout_and_model_ops();
   runtime();
   std::printf("conformance_memory: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

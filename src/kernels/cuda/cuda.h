@@ -34,6 +34,34 @@ void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup);
 
+// ---- layout and reductions (layout.cu): any dtype for the layout kernels,
+// f32 for the others ----
+void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out);
+void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out);
+void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDArray& out);
+void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out);
+void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, NDArray& out);
+void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& reduced, NDArray& out);
+void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out);
+void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias);
+
+// ---- model ops (model_ops.cu, f32) ----
+void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
+               NDArray& out);
+void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
+                        NDArray& dweight);
+void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out);
+void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
+                   int ignore_index, NDArray& loss, NDArray& lse, int64_t classes);
+void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& targets, int64_t vocab_begin,
+                               int64_t vocab_size, int ignore_index, NDArray& local_lse, NDArray& target_logit,
+                               int64_t classes);
+void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& target_logit, const NDArray& targets,
+                           const NDArray& normalizer, int ignore_index, NDArray& loss, NDArray& lse);
+void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logits, const NDArray& targets,
+                            const NDArray& normalizer, const NDArray& lse, int ignore_index, int64_t vocab_begin,
+                            NDArray& dlogits, int64_t classes);
+
 // ---- memory.h ----
 void fill(Stream& s, NDArray& out, float value);
 NDArray zeros(Stream& s, const Shape& shape, DType dtype);

@@ -29,4 +29,32 @@ inline unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(b < 65535 * 32 ? (b > 0 ? b : 1) : 65535 * 32);
 }
 
+// Sums `v` over the block (blockDim.x threads, a power of two, at most
+// kThreads; `scratch` holds blockDim.x doubles in shared memory), in a fixed
+// tree order; every thread gets the total.
+__device__ inline double block_sum(double v, double* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
+    __syncthreads();
+  }
+  const double total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
+// The same with max.
+__device__ inline double block_max(double v, double* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) scratch[threadIdx.x] = fmax(scratch[threadIdx.x], scratch[threadIdx.x + w]);
+    __syncthreads();
+  }
+  const double total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
 }  // namespace hspmd::kernels::cuda::launch

@@ -15,20 +15,6 @@ namespace {
 
 using namespace launch;
 
-// Sums `v` over the block (blockDim.x threads, a power of two); every thread
-// gets the total.
-__device__ double block_sum(double v, double* scratch) {
-  scratch[threadIdx.x] = v;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) scratch[threadIdx.x] += scratch[threadIdx.x + w];
-    __syncthreads();
-  }
-  const double total = scratch[0];
-  __syncthreads();
-  return total;
-}
-
 __device__ float inv_rms(double ss, int64_t h, float eps) {
   return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(h) + eps));
 }

@@ -1,0 +1,317 @@
+// CUDA embedding, rotary embedding and softmax cross-entropy (basic.h
+// contracts, f32). Ids and targets are checked on the device; a bad one
+// costs a synchronization to name it (`[embedding] token id 70000 at
+// position 3 is outside the vocabulary [0, 32000)`, as on the CPU), a good
+// batch one small read back per call. Sums run in double; the embedding
+// gradient adds tokens in order per column (the same bits as the CPU);
+// RoPE's angles, cos and sin are computed in double as the CPU's table is.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "core/cuda_runtime.h"
+#include "hspmd/core/error.h"
+#include "kernels/cuda/cuda.h"
+#include "kernels/cuda/launch.cuh"
+
+namespace hspmd::kernels::cuda {
+
+namespace {
+
+using namespace launch;
+
+__global__ void first_bad_kernel(const int32_t* v, int64_t n, int64_t limit, int32_t ignore, bool use_ignore,
+                                 unsigned long long* first) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t x = v[i];
+    if (use_ignore && x == ignore) continue;
+    if (x < 0 || x >= limit) atomicMin(first, static_cast<unsigned long long>(i));
+  }
+}
+
+// The first position whose value is outside [0, limit) (and not `ignore`
+// when use_ignore), or -1. Waits for the stream.
+int64_t first_bad(Stream& s, const NDArray& values, int64_t limit, int ignore, bool use_ignore, int32_t& value) {
+  const int64_t n = values.numel();
+  if (n == 0) return -1;
+  NDArray flag = NDArray::empty({1}, DType::I64, values.device());
+  cuda_rt::check(cudaMemsetAsync(flag.raw_data(), 0xff, sizeof(int64_t), native(s)), "check ids");
+  first_bad_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(values.data<int32_t>(), n, limit, ignore, use_ignore,
+                                                              static_cast<unsigned long long*>(flag.raw_data()));
+  launched("check ids");
+  int64_t pos = -1;
+  cuda_rt::check(cudaMemcpyAsync(&pos, flag.raw_data(), sizeof pos, cudaMemcpyDeviceToHost, native(s)), "check ids");
+  cuda_rt::check(cudaStreamSynchronize(native(s)), "check ids");
+  if (pos < 0) return -1;
+  cuda_rt::check(cudaMemcpy(&value, values.data<int32_t>() + pos, sizeof value, cudaMemcpyDeviceToHost), "check ids");
+  return pos;
+}
+
+void check_ids(Stream& s, const NDArray& ids, int64_t vocab) {
+  int32_t v = 0;
+  const int64_t pos = first_bad(s, ids, vocab, 0, false, v);
+  if (pos >= 0) fail("[embedding] token id ", v, " at position ", pos, " is outside the vocabulary [0, ", vocab, ")");
+}
+
+void check_targets(Stream& s, const NDArray& targets, int64_t v, int ignore_index) {
+  int32_t t = 0;
+  const int64_t pos = first_bad(s, targets, v, ignore_index, true, t);
+  if (pos >= 0)
+    fail("[cross_entropy] target ", t, " at position ", pos, " is outside the vocabulary [0, ", v,
+         ") and is not ignore_index ", ignore_index);
+}
+
+void require_f32(const char* kernel, std::initializer_list<const NDArray*> arrays) {
+  for (const NDArray* a : arrays)
+    if (a->dtype() != DType::F32) fail("[cuda] ", kernel, ": f32 only so far, got ", dtype_name(a->dtype()));
+}
+
+__global__ void embedding_kernel(const float* w, const int32_t* ids, int64_t vocab_begin, int64_t rows, int64_t h,
+                                 float* y, int64_t total) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = e / h, j = e % h;
+    const int64_t row = ids[t] - vocab_begin;
+    y[e] = row >= 0 && row < rows ? w[row * h + j] : 0.0f;
+  }
+}
+
+// One thread per column visits the tokens in order: no races, a fixed order.
+__global__ void embedding_backward_kernel(const float* g, const int32_t* ids, int64_t vocab_begin, int64_t rows,
+                                          int64_t h, int64_t tokens, float* dw) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= h) return;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t row = ids[t] - vocab_begin;
+    if (row >= 0 && row < rows) dw[row * h + j] += g[t * h + j];
+  }
+}
+
+__global__ void rope_kernel(const float* x, const int32_t* pos, double theta, bool inverse, int64_t heads, int64_t d,
+                            float* y, int64_t total) {
+  const int64_t half = d / 2;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = e % half, th = e / half;  // th = token * heads + head
+    const int64_t t = th / heads;
+    const double angle = static_cast<double>(pos[t]) * pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    const float c = static_cast<float>(cos(angle));
+    const float sn = inverse ? static_cast<float>(-sin(angle)) : static_cast<float>(sin(angle));
+    const float a = x[th * d + i], b = x[th * d + i + half];
+    y[th * d + i] = a * c - b * sn;
+    y[th * d + i + half] = b * c + a * sn;
+  }
+}
+
+// Per row: logsumexp over its first n entries (max in f32, the sum of
+// exponentials in double), written to lse; the row's loss contribution to
+// row_loss (0 for ignored rows); with `picked`, the target's logit when the
+// shard holds it. n == 0 gives -inf (a shard of padding only).
+__global__ void row_lse_kernel(const float* x, const int32_t* targets, int64_t v, int64_t n, int64_t vocab_begin,
+                               int32_t ignore, float* lse, double* row_loss, float* picked) {
+  __shared__ double scratch[kThreads];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * v;
+  const int32_t t = targets[r];
+  if (t == ignore) {
+    if (threadIdx.x == 0) {
+      lse[r] = 0.0f;
+      if (row_loss) row_loss[r] = 0.0;
+      if (picked) picked[r] = 0.0f;
+    }
+    return;
+  }
+  if (n == 0) {
+    if (threadIdx.x == 0) {
+      lse[r] = -INFINITY;
+      if (picked) picked[r] = 0.0f;
+    }
+    return;
+  }
+  double m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = fmax(m, static_cast<double>(xr[j]));
+  const float mx = static_cast<float>(block_max(m, scratch));
+  double sum = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += exp(static_cast<double>(xr[j] - mx));
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x != 0) return;
+  const double l = log(sum) + mx;
+  lse[r] = static_cast<float>(l);
+  const int64_t local = t - vocab_begin;
+  if (row_loss) row_loss[r] = l - xr[local];
+  if (picked) picked[r] = local >= 0 && local < n ? xr[local] : 0.0f;
+}
+
+// loss = Σ_rows row_loss (double, row order) / normalizer: one thread.
+__global__ void loss_kernel(const double* row_loss, int64_t rows, const float* normalizer, float* loss) {
+  double total = 0;
+  for (int64_t r = 0; r < rows; ++r) total += row_loss[r];
+  loss[0] = static_cast<float>(total / normalizer[0]);
+}
+
+__global__ void combine_kernel(const float* part, const float* picked, const int32_t* targets, int64_t rows,
+                               int64_t shards, int32_t ignore, float* out_lse, double* row_loss) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= rows) return;
+  out_lse[r] = 0.0f;
+  row_loss[r] = 0.0;
+  if (targets[r] == ignore) return;
+  double m = part[r];
+  for (int64_t s = 1; s < shards; ++s) m = fmax(m, static_cast<double>(part[s * rows + r]));
+  double sum = 0;
+  for (int64_t s = 0; s < shards; ++s) sum += exp(part[s * rows + r] - m);
+  const double l = m + log(sum);
+  out_lse[r] = static_cast<float>(l);
+  row_loss[r] = l - picked[r];
+}
+
+__global__ void ce_backward_kernel(const float* dloss, const float* x, const int32_t* targets, const float* normalizer,
+                                   const float* lse, int32_t ignore, int64_t vocab_begin, int64_t v, int64_t n,
+                                   float* dx, int64_t total) {
+  const float g = dloss[0] / normalizer[0];
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / v, c = e % v;
+    const int32_t t = targets[r];
+    if (t == ignore || c >= n) {
+      dx[e] = 0.0f;
+      continue;
+    }
+    float d = expf(x[e] - lse[r]) * g;
+    if (c == t - vocab_begin) d -= g;
+    dx[e] = d;
+  }
+}
+
+int64_t class_columns(int64_t v, int64_t begin, int64_t classes) {
+  if (classes <= 0) return v;
+  const int64_t n = classes - begin;
+  return n < 0 ? 0 : n > v ? v : n;
+}
+
+}  // namespace
+
+void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
+               NDArray& out) {
+  require_contiguous("embedding", weight);
+  require_contiguous("embedding", ids);
+  require_f32("embedding", {&weight, &out});
+  const int64_t rows = weight.dim(0), h = weight.dim(1), tokens = ids.numel();
+  HSPMD_CHECK(out.numel() == tokens * h, "embedding: output size");
+  HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + rows <= vocab_size, "embedding: vocab range");
+  check_ids(s, ids, vocab_size);
+  const int64_t total = tokens * h;
+  if (total == 0) return;
+  embedding_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(weight.data<float>(), ids.data<int32_t>(),
+                                                                  vocab_begin, rows, h, out.data<float>(), total);
+  launched("embedding");
+}
+
+void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin, int64_t vocab_size,
+                        NDArray& dweight) {
+  require_contiguous("embedding_backward", grad);
+  require_f32("embedding_backward", {&grad, &dweight});
+  const int64_t rows = dweight.dim(0), h = dweight.dim(1), tokens = ids.numel();
+  HSPMD_CHECK(grad.numel() == tokens * h, "embedding_backward: grad size");
+  HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + rows <= vocab_size, "embedding_backward: vocab range");
+  check_ids(s, ids, vocab_size);
+  if (dweight.nbytes() > 0)
+    cuda_rt::check(cudaMemsetAsync(dweight.raw_data(), 0, dweight.nbytes(), native(s)), "embedding_backward");
+  if (h == 0 || tokens == 0) return;
+  embedding_backward_kernel<<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
+      grad.data<float>(), ids.data<int32_t>(), vocab_begin, rows, h, tokens, dweight.data<float>());
+  launched("embedding_backward");
+}
+
+void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out) {
+  require_contiguous("rope", x);
+  require_contiguous("rope", positions);
+  require_f32("rope", {&x, &out});
+  HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
+  const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3);
+  HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
+  const int64_t total = tokens * heads * (d / 2);
+  if (total == 0) return;
+  rope_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(x.data<float>(), positions.data<int32_t>(), theta,
+                                                             inverse, heads, d, out.data<float>(), total);
+  launched("rope");
+}
+
+void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
+                   int ignore_index, NDArray& loss, NDArray& lse, int64_t classes) {
+  require_contiguous("cross_entropy", logits);
+  require_contiguous("cross_entropy", targets);
+  require_f32("cross_entropy", {&logits, &normalizer, &loss, &lse});
+  const int64_t v = logits.dim(-1), rows = targets.numel();
+  HSPMD_CHECK(logits.numel() == rows * v && loss.numel() == 1, "cross_entropy: sizes");
+  const int64_t n = class_columns(v, 0, classes);
+  check_targets(s, targets, n, ignore_index);
+  NDArray row_loss = NDArray::empty({rows > 0 ? rows : 1}, DType::F64, logits.device());
+  if (rows > 0) {
+    row_lse_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
+        logits.data<float>(), targets.data<int32_t>(), v, n, 0, ignore_index, lse.data<float>(),
+        static_cast<double*>(row_loss.raw_data()), nullptr);
+    launched("cross_entropy");
+  }
+  loss_kernel<<<1, 1, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
+                                      loss.data<float>());
+  launched("cross_entropy: loss");
+}
+
+void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& targets, int64_t vocab_begin,
+                               int64_t vocab_size, int ignore_index, NDArray& local_lse, NDArray& target_logit,
+                               int64_t classes) {
+  require_contiguous("cross_entropy", logits);
+  require_contiguous("cross_entropy", targets);
+  require_f32("cross_entropy_shard_stats", {&logits, &local_lse, &target_logit});
+  const int64_t v = logits.dim(-1), rows = targets.numel();
+  HSPMD_CHECK(logits.numel() == rows * v && local_lse.numel() == rows && target_logit.numel() == rows,
+              "cross_entropy_shard_stats: sizes");
+  HSPMD_CHECK(vocab_begin >= 0 && vocab_begin + v <= vocab_size, "cross_entropy_shard_stats: vocab range");
+  check_targets(s, targets, classes > 0 ? classes : vocab_size, ignore_index);
+  const int64_t n = class_columns(v, vocab_begin, classes);
+  if (rows == 0) return;
+  row_lse_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
+      logits.data<float>(), targets.data<int32_t>(), v, n, vocab_begin, ignore_index, local_lse.data<float>(),
+      nullptr, target_logit.data<float>());
+  launched("cross_entropy_shard_stats");
+}
+
+void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& target_logit, const NDArray& targets,
+                           const NDArray& normalizer, int ignore_index, NDArray& loss, NDArray& lse) {
+  require_contiguous("cross_entropy", shard_lse);
+  require_f32("cross_entropy_combine", {&shard_lse, &target_logit, &normalizer, &loss, &lse});
+  const int64_t rows = targets.numel(), shards = shard_lse.dim(0);
+  HSPMD_CHECK(shard_lse.numel() == shards * rows && target_logit.numel() == rows && lse.numel() == rows &&
+                  loss.numel() == 1,
+              "cross_entropy_combine: sizes");
+  NDArray row_loss = NDArray::empty({rows > 0 ? rows : 1}, DType::F64, shard_lse.device());
+  if (rows > 0) {
+    combine_kernel<<<blocks_for(rows), kThreads, 0, native(s)>>>(
+        shard_lse.data<float>(), target_logit.data<float>(), targets.data<int32_t>(), rows, shards, ignore_index,
+        lse.data<float>(), static_cast<double*>(row_loss.raw_data()));
+    launched("cross_entropy_combine");
+  }
+  loss_kernel<<<1, 1, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
+                                      loss.data<float>());
+  launched("cross_entropy_combine: loss");
+}
+
+void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logits, const NDArray& targets,
+                            const NDArray& normalizer, const NDArray& lse, int ignore_index, int64_t vocab_begin,
+                            NDArray& dlogits, int64_t classes) {
+  require_contiguous("cross_entropy_backward", logits);
+  require_f32("cross_entropy_backward", {&dloss, &logits, &normalizer, &lse, &dlogits});
+  const int64_t v = logits.dim(-1), rows = targets.numel();
+  HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v, "cross_entropy_backward: sizes");
+  const int64_t total = rows * v;
+  if (total == 0) return;
+  ce_backward_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(
+      dloss.data<float>(), logits.data<float>(), targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(),
+      ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dlogits.data<float>(), total);
+  launched("cross_entropy_backward");
+}
+
+}  // namespace hspmd::kernels::cuda
