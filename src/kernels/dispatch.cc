@@ -275,6 +275,7 @@ void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDAr
   switch (device_of("attention_forward", s, {&q, &k, &v, &documents, &out, &lse})) {
     case DeviceType::CPU:
       return cpu::attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
+    HSPMD_CUDA_CASE(attention_forward(s, q, k, v, documents, scale, out, lse, tiles, products, window))
     default: no_kernel("attention_forward", s.device());
   }
 }
@@ -288,6 +289,7 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
     case DeviceType::CPU:
       return cpu::attention_backward(q, k, v, out, lse, grad_out, documents, scale, dq, dk, dv,
                                      tiles, products, window);
+    HSPMD_CUDA_CASE(attention_backward(s, q, k, v, out, lse, grad_out, documents, scale, dq, dk, dv, tiles, products, window))
     default: no_kernel("attention_backward", s.device());
   }
 }
@@ -296,6 +298,7 @@ void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_
                              NDArray& lse_blk, AttentionTiles tiles) {
   switch (device_of("attention_block_forward", s, {&blk.q, &blk.k, &blk.v, &out_blk, &lse_blk})) {
     case DeviceType::CPU: return cpu::attention_block_forward(blk, out_blk, lse_blk, tiles);
+    HSPMD_CUDA_CASE(attention_block_forward(s, blk, out_blk, lse_blk, tiles))
     default: no_kernel("attention_block_forward", s.device());
   }
 }
@@ -304,6 +307,7 @@ void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_b
                      const NDArray& lse_blk) {
   switch (device_of("attention_merge", s, {&out, &lse, &out_blk, &lse_blk})) {
     case DeviceType::CPU: return cpu::attention_merge(out, lse, out_blk, lse_blk);
+    HSPMD_CUDA_CASE(attention_merge(s, out, lse, out_blk, lse_blk))
     default: no_kernel("attention_merge", s.device());
   }
 }
@@ -312,6 +316,7 @@ void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, 
                         bool bf16_grad) {
   switch (device_of("attention_row_dots", s, {&out, &grad_out, &delta})) {
     case DeviceType::CPU: return cpu::attention_row_dots(out, grad_out, delta, bf16_grad);
+    HSPMD_CUDA_CASE(attention_row_dots(s, out, grad_out, delta, bf16_grad))
     default: no_kernel("attention_row_dots", s.device());
   }
 }
@@ -323,6 +328,7 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
                     {&blk.q, &blk.k, &blk.v, &grad_out, &lse, &delta, &dq, &dk, &dv})) {
     case DeviceType::CPU:
       return cpu::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
+    HSPMD_CUDA_CASE(attention_block_backward(s, blk, grad_out, lse, delta, dq, dk, dv, tiles))
     default: no_kernel("attention_block_backward", s.device());
   }
 }

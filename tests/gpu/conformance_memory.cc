@@ -14,6 +14,7 @@
 
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "kernels/attention.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
@@ -395,6 +396,107 @@ void layout_and_model_ops() {
   });
 }
 
+// Attention against the CPU's flash-style kernels: GQA, odd lengths, head
+// dims 16 and 40, documents as cu_seqlens and as positions, a sliding
+// window; f32 products within 1e-5 (forward) and 1e-4 (gradients) of the
+// largest value, bf16 products within 1e-2 (the probabilities are rounded to
+// bf16 against a tile's running max on the CPU, the row's on the GPU).
+// Then ring attention's blocks: two key blocks merged, and their backward
+// from the whole attention's lse and delta.
+void attention() {
+  run_case("attention", [] {
+    const float scale = 0.3f;
+    double worst_f32 = 0, worst_bf16 = 0;
+    const int64_t B = 2, S = 37, Hq = 4, Hkv = 2;
+    for (int64_t D : {int64_t{16}, int64_t{40}}) {
+      const NDArray q = random_f32({B, S, Hq, D}, 60), k = random_f32({B, S, Hkv, D}, 61);
+      const NDArray v = random_f32({B, S, Hkv, D}, 62), go = random_f32({B, S, Hq, D}, 63);
+      std::vector<int32_t> pos(B * S);
+      for (int64_t t = 0; t < B * S; ++t) pos[t] = static_cast<int32_t>(t % S < 20 ? t % S : t % S - 20);
+      const std::vector<NDArray> docs = {NDArray(), NDArray::from_vector_i32({5}, {0, 20, 37, 50, 74}),
+                                         NDArray::from_vector_i32({B, S}, pos)};
+      for (const NDArray& doc : docs)
+        for (int64_t window : {int64_t{0}, int64_t{5}})
+          for (DType products : {DType::F32, DType::BF16}) {
+            const kernels::AttentionTiles tiles{8, 8};
+            NDArray out = NDArray::empty(q.shape(), DType::F32), lse = NDArray::empty({B, Hq, S}, DType::F32);
+            NDArray gout = dev_empty(q.shape()), glse = dev_empty({B, Hq, S});
+            kernels::attention_forward(cpu(), q, k, v, doc, scale, out, lse, tiles, products, window);
+            const NDArray gdoc = doc.valid() ? up(doc) : NDArray();
+            kernels::attention_forward(gpu(), up(q), up(k), up(v), gdoc, scale, gout, glse, tiles, products, window);
+            NDArray dq = NDArray::empty(q.shape(), DType::F32), dk = NDArray::empty(k.shape(), DType::F32);
+            NDArray dv = NDArray::empty(v.shape(), DType::F32);
+            NDArray gdq = dev_empty(q.shape()), gdk = dev_empty(k.shape()), gdv = dev_empty(v.shape());
+            kernels::attention_backward(cpu(), q, k, v, out, lse, go, doc, scale, dq, dk, dv, tiles, products, window);
+            kernels::attention_backward(gpu(), up(q), up(k), up(v), gout, glse, up(go), gdoc, scale, gdq, gdk, gdv,
+                                        tiles, products, window);
+            const double e = std::max({rel_diff(down(gout), out), rel_diff(down(glse), lse), rel_diff(down(gdq), dq),
+                                       rel_diff(down(gdk), dk), rel_diff(down(gdv), dv)});
+            double& w = products == DType::F32 ? worst_f32 : worst_bf16;
+            w = std::max(w, e);
+          }
+    }
+    char d[96];
+    std::snprintf(d, sizeof d, "f32=%.1e bf16=%.1e", worst_f32, worst_bf16);
+    result("attention", worst_f32 < 1e-4 && worst_bf16 < 1e-2, d);
+  });
+  run_case("attention_blocks", [] {
+    const int64_t B = 1, S = 24, Hq = 4, Hkv = 1, D = 32;
+    const float scale = 0.25f;
+    const NDArray q = random_f32({B, S, Hq, D}, 70), k = random_f32({B, S, Hkv, D}, 71);
+    const NDArray v = random_f32({B, S, Hkv, D}, 72), go = random_f32({B, S, Hq, D}, 73);
+    std::vector<int64_t> all(S), lo(S / 2), hi(S / 2);
+    for (int64_t i = 0; i < S; ++i) all[i] = i;
+    for (int64_t i = 0; i < S / 2; ++i) lo[i] = i, hi[i] = S / 2 + i;
+    const std::vector<int32_t> start(B * S, 0);
+    NDArray k_lo = NDArray::empty({B, S / 2, Hkv, D}, DType::F32), k_hi = k_lo.clone();
+    NDArray v_lo = k_lo.clone(), v_hi = k_lo.clone();
+    kernels::slice(cpu(), k, 1, 0, k_lo);
+    kernels::slice(cpu(), k, 1, S / 2, k_hi);
+    kernels::slice(cpu(), v, 1, 0, v_lo);
+    kernels::slice(cpu(), v, 1, S / 2, v_hi);
+    const kernels::AttentionTiles tiles{4, 4};
+    double e = 0;
+    for (int64_t window : {int64_t{0}, int64_t{7}}) {
+      // CPU and GPU: the block of each key half, merged into (out, lse).
+      auto run = [&](Stream& st, bool dev) {
+        auto put = [&](const NDArray& a) { return dev ? up(a) : a; };
+        NDArray out = kernels::zeros(st, {B, S, Hq, D}, DType::F32);
+        NDArray lse = NDArray::from_vector({B, Hq, S}, std::vector<float>(B * Hq * S, -INFINITY));
+        lse = put(lse);
+        std::vector<kernels::AttentionBlock> blocks(2);
+        for (int h = 0; h < 2; ++h) {
+          kernels::AttentionBlock& b = blocks[h];
+          b.q = put(q), b.q_index = all, b.q_start = start;
+          b.k = put(h == 0 ? k_lo : k_hi), b.v = put(h == 0 ? v_lo : v_hi);
+          b.k_index = h == 0 ? std::span<const int64_t>(lo) : std::span<const int64_t>(hi);
+          b.scale = scale, b.window = window;
+          NDArray ob = kernels::zeros(st, {B, S, Hq, D}, DType::F32), lb = kernels::zeros(st, {B, Hq, S}, DType::F32);
+          kernels::attention_block_forward(st, b, ob, lb, tiles);
+          kernels::attention_merge(st, out, lse, ob, lb);
+        }
+        NDArray delta = kernels::zeros(st, {B, Hq, S}, DType::F32);
+        kernels::attention_row_dots(st, out, put(go), delta);
+        NDArray dq = kernels::zeros(st, q.shape(), DType::F32);
+        std::vector<NDArray> dk, dv;
+        for (int h = 0; h < 2; ++h) {
+          dk.push_back(kernels::zeros(st, k_lo.shape(), DType::F32));
+          dv.push_back(kernels::zeros(st, k_lo.shape(), DType::F32));
+          kernels::attention_block_backward(st, blocks[h], put(go), lse, delta, dq, dk[h], dv[h], tiles);
+        }
+        auto get = [&](const NDArray& a) { return dev ? down(a) : a; };
+        return std::vector<NDArray>{get(out), get(lse), get(delta), get(dq), get(dk[0]), get(dk[1]), get(dv[0]),
+                                    get(dv[1])};
+      };
+      const std::vector<NDArray> want = run(cpu(), false), got = run(gpu(), true);
+      for (size_t i = 0; i < want.size(); ++i) e = std::max(e, rel_diff(got[i], want[i]));
+    }
+    char d[64];
+    std::snprintf(d, sizeof d, "rel=%.1e", e);
+    result("attention_blocks", e < 1e-4, d);
+  });
+}
+
 void runtime() {
   run_case("device_errors", [] {
     auto error_of = [](auto&& f) -> std::string {
@@ -451,6 +553,7 @@ int main() {
   ops();
   gemm();
   layout_and_model_ops();
+  attention();
   runtime();
   std::printf("conformance_memory: %d failure(s)\n", failures);
   return failures == 0 ? 0 : 1;

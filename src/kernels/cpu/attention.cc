@@ -325,6 +325,11 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
 
 }  // namespace
 
+std::vector<int32_t> cpu::key_starts(const NDArray& documents, int64_t B, int64_t S, int64_t window) {
+  check_window(window);
+  return document_starts(documents, B, S, std::max<int64_t>(S, 1), window).start;
+}
+
 // A host helper (no stream): it reads positions in host memory.
 std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first) {
   if (positions.device().type != DeviceType::CPU)

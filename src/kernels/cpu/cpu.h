@@ -61,6 +61,11 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
                             int64_t vocab_begin, NDArray& dlogits, int64_t classes);
 
 // ---- attention.h ----
+// Per token of [B, S], where its visible keys start in its row: its
+// document's start from `documents` (host memory; see attention.h),
+// raised to i - W + 1 by a window W > 0. Throws as attention_forward does.
+// Also the CUDA attention's host side.
+std::vector<int32_t> key_starts(const NDArray& documents, int64_t B, int64_t S, int64_t window);
 void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles, DType products, int64_t window);

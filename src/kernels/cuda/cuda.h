@@ -11,6 +11,7 @@
 
 #include "hspmd/core/device.h"
 #include "hspmd/core/ndarray.h"
+#include "kernels/attention.h"
 #include "kernels/basic.h"
 #include "kernels/memory.h"
 
@@ -61,6 +62,20 @@ void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& t
 void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logits, const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index, int64_t vocab_begin,
                             NDArray& dlogits, int64_t classes);
+
+// ---- attention.h (attention.cu): f32 arrays, f32 or bf16 products ----
+void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& documents,
+                       float scale, NDArray& out, NDArray& lse, AttentionTiles tiles, DType products,
+                       int64_t window);
+void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
+                        const NDArray& lse, const NDArray& grad_out, const NDArray& documents, float scale,
+                        NDArray& dq, NDArray& dk, NDArray& dv, AttentionTiles tiles, DType products, int64_t window);
+void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
+                             AttentionTiles tiles);
+void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_blk, const NDArray& lse_blk);
+void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, NDArray& delta, bool bf16_grad);
+void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArray& grad_out, const NDArray& lse,
+                              const NDArray& delta, NDArray& dq, NDArray& dk, NDArray& dv, AttentionTiles tiles);
 
 // ---- memory.h ----
 void fill(Stream& s, NDArray& out, float value);
