@@ -25,8 +25,8 @@ observation left out in turn, refitted, and predicted.
   python3 bench/roofline_fit.py            # table before/after, fit, leave-one-out
   python3 bench/roofline_fit.py --check    # the committed catalogs only; exit 1 when a
                                            # measured case is off by more than --tolerance
-                                           # or C4 / DP4 falls below 0.97 (the fit's 0.979;
-                                           # the uncalibrated catalog's 0.933)
+                                           # or C4 / DP4 falls below 1.02 (the paper's order;
+                                           # the fit's 1.045, the catalog before it 0.964)
 """
 import argparse
 import json
@@ -57,11 +57,13 @@ BEFORE = {"H800": 0.4, "H20": 0.8, "inter": 25.0}
 # Weights (1 / sigma of the log residual): a measured step time 5% (what the
 # roofline can be asked for), a balance half a layer of the H20 stage.
 SIGMA_STEP = 0.05
-# --check's floor on the predicted C4 / DP4 (measured 1.142; the fit reaches
-# 0.979, the catalog before it 0.933; docs/planner.md says why not above 1).
-MIN_RATIO = 0.97
-# Tolerance of --check: the largest error of the fit (docs/planner.md), rounded up.
-TOLERANCE = 0.09
+# --check's floor on the predicted C4 / DP4: the paper's order (C4 the slower,
+# measured 1.142). The fit reaches 1.045 since the cost model overlaps a GPU's
+# gradient sync with its last backward; without that overlap the best fit
+# was 0.979 (docs/planner.md).
+MIN_RATIO = 1.02
+# Tolerance of --check: the largest error of the fit (4.5%, docs/planner.md), rounded up.
+TOLERANCE = 0.06
 
 
 def run_cost(hspmd, cluster_path, model, strategy):

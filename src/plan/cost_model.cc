@@ -484,6 +484,9 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
     }
   }
   std::vector<double> pipeline_end(strategy.pipelines.size(), 0);
+  // Per pipeline and stage: one micro-batch's backward (compute and the
+  // stage's collectives), the window a GPU's bucketed gradient sync hides in.
+  std::vector<std::vector<double>> last_backward(strategy.pipelines.size());
   // Schedule phase.
   for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
     const Pipeline& pl = strategy.pipelines[p];
@@ -495,6 +498,7 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
         boundary.push_back(boundary_seconds(placed[p][k].shape, placed[p][k + 1].shape, seq_len, pl.micro_batch_size));
     }
     const PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule);
+    for (const StageCost& c : costs) last_backward[p].push_back(c.bwd + c.bwd_comm);
     pipeline_end[p] = *std::max_element(sim.end.begin(), sim.end.end());
     rep.pipeline_s.push_back(pipeline_end[p]);
     for (size_t k = 0; k < placed[p].size(); ++k) {
@@ -522,7 +526,14 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
   }
   // Gradient synchronisation: each layer's gradients are reduced over its
   // holders once every holder's pipeline has finished; then the optimizer
-  // and, under ZeRO, the gather of the updated parameters.
+  // and, under ZeRO, the gather of the updated parameters. On a GPU (a
+  // roofline rank: no profile) the sync runs in buckets on its own stream
+  // while the last micro-batch's backward goes on, as Megatron-LM and the
+  // paper's system overlap it: a layer's gradients are final once that
+  // backward has passed it, so the sync may start when the rank's backward
+  // has done all but its stage's first layer, and it ends no earlier than
+  // one layer's share after every holder has finished. The emulator (a
+  // profiled rank) syncs after its schedule, as this executor does.
   for (size_t p = 0; p < placed.size(); ++p)
     for (const Placed& pl : placed[p]) {
       const StageShape& sh = pl.shape;
@@ -549,9 +560,15 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
                                                                      std::max(1.0, static_cast<double>(dp)))
                                             : stage_params(sh);
         const double opt = optimizer_seconds(r, n_opt);
+        double synced = start + sync;
+        if (!profiled(r) && sync > 0 && sh.layers > 0) {
+          const double layers_d = static_cast<double>(sh.layers);
+          const double hide = last_backward[p][pl.stage] * (layers_d - 1) / layers_d;
+          synced = std::max(rc.step_s - hide + sync, start + sync / layers_d);
+        }
         rc.compute_s += opt;
         rc.comm_s += sync;
-        rc.step_s = start + sync + opt;
+        rc.step_s = synced + opt;
       }
     }
   for (RankCost& rc : rep.ranks) {

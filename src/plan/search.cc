@@ -468,7 +468,10 @@ double Searcher::lower_bound(const Config& c, int b) const {
       }
       const double opt = model_.optimizer_seconds(g.ranks.front(), static_cast<int64_t>(per_layer)) -
                          model_.optimizer_seconds(g.ranks.front(), 0);
-      least_after = std::min(least_after, most * (sync + (o_.zero ? opt / P : opt)));
+      // A GPU (no profile) overlaps the sync with the last backward but one
+      // layer's share (CostModel::evaluate): only that is left for sure.
+      const double sync_after = model_.profiled(g.ranks.front()) ? most * sync : sync;
+      least_after = std::min(least_after, sync_after + most * (o_.zero ? opt / P : opt));
     }
     after = std::max(after, least_after);
     double best_T = std::numeric_limits<double>::infinity(), least_stage = 0;
@@ -688,9 +691,9 @@ void Searcher::enumerate_symmetric() {
 // a size whose activations overflow a rank's memory ends the sizes), then
 // the split of the batch over the pipelines that minimises the slowest, by
 // dynamic programming over sample counts; the result is scored by the
-// whole model like any candidate.
+// whole model like any candidate. A re-plan, whose second level keeps the
+// previous micro-batch size, gets the pass too: it is cheap.
 void Searcher::refine_sizes() {
-  if (o_.previous && !o_.previous->pipelines.empty()) return;  // a re-plan keeps its micro-batch size
   std::vector<const Scored*> all;
   for (const auto& [key, sc] : scored_) all.push_back(&sc);
   std::sort(all.begin(), all.end(), [](const Scored* a, const Scored* b) {
