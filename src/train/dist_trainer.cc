@@ -245,6 +245,31 @@ void DistTrainer::gather_and_write(const std::string& path, const std::string& p
   if (writer) writer->finish();
 }
 
+std::map<std::string, NDArray> DistTrainer::full_parameters() {
+  Annotation rank0;
+  rank0.subgroups = {Subgroup{DeviceGroup{{0}}, DistStates{}}};
+  std::map<std::string, NDArray> out;
+  for (const ModelParameter& p : model_parameters(rt_->plan->model)) {
+    // As save() writes them: with ZeRO the f32 master shards.
+    const auto zero = rt_->plan->optimizer_states.find(p.name);
+    const Annotation& layout = zero != rt_->plan->optimizer_states.end() ? zero->second
+                                                                         : rt_->graph->annotation(p.name);
+    NDArray full = rt_->graph->reshard("state." + p.name, p.shape, layout, rank0, state_->optimized(p.name).data,
+                                       world_);
+    full = world_.rank() == 0 ? full.to(DType::F32).contiguous() : NDArray::empty(p.shape, DType::F32);
+    world_.broadcast(full.host_data<float>(), full.numel(), 0);  // every rank returns the same tensors
+    if (p.role == ParamRole::kVocabulary && full.dim(0) != config_.vocab_size)
+      full = full.slice(0, 0, config_.vocab_size).contiguous();
+    out[p.name] = full;
+  }
+  return out;
+}
+
+void DistTrainer::checkpoint_now(const std::string& dir) {
+  save_checkpoint_to(dir);
+  finish_checkpoint(true);
+}
+
 std::string DistTrainer::nonfinite_parameter() {
   const std::vector<std::string>& names = rt_->graph->model().names;
   int64_t mine = static_cast<int64_t>(names.size());
@@ -452,16 +477,17 @@ void DistTrainer::switch_to(size_t index, int64_t step, std::ofstream& log) {
 
 // Every rank writes its shards, then rank 0 commits the index (the
 // checkpoint's atomic point) once all have.
-void DistTrainer::save_checkpoint() {
+void DistTrainer::save_checkpoint_to(const std::string& dir) {
   finish_checkpoint(true);  // one write at a time
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
-    fail("[train] --checkpoint ", o_.checkpoint_dir, ": parameter '", bad, "' holds non-finite values after step ",
+    fail("[train] --checkpoint ", dir, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; checkpoint not written (the last one is kept)");
   std::vector<CheckpointShard> shards;
   for (TrainingState::NamedShard& s : state_->checkpoint_shards())  // copies: the next steps update the state
     shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, s.shard.data.clone()});
   auto p = std::make_unique<PendingCheckpoint>();
   p->step = state_->step;
+  p->dir = dir;
   p->meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
              {"strategy", to_json(rt_->strategy)}, {"run_id", run_id_}};
   p->meta.update(train_common::resume_meta(config_, o_));  // "model", "data": what a resume must match
@@ -473,7 +499,7 @@ void DistTrainer::save_checkpoint() {
   }
   PendingCheckpoint* raw = p.get();
   const int rank = world_.rank();
-  p->writer = std::thread([raw, rank, dir = o_.checkpoint_dir, shards = std::move(shards)] {
+  p->writer = std::thread([raw, rank, dir, shards = std::move(shards)] {
     try {
       write_checkpoint_shards(dir, raw->step, rank, shards);
     } catch (const std::exception& e) {
@@ -494,12 +520,12 @@ void DistTrainer::finish_checkpoint(bool wait) {
   int64_t failed = pending_->error.empty() ? 0 : 1;
   world_.all_reduce(&failed, 1, ReduceOp::kMax);
   if (failed) {
-    const std::string error = pending_->error;
+    const std::string error = pending_->error, dir = pending_->dir;
     pending_.reset();
-    fail(error.empty() ? std::string("[checkpoint] ") + o_.checkpoint_dir + ": another rank failed to write its shards"
+    fail(error.empty() ? std::string("[checkpoint] ") + dir + ": another rank failed to write its shards"
                        : error);
   }
-  if (world_.rank() == 0) commit_checkpoint(o_.checkpoint_dir, pending_->step, world_.size(), pending_->meta);
+  if (world_.rank() == 0) commit_checkpoint(pending_->dir, pending_->step, world_.size(), pending_->meta);
   world_.barrier();  // committed before any rank reads index.json
   pending_.reset();
 }
@@ -585,131 +611,151 @@ void DistTrainer::agree_on_run_id() {
 }
 
 std::vector<StepRecord> DistTrainer::run() {
+  begin();
+  while (!done()) step();
+  return end();
+}
+
+void DistTrainer::begin() {
   agree_on_run_id();
-  Adam adam(o_.adam);
-  LrSchedule schedule = o_.schedule;
-  schedule.total_steps = o_.steps;
-  std::ofstream log;
+  adam_.emplace(o_.adam);
+  schedule_ = o_.schedule;
+  schedule_.total_steps = o_.steps;
   if (world_.rank() == 0 && !o_.log_path.empty()) {
-    log.open(o_.log_path, state_->step > 0 ? std::ios::app : std::ios::trunc);
-    if (!log) fail("[train] --log ", o_.log_path, ": cannot open for writing: ", std::strerror(errno));
+    log_.open(o_.log_path, state_->step > 0 ? std::ios::app : std::ios::trunc);
+    if (!log_) fail("[train] --log ", o_.log_path, ": cannot open for writing: ", std::strerror(errno));
   }
-  if (!resume_replan_.is_null()) write_log(log, resume_replan_);  // the re-plan at a resume (setup)
-  int64_t skipped = 0;
-  std::vector<StepRecord> records;
-  const auto start = Clock::now();
-  for (int64_t step = state_->step; step < o_.steps; ++step) {
-    if (!events_.empty()) {
-      auto ev = std::find_if(events_.begin(), events_.end(), [&](const ElasticEvent& e) { return e.step == step; });
-      if (ev != events_.end() && step > events_done_) {
-        events_done_ = step;
-        const int64_t from = apply_event(*ev, step, log);
-        if (from != step) {  // rolled back: those steps are trained again
-          std::erase_if(records, [&](const StepRecord& r) { return r.step >= from; });
-          step = from;
-        }
+  if (!resume_replan_.is_null()) write_log(log_, resume_replan_);  // the re-plan at a resume (setup)
+  skipped_ = 0;
+  records_.clear();
+  next_step_ = state_->step;
+  start_ = Clock::now();
+}
+
+StepRecord DistTrainer::step() {
+  HSPMD_CHECK(adam_.has_value() && !done(), "DistTrainer::step before begin() or after the last step");
+  std::ofstream& log = log_;
+  std::vector<StepRecord>& records = records_;
+  Adam& adam = *adam_;
+  const LrSchedule& schedule = schedule_;
+  int64_t& skipped = skipped_;
+  const auto start = start_;
+  int64_t step = next_step_;
+  if (!events_.empty()) {
+    auto ev = std::find_if(events_.begin(), events_.end(), [&](const ElasticEvent& e) { return e.step == step; });
+    if (ev != events_.end() && step > events_done_) {
+      events_done_ = step;
+      const int64_t from = apply_event(*ev, step, log);
+      if (from != step) {  // rolled back: those steps are trained again
+        std::erase_if(records, [&](const StepRecord& r) { return r.step >= from; });
+        step = from;
       }
-    } else if (plan_at(step) != plan_index_) {
-      switch_to(plan_at(step), step, log);
     }
-    const auto t0 = Clock::now();
-    world_.reset_bytes();
-    rt_->graph->reset_ledger();
-    allocator_for(rt_->graph->device()).reset_peak();
-    const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
-    const int64_t first = state_->samples;
-    const bool bucketed = pieces_ && o_.bucket_switching;
-    const double dispatch_s = pieces_ && !bucketed ? select_and_dispatch(step, log) : 0.0;
-    int64_t counted = 0;
-    if (bucketed)
-      for (int64_t piece : step_pieces(first)) counted += pieces_->piece_size(piece) - 1;
-    else if (pieces_)
-      counted = token_step_->counted;
-    if (!pieces_) counted = source_->targets(first, global_batch);
-    // A step with no target (its documents all one token long) would train
-    // on nothing and report loss 0: the same answer on every rank.
-    if (counted == 0)
-      fail("[data] ", o_.data_path, ": step ", step, " has no target token (every document in it is one token "
-           "long: nothing to predict)");
-    const float normalizer = static_cast<float>(counted);
-    // What the rank holds before its micro-batches: parameters, optimizer
-    // states; the schedule's peak above it is activations (and raw grads).
-    const size_t held = allocator_for(rt_->graph->device()).current_bytes();
-    StepRecord r;
-    r.step = step;
-    std::map<std::string, NDArray> synced;
-    size_t activations = 0;
-    double post0 = 0;
-    if (bucketed) {
-      TokenStep whole;
-      r.loss = run_buckets(step, normalizer, log, synced, held, activations, whole);
-      token_step_ = std::move(whole);
-      post0 = clock_ ? clock_->now() : 0;
-    } else {
-      std::map<std::string, NDArray> raw;
-      double loss = 0;
-      accumulate_schedule(raw, loss, normalizer);
-      rt_->graph->wait_sends(world_);
-      activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
-      r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0,
-                                 world_);
-      post0 = clock_ ? clock_->now() : 0;
-      synced = rt_->graph->sync_gradients(raw, world_);
-    }
-    ExecGraph& graph = *rt_->graph;
-    if (step == 0 && !o_.dump_grads_path.empty())
-      gather_and_write(o_.dump_grads_path, "dump.", [&](const std::string& name) {
-        auto g = synced.find(name);
-        return std::pair{graph.annotation("grad." + name), g == synced.end() ? NDArray() : g->second};
-      }, DType::F32);
-    r.grad_norm = global_grad_norm(synced);
-    r.lr = schedule.at(step);
-    if (skip_nonfinite(r, skipped)) state_->step = step + 1;  // weights and moments stay as they were
-    else optimizer_step(adam, synced, r.lr);
-    state_->samples += pieces_ ? token_step_->pieces : global_batch;
-    if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
-    if (pieces_) {
-      r.tokens = token_step_->tokens;
-      r.pieces = token_step_->pieces;
-      r.pipeline_tokens = token_step_->pipeline_tokens;
-      r.predicted_step_s = token_step_->predicted_s;
-      r.dispatch_s = dispatch_s;
-      if (!choices_.empty()) r.strategy = choice_;
-    } else {
-      r.tokens = source_->tokens(first, global_batch);
-    }
-    graph.wait_sends(world_);
-    const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
-    StepMetrics mine;
-    mine.bytes_sent = world_.bytes().sent;
-    mine.reshard_sent = graph.ledger().measured;
-    mine.reshard_predicted = graph.ledger().predicted;
-    mine.op_sent = graph.ledger().op_measured;
-    mine.op_predicted = graph.ledger().op_predicted;
-    mine.clock_ns = clock_ ? ns(clock_->now()) : 0;
-    mine.compute_ns = clock_ ? ns(clock_->compute_s()) : 0;
-    mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
-    mine.activation_bytes = static_cast<int64_t>(activations);
-    fill_record(gather_metrics(mine, world_), r);
-    r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
-    r.tokens_per_s = r.tokens / r.step_time_s;
-    write_log(log, train_common::record_json(r));
-    if (world_.rank() == 0 && o_.progress)
-      train_common::print_progress(r, o_.steps,
-                                   std::chrono::duration<double>(Clock::now() - start).count());
-    records.push_back(r);
-    finish_checkpoint(false);
-    // --checkpoint without --save-every: one checkpoint, after the last step.
-    if ((o_.save_every > 0 && (step + 1) % o_.save_every == 0) ||
-        (o_.save_every == 0 && !o_.checkpoint_dir.empty() && step + 1 == o_.steps))
-      save_checkpoint();
-    watch_stragglers(step, r, log);
-    if (o_.on_step) o_.on_step(step);
+  } else if (plan_at(step) != plan_index_) {
+    switch_to(plan_at(step), step, log);
   }
+  const auto t0 = Clock::now();
+  world_.reset_bytes();
+  rt_->graph->reset_ledger();
+  allocator_for(rt_->graph->device()).reset_peak();
+  const int64_t global_batch = pieces_ ? 0 : rt_->strategy.global_batch();
+  const int64_t first = state_->samples;
+  const bool bucketed = pieces_ && o_.bucket_switching;
+  const double dispatch_s = pieces_ && !bucketed ? select_and_dispatch(step, log) : 0.0;
+  int64_t counted = 0;
+  if (bucketed)
+    for (int64_t piece : step_pieces(first)) counted += pieces_->piece_size(piece) - 1;
+  else if (pieces_)
+    counted = token_step_->counted;
+  if (!pieces_) counted = source_->targets(first, global_batch);
+  // A step with no target (its documents all one token long) would train
+  // on nothing and report loss 0: the same answer on every rank.
+  if (counted == 0)
+    fail("[data] ", o_.data_path, ": step ", step, " has no target token (every document in it is one token "
+         "long: nothing to predict)");
+  const float normalizer = static_cast<float>(counted);
+  // What the rank holds before its micro-batches: parameters, optimizer
+  // states; the schedule's peak above it is activations (and raw grads).
+  const size_t held = allocator_for(rt_->graph->device()).current_bytes();
+  StepRecord r;
+  r.step = step;
+  std::map<std::string, NDArray> synced;
+  size_t activations = 0;
+  double post0 = 0;
+  if (bucketed) {
+    TokenStep whole;
+    r.loss = run_buckets(step, normalizer, log, synced, held, activations, whole);
+    token_step_ = std::move(whole);
+    post0 = clock_ ? clock_->now() : 0;
+  } else {
+    std::map<std::string, NDArray> raw;
+    double loss = 0;
+    accumulate_schedule(raw, loss, normalizer);
+    rt_->graph->wait_sends(world_);
+    activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
+    r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0,
+                               world_);
+    post0 = clock_ ? clock_->now() : 0;
+    synced = rt_->graph->sync_gradients(raw, world_);
+  }
+  ExecGraph& graph = *rt_->graph;
+  if (step == 0 && !o_.dump_grads_path.empty())
+    gather_and_write(o_.dump_grads_path, "dump.", [&](const std::string& name) {
+      auto g = synced.find(name);
+      return std::pair{graph.annotation("grad." + name), g == synced.end() ? NDArray() : g->second};
+    }, DType::F32);
+  r.grad_norm = global_grad_norm(synced);
+  r.lr = schedule.at(step);
+  if (skip_nonfinite(r, skipped)) state_->step = step + 1;  // weights and moments stay as they were
+  else optimizer_step(adam, synced, r.lr);
+  state_->samples += pieces_ ? token_step_->pieces : global_batch;
+  if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", post0);
+  if (pieces_) {
+    r.tokens = token_step_->tokens;
+    r.pieces = token_step_->pieces;
+    r.pipeline_tokens = token_step_->pipeline_tokens;
+    r.predicted_step_s = token_step_->predicted_s;
+    r.dispatch_s = dispatch_s;
+    if (!choices_.empty()) r.strategy = choice_;
+  } else {
+    r.tokens = source_->tokens(first, global_batch);
+  }
+  graph.wait_sends(world_);
+  const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
+  StepMetrics mine;
+  mine.bytes_sent = world_.bytes().sent;
+  mine.reshard_sent = graph.ledger().measured;
+  mine.reshard_predicted = graph.ledger().predicted;
+  mine.op_sent = graph.ledger().op_measured;
+  mine.op_predicted = graph.ledger().op_predicted;
+  mine.clock_ns = clock_ ? ns(clock_->now()) : 0;
+  mine.compute_ns = clock_ ? ns(clock_->compute_s()) : 0;
+  mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
+  mine.activation_bytes = static_cast<int64_t>(activations);
+  fill_record(gather_metrics(mine, world_), r);
+  r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.tokens_per_s = r.tokens / r.step_time_s;
+  write_log(log, train_common::record_json(r));
+  if (world_.rank() == 0 && o_.progress)
+    train_common::print_progress(r, o_.steps,
+                                 std::chrono::duration<double>(Clock::now() - start).count());
+  records.push_back(r);
+  finish_checkpoint(false);
+  // --checkpoint without --save-every: one checkpoint, after the last step.
+  if ((o_.save_every > 0 && (step + 1) % o_.save_every == 0) ||
+      (o_.save_every == 0 && !o_.checkpoint_dir.empty() && step + 1 == o_.steps))
+    save_checkpoint();
+  watch_stragglers(step, r, log);
+  if (o_.on_step) o_.on_step(step);
+  next_step_ = step + 1;
+  return r;
+}
+
+std::vector<StepRecord> DistTrainer::end() {
   finish_checkpoint(true);
   if (!o_.save_path.empty()) save();
   if (!o_.trace_path.empty()) write_trace();
-  return records;
+  return records_;
 }
 
 // Each rank writes its spans next to the trace, then rank 0 merges them into
@@ -747,31 +793,5 @@ void DistTrainer::write_trace() const {
 }
 
 }  // namespace dist
-
-std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world) {
-  set_num_threads(options.threads);
-  if (options.precision.mixed() && kernels::bf16_gemm_emulated() && world.rank() == 0)
-    std::fprintf(stderr, "hspmd: note: --precision bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
-                 "amx_bf16 with oneDNN) or HSPMD_GEMM_BF16=emulate; same roundings, f32 speed: %s\n",
-                 kernels::gemm_isa_description().c_str());
-  // Setup errors (strategy, world size, data, weights) are agreed on by all
-  // ranks before any step: the lowest failing rank reports, every rank exits.
-  std::unique_ptr<dist::DistTrainer> trainer;
-  std::string error;
-  try {
-    trainer = std::make_unique<dist::DistTrainer>(options, world);
-    trainer->prepare();
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  std::vector<int32_t> failed(world.size(), 0);
-  const int32_t mine = error.empty() ? 0 : 1;
-  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
-  const auto first = std::find(failed.begin(), failed.end(), 1);
-  if (first != failed.end())
-    throw SetupFailure(error.empty() ? "[train] setup failed on another rank" : error,
-                       first - failed.begin() == world.rank());
-  return trainer->run();
-}
 
 }  // namespace hspmd

@@ -142,6 +142,7 @@ struct Runtime {
 // were copied, so the steps go on while the disk works.
 struct PendingCheckpoint {
   int64_t step = 0;
+  std::string dir;  // where it is committed
   nlohmann::json meta;
   std::thread writer;
   std::atomic<bool> done{false};
@@ -241,7 +242,24 @@ class DistTrainer {
   // Reads the data and the initial weights or checkpoint, specializes the
   // first plan (errors before any step).
   void prepare();
+  // The whole loop: begin(), step() until done(), end().
   std::vector<StepRecord> run();
+  // The loop in parts (the Python API's Trainer drives it step by step):
+  // begin() agrees on the run id and opens the log; step() trains the next
+  // step (after the events or switches due before it) and returns its
+  // record; end() waits for the last checkpoint, writes --save and --trace
+  // and returns every step's record. All collective.
+  void begin();
+  bool done() const { return next_step_ >= o_.steps; }
+  int64_t next_step() const { return next_step_; }
+  StepRecord step();
+  std::vector<StepRecord> end();
+  // Collective: the weights as full tensors with Hugging Face names
+  // (vocabulary padding dropped), the same on every rank.
+  std::map<std::string, NDArray> full_parameters();
+  // Collective: writes a training checkpoint of the state now into `dir`
+  // and commits it (waits for the disk).
+  void checkpoint_now(const std::string& dir);
 
  private:
   // A strategy (compiled) or a trainable plan for this job.
@@ -402,7 +420,8 @@ class DistTrainer {
   double select_and_dispatch(int64_t step, std::ofstream& log);
   // Copies this rank's shards and writes them on a background thread
   // (synchronously with --checkpoint-sync); committed by finish_checkpoint.
-  void save_checkpoint();
+  void save_checkpoint() { save_checkpoint_to(o_.checkpoint_dir); }
+  void save_checkpoint_to(const std::string& dir);
   // Collective. When every rank's writer is done (or `wait`: after waiting
   // for them), rank 0 commits the pending checkpoint; a writer's error ends
   // the run. Does nothing without a pending checkpoint.
@@ -477,6 +496,14 @@ class DistTrainer {
   std::vector<double> window_steps_;         // ... and the emulated step times
   std::vector<double> predicted_;            // per rank compute of the current plan (assumed speeds)
   bool skip_next_ = true;                    // the first step after a (re)start or switch is not watched
+  // The loop's own state (begin / step / end).
+  std::optional<Adam> adam_;
+  LrSchedule schedule_;
+  std::ofstream log_;
+  int64_t next_step_ = 0;
+  int64_t skipped_ = 0;  // non-finite steps skipped so far
+  std::vector<StepRecord> records_;
+  Clock::time_point start_;
 };
 
 

@@ -10,6 +10,8 @@
 #include "hspmd/core/error.h"
 #include "hspmd/io/checkpoint.h"
 #include "hspmd/models/config.h"
+#include "kernels/basic.h"
+#include "train/dist_trainer.h"
 #include "train/train_common.h"
 
 namespace hspmd {
@@ -64,7 +66,7 @@ void check_checkpoint_directory(const TrainOptions& o) {
   fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds a committed checkpoint of another run", fix);
 }
 
-std::vector<StepRecord> train(const TrainOptions& o) {
+TrainOptions single_process_options(const TrainOptions& o) {
   const ModelConfig config = ModelConfig::load(o.model_path);
   check_options(o, config);
   TrainOptions one = o;
@@ -78,8 +80,60 @@ std::vector<StepRecord> train(const TrainOptions& o) {
   p.stages.push_back(Stage{{0}, 0, static_cast<int>(config.num_hidden_layers) - 1});
   strategy.pipelines.push_back(p);
   one.strategy = strategy;
+  return one;
+}
+
+std::vector<StepRecord> train(const TrainOptions& o) {
+  const TrainOptions one = single_process_options(o);
   std::unique_ptr<Communicator> world = make_single_process_communicator();
   return train_distributed(one, *world);
+}
+
+std::string step_record_json(const StepRecord& record) { return train_common::record_json(record).dump(); }
+
+TrainingRun::TrainingRun(const TrainOptions& options, Communicator& world) : options_(options) {
+  set_num_threads(options_.threads);
+  if (options_.precision.mixed() && kernels::bf16_gemm_emulated() && world.rank() == 0)
+    std::fprintf(stderr, "hspmd: note: --precision bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
+                 "amx_bf16 with oneDNN) or HSPMD_GEMM_BF16=emulate; same roundings, f32 speed: %s\n",
+                 kernels::gemm_isa_description().c_str());
+  // Setup errors (strategy, world size, data, weights) are agreed on by all
+  // ranks before any step: the lowest failing rank reports, every rank exits.
+  std::string error;
+  try {
+    trainer_ = std::make_unique<dist::DistTrainer>(options_, world);
+    trainer_->prepare();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  std::vector<int32_t> failed(world.size(), 0);
+  const int32_t mine = error.empty() ? 0 : 1;
+  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
+  const auto first = std::find(failed.begin(), failed.end(), 1);
+  if (first != failed.end())
+    throw SetupFailure(error.empty() ? "[train] setup failed on another rank" : error,
+                       first - failed.begin() == world.rank());
+  trainer_->begin();
+}
+
+TrainingRun::~TrainingRun() = default;
+
+bool TrainingRun::done() const { return trainer_->done(); }
+int64_t TrainingRun::next_step() const { return trainer_->next_step(); }
+
+StepRecord TrainingRun::step() {
+  if (done()) fail("[train] step ", next_step(), ": the run has trained its ", options_.steps, " steps already");
+  return trainer_->step();
+}
+
+std::vector<StepRecord> TrainingRun::finish() { return trainer_->end(); }
+std::map<std::string, NDArray> TrainingRun::parameters() { return trainer_->full_parameters(); }
+void TrainingRun::save_checkpoint(const std::string& dir) { trainer_->checkpoint_now(dir); }
+
+std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world) {
+  TrainingRun run(options, world);
+  while (!run.done()) run.step();
+  return run.finish();
 }
 
 }  // namespace hspmd

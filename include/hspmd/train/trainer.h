@@ -4,12 +4,15 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/ndarray.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/models/model.h"
 #include "hspmd/optim/lr_schedule.h"
@@ -210,5 +213,59 @@ class SetupFailure : public Error {
 // --save-every, every rank writes its shards of the training state; with
 // --resume, the state is loaded under the run's plan (any plan and world).
 std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world);
+
+// The options train() runs train_distributed with: the single-process flags
+// checked, and the strategy of one rank (one pipeline of one stage,
+// micro-batches of global_batch / micro_batches samples) set. Throws
+// hspmd::Error as train() does for bad flags.
+TrainOptions single_process_options(const TrainOptions& options);
+
+// One step's record as the JSON object the --log file gets per step (without
+// its "unix_time" stamp), as text.
+std::string step_record_json(const StepRecord& record);
+
+namespace dist {
+class DistTrainer;
+}
+
+// train_distributed in parts, driven one step at a time (the Python API's
+// Trainer): train_distributed(o, w) is exactly
+//   TrainingRun run(o, w); while (!run.done()) run.step(); return run.finish();
+// Every member is collective: all ranks of `world` call it in the same order.
+class TrainingRun {
+ public:
+  // The setup of train_distributed: threads, plan, data, initial weights or
+  // options.resume_dir's checkpoint, the log opened. `world` must outlive the
+  // run. Throws SetupFailure (on every rank) for any setup error, and
+  // hspmd::Error when the log cannot be opened.
+  TrainingRun(const TrainOptions& options, Communicator& world);
+  ~TrainingRun();
+  TrainingRun(const TrainingRun&) = delete;
+  TrainingRun& operator=(const TrainingRun&) = delete;
+
+  // Whether every step up to options.steps has been trained.
+  bool done() const;
+  // The step the next step() trains (the resumed step at first).
+  int64_t next_step() const;
+  // Trains the next step (after the switches or elastic events due before
+  // it), logs its record (rank 0) and returns it. Throws hspmd::Error as
+  // train_distributed does during a run, and when done().
+  StepRecord step();
+  // Waits for the last checkpoint and writes options.save_path and the
+  // trace; returns every step's record. Call once, after the last step.
+  std::vector<StepRecord> finish();
+  // The weights as full f32 tensors with Hugging Face names (the masters
+  // under mixed precision), the same on every rank.
+  std::map<std::string, NDArray> parameters();
+  // Writes the training state now as a committed checkpoint in `dir`
+  // (docs/checkpoint.md), waiting for the disk; a run with resume_dir = dir
+  // continues from it. Throws hspmd::Error for non-finite weights or a write
+  // error.
+  void save_checkpoint(const std::string& dir);
+
+ private:
+  TrainOptions options_;  // the trainer keeps a reference to it
+  std::unique_ptr<dist::DistTrainer> trainer_;
+};
 
 }  // namespace hspmd

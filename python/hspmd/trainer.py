@@ -1,0 +1,128 @@
+"""hspmd.Trainer: the training loop of `hspmd train`, one step at a time."""
+import json
+import os
+import sys
+import time
+
+from . import _core
+
+
+class Trainer:
+    """Trains `model` on the token file `data` under `strategy` (a Strategy,
+    its dict or file; None: a world of one with global_batch and
+    micro_batches, as `hspmd train` without --strategy).
+
+    The other keyword arguments are the flags of `hspmd train`, dashes as
+    underscores, with its defaults: seq_len and steps are required; lr,
+    lr_schedule, warmup_steps, min_lr, weight_decay, beta1, beta2, eps,
+    clip_grad, seed, init, save, save_dtype, log, checkpoint, save_every,
+    resume, threads, precision, grad_reduce_dtype, pack_documents, ... The
+    same flags give the same losses as the command line, bit for bit.
+
+    Under mpirun every rank runs the script and makes the same Trainer calls
+    in the same order (they are collective). Setup errors raise hspmd.Error
+    on every rank; an error inside a step on a world of several ranks prints
+    one line and ends the job (as the command line does: the other ranks
+    would wait forever)."""
+
+    def __init__(self, model, strategy, data, *, optimizer="adamw", precision="fp32", device="cpu", **flags):
+        from . import _model_of, _strategy_of, world
+        self.model = _model_of(model)
+        self.strategy = None if strategy is None else _strategy_of(strategy)
+        self.world = world()
+        self._flags = dict(flags, model=self.model.path, data=os.fspath(data), optimizer=optimizer,
+                           precision=precision, device=device)
+        if self.world.rank != 0:
+            self._flags["progress"] = False
+        self._start(self._flags)
+
+    def _start(self, flags):
+        options = _core.TrainOptions(flags)
+        if self.strategy is None:
+            if self.world.size > 1:
+                raise _core.Error(f"[flags] this is one of {self.world.size} MPI ranks but no strategy was given: "
+                                  "each rank would train alone and write the same files")
+            options = options.single_process()
+        else:
+            options.set_strategy(self.strategy._native)
+        self._run = _core.TrainingRun(options, self.world)
+        self._finished = False
+        self.records = []
+
+    @property
+    def rank(self):
+        return self.world.rank
+
+    @property
+    def done(self):
+        """Whether every step up to `steps` has been trained."""
+        return self._run.done
+
+    @property
+    def next_step(self):
+        return self._run.next_step
+
+    def step(self):
+        """Trains the next step; returns its record, the object the command
+        line's --log gets for the step (loss, grad_norm, lr, tokens, ...,
+        unix_time)."""
+        try:
+            record = json.loads(self._run.step())
+        except _core.Error as e:
+            self._abort_others(e)
+            raise
+        record["unix_time"] = time.time()
+        self.records.append(record)
+        return record
+
+    def train(self):
+        """Trains the remaining steps, then finish(); returns their records."""
+        out = []
+        while not self.done:
+            out.append(self.step())
+        self.finish()
+        return out
+
+    def finish(self):
+        """Waits for the last checkpoint and writes `save` and `trace`. Once."""
+        if not self._finished:
+            self._finished = True
+            try:
+                self._run.finish()
+            except _core.Error as e:
+                self._abort_others(e)
+                raise
+
+    def state_dict(self):
+        """{Hugging Face name: float32 numpy array}: the full weights (the fp32
+        masters under bf16 precision), the same on every rank. Collective."""
+        return self._run.parameters()
+
+    def save_checkpoint(self, directory):
+        """Writes the training state (weights, masters, Adam moments, step,
+        data cursor) as a committed checkpoint in `directory` (docs/checkpoint.md).
+        Collective."""
+        self._run.save_checkpoint(os.fspath(directory))
+
+    def load_checkpoint(self, directory):
+        """Continues from the checkpoint in `directory` (under this trainer's
+        strategy, whatever the checkpoint's was): the next step is the
+        checkpoint's. Collective."""
+        self._run = None  # the old run's log and pending checkpoint are closed first
+        flags = dict(self._flags, resume=os.fspath(directory))
+        self._start(flags)
+        self._flags = flags
+
+    def _abort_others(self, error):
+        if self.world.size > 1:
+            sys.stderr.write(f"hspmd: error: rank {self.world.rank}: {error}\n")
+            sys.stderr.flush()
+            self.world.abort(1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is None:
+            self.finish()
+        return False

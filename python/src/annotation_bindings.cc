@@ -1,0 +1,119 @@
+// Annotations as Python values: DS (DistStates), DeviceGroup and Annotation
+// (a DGUnion with its DSUnion); their repr is the C++ to_string notation.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "hspmd/annotation/annotation.h"
+#include "hspmd/core/error.h"
+
+namespace hspmd::python {
+
+namespace {
+
+// Keys in the order the dict gives them: the default order of a DS.
+DistStates make_states(const py::dict& degrees, const std::optional<std::vector<int>>& order) {
+  DistStates s;
+  std::vector<int> given;
+  for (auto [key, value] : degrees) {
+    const int k = key.cast<int>(), n = value.cast<int>();
+    if (n < 1) fail("[annotation] DS: degree of ", key_name(k), " must be >= 1, got ", n);
+    if (k < kPartial) fail("[annotation] DS: unknown key ", k, " (split dims are >= 0, DUP -1, PARTIAL -2)");
+    if (n == 1) continue;
+    s.degrees[k] = n;
+    given.push_back(k);
+  }
+  s.order = order ? *order : given;
+  for (int k : s.order)
+    if (s.degree(k) == 1) fail("[annotation] DS: order lists ", key_name(k), ", which has no degree > 1");
+  if (s.order.size() != s.degrees.size())
+    fail("[annotation] DS: order must list every key with a degree > 1 exactly once");
+  return s;
+}
+
+py::dict degrees_dict(const DistStates& s) {
+  py::dict d;
+  for (int k : s.order) d[py::int_(k)] = s.degree(k);
+  return d;
+}
+
+}  // namespace
+
+void bind_annotation(py::module_& m) {
+  m.attr("DUP") = kDup;
+  m.attr("PARTIAL") = kPartial;
+
+  py::class_<DistStates>(m, "DS", "Bottom-tier distributed states: per key (split dim d >= 0, DUP, PARTIAL) "
+                                  "a degree, and the order of the keys over a device group's positions")
+      .def(py::init(&make_states), py::arg("degrees") = py::dict(), py::arg("order") = py::none())
+      .def_property_readonly("degrees", &degrees_dict)
+      .def_property_readonly("order", [](const DistStates& s) { return s.order; })
+      .def_property_readonly("device_count", &DistStates::device_count)
+      .def("degree", &DistStates::degree, py::arg("key"))
+      .def("__eq__", [](const DistStates& a, const DistStates& b) { return a == b; })
+      .def("__repr__", [](const DistStates& s) { return "DS" + to_string(s); });
+
+  py::class_<DeviceGroup>(m, "DeviceGroup", "An ordered list of global ranks")
+      .def(py::init([](std::vector<int> ranks) { return DeviceGroup{std::move(ranks)}; }), py::arg("ranks"))
+      .def_readonly("ranks", &DeviceGroup::ranks)
+      .def_property_readonly("size", &DeviceGroup::size)
+      .def("__len__", &DeviceGroup::size)
+      .def("__eq__", [](const DeviceGroup& a, const DeviceGroup& b) { return a == b; })
+      .def("__repr__", [](const DeviceGroup& g) {
+        std::string s = "DeviceGroup([";
+        for (size_t i = 0; i < g.ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(g.ranks[i]);
+        return s + "])";
+      });
+
+  py::class_<Annotation>(m, "Annotation", "A tensor's layout: subgroups (a DGUnion with its DSUnion) and the "
+                                          "hetero dim (-1 duplicate, -2 partial, d >= 0 split)")
+      .def(py::init([](const std::vector<DeviceGroup>& groups, const std::vector<DistStates>& states, int hdim,
+                       std::vector<int64_t> weights) {
+             if (groups.size() != states.size())
+               fail("[annotation] DGUnion of ", groups.size(), " device groups with a DSUnion of ", states.size(),
+                    " states: one DS per device group");
+             Annotation a;
+             for (size_t i = 0; i < groups.size(); ++i) a.subgroups.push_back(Subgroup{groups[i], states[i]});
+             a.hdim = hdim;
+             a.part_weights = std::move(weights);
+             return a;
+           }),
+           py::arg("groups"), py::arg("states"), py::arg("hetero_dim") = kDup,
+           py::arg("part_weights") = std::vector<int64_t>{})
+      .def_property_readonly("groups", [](const Annotation& a) {
+        std::vector<DeviceGroup> out;
+        for (const Subgroup& s : a.subgroups) out.push_back(s.devices);
+        return out;
+      })
+      .def_property_readonly("states", [](const Annotation& a) {
+        std::vector<DistStates> out;
+        for (const Subgroup& s : a.subgroups) out.push_back(s.states);
+        return out;
+      })
+      .def_readonly("hetero_dim", &Annotation::hdim)
+      .def_readonly("part_weights", &Annotation::part_weights)
+      .def_property_readonly("hsize", &Annotation::hsize)
+      .def_property_readonly("ranks", &Annotation::all_ranks)
+      .def("validate",
+           [](const Annotation& a, int world_size, int tensor_rank, const std::string& name) {
+             validate(a, name, tensor_rank, world_size, false);
+           },
+           py::arg("world_size"), py::arg("tensor_rank"), py::arg("name") = "tensor",
+           "Structural checks (docs/annotation.md); raises hspmd.Error naming the broken rule")
+      .def("local_box",
+           [](const Annotation& a, const Shape& shape, int rank) -> std::optional<std::pair<Shape, Shape>> {
+             const std::optional<Box> box = local_box(a, shape, rank);
+             if (!box) return std::nullopt;
+             return std::pair{box->begin, box->end};
+           },
+           py::arg("shape"), py::arg("rank"), "(begin, end) of the rank's local block, or None")
+      .def("to_json", [](const Annotation& a) { return to_json(a).dump(); })
+      .def_static("from_json",
+                  [](const std::string& text, const std::string& name) {
+                    return annotation_from_json(nlohmann::json::parse(text), name);
+                  },
+                  py::arg("text"), py::arg("name") = "tensor")
+      .def("__eq__", [](const Annotation& a, const Annotation& b) { return a == b; })
+      .def("__repr__", [](const Annotation& a) { return to_string(a); });
+}
+
+}  // namespace hspmd::python

@@ -1,0 +1,185 @@
+// Training from Python: the world communicator (MPI under mpirun, else a
+// world of one), TrainOptions built from the CLI's flag names, and
+// TrainingRun, the training loop driven one step at a time.
+#include <cstring>
+#include <thread>
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "hspmd/comm/communicator.h"
+#include "hspmd/core/device.h"
+#include "hspmd/core/error.h"
+#include "hspmd/train/trainer.h"
+#include "kernels/basic.h"
+
+namespace hspmd::python {
+
+namespace {
+
+// The flags of `hspmd train` the Python Trainer takes (dashes as
+// underscores), each written into TrainOptions.
+using Setter = std::function<void(TrainOptions&, const py::handle&)>;
+
+template <typename T>
+Setter field(T TrainOptions::*member) {
+  return [member](TrainOptions& o, const py::handle& v) { o.*member = v.cast<T>(); };
+}
+
+const std::map<std::string, Setter>& setters() {
+  static const std::map<std::string, Setter> table = {
+      {"model", field(&TrainOptions::model_path)},
+      {"data", field(&TrainOptions::data_path)},
+      {"init", field(&TrainOptions::init_path)},
+      {"save", field(&TrainOptions::save_path)},
+      {"log", field(&TrainOptions::log_path)},
+      {"dump_grads", field(&TrainOptions::dump_grads_path)},
+      {"strategy", field(&TrainOptions::strategy_path)},
+      {"plan", field(&TrainOptions::plan_path)},
+      {"cluster", field(&TrainOptions::cluster_path)},
+      {"trace", field(&TrainOptions::trace_path)},
+      {"checkpoint", field(&TrainOptions::checkpoint_dir)},
+      {"save_every", field(&TrainOptions::save_every)},
+      {"checkpoint_sync", field(&TrainOptions::checkpoint_sync)},
+      {"resume", field(&TrainOptions::resume_dir)},
+      {"overwrite_checkpoint", field(&TrainOptions::overwrite_checkpoint)},
+      {"seq_len", field(&TrainOptions::seq_len)},
+      {"global_batch", field(&TrainOptions::global_batch)},
+      {"micro_batches", field(&TrainOptions::micro_batches)},
+      {"steps", field(&TrainOptions::steps)},
+      {"clip_grad", field(&TrainOptions::clip_grad)},
+      {"skip_nonfinite_steps", field(&TrainOptions::skip_nonfinite_steps)},
+      {"threads", field(&TrainOptions::threads)},
+      {"pack_documents", field(&TrainOptions::pack_documents)},
+      {"progress", field(&TrainOptions::progress)},
+      {"seed", [](TrainOptions& o, const py::handle& v) {
+         const int64_t seed = v.cast<int64_t>();
+         if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
+         o.seed = static_cast<uint64_t>(seed);
+       }},
+      {"lr", [](TrainOptions& o, const py::handle& v) { o.schedule.lr = v.cast<double>(); }},
+      {"min_lr", [](TrainOptions& o, const py::handle& v) { o.schedule.min_lr = v.cast<double>(); }},
+      {"warmup_steps", [](TrainOptions& o, const py::handle& v) { o.schedule.warmup_steps = v.cast<int64_t>(); }},
+      {"lr_schedule",
+       [](TrainOptions& o, const py::handle& v) { o.schedule.kind = LrSchedule::parse_kind(v.cast<std::string>()); }},
+      {"weight_decay", [](TrainOptions& o, const py::handle& v) { o.adam.weight_decay = v.cast<double>(); }},
+      {"beta1", [](TrainOptions& o, const py::handle& v) { o.adam.beta1 = v.cast<double>(); }},
+      {"beta2", [](TrainOptions& o, const py::handle& v) { o.adam.beta2 = v.cast<double>(); }},
+      {"eps", [](TrainOptions& o, const py::handle& v) { o.adam.eps = v.cast<double>(); }},
+      {"optimizer", [](TrainOptions& o, const py::handle& v) {
+         const std::string name = v.cast<std::string>();
+         if (name != "adamw" && name != "adam")
+           fail("[flags] --optimizer: unknown optimizer '", name, "' (expected adamw or adam)");
+         o.adam.decoupled_weight_decay = name == "adamw";
+       }},
+      {"save_dtype", [](TrainOptions& o, const py::handle& v) {
+         const std::string name = v.cast<std::string>();
+         if (name != "f32" && name != "bf16") fail("[flags] --save-dtype: '", name, "' (expected f32 or bf16)");
+         o.save_dtype = name == "bf16" ? DType::BF16 : DType::F32;
+       }},
+      {"precision", [](TrainOptions& o, const py::handle& v) {
+         std::string name = v.cast<std::string>();
+         if (name == "auto") name = kernels::bf16_gemm_native() ? "bf16" : "fp32";
+         o.precision.compute = parse_precision_name(name, "--precision");
+       }},
+      {"grad_reduce_dtype", [](TrainOptions& o, const py::handle& v) {
+         o.precision.grad_reduce = parse_precision_name(v.cast<std::string>(), "--grad-reduce-dtype");
+       }},
+      {"device", [](TrainOptions&, const py::handle& v) {
+         const Device where = parse_device_name(v.cast<std::string>(), "--device");
+         require_device(where);
+         if (where.type == DeviceType::CUDA)
+           fail("[train] --device ", where.str(), ": training on CUDA is not available yet: the CUDA backend has "
+                "its device runtime and memory kernels, not every op's kernels (docs/cuda.md)");
+       }},
+  };
+  return table;
+}
+
+// TrainOptions from {flag: value} (None values skipped), with the CLI's
+// defaults: lr 3e-4, all cores shared by the node's ranks, no progress line.
+TrainOptions options_from_flags(const py::dict& flags) {
+  TrainOptions o;
+  o.schedule.lr = 3e-4;
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  int local = 1;
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(env));
+  o.threads = static_cast<int>(std::clamp<int64_t>(cores / local, 1, 1024));
+  o.progress = false;
+  for (auto [key, value] : flags) {
+    const std::string name = key.cast<std::string>();
+    const auto it = setters().find(name);
+    if (it == setters().end()) fail("[flags] unknown training option '", name, "'");
+    if (!value.is_none()) it->second(o, value);
+  }
+  if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
+    fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
+  if (o.threads < 1 || o.threads > 1024) fail("[flags] --threads must lie in [1, 1024], got ", o.threads);
+  return o;
+}
+
+py::dict numpy_parameters(TrainingRun& run) {
+  std::map<std::string, NDArray> params;
+  {
+    py::gil_scoped_release release;
+    params = run.parameters();
+  }
+  py::dict out;
+  for (const auto& [name, array] : params) {
+    py::array_t<float> a(std::vector<py::ssize_t>(array.shape().begin(), array.shape().end()));
+    std::memcpy(a.mutable_data(), array.host_data<float>(), sizeof(float) * array.numel());
+    out[py::str(name)] = a;
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_train(py::module_& m) {
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator", "A world of ranks")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::arg("code") = 1);
+  m.def("make_world", [] { return std::shared_ptr<Communicator>(make_world_communicator()); },
+        "MPI_COMM_WORLD under mpirun (MPI initialized here once, finalized at exit), else a world of one");
+  m.def("built_with_mpi", &built_with_mpi);
+
+  py::class_<TrainOptions>(m, "TrainOptions", "The options of `hspmd train`")
+      .def(py::init(&options_from_flags), py::arg("flags"))
+      .def_readonly("steps", &TrainOptions::steps)
+      .def_readonly("threads", &TrainOptions::threads)
+      .def("set_strategy", [](TrainOptions& o, const Strategy& s) { o.strategy = s; }, py::arg("strategy"))
+      .def("single_process", &single_process_options,
+           "These options for a world of one: the strategy of one rank from global_batch and micro_batches");
+
+  py::class_<TrainingRun>(m, "TrainingRun", "The training loop of `hspmd train`, one step at a time")
+      .def(py::init<const TrainOptions&, Communicator&>(), py::arg("options"), py::arg("world"),
+           py::keep_alive<1, 3>(), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("done", &TrainingRun::done)
+      .def_property_readonly("next_step", &TrainingRun::next_step)
+      .def("step", [](TrainingRun& run) {
+             StepRecord r;
+             {
+               py::gil_scoped_release release;
+               r = run.step();
+             }
+             return step_record_json(r);
+           }, "Trains the next step; returns its log record as JSON text")
+      .def("finish", [](TrainingRun& run) {
+             std::vector<StepRecord> records;
+             {
+               py::gil_scoped_release release;
+               records = run.finish();
+             }
+             std::vector<std::string> out;
+             for (const StepRecord& r : records) out.push_back(step_record_json(r));
+             return out;
+           }, "Waits for the last checkpoint, writes --save and --trace; every step's record as JSON text")
+      .def("parameters", &numpy_parameters, "{Hugging Face name: float32 numpy array}, the same on every rank")
+      .def("save_checkpoint", &TrainingRun::save_checkpoint, py::arg("dir"),
+           py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace hspmd::python
