@@ -13,6 +13,7 @@ PACKAGES=(
   coinor-libcbc-dev          # CBC: the planner's integer programs (docs/ilp.md)
   python3 python3-torch python3-numpy  # PyTorch oracle tests and the peer benchmark
   python3-venv               # the Hugging Face oracle's venv (scripts/setup_oracle_venv.sh)
+  python3-dev python3-pybind11  # the Python module hspmd (docs/python.md; HSPMD_PYTHON)
 )
 
 missing=()

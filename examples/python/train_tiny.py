@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--records", help="write the step records here (JSONL, rank 0)")
     ap.add_argument("--checkpoint", help="write a training checkpoint here after the last step")
+    ap.add_argument("--weights", help="write the final weights here (numpy .npz, Hugging Face names; rank 0)")
     a = ap.parse_args()
 
     model = hspmd.models.from_hf(a.model)
@@ -55,6 +56,9 @@ def main():
     weights = trainer.state_dict()
     if trainer.rank == 0:
         print(f"{len(weights)} tensors, e.g. model.norm.weight mean {weights['model.norm.weight'].mean():.6f}")
+        if a.weights:
+            import numpy
+            numpy.savez(a.weights, **weights)
         if a.records:
             with open(a.records, "w") as f:
                 for r in records:

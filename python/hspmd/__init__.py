@@ -14,6 +14,8 @@ from . import models
 from ._core import (DUP, PARTIAL, DS, DeviceGroup, Annotation, Error, InternalError,  # noqa: F401
                     ModelConfig, AnnotationPlan)
 
+Error.__module__ = InternalError.__module__ = __name__  # printed as hspmd.Error
+
 
 # ---- annotations ----
 

@@ -1,0 +1,125 @@
+"""The Python module's values against the C++ core and the command line:
+annotations print the paper's notation and are checked by the C++ rules;
+models.from_hf reads every registered family; strategies round-trip;
+compile_plan, Plan.explain, plan_cost and plan_search give what `hspmd plan
+compile / explain / cost / search` give; every error is hspmd.Error with the
+command line's one-line message."""
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+import hspmd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = os.path.join(ROOT, "examples", "tiny-llama", "config.json")
+STRATEGY = os.path.join(ROOT, "examples", "python", "tiny_hetero_4.json")
+
+
+def raises(fn, prefix):
+    try:
+        fn()
+    except hspmd.Error as e:
+        assert str(e).startswith(prefix), f"message {str(e)!r} does not start with {prefix!r}"
+        assert "\n" not in str(e), f"not one line: {str(e)!r}"
+        return str(e)
+    raise AssertionError(f"no hspmd.Error (expected {prefix!r})")
+
+
+def check_annotations():
+    ds = hspmd.DS({0: 2, hspmd.DUP: 2})
+    assert repr(ds) == "DS{dup:2, split(0):2} order [split(0), dup]", repr(ds)
+    assert ds.order == [0, hspmd.DUP] and ds.device_count == 4 and ds.degree(hspmd.PARTIAL) == 1
+    assert hspmd.DS({0: 2, -1: 2}, order=[-1, 0]) != ds
+    raises(lambda: hspmd.DS({0: 2}, order=[1]), "[annotation] DS: order lists split(1)")
+    dsu = hspmd.DSUnion([hspmd.DS({1: 2}), hspmd.DS()], hetero_dim=0, part_weights=[3, 1])
+    dgu = hspmd.DGUnion([[0, 1], [2]])
+    assert dsu.hsize == dgu.hsize == 2
+    a = hspmd.annotation(dgu, dsu)
+    assert repr(a) == "hdim 0: [0,1] {split(1):2} order [split(1)]; [2] {} order []; weights [3, 1]", repr(a)
+    assert a.hsize == 2 and a.ranks == [0, 1, 2] and a.groups[0] == hspmd.DeviceGroup([0, 1])
+    a.validate(world_size=3, tensor_rank=2, name="w")
+    assert a.local_box([8, 4], 1) == ([0, 2], [6, 4]) and a.local_box([8, 4], 2) == ([6, 0], [8, 4])
+    assert a.local_box([8, 4], 5) is None
+    assert hspmd.Annotation.from_json(a.to_json()) == a
+    bad = hspmd.annotation(hspmd.DGUnion([[0, 1], [1]]), hspmd.DSUnion([hspmd.DS({0: 2}), hspmd.DS()]))
+    raises(lambda: bad.validate(world_size=2, tensor_rank=2, name="w"), "[annotation] tensor 'w'")
+    raises(lambda: hspmd.annotation(dgu, [hspmd.DS()]), "[annotation] DGUnion of 2 device groups")
+
+
+def check_models():
+    tiny = json.load(open(MODEL))
+    assert hspmd.models.families() == ["llama", "mistral", "qwen2"], hspmd.models.families()
+    for family in hspmd.models.families():
+        m = hspmd.models.from_hf(dict(tiny, model_type=family))
+        assert m.model_type == family and os.path.exists(m.path)
+        assert m.config.num_hidden_layers == 4
+        names = [p[0] for p in m.parameters()]
+        assert names[0] == "model.embed_tokens.weight" and "lm_head.weight" in names
+        assert any(n.endswith("q_proj.bias") for n in names) == (family == "qwen2"), family
+    m = hspmd.models.from_hf(MODEL)
+    assert m.path == MODEL and m.to_dict()["hidden_size"] == 128
+    raises(lambda: hspmd.models.from_hf(dict(tiny, model_type="gpt2")), "[config] config: model_type 'gpt2'")
+    raises(lambda: hspmd.models.from_hf("/nonexistent/config.json"), "[config]")
+
+
+def check_strategies(hspmd_cli, d):
+    s = hspmd.Strategy.from_json(STRATEGY)
+    assert s.global_batch == 8 and s.world_size == 4 and s.ranks == [0, 1, 2, 3]
+    assert hspmd.Strategy.from_json(s.to_json()) == s
+    assert hspmd.Strategy.from_json(json.dumps(s.to_json())) == s
+    raises(lambda: hspmd.Strategy.from_json({"pipelines": 3}), "[strategy]")
+    raises(lambda: hspmd.compile_plan(MODEL, s, 3), "[strategy]")
+
+    plan = hspmd.compile_plan(MODEL, s, 4, seq_len=64)
+    out = os.path.join(d, "plan.json")
+    subprocess.run([hspmd_cli, "plan", "compile", "--model", MODEL, "--strategy", STRATEGY, "--world", "4",
+                    "--seq-len", "64", "-o", out], check=True, capture_output=True)
+    assert plan.to_json() == json.load(open(out)), "compile_plan differs from hspmd plan compile"
+    assert plan.strategy == s and plan.world_size == 4
+    assert plan.tensors["model.norm.weight"].hsize == 2
+    for rank in (None, 3):
+        flags = [] if rank is None else ["--rank", str(rank)]
+        cli = subprocess.run([hspmd_cli, "plan", "explain", out, *flags], check=True, capture_output=True, text=True)
+        assert plan.explain(rank=rank) == cli.stdout, f"explain(rank={rank}) differs from hspmd plan explain"
+    assert plan.explain(rank=0, json_output=True)["rank"] == 0
+    raises(lambda: plan.explain(rank=9), "[flags] --rank 9 is outside the plan's world of 4 ranks")
+    assert hspmd.Plan.from_json(out).to_json() == plan.to_json()
+
+    cluster = os.path.join(d, "cluster.json")
+    json.dump({"catalog": {"gpu": {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100, "inter_node_gbps": 25}},
+               "nodes": [{"type": "gpu", "ranks": [0, 3]}]}, open(cluster, "w"))
+    cost = hspmd.plan_cost(MODEL, s, cluster, seq_len=64)
+    cli = subprocess.run([hspmd_cli, "plan", "cost", "--model", MODEL, "--strategy", STRATEGY, "--cluster", cluster,
+                          "--seq-len", "64", "--json"], check=True, capture_output=True, text=True)
+    assert cost == json.loads(cli.stdout), "plan_cost differs from hspmd plan cost --json"
+    found = hspmd.plan_search(MODEL, cluster, global_batch=8, seq_len=64, time_limit=20, tp=[1, 2])
+    assert isinstance(found["strategy"], hspmd.Strategy) and found["strategy"].global_batch == 8
+    raises(lambda: hspmd.plan_search(MODEL, cluster, global_batch=8, seq_len=64, schedule="zigzag"), "[")
+
+
+def check_trainer_errors(d):
+    data = os.path.join(d, "none.bin")
+    raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, bogus=1),
+           "[flags] unknown training option 'bogus'")
+    raises(lambda: hspmd.Trainer(MODEL, None, data, optimizer="sgd", seq_len=64, steps=1, global_batch=8),
+           "[flags] --optimizer: unknown optimizer 'sgd'")
+    raises(lambda: hspmd.Trainer(MODEL, STRATEGY, data, seq_len=64, steps=1), "[")  # 4 ranks on a world of 1
+    raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    a = ap.parse_args()
+    check_annotations()
+    check_models()
+    with tempfile.TemporaryDirectory() as d:
+        check_strategies(a.hspmd, d)
+        check_trainer_errors(d)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
