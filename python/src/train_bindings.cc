@@ -115,6 +115,10 @@ TrainOptions options_from_flags(const py::dict& flags) {
   }
   if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
     fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
+  for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
+    if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
+  if (!(o.schedule.min_lr >= 0 && o.schedule.min_lr <= o.schedule.lr))
+    fail("[flags] --min-lr ", o.schedule.min_lr, " must lie in [0, --lr ", o.schedule.lr, "]");
   if (o.threads < 1 || o.threads > 1024) fail("[flags] --threads must lie in [1, 1024], got ", o.threads);
   return o;
 }

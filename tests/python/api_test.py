@@ -105,6 +105,9 @@ def check_trainer_errors(d):
            "[flags] unknown training option 'bogus'")
     raises(lambda: hspmd.Trainer(MODEL, None, data, optimizer="sgd", seq_len=64, steps=1, global_batch=8),
            "[flags] --optimizer: unknown optimizer 'sgd'")
+    raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, beta2=1.0),
+           "[flags] --beta2 must lie in [0, 1), got 1")
+    raises(lambda: hspmd.Trainer(MODEL, None, data, device="cuda:0", seq_len=64, steps=1, global_batch=8), "[")
     raises(lambda: hspmd.Trainer(MODEL, STRATEGY, data, seq_len=64, steps=1), "[")  # 4 ranks on a world of 1
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
 
