@@ -112,6 +112,28 @@ def check_trainer_errors(d):
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
 
 
+def check_trainer_state(hspmd_cli, d):
+    data = os.path.join(d, "corpus.bin")
+    with open(os.path.join(d, "doc.txt"), "w") as f:
+        f.write("the quick brown fox jumps over the lazy dog. " * 400)
+    subprocess.run([hspmd_cli, "tokenize", "--model", MODEL, "--output", data, os.path.join(d, "doc.txt")],
+                   check=True, capture_output=True)
+    t = hspmd.Trainer(MODEL, None, data, seq_len=32, steps=4, global_batch=4, micro_batches=2, threads=1, lr=1e-2)
+    first = [t.step() for _ in range(2)]
+    t.save_checkpoint(os.path.join(d, "ck"))
+    before = t.state_dict()
+    later = [t.step() for _ in range(2)]
+    assert t.done and [r["step"] for r in first + later] == [0, 1, 2, 3]
+    raises(t.step, "[train] step 4: the run has trained its 4 steps already")
+    t.load_checkpoint(os.path.join(d, "ck"))
+    assert t.next_step == 2 and not t.done
+    restored = t.state_dict()
+    assert sorted(restored) == sorted(before) and all((restored[k] == before[k]).all() for k in before)
+    again = t.train()
+    assert [(r["loss"], r["grad_norm"]) for r in again] == [(r["loss"], r["grad_norm"]) for r in later]
+    assert restored["model.embed_tokens.weight"].shape == (320, 128)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
@@ -121,6 +143,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         check_strategies(a.hspmd, d)
         check_trainer_errors(d)
+        check_trainer_state(a.hspmd, d)
     print("ok")
 
 
