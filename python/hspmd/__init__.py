@@ -12,7 +12,7 @@ import time
 from . import _core
 from . import models
 from ._core import (DUP, PARTIAL, DS, DeviceGroup, Annotation, Error, InternalError,  # noqa: F401
-                    ModelConfig, AnnotationPlan)
+                    ModelConfig, AnnotationPlan, deduce)
 
 Error.__module__ = InternalError.__module__ = __name__  # printed as hspmd.Error
 

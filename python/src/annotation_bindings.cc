@@ -4,7 +4,10 @@
 
 #include "bindings.h"
 #include "hspmd/annotation/annotation.h"
+#include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
+#include "hspmd/graph/graph.h"
+#include "hspmd/ops/ops.h"
 
 namespace hspmd::python {
 
@@ -36,9 +39,72 @@ py::dict degrees_dict(const DistStates& s) {
   return d;
 }
 
+// The ops hspmd.deduce builds, by name: the output from the inputs and the
+// keyword attributes.
+using OpBuilder = std::function<Tensor(const std::vector<Tensor>&, const py::dict&)>;
+
+template <typename T>
+T attr(const py::dict& attrs, const char* name, T fallback) {
+  return attrs.contains(name) ? attrs[name].cast<T>() : fallback;
+}
+
+const std::map<std::string, std::pair<size_t, OpBuilder>>& op_builders() {
+  static const std::map<std::string, std::pair<size_t, OpBuilder>> table = {
+      {"add", {2, [](const auto& in, const auto&) { return ops::add(in[0], in[1]); }}},
+      {"mul", {2, [](const auto& in, const auto&) { return ops::mul(in[0], in[1]); }}},
+      {"matmul", {2, [](const auto& in, const auto& a) {
+         return ops::matmul(in[0], in[1], attr(a, "trans_a", false), attr(a, "trans_b", false));
+       }}},
+      {"linear", {2, [](const auto& in, const auto&) { return ops::linear(in[0], in[1]); }}},
+      {"transpose", {1, [](const auto& in, const auto& a) {
+         return ops::transpose(in[0], attr(a, "dim0", 0), attr(a, "dim1", 1));
+       }}},
+      {"reduce_sum", {1, [](const auto& in, const auto& a) {
+         return ops::reduce_sum(in[0], attr(a, "axes", std::vector<int>{}));
+       }}},
+      {"swiglu", {2, [](const auto& in, const auto&) { return ops::swiglu(in[0], in[1]); }}},
+      {"rms_norm", {2, [](const auto& in, const auto& a) {
+         return ops::rms_norm(in[0], in[1], attr(a, "eps", 1e-6f));
+       }}},
+      {"embedding", {2, [](const auto& in, const auto&) { return ops::embedding(in[0], in[1]); }}},
+  };
+  return table;
+}
+
+// The annotation of op(inputs): a graph of the inputs (placeholders in0,
+// in1, ...; embedding's ids are int32) and the op, deduced by the C++ rules.
+Annotation deduce_op(const std::string& op, const std::vector<std::pair<Shape, Annotation>>& inputs,
+                     int world_size, const py::kwargs& attrs) {
+  const auto it = op_builders().find(op);
+  if (it == op_builders().end()) {
+    std::string known;
+    for (const auto& [name, entry] : op_builders()) known += (known.empty() ? "" : ", ") + name;
+    fail("[deduce] op '", op, "': not available from Python yet (", known, ")");
+  }
+  if (inputs.size() != it->second.first)
+    fail("[deduce] op '", op, "' takes ", it->second.first, " inputs, got ", inputs.size());
+  Graph g;
+  std::vector<Tensor> in;
+  std::map<std::string, Annotation> plan;
+  int world = world_size;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string name = "in" + std::to_string(i);
+    const DType dtype = op == "embedding" && i == 1 ? DType::I32 : DType::F32;
+    in.push_back(g.placeholder(name, sym_shape(inputs[i].first), dtype));
+    plan[name] = inputs[i].second;
+    for (int r : inputs[i].second.all_ranks()) world = std::max(world, r + 1);
+  }
+  const Tensor out = it->second.second(in, attrs);
+  return deduce(g, plan, world).of(out);
+}
+
 }  // namespace
 
 void bind_annotation(py::module_& m) {
+  m.def("deduce", &deduce_op, py::arg("op"), py::arg("inputs"), py::arg("world_size") = 0,
+        "The annotation of op's output from [(shape, Annotation)] inputs (the C++ deduction rules); "
+        "attributes as keywords (matmul: trans_a, trans_b; transpose: dim0, dim1; reduce_sum: axes; "
+        "rms_norm: eps)");
   m.attr("DUP") = kDup;
   m.attr("PARTIAL") = kPartial;
 

@@ -48,6 +48,28 @@ def check_annotations():
     raises(lambda: hspmd.annotation(dgu, [hspmd.DS()]), "[annotation] DGUnion of 2 device groups")
 
 
+def check_deduce():
+    g = hspmd.DGUnion([[0, 1], [2]])
+    rows = hspmd.DSUnion  # the batch cut 2:1 between the subgroups (hetero dim 0)
+
+    def on(first, hetero_dim=hspmd.DUP, weights=()):
+        return hspmd.annotation(g, rows([hspmd.DS(first), hspmd.DS()], hetero_dim=hetero_dim, part_weights=weights))
+
+    want = "hdim 0: [0,1] {%s:2} order [%s]; [2] {} order []; weights [2, 1]"
+    x = [6, 4]
+    cases = [({0: 2}, {hspmd.DUP: 2}, "split(0)"),      # data parallel
+             ({hspmd.DUP: 2}, {1: 2}, "split(1)"),      # column parallel
+             ({1: 2}, {0: 2}, "partial")]               # row parallel: partial sums
+    for xs, ws, key in cases:
+        out = hspmd.deduce("matmul", [(x, on(xs, 0, [2, 1])), ([4, 8], on(ws))])
+        assert repr(out) == want % (key, key), repr(out)
+    lone = hspmd.annotation(hspmd.DGUnion([[0, 1]]), hspmd.DSUnion([hspmd.DS({0: 2})]))
+    raises(lambda: hspmd.deduce("add", [(x, on({0: 2}, 0, [2, 1])), (x, lone)]),
+           "[deduce] op 'add' (node 2): inputs 0 and 1 live on different subgroups")
+    raises(lambda: hspmd.deduce("conv", []), "[deduce] op 'conv': not available from Python yet")
+    raises(lambda: hspmd.deduce("add", [(x, lone)]), "[deduce] op 'add' takes 2 inputs, got 1")
+
+
 def check_models():
     tiny = json.load(open(MODEL))
     assert hspmd.models.families() == ["llama", "mistral", "qwen2"], hspmd.models.families()
@@ -139,6 +161,7 @@ def main():
     ap.add_argument("--hspmd", required=True)
     a = ap.parse_args()
     check_annotations()
+    check_deduce()
     check_models()
     with tempfile.TemporaryDirectory() as d:
         check_strategies(a.hspmd, d)
