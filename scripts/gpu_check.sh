@@ -6,11 +6,13 @@
 #                                        # probe skips (77), and the binaries
 #                                        # are kept in .gpu-deps/prebuilt
 # Needs .gpu-deps (scripts/fetch_cudnn_frontend.sh) carried along: the
-# cudnn_frontend headers, fallback cuDNN/NCCL headers, prebuilt probes.
+# cudnn_frontend headers, fallback cuDNN/NCCL headers, prebuilt probes; and
+# for its last step (the whole project, one process training on CUDA
+# against the CPU) .gpu-deps/cbc (scripts/bundle_cbc.sh).
 #
-# Writes under OUT (default out/gpu), at most 8 files: setup.log (machine,
-# libraries, configure, build), one log per probe, peer_torch.log and
-# summary.txt, which is printed last. No step stops the script: each step's
+# Writes under OUT (default out/gpu), at most 9 files: setup.log (machine,
+# libraries, configure, build), one log per probe, peer_torch.log,
+# conformance_memory.log, train_cuda.log and summary.txt, which is printed last. No step stops the script: each step's
 # status is collected (PASS, FAIL, SKIP, TIMEOUT, CRASH(rc), NOT_BUILT).
 # Environment: OUT, BUILD_DIR (build-gpu), JOBS, PROBE_TIMEOUT (seconds per
 # probe, 150), TORCH_TIMEOUT (240), BUDGET (540: the whole script; a probe
@@ -35,7 +37,7 @@ PROBES=(probe_cublaslt probe_cudnn_sdpa probe_cuda_graph probe_streams)
 SETUP="$OUT/setup.log"
 SUMMARY="$OUT/summary.txt"
 rm -f "$SETUP" "$SUMMARY" "$OUT"/peer_torch.log
-for p in "${PROBES[@]}" conformance_memory; do rm -f "$OUT/$p.log"; done
+for p in "${PROBES[@]}" conformance_memory train_cuda; do rm -f "$OUT/$p.log"; done
 
 T_START=$(date +%s)
 declare -a STEP_NAMES STEP_STATUS STEP_SECS
@@ -65,7 +67,7 @@ write_summary() {
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|_us="
-  for f in "${PROBES[@]}" peer_torch conformance_memory; do
+  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -313,6 +315,46 @@ else
   else
     grep -E "error|Error" "$OUT/conformance_memory.log" | head -n 10
     record conformance_memory NOT_BUILT $(($(date +%s) - t0))
+  fi
+fi
+
+# ------------------------------------------ one process trains on CUDA --
+# The whole project (CBC carried in .gpu-deps/cbc: ../shared/tools/
+# bundle_cbc.sh .gpu-deps/cbc here), target hspmd only, then
+# tests/gpu/train_cuda_test.py: fp32 and bf16 runs against the CPU's, a GPU
+# checkpoint resumed on the CPU (docs/cuda.md).
+t0=$(date +%s)
+FBUILD=${FBUILD_DIR:-build-gpu-full}
+CBC=$ROOT/.gpu-deps/cbc
+left=$((T_START + BUDGET - $(date +%s) - 15))
+rm -f "$OUT/train_cuda.log"
+if ((left < 90)); then
+  echo "== train_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/train_cuda.log"
+  record train_cuda NO_TIME 0
+elif [[ -z "$NVCC" || ! -d "$CBC" ]]; then
+  echo "== train_cuda: not built (nvcc: ${NVCC:-none}; CBC bundle: $CBC $([[ -d $CBC ]] && echo present || echo absent))" |
+    tee "$OUT/train_cuda.log"
+  record train_cuda NOT_BUILT 0
+else
+  {
+    echo "== configure + build: cmake -S . -B $FBUILD (CBC from $CBC); target hspmd"
+    PKG_CONFIG_PATH=$CBC/pkgconfig:${PKG_CONFIG_PATH:-} LIBRARY_PATH=$CBC/lib:${LIBRARY_PATH:-} \
+      CPLUS_INCLUDE_PATH=$CBC/include:${CPLUS_INCLUDE_PATH:-} \
+      timeout $((left / 2)) cmake -S . -B "$FBUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DHSPMD_CUDA=ON \
+        -DHSPMD_BUILD_BENCH=OFF -DHSPMD_PYTHON=OFF "${CMAKE_HINTS[@]}" &&
+      LIBRARY_PATH=$CBC/lib:${LIBRARY_PATH:-} CPLUS_INCLUDE_PATH=$CBC/include:${CPLUS_INCLUDE_PATH:-} \
+        timeout $((left / 2)) cmake --build "$FBUILD" -j "$JOBS" --target hspmd
+  } >"$OUT/train_cuda.log" 2>&1
+  if [[ -x "$FBUILD/src/cli/hspmd" ]]; then
+    left=$((T_START + BUDGET - $(date +%s) - 10))
+    LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 240 ? left : 240)) \
+      python3 tests/gpu/train_cuda_test.py --hspmd "$FBUILD/src/cli/hspmd" --repo "$ROOT" 2>&1 |
+      tee -a "$OUT/train_cuda.log"
+    rc=${PIPESTATUS[0]}
+    record train_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
+  else
+    grep -E "error|Error" "$OUT/train_cuda.log" | head -n 10
+    record train_cuda NOT_BUILT $(($(date +%s) - t0))
   fi
 fi
 

@@ -343,9 +343,16 @@ int train_command(const std::vector<std::string>& args) {
   // index that does not exist, each in one line.
   const Device where = parse_device_name(device, "--device");
   require_device(where);
-  if (where.type == DeviceType::CUDA)
-    fail("[train] --device ", where.str(), ": training on CUDA is not available yet: the CUDA backend has its "
-         "device runtime and memory kernels, not every op's kernels (docs/cuda.md)");
+  if (where.type == DeviceType::CUDA) {
+    // One process on one GPU so far; several ranks on GPUs are issue [3/5]
+    // (NCCL and a device-staged MPI communicator, docs/cuda.md).
+    for (const char* flag : {"nproc", "strategy", "plan", "cluster", "events", "switch", "strategies",
+                             "batch-tokens", "trace"})
+      if (f.given(flag))
+        fail("[train] --device ", where.str(), ": --", flag, " does not run on CUDA yet (one process on one GPU "
+             "so far; docs/cuda.md)");
+  }
+  o.device = where;
   if (f.given("batch-tokens")) {
     if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);
     if (!f.given("max-seq-len")) fail("[flags] --batch-tokens needs --max-seq-len L (the longest piece)");

@@ -51,7 +51,8 @@ std::unique_ptr<Runtime> DistTrainer::specialize(std::shared_ptr<const Annotatio
   const int64_t seq = (o_.seq_len + rt->granularity - 1) / rt->granularity * rt->granularity;
   int64_t batch = 0;
   for (const Pipeline& p : rt->strategy.pipelines) batch += p.micro_batch_size;
-  rt->graph = std::make_unique<ExecGraph>(plan, topology_, world_.rank(), Bindings{{"B", batch}, {"S", seq}});
+  rt->graph =
+      std::make_unique<ExecGraph>(plan, topology_, world_.rank(), Bindings{{"B", batch}, {"S", seq}}, o_.device);
   rt->gather_dtypes = zero_gather_dtypes(*plan, rt->graph->model());
   // Pipelines are discovered from the resolved plan (appendix A.2), not
   // read from the strategy; the strategy only gives micro-batch counts.
@@ -412,6 +413,7 @@ void DistTrainer::prepare() {
     switch_plans_.get(*plans_[k - 1], *plans_[k], *topology_, switch_options(k));
   if (reader) {
     state_ = TrainingState::load(rt_->plan, world_.rank(), *reader);
+    state_->move_to_device(o_.device);
     const nlohmann::json& meta = reader->index().meta;
     state_->step = start;
     const train_common::ResumeCursor cursor = train_common::read_resume_cursor(meta, o_.resume_dir);
@@ -425,6 +427,7 @@ void DistTrainer::prepare() {
           : validate_model_weights(config_, load_safetensors(o_.init_path), o_.init_path);
   if (!o_.init_path.empty()) train_common::check_finite_weights(full, o_.init_path);
   state_ = TrainingState::from_full(rt_->plan, world_.rank(), full);
+  state_->move_to_device(o_.device);
   state_->seed = o_.seed;
 }
 

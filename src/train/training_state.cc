@@ -87,6 +87,13 @@ Device TrainingState::device() const {
   return Device::cpu();
 }
 
+void TrainingState::move_to_device(Device device) {
+  Stream& stream = default_stream(device);
+  for (auto& [name, slots] : params_)
+    for (Shard& s : slots)
+      if (s.held() && !(s.data.device() == device)) s.data = kernels::to_device(stream, s.data);
+}
+
 int64_t TrainingState::bytes() const {
   int64_t n = 0;
   for (const auto& [name, slots] : params_)

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "hspmd/core/device.h"
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/ndarray.h"
@@ -36,6 +37,10 @@ struct TrainOptions {
   // the profile at profile_path (true, --clock model; docs/profiling.md).
   bool model_clock = false;
   std::string profile_path;
+  // Where the ranks' graphs and training states live (--device). CUDA so
+  // far only for one process without a cluster, events, switches or token
+  // budgets (docs/cuda.md); the CLI refuses the rest in one line.
+  Device device = Device::cpu();
   std::optional<Strategy> strategy;  // a strategy given as a value (instead of strategy_path)
   // Plan switches (docs/switching.md): from step `step` on, train under
   // `path` (a strategy or an annotation plan); ascending steps.

@@ -70,6 +70,10 @@ class TrainingState {
   // The device its arrays live on (that of the first array it holds; CPU
   // when it holds none).
   Device device() const;
+  // Moves every held shard to `device` (a copy on its default stream; shards
+  // already there stay). A state is made and loaded on the host; a run on a
+  // GPU moves it once.
+  void move_to_device(Device device);
 
   int64_t step = 0;        // optimizer steps taken (Adam's bias-correction count)
   int64_t samples = 0;     // data cursor: samples the steps so far consumed
