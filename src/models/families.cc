@@ -5,6 +5,7 @@
 // only. Executables take the layer whole (hspmd_lib), so that the
 // registration below is never dropped by the linker.
 #include "hspmd/models/model.h"
+#include "models/custom/custom.h"
 #include "models/llama/llama.h"
 #include "models/mistral/mistral.h"
 #include "models/qwen2/qwen2.h"
@@ -14,7 +15,8 @@ namespace {
 
 [[maybe_unused]] const bool kRegistered = register_model_family(llama_family()) &&
                                           register_model_family(qwen2_family()) &&
-                                          register_model_family(mistral_family());
+                                          register_model_family(mistral_family()) &&
+                                          register_model_family(custom_family());
 
 }  // namespace
 }  // namespace hspmd
