@@ -4,6 +4,7 @@ import os
 import tempfile
 
 from . import _core
+from .builder import Builder, Parameter, Tensor  # noqa: F401 (custom models)
 
 
 class Model:
