@@ -72,8 +72,12 @@ def check_deduce():
 
 def check_models():
     tiny = json.load(open(MODEL))
-    assert hspmd.models.families() == ["llama", "mistral", "qwen2"], hspmd.models.families()
+    assert hspmd.models.families() == ["hspmd_custom", "llama", "mistral", "qwen2"], hspmd.models.families()
     for family in hspmd.models.families():
+        if family == "hspmd_custom":  # needs a program (tests/python/custom_model_test.py)
+            raises(lambda: hspmd.models.from_hf(dict(tiny, model_type=family)),
+                   "[config] config: model_type hspmd_custom needs a 'program'")
+            continue
         m = hspmd.models.from_hf(dict(tiny, model_type=family))
         assert m.model_type == family and os.path.exists(m.path)
         assert m.config.num_hidden_layers == 4

@@ -126,10 +126,32 @@ def compare(what, losses, weights, want_losses, want_weights):
     print(f"ok: {what}: {STEPS} losses within 1e-5 relative, {len(weights)} weights within 1e-4")
 
 
+def check_api():
+    """The model goes where a from_hf model goes; a bad program is one hspmd.Error naming the op."""
+    import hspmd
+    model = custom_gpt.gpt().build()
+    assert model.model_type == "hspmd_custom", model
+    plan = hspmd.compile_plan(model, TP2, 2, seq_len=SEQ)
+    assert str(plan.tensors["transformer.h.0.attn.q_proj.weight"]).startswith("hdim -1: [0,1] {split(0):2}")
+    assert "transformer.wpe.out  [forward] local_slice" in plan.explain(rank=0)
+    cost = hspmd.plan_cost(model, TP2, os.path.join(ROOT, "examples", "clusters", "24h20.json"), seq_len=SEQ)
+    assert cost, cost
+    b = custom_gpt.gpt()
+    b._parts["block"]._ops[8]["shape"] = ["B", "S", 5, 8]  # a reshape that cannot hold its input
+    try:
+        b.build()
+        raise AssertionError("a bad program was accepted")
+    except hspmd.Error as e:
+        message = str(e)
+    assert "program: block op 8 (reshape -> " in message and "of layer 0" in message, message
+    print("ok: compile_plan, explain and plan_cost take the custom model; a bad reshape:", message)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mpirun", help="also check TP 2 and PP 2 on 2 MPI ranks")
     a = ap.parse_args()
+    check_api()
     rng = numpy.random.default_rng(5)
     with tempfile.TemporaryDirectory() as d:
         data = os.path.join(d, "tokens.bin")

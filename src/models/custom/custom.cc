@@ -228,7 +228,8 @@ class CustomFamily final : public ModelFamily {
       custom::parse_program(c.program, "");
       (void)build_custom(c, ModelBuildOptions{});
     } catch (const Error& e) {
-      r.fail_rule(e.what());
+      const std::string what = e.what(), tag = "[model] hspmd_custom ";
+      r.fail_rule(what.rfind(tag, 0) == 0 ? what.substr(tag.size()) : what);
     }
   }
   void write_config(const ModelConfig& c, json& j) const override { j["program"] = c.program; }
