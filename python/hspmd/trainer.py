@@ -98,6 +98,46 @@ class Trainer:
         masters under bf16 precision), the same on every rank. Collective."""
         return self._run.parameters()
 
+    def switch_to(self, target):
+        """Moves the run to another strategy or plan before the next step,
+        as `hspmd train --switch STEP:FILE` does at that step (the same
+        switch algorithm, switch_algorithm= and switch_bucket_mb=, and the
+        same {"event": "switch"} record in the log). `target`: a Strategy,
+        its dict, a Plan from compile_plan (for this world), or the path of
+        a strategy or plan JSON. The global batch must stay the same. A bad
+        target raises hspmd.Error on every rank and the run goes on under
+        its plan. Collective."""
+        from . import Plan, Strategy, _strategy_of
+        strategy = plan = None
+        if isinstance(target, Plan):
+            plan, source = target, "the compiled plan"
+        elif isinstance(target, (Strategy, dict)):
+            strategy, source = _strategy_of(target), "the strategy"
+        else:
+            source = os.fspath(target)
+        self._run.switch_to(strategy._native if strategy else None, plan._native if plan else None, source)
+        # load_checkpoint continues under the plan in force
+        if strategy is not None:
+            self.strategy = strategy
+        elif plan is not None and plan.strategy is not None:
+            self.strategy = plan.strategy
+        else:
+            try:
+                self.strategy = Strategy.from_json(source)
+            except _core.Error:  # a plan file: its strategy
+                self.strategy = Plan.from_json(source).strategy
+
+    def load_state_dict(self, weights):
+        """Replaces the weights with `weights`, {Hugging Face name: float32
+        numpy array} of the full tensors (every rank gives the same; each
+        keeps its slices), as state_dict() returns them. Checked as init=
+        is: every parameter present with its shape, no other name, float32,
+        finite; hspmd.Error naming the tensor otherwise (nothing changed).
+        The Adam moments restart at zero; the step count (lr schedule, Adam's
+        bias correction) and the data position go on. Before the first step
+        this is the run init= with these weights would train. Collective."""
+        self._run.load_parameters(dict(weights), "load_state_dict")
+
     def save_checkpoint(self, directory):
         """Writes the training state (weights, masters, Adam moments, step,
         data cursor) as a committed checkpoint in `directory` (docs/checkpoint.md).

@@ -11,6 +11,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "hspmd/plan/plan.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
 
@@ -138,6 +139,27 @@ py::dict numpy_parameters(TrainingRun& run) {
   return out;
 }
 
+// {name: numpy array} as NDArrays: float32 (C order copied), any other
+// dtype refused in one line naming the tensor.
+std::map<std::string, NDArray> arrays_from_numpy(const py::dict& weights, const std::string& source) {
+  std::map<std::string, NDArray> out;
+  for (auto [key, value] : weights) {
+    const std::string name = py::str(key);
+    if (!py::isinstance<py::array>(value))
+      fail("[weights] ", source, ": ", name, ": a ", std::string(py::str(value.get_type().attr("__name__"))),
+           ", not a numpy array");
+    const py::array a = py::reinterpret_borrow<py::array>(value);
+    if (a.dtype().kind() != 'f' || a.dtype().itemsize() != 4)
+      fail("[weights] ", source, ": ", name, ": dtype ", std::string(py::str(a.dtype())), " is not float32");
+    const auto c = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(a);
+    Shape shape(c.shape(), c.shape() + c.ndim());
+    NDArray array = NDArray::empty(shape, DType::F32);
+    if (array.numel() > 0) std::memcpy(array.host_data<float>(), c.data(), sizeof(float) * array.numel());
+    out.emplace(name, std::move(array));
+  }
+  return out;
+}
+
 }  // namespace
 
 void bind_train(py::module_& m) {
@@ -183,7 +205,23 @@ void bind_train(py::module_& m) {
            }, "Waits for the last checkpoint, writes --save and --trace; every step's record as JSON text")
       .def("parameters", &numpy_parameters, "{Hugging Face name: float32 numpy array}, the same on every rank")
       .def("save_checkpoint", &TrainingRun::save_checkpoint, py::arg("dir"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("switch_to", [](TrainingRun& run, std::optional<Strategy> strategy, std::optional<AnnotationPlan> plan,
+                           const std::string& source) {
+             TrainingRun::SwitchTarget t;
+             t.strategy = std::move(strategy);
+             if (plan) t.plan = std::make_shared<const AnnotationPlan>(std::move(*plan));
+             t.source = source;
+             py::gil_scoped_release release;
+             run.switch_to(t);
+           }, py::arg("strategy"), py::arg("plan"), py::arg("source"),
+           "Moves the run to a strategy, a compiled plan, or the strategy or plan file `source`, before the next step")
+      .def("load_parameters", [](TrainingRun& run, const py::dict& weights, const std::string& source) {
+             std::map<std::string, NDArray> arrays = arrays_from_numpy(weights, source);
+             py::gil_scoped_release release;
+             run.load_parameters(std::move(arrays), source);
+           }, py::arg("weights"), py::arg("source"),
+           "Replaces the weights with full float32 tensors (Hugging Face names); the moments restart at zero");
 }
 
 }  // namespace hspmd::python

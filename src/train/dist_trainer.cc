@@ -12,20 +12,7 @@ namespace hspmd {
 namespace dist {
 
 std::shared_ptr<const AnnotationPlan> DistTrainer::load_plan_file(const std::string& path) const {
-  if (is_plan_file(path)) {
-    AnnotationPlan plan = load_plan(path);
-    if (!plan.strategy)
-      fail("[plan] ", path, ": no \"strategy\" field: a trainable plan carries its execution (schedule, "
-           "pipelines' micro-batches, recompute); compile one with `hspmd plan compile`");
-    if (plan.world_size != world_.size())
-      fail("[plan] ", path, ": compiled for ", plan.world_size, " ranks but the job has ", world_.size());
-    ModelConfig padded = config_;
-    padded.padded_vocab_size = plan.model.padded_vocab_size;
-    if (plan.model.to_json() != padded.to_json())
-      fail("[plan] ", path, ": its model differs from --model ", o_.model_path);
-    plan.precision = o_.precision;  // the run's flags decide how it computes
-    return std::make_shared<const AnnotationPlan>(std::move(plan));
-  }
+  if (is_plan_file(path)) return trainable_plan(load_plan(path), path);
   return compile(load_strategy(path));
 }
 
@@ -654,7 +641,7 @@ StepRecord DistTrainer::step() {
         step = from;
       }
     }
-  } else if (plan_at(step) != plan_index_) {
+  } else if (!o_.switches.empty() && plan_at(step) != plan_index_) {  // (switch_now: no --switch)
     switch_to(plan_at(step), step, log);
   }
   const auto t0 = Clock::now();

@@ -260,6 +260,29 @@ class DistTrainer {
   // Collective: writes a training checkpoint of the state now into `dir`
   // and commits it (waits for the disk).
   void checkpoint_now(const std::string& dir);
+  // A switch between two steps (the Python Trainer's switch_to): `plan`
+  // checked as a --switch plan is (trainable, this world, this model, the
+  // run's global batch), then the run moved to it before the next step
+  // with the --switch algorithm and its {"event": "switch"} log record.
+  // Refused in runs with --switch, --events or --strategies (their plans
+  // follow the step count). check_switch throws on a bad plan (no
+  // communication); switch_now is collective.
+  void check_switch(const AnnotationPlan& plan, const std::string& source) const;
+  // `plan` (from `source`) as a plan this run can train: it carries its
+  // strategy, is compiled for this world and this model; the run's precision.
+  std::shared_ptr<const AnnotationPlan> trainable_plan(AnnotationPlan plan, const std::string& source) const;
+  void switch_now(std::shared_ptr<const AnnotationPlan> plan);
+  // A strategy compiled for this run (its world, --seq-len, --precision),
+  // or a strategy or plan file read as --switch reads it.
+  std::shared_ptr<const AnnotationPlan> compile_strategy(const Strategy& strategy) const { return compile(strategy); }
+  std::shared_ptr<const AnnotationPlan> load_switch_plan(const std::string& path) const {
+    return load_named_plan_file(path, "switch_to");
+  }
+  // Collective: replaces the weights with `full` (the model's full f32
+  // tensors, checked as --init's are); the optimizer moments restart at
+  // zero, as a fresh run's.
+  void load_weights(const std::map<std::string, NDArray>& full);
+  Communicator& world() const { return world_; }
 
  private:
   // A strategy (compiled) or a trainable plan for this job.

@@ -130,6 +130,100 @@ std::vector<StepRecord> TrainingRun::finish() { return trainer_->end(); }
 std::map<std::string, NDArray> TrainingRun::parameters() { return trainer_->full_parameters(); }
 void TrainingRun::save_checkpoint(const std::string& dir) { trainer_->checkpoint_now(dir); }
 
+namespace dist {
+
+std::shared_ptr<const AnnotationPlan> DistTrainer::trainable_plan(AnnotationPlan plan, const std::string& source) const {
+  if (!plan.strategy)
+    fail("[plan] ", source, ": no \"strategy\" field: a trainable plan carries its execution (schedule, "
+         "pipelines' micro-batches, recompute); compile one with `hspmd plan compile`");
+  if (plan.world_size != world_.size())
+    fail("[plan] ", source, ": compiled for ", plan.world_size, " ranks but the job has ", world_.size());
+  ModelConfig padded = config_;
+  padded.padded_vocab_size = plan.model.padded_vocab_size;
+  if (plan.model.to_json() != padded.to_json())
+    fail("[plan] ", source, ": its model differs from --model ", o_.model_path);
+  plan.precision = o_.precision;  // the run's flags decide how it computes
+  return std::make_shared<const AnnotationPlan>(std::move(plan));
+}
+
+void DistTrainer::check_switch(const AnnotationPlan& plan, const std::string& source) const {
+  if (!o_.switches.empty() || !o_.events_path.empty() || !o_.strategy_choices.empty())
+    fail("[train] switch_to ", source, ": this run switches by its own --switch, --events or --strategies");
+  if (o_.batch_tokens == 0 && plan.strategy->global_batch() != plans_[0]->strategy->global_batch())
+    fail("[flags] switch_to ", source, ": global batch ", plan.strategy->global_batch(), ", the run's is ",
+         plans_[0]->strategy->global_batch(), " (a switch keeps the global batch)");
+}
+
+// As switch_to(index, ...) for a --switch, with the options a --switch
+// without lost ranks gets.
+void DistTrainer::switch_now(std::shared_ptr<const AnnotationPlan> plan) {
+  SwitchOptions so;
+  so.algorithm = algorithm_;
+  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  so.have_checkpoint = !o_.checkpoint_dir.empty() && o_.save_every > 0 && next_step_ % o_.save_every == 0;
+  nlohmann::json j = {{"event", "switch"}, {"step", next_step_}};
+  j.update(move_to(plan, so));
+  plans_.push_back(std::move(plan));
+  plan_index_ = plans_.size() - 1;
+  write_log(log_, j);
+}
+
+void DistTrainer::load_weights(const std::map<std::string, NDArray>& weights) {
+  finish_checkpoint(true);  // the pending write holds copies; the state is replaced after it
+  const int64_t step = state_->step, samples = state_->samples;
+  const uint64_t seed = state_->seed;
+  state_ = TrainingState::from_full(rt_->plan, world_.rank(), weights);
+  state_->move_to_device(o_.device);
+  state_->step = step;
+  state_->samples = samples;
+  state_->seed = seed;
+}
+
+}  // namespace dist
+
+namespace {
+
+// Runs `check` on every rank; when it throws on any, every rank throws
+// SetupFailure with the lowest failing rank's message (nothing changed).
+void agreed(Communicator& world, const std::function<void()>& check) {
+  std::string error;
+  try {
+    check();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  std::vector<int32_t> failed(world.size(), 0);
+  const int32_t mine = error.empty() ? 0 : 1;
+  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
+  const auto first = std::find(failed.begin(), failed.end(), 1);
+  if (first != failed.end())
+    throw SetupFailure(error.empty() ? "[train] the check failed on another rank" : error,
+                       first - failed.begin() == world.rank());
+}
+
+}  // namespace
+
+void TrainingRun::switch_to(const SwitchTarget& target) {
+  std::shared_ptr<const AnnotationPlan> plan;
+  agreed(trainer_->world(), [&] {
+    if (done()) fail("[train] switch_to: the run has trained its ", options_.steps, " steps already");
+    if (target.strategy) plan = trainer_->compile_strategy(*target.strategy);
+    else if (target.plan) plan = trainer_->trainable_plan(*target.plan, target.source);
+    else plan = trainer_->load_switch_plan(target.source);
+    trainer_->check_switch(*plan, target.source);
+  });
+  trainer_->switch_now(std::move(plan));
+}
+
+void TrainingRun::load_parameters(std::map<std::string, NDArray> weights, const std::string& source) {
+  std::map<std::string, NDArray> full;
+  agreed(trainer_->world(), [&] {
+    full = validate_model_weights(ModelConfig::load(options_.model_path), std::move(weights), source);
+    train_common::check_finite_weights(full, source);
+  });
+  trainer_->load_weights(full);
+}
+
 std::vector<StepRecord> train_distributed(const TrainOptions& options, Communicator& world) {
   TrainingRun run(options, world);
   while (!run.done()) run.step();

@@ -188,6 +188,7 @@ std::string checkpoint_run_id(const std::string& dir);
 void check_checkpoint_directory(const TrainOptions& options);
 
 class Communicator;
+struct AnnotationPlan;
 
 // A setup error of distributed training, known to every rank; `reporter` is
 // true on the one rank that should print it (the lowest failing rank).
@@ -267,6 +268,27 @@ class TrainingRun {
   // continues from it. Throws hspmd::Error for non-finite weights or a write
   // error.
   void save_checkpoint(const std::string& dir);
+  // What switch_to moves the run to: a strategy (compiled for the run), a
+  // compiled plan, or else the strategy or plan file `source`; `source`
+  // names it in errors.
+  struct SwitchTarget {
+    std::optional<Strategy> strategy;
+    std::shared_ptr<const AnnotationPlan> plan;
+    std::string source;
+  };
+  // Moves the run to `target` before the next step, as --switch STEP:FILE
+  // at that step does (the --switch-algorithm, the {"event": "switch"} log
+  // record); the same global batch. Throws SetupFailure on every rank for a
+  // bad target (the run goes on under its plan), or in a run with --switch,
+  // --events or --strategies.
+  void switch_to(const SwitchTarget& target);
+  // Replaces the weights with `weights` (full tensors, Hugging Face names,
+  // every rank the same; checked as --init's are, errors naming `source`):
+  // each rank keeps its slices. The Adam moments restart at zero; the step
+  // count (schedule, bias correction) and the data cursor continue. Before
+  // the first step this is the run --init with these weights would be.
+  // Throws SetupFailure on every rank for bad weights (nothing changed).
+  void load_parameters(std::map<std::string, NDArray> weights, const std::string& source);
 
  private:
   TrainOptions options_;  // the trainer keeps a reference to it
