@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cctype>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -212,16 +213,27 @@ void kill_ranks(const JobDir& job, int sig) {
     if (const int64_t pid = job.slot(r).pid.load(); pid > 0) kill(static_cast<pid_t>(pid), sig);
 }
 
-pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& args, int err_fd) {
+std::string self_executable() {
   char self[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) fail("[launch] cannot find the hspmd executable");
   self[n] = '\0';
+  return self;
+}
+
+pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& command, const std::vector<std::string>& args,
+                   int err_fd) {
   // When a rank dies, mpirun SIGTERMs the others and by default waits 1 s
   // before SIGKILL; the ranks have no SIGTERM handler, so that second only
   // delays the job's end (and a restart).
   std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca",
-                                   "odls_base_sigkill_timeout", "0", "-np", std::to_string(nproc), self, "train"};
+                                   "odls_base_sigkill_timeout", "0", "-np", std::to_string(nproc)};
+  if (command.empty()) {
+    argv.insert(argv.end(), {self_executable(), "train"});
+  } else {
+    if (std::getenv("PYTHONPATH")) argv.insert(argv.end(), {"-x", "PYTHONPATH"});
+    argv.insert(argv.end(), command.begin(), command.end());
+  }
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
@@ -367,7 +379,7 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
   setenv("HSPMD_LAUNCHER_PID", std::to_string(getpid()).c_str(), 1);
   int err[2];
   if (pipe2(err, O_CLOEXEC) != 0) fail("[launch] cannot create a pipe: ", std::strerror(errno));
-  const pid_t pid = spawn_mpirun(o.nproc, args, err[1]);
+  const pid_t pid = spawn_mpirun(o.nproc, o.command, args, err[1]);
   close(err[1]);
   StderrRelay relay(err[0]);
   const int64_t start = now_ns();
@@ -481,6 +493,81 @@ int launch_ranks(const LaunchOptions& o) {
       return 128 + g_signal;
     }
   }
+}
+
+// The directory holding the hspmd Python package (hspmd/__init__.py) for
+// this executable: build/python in a build tree (the executable in
+// build/src/cli), else python/ beside it or above it; "" when none is.
+std::string python_module_dir() {
+  const std::string exe = self_executable();
+  const std::string dir = exe.substr(0, exe.rfind('/'));
+  for (const char* rel : {"/../../python", "/python", "/../python", "/../lib/hspmd/python"}) {
+    const std::string candidate = dir + rel;
+    if (access((candidate + "/hspmd/__init__.py").c_str(), F_OK) == 0) {
+      char real[PATH_MAX];
+      return realpath(candidate.c_str(), real) ? std::string(real) : candidate;
+    }
+  }
+  return "";
+}
+
+int launch_command(const std::vector<std::string>& args) {
+  LaunchOptions o;
+  o.timeout_s = 0;  // the watchdog only with --timeout: a script's steps are its own
+  std::string python = "python3";
+  bool nproc_given = false;
+  size_t i = 0;
+  const auto value = [&](const std::string& flag) -> std::string {
+    const std::string& a = args[i];
+    if (a.size() > flag.size() && a.compare(0, flag.size() + 1, flag + "=") == 0) return a.substr(flag.size() + 1);
+    if (++i >= args.size()) fail("[flags] ", flag, " needs a value");
+    return args[i];
+  };
+  const auto number = [](const std::string& flag, const std::string& text) {
+    char* end = nullptr;
+    const double v = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || !std::isfinite(v)) fail("[flags] ", flag, ": '", text, "' is not a number");
+    return v;
+  };
+  for (; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("usage: hspmd launch --nproc N [--timeout S] [--python PY] script.py [args]\n\n"
+                  "Runs `PY script.py args` on N MPI ranks under the supervised launcher of hspmd train --nproc\n"
+                  "(signals forwarded, a dead rank named in one line), PYTHONPATH starting at the hspmd module.\n"
+                  "  --nproc N      ranks (required)\n"
+                  "  --timeout S    end the job when a rank's heartbeat stops or no step finishes for S s\n"
+                  "                 (Trainer steps; default: no watchdog)\n"
+                  "  --python PY    the interpreter (default python3)\n");
+      return 0;
+    }
+    if (a.rfind("--nproc", 0) == 0) {
+      const double n = number("--nproc", value("--nproc"));
+      if (n != std::floor(n) || n < 1 || n > 4096) fail("[flags] --nproc must be an integer in [1, 4096], got ", n);
+      o.nproc = static_cast<int64_t>(n);
+      nproc_given = true;
+    } else if (a.rfind("--timeout", 0) == 0) {
+      o.timeout_s = number("--timeout", value("--timeout"));
+      if (o.timeout_s <= 0) fail("[flags] --timeout must be positive, got ", o.timeout_s);
+    } else if (a.rfind("--python", 0) == 0) {
+      python = value("--python");
+    } else if (a.rfind("-", 0) == 0) {
+      fail("[flags] launch: unknown flag '", a, "' (flags go before the script; see hspmd launch --help)");
+    } else {
+      break;
+    }
+  }
+  if (!nproc_given) fail("[flags] launch: --nproc N is required");
+  if (i >= args.size()) fail("[flags] launch: no script given (hspmd launch --nproc N script.py [args])");
+  const std::string& script = args[i];
+  if (access(script.c_str(), R_OK) != 0) fail("[flags] launch: ", script, ": ", std::strerror(errno));
+  o.command = {python, script};
+  o.rank_args.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
+  if (const std::string dir = python_module_dir(); !dir.empty()) {
+    const char* old = std::getenv("PYTHONPATH");
+    setenv("PYTHONPATH", (old && *old ? dir + ":" + old : dir).c_str(), 1);
+  }
+  return launch_ranks(o);
 }
 
 bool claim_report() {

@@ -29,15 +29,24 @@ struct LaunchOptions {
   std::string log_path;                // the ranks' --log ("" = none): rewritten at a restart
   std::string checkpoint_dir;          // the ranks' --checkpoint: a restart resumes from it
   std::string resume_dir;              // the ranks' own --resume ("" = none)
+  // What every rank runs before rank_args: empty for this executable's
+  // `train` (hspmd train --nproc); `hspmd launch` gives {python, script}.
+  std::vector<std::string> command;
 };
 
-// Runs `mpirun -np N hspmd train <rank_args>` in its own process group and
+// Runs `mpirun -np N hspmd train <rank_args>` (or `<command> <rank_args>`)
+// in its own process group and
 // returns the job's exit code: 0 when every rank succeeded; 1 when a rank
 // failed (its error, or "[launch] rank R was killed by signal S", printed
 // once) or the watchdog ended the job; 128+S when the launcher got SIGINT or
 // SIGTERM (forwarded to mpirun, which ends the ranks; SIGKILL after 10 s).
 // Throws hspmd::Error when mpirun cannot be started.
 int launch_ranks(const LaunchOptions& options);
+
+// `hspmd launch --nproc N [--timeout S] [--python PY] script.py [args]`:
+// launch_ranks running `PY script.py args` on N ranks, with PYTHONPATH
+// starting at the hspmd module's directory (build/python in a build tree).
+int launch_command(const std::vector<std::string>& args);
 
 // Whether this rank prints its failure: under the launcher, only the first
 // failing rank of the job; otherwise always.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "launcher.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
 
@@ -18,7 +19,8 @@ constexpr const char* kUsage =
     "  tokenize   turn text files into a token file (byte-level tokenizer)\n"
     "  data       statistics of a token file: document lengths, pieces under a max length\n"
     "  plan       compile a strategy into an annotation plan; explain a plan's communication\n"
-    "  profile    time a model's parts on this machine for the planner and the model clock\n\n"
+    "  profile    time a model's parts on this machine for the planner and the model clock\n"
+    "  launch     run a Python script (import hspmd) on N supervised MPI ranks\n\n"
     "Run 'hspmd <command> --help' for the flags of a command.\n";
 
 // Errors are one line: newlines inside a message are flattened.
@@ -46,6 +48,7 @@ int main(int argc, char** argv) {
     if (command == "data") return hspmd::cli::data_command(args);
     if (command == "plan") return hspmd::cli::plan_command(args);
     if (command == "profile") return hspmd::cli::profile_command(args);
+    if (command == "launch") return hspmd::cli::launch_command(args);
     print_error("", ("[cli] unknown command '" + command + "' (see hspmd --help)").c_str());
     return 2;
   } catch (const hspmd::Error& e) {

@@ -419,7 +419,7 @@ int train_command(const std::vector<std::string>& args) {
   if (f.given("nproc")) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
     return launch_ranks(LaunchOptions{nproc, rank_args(f, args, nproc), timeout, max_restarts, o.log_path,
-                                      o.checkpoint_dir, o.resume_dir});
+                                      o.checkpoint_dir, o.resume_dir, {}});
   }
   if (!distributed) {
     if (!f.given("global-batch") && !f.given("batch-tokens"))

@@ -1,0 +1,124 @@
+"""hspmd launch --nproc N script.py: the supervised launcher of `hspmd train
+--nproc` running a Python script on N ranks.
+ * examples/python/train_tiny.py on 2 ranks (a 2-stage pipeline) gives the
+   step records of `mpirun -np 2 python3 train_tiny.py` and of `hspmd train
+   --nproc 2` with the same flags, bit for bit (PYTHONPATH found by the
+   launcher: none is set here);
+ * a script whose rank 1 kills itself ends the job with exit code 1 and one
+   line naming the rank and the signal;
+ * SIGTERM to the launcher ends the ranks: exit code 143 and one line;
+ * a missing script or --nproc is one [flags] line, exit code 1."""
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "python", "train_tiny.py")
+MODEL = os.path.join(ROOT, "examples", "tiny-llama", "config.json")
+FLAGS = ["--seq-len", "64", "--steps", "6", "--lr", "3e-3", "--lr-schedule", "cosine", "--warmup-steps", "2",
+         "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "0", "--quiet"]
+FIELDS = ("step", "loss", "grad_norm", "lr", "tokens")
+PIPELINE_2 = {"description": "2 ranks: a pipeline of two stages", "schedule": "1f1b",
+              "pipelines": [{"micro_batch_size": 2, "micro_batches": 2,
+                             "stages": [{"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [2, 3]}]}]}
+KILLER = """import os, signal, sys, hspmd
+w = hspmd.world()
+w.barrier()
+if w.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+w.barrier()  # never passes: rank 1 is gone
+"""
+SLEEPER = """import os, sys, time, hspmd
+w = hspmd.world()
+w.barrier()
+open(sys.argv[1] + "." + str(w.rank), "w").close()
+time.sleep(120)
+"""
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if '"loss"' in line]
+
+
+def errors(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("hspmd: error")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--pythonpath", required=True, help="the module's directory, for the plain mpirun run only")
+    a = ap.parse_args()
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)  # the launcher finds the module itself
+    launch = [a.hspmd, "launch", "--nproc", "2", "--python", a.python]
+    with tempfile.TemporaryDirectory() as d:
+        data = os.path.join(d, "corpus.bin")
+        corpus = sorted(glob.glob(os.path.join(ROOT, "data", "corpus", "*.txt")))
+        subprocess.run([a.hspmd, "tokenize", "--model", MODEL, "--output", data, *corpus], check=True,
+                       capture_output=True)
+        strategy = os.path.join(d, "pipeline_2.json")
+        with open(strategy, "w") as f:
+            json.dump(PIPELINE_2, f)
+        logs = {k: os.path.join(d, k + ".jsonl") for k in ("launch", "mpirun", "cli")}
+        example = [EXAMPLE, "--data", data, "--strategy", strategy]
+        subprocess.run(launch + example + ["--records", logs["launch"]], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run([a.mpirun, "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "PYTHONPATH",
+                        a.python, *example, "--records", logs["mpirun"]], check=True,
+                       env=dict(env, PYTHONPATH=a.pythonpath), stdout=subprocess.DEVNULL)
+        subprocess.run([a.hspmd, "train", "--nproc", "2", "--model", MODEL, "--data", data, *FLAGS, "--threads", "1",
+                        "--strategy", strategy, "--log", logs["cli"]], check=True, env=env)
+        got = records(logs["launch"])
+        assert len(got) == 6, len(got)
+        for other in ("mpirun", "cli"):
+            want = records(logs[other])
+            for w, g in zip(want, got):
+                for k in FIELDS:
+                    assert w[k] == g[k], f"step {w['step']}: {k} {g[k]!r} under launch, {w[k]!r} under {other}"
+
+        # A rank killed by a signal: exit 1, one line naming it.
+        killer = os.path.join(d, "killer.py")
+        with open(killer, "w") as f:
+            f.write(KILLER)
+        p = subprocess.run(launch + [killer], env=env, capture_output=True, text=True, timeout=120)
+        lines = errors(p.stderr)
+        assert p.returncode == 1, (p.returncode, p.stderr)
+        assert lines == ["hspmd: error: [launch] rank 1 was killed by signal 9 (Killed); the job was ended"], p.stderr
+
+        # SIGTERM to the launcher: forwarded, the ranks end, 128 + 15.
+        sleeper, marker = os.path.join(d, "sleeper.py"), os.path.join(d, "started")
+        with open(sleeper, "w") as f:
+            f.write(SLEEPER)
+        p = subprocess.Popen(launch + [sleeper, marker], env=env, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while not all(os.path.exists(f"{marker}.{r}") for r in (0, 1)):
+            assert time.time() < deadline and p.poll() is None, "the sleeper's ranks did not start"
+            time.sleep(0.1)
+        start = time.time()
+        p.send_signal(signal.SIGTERM)
+        _, stderr = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, stderr)
+        assert errors(stderr) == ["hspmd: error: [launch] SIGTERM: ended the job's 2 ranks"], stderr
+        assert time.time() - start < 15, "the ranks outlived the SIGTERM"
+
+        # Bad invocations: one [flags] line.
+        for args, want in (([a.hspmd, "launch", "--nproc", "2", os.path.join(d, "none.py")], "none.py"),
+                           ([a.hspmd, "launch", killer], "--nproc N is required"),
+                           ([a.hspmd, "launch", "--nproc", "2"], "no script given")):
+            p = subprocess.run(args, env=env, capture_output=True, text=True)
+            assert p.returncode == 1 and len(errors(p.stderr)) == 1 and want in p.stderr, (args, p.stderr)
+    print("ok: hspmd launch == mpirun python3 == hspmd train --nproc 2; a killed rank, SIGTERM, bad flags")
+
+
+if __name__ == "__main__":
+    main()
