@@ -224,6 +224,7 @@ def world():
     global _world
     if _world is None:
         _world = _core.make_world()
+        _supervision.start(_world.rank)  # under `hspmd launch`: heartbeat, one error message
     return _world
 
 
@@ -233,4 +234,5 @@ def _release_world():
     _world = None  # before MPI_Finalize (a C exit handler, after Python's)
 
 
+from . import _supervision  # noqa: E402
 from .trainer import Trainer  # noqa: E402,F401

@@ -4,7 +4,7 @@ import os
 import sys
 import time
 
-from . import _core
+from . import _core, _supervision
 
 
 class Trainer:
@@ -72,6 +72,7 @@ class Trainer:
             self._abort_others(e)
             raise
         record["unix_time"] = time.time()
+        _supervision.step_done(record["step"])
         self.records.append(record)
         return record
 
@@ -155,8 +156,9 @@ class Trainer:
 
     def _abort_others(self, error):
         if self.world.size > 1:
-            sys.stderr.write(f"hspmd: error: rank {self.world.rank}: {error}\n")
-            sys.stderr.flush()
+            if _supervision.claim_report():  # under `hspmd launch`: the job's first error only
+                sys.stderr.write(f"hspmd: error: rank {self.world.rank}: {error}\n")
+                sys.stderr.flush()
             self.world.abort(1)
 
     def __enter__(self):

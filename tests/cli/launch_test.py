@@ -6,6 +6,9 @@
    launcher: none is set here);
  * a script whose rank 1 kills itself ends the job with exit code 1 and one
    line naming the rank and the signal;
+ * with --timeout, a rank that stops (SIGSTOP) is named by the watchdog: the
+   Python ranks tick the heartbeat (python/hspmd/_supervision.py);
+ * a Trainer setup error on every rank is one line from one rank;
  * SIGTERM to the launcher ends the ranks: exit code 143 and one line;
  * a missing script or --nproc is one [flags] line, exit code 1."""
 import argparse
@@ -33,6 +36,18 @@ w.barrier()
 if w.rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 w.barrier()  # never passes: rank 1 is gone
+"""
+STOPPER = """import os, signal, hspmd
+w = hspmd.world()
+w.barrier()
+if w.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its heartbeat stops
+w.barrier()
+"""
+BAD_SETUP = """import sys, hspmd
+bad = {"pipelines": [{"micro_batch_size": 2, "micro_batches": 1,
+                      "stages": [{"ranks": [0, 1, 2], "layers": [0, 3]}]}]}
+hspmd.Trainer(sys.argv[1], bad, sys.argv[2], seq_len=64, steps=1)
 """
 SLEEPER = """import os, sys, time, hspmd
 w = hspmd.world()
@@ -71,7 +86,7 @@ def main():
             json.dump(PIPELINE_2, f)
         logs = {k: os.path.join(d, k + ".jsonl") for k in ("launch", "mpirun", "cli")}
         example = [EXAMPLE, "--data", data, "--strategy", strategy]
-        subprocess.run(launch + example + ["--records", logs["launch"]], check=True, env=env,
+        subprocess.run(launch + ["--timeout", "60"] + example + ["--records", logs["launch"]], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         subprocess.run([a.mpirun, "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "PYTHONPATH",
                         a.python, *example, "--records", logs["mpirun"]], check=True,
@@ -95,6 +110,26 @@ def main():
         assert p.returncode == 1, (p.returncode, p.stderr)
         assert lines == ["hspmd: error: [launch] rank 1 was killed by signal 9 (Killed); the job was ended"], p.stderr
 
+        # --timeout: the Python ranks' heartbeats reach the watchdog.
+        stopper = os.path.join(d, "stopper.py")
+        with open(stopper, "w") as f:
+            f.write(STOPPER)
+        p = subprocess.run(launch[:2] + ["--nproc", "2", "--timeout", "2", "--python", a.python, stopper], env=env,
+                           capture_output=True, text=True, timeout=120)
+        lines = errors(p.stderr)
+        assert p.returncode == 1 and len(lines) == 1, (p.returncode, p.stderr)
+        assert lines[0].startswith("hspmd: error: [watchdog] rank 1 (pid ") and "stopped responding" in lines[0], \
+            lines
+
+        # A Trainer setup error, raised on both ranks: one line, from one rank.
+        bad = os.path.join(d, "bad_setup.py")
+        with open(bad, "w") as f:
+            f.write(BAD_SETUP)
+        p = subprocess.run(launch + [bad, MODEL, data], env=env, capture_output=True, text=True, timeout=120)
+        lines = errors(p.stderr)
+        assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+        assert lines[0].startswith("hspmd: error: rank "), lines
+
         # SIGTERM to the launcher: forwarded, the ranks end, 128 + 15.
         sleeper, marker = os.path.join(d, "sleeper.py"), os.path.join(d, "started")
         with open(sleeper, "w") as f:
@@ -117,7 +152,8 @@ def main():
                            ([a.hspmd, "launch", "--nproc", "2"], "no script given")):
             p = subprocess.run(args, env=env, capture_output=True, text=True)
             assert p.returncode == 1 and len(errors(p.stderr)) == 1 and want in p.stderr, (args, p.stderr)
-    print("ok: hspmd launch == mpirun python3 == hspmd train --nproc 2; a killed rank, SIGTERM, bad flags")
+    print("ok: hspmd launch == mpirun python3 == hspmd train --nproc 2; a killed rank, the watchdog, a setup "
+          "error, SIGTERM, bad flags: one line each")
 
 
 if __name__ == "__main__":
