@@ -54,6 +54,8 @@ const std::map<std::string, Setter>& setters() {
       {"threads", field(&TrainOptions::threads)},
       {"pack_documents", field(&TrainOptions::pack_documents)},
       {"progress", field(&TrainOptions::progress)},
+      {"switch_algorithm", field(&TrainOptions::switch_algorithm)},
+      {"switch_bucket_mb", field(&TrainOptions::switch_bucket_mb)},
       {"seed", [](TrainOptions& o, const py::handle& v) {
          const int64_t seed = v.cast<int64_t>();
          if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);

@@ -44,7 +44,9 @@ def compare(want_path, got_path, what):
 
 def one_process_errors(data):
     import hspmd
-    t = hspmd.Trainer(MODEL, None, data, seq_len=64, steps=3, global_batch=8, micro_batches=2, threads=1, seed=0)
+    log = os.path.join(os.path.dirname(data), "one.jsonl")
+    t = hspmd.Trainer(MODEL, None, data, seq_len=64, steps=3, global_batch=8, micro_batches=2, threads=1, seed=0,
+                      switch_algorithm="naive", log=log)
     t.step()
     half = {"pipelines": [{"micro_batch_size": 2, "micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 3]}]}]}
     cases = [(half, "global batch 4, the run's is 8"), (os.path.join(ROOT, "no-such.json"), "no-such.json")]
@@ -67,6 +69,8 @@ def one_process_errors(data):
     else:
         raise AssertionError("switch_to after the last step was accepted")
     t.finish()
+    switches = read_log(log)[1]
+    assert [(r["step"], r["algorithm"]) for r in switches] == [(1, "naive")], switches
 
 
 def main():
