@@ -222,6 +222,7 @@ void NDArray::fill(float value) {
     case DType::BF16: std::fill_n(data<uint16_t>(), n, f32_to_bf16(value)); break;
     case DType::I32: std::fill_n(data<int32_t>(), n, static_cast<int32_t>(value)); break;
     case DType::I64: std::fill_n(data<int64_t>(), n, static_cast<int64_t>(value)); break;
+    case DType::F64: std::fill_n(data<double>(), n, static_cast<double>(value)); break;
   }
 }
 

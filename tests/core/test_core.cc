@@ -82,6 +82,18 @@ TEST(NDArray, ViewsShareStorageAndContiguousCopies) {
   EXPECT_THROW(a.data<int32_t>(), InternalError);
 }
 
+// fill writes every dtype (an F64 fill once did nothing, silently).
+TEST(NDArray, FillWritesEveryDtype) {
+  for (DType t : {DType::F32, DType::BF16, DType::I32, DType::I64}) {
+    NDArray a = NDArray::zeros({3}, t);
+    a.fill(2.0f);
+    EXPECT_EQ(a.to_vector(), (std::vector<float>{2, 2, 2})) << dtype_name(t);
+  }
+  NDArray d = NDArray::zeros({3}, DType::F64);
+  d.fill(2.0f);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(d.data<double>()[i], 2.0);
+}
+
 TEST(NDArray, Bf16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
   EXPECT_EQ(bf16_to_f32(f32_to_bf16(3.140625f)), 3.140625f);  // exactly representable

@@ -52,7 +52,7 @@ struct ModelConfig {
   // The model a user defined (model_type "hspmd_custom", src/models/custom):
   // its "program" field, the parameters and ops its family builds the graph
   // from (docs/models.md, "Custom models"); null for every other family.
-  nlohmann::json program;
+  nlohmann::json program = nullptr;
 
   int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
