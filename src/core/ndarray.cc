@@ -99,12 +99,14 @@ template float* NDArray::host_data<float>(const char*) const;
 template uint16_t* NDArray::host_data<uint16_t>(const char*) const;
 template int32_t* NDArray::host_data<int32_t>(const char*) const;
 template int64_t* NDArray::host_data<int64_t>(const char*) const;
+template double* NDArray::host_data<double>(const char*) const;
 
 template <typename T>
 T* NDArray::data() const {
   constexpr DType expected = std::is_same_v<T, float>      ? DType::F32
                              : std::is_same_v<T, uint16_t> ? DType::BF16
                              : std::is_same_v<T, int32_t>  ? DType::I32
+                             : std::is_same_v<T, double>   ? DType::F64
                                                            : DType::I64;
   HSPMD_CHECK(dtype_ == expected, "array is ", dtype_name(dtype_), ", accessed as ",
               dtype_name(expected));
@@ -114,6 +116,7 @@ template float* NDArray::data<float>() const;
 template uint16_t* NDArray::data<uint16_t>() const;
 template int32_t* NDArray::data<int32_t>() const;
 template int64_t* NDArray::data<int64_t>() const;
+template double* NDArray::data<double>() const;
 
 NDArray NDArray::reshape(const Shape& shape) const {
   HSPMD_CHECK(is_contiguous(), "reshape of a strided view");

@@ -65,7 +65,8 @@ class NDArray {
   bool is_contiguous() const;
 
   // Typed pointer to the first element, in the array's device memory.
-  // Checks the dtype matches T. For kernels (src/kernels/) and communicator
+  // Checks the dtype matches T (float f32, uint16_t bf16, int32_t i32,
+  // int64_t i64, double f64). For kernels (src/kernels/) and communicator
   // backends only, which know the device; everything above them reaches
   // tensor bytes through kernels, or host_data() for host staging arrays
   // (scripts/lint_tensor_bytes.py keeps it so, in CI).
