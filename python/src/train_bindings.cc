@@ -93,8 +93,8 @@ const std::map<std::string, Setter>& setters() {
          const Device where = parse_device_name(v.cast<std::string>(), "--device");
          require_device(where);
          if (where.type == DeviceType::CUDA)
-           fail("[train] --device ", where.str(), ": training on CUDA is not available yet: the CUDA backend has "
-                "its device runtime and memory kernels, not every op's kernels (docs/cuda.md)");
+           fail("[train] --device ", where.str(), ": the Python Trainer does not run on CUDA yet (the command line "
+                "trains one process on one GPU: hspmd train --device cuda; docs/cuda.md)");
        }},
   };
   return table;
