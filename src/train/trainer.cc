@@ -32,6 +32,26 @@ void check_options(const TrainOptions& o, const ModelConfig& c) {
          o.global_batch);
 }
 
+// Runs `check` on every rank; when it throws on any, every rank throws
+// SetupFailure with the lowest failing rank's message (nothing changed);
+// `elsewhere` is the message of the ranks whose check passed.
+void agreed(Communicator& world, const std::function<void()>& check,
+            const char* elsewhere = "[train] the check failed on another rank") {
+  std::string error;
+  try {
+    check();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  std::vector<int32_t> failed(world.size(), 0);
+  const int32_t mine = error.empty() ? 0 : 1;
+  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
+  const auto first = std::find(failed.begin(), failed.end(), 1);
+  if (first != failed.end())
+    throw SetupFailure(error.empty() ? elsewhere : error,
+                       first - failed.begin() == world.rank());
+}
+
 }  // namespace
 
 std::string new_run_id() {
@@ -99,20 +119,13 @@ TrainingRun::TrainingRun(const TrainOptions& options, Communicator& world) : opt
                  kernels::gemm_isa_description().c_str());
   // Setup errors (strategy, world size, data, weights) are agreed on by all
   // ranks before any step: the lowest failing rank reports, every rank exits.
-  std::string error;
-  try {
-    trainer_ = std::make_unique<dist::DistTrainer>(options_, world);
-    trainer_->prepare();
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  std::vector<int32_t> failed(world.size(), 0);
-  const int32_t mine = error.empty() ? 0 : 1;
-  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
-  const auto first = std::find(failed.begin(), failed.end(), 1);
-  if (first != failed.end())
-    throw SetupFailure(error.empty() ? "[train] setup failed on another rank" : error,
-                       first - failed.begin() == world.rank());
+  agreed(
+      world,
+      [&] {
+        trainer_ = std::make_unique<dist::DistTrainer>(options_, world);
+        trainer_->prepare();
+      },
+      "[train] setup failed on another rank");
   trainer_->begin();
 }
 
@@ -181,27 +194,6 @@ void DistTrainer::load_weights(const std::map<std::string, NDArray>& weights) {
 
 }  // namespace dist
 
-namespace {
-
-// Runs `check` on every rank; when it throws on any, every rank throws
-// SetupFailure with the lowest failing rank's message (nothing changed).
-void agreed(Communicator& world, const std::function<void()>& check) {
-  std::string error;
-  try {
-    check();
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  std::vector<int32_t> failed(world.size(), 0);
-  const int32_t mine = error.empty() ? 0 : 1;
-  world.all_gather(&mine, failed.data(), std::vector<int64_t>(world.size(), 1));
-  const auto first = std::find(failed.begin(), failed.end(), 1);
-  if (first != failed.end())
-    throw SetupFailure(error.empty() ? "[train] the check failed on another rank" : error,
-                       first - failed.begin() == world.rank());
-}
-
-}  // namespace
 
 void TrainingRun::switch_to(const SwitchTarget& target) {
   std::shared_ptr<const AnnotationPlan> plan;
