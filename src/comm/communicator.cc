@@ -216,7 +216,7 @@ class SingleProcessCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_single_process_communicator() {
-  return std::make_unique<SingleProcessCommunicator>();
+  return make_staged_communicator(std::make_unique<SingleProcessCommunicator>(), stage_host_buffers_requested());
 }
 
 }  // namespace hspmd

@@ -286,14 +286,15 @@ std::unique_ptr<Communicator> make_world_communicator() {
   int initialized = 0;
   check(MPI_Initialized(&initialized), "MPI_Initialized");
   if (!initialized) {
-    if (!launched_by_mpi()) return make_single_process_communicator();
+    if (!launched_by_mpi()) return make_single_process_communicator();  // staged already
     int provided = 0;
     check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     std::atexit(finalize_mpi);
   }
   MPI_Comm world = MPI_COMM_NULL;
   check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup");
-  return std::make_unique<MpiCommunicator>(world, std::make_shared<ByteCounters>());
+  return make_staged_communicator(std::make_unique<MpiCommunicator>(world, std::make_shared<ByteCounters>()),
+                                  stage_host_buffers_requested());
 }
 
 bool built_with_mpi() { return true; }

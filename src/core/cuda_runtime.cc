@@ -78,6 +78,43 @@ class CudaAllocator final : public Allocator {
   BlockCache cache_;
 };
 
+// Page-locked host blocks rounded up to 4 KiB and cached by that size.
+class PinnedAllocator final : public Allocator {
+ public:
+  ~PinnedAllocator() override = default;  // process lifetime: see CudaStream
+
+  void* allocate(size_t bytes) override {
+    const size_t rounded = round(bytes);
+    if (void* p = cache_.take(rounded)) {
+      account_alloc(bytes);
+      return p;
+    }
+    void* p = nullptr;
+    cudaError_t status = cudaHostAlloc(&p, rounded, cudaHostAllocPortable);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      cache_.drain([](void* q) { (void)cudaFreeHost(q); });
+      status = cudaHostAlloc(&p, rounded, cudaHostAllocPortable);
+    }
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      fail("[cuda] out of pinned host memory allocating ", bytes, " bytes (", current_bytes(), " in use): ",
+           cudaGetErrorString(status));
+    }
+    account_alloc(bytes);
+    return p;
+  }
+
+  void deallocate(void* ptr, size_t bytes) override {
+    account_free(bytes);
+    cache_.put(round(bytes), ptr);
+  }
+
+ private:
+  static size_t round(size_t bytes) { return bytes == 0 ? 4096 : (bytes + 4095) / 4096 * 4096; }
+  BlockCache cache_;
+};
+
 class CudaStream final : public Stream {
  public:
   explicit CudaStream(int index) : Stream(Device::cuda(index), 0) {
@@ -113,6 +150,18 @@ Stream& default_stream(int index) {
   static std::mutex mu;
   static auto* all = new std::unordered_map<int, std::unique_ptr<CudaStream>>();
   return per_device(index, *all, mu);
+}
+
+Allocator& pinned_allocator() {
+  static auto* pinned = new PinnedAllocator();  // never destroyed: see CudaStream
+  return *pinned;
+}
+
+void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  set_device(stream.device().index);
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream.native_handle())),
+        "cudaMemcpyAsync");
 }
 
 std::shared_ptr<void> record_event(Stream& stream) {

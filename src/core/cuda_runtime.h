@@ -25,6 +25,12 @@ Allocator& allocator(int index);
 // legacy NULL stream), so that work on it can be captured in CUDA graphs.
 Stream& default_stream(int index);
 
+// Page-locked host memory (cudaHostAlloc), blocks cached by size.
+Allocator& pinned_allocator();
+
+// cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault) on `stream`.
+void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes);
+
 // Events on a CUDA stream (timing enabled), shared by copies of an Event.
 std::shared_ptr<void> record_event(Stream& stream);
 void synchronize_event(void* event);

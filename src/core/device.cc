@@ -3,6 +3,7 @@
 #include <ctime>
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -115,6 +116,26 @@ Stream& default_stream(Device device) {
 #else
   fail("[device] ", device.str(), ": this build has no CUDA backend");
 #endif
+}
+
+Allocator& staging_host_allocator() {
+#ifdef HSPMD_HAVE_CUDA
+  if (cuda_rt::device_count() > 0) return cuda_rt::pinned_allocator();
+#endif
+  return allocator_for(Device::cpu());
+}
+
+void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+#ifdef HSPMD_HAVE_CUDA
+  if (stream.device().type == DeviceType::CUDA) {
+    cuda_rt::copy_bytes(stream, dst, src, bytes);
+    return;
+  }
+#endif
+  HSPMD_CHECK(stream.device().type == DeviceType::CPU, "copy_bytes on a ", stream.device().str(),
+              " stream in a build without its backend");
+  std::memmove(dst, src, bytes);
 }
 
 void Event::record(Stream& stream) {

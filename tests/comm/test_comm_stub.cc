@@ -46,6 +46,32 @@ TEST(SingleProcessCommunicator, AnythingNeedingAnotherRankThrows) {
   EXPECT_NE(error_of([&] { comm->all_gather(&x, &x, {1, 1}); }), "");
 }
 
+// The staged wrapper in its host-buffer test mode: every operation goes
+// through separate staging blocks; results appear only once waited, and are
+// the stub's (copies) then.
+TEST(StagedCommunicator, HostBuffersTakeTheStagingPathAndArriveAtTheWait) {
+  auto comm = make_staged_communicator(make_single_process_communicator(), /*stage_host_buffers=*/true);
+  std::vector<float> a = {1, 2, 3}, b(3, 0.0f);
+  std::vector<Request> pending;
+  pending.push_back(comm->start_reduce_scatter(a.data(), b.data(), {3}, DType::F32));
+  EXPECT_EQ(b, (std::vector<float>(3, 0.0f)));  // staged: written back at the wait
+  comm->wait_all(pending);
+  EXPECT_TRUE(pending.empty());
+  EXPECT_EQ(b, a);
+  std::fill(b.begin(), b.end(), 0.0f);
+  comm->all_gather(a.data(), b.data(), {2});
+  EXPECT_EQ(b, (std::vector<float>{1, 2, 0}));
+  std::vector<uint16_t> h = {f32_to_bf16(1.5f), f32_to_bf16(-2.0f)};
+  comm->all_reduce(h.data(), 2);
+  comm->broadcast(h.data(), 2, 0);
+  EXPECT_EQ(bf16_to_f32(h[0]), 1.5f);
+  EXPECT_EQ(bf16_to_f32(h[1]), -2.0f);
+  EXPECT_EQ(&comm->group({0}), comm.get());
+  float x = 0;
+  EXPECT_EQ(error_of([&] { comm->send(&x, 1, 1); }), "[comm] send to rank 1 needs MPI (single-process communicator)");
+  EXPECT_EQ(error_of([&] { comm->all_reduce(&x, -1); }), "[comm] all_reduce: negative count -1");
+}
+
 static_assert(comm_dtype<float>() == DType::F32 && comm_dtype<double>() == DType::F64 &&
               comm_dtype<int32_t>() == DType::I32 && comm_dtype<int64_t>() == DType::I64 &&
               comm_dtype<uint16_t>() == DType::BF16);

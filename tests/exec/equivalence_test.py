@@ -261,6 +261,9 @@ def main():
                     help="also this many random strategies (random_strategy) on fixed, packed, tied or "
                          "vocab-66 data")
     ap.add_argument("--seed", type=int, default=2026, help="seed of the random strategies")
+    ap.add_argument("--device", default="cpu",
+                    help="hspmd train --device for every run, the single-process references included "
+                         "(cuda: the plans on one GPU, docs/cuda.md)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_equiv_")
     model = os.path.join(tmp, "model.json")
@@ -271,7 +274,7 @@ def main():
         f.write(b"".join(struct.pack("<I", rng.randrange(64)) for _ in range(8192)))
     base = [args.hspmd, "train", "--model", model, "--data", data, "--steps", "5", "--lr", "3e-3",
             "--eps", os.environ.get("HSPMD_EQ_EPS", "1e-5"), "--weight-decay", "0.1", "--clip-grad", "0.5", "--threads", "1",
-            "--quiet"]
+            "--quiet", "--device", args.device]
     common = base + ["--seq-len", "16"]
     base_w = os.path.join(tmp, "fixed.safetensors")  # --init below loads it
 

@@ -329,6 +329,9 @@ class Communicator {
   static int64_t element_bytes(DType dtype) { return static_cast<int64_t>(dtype_size(dtype)); }
   // For a backend's groups, which share their world's counters.
   const std::shared_ptr<ByteCounters>& shared_counters() const { return counters_; }
+  // Another communicator's counters: a wrapper (the staged communicator)
+  // counts through the communicator it wraps.
+  static const std::shared_ptr<ByteCounters>& counters_of(const Communicator& c) { return c.counters_; }
 
  private:
   std::shared_ptr<ByteCounters> counters_;
@@ -338,12 +341,31 @@ class Communicator {
 // hspmd::Error) when built with MPI and either MPI is already initialized or
 // the process was launched by mpirun / an MPI launcher (MPI is then
 // initialized here and finalized at exit); otherwise the single-process stub.
+// Either way staged (make_staged_communicator), so that device buffers work.
 std::unique_ptr<Communicator> make_world_communicator();
 
 // The single-process stub (size 1, rank 0): collectives over its one member
 // are copies; group({0}) is itself; point-to-point and any other group throw
 // hspmd::Error "[comm] ... needs MPI (single-process communicator)".
 std::unique_ptr<Communicator> make_single_process_communicator();
+
+// Device buffers through a host library (docs/comm.md): wraps `host` (MPI
+// or the stub; taken over) so that an operation on a stream of a device
+// other than the CPU copies its send buffer into staging host memory
+// (staging_host_allocator: pinned with CUDA) in the stream's order, waits
+// for the copy, runs `host`'s operation on the host copies, and, once the
+// request is waited (wait_all), copies what was received back to the device
+// buffer in the stream's order and waits for that copy. The contract above
+// holds unchanged; byte counters are `host`'s. Operations on the CPU's
+// stream pass straight through, unless `stage_host_buffers` (a test of the
+// staging itself on machines without a GPU: CPU buffers take the same path
+// through separate host copies). Groups are staged likewise.
+std::unique_ptr<Communicator> make_staged_communicator(std::unique_ptr<Communicator> host,
+                                                       bool stage_host_buffers = false);
+
+// Whether HSPMD_COMM_STAGE_HOST=1 asks make_world_communicator to stage CPU
+// buffers too (make_staged_communicator's stage_host_buffers).
+bool stage_host_buffers_requested();
 
 // Whether this build has the MPI backend (HSPMD_MPI).
 bool built_with_mpi();

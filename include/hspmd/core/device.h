@@ -83,6 +83,19 @@ class Stream {
 // this build.
 Stream& default_stream(Device device);
 
+// Host memory for staging device buffers through a host library (the
+// staged communicator, docs/comm.md): page-locked (cudaHostAlloc, cached by
+// size) when the build has CUDA and a device is visible, so that copies to
+// and from the device run at full speed and asynchronously; otherwise the
+// CPU's allocator. Its blocks are host memory either way.
+Allocator& staging_host_allocator();
+
+// Copies `bytes` from `src` to `dst` in `stream`'s order. On a CUDA stream
+// either side may be host or device memory (cudaMemcpyAsync, the direction
+// from unified addressing; pageable host memory makes it synchronous); on
+// the CPU's stream, a memcpy now.
+void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes);
+
 // Whether this build has the CUDA backend, and how many CUDA devices this
 // process sees (0 without the backend, a driver or a device).
 bool built_with_cuda();
