@@ -301,17 +301,32 @@ def torch_worker(a):
 
 
 # ------------------------------------------------------------- harness --
+CHILDREN = []  # the system running now: its process group goes when this process is stopped
+
+
+def stop_children(signum, frame):
+    for p in CHILDREN:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit(128 + signum)
+
+
 def run_limited(cmd, timeout, env=None):
     """(return code or 'TIMEOUT', stderr tail); the whole process group is
     killed at the limit (torch.compile's workers too)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
+    CHILDREN.append(p)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
         return "TIMEOUT", (err or "")[-2000:]
+    finally:
+        CHILDREN.remove(p)
     return p.returncode, (err or "")[-2000:]
 
 
@@ -422,8 +437,16 @@ def print_table(rows, report):
               f"{fmt(r.get('tokens_per_s'), '10.0f'):>10s} {fmt(r.get('mfu') and 100 * r['mfu'], '6.1f'):>6s} "
               f"{fmt(mem and mem / 2**30, '9.2f'):>9s} {fmt((r.get('losses') or [None])[0], '7.3f'):>7s}"
               f"{'  ' + r['reason'] if r.get('reason') else ''}")
+    for r in rows:  # one machine-readable line per system, as the GPU probes print (docs/gpu.md)
+        mem = r.get("peak_memory_bytes")
+        fields = (f" median_ms={1e3 * r['step_time_s_median']:.2f} tokens_per_s={r['tokens_per_s']:.0f}"
+                  f" mfu_pct={fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} peak_gib={fmt(mem and mem / 2**30, '.2f')}"
+                  if r["status"] == "PASS" else f" reason=\"{r.get('reason', '')[:120]}\"")
+        print(f"RESULT probe=gpu_step case={r['system']}{fields} status={r['status']}")
     ratio = report.get("hspmd_over_compiled")
     if ratio:
+        print(f"RESULT probe=gpu_step case=hspmd_over_compiled step_time_x={ratio['step_time']:.3f} "
+              f"tokens_per_s_x={ratio['tokens_per_s']:.3f} status=INFO")
         print(f"hspmd / compiled: step time {ratio['step_time']:.2f}x (above 1: hspmd slower), "
               f"tokens/s {ratio['tokens_per_s']:.2f}x" +
               (f", peak memory {ratio['peak_memory']:.2f}x" if ratio.get("peak_memory") else ""))
@@ -502,6 +525,9 @@ def main():
     if min(a.seq, a.mb, a.steps) < 1 or a.warmup < 0:
         ap.error("--seq, --mb and --steps must be positive, --warmup not negative")
     a.hspmd = a.hspmd or find_hspmd()
+    # A `timeout` around this script stops it with SIGTERM: the system running
+    # then (in its own session) must not keep the GPU.
+    signal.signal(signal.SIGTERM, stop_children)
     if a.cpu_smoke:
         device = "cpu"
         base = json.load(open(a.model or os.path.join(ROOT, "examples", "tiny-llama", "config.json")))
