@@ -1,7 +1,6 @@
 // CUDA attention (attention.h contracts): the whole-sequence forward and
 // backward and the blocks of ring attention, f32 outputs, with f32 or bf16
-// products. A first, correct kernel set, not a fast one (cuDNN's fused
-// attention is the plan for speed, docs/cuda.md): one warp per query row
+// products. A first, correct kernel set, not a fast one: one warp per query row
 // (forward, dq) or per key row (dk, dv), an online softmax, every pair the
 // mask lets through visited in index order; each output row has one writer,
 // so the results are the same bits on every run (no atomics).
@@ -15,6 +14,11 @@
 // call). With bf16 products every operand of a product (q, k, v, grad_out,
 // the probabilities and dS) is rounded to bf16 (nearest even) first; the
 // sums stay f32.
+//
+// With bf16 products the whole-sequence forward and backward first offer the
+// case to cuDNN's fused attention (attention_sdpa.cu; docs/cuda.md): these
+// kernels run when it is off, refuses or is missing. Ring attention's blocks
+// always run here.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,6 +30,7 @@
 #include "core/cuda_runtime.h"
 #include "hspmd/core/error.h"
 #include "kernels/cpu/cpu.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/launch.cuh"
 
@@ -275,9 +280,9 @@ Args make_args(const NDArray& q, const NDArray& k, const NDArray& v, float scale
 }
 
 // The whole sequence as one block: indices 0 .. S-1, the starts of the CPU
-// backend's rules (documents read back to the host), the window folded in.
-DeviceIndex whole_sequence(Stream& s, const NDArray& documents, int64_t B, int64_t S, int64_t window) {
-  const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
+// backend's rules (from the documents read back to the host), the window
+// folded in.
+DeviceIndex whole_sequence(Stream& s, const NDArray& host_docs, int64_t B, int64_t S, int64_t window) {
   const std::vector<int32_t> starts = cpu::key_starts(host_docs, B, S, window);
   std::vector<int64_t> iota(S);
   std::iota(iota.begin(), iota.end(), int64_t{0});
@@ -325,7 +330,9 @@ void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDAr
   (void)tiles;  // one warp per row: no tiles
   if (window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", window);
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.dim(1) == q.dim(1), "attention: q and k lengths");
-  const DeviceIndex idx = whole_sequence(s, documents, q.dim(0), q.dim(1), window);
+  const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
+  if (sdpa_attention_forward(s, q, k, v, host_docs, scale, out, lse, products, window)) return;
+  const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
   run_forward(s, make_args(q, k, v, scale, products, 0, idx, "attention_forward"), out, lse);
 }
 
@@ -340,7 +347,9 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   HSPMD_CHECK(out.shape() == q.shape() && grad_out.shape() == q.shape() && dq.shape() == q.shape() &&
                   dk.shape() == k.shape() && dv.shape() == v.shape(),
               "attention_grad: shapes");
-  const DeviceIndex idx = whole_sequence(s, documents, q.dim(0), q.dim(1), window);
+  const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
+  if (sdpa_attention_backward(s, q, k, v, out, lse, grad_out, host_docs, scale, dq, dk, dv, products, window)) return;
+  const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
   const Args a = make_args(q, k, v, scale, products, 0, idx, "attention_backward");
   NDArray delta = NDArray::empty({a.B, a.Hq, a.Sq}, DType::F32, q.device());
   attention_row_dots(s, out, grad_out, delta, a.bf16);
