@@ -367,6 +367,22 @@ std::unique_ptr<Communicator> make_staged_communicator(std::unique_ptr<Communica
 // buffers too (make_staged_communicator's stage_host_buffers).
 bool stage_host_buffers_requested();
 
+// The NCCL backend (docs/comm.md): a communicator over the ranks of
+// `host_world` (MPI or the stub; it must outlive the result and stays the
+// host library for bootstrapping, groups and abort) whose operations run on
+// NCCL, on device buffers of this rank's `device` (a CUDA device, one per
+// rank: NCCL refuses two ranks of one communicator on one GPU). Operations
+// are queued and issued together, in one NCCL group, at the next wait;
+// wait_on orders them before a stream's later work without the host.
+// Collective over host_world (the unique id travels through it). Throws
+// "[comm] NCCL: ..." in a build without NCCL or when libnccl.so.2 cannot
+// be loaded.
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& host_world, Device device);
+// Whether this build has the NCCL backend (CUDA and nccl.h found), and the
+// loaded library's version (NCCL_VERSION_CODE form; throws without it).
+bool built_with_nccl();
+int nccl_version();
+
 // Whether this build has the MPI backend (HSPMD_MPI).
 bool built_with_mpi();
 
