@@ -301,16 +301,25 @@ elif [[ -z "$NVCC" ]]; then
   record conformance_memory NOT_BUILT 0
 else
   {
-    echo "== configure + build: cmake -S . -B $KBUILD -DHSPMD_GPU_KERNELS_ONLY=ON; target conformance_memory"
+    echo "== configure + build: cmake -S . -B $KBUILD -DHSPMD_GPU_KERNELS_ONLY=ON; targets conformance_memory" \
+      "conformance_attention"
     timeout $((left / 2)) cmake -S . -B "$KBUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DHSPMD_CUDA=ON \
       -DHSPMD_GPU_KERNELS_ONLY=ON "${CMAKE_HINTS[@]}" &&
-      timeout $((left / 2)) cmake --build "$KBUILD" -j "$JOBS" --target conformance_memory
+      timeout $((left / 2)) cmake --build "$KBUILD" -j "$JOBS" --target conformance_memory conformance_attention
   } >"$OUT/conformance_memory.log" 2>&1
   if [[ -x "$KBUILD/tests/gpu/conformance_memory" ]]; then
     left=$((T_START + BUDGET - $(date +%s) - 10))
     timeout -k 10 $((left < PROBE_TIMEOUT ? left : PROBE_TIMEOUT)) "$KBUILD/tests/gpu/conformance_memory" 2>&1 |
       tee -a "$OUT/conformance_memory.log"
     rc=${PIPESTATUS[0]}
+    # Attention on cuDNN (required: a fallback fails), same log and status.
+    if [[ -x "$KBUILD/tests/gpu/conformance_attention" ]]; then
+      left=$((T_START + BUDGET - $(date +%s) - 10))
+      HSPMD_CUDNN_ATTENTION=1 timeout -k 10 $((left < PROBE_TIMEOUT ? left : PROBE_TIMEOUT)) \
+        "$KBUILD/tests/gpu/conformance_attention" 2>&1 | tee -a "$OUT/conformance_memory.log"
+      rc2=${PIPESTATUS[0]}
+      if ((rc == 0 && rc2 != 77)); then rc=$rc2; fi
+    fi
     record conformance_memory "$(status_of "$rc")" $(($(date +%s) - t0))
   else
     grep -E "error|Error" "$OUT/conformance_memory.log" | head -n 10

@@ -16,51 +16,15 @@
 #include "hspmd/core/error.h"
 #include "kernels/attention.h"
 #include "kernels/basic.h"
+#include "kernels/cuda/attention_cudnn.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
+#include "conformance.h"
 
 namespace hspmd {
 namespace {
 
-int failures = 0;
-
-void result(const std::string& name, bool ok, const std::string& detail = "") {
-  std::printf("RESULT probe=conformance_memory case=%s %s status=%s\n", name.c_str(), detail.c_str(),
-              ok ? "PASS" : "FAIL");
-  if (!ok) ++failures;
-}
-
-Stream& cpu() { return default_stream(Device::cpu()); }
-Stream& gpu() { return default_stream(Device::cuda(0)); }
-
-NDArray random_f32(const Shape& shape, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  std::vector<float> v(shape_numel(shape));
-  for (float& x : v) x = n(rng);
-  return NDArray::from_vector(shape, v);
-}
-
-NDArray up(const NDArray& host) { return kernels::to_device(gpu(), host); }
-NDArray down(const NDArray& dev) { return kernels::to_host(gpu(), dev); }
-
-// Largest |a - b| over the elements (as f32), or inf when the shapes differ.
-double max_diff(const NDArray& a, const NDArray& b) {
-  if (a.shape() != b.shape()) return INFINITY;
-  const std::vector<float> x = a.to_vector(), y = b.to_vector();
-  double d = 0;
-  for (size_t i = 0; i < x.size(); ++i) d = std::max(d, static_cast<double>(std::fabs(x[i] - y[i])));
-  return d;
-}
-
-template <typename F>
-void run_case(const std::string& name, F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    result(name, false, std::string("error=\"") + e.what() + "\"");
-  }
-}
+using namespace conformance;
 
 void transfers() {
   run_case("round_trip", [] {
@@ -166,14 +130,6 @@ void optimizer() {
   });
 }
 
-// Largest |a - b| relative to the largest |b| (at least 1).
-double rel_diff(const NDArray& a, const NDArray& b) {
-  const std::vector<float> y = b.to_vector();
-  double m = 1;
-  for (float v : y) m = std::max(m, static_cast<double>(std::fabs(v)));
-  return max_diff(a, b) / m;
-}
-
 void ops() {
   run_case("rms_norm", [] {
     // Rows of an odd width; sums in double on both backends.
@@ -264,8 +220,6 @@ std::string error_of(F&& f) {
   }
   return "";
 }
-
-NDArray dev_empty(const Shape& shape, DType t = DType::F32) { return NDArray::empty(shape, t, Device::cuda(0)); }
 
 // The layout kernels move bytes and the reductions add in double in the CPU
 // kernels' order: equal bit for bit. RoPE and cross-entropy compute
@@ -402,8 +356,11 @@ void layout_and_model_ops() {
 // largest value, bf16 products within 1e-2 (the probabilities are rounded to
 // bf16 against a tile's running max on the CPU, the row's on the GPU).
 // Then ring attention's blocks: two key blocks merged, and their backward
-// from the whole attention's lse and delta.
+// from the whole attention's lse and delta. These are our kernels: cuDNN's
+// fused attention is switched off here (conformance_attention checks it).
 void attention() {
+  const kernels::cuda::CudnnAttention mode = kernels::cuda::cudnn_attention_mode();
+  kernels::cuda::set_cudnn_attention_mode(kernels::cuda::CudnnAttention::kOff);
   run_case("attention", [] {
     const float scale = 0.3f;
     double worst_f32 = 0, worst_bf16 = 0;
@@ -495,6 +452,7 @@ void attention() {
     std::snprintf(d, sizeof d, "rel=%.1e", e);
     result("attention_blocks", e < 1e-4, d);
   });
+  kernels::cuda::set_cudnn_attention_mode(mode);
 }
 
 void runtime() {
@@ -542,6 +500,7 @@ void runtime() {
 
 int main() {
   using namespace hspmd;
+  conformance::program = "conformance_memory";
   if (cuda_device_count() == 0) {
     std::printf("RESULT probe=conformance_memory case=device status=SKIP (no CUDA device)\n");
     return 77;
@@ -555,6 +514,6 @@ int main() {
   layout_and_model_ops();
   attention();
   runtime();
-  std::printf("conformance_memory: %d failure(s)\n", failures);
-  return failures == 0 ? 0 : 1;
+  std::printf("conformance_memory: %d failure(s)\n", conformance::failures);
+  return conformance::failures == 0 ? 0 : 1;
 }

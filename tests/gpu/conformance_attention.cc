@@ -1,0 +1,201 @@
+// Conformance of the CUDA backend's attention on cuDNN's fused SDPA
+// (docs/cuda.md, "Attention on cuDNN") against the CPU kernels with bf16
+// products: head dims 64 and 128, GQA 8:2, no documents, documents as
+// cu_seqlens and as positions (packed: THD), a sliding window; forward (out,
+// lse) and backward (dq, dk, dv). cuDNN is required here (as
+// HSPMD_CUDNN_ATTENTION=1): a case it refuses fails instead of falling back.
+// Then the fallback itself (a head dim cuDNN does not take), f32 products
+// staying on our kernels, and the time of forward and backward at the
+// TinyLlama shape (B 4, Hq 32, Hkv 4, S 4096, D 64, causal). Exits 0, 1 (a
+// case failed) or 77 (no CUDA device, or a build without cuDNN attention).
+//   RESULT probe=conformance_attention case=<c> ... status=PASS|FAIL
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "conformance.h"
+#include "hspmd/core/device.h"
+#include "hspmd/core/error.h"
+#include "kernels/attention.h"
+#include "kernels/cuda/attention_cudnn.h"
+#include "kernels/memory.h"
+
+namespace hspmd {
+namespace {
+
+using namespace conformance;
+namespace kc = kernels::cuda;
+
+struct Outputs {
+  NDArray out, lse, dq, dk, dv;
+};
+
+// Forward and backward on one backend (device arrays come back to the host).
+Outputs run(bool on_gpu, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& go,
+            const NDArray& docs, float scale, DType products, int64_t window) {
+  Stream& st = on_gpu ? gpu() : cpu();
+  auto put = [&](const NDArray& a) { return on_gpu && a.valid() ? up(a) : a; };
+  auto get = [&](const NDArray& a) { return on_gpu ? down(a) : a; };
+  const Device dev = on_gpu ? Device::cuda(0) : Device::cpu();
+  const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
+  NDArray out = NDArray::empty(q.shape(), DType::F32, dev), lse = NDArray::empty({B, Hq, S}, DType::F32, dev);
+  NDArray dq = NDArray::empty(q.shape(), DType::F32, dev), dk = NDArray::empty(k.shape(), DType::F32, dev);
+  NDArray dv = NDArray::empty(v.shape(), DType::F32, dev);
+  const NDArray gq = put(q), gk = put(k), gv = put(v), gdocs = put(docs);
+  const kernels::AttentionTiles tiles{32, 32};
+  kernels::attention_forward(st, gq, gk, gv, gdocs, scale, out, lse, tiles, products, window);
+  kernels::attention_backward(st, gq, gk, gv, out, lse, put(go), gdocs, scale, dq, dk, dv, tiles, products, window);
+  return {get(out), get(lse), get(dq), get(dk), get(dv)};
+}
+
+struct Case {
+  std::string name;
+  int64_t D;
+  NDArray docs;
+  int64_t window;
+};
+
+// Documents of lengths 40, 110 | 70, 80 over two rows of 150 tokens.
+NDArray cu_seqlens() { return NDArray::from_vector_i32({5}, {0, 40, 150, 220, 300}); }
+NDArray positions() {
+  std::vector<int32_t> pos(300);
+  for (int64_t t = 0; t < 300; ++t) {
+    const int64_t r = t % 150, start = t < 150 ? (r < 40 ? 0 : 40) : (r < 70 ? 0 : 70);
+    pos[t] = static_cast<int32_t>(r - start);
+  }
+  return NDArray::from_vector_i32({2, 150}, pos);
+}
+
+// cuDNN (required) against the CPU's bf16 products: outputs are bf16 on
+// cuDNN (one rounding, 2^-9 relative) and the probabilities are rounded
+// differently, so 2e-2 of the largest value; lse within 1e-3.
+void against_cpu() {
+  const std::vector<Case> cases = {
+      {"d64", 64, NDArray(), 0},
+      {"d128", 128, NDArray(), 0},
+      {"d64_window", 64, NDArray(), 37},
+      {"d128_cu_seqlens", 128, cu_seqlens(), 0},
+      {"d64_positions", 64, positions(), 0},
+      {"d128_cu_seqlens_window", 128, cu_seqlens(), 37},
+  };
+  kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
+  for (const Case& c : cases)
+    run_case("cudnn_" + c.name, [&] {
+      const int64_t B = 2, S = 150, Hq = 8, Hkv = 2, D = c.D;
+      const float scale = 0.9f / std::sqrt(static_cast<float>(D));
+      const NDArray q = random_f32({B, S, Hq, D}, 80), k = random_f32({B, S, Hkv, D}, 81);
+      const NDArray v = random_f32({B, S, Hkv, D}, 82), go = random_f32({B, S, Hq, D}, 83);
+      const int64_t calls = kc::cudnn_attention_calls();
+      const Outputs want = run(false, q, k, v, go, c.docs, scale, DType::BF16, c.window);
+      const Outputs got = run(true, q, k, v, go, c.docs, scale, DType::BF16, c.window);
+      const double e_out = rel_diff(got.out, want.out), e_lse = rel_diff(got.lse, want.lse);
+      const double e_grad = std::max({rel_diff(got.dq, want.dq), rel_diff(got.dk, want.dk), rel_diff(got.dv, want.dv)});
+      const int64_t served = kc::cudnn_attention_calls() - calls;
+      char d[160];
+      std::snprintf(d, sizeof d, "D=%lld window=%lld out=%.1e lse=%.1e grads=%.1e cudnn_calls=%lld", (long long)D,
+                    (long long)c.window, e_out, e_lse, e_grad, (long long)served);
+      result("cudnn_" + c.name, e_out < 2e-2 && e_lse < 1e-3 && e_grad < 2e-2 && served == 2, d);
+    });
+}
+
+// Auto mode falls back (reason recorded) for a head dim cuDNN does not take,
+// and the result is still right; required mode names the reason; f32
+// products never go to cuDNN.
+void fallbacks() {
+  run_case("fallback", [] {
+    const int64_t B = 1, S = 33, Hq = 4, Hkv = 2, D = 20;
+    const NDArray q = random_f32({B, S, Hq, D}, 90), k = random_f32({B, S, Hkv, D}, 91);
+    const NDArray v = random_f32({B, S, Hkv, D}, 92), go = random_f32({B, S, Hq, D}, 93);
+    kc::set_cudnn_attention_mode(kc::CudnnAttention::kAuto);
+    const Outputs want = run(false, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0);
+    const Outputs got = run(true, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0);
+    const std::string reason = kc::cudnn_attention_fallback_reason();
+    const double e = std::max({rel_diff(got.out, want.out), rel_diff(got.dq, want.dq), rel_diff(got.dk, want.dk)});
+    result("fallback_auto", e < 1e-2 && reason.find("head dim 20") != std::string::npos,
+           "rel=" + std::to_string(e) + " reason=\"" + reason + "\"");
+    kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
+    std::string error;
+    try {
+      run(true, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0);
+    } catch (const Error& x) {
+      error = x.what();
+    }
+    result("fallback_required_throws", error.find("HSPMD_CUDNN_ATTENTION=1") != std::string::npos,
+           "error=\"" + error + "\"");
+    const int64_t calls = kc::cudnn_attention_calls();
+    run(true, random_f32({1, 33, 4, 64}, 94), random_f32({1, 33, 2, 64}, 95), random_f32({1, 33, 2, 64}, 96),
+        random_f32({1, 33, 4, 64}, 97), NDArray(), 0.125f, DType::F32, 0);
+    result("f32_products_not_cudnn", kc::cudnn_attention_calls() == calls);
+  });
+}
+
+// Median time of `f` over 10 runs after 3 warm-ups (events on the stream).
+template <typename F>
+double median_ms(F&& f) {
+  std::vector<double> ms;
+  for (int i = 0; i < 13; ++i) {
+    Event a, b;
+    a.record(gpu());
+    f();
+    b.record(gpu());
+    gpu().synchronize();
+    if (i >= 3) ms.push_back(b.elapsed_ms(a));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// The model's shape through the op (f32 arrays: the bf16 conversions
+// included). Causal: the forward counts 4 B Hq S^2 D / 2 flops, the backward
+// 2.5 times that.
+void timing() {
+  run_case("timing_tinyllama", [] {
+    kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
+    const int64_t B = 4, S = 4096, Hq = 32, Hkv = 4, D = 64;
+    const float scale = 0.125f;
+    NDArray q = up(random_f32({B, S, Hq, D}, 100)), k = up(random_f32({B, S, Hkv, D}, 101));
+    NDArray v = up(random_f32({B, S, Hkv, D}, 102)), go = up(random_f32({B, S, Hq, D}, 103));
+    NDArray out = dev_empty(q.shape()), lse = dev_empty({B, Hq, S});
+    NDArray dq = dev_empty(q.shape()), dk = dev_empty(k.shape()), dv = dev_empty(v.shape());
+    const kernels::AttentionTiles tiles;
+    const double fwd = median_ms(
+        [&] { kernels::attention_forward(gpu(), q, k, v, NDArray(), scale, out, lse, tiles, DType::BF16, 0); });
+    const double bwd = median_ms([&] {
+      kernels::attention_backward(gpu(), q, k, v, out, lse, go, NDArray(), scale, dq, dk, dv, tiles, DType::BF16, 0);
+    });
+    const double flops = 4.0 * B * Hq * S * S * D / 2;
+    char d[200];
+    std::snprintf(d, sizeof d, "B=%lld Hq=%lld Hkv=%lld S=%lld D=%lld fwd_ms=%.3f fwd_tflops=%.1f bwd_ms=%.3f "
+                  "bwd_tflops=%.1f", (long long)B, (long long)Hq, (long long)Hkv, (long long)S, (long long)D, fwd,
+                  flops / fwd / 1e9, bwd, 2.5 * flops / bwd / 1e9);
+    result("timing_tinyllama", fwd > 0 && bwd > 0, d);
+  });
+}
+
+}  // namespace
+}  // namespace hspmd
+
+int main() {
+  using namespace hspmd;
+  conformance::program = "conformance_attention";
+  // Loading libcudnn needs no device: this line shows it works everywhere.
+  std::string why;
+  const int version = kernels::cuda::sdpa::cudnn_version(&why);
+  std::printf("RESULT probe=conformance_attention case=cudnn_version runtime=%d %s status=INFO\n", version,
+              why.empty() ? "" : ("why=\"" + why + "\"").c_str());
+  if (cuda_device_count() == 0) {
+    std::printf("RESULT probe=conformance_attention case=device status=SKIP (no CUDA device)\n");
+    return 77;
+  }
+  if (why.find("this build has no cuDNN") != std::string::npos) {
+    std::printf("RESULT probe=conformance_attention case=build status=SKIP (no cuDNN attention in this build)\n");
+    return 77;
+  }
+  against_cpu();
+  fallbacks();
+  timing();
+  std::printf("conformance_attention: %d failure(s)\n", conformance::failures);
+  return conformance::failures == 0 ? 0 : 1;
+}
