@@ -10,9 +10,10 @@
 # for its last step (the whole project, one process training on CUDA
 # against the CPU) .gpu-deps/cbc (scripts/bundle_cbc.sh).
 #
-# Writes under OUT (default out/gpu), at most 9 files: setup.log (machine,
+# Writes under OUT (default out/gpu), at most 12 files: setup.log (machine,
 # libraries, configure, build), one log per probe, peer_torch.log,
-# conformance_memory.log, train_cuda.log and summary.txt, which is printed last. No step stops the script: each step's
+# conformance_memory.log, train_cuda.log, gpu_step.log, gpu_step.json,
+# profile_cuda.log and summary.txt, which is printed last. No step stops the script: each step's
 # status is collected (PASS, FAIL, SKIP, TIMEOUT, CRASH(rc), NOT_BUILT).
 # Environment: OUT, BUILD_DIR (build-gpu), JOBS, PROBE_TIMEOUT (seconds per
 # probe, 150), TORCH_TIMEOUT (240), BUDGET (540: the whole script; a probe
@@ -365,6 +366,50 @@ else
     grep -E "error|Error" "$OUT/train_cuda.log" | head -n 10
     record train_cuda NOT_BUILT $(($(date +%s) - t0))
   fi
+fi
+
+# ----------------------------------------- hspmd profile on the GPU --
+# tests/gpu/profile_cuda_test.py: the tiny model's parts timed with CUDA
+# events (fp32, bf16; tp 1, 2), the profile's sanity (docs/cuda.md).
+t0=$(date +%s)
+rm -f "$OUT/profile_cuda.log"
+left=$((T_START + BUDGET - $(date +%s) - 10))
+if ((left < 30)); then
+  echo "== profile_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/profile_cuda.log"
+  record profile_cuda NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  echo "== profile_cuda: no hspmd built (see train_cuda.log)" | tee "$OUT/profile_cuda.log"
+  record profile_cuda NOT_BUILT 0
+else
+  LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 300 ? left : 300)) \
+    python3 tests/gpu/profile_cuda_test.py --hspmd "$FBUILD/src/cli/hspmd" --repo "$ROOT" 2>&1 |
+    tee "$OUT/profile_cuda.log"
+  rc=${PIPESTATUS[0]}
+  record profile_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
+fi
+
+# ------------------------------------ the training step against PyTorch --
+# bench/gpu_step.py at the full TinyLlama-1.1B shape (S 4096, B 4, bf16),
+# 3 warm-up + 5 timed steps: hspmd train --device cuda, PyTorch eager and
+# torch.compile, one after the other; table, RESULT lines and gpu_step.json
+# (docs/benchmarks.md "GPU step"). Needs the hspmd of the step above.
+t0=$(date +%s)
+rm -f "$OUT/gpu_step.log" "$OUT/gpu_step.json"
+left=$((T_START + BUDGET - $(date +%s) - 15))
+if ((left < 120)); then
+  echo "== gpu_step: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/gpu_step.log"
+  record gpu_step NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  echo "== gpu_step: no hspmd built (see train_cuda.log)" | tee "$OUT/gpu_step.log"
+  record gpu_step NOT_BUILT 0
+else
+  echo "== gpu_step (timeout ${left}s, each system at most $(((left - 20) / 3))s)" | tee "$OUT/gpu_step.log"
+  # hspmd gets the toolkit's and CBC's libraries, PyTorch the caller's path.
+  GPU_STEP_TORCH_LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} \
+    timeout -k 10 "$left" python3 bench/gpu_step.py --hspmd "$FBUILD/src/cli/hspmd" --warmup 3 --steps 5 \
+      --timeout $(((left - 20) / 3)) --json "$OUT/gpu_step.json" 2>&1 | tee -a "$OUT/gpu_step.log"
+  rc=${PIPESTATUS[0]}
+  record gpu_step "$(status_of "$rc")" $(($(date +%s) - t0))
 fi
 
 write_summary

@@ -162,7 +162,8 @@ int profile_command(const std::vector<std::string>& args) {
   FlagSet f("profile",
             "Measure a model's embedding, block and head (forward and backward) on one rank of a\n"
             "tensor-parallel x context-parallel group with the real executor, and fit them\n"
-            "(docs/profiling.md). Times are the CPU time the emulator bills for the same work.");
+            "(docs/profiling.md). Times are the CPU time the emulator bills for the same work\n"
+            "(--device cuda: the GPU's time, from CUDA events).");
   f.add_string("model", &model, "Hugging Face config.json of the model", true);
   f.add_string("output", &output, "profile JSON to write (also -o)", true);
   f.add_string("tp", &tp, "tensor-parallel degrees, e.g. 1,2,4 (default 1)");
@@ -173,11 +174,23 @@ int profile_command(const std::vector<std::string>& args) {
   f.add_int("threads", &threads, "kernel threads, as the emulated ranks run (default 1)");
   std::string precision = "fp32";
   f.add_string("precision", &precision, "fp32 (default) or bf16: the precision of the runs it serves (--precision)");
+  std::string device = "cpu";
+  f.add_string("device", &device,
+               "cpu (default), cuda or cuda:N: where the parts run (on a GPU: timed with CUDA events,\n"
+               "docs/cuda.md)");
   f.add_int("emulated-ranks", &emulated_ranks,
             "also calibrate to an emulated cluster of this many ranks on this machine: the compute\n"
             "they bill over what the parts predict (default 0: no calibration)");
   const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
+  // The device first, before any work: a build without CUDA, no GPU, an
+  // index that does not exist.
+  const Device where = parse_device_name(device, "--device");
+  require_device(where);
+  const bool on_cpu = where == Device::cpu();
+  if (!on_cpu && emulated_ranks > 0)
+    fail("[profile] --device ", where.str(), ": --emulated-ranks calibrates emulated CPU ranks (profile on the "
+         "CPU for it)");
 
   // Each emulated rank is a process on this machine: beyond 32 per core
   // the calibration measures the scheduler, and 1000 ranks on 2 cores ran
@@ -201,6 +214,7 @@ int profile_command(const std::vector<std::string>& args) {
   o.repetitions = static_cast<int>(repetitions);
   o.threads = static_cast<int>(threads);
   o.precision.compute = parse_precision_name(precision, "--precision");
+  o.device = where;
   check_profile_options(o);
   o.progress = [](const std::string& what) { std::fprintf(stderr, "[profile] %s\n", what.c_str()); };
   const auto t0 = std::chrono::steady_clock::now();
@@ -212,7 +226,8 @@ int profile_command(const std::vector<std::string>& args) {
   const double cpu0 = process_cpu_seconds();
   Profile p = profile_model(o);
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  p.cpu_share = wall > 0 ? (process_cpu_seconds() - cpu0) / (wall * static_cast<double>(threads)) : 0;
+  // On a device the host waits for events: its CPU share says nothing (0: not recorded).
+  p.cpu_share = on_cpu && wall > 0 ? (process_cpu_seconds() - cpu0) / (wall * static_cast<double>(threads)) : 0;
   p.load_before = load_before;
   p.load_after = getloadavg(load, 1) == 1 ? load[0] : 0;
   p.cores = cores;

@@ -11,12 +11,14 @@
 #include <sstream>
 #include <tuple>
 
+#include "hspmd/comm/communicator.h"
 #include "hspmd/comm/shadow.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/strategy.h"
+#include "kernels/memory.h"
 
 namespace hspmd {
 
@@ -69,6 +71,24 @@ std::string cpu_name() {
   return "unknown CPU";
 }
 
+// `a` (a host array) on `device`.
+NDArray on_device(const NDArray& a, Device device) {
+  return device == Device::cpu() ? a : kernels::to_device(default_stream(device), a);
+}
+
+// One member of a shadow group; on a device, staged through host memory
+// (the shadow fills and copies host buffers).
+std::unique_ptr<Communicator> shadow_world(int size, int rank, Device device) {
+  std::unique_ptr<Communicator> shadow = make_shadow_communicator(size, rank);
+  return device == Device::cpu() ? std::move(shadow) : make_staged_communicator(std::move(shadow));
+}
+
+// How a device's work is timed: process CPU time on the CPU, CUDA events on
+// the default stream of a device.
+WorkTimer timer_for(Device device) {
+  return device == Device::cpu() ? WorkTimer::process_cpu() : WorkTimer::events(default_stream(device));
+}
+
 }  // namespace
 
 struct StageProbe::Impl {
@@ -87,7 +107,8 @@ struct StageProbe::Impl {
 };
 
 StageProbe::StageProbe(const ModelConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
-                       int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model, Precision precision)
+                       int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model, Precision precision,
+                       Device device)
     : impl_(std::make_unique<Impl>(model ? ClockMode::kModel : ClockMode::kCpu)) {
   HSPMD_CHECK(stage >= 0 && stage < static_cast<int>(stage_layers.size()), "probe stage out of range");
   ModelConfig c = config;
@@ -101,8 +122,9 @@ StageProbe::StageProbe(const ModelConfig& config, int tp, int cp, std::vector<in
   m.rank = stage * group;
   m.max_seq_len = max_seq_len;
   m.graph = std::make_unique<ExecGraph>(m.plan, std::make_shared<const Topology>(Topology::uniform(world)), m.rank,
-                                        Bindings{{"B", 1}, {"S", max_seq_len}});
-  m.world = make_shadow_communicator(world, m.rank);
+                                        Bindings{{"B", 1}, {"S", max_seq_len}}, device);
+  m.world = shadow_world(world, m.rank, device);
+  m.clock.set_timer(timer_for(device));
   m.graph->set_clock(&m.clock);
   if (model) m.graph->set_op_time_model(std::move(model));
   m.graph->set_op_observer([&m](const Node& n, const OpWork& w, double seconds) {
@@ -115,7 +137,7 @@ StageProbe::StageProbe(const ModelConfig& config, int tp, int cp, std::vector<in
     NDArray a = NDArray::empty(box->shape(), DType::F32);
     if (p.init == ParamInit::kOnes) a.fill(1.0f);
     else fill_small(a, seed++);
-    m.params[p.name] = a;
+    m.params[p.name] = on_device(a, device);
     if (p.part == ModelPart::kBlock) m.block_params.push_back(p.name);
   }
 }
@@ -419,7 +441,7 @@ namespace {
 // The optimizer step (the trainer's AdamW calls, each tensor bracketed by
 // the clock) over k copies of one block's tensors, k = 1, 2, 4, capped in
 // size; fitted t = per_param_s * n + fixed_s.
-OptimizerFit time_optimizer(const std::vector<Shape>& block, int repetitions) {
+OptimizerFit time_optimizer(const std::vector<Shape>& block, int repetitions, Device device) {
   constexpr int64_t kMaxBlockElements = int64_t{1} << 22;  // 16 MiB per array
   int64_t n_block = 0;
   for (const Shape& s : block) n_block += shape_numel(s);
@@ -431,12 +453,16 @@ OptimizerFit time_optimizer(const std::vector<Shape>& block, int repetitions) {
   for (int k : {1, 2, 4}) {
     std::vector<NDArray> p, g, m, v;
     for (int64_t t = 0; t < k * tensors; ++t) {
-      for (auto* list : {&p, &g, &m, &v}) list->push_back(NDArray::zeros({each}, DType::F32));
-      fill_small(p.back(), static_cast<uint32_t>(t + 1));
-      fill_small(g.back(), static_cast<uint32_t>(t + 7));
+      NDArray host_p = NDArray::zeros({each}, DType::F32), host_g = NDArray::zeros({each}, DType::F32);
+      fill_small(host_p, static_cast<uint32_t>(t + 1));
+      fill_small(host_g, static_cast<uint32_t>(t + 7));
+      p.push_back(on_device(host_p, device));
+      g.push_back(on_device(host_g, device));
+      for (auto* list : {&m, &v}) list->push_back(on_device(NDArray::zeros({each}, DType::F32), device));
     }
     Adam adam(AdamConfig{});
     VirtualClock clock;
+    clock.set_timer(timer_for(device));
     std::vector<double> times;
     for (int rep = 0; rep <= repetitions; ++rep) {
       adam.set_step_count(rep);
@@ -524,7 +550,8 @@ EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std:
   std::vector<std::unique_ptr<StageProbe>> probes;
   for (int stage = 0; stage < 3; ++stage)
     probes.push_back(
-        std::make_unique<StageProbe>(o.config, tp, cp, std::vector<int>{1, 1, 1}, stage, max_s, nullptr, o.precision));
+        std::make_unique<StageProbe>(o.config, tp, cp, std::vector<int>{1, 1, 1}, stage, max_s, nullptr, o.precision,
+                                     o.device));
   // The largest point first, twice: the heap grows to its size and the
   // kernels' first-use costs (page faults, buffers) stay out of the samples.
   for (int k = 0; k < 2; ++k)
@@ -551,7 +578,7 @@ EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std:
   }
   for (auto& [part, fit] : out.entry.parts) fit.fit();
   StageProbe& mid = *probes[1];
-  StageProbe two(o.config, tp, cp, {1, 2, 1}, 1, max_s);
+  StageProbe two(o.config, tp, cp, {1, 2, 1}, 1, max_s, nullptr, o.precision, o.device);
   LayerMemory& m = out.memory;
   m.tp = tp;
   m.cp = cp;
@@ -571,7 +598,8 @@ EntryResult profile_entry(const ProfileOptions& o, int tp, int cp, std::map<std:
 Profile profile_model(const ProfileOptions& o) {
   check_profile_options(o);
   set_num_threads(o.threads);
-  if (o.threads == 1) {
+  const bool on_cpu = o.device == Device::cpu();
+  if (o.threads == 1 && on_cpu) {
     // One kernel thread: stay on the core we start on. Measured on a 2-vCPU
     // machine, an unpinned single-threaded profile took about 2x the CPU
     // time per op of a pinned one (and of the same ops inside emulated
@@ -590,7 +618,8 @@ Profile profile_model(const ProfileOptions& o) {
   Profile prof;
   prof.model = o.model_path;
   prof.config = o.config;
-  prof.device = cpu_name();
+  // A device's own name is not known to core's runtime: its index.
+  prof.device = on_cpu ? cpu_name() : o.device.str();
   prof.threads = o.threads;
   prof.precision = o.precision.mixed() ? "bf16" : "fp32";
   prof.repetitions = o.repetitions;
@@ -606,7 +635,7 @@ Profile profile_model(const ProfileOptions& o) {
       if (optimizer_block.empty()) optimizer_block = r.block_shapes;
     }
   if (o.progress) o.progress("optimizer");
-  prof.optimizer = time_optimizer(optimizer_block, o.repetitions);
+  prof.optimizer = time_optimizer(optimizer_block, o.repetitions, o.device);
   std::vector<OpSample> all;
   for (const auto& [type, samples] : ops) all.insert(all.end(), samples.begin(), samples.end());
   const OpFit any = fit_op(all);

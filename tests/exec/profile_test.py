@@ -2,7 +2,8 @@
 with a small grid: it finishes well within 30 s, writes every part of every
 (tp, cp) entry with a sample per (s, b), the optimizer fit, the per-op fits
 with their '*' fallback and the layer memory, and prints the table; bad
-options fail with one line naming the rule and a non-zero exit."""
+options (a --device that cannot be used included) fail with one line naming
+the rule and a non-zero exit. The GPU path: tests/gpu/profile_cuda_test.py."""
 import argparse
 import json
 import os
@@ -72,6 +73,9 @@ def main():
                                               "[profile] --seq-lens: 18 is not a multiple of 4"),
             "a missing model": (["--model", os.path.join(tmp, "none.json")], "[profile] --model"),
             "a missing directory": (["-o", os.path.join(tmp, "no", "p.json")], "[profile] --output"),
+            "an unknown device": (["--device", "tpu"], "[flags] --device: 'tpu' (expected cpu, cuda or cuda:N)"),
+            # No machine has 100 GPUs: refused as absent here and on a GPU machine.
+            "a device that does not exist": (["--device", "cuda:99"], "[device] cuda:99: "),
         }
         for what, (flags, want) in bad.items():
             cmd = [a.hspmd, "profile"] + flags

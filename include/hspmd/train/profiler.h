@@ -6,9 +6,13 @@
 // What is measured is what the emulator bills to a rank's virtual clock
 // for the same work: ExecGraph brackets every op with the clock, so a
 // stage's time is the process CPU time spent inside its ops, at the same
-// kernel thread count. One rank of a multi-rank group runs alone in this
-// process on a shadow communicator (comm/shadow.h): its compute is real,
-// what it would receive is zeros.
+// kernel thread count. On a CUDA device the clock's timer is CUDA events on
+// the device's default stream (WorkTimer::events): an op's time is the
+// device's time from the event before its launches to the event after
+// them. One rank of a multi-rank group runs alone in this process on a
+// shadow communicator (comm/shadow.h; staged through host memory for a
+// device, make_staged_communicator): its compute is real, what it would
+// receive is zeros.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +38,10 @@ struct ProfileOptions {
   int repetitions = 5;  // timed runs per point, after one warm-up; their median counts
   int threads = 1;      // kernel threads (set_num_threads) while measuring
   Precision precision;  // how the model computes (hspmd train --precision)
+  // Where the parts run: the CPU (process CPU time) or a CUDA device
+  // (parameters, moments and inputs built there; CUDA events). The caller
+  // checks it first (require_device).
+  Device device = Device::cpu();
   // Progress lines ("tp 2 cp 1 ..."), when set.
   std::function<void(const std::string&)> progress;
 };
@@ -83,11 +91,13 @@ struct StageRun {
 // alone on a shadow communicator with its own virtual clock (slowdown 1):
 // CPU mode, or model mode with `model` (then every op bills its predicted
 // time and runs are deterministic). Parameters are local shards of
-// arbitrary small values. Throws the plan compiler's errors.
+// arbitrary small values, on `device` (whose ops are timed with CUDA events
+// in CPU mode, see above). Throws the plan compiler's errors.
 class StageProbe {
  public:
   StageProbe(const ModelConfig& config, int tp, int cp, std::vector<int> stage_layers, int stage,
-             int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model = nullptr, Precision precision = {});
+             int64_t max_seq_len, std::shared_ptr<const OpTimeModel> model = nullptr, Precision precision = {},
+             Device device = Device::cpu());
   ~StageProbe();
   StageProbe(const StageProbe&) = delete;
   StageProbe& operator=(const StageProbe&) = delete;
