@@ -105,7 +105,7 @@ cudnnHandle_t handle_for(Stream& s, std::string* why) {
 }
 
 // Tensor uids of the variant packs.
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqLen, kOffQ, kOffKV };
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqLenQ, kSeqLenKV, kOffQ, kOffK, kOffV, kOffO };
 
 // [batch, H, seq, D] over memory [.., seq, H, D]: the batch stride is unused
 // with ragged offsets.
@@ -125,14 +125,18 @@ TensorPtr int_input(fe::graph::Graph& g, const char* name, int64_t uid, int64_t 
                       .set_data_type(fe::DataType_t::INT32));
 }
 
+// Packed documents: one offset tensor per I/O tensor of the forward (the
+// gradients share their input's) and the lengths for queries and keys, as
+// probe_cudnn_sdpa declared them; the same device arrays fill them.
 struct Offsets {
-  TensorPtr q, kv, seq_len;
+  TensorPtr q, k, v, o, seq_len_q, seq_len_kv;
 };
 
 Offsets ragged_inputs(fe::graph::Graph& g, const Shape& s) {
   if (!s.ragged) return {};
-  return {int_input(g, "off_q", kOffQ, s.batch + 1), int_input(g, "off_kv", kOffKV, s.batch + 1),
-          int_input(g, "seq_len", kSeqLen, s.batch)};
+  return {int_input(g, "off_q", kOffQ, s.batch + 1),        int_input(g, "off_k", kOffK, s.batch + 1),
+          int_input(g, "off_v", kOffV, s.batch + 1),        int_input(g, "off_o", kOffO, s.batch + 1),
+          int_input(g, "seq_len_q", kSeqLenQ, s.batch), int_input(g, "seq_len_kv", kSeqLenKV, s.batch)};
 }
 
 TensorPtr input(fe::graph::Graph& g, const Shape& s, const char* name, int64_t uid, bool kv, const TensorPtr& off) {
@@ -157,7 +161,7 @@ void as_stats(const TensorPtr& t, const Shape& s) {
 template <typename Attributes>
 void set_mask(Attributes& a, const Shape& s, const Offsets& off) {
   a.set_causal_mask(true).set_attn_scale(s.scale);
-  if (s.ragged) a.set_padding_mask(true).set_seq_len_q(off.seq_len).set_seq_len_kv(off.seq_len);
+  if (s.ragged) a.set_padding_mask(true).set_seq_len_q(off.seq_len_q).set_seq_len_kv(off.seq_len_kv);
   if (s.window > 0) a.set_diagonal_band_left_bound(static_cast<int>(s.window));
 }
 
@@ -172,12 +176,12 @@ std::shared_ptr<fe::graph::Graph> new_graph() {
 std::shared_ptr<fe::graph::Graph> forward_graph(const Shape& s) {
   auto g = new_graph();
   const Offsets off = ragged_inputs(*g, s);
-  auto q = input(*g, s, "q", kQ, false, off.q), k = input(*g, s, "k", kK, true, off.kv);
-  auto v = input(*g, s, "v", kV, true, off.kv);
+  auto q = input(*g, s, "q", kQ, false, off.q), k = input(*g, s, "k", kK, true, off.k);
+  auto v = input(*g, s, "v", kV, true, off.v);
   auto a = fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true);
   set_mask(a, s, off);
   auto [o, stats] = g->sdpa(q, k, v, a);
-  as_output(o, s, kO, false, off.q);
+  as_output(o, s, kO, false, off.o);
   as_stats(stats, s);
   stats->set_output(true);
   return g;
@@ -186,17 +190,17 @@ std::shared_ptr<fe::graph::Graph> forward_graph(const Shape& s) {
 std::shared_ptr<fe::graph::Graph> backward_graph(const Shape& s) {
   auto g = new_graph();
   const Offsets off = ragged_inputs(*g, s);
-  auto q = input(*g, s, "q", kQ, false, off.q), k = input(*g, s, "k", kK, true, off.kv);
-  auto v = input(*g, s, "v", kV, true, off.kv), o = input(*g, s, "o", kO, false, off.q);
-  auto d_o = input(*g, s, "d_o", kDO, false, off.q);
+  auto q = input(*g, s, "q", kQ, false, off.q), k = input(*g, s, "k", kK, true, off.k);
+  auto v = input(*g, s, "v", kV, true, off.v), o = input(*g, s, "o", kO, false, off.o);
+  auto d_o = input(*g, s, "d_o", kDO, false, off.o);
   auto stats = g->tensor(fe::graph::Tensor_attributes().set_name("stats"));
   as_stats(stats, s);
   auto a = fe::graph::SDPA_backward_attributes().set_name("attention_backward");
   set_mask(a, s, off);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, d_o, stats, a);
   as_output(dq, s, kDQ, false, off.q);
-  as_output(dk, s, kDK, true, off.kv);
-  as_output(dv, s, kDV, true, off.kv);
+  as_output(dk, s, kDK, true, off.k);
+  as_output(dv, s, kDV, true, off.v);
   return g;
 }
 
@@ -290,9 +294,12 @@ bool run(Stream& st, const Shape& s, bool backward, std::unordered_map<int64_t, 
 
 void add_ragged(std::unordered_map<int64_t, void*>& pack, const Shape& s, const Tensors& t) {
   if (!s.ragged) return;
-  pack[kSeqLen] = const_cast<int32_t*>(t.seq_len);
-  pack[kOffQ] = const_cast<int32_t*>(t.off_q);
-  pack[kOffKV] = const_cast<int32_t*>(t.off_kv);
+  auto* seq_len = const_cast<int32_t*>(t.seq_len);
+  auto* off_q = const_cast<int32_t*>(t.off_q);
+  auto* off_kv = const_cast<int32_t*>(t.off_kv);
+  pack[kSeqLenQ] = pack[kSeqLenKV] = seq_len;
+  pack[kOffQ] = pack[kOffO] = off_q;
+  pack[kOffK] = pack[kOffV] = off_kv;
 }
 
 }  // namespace
