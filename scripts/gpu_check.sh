@@ -68,7 +68,7 @@ write_summary() {
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|_us="
-  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda; do
+  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -366,6 +366,55 @@ else
     grep -E "error|Error" "$OUT/train_cuda.log" | head -n 10
     record train_cuda NOT_BUILT $(($(date +%s) - t0))
   fi
+fi
+
+# ------------------------------------------- several ranks on the GPU --
+# Issue [3/5] (docs/comm.md): the NCCL communicator at world 1
+# (tests/comm/nccl_world1.cc), then plans of every kind with 2-7 ranks
+# sharing the GPU (the staged MPI communicator) against one GPU process
+# (tests/exec/equivalence_test.py --device cuda:0: losses, weights and
+# bytes = predicted).
+t0=$(date +%s)
+left=$((T_START + BUDGET - $(date +%s) - 15))
+rm -f "$OUT/dist_cuda.log"
+DIST_CASES=${DIST_CASES:-dp4_zero,pp4_1f1b,2pp2_gpipe,tp4,asym7_tp421_zero,hetero_pp_tp_recompute,cp2_tp2,packed_cp_hetero_zero,tied_tp1_to_cp2tp2,idle_rank,bf16_dp2_tp2_zero,qwen2_hetero_pp_tp,mistral_cp2}
+if ((left < 60)); then
+  echo "== dist_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/dist_cuda.log"
+  record dist_cuda NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  echo "== dist_cuda: not built (no $FBUILD/src/cli/hspmd)" | tee "$OUT/dist_cuda.log"
+  record dist_cuda NOT_BUILT 0
+else
+  {
+    echo "== build: target nccl_world1"
+    LIBRARY_PATH=$CBC/lib:${LIBRARY_PATH:-} CPLUS_INCLUDE_PATH=$CBC/include:${CPLUS_INCLUDE_PATH:-} \
+      timeout $((left / 4)) cmake --build "$FBUILD" -j "$JOBS" --target nccl_world1
+  } >"$OUT/dist_cuda.log" 2>&1
+  rc=0
+  if [[ -x "$FBUILD/tests/comm/nccl_world1" ]]; then
+    timeout -k 5 60 "$FBUILD/tests/comm/nccl_world1" 2>&1 | tee -a "$OUT/dist_cuda.log"
+    rc=${PIPESTATUS[0]}
+  else
+    echo "nccl_world1: not built" | tee -a "$OUT/dist_cuda.log"
+    rc=1
+  fi
+  left=$((T_START + BUDGET - $(date +%s) - 10))
+  LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 300 ? left : 300)) \
+    python3 tests/exec/equivalence_test.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --random 0 \
+      --cases "$DIST_CASES" 2>&1 | tee -a "$OUT/dist_cuda.log"
+  rc2=${PIPESTATUS[0]}
+  ((rc == 0)) && rc=$rc2
+  # Plan switches between heterogeneous plans (all three algorithms on the
+  # first case, bytes measured = predicted) and a resume under another plan.
+  left=$((T_START + BUDGET - $(date +%s) - 10))
+  if ((left > 45)); then
+    LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 200 ? left : 200)) \
+      python3 tests/exec/switch_test.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --only cases,resume \
+        2>&1 | tee -a "$OUT/dist_cuda.log"
+    rc3=${PIPESTATUS[0]}
+    ((rc == 0)) && rc=$rc3
+  fi
+  record dist_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
 fi
 
 # ----------------------------------------- hspmd profile on the GPU --

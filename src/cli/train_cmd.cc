@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -84,9 +85,73 @@ class OutputLocks {
   bool keep_ = false;
 };
 
+// This process's rank among the ranks of its machine (the launcher's
+// variable), else its world rank.
+int local_rank(int world_rank) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
+    if (const char* v = std::getenv(var)) return std::max(0, std::atoi(v));
+  return world_rank;
+}
+
+// How the ranks of a CUDA run communicate (--comm, docs/comm.md).
+struct CommChoice {
+  std::string flag = "auto";  // auto | nccl | mpi
+  bool device_indexed = false;  // --device cuda:N (every rank on N), not plain cuda
+};
+
+// The rank's device: plain `cuda` spreads the ranks of a machine over its
+// GPUs (local rank modulo the GPUs visible), `cuda:N` puts every rank on N.
+Device rank_device(const TrainOptions& o, const CommChoice& c, int world_rank) {
+  if (o.device.type != DeviceType::CUDA || c.device_indexed) return o.device;
+  const int n = cuda_device_count();
+  return Device::cuda(n > 0 ? local_rank(world_rank) % n : 0);
+}
+
+// Two ranks on one device of one machine, or none (-1, -1).
+std::pair<int, int> ranks_sharing_a_device(Communicator& world, Device device) {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const int64_t key = static_cast<int64_t>(std::hash<std::string>{}(host) & 0xffffffffffffULL) * 4096 + device.index;
+  std::vector<int64_t> keys(world.size());
+  world.all_gather(&key, keys.data(), std::vector<int64_t>(world.size(), 1));
+  for (int a = 0; a < world.size(); ++a)
+    for (int b = a + 1; b < world.size(); ++b)
+      if (keys[a] == keys[b]) return {a, b};
+  return {-1, -1};
+}
+
+// The communicator the ranks train over: the (staged) MPI world, or NCCL
+// on top of it (auto: when every rank has a GPU of its own and NCCL loads on
+// every rank). Collective over the world.
+std::unique_ptr<Communicator> device_communicator(Communicator& world, Device device, const std::string& flag) {
+  if (device.type != DeviceType::CUDA || world.size() == 1 || flag == "mpi") return nullptr;
+  const auto [a, b] = ranks_sharing_a_device(world, device);
+  if (a >= 0) {
+    if (flag == "nccl")
+      fail("[train] --comm nccl: ranks ", a, " and ", b, " share ", device.str(),
+           " (NCCL needs a GPU per rank and refuses two ranks of a communicator on one device); use --comm mpi, "
+           "which stages device buffers through host memory");
+    return nullptr;  // auto: the staged MPI world
+  }
+  double unavailable = 0;  // every rank must agree, or the NCCL bootstrap would hang
+  std::string why;
+  try {
+    (void)nccl_version();
+  } catch (const Error& e) {
+    unavailable = 1;
+    why = e.what();
+  }
+  world.all_reduce(&unavailable, 1, DType::F64);
+  if (unavailable != 0) {
+    if (flag == "nccl") fail("[train] --comm nccl: ", why.empty() ? "NCCL cannot be loaded on every rank" : why);
+    return nullptr;
+  }
+  return make_nccl_communicator(world, device);
+}
+
 // Distributed training on the MPI world: a failing rank prints its error and
 // ends the whole job, never leaving the others waiting.
-int train_on_ranks(const TrainOptions& o) {
+int train_on_ranks(const TrainOptions& o, const CommChoice& comm_choice) {
   std::unique_ptr<Communicator> world = make_world_communicator();
   RankSupervision supervision(world->rank());
   TrainOptions mine = o;
@@ -99,7 +164,10 @@ int train_on_ranks(const TrainOptions& o) {
     double failed = busy.empty() ? 0 : 1;  // every rank learns that rank 0 cannot write
     world->all_reduce(&failed, 1, DType::F64);
     if (failed != 0) throw SetupFailure(busy, world->rank() == 0);
-    train_distributed(mine, *world);
+    mine.device = rank_device(o, comm_choice, world->rank());
+    require_device(mine.device);
+    std::unique_ptr<Communicator> nccl = device_communicator(*world, mine.device, comm_choice.flag);
+    train_distributed(mine, nccl ? *nccl : *world);
     locks.keep();
   } catch (const SetupFailure& e) {
     if (world->size() == 1) {
@@ -279,8 +347,12 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("trace", &o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
   std::string device = "cpu";
   f.add_string("device", &device,
-               "cpu (default), cuda or cuda:N: where the model computes (the CUDA backend is in progress, "
-               "docs/cuda.md)");
+               "cpu (default), cuda or cuda:N: where the model computes (docs/cuda.md); with several ranks, cuda "
+               "spreads a machine's ranks over its GPUs and cuda:N puts them all on GPU N");
+  CommChoice comm_choice;
+  f.add_string("comm", &comm_choice.flag,
+               "with --device cuda and several ranks: auto (default: NCCL when every rank has a GPU of its own, "
+               "else MPI), nccl, or mpi (device buffers staged through pinned host memory; ranks may share a GPU)");
   std::string clock = "cpu";
   f.add_string("clock", &clock,
                "emulated compute time: cpu (measured CPU time, default) or model (predicted from --profile: "
@@ -344,14 +416,19 @@ int train_command(const std::vector<std::string>& args) {
   const Device where = parse_device_name(device, "--device");
   require_device(where);
   if (where.type == DeviceType::CUDA) {
-    // One process on one GPU so far; several ranks on GPUs are issue [3/5]
-    // (NCCL and a device-staged MPI communicator, docs/cuda.md).
-    for (const char* flag : {"nproc", "strategy", "plan", "cluster", "events", "switch", "strategies",
-                             "batch-tokens", "trace"})
+    // The emulated cluster bills CPU time to virtual clocks: a CPU feature.
+    for (const char* flag : {"cluster", "trace"})
       if (f.given(flag))
-        fail("[train] --device ", where.str(), ": --", flag, " does not run on CUDA yet (one process on one GPU "
-             "so far; docs/cuda.md)");
+        fail("[train] --device ", where.str(), ": --", flag, " emulates a cluster on the CPU (virtual clocks); "
+             "it does not run on CUDA (docs/cuda.md)");
   }
+  if (f.given("comm")) {
+    if (comm_choice.flag != "auto" && comm_choice.flag != "nccl" && comm_choice.flag != "mpi")
+      fail("[flags] --comm: '", comm_choice.flag, "' (expected auto, nccl or mpi)");
+    if (where.type != DeviceType::CUDA)
+      fail("[flags] --comm is read only with --device cuda (CPU ranks communicate through MPI)");
+  }
+  comm_choice.device_indexed = device != "cuda";
   o.device = where;
   if (f.given("batch-tokens")) {
     if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);
@@ -430,7 +507,7 @@ int train_command(const std::vector<std::string>& args) {
     locks.keep();
     return 0;
   }
-  return train_on_ranks(o);
+  return train_on_ranks(o, comm_choice);
 }
 
 }  // namespace hspmd::cli

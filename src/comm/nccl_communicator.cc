@@ -13,6 +13,8 @@
 // the caller's until waited (the contract), so issuing at the wait reads the
 // send buffers the caller left. Unequal pieces of reduce_scatter and
 // all_gather become one ncclReduce / ncclBroadcast per member in the group.
+// Host buffers (the CPU's stream: the trainer's agreements, logged values)
+// pass through to the host library, whose counters this backend shares.
 // NCCL has no tags and no message sizes: messages between a pair match in
 // issue order per communicator, and a receive of the wrong size is not
 // detected (the staged MPI path checks it; every plan runs there in tests).
@@ -170,7 +172,7 @@ class NcclCommunicator final : public Communicator {
  public:
   // The world over `host`'s ranks (host kept alive by the caller).
   NcclCommunicator(Communicator& host, Device device)
-      : Communicator(std::make_shared<ByteCounters>()), host_(host), device_(device),
+      : Communicator(counters_of(host)), host_(host), device_(device),
         queue_(std::make_shared<Queue>()) {
     queue_->device = device.index;
     init();
@@ -194,30 +196,32 @@ class NcclCommunicator final : public Communicator {
     if (it != groups_.end()) return *it->second;
     Communicator& inner = host_.group(ranks);  // checks the members; collective over them
     if (&inner == &host_) return *this;
-    auto made = std::make_unique<NcclCommunicator>(inner, device_, queue_, shared_counters());
+    auto made = std::make_unique<NcclCommunicator>(inner, device_, queue_, counters_of(inner));
     return *groups_.emplace(ranks, std::move(made)).first->second;
   }
 
   void wait_all(std::vector<Request>& requests) override {
     queue_->flush();
-    for (Request& r : requests) {
-      if (!r.pending()) continue;
-      auto* n = dynamic_cast<NcclRequest*>(r.impl());
-      HSPMD_CHECK(n != nullptr, "wait_all: a request of another backend");
-      if (*n->done) check_cuda(cudaEventSynchronize((*n->done)->event), "cudaEventSynchronize");
-    }
+    std::vector<Request> host = host_requests(requests);
+    for (Request& r : requests)
+      if (auto* n = static_cast<NcclRequest*>(r.impl()); n != nullptr && *n->done)
+        check_cuda(cudaEventSynchronize((*n->done)->event), "cudaEventSynchronize");
     requests.clear();
+    host_.wait_all(host);
   }
 
   void wait_on(std::vector<Request>& requests, Stream& stream) override {
     queue_->flush();
-    for (Request& r : requests) {
-      if (!r.pending()) continue;
-      auto* n = dynamic_cast<NcclRequest*>(r.impl());
-      HSPMD_CHECK(n != nullptr, "wait_on: a request of another backend");
-      if (*n->done) check_cuda(cudaStreamWaitEvent(native(stream), (*n->done)->event, 0), "cudaStreamWaitEvent");
-    }
+    std::vector<Request> host = host_requests(requests);
+    for (Request& r : requests)
+      if (auto* n = static_cast<NcclRequest*>(r.impl()); n != nullptr && *n->done) {
+        if (stream.device().type == DeviceType::CUDA)
+          check_cuda(cudaStreamWaitEvent(native(stream), (*n->done)->event, 0), "cudaStreamWaitEvent");
+        else
+          check_cuda(cudaEventSynchronize((*n->done)->event), "cudaEventSynchronize");
+      }
     requests.clear();
+    host_.wait_all(host);
   }
 
   void barrier() override {
@@ -232,6 +236,7 @@ class NcclCommunicator final : public Communicator {
 
  protected:
   Request do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) override {
+    if (on_host(stream)) return host_.start_all_reduce(stream, data, count, dtype, op);
     check_stream(stream, "ncclAllReduce");
     check_count(count, "ncclAllReduce");
     count_all_reduce(count, dtype);
@@ -244,6 +249,7 @@ class NcclCommunicator final : public Communicator {
 
   Request do_reduce_scatter(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                             DType dtype) override {
+    if (on_host(stream)) return host_.start_reduce_scatter(stream, send, recv, counts, dtype);
     check_stream(stream, "ncclReduceScatter");
     check_counts(counts, "ncclReduceScatter");
     count_reduce_scatter(counts, dtype);
@@ -271,6 +277,7 @@ class NcclCommunicator final : public Communicator {
 
   Request do_all_gather(Stream& stream, const void* send, void* recv, const std::vector<int64_t>& counts,
                         DType dtype) override {
+    if (on_host(stream)) return host_.start_all_gather(stream, send, recv, counts, dtype);
     check_stream(stream, "ncclAllGather");
     check_counts(counts, "ncclAllGather");
     count_all_gather(counts, dtype);
@@ -296,6 +303,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Request do_broadcast(Stream& stream, void* data, int64_t count, DType dtype, int root) override {
+    if (on_host(stream)) return host_.start_broadcast(stream, data, count, dtype, root);
     check_stream(stream, "ncclBroadcast");
     check_count(count, "ncclBroadcast");
     check_peer(root, "ncclBroadcast");
@@ -306,7 +314,8 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Request do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int) override {
+  Request do_send(Stream& stream, const void* data, int64_t count, DType dtype, int peer, int tag) override {
+    if (on_host(stream)) return host_.start_send(stream, data, count, dtype, peer, tag);
     check_stream(stream, "ncclSend");
     check_count(count, "ncclSend");
     check_peer(peer, "ncclSend");
@@ -316,7 +325,8 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int) override {
+  Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) override {
+    if (on_host(stream)) return host_.start_recv(stream, data, count, dtype, peer, tag);
     check_stream(stream, "ncclRecv");
     check_count(count, "ncclRecv");
     check_peer(peer, "ncclRecv");
@@ -340,12 +350,22 @@ class NcclCommunicator final : public Communicator {
     check(nccl().comm_init_rank(&comm_, size(), id, rank()), "ncclCommInitRank");
   }
 
+  // Moves the host library's requests (host buffers) out of `requests`,
+  // leaving NCCL's (and empty ones).
+  static std::vector<Request> host_requests(std::vector<Request>& requests) {
+    std::vector<Request> host;
+    for (Request& r : requests)
+      if (r.pending() && dynamic_cast<NcclRequest*>(r.impl()) == nullptr) host.push_back(std::move(r));
+    return host;
+  }
+
   Request enqueue(Stream& stream, std::function<void()> issue) {
     auto r = std::make_unique<NcclRequest>();
     queue_->ops.push_back(Queue::Op{&stream, std::move(issue), r->done});
     return Request(std::move(r));
   }
 
+  static bool on_host(const Stream& stream) { return stream.device().type == DeviceType::CPU; }
   void check_stream(const Stream& stream, const char* call) const {
     if (!(stream.device() == device_))
       fail("[comm] ", call, ": a stream of ", stream.device().str(), " on an NCCL communicator of ", device_.str(),

@@ -346,9 +346,9 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
     if (!r.ranks.count(rank_)) continue;
     auto it = raw.find(name);
     NDArray local = it == raw.end() ? NDArray() : it->second;
-    if (local.valid() && local.dtype() != r.dtype) local = local.to(r.dtype);  // --grad-reduce-dtype bf16
+    if (local.valid() && local.dtype() != r.dtype) local = kernels::cast(stream(), local, r.dtype);  // --grad-reduce-dtype bf16
     NDArray out = run_reshard(r, model_.graph->node(id).name, local, world);
-    if (out.valid()) synced[name] = out.dtype() == DType::F32 ? out : out.to(DType::F32);
+    if (out.valid()) synced[name] = out.dtype() == DType::F32 ? out : kernels::cast(stream(), out, DType::F32);
   }
   return synced;
 }
@@ -358,8 +358,9 @@ NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const An
   const auto r = resolve_(ReshardSpec{name, shape, dtype, from, to});
   if (!r || !r->ranks.count(rank_)) return NDArray();
   const DType back = local.valid() ? local.dtype() : DType::F32;
-  NDArray out = run_reshard(*r, name, local.valid() && local.dtype() != dtype ? local.to(dtype) : local, world);
-  return out.valid() && out.dtype() != back ? out.to(back) : out;
+  NDArray out = run_reshard(*r, name, local.valid() && local.dtype() != dtype ? kernels::cast(stream(), local, dtype) : local,
+                            world);
+  return out.valid() && out.dtype() != back ? kernels::cast(stream(), out, back) : out;
 }
 
 void ExecGraph::check_memory(const Node& node) const {

@@ -359,6 +359,21 @@ void copy(Stream& s, const NDArray& from, NDArray& out) {
   }
 }
 
+NDArray clone(Stream& s, const NDArray& a) {
+  if (device_of("clone", s, {&a}) == DeviceType::CPU) return a.clone();
+  NDArray out = NDArray::empty(a.shape(), a.dtype(), s.device());
+  copy(s, a, out);
+  return out;
+}
+
+NDArray cast(Stream& s, const NDArray& a, DType dtype) {
+  switch (device_of("cast", s, {&a})) {
+    case DeviceType::CPU: return a.to(dtype);
+    HSPMD_CUDA_CASE(cast(s, a, dtype))
+    default: no_kernel("cast", s.device());
+  }
+}
+
 void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to,
                 const Shape& to_start, const Shape& extent, bool accumulate) {
   switch (device_of("copy_block", s, {&from, &to})) {

@@ -23,6 +23,14 @@ NDArray zeros(Stream& s, const Shape& shape, DType dtype);
 // out = from (same dtype and element count; shapes may differ).
 void copy(Stream& s, const NDArray& from, NDArray& out);
 
+// The same values in `dtype` (f32 <-> bf16, rounding to nearest even as
+// NDArray::to; a copy when the dtypes agree), a new contiguous array on the
+// stream's device. The cast op and the Reshards that carry bf16 use it.
+NDArray cast(Stream& s, const NDArray& a, DType dtype);
+
+// A copy of `a` (new storage, contiguous) on the stream's device.
+NDArray clone(Stream& s, const NDArray& a);
+
 // Block copy between two contiguous arrays of one dtype and rank: for every
 // index i of `extent`, to[to_start + i] = from[from_start + i] (or += with
 // `accumulate`, f32 only). Both blocks must lie inside their arrays

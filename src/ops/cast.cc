@@ -7,6 +7,7 @@
 // tensor-parallel reductions).
 // Gradient: the incoming gradient in the input's dtype.
 #include "hspmd/ops/ops.h"
+#include "kernels/memory.h"
 #include "op_util.h"
 
 namespace hspmd::ops {
@@ -25,9 +26,10 @@ class CastOp final : public Op {
       fail("[cast] converts between f32 and bf16, got ", dtype_name(in[0].dtype), " -> ", dtype_name(to_));
     return {TensorMeta{in[0].shape, to_}};
   }
-  void compute(const OpContext&, const std::vector<NDArray>& in,
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
-    out[0] = in[0].to(to_);  // ops::cast adds no node when the dtypes agree
+    // ops::cast adds no node when the dtypes agree.
+    out[0] = kernels::cast(*ctx.stream, in[0], to_);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     return {cast(g[0], node.inputs[0].dtype())};

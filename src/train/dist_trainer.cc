@@ -228,7 +228,8 @@ void DistTrainer::gather_and_write(const std::string& path, const std::string& p
     if (!writer) continue;
     if (p.role == ParamRole::kVocabulary && full.dim(0) != config_.vocab_size)
       full = full.slice(0, 0, config_.vocab_size).contiguous();  // drop the padding rows
-    writer->write(name, full.to(dtype));
+    Stream& stream = rt_->graph->stream();
+    writer->write(name, kernels::to_host(stream, kernels::cast(stream, full, dtype)));
   }
   if (writer) writer->finish();
 }
@@ -244,7 +245,9 @@ std::map<std::string, NDArray> DistTrainer::full_parameters() {
                                                                          : rt_->graph->annotation(p.name);
     NDArray full = rt_->graph->reshard("state." + p.name, p.shape, layout, rank0, state_->optimized(p.name).data,
                                        world_);
-    full = world_.rank() == 0 ? full.to(DType::F32).contiguous() : NDArray::empty(p.shape, DType::F32);
+    Stream& stream = rt_->graph->stream();
+    full = world_.rank() == 0 ? kernels::to_host(stream, kernels::cast(stream, full, DType::F32))
+                              : NDArray::empty(p.shape, DType::F32);
     world_.broadcast(full.host_data<float>(), full.numel(), 0);  // every rank returns the same tensors
     if (p.role == ParamRole::kVocabulary && full.dim(0) != config_.vocab_size)
       full = full.slice(0, 0, config_.vocab_size).contiguous();
@@ -474,7 +477,7 @@ void DistTrainer::save_checkpoint_to(const std::string& dir) {
          state_->step - 1, "; checkpoint not written (the last one is kept)");
   std::vector<CheckpointShard> shards;
   for (TrainingState::NamedShard& s : state_->checkpoint_shards())  // copies: the next steps update the state
-    shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, s.shard.data.clone()});
+    shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, train_common::host_copy(s.shard.data)});
   auto p = std::make_unique<PendingCheckpoint>();
   p->step = state_->step;
   p->dir = dir;
@@ -550,7 +553,7 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     if (mb.loss) loss += *mb.loss;
     for (auto& [name, g] : mb.raw_grads) {
       auto it = raw.find(name);
-      if (it == raw.end()) raw.emplace(name, g.clone());
+      if (it == raw.end()) raw.emplace(name, kernels::clone(graph.stream(), g));
       else kernels::accumulate(graph.stream(), g, it->second);
     }
   };

@@ -45,6 +45,12 @@ inline void check_finite_options(const TrainOptions& o) {
     if (!std::isfinite(v)) fail("[flags] ", flag, " must be a finite number, got ", v);
 }
 
+// A host copy of `a` (new storage), whatever device it lives on.
+inline NDArray host_copy(const NDArray& a) {
+  if (a.device() == Device::cpu()) return a.clone();
+  return kernels::to_host(default_stream(a.device()), a);
+}
+
 // The index of the first NaN or infinite element of `a` (F32 or BF16), or -1.
 inline int64_t first_nonfinite(const NDArray& a) {
   const NDArray h = kernels::to_host(default_stream(a.device()), a);

@@ -107,6 +107,9 @@ def main():
         ("device cuda", base + ["--device", "cuda"], "cuda:0"),
         ("device cuda index", base + ["--device", "cuda:7"], "cuda:7"),
         ("device unknown", base + ["--device", "tpu"], "--device: 'tpu' (expected cpu, cuda or cuda:N)"),
+        # --comm chooses how CUDA ranks communicate: alone or unknown, an error.
+        ("comm without cuda", base + ["--comm", "mpi"], "--comm is read only with --device cuda"),
+        ("comm unknown", base + ["--comm", "gloo"], "--comm: 'gloo' (expected auto, nccl or mpi)"),
         # plan cost refuses the token budget that train refuses.
         ("plan cost budget below a piece", ["plan", "cost", "--model", p("cfg.json"), "--strategy", p("s.json"),
                                             "--cluster", p("cluster.json"), "--lengths", p("long.bin"),

@@ -116,22 +116,26 @@ int run() {
            "sent=" + std::to_string(c.sent) + " received=" + std::to_string(c.received));
   });
 
-  run_case("errors", [&] {
-    std::vector<float> h(3);
+  run_case("host_buffers_and_errors", [&] {
+    // Host buffers go to the host library (here the single-process stub).
+    std::vector<double> h = {1.0, 2.5};
+    comm->all_reduce(h.data(), 2);
     std::string e1, e2;
     try {
-      comm->all_reduce(h.data(), 3);  // the CPU's stream
+      comm->group({0, 1});
     } catch (const Error& e) {
       e1 = e.what();
     }
     try {
-      comm->group({0, 1});
+      NDArray a = up(x);
+      std::vector<Request> r;
+      r.push_back(comm->start_all_reduce(gpu(), a.data<float>(), -1, DType::F32));
     } catch (const Error& e) {
       e2 = e.what();
     }
-    const bool ok = e1.find("[comm] ncclAllReduce: a stream of cpu:0 on an NCCL communicator of cuda:0") == 0 &&
-                    e2.rfind("[comm] group", 0) == 0 && e1.find('\n') == std::string::npos;
-    result("errors", ok, "e1=\"" + e1 + "\"");
+    const bool ok = h == std::vector<double>{1.0, 2.5} && e1.rfind("[comm] group", 0) == 0 &&
+                    e2 == "[comm] ncclAllReduce: negative count -1";
+    result("host_buffers_and_errors", ok, "e1=\"" + e1 + "\" e2=\"" + e2 + "\"");
   });
 
   std::printf("nccl_world1: %s\n", failures == 0 ? "all cases passed" : "FAILED");

@@ -292,9 +292,11 @@ def main():
     ap.add_argument("--random", type=int, default=4, help="random (plan A, plan B, switch step) triples")
     ap.add_argument("--seed", type=int, default=2027)
     ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,plan,emulated,bf16")
+    ap.add_argument("--device", default="cpu",
+                    help="hspmd train --device for every run (cuda:0: the switches on one GPU, docs/cuda.md)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_switch_")
-    h = Harness(args.hspmd, tmp, steps=6)
+    h = Harness(args.hspmd, tmp, steps=6, extra=("--device", args.device))
     parts = set(args.only.split(",")) if args.only else {"cases", "random", "fallback", "resume", "plan",
                                                                 "emulated", "bf16"}
     names = [n for n in args.cases.split(",") if n]

@@ -7,6 +7,7 @@
 //   RESULT probe=conformance_memory case=<c> ... status=PASS|FAIL
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -61,6 +62,25 @@ void fills_and_copies() {
     NDArray b = NDArray::empty({333}, DType::F32, Device::cuda(0));
     kernels::copy(gpu(), a, b);
     result("copy", max_diff(down(b), host) == 0);
+  });
+  run_case("cast_clone", [] {
+    // f32 -> bf16 -> f32 and clone: bit for bit the CPU's (round to nearest
+    // even both ways), on odd sizes, values around bf16 ties included.
+    NDArray host = random_f32({1001}, 21);
+    const std::vector<float> ties = {1.00390625f, 1.01171875f, -3.0078125f, 0.0f, -0.0f, 65504.0f, 1e-30f};
+    NDArray with_ties = NDArray::from_vector({static_cast<int64_t>(ties.size())}, ties);
+    bool ok = true;
+    for (const NDArray& h : {host, with_ties}) {
+      const NDArray a = up(h);
+      const NDArray b = kernels::cast(gpu(), a, DType::BF16);
+      const NDArray f = kernels::cast(gpu(), b, DType::F32);
+      const NDArray want_b = h.to(DType::BF16);
+      const NDArray got_b = down(b);
+      ok = ok && b.dtype() == DType::BF16 &&
+           std::memcmp(got_b.host_raw_data(), want_b.host_raw_data(), want_b.nbytes()) == 0 &&
+           max_diff(down(f), want_b.to(DType::F32)) == 0 && max_diff(down(kernels::clone(gpu(), a)), h) == 0;
+    }
+    result("cast_clone", ok);
   });
   run_case("copy_block", [] {
     // Blocks of a 4-d array into another, copied and accumulated, f32 and bf16.

@@ -374,6 +374,8 @@ bool stage_host_buffers_requested();
 // rank: NCCL refuses two ranks of one communicator on one GPU). Operations
 // are queued and issued together, in one NCCL group, at the next wait;
 // wait_on orders them before a stream's later work without the host.
+// Operations on host buffers (the CPU's stream) go to host_world's library
+// as before; the byte counters are host_world's.
 // Collective over host_world (the unique id travels through it). Throws
 // "[comm] NCCL: ..." in a build without NCCL or when libnccl.so.2 cannot
 // be loaded.

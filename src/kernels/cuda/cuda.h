@@ -81,6 +81,7 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
 void fill(Stream& s, NDArray& out, float value);
 NDArray zeros(Stream& s, const Shape& shape, DType dtype);
 void copy(Stream& s, const NDArray& from, NDArray& out);
+NDArray cast(Stream& s, const NDArray& a, DType dtype);
 void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to, const Shape& to_start,
                 const Shape& extent, bool accumulate);
 NDArray to_host(Stream& s, const NDArray& a);

@@ -1,5 +1,6 @@
 // CUDA memory kernels (memory.h) and the elementwise f32 kernels
 // (kernels.h) on a CUDA stream.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -227,6 +228,43 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
     default: fail("[kernels] copy_block: no ", dtype_size(from.dtype()), "-byte elements");
   }
   launched("copy_block");
+}
+
+namespace {
+
+__global__ void f32_to_bf16_kernel(const float* in, __nv_bfloat16* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
+__global__ void bf16_to_f32_kernel(const __nv_bfloat16* in, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
+}  // namespace
+
+NDArray cast(Stream& s, const NDArray& a, DType dtype) {
+  require_contiguous("cast", a);
+  NDArray out = NDArray::empty(a.shape(), dtype, s.device());
+  if (a.dtype() == dtype) {
+    copy(s, a, out);
+    return out;
+  }
+  const int64_t n = a.numel();
+  if (a.dtype() == DType::F32 && dtype == DType::BF16) {
+    if (n > 0)
+      f32_to_bf16_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(
+          a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()), n);
+  } else if (a.dtype() == DType::BF16 && dtype == DType::F32) {
+    if (n > 0)
+      bf16_to_f32_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(
+          static_cast<const __nv_bfloat16*>(a.raw_data()), out.data<float>(), n);
+  } else {
+    fail("[kernels] cast: ", dtype_name(a.dtype()), " -> ", dtype_name(dtype), " has no CUDA kernel (f32 <-> bf16)");
+  }
+  launched("cast");
+  return out;
 }
 
 NDArray to_host(Stream& s, const NDArray& a) {
