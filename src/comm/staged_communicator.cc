@@ -166,7 +166,7 @@ class StagedCommunicator final : public Communicator {
 
  private:
   bool staged(const Stream& stream) const {
-    return stream.device().type != DeviceType::CPU || stage_host_;
+    return !(stream.device() == Device::cpu()) || stage_host_;
   }
 
   static std::unique_ptr<StagedRequest> begin(Stream& stream, size_t send_bytes, size_t recv_bytes) {

@@ -76,6 +76,7 @@ int cuda_device_count() {
 
 Device parse_device_name(const std::string& text, const std::string& flag) {
   if (text == "cpu" || text == "cpu:0") return Device::cpu();
+  if (text == "cpu:1") return Device::host_double();
   if (text == "cuda") return Device::cuda(0);
   if (text.rfind("cuda:", 0) == 0 && text.size() > 5 && text.size() <= 9 &&
       text.find_first_not_of("0123456789", 5) == std::string::npos)
@@ -86,7 +87,8 @@ Device parse_device_name(const std::string& text, const std::string& flag) {
 
 void require_device(Device device) {
   if (device.type == DeviceType::CPU) {
-    if (device.index != 0) fail("[device] ", device.str(), ": the host is cpu:0");
+    if (device.index != 0 && !(device == Device::host_double()))
+      fail("[device] ", device.str(), ": the host is cpu:0 (and cpu:1 its device test double)");
     return;
   }
   if (!built_with_cuda()) fail("[device] ", device.str(), ": this build has no CUDA backend");
@@ -109,7 +111,10 @@ Allocator& allocator_for(Device device) {
 
 Stream& default_stream(Device device) {
   static Stream cpu(Device::cpu(), 0);
-  if (device.type == DeviceType::CPU) return cpu;
+  static Stream double_stream(Device::host_double(), 0);
+  if (device == Device::cpu()) return cpu;
+  if (device == Device::host_double()) return double_stream;
+  if (device.type == DeviceType::CPU) require_device(device);
 #ifdef HSPMD_HAVE_CUDA
   require_device(device);
   return cuda_rt::default_stream(device.index);

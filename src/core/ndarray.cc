@@ -85,7 +85,7 @@ void* NDArray::raw_data() const {
 
 void* NDArray::host_raw_data(const char* what) const {
   HSPMD_CHECK(valid(), "use of an invalid NDArray");
-  if (storage_->device().type != DeviceType::CPU)
+  if (!(storage_->device() == Device::cpu()))
     fail("[ndarray] ", what, ": the array lives on ", storage_->device().str(), ", not on the host");
   return raw_data();
 }

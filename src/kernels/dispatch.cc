@@ -5,6 +5,7 @@
 // no_kernel(), the one place that declares missing backend support. A CUDA
 // backend adds `case DeviceType::CUDA: return cuda::<kernel>(s, ...);` to
 // each switch (and src/kernels/cuda/); no op file changes.
+#include <cstring>
 #include <initializer_list>
 
 #include "cpu/cpu.h"
@@ -29,6 +30,19 @@ void no_kernel(const char* kernel, Device device) {
 }
 
 namespace {
+
+// cpu:1, the device test double (device.h): CPU kernels on host memory
+// that the rest of hspmd treats as a device's.
+bool is_double(const Device& d) { return d == Device::host_double(); }
+
+// A contiguous copy of `a` (contiguous) labelled with device `to` (the host
+// or the test double: both are host memory).
+NDArray moved(const NDArray& a, Device to) {
+  HSPMD_CHECK(a.is_contiguous(), "kernels: a strided array between the host and its test double");
+  NDArray out = NDArray::empty(a.shape(), a.dtype(), to);
+  if (a.nbytes() > 0) std::memcpy(out.raw_data(), a.raw_data(), a.nbytes());
+  return out;
+}
 
 // The device type the kernel runs on: the stream's, after checking that
 // every (valid) array lives on the stream's device.
@@ -344,6 +358,11 @@ void fill(Stream& s, NDArray& out, float value) {
 }
 
 NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
+  if (is_double(s.device())) {
+    NDArray z = NDArray::empty(shape, dtype, s.device());
+    if (z.nbytes() > 0) std::memset(z.raw_data(), 0, z.nbytes());
+    return z;
+  }
   switch (s.device().type) {
     case DeviceType::CPU: return cpu::zeros(shape, dtype);
     HSPMD_CUDA_CASE(zeros(s, shape, dtype))
@@ -360,7 +379,7 @@ void copy(Stream& s, const NDArray& from, NDArray& out) {
 }
 
 NDArray clone(Stream& s, const NDArray& a) {
-  if (device_of("clone", s, {&a}) == DeviceType::CPU) return a.clone();
+  if (device_of("clone", s, {&a}) == DeviceType::CPU && !is_double(s.device())) return a.clone();
   NDArray out = NDArray::empty(a.shape(), a.dtype(), s.device());
   copy(s, a, out);
   return out;
@@ -368,7 +387,9 @@ NDArray clone(Stream& s, const NDArray& a) {
 
 NDArray cast(Stream& s, const NDArray& a, DType dtype) {
   switch (device_of("cast", s, {&a})) {
-    case DeviceType::CPU: return a.to(dtype);
+    case DeviceType::CPU:
+      if (is_double(s.device())) return moved(moved(a, Device::cpu()).to(dtype), s.device());
+      return a.to(dtype);
     HSPMD_CUDA_CASE(cast(s, a, dtype))
     default: no_kernel("cast", s.device());
   }
@@ -385,7 +406,7 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
 
 NDArray to_host(Stream& s, const NDArray& a) {
   switch (device_of("to_host", s, {&a})) {
-    case DeviceType::CPU: return a;  // the host is the CPU device
+    case DeviceType::CPU: return is_double(s.device()) ? moved(a, Device::cpu()) : a;  // the host is cpu:0
     HSPMD_CUDA_CASE(to_host(s, a))
     default: no_kernel("to_host", s.device());
   }
@@ -393,9 +414,10 @@ NDArray to_host(Stream& s, const NDArray& a) {
 
 NDArray to_device(Stream& s, const NDArray& a) {
   if (!a.valid() || a.device() == s.device()) return a;  // there already (CPU: the host)
-  if (a.device().type != DeviceType::CPU)
+  if (!(a.device() == Device::cpu()))
     fail("[kernels] to_device: the array lives on ", a.device().str(), ", neither on the host nor on ",
          s.device().str());
+  if (is_double(s.device())) return moved(a.contiguous(), s.device());
   switch (s.device().type) {
     HSPMD_CUDA_CASE(to_device(s, a))
     default: no_kernel("to_device", s.device());

@@ -161,6 +161,7 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
   last_specialize_s_ = specialize_s;
   const auto t1 = Clock::now();
   state_ = TrainingState::load(rt_->plan, world_.rank(), reader);
+  state_->move_to_device(o_.device);  // loaded on the host
   const nlohmann::json& meta = reader.index().meta;
   state_->step = back;
   const train_common::ResumeCursor cursor = train_common::read_resume_cursor(meta, o_.checkpoint_dir);

@@ -80,14 +80,8 @@ Shard& TrainingState::optimized(const std::string& param) {
   return slot(param, zero(param) ? StateSlot::kMaster : StateSlot::kParam);
 }
 
-Device TrainingState::device() const {
-  for (const auto& [name, slots] : params_)
-    for (const Shard& s : slots)
-      if (s.held()) return s.data.device();
-  return Device::cpu();
-}
-
 void TrainingState::move_to_device(Device device) {
+  device_ = device;
   Stream& stream = default_stream(device);
   for (auto& [name, slots] : params_)
     for (Shard& s : slots)
@@ -279,6 +273,7 @@ TrainingState TrainingState::reshard_to(std::shared_ptr<const AnnotationPlan> to
   const int64_t before = static_cast<int64_t>(alloc.current_bytes());
   alloc.reset_peak();
   TrainingState next(std::move(to), rank_);
+  next.device_ = device_;
   next.step = step;
   next.samples = samples;
   next.seed = seed;

@@ -266,10 +266,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--part", default="all", choices=["all", "trace", "more"])
+    ap.add_argument("--device", default="cpu",
+                    help="hspmd train --device for every run (cpu:1: the device test double, docs/cuda.md)")
     a = ap.parse_args()
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        h = Harness(a.hspmd, tmp, 9)
+        h = Harness(a.hspmd, tmp, 9, extra=("--device", a.device))
         e = Elastic(h)
         if a.part in ("all", "trace"):
             trace_case(e, False)

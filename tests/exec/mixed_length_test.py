@@ -295,6 +295,8 @@ def elastic_cases(tmp, base, strategy_file, check):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
+    ap.add_argument("--device", default="cpu",
+                    help="hspmd train --device for every run (cpu:1: the device test double, docs/cuda.md)")
     a = ap.parse_args()
     failures = []
 
@@ -309,7 +311,7 @@ def main():
         make_docs(data)
         base = [a.hspmd, "train", "--model", model, "--data", data, "--steps", str(STEPS), "--lr", "3e-3",
                 "--eps", "1e-5", "--weight-decay", "0.1", "--clip-grad", "0.5", "--threads", "1", "--quiet",
-                "--batch-tokens", str(T), "--max-seq-len", str(L)]
+                "--batch-tokens", str(T), "--max-seq-len", str(L), "--device", a.device]
 
         train = trainer(tmp, base)
 

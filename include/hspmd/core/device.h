@@ -23,6 +23,13 @@ struct Device {
 
   static Device cpu() { return {DeviceType::CPU, 0}; }
   static Device cuda(int index = 0) { return {DeviceType::CUDA, index}; }
+  // cpu:1, the device test double: host memory and the CPU's kernels, but
+  // not the host to the rest of hspmd. Host accessors (NDArray::host_data,
+  // to, clone, fill, ...) refuse its arrays as they refuse a GPU's,
+  // kernels::to_host / to_device copy, communicators stage its buffers. So
+  // every path a GPU takes runs on machines without one (`--device cpu:1`,
+  // docs/cuda.md), and a host access that a GPU would refuse fails here too.
+  static Device host_double() { return {DeviceType::CPU, 1}; }
   bool operator==(const Device&) const = default;
   std::string str() const;
 };

@@ -67,9 +67,10 @@ class TrainingState {
   bool zero(const std::string& param) const { return plan_->optimizer_states.count(param) > 0; }
   // Bytes of every array this rank holds.
   int64_t bytes() const;
-  // The device its arrays live on (that of the first array it holds; CPU
-  // when it holds none).
-  Device device() const;
+  // The device its arrays live on: the host until move_to_device, then that
+  // device, held even when the rank holds no array (an idle rank of one
+  // plan receives its arrays there at a switch); a switch's new state keeps it.
+  Device device() const { return device_; }
   // Moves every held shard to `device` (a copy on its default stream; shards
   // already there stay). A state is made and loaded on the host; a run on a
   // GPU moves it once.
@@ -111,6 +112,7 @@ class TrainingState {
                   CheckpointReader* checkpoint, SwitchReport& rep) const;
   std::shared_ptr<const AnnotationPlan> plan_;
   int rank_ = 0;
+  Device device_ = Device::cpu();
   std::map<std::string, std::array<Shard, 4>> params_;  // indexed by StateSlot
 };
 

@@ -434,7 +434,7 @@ void cpu::attention_backward(const NDArray& q, const NDArray& k, const NDArray& 
               "attention_grad: shapes");
   NDArray delta = NDArray::empty({p.B, p.Hq, p.S}, DType::F32);
   attention_row_dots(out, grad_out, delta, p.bf16);
-  for (NDArray* a : {&dq, &dk, &dv}) a->fill(0.0f);
+  for (NDArray* a : {&dq, &dk, &dv}) cpu::fill(*a, 0.0f);  // the kernel: they may live on cpu:1
   const Grads g{lse.data<float>(), dout.data<float>(), delta.data<float>(), dq.data<float>(),
                 dk.data<float>(),  dv.data<float>(),   dout_rows.data(),   dout_cols.data()};
 #pragma omp parallel if (p.parallel())

@@ -332,8 +332,8 @@ void cpu::attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, N
     HSPMD_CHECK(out_blk.shape() == blk.q.shape() &&
                     lse_blk.numel() == blk.q.dim(0) * blk.q.dim(2) * blk.q.dim(1),
                 "attention block: outputs");
-    out_blk.fill(0.0f);
-    lse_blk.fill(kNegInf);
+    cpu::fill(out_blk, 0.0f);  // the kernel, not NDArray::fill: out_blk may live on cpu:1
+    cpu::fill(lse_blk, kNegInf);
     return;
   }
   const BlockProblem p = make_block_problem(blk, tiles, false);

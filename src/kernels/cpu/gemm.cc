@@ -296,7 +296,7 @@ void cpu::matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b,
   HSPMD_CHECK(k == kb && out.numel() == m * n, "matmul: inner dims ", k, " vs ", kb);
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    out.fill(0.0f);
+    cpu::fill(out, 0.0f);
     return;
   }
   const Gemm g{m, n, k, a_cols, b.dim(1), trans_a, trans_b};
