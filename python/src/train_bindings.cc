@@ -1,6 +1,7 @@
 // Training from Python: the world communicator (MPI under mpirun, else a
 // world of one), TrainOptions built from the CLI's flag names, and
 // TrainingRun, the training loop driven one step at a time.
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -89,12 +90,24 @@ const std::map<std::string, Setter>& setters() {
       {"grad_reduce_dtype", [](TrainOptions& o, const py::handle& v) {
          o.precision.grad_reduce = parse_precision_name(v.cast<std::string>(), "--grad-reduce-dtype");
        }},
-      {"device", [](TrainOptions&, const py::handle& v) {
-         const Device where = parse_device_name(v.cast<std::string>(), "--device");
+      {"device", [](TrainOptions& o, const py::handle& v) {
+         const std::string name = v.cast<std::string>();
+         Device where = parse_device_name(name, "--device");
          require_device(where);
-         if (where.type == DeviceType::CUDA)
-           fail("[train] --device ", where.str(), ": the Python Trainer does not run on CUDA yet (the command line "
-                "trains one process on one GPU: hspmd train --device cuda; docs/cuda.md)");
+         // As the command line: plain "cuda" spreads a machine's ranks over
+         // its GPUs (the launcher's local rank), "cuda:N" puts them all on N.
+         // The ranks communicate through the staged MPI world (docs/comm.md).
+         if (name == "cuda") {
+           int local = 0;
+           for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+             if (const char* e = std::getenv(var)) {
+               local = std::max(0, std::atoi(e));
+               break;
+             }
+           where = Device::cuda(local % std::max(1, cuda_device_count()));
+           require_device(where);
+         }
+         o.device = where;
        }},
   };
   return table;

@@ -24,6 +24,11 @@ TRAIN = dict(seq_len=64, lr=3e-3, lr_schedule="cosine", warmup_steps=2, weight_d
 FLAGS = ["--seq-len", "64", "--lr", "3e-3", "--lr-schedule", "cosine", "--warmup-steps", "2", "--weight-decay",
          "0.1", "--clip-grad", "1.0", "--threads", "1", "--quiet"]
 FIELDS = ("step", "loss", "grad_norm", "lr", "tokens")
+# HSPMD_TEST_DEVICE=cpu:1 (the device test double) or cuda runs every Trainer
+# and CLI run on that device.
+DEVICE = os.environ.get("HSPMD_TEST_DEVICE", "cpu")
+TRAIN["device"] = DEVICE
+FLAGS += ["--device", DEVICE]
 
 
 def write_safetensors(path, tensors):
