@@ -91,22 +91,11 @@ const std::map<std::string, Setter>& setters() {
          o.precision.grad_reduce = parse_precision_name(v.cast<std::string>(), "--grad-reduce-dtype");
        }},
       {"device", [](TrainOptions& o, const py::handle& v) {
-         const std::string name = v.cast<std::string>();
-         Device where = parse_device_name(name, "--device");
-         require_device(where);
          // As the command line: plain "cuda" spreads a machine's ranks over
-         // its GPUs (the launcher's local rank), "cuda:N" puts them all on N.
-         // The ranks communicate through the staged MPI world (docs/comm.md).
-         if (name == "cuda") {
-           int local = 0;
-           for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
-             if (const char* e = std::getenv(var)) {
-               local = std::max(0, std::atoi(e));
-               break;
-             }
-           where = Device::cuda(local % std::max(1, cuda_device_count()));
-           require_device(where);
-         }
+         // its GPUs, "cuda:N" puts them all on N. The ranks communicate
+         // through the staged MPI world (docs/comm.md).
+         const Device where = rank_device(v.cast<std::string>(), "--device", 0);
+         require_device(where);
          o.device = where;
        }},
   };

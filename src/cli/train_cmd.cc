@@ -85,27 +85,11 @@ class OutputLocks {
   bool keep_ = false;
 };
 
-// This process's rank among the ranks of its machine (the launcher's
-// variable), else its world rank.
-int local_rank(int world_rank) {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
-    if (const char* v = std::getenv(var)) return std::max(0, std::atoi(v));
-  return world_rank;
-}
-
 // How the ranks of a CUDA run communicate (--comm, docs/comm.md).
 struct CommChoice {
   std::string flag = "auto";  // auto | nccl | mpi
-  bool device_indexed = false;  // --device cuda:N (every rank on N), not plain cuda
+  std::string device = "cpu";  // the --device text
 };
-
-// The rank's device: plain `cuda` spreads the ranks of a machine over its
-// GPUs (local rank modulo the GPUs visible), `cuda:N` puts every rank on N.
-Device rank_device(const TrainOptions& o, const CommChoice& c, int world_rank) {
-  if (o.device.type != DeviceType::CUDA || c.device_indexed) return o.device;
-  const int n = cuda_device_count();
-  return Device::cuda(n > 0 ? local_rank(world_rank) % n : 0);
-}
 
 // Two ranks on one device of one machine, or none (-1, -1).
 std::pair<int, int> ranks_sharing_a_device(Communicator& world, Device device) {
@@ -164,7 +148,7 @@ int train_on_ranks(const TrainOptions& o, const CommChoice& comm_choice) {
     double failed = busy.empty() ? 0 : 1;  // every rank learns that rank 0 cannot write
     world->all_reduce(&failed, 1, DType::F64);
     if (failed != 0) throw SetupFailure(busy, world->rank() == 0);
-    mine.device = rank_device(o, comm_choice, world->rank());
+    mine.device = rank_device(comm_choice.device, "--device", world->rank());
     require_device(mine.device);
     std::unique_ptr<Communicator> nccl = device_communicator(*world, mine.device, comm_choice.flag);
     train_distributed(mine, nccl ? *nccl : *world);
@@ -428,7 +412,7 @@ int train_command(const std::vector<std::string>& args) {
     if (where.type != DeviceType::CUDA)
       fail("[flags] --comm is read only with --device cuda (CPU ranks communicate through MPI)");
   }
-  comm_choice.device_indexed = device != "cuda";
+  comm_choice.device = device;
   o.device = where;
   if (f.given("batch-tokens")) {
     if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);

@@ -1,5 +1,6 @@
 #include "hspmd/core/device.h"
 
+#include <algorithm>
 #include <ctime>
 
 #include <cstdlib>
@@ -83,6 +84,19 @@ Device parse_device_name(const std::string& text, const std::string& flag) {
     return Device::cuda(std::stoi(text.substr(5)));
   fail("[flags] ", flag, ": '", text.size() > 40 ? text.substr(0, 40) + "..." : text,
        "' (expected cpu, cuda or cuda:N)");
+}
+
+Device rank_device(const std::string& text, const std::string& flag, int fallback_rank) {
+  const Device parsed = parse_device_name(text, flag);
+  if (text != "cuda") return parsed;
+  int local = fallback_rank;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"})
+    if (const char* v = std::getenv(var)) {
+      local = std::atoi(v);
+      break;
+    }
+  const int n = cuda_device_count();
+  return Device::cuda(n > 0 ? std::max(0, local) % n : 0);
 }
 
 void require_device(Device device) {

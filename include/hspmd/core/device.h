@@ -110,6 +110,11 @@ int cuda_device_count();
 // "cpu", "cuda" (= cuda:0) or "cuda:N" as a Device; anything else throws
 // "[flags] <flag>: '<text>' (expected cpu, cuda or cuda:N)".
 Device parse_device_name(const std::string& text, const std::string& flag);
+// The device of this process for a --device text among the ranks of one
+// machine: plain "cuda" spreads them over the machine's GPUs (the launcher's
+// local rank, else `fallback_rank`, modulo the GPUs visible); anything else
+// as parse_device_name gives it ("cuda:N" puts every rank on N).
+Device rank_device(const std::string& text, const std::string& flag, int fallback_rank);
 // Throws "[device] cuda:N: ..." in one line unless `device` can be used:
 // a build without CUDA, no GPU, an index that does not exist.
 void require_device(Device device);
