@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -185,7 +186,13 @@ class NcclCommunicator final : public Communicator {
   }
   ~NcclCommunicator() override {
     groups_.clear();
-    if (comm_ != nullptr) (void)nccl().comm_destroy(comm_);
+    if (comm_ == nullptr) return;
+    // Unwinding after a failure, the peers may be gone: destroy would wait
+    // for them, abort does not.
+    if (std::uncaught_exceptions() > 0)
+      (void)nccl().comm_abort(comm_);
+    else
+      (void)nccl().comm_destroy(comm_);
   }
 
   int rank() const override { return host_.rank(); }
