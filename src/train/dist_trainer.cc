@@ -535,6 +535,7 @@ void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r
     r.predicted_op_bytes.push_back(m.op_predicted);
     r.peak_memory_bytes.push_back(m.peak_bytes);
     r.peak_activation_bytes.push_back(m.activation_bytes);
+    r.grad_sync_s.push_back(m.grad_sync_ns * 1e-9);
     end = std::max(end, m.clock_ns);
     if (!clock_) continue;
     r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);
@@ -674,7 +675,7 @@ StepRecord DistTrainer::step() {
   r.step = step;
   std::map<std::string, NDArray> synced;
   size_t activations = 0;
-  double post0 = 0;
+  double post0 = 0, grad_sync_s = 0;
   if (bucketed) {
     TokenStep whole;
     r.loss = run_buckets(step, normalizer, log, synced, held, activations, whole);
@@ -689,7 +690,11 @@ StepRecord DistTrainer::step() {
     r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0,
                                world_);
     post0 = clock_ ? clock_->now() : 0;
+    rt_->graph->stream().synchronize();  // the schedule's compute is done: what follows is the sync alone
+    const auto sync0 = Clock::now();
     synced = rt_->graph->sync_gradients(raw, world_);
+    rt_->graph->stream().synchronize();
+    grad_sync_s = std::chrono::duration<double>(Clock::now() - sync0).count();
   }
   ExecGraph& graph = *rt_->graph;
   if (step == 0 && !o_.dump_grads_path.empty())
@@ -725,6 +730,7 @@ StepRecord DistTrainer::step() {
   mine.compute_ns = clock_ ? ns(clock_->compute_s()) : 0;
   mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
   mine.activation_bytes = static_cast<int64_t>(activations);
+  mine.grad_sync_ns = ns(grad_sync_s);
   fill_record(gather_metrics(mine, world_), r);
   r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.tokens_per_s = r.tokens / r.step_time_s;

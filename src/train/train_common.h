@@ -160,6 +160,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["predicted_op_bytes"] = r.predicted_op_bytes;
     j["peak_memory_bytes"] = r.peak_memory_bytes;
     j["peak_activation_bytes"] = r.peak_activation_bytes;
+    j["grad_sync_s"] = r.grad_sync_s;
   }
   if (r.pieces > 0) {  // token-budget steps
     j["pieces"] = r.pieces;

@@ -388,8 +388,10 @@ def main():
         # and inside ops (ring attention, vocab-parallel loss) the ops' own.
         bytes_ok = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] and
                        r["op_bytes_sent"] == r["predicted_op_bytes"] for r in records(log))
+        # The exposed gradient synchronization, per rank, measured.
+        sync_ok = all(len(r["grad_sync_s"]) == world and min(r["grad_sync_s"]) >= 0 for r in records(log))
         ok = (len(got) == len(want_loss) and rel <= loss_tol and werr <= weight_tol and
-              set(got_w) == set(want_w) and bytes_ok and uerr <= 0.15)
+              set(got_w) == set(want_w) and bytes_ok and uerr <= 0.15 and sync_ok)
         print(f"{name:22s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
               f"{f'update err {uerr:.2e} ' if mode.startswith('bf16') else ''}"
               f"(worst {worst}), bytes {'= predicted' if bytes_ok else '!= predicted'} "

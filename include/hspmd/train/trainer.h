@@ -142,6 +142,11 @@ struct StepRecord {
   // per rank: the micro-batches' peak above what the rank held before them
   // (activations, kept for the backward or recomputed, and raw gradients)
   std::vector<int64_t> peak_activation_bytes;
+  // per rank: seconds of the gradient synchronization after the schedule
+  // (the rank's streams drained first), communication nothing overlaps: the
+  // exposed part of the step's gradient reduction. 0 in bucketed
+  // token-budget steps, which synchronize per bucket (not measured).
+  std::vector<double> grad_sync_s;
   // Token-budget steps: pieces in the step, real tokens per pipeline, and
   // the cost model's prediction of the dispatch's slowest pipeline.
   int64_t pieces = 0;
