@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "hspmd/core/device.h"
+
 namespace hspmd {
 
 class BlockCache {
@@ -37,6 +39,48 @@ class BlockCache {
  private:
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> blocks_;
+};
+
+// An Allocator that rounds sizes up to a multiple of `granule`, keeps freed
+// blocks by that size for reuse, and when the backend cannot allocate,
+// releases the cache and tries once more before out_of_memory(). The CPU,
+// CUDA and pinned-host allocators differ only in the backend calls.
+class CachingAllocator : public Allocator {
+ public:
+  explicit CachingAllocator(size_t granule) : granule_(granule) {}
+
+  void* allocate(size_t bytes) override {
+    const size_t rounded = round(bytes);
+    void* p = cache_.take(rounded);
+    if (p == nullptr) p = backend_allocate(rounded);
+    if (p == nullptr) {
+      release_cache();  // what the cache holds may be enough
+      p = backend_allocate(rounded);
+    }
+    if (p == nullptr) out_of_memory(bytes);
+    account_alloc(bytes);
+    return p;
+  }
+  void deallocate(void* ptr, size_t bytes) override {
+    account_free(bytes);
+    cache_.put(round(bytes), ptr);
+  }
+
+ protected:
+  // A new block of `bytes` (a multiple of the granule), or nullptr.
+  virtual void* backend_allocate(size_t bytes) = 0;
+  virtual void backend_free(void* ptr) = 0;
+  // Throws hspmd::Error naming the request (the backend's last reason).
+  [[noreturn]] virtual void out_of_memory(size_t bytes) = 0;
+  // Derived destructors call it while their backend still works.
+  void release_cache() {
+    cache_.drain([this](void* p) { backend_free(p); });
+  }
+
+ private:
+  size_t round(size_t bytes) const { return bytes == 0 ? granule_ : (bytes + granule_ - 1) / granule_ * granule_; }
+  size_t granule_;
+  BlockCache cache_;
 };
 
 }  // namespace hspmd

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -34,85 +35,53 @@ void set_device(int index) { check(cudaSetDevice(index), "cudaSetDevice"); }
 
 namespace {
 
-// Blocks rounded up to 512 bytes and cached by that size.
-class CudaAllocator final : public Allocator {
+// Device blocks rounded up to 512 bytes and cached by that size.
+class CudaAllocator final : public CachingAllocator {
  public:
-  explicit CudaAllocator(int index) : index_(index) {}
+  explicit CudaAllocator(int index) : CachingAllocator(512), index_(index) {}
   ~CudaAllocator() override { release_cache(); }
 
-  void* allocate(size_t bytes) override {
-    const size_t rounded = round(bytes);
-    if (void* p = cache_.take(rounded)) {
-      account_alloc(bytes);
-      return p;
-    }
+ private:
+  void* backend_allocate(size_t bytes) override {
     set_device(index_);
     void* p = nullptr;
-    cudaError_t status = cudaMalloc(&p, rounded);
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      release_cache();  // what the cache holds may be enough
-      status = cudaMalloc(&p, rounded);
-    }
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      fail("[cuda:", index_, "] out of memory allocating ", bytes, " bytes (", current_bytes(), " in use, peak ",
-           peak_bytes(), "): ", cudaGetErrorString(status));
-    }
-    account_alloc(bytes);
-    return p;
+    const cudaError_t status = cudaMalloc(&p, bytes);
+    status_ = status;
+    if (status == cudaSuccess) return p;
+    (void)cudaGetLastError();
+    return nullptr;
   }
-
-  void deallocate(void* ptr, size_t bytes) override {
-    account_free(bytes);
-    cache_.put(round(bytes), ptr);
-  }
-
- private:
-  static size_t round(size_t bytes) { return bytes == 0 ? 512 : (bytes + 511) / 512 * 512; }
-  void release_cache() {
-    cache_.drain([](void* p) { (void)cudaFree(p); });
+  void backend_free(void* ptr) override { (void)cudaFree(ptr); }
+  [[noreturn]] void out_of_memory(size_t bytes) override {
+    fail("[cuda:", index_, "] out of memory allocating ", bytes, " bytes (", current_bytes(), " in use, peak ",
+         peak_bytes(), "): ", cudaGetErrorString(static_cast<cudaError_t>(status_.load())));
   }
 
   int index_;
-  BlockCache cache_;
+  std::atomic<int> status_{cudaSuccess};  // the backend's last reason
 };
 
 // Page-locked host blocks rounded up to 4 KiB and cached by that size.
-class PinnedAllocator final : public Allocator {
+class PinnedAllocator final : public CachingAllocator {
  public:
-  ~PinnedAllocator() override = default;  // process lifetime: see CudaStream
-
-  void* allocate(size_t bytes) override {
-    const size_t rounded = round(bytes);
-    if (void* p = cache_.take(rounded)) {
-      account_alloc(bytes);
-      return p;
-    }
-    void* p = nullptr;
-    cudaError_t status = cudaHostAlloc(&p, rounded, cudaHostAllocPortable);
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      cache_.drain([](void* q) { (void)cudaFreeHost(q); });
-      status = cudaHostAlloc(&p, rounded, cudaHostAllocPortable);
-    }
-    if (status != cudaSuccess) {
-      (void)cudaGetLastError();
-      fail("[cuda] out of pinned host memory allocating ", bytes, " bytes (", current_bytes(), " in use): ",
-           cudaGetErrorString(status));
-    }
-    account_alloc(bytes);
-    return p;
-  }
-
-  void deallocate(void* ptr, size_t bytes) override {
-    account_free(bytes);
-    cache_.put(round(bytes), ptr);
-  }
+  PinnedAllocator() : CachingAllocator(4096) {}  // process lifetime: see CudaStream
 
  private:
-  static size_t round(size_t bytes) { return bytes == 0 ? 4096 : (bytes + 4095) / 4096 * 4096; }
-  BlockCache cache_;
+  void* backend_allocate(size_t bytes) override {
+    void* p = nullptr;
+    const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    status_ = status;
+    if (status == cudaSuccess) return p;
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  void backend_free(void* ptr) override { (void)cudaFreeHost(ptr); }
+  [[noreturn]] void out_of_memory(size_t bytes) override {
+    fail("[cuda] out of pinned host memory allocating ", bytes, " bytes (", current_bytes(), " in use): ",
+         cudaGetErrorString(static_cast<cudaError_t>(status_.load())));
+  }
+
+  std::atomic<int> status_{cudaSuccess};  // the backend's last reason
 };
 
 class CudaStream final : public Stream {

@@ -34,27 +34,15 @@ namespace {
 // cache of freed blocks by exact size: a training step allocates the same
 // sizes every step, and reusing blocks avoids page faults and zeroing by the
 // kernel on every fresh mapping.
-class CpuAllocator final : public Allocator {
+class CpuAllocator final : public CachingAllocator {
  public:
-  ~CpuAllocator() override {
-    cache_.drain([](void* p) { std::free(p); });
-  }
-  void* allocate(size_t bytes) override {
-    const size_t rounded = round(bytes);
-    void* p = cache_.take(rounded);
-    if (p == nullptr) p = std::aligned_alloc(64, rounded);
-    if (p == nullptr) fail("[cpu] out of memory allocating ", bytes, " bytes");
-    account_alloc(bytes);
-    return p;
-  }
-  void deallocate(void* ptr, size_t bytes) override {
-    account_free(bytes);
-    cache_.put(round(bytes), ptr);
-  }
+  CpuAllocator() : CachingAllocator(64) {}
+  ~CpuAllocator() override { release_cache(); }
 
  private:
-  static size_t round(size_t bytes) { return bytes == 0 ? 64 : (bytes + 63) / 64 * 64; }
-  BlockCache cache_;
+  void* backend_allocate(size_t bytes) override { return std::aligned_alloc(64, bytes); }
+  void backend_free(void* ptr) override { std::free(ptr); }
+  [[noreturn]] void out_of_memory(size_t bytes) override { fail("[cpu] out of memory allocating ", bytes, " bytes"); }
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "hspmd/core/device.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
+#include "kernels/memory.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "test_util.h"
 
@@ -36,9 +37,42 @@ TEST(Stream, CudaDeviceErrorsAreOneLine) {
   EXPECT_EQ(testing::error_of([] { default_stream(Device::cuda(0)); }), want);
   EXPECT_EQ(testing::error_of([] { allocator_for(Device::cuda(0)); }), want);
   EXPECT_EQ(testing::error_of([] { require_device(Device::cuda(0)); }), want);
-  EXPECT_EQ(testing::error_of([] { require_device(Device{DeviceType::CPU, 1}); }),
-            "[device] cpu:1: the host is cpu:0");
+  EXPECT_EQ(testing::error_of([] { require_device(Device{DeviceType::CPU, 2}); }),
+            "[device] cpu:2: the host is cpu:0 (and cpu:1 its device test double)");
   EXPECT_NO_THROW(require_device(Device::cpu()));
+  EXPECT_NO_THROW(require_device(Device::host_double()));
+}
+
+// cpu:1, the device test double: the host may not touch its arrays (as a
+// GPU's), kernels run on them, transfers and conversions copy.
+TEST(DeviceDouble, HostAccessIsRefusedAndTransfersCopy) {
+  const Device dbl = Device::host_double();
+  EXPECT_EQ(parse_device_name("cpu:1", "--device"), dbl);
+  Stream& s = default_stream(dbl);
+  EXPECT_EQ(s.device(), dbl);
+  EXPECT_NE(&s, &default_stream(Device::cpu()));
+  const NDArray host = NDArray::from_vector({5}, {1.0f, -2.5f, 3.0f, 1.00390625f, 0.0f});
+  NDArray a = kernels::to_device(s, host);
+  EXPECT_EQ(a.device(), dbl);
+  EXPECT_NE(a.raw_data(), host.raw_data());  // a copy
+  EXPECT_EQ(testing::error_of([&] { a.host_data<float>(); }),
+            "[ndarray] host_data: the array lives on cpu:1, not on the host");
+  EXPECT_EQ(testing::error_of([&] { (void)a.clone(); }),
+            "[ndarray] NDArray::clone: the array lives on cpu:1, not on the host");
+  EXPECT_NE(testing::error_of([&] { (void)a.transpose(0, 0).to(DType::BF16); }), "");
+  const NDArray b = kernels::cast(s, a, DType::BF16);
+  EXPECT_EQ(b.device(), dbl);
+  const NDArray back = kernels::to_host(s, kernels::cast(s, b, DType::F32));
+  EXPECT_EQ(back.device(), Device::cpu());
+  EXPECT_EQ(back.to_vector(), host.to(DType::BF16).to(DType::F32).to_vector());
+  NDArray c = kernels::clone(s, a);
+  kernels::scale(s, a, 2.0f, c);  // a CPU kernel on the double's arrays
+  EXPECT_EQ(kernels::to_host(s, c).to_vector(), (std::vector<float>{2.0f, -5.0f, 6.0f, 2.0078125f, 0.0f}));
+  EXPECT_EQ(kernels::to_host(s, a).to_vector(), host.to_vector());
+  EXPECT_EQ(kernels::to_host(s, kernels::zeros(s, {3}, DType::F32)).to_vector(), std::vector<float>(3, 0.0f));
+  // Mixing it with host arrays is the dispatch's one-line error.
+  EXPECT_EQ(testing::error_of([&] { kernels::scale(s, host, 2.0f, c); }),
+            "[kernels] scale: an array lives on cpu:0 but the stream on cpu:1");
 }
 
 TEST(Event, TimesCpuWork) {

@@ -128,7 +128,7 @@ bool checkpoint_exists(const std::string& dir);
 // with a path separator); "shard file '<file>' missing (tensor '<name>')".
 CheckpointIndex load_checkpoint_index(const std::string& dir);
 
-namespace checkpoint_detail {  // src/io/checkpoint.cc
+namespace checkpoint_detail {  // src/io/checkpoint*.cc, checkpoint_internal.h
 struct ShardFile;
 struct StEntry;
 }  // namespace checkpoint_detail
