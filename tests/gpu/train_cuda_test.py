@@ -119,6 +119,18 @@ def main():
             d = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(full[8:], resumed)), default=1.0)
             result("checkpoint", r.returncode == 0 and len(resumed) == 4 and d <= 1e-4,
                    f"resumed_steps={len(resumed)} loss_rel={d:.1e} {r.stderr.strip()[-200:]}")
+        # And the other way: a CPU checkpoint (step 8 of 12) resumed on the GPU.
+        ck2 = os.path.join(tmp, "ck2")
+        p, log, _ = train("cpu_ck", ["--checkpoint", ck2, "--save-every", "8"], steps=12)
+        if p.returncode:
+            result("checkpoint_cpu_to_gpu", False, f"error=\"{p.stderr.strip()[-300:]}\"")
+        else:
+            r, rlog, _ = train("gpu_resume", ["--resume", ck2, "--device", dev], steps=12)
+            full = records(log)
+            resumed = records(rlog) if os.path.exists(rlog) else []
+            d = max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(full[8:], resumed)), default=1.0)
+            result("checkpoint_cpu_to_gpu", r.returncode == 0 and len(resumed) == 4 and d <= 1e-4,
+                   f"resumed_steps={len(resumed)} loss_rel={d:.1e} {r.stderr.strip()[-200:]}")
     print(f"train_cuda: {len(FAIL)} failure(s)")
     return 1 if FAIL else 0
 
