@@ -300,6 +300,9 @@ def main():
     for mode, cmd in modes.items():
         log, weights = os.path.join(tmp, mode + ".jsonl"), os.path.join(tmp, mode + ".safetensors")
         rc, err = run(cmd + ["--global-batch", "8", "--micro-batches", "4", "--log", log, "--save", weights])
+        if rc and ("no CUDA device" in err or "no CUDA backend" in err):
+            print("SKIP: " + err.strip())  # a GPU run on a machine without one
+            sys.exit(77)
         if rc:
             sys.exit(f"single-process {mode} run failed: " + err)
         want[mode] = (losses(log), read_safetensors(weights))

@@ -78,6 +78,9 @@ class Harness:
                      "--threads", "1", "--quiet", "--seq-len", "16", *extra]
         log, weights = self.path("single.jsonl"), self.path("single.safetensors")
         rc, err = run(self.base + ["--global-batch", "8", "--micro-batches", "4", "--log", log, "--save", weights])
+        if rc and ("no CUDA device" in err or "no CUDA backend" in err):
+            print("SKIP: " + err.strip())  # a GPU run on a machine without one
+            sys.exit(77)
         if rc:
             sys.exit("single-process run failed: " + err)
         self.want_loss, self.want_w = losses(log), read_safetensors(weights)
