@@ -80,7 +80,7 @@ write_summary() {
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|_us="
-  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda; do
+  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -466,6 +466,25 @@ else
     rc=$(worst_rc "$rc" "$rc3")
   fi
   record dist_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
+fi
+
+# ------------------------------- the distributed step on the GPU, timed --
+# bench/gpu_dist.py: bench/dist_step.py's plans with every rank on the GPU
+# (staged), the exposed gradient synchronization, bytes = predicted. Capped
+# at 90 s: the TinyLlama step below gets the rest.
+t0=$(date +%s)
+left=$((T_START + BUDGET - $(date +%s) - 15))
+if ((left < 150)); then
+  echo "== gpu_dist: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/gpu_dist.log"
+  record gpu_dist NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  record gpu_dist NOT_BUILT 0
+else
+  LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 90 \
+    python3 bench/gpu_dist.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --steps 4 --json "$OUT/gpu_dist.json" \
+    2>&1 | tee "$OUT/gpu_dist.log"
+  rc=${PIPESTATUS[0]}
+  record gpu_dist "$(status_of "$rc")" $(($(date +%s) - t0))
 fi
 
 # ----------------------------------------- hspmd profile on the GPU --
