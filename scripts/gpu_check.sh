@@ -80,7 +80,7 @@ write_summary() {
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|_us="
-  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist; do
+  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist oracle_cuda; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -466,6 +466,36 @@ else
     rc=$(worst_rc "$rc" "$rc3")
   fi
   record dist_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
+fi
+
+# ------------------------- the Hugging Face oracle with hspmd on the GPU --
+# tests/oracle/hf_oracle_test.py: Llama, Qwen2 and Mistral configs, fp32 and
+# bf16, hspmd on cuda:0 against transformers on the CPU (5 steps: losses,
+# gradients, weights). Runs with the python3 on PATH (the GPU machine's
+# PyTorch venv); skipped (77) when transformers is not importable there.
+t0=$(date +%s)
+left=$((T_START + BUDGET - $(date +%s) - 15))
+rm -f "$OUT/oracle_cuda.log"
+if ((left < 120)); then
+  echo "== oracle_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/oracle_cuda.log"
+  record oracle_cuda NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  record oracle_cuda NOT_BUILT 0
+else
+  rcs=()
+  for fam in llama qwen2 mistral; do
+    for variant in f32 bf16; do
+      echo "== oracle $fam $variant" >>"$OUT/oracle_cuda.log"
+      LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 5 60 python3 tests/oracle/hf_oracle_test.py \
+        --hspmd "$FBUILD/src/cli/hspmd" --family "$fam" --variant "$variant" --device cuda:0 \
+        >>"$OUT/oracle_cuda.log" 2>&1
+      r=$?
+      rcs+=("$r")
+      echo "RESULT probe=oracle_cuda case=${fam}_$variant status=$(status_of "$r")" | tee -a "$OUT/oracle_cuda.log"
+      ((r == 77)) && break 2  # no transformers here: the others would skip too
+    done
+  done
+  record oracle_cuda "$(status_of "$(worst_rc "${rcs[@]}")")" $(($(date +%s) - t0))
 fi
 
 # ------------------------------- the distributed step on the GPU, timed --

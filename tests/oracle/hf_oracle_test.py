@@ -113,6 +113,9 @@ def parse_args():
     ap.add_argument("--venv", help="run under this venv's python, skip when it is absent "
                     "(HSPMD_ORACLE_VENV overrides it, as for scripts/setup_oracle_venv.sh)")
     ap.add_argument("--keep", help="keep the run's files in this directory")
+    ap.add_argument("--device", default="cpu",
+                    help="hspmd's device (cuda: the CUDA backend against the CPU reference; cpu:1: the device "
+                         "test double)")
     return ap.parse_args()
 
 
@@ -350,6 +353,8 @@ def run_hspmd(cmd, family):
                         r.stderr)
     if family != "llama" and refused:
         skip(f"hspmd does not build model_type '{family}' yet ({refused.group(0)})")
+    if "no CUDA device" in r.stderr or "no CUDA backend" in r.stderr:
+        skip(f"hspmd cannot use {ARGS.device} here ({r.stderr.strip()})")
     sys.exit(f"FAIL: command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
 
 
@@ -423,7 +428,7 @@ def main():
 
         common = ["--model", config_path, "--data", p("data.bin"), "--init", p("init.safetensors"),
                   "--threads", "1"] + COMMON_TRAIN + FAMILIES[family]["train"]
-        run_hspmd([ARGS.hspmd, "train", *common, *(["--precision", "bf16"] if bf16 else []),
+        run_hspmd([ARGS.hspmd, "train", *common, "--device", ARGS.device, *(["--precision", "bf16"] if bf16 else []),
                    "--quiet", "--log", p("h.jsonl"), "--dump-grads", p("h_grads.safetensors"),
                    "--save", p("h_final.safetensors")], family)
 
