@@ -7,6 +7,7 @@
 
 #include "commands.h"
 #include "launcher.h"
+#include "mps.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
 
@@ -34,6 +35,7 @@ void print_error(const char* kind, const char* what) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  hspmd::cli::apply_mps_partition();  // a rank's GPU share, before any CUDA call
   hspmd::ensure_passive_omp_wait(argv);
   hspmd::tune_host_malloc();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {

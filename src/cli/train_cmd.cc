@@ -10,12 +10,14 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "commands.h"
 #include "flags.h"
 #include "launcher.h"
+#include "mps.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
@@ -255,16 +257,18 @@ void check_combinations(const FlagSet& f, bool distributed) {
   if (f.given("timeout") && !f.given("nproc")) fail("[flags] --timeout needs --nproc (it is the launcher's watchdog)");
 }
 
-// The ranks' flags: these without --nproc, and --threads cores / N unless given.
+// The ranks' flags: these without the launcher's own (--nproc, --timeout,
+// --max-restarts, --mps-percent), and --threads cores / N unless given.
 std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::string>& args, int64_t nproc) {
   std::vector<std::string> out;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--nproc" || args[i] == "--timeout" || args[i] == "--max-restarts") {
+    if (args[i] == "--nproc" || args[i] == "--timeout" || args[i] == "--max-restarts" ||
+        args[i] == "--mps-percent") {
       ++i;
       continue;
     }
     if (args[i].rfind("--nproc=", 0) != 0 && args[i].rfind("--timeout=", 0) != 0 &&
-        args[i].rfind("--max-restarts=", 0) != 0)
+        args[i].rfind("--max-restarts=", 0) != 0 && args[i].rfind("--mps-percent=", 0) != 0)
       out.push_back(args[i]);
   }
   if (!f.given("threads")) {
@@ -333,6 +337,10 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("device", &device,
                "cpu (default), cuda or cuda:N: where the model computes (docs/cuda.md); with several ranks, cuda "
                "spreads a machine's ranks over its GPUs and cuda:N puts them all on GPU N");
+  std::string mps_percent;
+  f.add_string("mps-percent", &mps_percent,
+               "with --nproc and --device cuda:N: give the ranks these shares of the GPU's SMs through CUDA MPS, "
+               "one percentage per rank (e.g. 50,25,25); the launcher starts and stops the MPS daemon");
   CommChoice comm_choice;
   f.add_string("comm", &comm_choice.flag,
                "with --device cuda and several ranks: auto (default: NCCL when every rank has a GPU of its own, "
@@ -413,6 +421,13 @@ int train_command(const std::vector<std::string>& args) {
       fail("[flags] --comm is read only with --device cuda (CPU ranks communicate through MPI)");
   }
   comm_choice.device = device;
+  std::vector<int> mps_percents;
+  if (f.given("mps-percent")) {
+    if (!f.given("nproc")) fail("[flags] --mps-percent needs --nproc (the launcher runs the MPS daemon)");
+    if (where.type != DeviceType::CUDA && !(where == Device::host_double()))
+      fail("[flags] --mps-percent partitions a GPU: it needs --device cuda:N (or the test double cpu:1)");
+    mps_percents = parse_mps_percents(mps_percent, nproc);
+  }
   o.device = where;
   if (f.given("batch-tokens")) {
     if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);
@@ -479,7 +494,10 @@ int train_command(const std::vector<std::string>& args) {
   check_combinations(f, distributed);
   if (f.given("nproc")) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
-    return launch_ranks(LaunchOptions{nproc, rank_args(f, args, nproc), timeout, max_restarts, o.log_path,
+    std::vector<std::string> ranks = rank_args(f, args, nproc);
+    std::optional<MpsDaemon> mps;  // stopped when the job ends, however it ends
+    if (!mps_percents.empty()) mps.emplace(mps_percents);
+    return launch_ranks(LaunchOptions{nproc, std::move(ranks), timeout, max_restarts, o.log_path,
                                       o.checkpoint_dir, o.resume_dir, {}});
   }
   if (!distributed) {

@@ -4,6 +4,8 @@
 #include "train/dist_trainer.h"
 #include "train/resume_checks.h"
 
+#include <cstdlib>
+
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
@@ -536,6 +538,7 @@ void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r
     r.peak_memory_bytes.push_back(m.peak_bytes);
     r.peak_activation_bytes.push_back(m.activation_bytes);
     r.grad_sync_s.push_back(m.grad_sync_ns * 1e-9);
+    r.sm_percent.push_back(m.sm_percent);
     end = std::max(end, m.clock_ns);
     if (!clock_) continue;
     r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);
@@ -731,6 +734,7 @@ StepRecord DistTrainer::step() {
   mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
   mine.activation_bytes = static_cast<int64_t>(activations);
   mine.grad_sync_ns = ns(grad_sync_s);
+  if (const char* p = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) mine.sm_percent = std::atoi(p);
   fill_record(gather_metrics(mine, world_), r);
   r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.tokens_per_s = r.tokens / r.step_time_s;

@@ -83,6 +83,7 @@ struct StepMetrics {
   int64_t peak_bytes = 0;         // peak bytes of tensors in the step
   int64_t activation_bytes = 0;   // the micro-batches' peak above what the rank held before them
   int64_t grad_sync_ns = 0;       // wall time of the gradient synchronization after the schedule
+  int64_t sm_percent = 0;         // CUDA MPS: the rank's share of the GPU's SMs (0: none set)
 };
 constexpr int kStepMetricFields = sizeof(StepMetrics) / sizeof(int64_t);
 static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));

@@ -147,6 +147,9 @@ struct StepRecord {
   // exposed part of the step's gradient reduction. 0 in bucketed
   // token-budget steps, which synchronize per bucket (not measured).
   std::vector<double> grad_sync_s;
+  // per rank: its CUDA MPS share of the GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+  // --mps-percent); empty when no rank has one.
+  std::vector<int64_t> sm_percent;
   // Token-budget steps: pieces in the step, real tokens per pipeline, and
   // the cost model's prediction of the dispatch's slowest pipeline.
   int64_t pieces = 0;

@@ -1,0 +1,111 @@
+// CUDA MPS partitions for a job's ranks (mps.h).
+#include "mps.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+#include "hspmd/core/error.h"
+
+extern char** environ;
+
+namespace hspmd::cli {
+namespace {
+
+// Runs `argv` with `input` on its stdin; its exit code (-1: not started or
+// killed).
+int run(const std::vector<std::string>& argv, const std::string& input) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_adddup2(&files, fds[0], STDIN_FILENO);
+  posix_spawn_file_actions_addclose(&files, fds[1]);
+  std::vector<char*> cargv;
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, cargv[0], &files, nullptr, cargv.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  close(fds[0]);
+  if (rc == 0 && !input.empty()) {
+    const ssize_t n = write(fds[1], input.data(), input.size());
+    (void)n;
+  }
+  close(fds[1]);
+  if (rc != 0) return -1;
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc) {
+  std::vector<int> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1 || v > 100)
+      fail("[flags] --mps-percent: '", item, "' is not a percentage of the SMs in [1, 100]");
+    out.push_back(static_cast<int>(v));
+  }
+  if (static_cast<int64_t>(out.size()) != nproc)
+    fail("[flags] --mps-percent gives ", out.size(), " percentages for --nproc ", nproc, " ranks (one per rank)");
+  return out;
+}
+
+MpsDaemon::MpsDaemon(const std::vector<int>& percents) {
+  const char* control = std::getenv("HSPMD_MPS_CONTROL");
+  control_ = control && *control ? control : "nvidia-cuda-mps-control";
+  char tmpl[] = "/tmp/hspmd-mps-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) fail("[launch] --mps-percent: cannot make a directory for the MPS daemon");
+  dir_ = tmpl;
+  std::filesystem::create_directories(dir_ + "/pipe");
+  std::filesystem::create_directories(dir_ + "/log");
+  std::string list;
+  for (int p : percents) list += (list.empty() ? "" : ",") + std::to_string(p);
+  setenv("CUDA_MPS_PIPE_DIRECTORY", (dir_ + "/pipe").c_str(), 1);
+  setenv("CUDA_MPS_LOG_DIRECTORY", (dir_ + "/log").c_str(), 1);
+  setenv("HSPMD_MPS_PERCENTS", list.c_str(), 1);
+  const int rc = run({control_, "-d"}, "");
+  if (rc != 0) {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+    fail("[launch] --mps-percent: cannot start the MPS daemon '", control_, " -d' (",
+         rc < 0 ? "not found or killed" : "exit code " + std::to_string(rc),
+         "; it needs a CUDA driver with MPS, run as the GPU's user)");
+  }
+}
+
+MpsDaemon::~MpsDaemon() {
+  if (run({control_}, "quit\n") != 0)
+    std::fprintf(stderr, "hspmd: warning: [launch] the MPS daemon (pipe %s/pipe) did not take 'quit'\n", dir_.c_str());
+  std::error_code ignored;
+  std::filesystem::remove_all(dir_, ignored);
+  unsetenv("HSPMD_MPS_PERCENTS");
+}
+
+void apply_mps_partition() {
+  const char* list = std::getenv("HSPMD_MPS_PERCENTS");
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (list == nullptr || rank == nullptr) return;
+  std::stringstream in(list);
+  std::string item;
+  for (int r = 0; std::getline(in, item, ','); ++r)
+    if (r == std::atoi(rank)) {
+      setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", item.c_str(), 1);
+      return;
+    }
+}
+
+}  // namespace hspmd::cli

@@ -1,0 +1,41 @@
+// CUDA MPS partitions of one GPU for the ranks of a job (`hspmd train
+// --nproc N --mps-percent P0,...`, docs/cuda.md "Partitions of one GPU"):
+// real heterogeneous devices on one machine, each rank limited to a share of
+// the GPU's SMs by the MPS server.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hspmd::cli {
+
+// "50,25,25": one percentage of the SMs in [1, 100] per rank, nproc of them;
+// anything else throws "[flags] --mps-percent ...".
+std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc);
+
+// The launcher's side: starts an MPS control daemon (nvidia-cuda-mps-control
+// -d, or the program named by HSPMD_MPS_CONTROL) with private pipe and log
+// directories (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY, exported to
+// the ranks with HSPMD_MPS_PERCENTS), and stops it ("quit" on its control
+// pipe) and removes the directories when destroyed: after the job, whether
+// it succeeded, failed, or was stopped by SIGINT / SIGTERM (the launcher
+// returns then). A launcher killed by SIGKILL leaves the daemon running.
+// Throws "[launch] --mps-percent: ..." when the daemon does not start.
+class MpsDaemon {
+ public:
+  explicit MpsDaemon(const std::vector<int>& percents);
+  ~MpsDaemon();
+  MpsDaemon(const MpsDaemon&) = delete;
+  MpsDaemon& operator=(const MpsDaemon&) = delete;
+
+ private:
+  std::string control_, dir_;
+};
+
+// The rank's side, first thing in main(): under a launcher that set
+// HSPMD_MPS_PERCENTS, sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE to this rank's
+// entry (the MPI rank's) before any CUDA call.
+void apply_mps_partition();
+
+}  // namespace hspmd::cli
