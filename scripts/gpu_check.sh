@@ -48,6 +48,11 @@ T_START=$(date +%s)
 declare -a STEP_NAMES STEP_STATUS STEP_SECS
 note() { echo "$*" | tee -a "$SETUP"; }
 record() { STEP_NAMES+=("$1"); STEP_STATUS+=("$2"); STEP_SECS+=("$3"); write_summary; }
+# STEPS (default: all): the steps to run, e.g. STEPS="conformance_memory
+# train_cuda oracle_cuda gpu_step" for [2/5], STEPS="dist_cuda gpu_dist
+# mps_hetero" for [3/5]; the whole-project build runs whenever one needs it.
+STEPS=${STEPS:-}
+want() { [[ -z "$STEPS" || " $STEPS " == *" $1 "* ]]; }
 worst_rc() {  # exit codes of one step's parts -> the step's: a failure first, 77 (skip) only if all skipped
   local r out=77
   for r in "$@"; do
@@ -79,8 +84,8 @@ write_summary() {
   for i in "${!STEP_NAMES[@]}"; do
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
-  MEASURED="median_ms=|fwd_ms=|gbps|_us="
-  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist oracle_cuda; do
+  MEASURED="median_ms=|fwd_ms=|gbps|_us=|predicted_ms="
+  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist oracle_cuda mps_hetero; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -342,7 +347,9 @@ fi
 t0=$(date +%s)
 KBUILD=${KBUILD_DIR:-build-gpu-kernels}
 left=$((T_START + BUDGET - $(date +%s) - 15))
-if ((left < 60)); then
+if ! want conformance_memory; then
+  record conformance_memory "SKIP(STEPS)" 0
+elif ((left < 60)); then
   echo "== conformance_memory: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/conformance_memory.log"
   record conformance_memory NO_TIME 0
 elif [[ -z "$NVCC" ]]; then
@@ -388,7 +395,9 @@ fi
 t0=$(date +%s)
 left=$((T_START + BUDGET - $(date +%s) - 15))
 rm -f "$OUT/train_cuda.log"
-if ((left < 90)); then
+if ! want train_cuda; then
+  record train_cuda "SKIP(STEPS)" 0
+elif ((left < 90)); then
   echo "== train_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/train_cuda.log"
   record train_cuda NO_TIME 0
 elif [[ -z "$NVCC" || ! -d "$CBC" ]]; then
@@ -429,7 +438,9 @@ t0=$(date +%s)
 left=$((T_START + BUDGET - $(date +%s) - 15))
 rm -f "$OUT/dist_cuda.log"
 DIST_CASES=${DIST_CASES:-dp4_zero,pp4_1f1b,2pp2_gpipe,tp4,asym7_tp421_zero,hetero_pp_tp_recompute,cp2_tp2,packed_cp_hetero_zero,tied_tp1_to_cp2tp2,idle_rank,bf16_dp2_tp2_zero,qwen2_hetero_pp_tp,mistral_cp2}
-if ((left < 60)); then
+if ! want dist_cuda; then
+  record dist_cuda "SKIP(STEPS)" 0
+elif ((left < 60)); then
   echo "== dist_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/dist_cuda.log"
   record dist_cuda NO_TIME 0
 elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
@@ -476,7 +487,9 @@ fi
 t0=$(date +%s)
 left=$((T_START + BUDGET - $(date +%s) - 15))
 rm -f "$OUT/oracle_cuda.log"
-if ((left < 120)); then
+if ! want oracle_cuda; then
+  record oracle_cuda "SKIP(STEPS)" 0
+elif ((left < 120)); then
   echo "== oracle_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/oracle_cuda.log"
   record oracle_cuda NO_TIME 0
 elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
@@ -504,7 +517,9 @@ fi
 # at 90 s: the TinyLlama step below gets the rest.
 t0=$(date +%s)
 left=$((T_START + BUDGET - $(date +%s) - 15))
-if ((left < 150)); then
+if ! want gpu_dist; then
+  record gpu_dist "SKIP(STEPS)" 0
+elif ((left < 150)); then
   echo "== gpu_dist: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/gpu_dist.log"
   record gpu_dist NO_TIME 0
 elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
@@ -517,13 +532,37 @@ else
   record gpu_dist "$(status_of "$rc")" $(($(date +%s) - t0))
 fi
 
+# ------------------------- heterogeneous partitions of the GPU (MPS) --
+# bench/mps_hetero.py: profiles of 50/25/25 % MPS partitions, the planner's
+# strategy for them against the symmetric ones trained on the partitions,
+# the prediction's error, no MPS daemon left (docs/cuda.md).
+t0=$(date +%s)
+left=$((T_START + BUDGET - $(date +%s) - 15))
+if ! want mps_hetero; then
+  record mps_hetero "SKIP(STEPS)" 0
+elif ((left < 150)); then
+  echo "== mps_hetero: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/mps_hetero.log"
+  record mps_hetero NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  record mps_hetero NOT_BUILT 0
+else
+  LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 240 ? left : 240)) \
+    python3 bench/mps_hetero.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --json "$OUT/mps_hetero.json" \
+    2>&1 | tee "$OUT/mps_hetero.log"
+  rc=${PIPESTATUS[0]}
+  record mps_hetero "$(status_of "$rc")" $(($(date +%s) - t0))
+  echo "MPS processes after the step: $(pgrep -f nvidia-cuda-mps | wc -l)" | tee -a "$OUT/mps_hetero.log"
+fi
+
 # ----------------------------------------- hspmd profile on the GPU --
 # tests/gpu/profile_cuda_test.py: the tiny model's parts timed with CUDA
 # events (fp32, bf16; tp 1, 2), the profile's sanity (docs/cuda.md).
 t0=$(date +%s)
 rm -f "$OUT/profile_cuda.log"
 left=$((T_START + BUDGET - $(date +%s) - 10))
-if ((left < 30)); then
+if ! want profile_cuda; then
+  record profile_cuda "SKIP(STEPS)" 0
+elif ((left < 30)); then
   echo "== profile_cuda: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/profile_cuda.log"
   record profile_cuda NO_TIME 0
 elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
@@ -545,7 +584,9 @@ fi
 t0=$(date +%s)
 rm -f "$OUT/gpu_step.log" "$OUT/gpu_step.json"
 left=$((T_START + BUDGET - $(date +%s) - 15))
-if ((left < 120)); then
+if ! want gpu_step; then
+  record gpu_step "SKIP(STEPS)" 0
+elif ((left < 120)); then
   echo "== gpu_step: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/gpu_step.log"
   record gpu_step NO_TIME 0
 elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "mps.h"
 #include "flags.h"
 #include "hspmd/models/model.h"
 #include "hspmd/core/error.h"
@@ -178,6 +180,10 @@ int profile_command(const std::vector<std::string>& args) {
   f.add_string("device", &device,
                "cpu (default), cuda or cuda:N: where the parts run (on a GPU: timed with CUDA events,\n"
                "docs/cuda.md)");
+  std::string mps_percent;
+  f.add_string("mps-percent", &mps_percent,
+               "with --device cuda:N: profile a CUDA MPS partition of this share of the GPU's SMs (a private MPS\n"
+               "daemon runs for the profile; docs/cuda.md)");
   f.add_int("emulated-ranks", &emulated_ranks,
             "also calibrate to an emulated cluster of this many ranks on this machine: the compute\n"
             "they bill over what the parts predict (default 0: no calibration)");
@@ -186,6 +192,16 @@ int profile_command(const std::vector<std::string>& args) {
   // The device first, before any work: a build without CUDA, no GPU, an
   // index that does not exist.
   const Device where = parse_device_name(device, "--device");
+  // An MPS partition: the daemon, then this process's share, both before
+  // the first CUDA call (require_device's).
+  std::optional<MpsDaemon> mps;
+  if (f.given("mps-percent")) {
+    if (where.type != DeviceType::CUDA && !(where == Device::host_double()))
+      fail("[flags] --mps-percent partitions a GPU: it needs --device cuda:N (or the test double cpu:1)");
+    const std::vector<int> share = parse_mps_percents(mps_percent, 1);
+    mps.emplace(share);
+    setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(share[0]).c_str(), 1);
+  }
   require_device(where);
   const bool on_cpu = where == Device::cpu();
   if (!on_cpu && emulated_ranks > 0)

@@ -28,10 +28,7 @@ STRATEGY = {"pipelines": [
     {"micro_batch_size": 2, "micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 3]}]},
     {"micro_batch_size": 1, "micro_batches": 2, "stages": [{"ranks": [1], "layers": [0, 1]},
                                                            {"ranks": [2], "layers": [2, 3]}]}]}
-FAKE = """#!/bin/sh
-if [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"; exit 0; fi
-read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
-"""
+FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_mps_control.sh")
 
 
 def main():
@@ -52,10 +49,7 @@ def main():
         rng = random.Random(3)
         with open(p("data.bin"), "wb") as f:
             f.write(b"".join(struct.pack("<I", rng.randrange(64)) for _ in range(4096)))
-        with open(p("fake"), "w") as f:
-            f.write(FAKE)
-        os.chmod(p("fake"), 0o755)
-        env = dict(os.environ, HSPMD_MPS_CONTROL=p("fake"), FAKE_MPS_LOG=p("calls"))
+        env = dict(os.environ, HSPMD_MPS_CONTROL=FAKE, FAKE_MPS_LOG=p("calls"))
         base = [a.hspmd, "train", "--model", p("model.json"), "--data", p("data.bin"), "--seq-len", "16",
                 "--threads", "1", "--quiet", "--strategy", p("s.json"), "--device", "cpu:1"]
 
