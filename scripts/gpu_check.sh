@@ -547,7 +547,7 @@ elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
   record mps_hetero NOT_BUILT 0
 else
   LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 240 ? left : 240)) \
-    python3 bench/mps_hetero.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --json "$OUT/mps_hetero.json" \
+    python3 bench/mps_hetero.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --global-batch 12 --steps 4 --json "$OUT/mps_hetero.json" \
     2>&1 | tee "$OUT/mps_hetero.log"
   rc=${PIPESTATUS[0]}
   record mps_hetero "$(status_of "$rc")" $(($(date +%s) - t0))
