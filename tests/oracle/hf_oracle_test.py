@@ -123,9 +123,13 @@ ARGS = parse_args()
 enter_venv(os.environ.get("HSPMD_ORACLE_VENV") or ARGS.venv)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only; nothing from the Hub
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+try:
+    import numpy as np  # noqa: E402
+    import torch  # noqa: E402
+    import torch.nn.functional as F  # noqa: E402
+except ImportError as e:
+    skip(f"numpy or torch is not importable by {sys.executable} ({e}); "
+         "bash scripts/setup_oracle_venv.sh installs them")
 
 try:
     import transformers  # noqa: E402
