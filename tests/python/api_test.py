@@ -133,7 +133,11 @@ def check_trainer_errors(d):
            "[flags] --optimizer: unknown optimizer 'sgd'")
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, beta2=1.0),
            "[flags] --beta2 must lie in [0, 1), got 1")
-    raises(lambda: hspmd.Trainer(MODEL, None, data, device="cuda:0", seq_len=64, steps=1, global_batch=8), "[")
+    # A device that cannot be used, on any machine: one line naming it.
+    raises(lambda: hspmd.Trainer(MODEL, None, data, device="cuda:99", seq_len=64, steps=1, global_batch=8),
+           "[device] cuda:99: ")
+    raises(lambda: hspmd.Trainer(MODEL, None, data, device="tpu", seq_len=64, steps=1, global_batch=8),
+           "[flags] --device: 'tpu' (expected cpu, cuda or cuda:N)")
     raises(lambda: hspmd.Trainer(MODEL, STRATEGY, data, seq_len=64, steps=1), "[")  # 4 ranks on a world of 1
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
 
