@@ -83,7 +83,8 @@ class Job:
         c = [self.a.hspmd, "train", "--model", self.model, "--data", self.data, "--seq-len", "32",
              "--steps", str(STEPS), "--lr", lr, "--weight-decay", "0.1", "--clip-grad", "1", "--quiet",
              "--threads", "1", "--strategy", self.strategy, "--nproc", "4",
-             "--log", self.path(name + ".jsonl"), "--checkpoint", self.path(name + ".ckpt"), "--save-every", "1"]
+             "--log", self.path(name + ".jsonl"), "--checkpoint", self.path(name + ".ckpt"), "--save-every", "1",
+             "--device", self.a.device]
         if restarts is not None:
             c += ["--max-restarts", str(restarts)]
         return c + list(extra)
@@ -329,6 +330,8 @@ def main():
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--repo", required=True)
     ap.add_argument("--part", required=True, choices=["crash", "foreign", "no-restart"])
+    ap.add_argument("--device", default="cpu",
+                    help="hspmd train --device for every run (cpu:1: the device test double, docs/cuda.md)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="hspmd-restart-") as tmp:
         j = Job(a, tmp)
