@@ -82,9 +82,9 @@ class Job:
     def cmd(self, name, extra=(), restarts=1, lr="1e-3"):
         c = [self.a.hspmd, "train", "--model", self.model, "--data", self.data, "--seq-len", "32",
              "--steps", str(STEPS), "--lr", lr, "--weight-decay", "0.1", "--clip-grad", "1", "--quiet",
-             "--threads", "1", "--strategy", self.strategy, "--nproc", "4",
-             "--log", self.path(name + ".jsonl"), "--checkpoint", self.path(name + ".ckpt"), "--save-every", "1",
-             "--device", self.a.device]
+             "--threads", "1", "--strategy", self.strategy, "--nproc", "4", "--device", self.a.device,
+             # --save-every last: the flag cases drop it as base[:-2]
+             "--log", self.path(name + ".jsonl"), "--checkpoint", self.path(name + ".ckpt"), "--save-every", "1"]
         if restarts is not None:
             c += ["--max-restarts", str(restarts)]
         return c + list(extra)
