@@ -48,7 +48,9 @@ int run(const std::vector<std::string>& argv, const std::string& input) {
 
 }  // namespace
 
-std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc) {
+std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc, Device device) {
+  if (device.type != DeviceType::CUDA && !(device == Device::host_double()))
+    fail("[flags] --mps-percent partitions a GPU: it needs --device cuda:N (or the test double cpu:1)");
   std::vector<int> out;
   std::stringstream in(text);
   std::string item;

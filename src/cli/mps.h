@@ -8,11 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "hspmd/core/device.h"
+
 namespace hspmd::cli {
 
-// "50,25,25": one percentage of the SMs in [1, 100] per rank, nproc of them;
-// anything else throws "[flags] --mps-percent ...".
-std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc);
+// "50,25,25": one percentage of the SMs in [1, 100] per rank, nproc of them,
+// for ranks on `device` (a CUDA device, or the test double cpu:1); anything
+// else throws "[flags] --mps-percent ...".
+std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc, Device device);
 
 // The launcher's side: starts an MPS control daemon (nvidia-cuda-mps-control
 // -d, or the program named by HSPMD_MPS_CONTROL) with private pipe and log

@@ -196,9 +196,7 @@ int profile_command(const std::vector<std::string>& args) {
   // the first CUDA call (require_device's).
   std::optional<MpsDaemon> mps;
   if (f.given("mps-percent")) {
-    if (where.type != DeviceType::CUDA && !(where == Device::host_double()))
-      fail("[flags] --mps-percent partitions a GPU: it needs --device cuda:N (or the test double cpu:1)");
-    const std::vector<int> share = parse_mps_percents(mps_percent, 1);
+    const std::vector<int> share = parse_mps_percents(mps_percent, 1, where);
     mps.emplace(share);
     setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(share[0]).c_str(), 1);
   }

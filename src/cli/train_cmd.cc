@@ -424,9 +424,7 @@ int train_command(const std::vector<std::string>& args) {
   std::vector<int> mps_percents;
   if (f.given("mps-percent")) {
     if (!f.given("nproc")) fail("[flags] --mps-percent needs --nproc (the launcher runs the MPS daemon)");
-    if (where.type != DeviceType::CUDA && !(where == Device::host_double()))
-      fail("[flags] --mps-percent partitions a GPU: it needs --device cuda:N (or the test double cpu:1)");
-    mps_percents = parse_mps_percents(mps_percent, nproc);
+    mps_percents = parse_mps_percents(mps_percent, nproc, where);
   }
   o.device = where;
   if (f.given("batch-tokens")) {

@@ -734,7 +734,11 @@ StepRecord DistTrainer::step() {
   mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
   mine.activation_bytes = static_cast<int64_t>(activations);
   mine.grad_sync_ns = ns(grad_sync_s);
-  if (const char* p = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) mine.sm_percent = std::atoi(p);
+  static const int64_t sm_percent = [] {  // set before the process's first CUDA call (--mps-percent)
+    const char* p = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+    return p ? int64_t{std::atoi(p)} : int64_t{0};
+  }();
+  mine.sm_percent = sm_percent;
   fill_record(gather_metrics(mine, world_), r);
   r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.tokens_per_s = r.tokens / r.step_time_s;
