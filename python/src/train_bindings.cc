@@ -90,6 +90,7 @@ const std::map<std::string, Setter>& setters() {
       {"grad_reduce_dtype", [](TrainOptions& o, const py::handle& v) {
          o.precision.grad_reduce = parse_precision_name(v.cast<std::string>(), "--grad-reduce-dtype");
        }},
+      {"overlap", [](TrainOptions& o, const py::handle& v) { o.overlap = v.cast<bool>(); }},
       {"device", [](TrainOptions& o, const py::handle& v) {
          // As the command line: plain "cuda" spreads a machine's ranks over
          // its GPUs, "cuda:N" puts them all on N. The ranks communicate

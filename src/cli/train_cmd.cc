@@ -345,6 +345,11 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("comm", &comm_choice.flag,
                "with --device cuda and several ranks: auto (default: NCCL when every rank has a GPU of its own, "
                "else MPI), nccl, or mpi (device buffers staged through pinned host memory; ranks may share a GPU)");
+  bool overlap = false, no_overlap = false;
+  f.add_bool("overlap", &overlap,
+             "synchronize each gradient on a communication thread as soon as the last backward computes it "
+             "(default with a device other than the CPU; docs/comm.md)");
+  f.add_bool("no-overlap", &no_overlap, "synchronize the gradients after the schedule (default on the CPU)");
   std::string clock = "cpu";
   f.add_string("clock", &clock,
                "emulated compute time: cpu (measured CPU time, default) or model (predicted from --profile: "
@@ -421,6 +426,13 @@ int train_command(const std::vector<std::string>& args) {
       fail("[flags] --comm is read only with --device cuda (CPU ranks communicate through MPI)");
   }
   comm_choice.device = device;
+  if (overlap && no_overlap) fail("[flags] give --overlap or --no-overlap, not both");
+  if (overlap)
+    for (const char* flag : {"cluster", "trace"})
+      if (f.given(flag))
+        fail("[flags] --overlap with --", flag, ": the emulated clock bills one thread per rank (no "
+             "communication thread); drop --overlap");
+  if (overlap || no_overlap) o.overlap = overlap;
   std::vector<int> mps_percents;
   if (f.given("mps-percent")) {
     if (!f.given("nproc")) fail("[flags] --mps-percent needs --nproc (the launcher runs the MPS daemon)");

@@ -23,6 +23,10 @@ void* array_buffer(const NDArray& a, const Stream& stream, const char* call) {
 
 }  // namespace
 
+std::unique_ptr<Communicator> Communicator::duplicate() {
+  fail("[comm] this backend cannot duplicate its world (no second world for a communication thread)");
+}
+
 Request Communicator::start_all_reduce(Stream& stream, NDArray& data, ReduceOp op) {
   return start_all_reduce(stream, array_buffer(data, stream, "all_reduce"), data.numel(), data.dtype(), op);
 }
@@ -197,6 +201,7 @@ class SingleProcessCommunicator final : public Communicator {
   void wait_all(std::vector<Request>& requests) override { requests.clear(); }
   void barrier() override {}
   void abort(int) override {}
+  std::unique_ptr<Communicator> duplicate() override { return std::make_unique<SingleProcessCommunicator>(); }
 
  private:
   static void check_count(int64_t count, const char* call) {

@@ -120,6 +120,7 @@ class MpiCommunicator final : public Communicator {
   Request do_recv(Stream& stream, void* data, int64_t count, DType dtype, int peer, int tag) override;
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+  std::unique_ptr<Communicator> duplicate() override;
   void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
 
  private:
@@ -282,13 +283,26 @@ void finalize_mpi() {
 
 }  // namespace
 
+std::unique_ptr<Communicator> MpiCommunicator::duplicate() {
+  int level = MPI_THREAD_SINGLE;
+  check(MPI_Query_thread(&level), "MPI_Query_thread");
+  if (level < MPI_THREAD_MULTIPLE)
+    fail("[comm] MPI_Comm_dup for a communication thread: this MPI was initialized without MPI_THREAD_MULTIPLE "
+         "(it provides level ", level, "); train with --no-overlap");
+  MPI_Comm dup = MPI_COMM_NULL;
+  check(MPI_Comm_dup(comm_, &dup), "MPI_Comm_dup");
+  return std::make_unique<MpiCommunicator>(dup, std::make_shared<ByteCounters>());
+}
+
 std::unique_ptr<Communicator> make_world_communicator() {
   int initialized = 0;
   check(MPI_Initialized(&initialized), "MPI_Initialized");
   if (!initialized) {
     if (!launched_by_mpi()) return make_single_process_communicator();  // staged already
     int provided = 0;
-    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    // Multiple: the overlapped gradient synchronization drives a duplicate
+    // world from its own thread (duplicate()).
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
     std::atexit(finalize_mpi);
   }
   MPI_Comm world = MPI_COMM_NULL;

@@ -178,6 +178,13 @@ class NcclCommunicator final : public Communicator {
     queue_->device = device.index;
     init();
   }
+  // A duplicate world: owns its host library's world (`owned`, a duplicate).
+  NcclCommunicator(std::unique_ptr<Communicator> owned, Device device)
+      : Communicator(counters_of(*owned)), owned_(std::move(owned)), host_(*owned_), device_(device),
+        queue_(std::make_shared<Queue>()) {
+    queue_->device = device.index;
+    init();
+  }
   // A group: `host` is the host library's group of the same members.
   NcclCommunicator(Communicator& host, Device device, std::shared_ptr<Queue> queue,
                    std::shared_ptr<ByteCounters> counters)
@@ -234,6 +241,11 @@ class NcclCommunicator final : public Communicator {
   void barrier() override {
     queue_->flush();
     host_.barrier();
+  }
+  // Of a world only: its own host world and NCCL communicator.
+  std::unique_ptr<Communicator> duplicate() override {
+    queue_->flush();
+    return std::make_unique<NcclCommunicator>(host_.duplicate(), device_);
   }
   void abort(int code) override {
     if (comm_ != nullptr) (void)nccl().comm_abort(comm_);
@@ -393,6 +405,7 @@ class NcclCommunicator final : public Communicator {
     return std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
   }
 
+  std::unique_ptr<Communicator> owned_;  // a duplicate world's host world (else the caller keeps host_)
   Communicator& host_;
   Device device_;
   std::shared_ptr<Queue> queue_;

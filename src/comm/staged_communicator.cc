@@ -90,6 +90,10 @@ class StagedCommunicator final : public Communicator {
   void wait_all(std::vector<Request>& requests) override;
   void barrier() override { host_.barrier(); }
   void abort(int code) override { host_.abort(code); }
+  std::unique_ptr<Communicator> duplicate() override {
+    HSPMD_CHECK(owned_ != nullptr, "duplicate() of a group");
+    return std::make_unique<StagedCommunicator>(owned_->duplicate(), stage_host_);
+  }
 
  protected:
   Request do_all_reduce(Stream& stream, void* data, int64_t count, DType dtype, ReduceOp op) override {

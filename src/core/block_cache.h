@@ -62,8 +62,11 @@ class CachingAllocator : public Allocator {
     return p;
   }
   void deallocate(void* ptr, size_t bytes) override {
-    account_free(bytes);
-    cache_.put(round(bytes), ptr);
+    if (DeferredFrees* held = DeferredFrees::current()) {  // the freeing thread's stream may still use it
+      held->hold([this, ptr, bytes] { deallocate_now(ptr, bytes); });
+      return;
+    }
+    deallocate_now(ptr, bytes);
   }
 
  protected:
@@ -78,6 +81,10 @@ class CachingAllocator : public Allocator {
   }
 
  private:
+  void deallocate_now(void* ptr, size_t bytes) {
+    account_free(bytes);
+    cache_.put(round(bytes), ptr);
+  }
   size_t round(size_t bytes) const { return bytes == 0 ? granule_ : (bytes + granule_ - 1) / granule_ * granule_; }
   size_t granule_;
   BlockCache cache_;

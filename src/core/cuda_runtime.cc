@@ -86,7 +86,7 @@ class PinnedAllocator final : public CachingAllocator {
 
 class CudaStream final : public Stream {
  public:
-  explicit CudaStream(int index) : Stream(Device::cuda(index), 0) {
+  explicit CudaStream(int index, int id = 0) : Stream(Device::cuda(index), id) {
     set_device(index);
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   }
@@ -119,6 +119,21 @@ Stream& default_stream(int index) {
   static std::mutex mu;
   static auto* all = new std::unordered_map<int, std::unique_ptr<CudaStream>>();
   return per_device(index, *all, mu);
+}
+
+Stream& comm_stream(int index) {
+  static std::mutex mu;
+  static auto* all = new std::unordered_map<int, std::unique_ptr<CudaStream>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = all->find(index);
+  if (it == all->end()) it = all->emplace(index, std::make_unique<CudaStream>(index, 1)).first;
+  return *it->second;
+}
+
+void stream_wait(Stream& stream, void* event) {
+  set_device(stream.device().index);
+  check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream.native_handle()), static_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent");
 }
 
 Allocator& pinned_allocator() {

@@ -25,6 +25,11 @@ Allocator& allocator(int index);
 // legacy NULL stream), so that work on it can be captured in CUDA graphs.
 Stream& default_stream(int index);
 
+// The communication stream (id 1) of device `index`, non-blocking too.
+Stream& comm_stream(int index);
+// cudaStreamWaitEvent(stream, event).
+void stream_wait(Stream& stream, void* event);
+
 // Page-locked host memory (cudaHostAlloc), blocks cached by size.
 Allocator& pinned_allocator();
 

@@ -125,6 +125,64 @@ Stream& default_stream(Device device) {
 #endif
 }
 
+Stream& comm_stream(Device device) {
+  static Stream cpu(Device::cpu(), 1);
+  static Stream double_stream(Device::host_double(), 1);
+  if (device == Device::cpu()) return cpu;
+  if (device == Device::host_double()) return double_stream;
+  if (device.type == DeviceType::CPU) require_device(device);
+#ifdef HSPMD_HAVE_CUDA
+  require_device(device);
+  return cuda_rt::comm_stream(device.index);
+#else
+  fail("[device] ", device.str(), ": this build has no CUDA backend");
+#endif
+}
+
+void stream_wait(Stream& stream, const Event& event) {
+  HSPMD_CHECK(event.recorded(), "stream_wait on an event never recorded");
+#ifdef HSPMD_HAVE_CUDA
+  if (stream.device().type == DeviceType::CUDA) {
+    cuda_rt::stream_wait(stream, event.native_handle());
+    return;
+  }
+#endif
+  event.synchronize();  // a CPU event's work ran when it was recorded
+}
+
+void bind_thread(Device device) {
+#ifdef HSPMD_HAVE_CUDA
+  if (device.type == DeviceType::CUDA) cuda_rt::set_device(device.index);
+#else
+  (void)device;
+#endif
+}
+
+namespace {
+thread_local DeferredFrees* t_deferred_frees = nullptr;
+}
+
+DeferredFrees::DeferredFrees() {
+  HSPMD_CHECK(t_deferred_frees == nullptr, "DeferredFrees nested on one thread");
+  t_deferred_frees = this;
+}
+
+DeferredFrees::~DeferredFrees() {
+  t_deferred_frees = nullptr;
+  for (auto& f : held_) f();
+}
+
+void DeferredFrees::release() {
+  DeferredFrees* self = t_deferred_frees;
+  t_deferred_frees = nullptr;  // the frees below go to the caches
+  std::vector<std::function<void()>> held = std::move(held_);
+  held_.clear();
+  for (auto& f : held) f();
+  t_deferred_frees = self;
+}
+
+DeferredFrees* DeferredFrees::current() { return t_deferred_frees; }
+
 Allocator& staging_host_allocator() {
 #ifdef HSPMD_HAVE_CUDA
   if (cuda_rt::device_count() > 0) return cuda_rt::pinned_allocator();

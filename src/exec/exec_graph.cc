@@ -266,7 +266,7 @@ void ExecGraph::check_feeds(const ValueMap& values, const Instance& inst) const 
 }
 
 void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
-                          Communicator& world, const char* trace_prefix) const {
+                          Communicator& world, const char* trace_prefix, const GradReady* on_grad) const {
   const Instance& inst = *a.instance;
   world_ = &world;  // for the ops' group_along
   NodeRunner runner;
@@ -286,7 +286,21 @@ void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Acti
     const std::string name = trace_prefix + (n.name.empty() ? std::string("reshard") : n.name);
     return std::vector<NDArray>{run_reshard(*inst.resolutions.at(n.id), name, inputs[0], world)};
   };
-  if (memory_cap_ > 0) runner.after = [this](const Node& n) { check_memory(n); };
+  // Raw gradients by the id of the node that computes them (on_grad).
+  std::map<int, std::vector<std::pair<std::string, int>>> grads_of;
+  if (on_grad != nullptr && *on_grad)
+    for (const auto& [param, id] : grad_sync_node_) {
+      const Tensor raw = model_.graph->node(id).inputs[0];
+      grads_of[raw.node_id()].emplace_back(param, raw.index());
+    }
+  if (memory_cap_ > 0 || !grads_of.empty())
+    runner.after = [&](const Node& n) {
+      if (memory_cap_ > 0) check_memory(n);
+      auto found = grads_of.find(n.id);
+      if (found == grads_of.end()) return;
+      for (const auto& [param, index] : found->second)
+        if (const NDArray& g = a.slots[n.id][index]; g.valid()) (*on_grad)(param, g);
+    };
   hspmd::run_nodes(*model_.graph, ids, a, runner);
 }
 
@@ -306,13 +320,13 @@ ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& 
   return a;
 }
 
-ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world) const {
+ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world, const GradReady& on_grad) const {
   HSPMD_CHECK(a.instance != nullptr, "backward() of activations no forward() produced");
   if (a.recompute) {  // the forward kept only the saved values: rebuild the rest first
     a.remaining = recompute_backward_uses_;
     run_nodes(recompute_order_, nullptr, a, world, "recompute.");
   }
-  run_nodes(std::span<const int>(order_).subspan(forward_end_), nullptr, a, world);
+  run_nodes(std::span<const int>(order_).subspan(forward_end_), nullptr, a, world, "", &on_grad);
   const Graph& g = *model_.graph;
   MicroBatch out;
   const auto& loss = a.slots[model_.loss.node_id()];
@@ -335,22 +349,42 @@ ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communi
   return backward(forward(values, world, bindings), world);
 }
 
+const Resolution* ExecGraph::grad_resolution(const std::string& param) const {
+  auto found = grad_resolutions_.find(grad_sync_node_.at(param));
+  if (found == grad_resolutions_.end() || !found->second->ranks.count(rank_)) return nullptr;
+  return found->second.get();
+}
+
 std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::string, NDArray>& raw,
                                                          Communicator& world) const {
   std::map<std::string, NDArray> synced;
   for (const std::string& name : model_.names) {  // the same order on every rank
-    auto found = grad_resolutions_.find(grad_sync_node_.at(name));
-    if (found == grad_resolutions_.end()) continue;
-    const int id = found->first;
-    const Resolution& r = *found->second;
-    if (!r.ranks.count(rank_)) continue;
+    const Resolution* r = grad_resolution(name);
+    if (r == nullptr) continue;
     auto it = raw.find(name);
     NDArray local = it == raw.end() ? NDArray() : it->second;
-    if (local.valid() && local.dtype() != r.dtype) local = kernels::cast(stream(), local, r.dtype);  // --grad-reduce-dtype bf16
-    NDArray out = run_reshard(r, model_.graph->node(id).name, local, world);
+    if (local.valid() && local.dtype() != r->dtype) local = kernels::cast(stream(), local, r->dtype);  // --grad-reduce-dtype bf16
+    NDArray out = run_reshard(*r, model_.graph->node(grad_sync_node_.at(name)).name, local, world);
     if (out.valid()) synced[name] = out.dtype() == DType::F32 ? out : kernels::cast(stream(), out, DType::F32);
   }
   return synced;
+}
+
+std::vector<std::string> ExecGraph::grad_sync_order() const {
+  std::vector<std::string> order;
+  for (auto it = model_.names.rbegin(); it != model_.names.rend(); ++it)
+    if (grad_resolution(*it) != nullptr) order.push_back(*it);
+  return order;
+}
+
+NDArray ExecGraph::sync_gradient(const std::string& param, const NDArray& raw, Communicator& world, Stream& s,
+                                 int64_t* predicted) const {
+  const Resolution* r = grad_resolution(param);
+  if (r == nullptr) return NDArray();
+  NDArray local = raw.valid() && raw.dtype() != r->dtype ? kernels::cast(s, raw, r->dtype) : raw;
+  if (predicted != nullptr) *predicted += r->ranks.at(rank_).bytes_sent;
+  NDArray out = execute(*r, rank_, local, world, nullptr, &s);
+  return !out.valid() || out.dtype() == DType::F32 ? out : kernels::cast(s, out, DType::F32);
 }
 
 NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const Annotation& from,

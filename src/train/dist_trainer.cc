@@ -539,6 +539,7 @@ void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r
     r.peak_activation_bytes.push_back(m.activation_bytes);
     r.grad_sync_s.push_back(m.grad_sync_ns * 1e-9);
     r.sm_percent.push_back(m.sm_percent);
+    r.grad_sync_overlapped.push_back(m.grad_sync_overlapped);
     end = std::max(end, m.clock_ns);
     if (!clock_) continue;
     r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);
@@ -551,16 +552,22 @@ void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r
 }
 
 // One step's micro-batches under the plan's schedule.
-void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer) {
+void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
+                                      GradOverlap* overlap) {
   ExecGraph& graph = *rt_->graph;
+  auto add = [&](const std::string& name, const NDArray& g) {
+    auto it = raw.find(name);
+    if (it == raw.end()) raw.emplace(name, kernels::clone(graph.stream(), g));
+    else kernels::accumulate(graph.stream(), g, it->second);
+  };
   auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
     if (mb.loss) loss += *mb.loss;
-    for (auto& [name, g] : mb.raw_grads) {
-      auto it = raw.find(name);
-      if (it == raw.end()) raw.emplace(name, kernels::clone(graph.stream(), g));
-      else kernels::accumulate(graph.stream(), g, it->second);
-    }
+    for (auto& [name, g] : mb.raw_grads) add(name, g);
   };
+  const int micro_batches = !pieces_ ? rt_->micro_batches()
+                            : rt_->pipeline < 0 ? 0
+                                                : static_cast<int>(token_step_->micro.at(rt_->pipeline).size());
+  int backwards = 0;
   auto forward = [&](int micro) {
     const double t0 = clock_ ? clock_->now() : 0;
     Bindings bindings;
@@ -571,15 +578,24 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   };
   auto backward = [&](ExecGraph::Activations a, int micro) {
     const double t0 = clock_ ? clock_->now() : 0;
-    accumulate(graph.backward(std::move(a), world_));
+    if (overlap != nullptr && ++backwards == micro_batches) {
+      // The last backward: each gradient is final as it is computed.
+      std::set<std::string> handed;
+      ExecGraph::MicroBatch mb = graph.backward(std::move(a), world_, [&](const std::string& name, const NDArray& g) {
+        add(name, g);
+        overlap->ready(name, raw.at(name));
+        handed.insert(name);
+      });
+      for (const std::string& name : handed) mb.raw_grads.erase(name);
+      accumulate(mb);
+    } else {
+      accumulate(graph.backward(std::move(a), world_));
+    }
     if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
   };
   // Sends are deferred (set_deferred_sends): a stage sending activations
   // never waits on a neighbour sending gradients.
   const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
-  const int micro_batches = !pieces_ ? rt_->micro_batches()
-                            : rt_->pipeline < 0 ? 0
-                                                : static_cast<int>(token_step_->micro.at(rt_->pipeline).size());
   schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, micro_batches},
                                            forward, backward);
   if (micro_batches == 0 && rt_->pipeline >= 0) {
@@ -616,6 +632,7 @@ std::vector<StepRecord> DistTrainer::run() {
 void DistTrainer::begin() {
   agree_on_run_id();
   adam_.emplace(o_.adam);
+  if (overlapping() && !grad_world_) grad_world_ = world_.duplicate();  // collective: every rank is here
   schedule_ = o_.schedule;
   schedule_.total_steps = o_.steps;
   if (world_.rank() == 0 && !o_.log_path.empty()) {
@@ -679,6 +696,7 @@ StepRecord DistTrainer::step() {
   std::map<std::string, NDArray> synced;
   size_t activations = 0;
   double post0 = 0, grad_sync_s = 0;
+  int64_t overlap_sent = 0, overlapped = 0;
   if (bucketed) {
     TokenStep whole;
     r.loss = run_buckets(step, normalizer, log, synced, held, activations, whole);
@@ -687,17 +705,27 @@ StepRecord DistTrainer::step() {
   } else {
     std::map<std::string, NDArray> raw;
     double loss = 0;
-    accumulate_schedule(raw, loss, normalizer);
+    std::optional<GradOverlap> overlap;
+    if (grad_world_) overlap.emplace(*rt_->graph, *grad_world_);
+    accumulate_schedule(raw, loss, normalizer, overlap ? &*overlap : nullptr);
     rt_->graph->wait_sends(world_);
     activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
     r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0,
                                world_);
     post0 = clock_ ? clock_->now() : 0;
-    rt_->graph->stream().synchronize();  // the schedule's compute is done: what follows is the sync alone
+    // The schedule's compute is done: what follows is the sync alone (what
+    // the overlap left of it).
+    rt_->graph->stream().synchronize();
     const auto sync0 = Clock::now();
-    synced = rt_->graph->sync_gradients(raw, world_);
+    if (overlap) overlapped = overlap->ready_count();
+    synced = overlap ? overlap->finish(raw) : rt_->graph->sync_gradients(raw, world_);
     rt_->graph->stream().synchronize();
     grad_sync_s = std::chrono::duration<double>(Clock::now() - sync0).count();
+    if (overlap) {  // the duplicate world's bytes count with the step's
+      overlap_sent = grad_world_->bytes().sent;
+      rt_->graph->add_to_ledger(overlap_sent, overlap->predicted_bytes());
+      grad_world_->reset_bytes();
+    }
   }
   ExecGraph& graph = *rt_->graph;
   if (step == 0 && !o_.dump_grads_path.empty())
@@ -724,7 +752,7 @@ StepRecord DistTrainer::step() {
   graph.wait_sends(world_);
   const auto ns = [](double s) { return static_cast<int64_t>(s * 1e9); };
   StepMetrics mine;
-  mine.bytes_sent = world_.bytes().sent;
+  mine.bytes_sent = world_.bytes().sent + overlap_sent;
   mine.reshard_sent = graph.ledger().measured;
   mine.reshard_predicted = graph.ledger().predicted;
   mine.op_sent = graph.ledger().op_measured;
@@ -734,6 +762,7 @@ StepRecord DistTrainer::step() {
   mine.peak_bytes = static_cast<int64_t>(allocator_for(rt_->graph->device()).peak_bytes());
   mine.activation_bytes = static_cast<int64_t>(activations);
   mine.grad_sync_ns = ns(grad_sync_s);
+  mine.grad_sync_overlapped = overlapped;
   static const int64_t sm_percent = [] {  // set before the process's first CUDA call (--mps-percent)
     const char* p = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
     return p ? int64_t{std::atoi(p)} : int64_t{0};

@@ -42,6 +42,7 @@
 #include "hspmd/train/profiler.h"
 #include "hspmd/train/training_state.h"
 #include "kernels/kernels.h"
+#include "train/grad_overlap.h"
 #include "train/schedules.h"
 #include "train/straggler_window.h"
 #include "train/train_common.h"
@@ -84,6 +85,7 @@ struct StepMetrics {
   int64_t activation_bytes = 0;   // the micro-batches' peak above what the rank held before them
   int64_t grad_sync_ns = 0;       // wall time of the gradient synchronization after the schedule
   int64_t sm_percent = 0;         // CUDA MPS: the rank's share of the GPU's SMs (0: none set)
+  int64_t grad_sync_overlapped = 0;  // gradients handed to the communication thread during the backward
 };
 constexpr int kStepMetricFields = sizeof(StepMetrics) / sizeof(int64_t);
 static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));
@@ -387,7 +389,13 @@ class DistTrainer {
   ValueMap feeds(int micro, float normalizer, Bindings& bindings) const;
   double global_grad_norm(std::map<std::string, NDArray>& synced) const;
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
-  void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer);
+  // `overlap` (optional): the last backward hands each final gradient to it.
+  void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
+                           GradOverlap* overlap = nullptr);
+  // Whether the steps overlap their gradient synchronization (TrainOptions::overlap).
+  bool overlapping() const {
+    return o_.overlap.value_or(!(o_.device == Device::cpu())) && !clock_ && world_.size() > 1;
+  }
 
   // Token-budget steps (docs/mixed_length.md).
   struct TokenStep {
@@ -489,6 +497,7 @@ class DistTrainer {
   std::optional<TrainingState> state_;
   SwitchPlanCache switch_plans_;
   std::unique_ptr<VirtualClock> clock_;
+  std::unique_ptr<Communicator> grad_world_;  // overlapping: the world's duplicate, for GradOverlap
   std::optional<Profile> profile_;                 // --clock model: the profile ...
   std::shared_ptr<const OpTimeModel> time_model_;  // ... and its per-op model
   int64_t emulated_end_ = 0;                 // ns, the previous step's end

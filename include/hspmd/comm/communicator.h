@@ -224,6 +224,16 @@ class Communicator {
     wait_all(requests);
   }
   virtual void barrier() = 0;
+  // A new world of the same members and ranks, independent of this one:
+  // its operations are ordered, matched and waited apart from this world's
+  // and its groups' (MPI: MPI_Comm_dup; NCCL: a communicator of its own),
+  // with byte counters of its own, so that another thread may drive it while
+  // one drives this world (the overlapped gradient synchronization,
+  // docs/comm.md). Collective over every member: all call it at the same
+  // point. Only for a world (not a group); backends that cannot run two
+  // worlds from two threads (MPI initialized below MPI_THREAD_MULTIPLE, the
+  // emulator's clocked groups) throw hspmd::Error "[comm] ...".
+  virtual std::unique_ptr<Communicator> duplicate();
   // Ends the whole job with exit code `code` after a rank failed, so that no
   // other rank waits forever (MPI_Abort). Single process: returns.
   virtual void abort(int code) = 0;

@@ -10,8 +10,10 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace hspmd {
 
@@ -90,6 +92,46 @@ class Stream {
 // this build.
 Stream& default_stream(Device device);
 
+class Event;
+
+// The device's communication stream (id 1), beside its default stream:
+// where a communication thread orders its work (the overlapped gradient
+// synchronization, docs/comm.md). CUDA: a second non-blocking stream; CPU
+// and the test double: a stream of their own, whose work runs inline.
+Stream& comm_stream(Device device);
+
+// Makes later work of `stream` wait for `event`'s point without blocking the
+// host (CUDA: cudaStreamWaitEvent). CPU: the recorded work already ran
+// inline, so nothing waits.
+void stream_wait(Stream& stream, const Event& event);
+
+// Makes `device` the calling thread's current device (CUDA: cudaSetDevice; a
+// new thread starts on device 0). Nothing for the CPU.
+void bind_thread(Device device);
+
+// While one lives on a thread, the blocks that thread frees (through the
+// caching allocators: CPU, CUDA, pinned) are held back instead of going to
+// the cache, until release() or its end. A thread whose work runs on a
+// stream other than the one the rest allocate on synchronizes its stream,
+// then releases: no other stream can be handed a block its queued work still
+// reads or writes (the allocators do not track streams). Not nestable.
+class DeferredFrees {
+ public:
+  DeferredFrees();
+  ~DeferredFrees();
+  DeferredFrees(const DeferredFrees&) = delete;
+  DeferredFrees& operator=(const DeferredFrees&) = delete;
+  // Frees everything held so far (the caller has synchronized its stream).
+  void release();
+  // The calling thread's, or nullptr.
+  static DeferredFrees* current();
+  // Keeps `free` to run at release().
+  void hold(std::function<void()> free) { held_.push_back(std::move(free)); }
+
+ private:
+  std::vector<std::function<void()>> held_;
+};
+
 // Host memory for staging device buffers through a host library (the
 // staged communicator, docs/comm.md): page-locked (cudaHostAlloc, cached by
 // size) when the build has CUDA and a device is visible, so that copies to
@@ -133,6 +175,8 @@ class Event {
   void synchronize() const;
   // Milliseconds from `start`'s point to this one; both must be recorded.
   double elapsed_ms(const Event& start) const;
+  // The cudaEvent_t of a CUDA stream's event; nullptr on the CPU.
+  void* native_handle() const { return native_.get(); }
 
  private:
   Stream* stream_ = nullptr;

@@ -110,7 +110,14 @@ class ExecGraph {
   // Its backward (the rest, but gradient sync), under the forward's shape
   // instance: the loss term and raw grads. With recompute (set_recompute),
   // first re-runs the forward nodes that the forward released.
-  MicroBatch backward(Activations activations, Communicator& world) const;
+  //
+  // `on_grad` (optional): called as each raw gradient of this micro-batch
+  // is final, with the parameter's name and the array (on the graph's
+  // stream; the work that computes it may still be queued there), before
+  // the backward goes on: the overlapped gradient synchronization starts
+  // there (docs/comm.md). The array is also in the result's raw_grads.
+  using GradReady = std::function<void(const std::string& param, const NDArray& raw_grad)>;
+  MicroBatch backward(Activations activations, Communicator& world, const GradReady& on_grad = {}) const;
   // forward then backward.
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world) const;
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world,
@@ -150,6 +157,19 @@ class ExecGraph {
   // Reshard; returns the synced local gradients (optimizer-state layout).
   std::map<std::string, NDArray> sync_gradients(const std::map<std::string, NDArray>& raw,
                                                 Communicator& world) const;
+  // The parameters whose gradient sync this rank takes part in, in the
+  // order the overlapped synchronization runs them on every rank: the
+  // reverse of the model's (roughly the order the backward finishes them;
+  // one total order, so ranks that share several syncs cannot deadlock).
+  std::vector<std::string> grad_sync_order() const;
+  // One parameter's gradient sync (as sync_gradients does it) over `world`
+  // (a duplicate of the graph's world: same ranks) in `stream`'s order; adds
+  // the resolution's predicted bytes to `*predicted`. Touches no state of the
+  // graph (no ledger, clock or deferred sends), so another thread may run it
+  // while this one runs the graph. An invalid array when this rank ends
+  // with nothing.
+  NDArray sync_gradient(const std::string& param, const NDArray& raw, Communicator& world, Stream& stream,
+                        int64_t* predicted) const;
 
   // Moves a local array of `name` from annotation `from` to `to` (e.g. a ZeRO
   // gather, or gathering a parameter to rank 0 for saving).
@@ -198,6 +218,11 @@ class ExecGraph {
   // out of memory ...".
   void set_memory_cap(size_t bytes) { memory_cap_ = bytes; }
   void reset_ledger() const { ledger_ = {}; }
+  // Adds Reshard bytes moved outside the graph's world (sync_gradient's).
+  void add_to_ledger(int64_t measured, int64_t predicted) const {
+    ledger_.measured += measured;
+    ledger_.predicted += predicted;
+  }
 
  private:
   struct LocalOp;
@@ -217,10 +242,13 @@ class ExecGraph {
   // `name`: the Reshard's own name (a shared resolution carries another's).
   NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
                       Communicator& world) const;
+  // The grad.<param> Resolution of `param` when this rank takes part, else nullptr.
+  const Resolution* grad_resolution(const std::string& param) const;
   // Runs `ids` in order through hspmd::run_nodes (release after the last
-  // local consumer); `values` feeds the leaves (nullptr after the loss).
+  // local consumer); `values` feeds the leaves (nullptr after the loss);
+  // `on_grad` as backward() takes it.
   void run_nodes(std::span<const int> ids, const ValueMap* values, Activations& a,
-                 Communicator& world, const char* trace_prefix = "") const;
+                 Communicator& world, const char* trace_prefix = "", const GradReady* on_grad = nullptr) const;
   size_t forward_end_ = 0;  // order_[0, forward_end_) is the forward
   std::vector<char> parameter_only_;  // per node id (StepScope)
   mutable bool step_open_ = false;

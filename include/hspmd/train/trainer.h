@@ -41,6 +41,12 @@ struct TrainOptions {
   // far only for one process without a cluster, events, switches or token
   // budgets (docs/cuda.md); the CLI refuses the rest in one line.
   Device device = Device::cpu();
+  // Overlap the gradient synchronization with the last micro-batch's
+  // backward (--overlap / --no-overlap; docs/comm.md): a communication
+  // thread over a duplicate world. Unset: on for a device other than the
+  // CPU (where communication and compute use different engines), off on the
+  // CPU (whose cores compute). Never under an emulated clock.
+  std::optional<bool> overlap;
   std::optional<Strategy> strategy;  // a strategy given as a value (instead of strategy_path)
   // Plan switches (docs/switching.md): from step `step` on, train under
   // `path` (a strategy or an annotation plan); ascending steps.
@@ -144,9 +150,13 @@ struct StepRecord {
   std::vector<int64_t> peak_activation_bytes;
   // per rank: seconds of the gradient synchronization after the schedule
   // (the rank's streams drained first), communication nothing overlaps: the
-  // exposed part of the step's gradient reduction. 0 in bucketed
+  // exposed part of the step's gradient reduction (with --overlap, what the
+  // communication thread had left when the schedule ended). 0 in bucketed
   // token-budget steps, which synchronize per bucket (not measured).
   std::vector<double> grad_sync_s;
+  // per rank: gradients whose synchronization was handed to the
+  // communication thread during the last backward (--overlap; 0 without).
+  std::vector<int64_t> grad_sync_overlapped;
   // per rank: its CUDA MPS share of the GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
   // --mps-percent); empty when no rank has one.
   std::vector<int64_t> sm_percent;
