@@ -49,7 +49,7 @@ declare -a STEP_NAMES STEP_STATUS STEP_SECS
 note() { echo "$*" | tee -a "$SETUP"; }
 record() { STEP_NAMES+=("$1"); STEP_STATUS+=("$2"); STEP_SECS+=("$3"); write_summary; }
 # STEPS (default: all): the steps to run, e.g. STEPS="conformance_memory
-# train_cuda oracle_cuda gpu_step" for [2/5], STEPS="dist_cuda gpu_dist
+# train_cuda oracle_cuda gpu_step" for [2/5], STEPS="dist_cuda gpu_dist gpu_overlap
 # mps_hetero" for [3/5]; the whole-project build runs whenever one needs it.
 STEPS=${STEPS:-}
 want() { [[ -z "$STEPS" || " $STEPS " == *" $1 "* ]]; }
@@ -85,7 +85,7 @@ write_summary() {
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|_us=|predicted_ms="
-  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist oracle_cuda mps_hetero; do
+  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist gpu_overlap oracle_cuda mps_hetero; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -530,6 +530,27 @@ else
     2>&1 | tee "$OUT/gpu_dist.log"
   rc=${PIPESTATUS[0]}
   record gpu_dist "$(status_of "$rc")" $(($(date +%s) - t0))
+fi
+
+# ------------------------------ the overlapped gradient synchronization --
+# bench/gpu_overlap.py: DP 2 of the TinyLlama-1.1B shape in bf16, both ranks
+# on the GPU (staged), --overlap against --no-overlap: the exposed
+# synchronization of each, losses bit-identical ([3/5]'s overlap acceptance).
+t0=$(date +%s)
+left=$((T_START + BUDGET - $(date +%s) - 15))
+if ! want gpu_overlap; then
+  record gpu_overlap "SKIP(STEPS)" 0
+elif ((left < 100)); then
+  echo "== gpu_overlap: not run, the time budget (BUDGET=$BUDGET s) is spent" | tee "$OUT/gpu_overlap.log"
+  record gpu_overlap NO_TIME 0
+elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
+  record gpu_overlap NOT_BUILT 0
+else
+  LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 200 ? left : 200)) \
+    python3 bench/gpu_overlap.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --steps 4 --timeout 90 \
+      --json "$OUT/gpu_overlap.json" 2>&1 | tee "$OUT/gpu_overlap.log"
+  rc=${PIPESTATUS[0]}
+  record gpu_overlap "$(status_of "$rc")" $(($(date +%s) - t0))
 fi
 
 # ------------------------- heterogeneous partitions of the GPU (MPS) --

@@ -87,6 +87,11 @@ const Profile* CostModel::profile_of(int rank) const {
 
 bool CostModel::profiled(int rank) const { return profile_of(rank) != nullptr; }
 
+bool CostModel::overlaps_grad_sync(int rank) const {
+  const Profile* p = profile_of(rank);
+  return p == nullptr || p->device.rfind("cuda", 0) == 0;
+}
+
 void CostModel::require_profiles_for_emulation(const std::string& cluster) const {
   for (int r = 0; r < topology_.world_size(); ++r)
     if (topology_.rank(r).emulated && !profiled(r))
@@ -532,8 +537,9 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
   // paper's system overlap it: a layer's gradients are final once that
   // backward has passed it, so the sync may start when the rank's backward
   // has done all but its stage's first layer, and it ends no earlier than
-  // one layer's share after every holder has finished. The emulator (a
-  // profiled rank) syncs after its schedule, as this executor does.
+  // one layer's share after every holder has finished; so does a GPU
+  // profiled on CUDA (hspmd train overlaps there by default). A rank
+  // profiled on the CPU syncs after its schedule, as training there does.
   for (size_t p = 0; p < placed.size(); ++p)
     for (const Placed& pl : placed[p]) {
       const StageShape& sh = pl.shape;
@@ -561,7 +567,7 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
                                             : stage_params(sh);
         const double opt = optimizer_seconds(r, n_opt);
         double synced = start + sync;
-        if (!profiled(r) && sync > 0 && sh.layers > 0) {
+        if (overlaps_grad_sync(r) && sync > 0 && sh.layers > 0) {
           const double layers_d = static_cast<double>(sh.layers);
           const double hide = last_backward[p][pl.stage] * (layers_d - 1) / layers_d;
           synced = std::max(rc.step_s - hide + sync, start + sync / layers_d);

@@ -269,9 +269,9 @@ double Searcher::lower_bound(const Config& c, int b) const {
       }
       const double opt = model_.optimizer_seconds(g.ranks.front(), static_cast<int64_t>(per_layer)) -
                          model_.optimizer_seconds(g.ranks.front(), 0);
-      // A GPU (no profile) overlaps the sync with the last backward but one
-      // layer's share (CostModel::evaluate): only that is left for sure.
-      const double sync_after = model_.profiled(g.ranks.front()) ? most * sync : sync;
+      // A GPU overlaps the sync with the last backward but one layer's
+      // share (CostModel::evaluate): only that is left for sure.
+      const double sync_after = model_.overlaps_grad_sync(g.ranks.front()) ? sync : most * sync;
       least_after = std::min(least_after, sync_after + most * (o_.zero ? opt / P : opt));
     }
     after = std::max(after, least_after);

@@ -97,6 +97,11 @@ class CostModel {
   double optimizer_seconds(int rank, int64_t n) const;
   // Whether `rank`'s device is timed from a profile (else the roofline).
   bool profiled(int rank) const;
+  // Whether `rank` overlaps its gradient sync with its last backward, as
+  // hspmd train does by default on a device (--overlap, docs/comm.md): a
+  // roofline GPU, or one profiled on CUDA (`hspmd profile --device cuda`);
+  // not a rank profiled on the CPU, which syncs after its schedule.
+  bool overlaps_grad_sync(int rank) const;
   // Throws "[plan] <cluster>: rank R (device type T) is emulated on this CPU
   // ... but has no profile ..." in one line when a rank whose node gives
   // "slowdown" or "memory_cap_gib" (a device emulated on this CPU) would be
