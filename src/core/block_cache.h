@@ -51,7 +51,7 @@ class CachingAllocator : public Allocator {
 
   void* allocate(size_t bytes) override {
     const size_t rounded = round(bytes);
-    void* p = cache_.take(rounded);
+    void* p = (SideStreamScope::current() != nullptr ? side_ : cache_).take(rounded);
     if (p == nullptr) p = backend_allocate(rounded);
     if (p == nullptr) {
       release_cache();  // what the cache holds may be enough
@@ -62,11 +62,15 @@ class CachingAllocator : public Allocator {
     return p;
   }
   void deallocate(void* ptr, size_t bytes) override {
-    if (DeferredFrees* held = DeferredFrees::current()) {  // the freeing thread's stream may still use it
-      held->hold([this, ptr, bytes] { deallocate_now(ptr, bytes); });
+    if (SideStreamScope* side = SideStreamScope::current()) {  // its stream may still use it
+      side->hold([this, ptr, bytes] {
+        account_free(bytes);
+        side_.put(round(bytes), ptr);
+      });
       return;
     }
-    deallocate_now(ptr, bytes);
+    account_free(bytes);
+    cache_.put(round(bytes), ptr);
   }
 
  protected:
@@ -78,16 +82,14 @@ class CachingAllocator : public Allocator {
   // Derived destructors call it while their backend still works.
   void release_cache() {
     cache_.drain([this](void* p) { backend_free(p); });
+    side_.drain([this](void* p) { backend_free(p); });
   }
 
  private:
-  void deallocate_now(void* ptr, size_t bytes) {
-    account_free(bytes);
-    cache_.put(round(bytes), ptr);
-  }
   size_t round(size_t bytes) const { return bytes == 0 ? granule_ : (bytes + granule_ - 1) / granule_ * granule_; }
   size_t granule_;
   BlockCache cache_;
+  BlockCache side_;  // blocks of threads on a stream of their own (SideStreamScope)
 };
 
 }  // namespace hspmd

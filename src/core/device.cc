@@ -159,29 +159,29 @@ void bind_thread(Device device) {
 }
 
 namespace {
-thread_local DeferredFrees* t_deferred_frees = nullptr;
+thread_local SideStreamScope* t_side_stream = nullptr;
 }
 
-DeferredFrees::DeferredFrees() {
-  HSPMD_CHECK(t_deferred_frees == nullptr, "DeferredFrees nested on one thread");
-  t_deferred_frees = this;
+SideStreamScope::SideStreamScope() {
+  HSPMD_CHECK(t_side_stream == nullptr, "SideStreamScope nested on one thread");
+  t_side_stream = this;
 }
 
-DeferredFrees::~DeferredFrees() {
-  t_deferred_frees = nullptr;
+SideStreamScope::~SideStreamScope() {
+  t_side_stream = nullptr;
   for (auto& f : held_) f();
 }
 
-void DeferredFrees::release() {
-  DeferredFrees* self = t_deferred_frees;
-  t_deferred_frees = nullptr;  // the frees below go to the caches
+void SideStreamScope::release() {
+  SideStreamScope* self = t_side_stream;
+  t_side_stream = nullptr;  // the frees below happen now
   std::vector<std::function<void()>> held = std::move(held_);
   held_.clear();
   for (auto& f : held) f();
-  t_deferred_frees = self;
+  t_side_stream = self;
 }
 
-DeferredFrees* DeferredFrees::current() { return t_deferred_frees; }
+SideStreamScope* SideStreamScope::current() { return t_side_stream; }
 
 Allocator& staging_host_allocator() {
 #ifdef HSPMD_HAVE_CUDA

@@ -64,9 +64,9 @@ void GradOverlap::run(std::shared_ptr<State> state, const ExecGraph* graph, Comm
     set_num_threads(threads);  // a new thread starts with the runtime's default team size
     bind_thread(graph->device());
     Stream& stream = comm_stream(graph->device());
-    // Blocks this thread frees go back to the caches only after its stream
-    // has finished with them (the graph's stream allocates from them too).
-    DeferredFrees held;
+    // This thread's blocks never mix with the graph stream's while either
+    // stream may still use them (the allocators do not track streams).
+    SideStreamScope held;
     int64_t predicted = 0;
     for (const std::string& name : order) {
       Item item;

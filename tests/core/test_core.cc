@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <thread>
 
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
@@ -19,6 +20,39 @@ namespace hspmd {
 namespace {
 
 using testing::error_of;
+
+// A thread on a stream of its own (the overlap's communication thread)
+// never gets a block another thread freed (its stream may still use it),
+// and the blocks it frees are reused only after release() (after it
+// synchronized its stream); the other threads never get its blocks back
+// from the cache.
+TEST(SideStreamScope, KeepsTheThreadsBlocksApartUntilReleased) {
+  Allocator& a = allocator_for(Device::cpu());
+  const size_t n = 123457;  // a size no other test caches
+  void* main_block = a.allocate(n);
+  a.deallocate(main_block, n);  // cached for this (main) thread's stream
+  const size_t before = a.current_bytes();
+  void *first = nullptr, *second = nullptr, *again = nullptr;
+  std::thread side([&] {
+    SideStreamScope scope;
+    first = a.allocate(n);
+    a.deallocate(first, n);  // held: its stream may still use it
+    second = a.allocate(n);
+    scope.release();  // the stream was synchronized: first is reusable
+    again = a.allocate(n);
+    a.deallocate(second, n);
+    a.deallocate(again, n);
+  });
+  side.join();
+  EXPECT_NE(first, main_block);
+  EXPECT_NE(second, main_block);
+  EXPECT_NE(second, first);
+  EXPECT_EQ(again, first);
+  EXPECT_EQ(a.current_bytes(), before);  // the scope's end freed what it held
+  void* next = a.allocate(n);  // the main thread gets its own block back, not the side's
+  EXPECT_EQ(next, main_block);
+  a.deallocate(next, n);
+}
 
 TEST(JsonFile, RejectsDuplicateKeysAtAnyDepth) {
   EXPECT_EQ(error_of([] { parse_json_text(R"({"a": 1, "a": 2})", "strategy", "s.json"); }),

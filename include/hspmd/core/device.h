@@ -109,22 +109,25 @@ void stream_wait(Stream& stream, const Event& event);
 // new thread starts on device 0). Nothing for the CPU.
 void bind_thread(Device device);
 
-// While one lives on a thread, the blocks that thread frees (through the
-// caching allocators: CPU, CUDA, pinned) are held back instead of going to
-// the cache, until release() or its end. A thread whose work runs on a
-// stream other than the one the rest allocate on synchronizes its stream,
-// then releases: no other stream can be handed a block its queued work still
-// reads or writes (the allocators do not track streams). Not nestable.
-class DeferredFrees {
+// The memory of a thread whose work runs on a stream of its own (the
+// communication thread). The caching allocators (CPU, CUDA, pinned) do not
+// track streams: a block freed while work queued on its stream still uses
+// it is safe to reuse on that same stream only. So while one of these lives
+// on a thread, that thread allocates from a cache of its own (never a block
+// another thread freed, whose stream may still use it), and the blocks it
+// frees are held back until release() — which the thread calls after
+// synchronizing its stream — or its end; then they go to its cache. Not
+// nestable.
+class SideStreamScope {
  public:
-  DeferredFrees();
-  ~DeferredFrees();
-  DeferredFrees(const DeferredFrees&) = delete;
-  DeferredFrees& operator=(const DeferredFrees&) = delete;
+  SideStreamScope();
+  ~SideStreamScope();
+  SideStreamScope(const SideStreamScope&) = delete;
+  SideStreamScope& operator=(const SideStreamScope&) = delete;
   // Frees everything held so far (the caller has synchronized its stream).
   void release();
   // The calling thread's, or nullptr.
-  static DeferredFrees* current();
+  static SideStreamScope* current();
   // Keeps `free` to run at release().
   void hold(std::function<void()> free) { held_.push_back(std::move(free)); }
 
