@@ -158,6 +158,12 @@ struct PendingCheckpoint {
 
 class DistTrainer {
  public:
+  // A communication thread let go after an error may still be inside a
+  // collective on the duplicate world: that world is left alive (the job
+  // is ending; the rank aborts it).
+  ~DistTrainer() {
+    if (GradOverlap::any_abandoned()) (void)grad_world_.release();
+  }
   DistTrainer(const TrainOptions& o, Communicator& world)
       : o_(o), world_(world), config_(ModelConfig::load(o.model_path)) {
     train_common::check_finite_options(o);

@@ -1,9 +1,17 @@
 #include "train/grad_overlap.h"
 
+#include <atomic>
+
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
 
 namespace hspmd::dist {
+
+namespace {
+std::atomic<bool> g_abandoned{false};
+}
+
+bool GradOverlap::any_abandoned() { return g_abandoned.load(); }
 
 GradOverlap::GradOverlap(const ExecGraph& graph, Communicator& grad_world)
     : graph_(graph), state_(std::make_shared<State>()) {
@@ -23,6 +31,7 @@ GradOverlap::~GradOverlap() {
     state_->abandoned = true;
   }
   state_->cv.notify_all();
+  g_abandoned = true;
   thread_.detach();  // it may be inside a collective whose peers are gone
 }
 

@@ -46,6 +46,9 @@ class GradOverlap {
   std::map<std::string, NDArray> finish(const std::map<std::string, NDArray>& raw);
   // The resolutions' predicted bytes of the syncs run (after finish()).
   int64_t predicted_bytes() const { return state_->predicted; }
+  // Whether a thread was let go in this process (its world must then
+  // outlive everything: the thread may still be inside a collective on it).
+  static bool any_abandoned();
   // How many gradients ready() handed over so far.
   int64_t ready_count() const { return ready_count_; }
 
