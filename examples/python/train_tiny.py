@@ -30,6 +30,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--overlap", action="store_true",
+                    help="synchronize gradients during the last backward (a communication thread; docs/comm.md)")
     ap.add_argument("--records", help="write the step records here (JSONL, rank 0)")
     ap.add_argument("--checkpoint", help="write a training checkpoint here after the last step")
     ap.add_argument("--weights", help="write the final weights here (numpy .npz, Hugging Face names; rank 0)")
@@ -40,7 +42,7 @@ def main():
     batch = {} if strategy else {"global_batch": a.global_batch, "micro_batches": a.micro_batches}
     trainer = hspmd.Trainer(model, strategy, a.data, optimizer="adamw", precision="fp32", device="cpu",
                             seq_len=a.seq_len, steps=a.steps, lr=3e-3, lr_schedule="cosine", warmup_steps=2,
-                            weight_decay=0.1, clip_grad=1.0, seed=0, threads=a.threads, **batch)
+                            weight_decay=0.1, clip_grad=1.0, seed=0, threads=a.threads, overlap=a.overlap, **batch)
     if trainer.rank == 0 and strategy:
         print(hspmd.compile_plan(model, strategy, trainer.world.size, seq_len=a.seq_len).explain(rank=0)
               .split("\n\n")[0])

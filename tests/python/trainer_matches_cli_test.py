@@ -2,7 +2,8 @@
 command line with the same flags give the same step records (loss, gradient
 norm, lr, tokens) and final weights, bit for bit: in one process, or on 4 MPI
 ranks under the asymmetric examples/python/tiny_hetero_4.json (a TP2+TP1
-pipeline beside a TP1 pipeline, ZeRO-1). Then the checkpoint Trainer.save_checkpoint
+pipeline beside a TP1 pipeline, ZeRO-1), where the Python run overlaps its
+gradient synchronization (overlap=True) and the command line does not. Then the checkpoint Trainer.save_checkpoint
 writes resumes under `hspmd train --resume` as the command line's own does."""
 import argparse
 import glob
@@ -67,7 +68,7 @@ def main():
               "--checkpoint", ckpt]
         if a.nproc > 1:
             cli = mpirun + cli + ["--strategy", STRATEGY]
-            py = mpirun + py + ["--strategy", STRATEGY]
+            py = mpirun + py + ["--strategy", STRATEGY, "--overlap"]
         else:
             cli += ["--global-batch", "8", "--micro-batches", "2"]
         subprocess.run(cli, check=True, env=env)
@@ -79,6 +80,8 @@ def main():
             for k in FIELDS:
                 assert w[k] == g[k], f"step {w['step']}: {k} {g[k]!r} from Python, {w[k]!r} from the CLI"
         assert set(want[0]) <= set(got[0]), f"keys missing from Trainer.step(): {set(want[0]) - set(got[0])}"
+        if a.nproc > 1:  # Trainer(overlap=True) really handed gradients to the communication thread
+            assert all(sum(g.get("grad_sync_overlapped", [])) > 0 for g in got), "overlap=True did not overlap"
 
         saved, weights = read_safetensors(cli_save), numpy.load(py_weights)
         assert sorted(saved) == sorted(weights.files), "state_dict names differ from --save's"
