@@ -86,6 +86,11 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
                 const Shape& extent, bool accumulate);
 NDArray to_host(Stream& s, const NDArray& a);
 NDArray to_device(Stream& s, const NDArray& host);
+// Raises the first failure of the token-id and target checks queued on `s`
+// since the last flush (embedding, cross_entropy: they do not wait for the
+// device); waits for the stream when any are queued. to_host and
+// sum_of_squares call it: a bad id surfaces at the stream's next host read.
+void flush_checks(Stream& s);
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays);
 void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f);
 

@@ -274,6 +274,7 @@ NDArray to_host(Stream& s, const NDArray& a) {
     cuda_rt::check(cudaMemcpyAsync(host.raw_data(), a.raw_data(), a.nbytes(), cudaMemcpyDeviceToHost, native(s)),
                    "cudaMemcpyAsync");
   s.synchronize();  // the host reads it next
+  flush_checks(s);
   return host;
 }
 
@@ -304,6 +305,7 @@ double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
   double result = 0;
   cuda_rt::check(cudaMemcpyAsync(&result, t, sizeof result, cudaMemcpyDeviceToHost, native(s)), "cudaMemcpyAsync");
   s.synchronize();
+  flush_checks(s);
   return result;
 }
 

@@ -9,6 +9,9 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include "core/cuda_runtime.h"
 #include "hspmd/core/error.h"
@@ -21,47 +24,105 @@ namespace {
 
 using namespace launch;
 
+// The first bad position of a check, with its value, as one key: position
+// in the high 32 bits (so atomicMin keeps the first), value in the low.
 __global__ void first_bad_kernel(const int32_t* v, int64_t n, int64_t limit, int32_t ignore, bool use_ignore,
-                                 unsigned long long* first) {
+                                 unsigned long long* slot) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t x = v[i];
     if (use_ignore && x == ignore) continue;
-    if (x < 0 || x >= limit) atomicMin(first, static_cast<unsigned long long>(i));
+    if (x < 0 || x >= limit)
+      atomicMin(slot, (static_cast<unsigned long long>(i) << 32) | static_cast<uint32_t>(x));
   }
 }
 
-// The first position whose value is outside [0, limit) (and not `ignore`
-// when use_ignore), or -1. Waits for the stream.
-int64_t first_bad(Stream& s, const NDArray& values, int64_t limit, int ignore, bool use_ignore, int32_t& value) {
-  const int64_t n = values.numel();
-  if (n == 0) return -1;
-  NDArray flag = NDArray::empty({1}, DType::I64, values.device());
-  cuda_rt::check(cudaMemsetAsync(flag.raw_data(), 0xff, sizeof(int64_t), native(s)), "check ids");
-  first_bad_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(values.data<int32_t>(), n, limit, ignore, use_ignore,
-                                                              static_cast<unsigned long long*>(flag.raw_data()));
-  launched("check ids");
-  int64_t pos = -1;
-  cuda_rt::check(cudaMemcpyAsync(&pos, flag.raw_data(), sizeof pos, cudaMemcpyDeviceToHost, native(s)), "check ids");
-  cuda_rt::check(cudaStreamSynchronize(native(s)), "check ids");
-  if (pos < 0) return -1;
-  cuda_rt::check(cudaMemcpy(&value, values.data<int32_t>() + pos, sizeof value, cudaMemcpyDeviceToHost), "check ids");
-  return pos;
+// Checks of ids and targets without a host wait inside the step: each check
+// runs first_bad_kernel into a slot of its stream's buffer, and the failure
+// is raised at the stream's next host read (flush_checks, from to_host and
+// sum_of_squares, where the host waits anyway). The kernels the checked
+// arrays feed stay in bounds whatever the values. A stream that fills its
+// slots flushes them at once.
+constexpr int kCheckSlots = 1024;
+
+struct PendingCheck {
+  bool target = false;  // cross_entropy's target, else an embedding's token id
+  int64_t limit = 0;
+  int ignore = 0;
+};
+
+struct StreamChecks {
+  NDArray slots;  // kCheckSlots u64 keys (I64 storage), all ones when clear
+  std::vector<PendingCheck> pending;
+};
+
+std::mutex g_checks_mu;
+std::map<const Stream*, StreamChecks>& all_checks() {
+  static auto* checks = new std::map<const Stream*, StreamChecks>();  // process lifetime, as the streams
+  return *checks;
 }
 
-void check_ids(Stream& s, const NDArray& ids, int64_t vocab) {
-  int32_t v = 0;
-  const int64_t pos = first_bad(s, ids, vocab, 0, false, v);
-  if (pos >= 0) fail("[embedding] token id ", v, " at position ", pos, " is outside the vocabulary [0, ", vocab, ")");
+void check_values(Stream& s, const NDArray& values, const PendingCheck& check) {
+  const int64_t n = values.numel();
+  if (n == 0) return;
+  HSPMD_CHECK(n < (int64_t{1} << 31), "check ids: more than 2^31 values");
+  int slot = 0;
+  unsigned long long* keys = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_checks_mu);
+    StreamChecks& sc = all_checks()[&s];
+    if (!sc.slots.valid()) {
+      sc.slots = NDArray::empty({kCheckSlots}, DType::I64, s.device());
+      cuda_rt::check(cudaMemsetAsync(sc.slots.raw_data(), 0xff, sc.slots.nbytes(), native(s)), "check ids");
+    }
+    slot = static_cast<int>(sc.pending.size());
+    sc.pending.push_back(check);
+    keys = static_cast<unsigned long long*>(sc.slots.raw_data());
+  }
+  first_bad_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(values.data<int32_t>(), n, check.limit, check.ignore,
+                                                              check.target, keys + slot);
+  launched("check ids");
+  if (slot + 1 == kCheckSlots) flush_checks(s);
 }
+
+void check_ids(Stream& s, const NDArray& ids, int64_t vocab) { check_values(s, ids, PendingCheck{false, vocab, 0}); }
 
 void check_targets(Stream& s, const NDArray& targets, int64_t v, int ignore_index) {
-  int32_t t = 0;
-  const int64_t pos = first_bad(s, targets, v, ignore_index, true, t);
-  if (pos >= 0)
-    fail("[cross_entropy] target ", t, " at position ", pos, " is outside the vocabulary [0, ", v,
-         ") and is not ignore_index ", ignore_index);
+  check_values(s, targets, PendingCheck{true, v, ignore_index});
 }
+
+}  // namespace
+
+void flush_checks(Stream& s) {
+  std::vector<PendingCheck> pending;
+  std::vector<unsigned long long> keys;
+  {
+    std::lock_guard<std::mutex> lock(g_checks_mu);
+    auto it = all_checks().find(&s);
+    if (it == all_checks().end() || it->second.pending.empty()) return;
+    pending = std::move(it->second.pending);
+    it->second.pending.clear();
+    keys.resize(pending.size());
+    cuda_rt::check(cudaMemcpyAsync(keys.data(), it->second.slots.raw_data(), keys.size() * sizeof keys[0],
+                                   cudaMemcpyDeviceToHost, native(s)),
+                   "check ids");
+    cuda_rt::check(cudaMemsetAsync(it->second.slots.raw_data(), 0xff, keys.size() * sizeof keys[0], native(s)),
+                   "check ids");
+  }
+  s.synchronize();
+  for (size_t k = 0; k < pending.size(); ++k) {
+    if (keys[k] == ~0ull) continue;
+    const int64_t pos = static_cast<int64_t>(keys[k] >> 32);
+    const auto value = static_cast<int32_t>(static_cast<uint32_t>(keys[k] & 0xffffffffull));
+    const PendingCheck& c = pending[k];
+    if (c.target)
+      fail("[cross_entropy] target ", value, " at position ", pos, " is outside the vocabulary [0, ", c.limit,
+           ") and is not ignore_index ", c.ignore);
+    fail("[embedding] token id ", value, " at position ", pos, " is outside the vocabulary [0, ", c.limit, ")");
+  }
+}
+
+namespace {
 
 void require_f32(const char* kernel, std::initializer_list<const NDArray*> arrays) {
   for (const NDArray* a : arrays)
@@ -140,7 +201,8 @@ __global__ void row_lse_kernel(const float* x, const int32_t* targets, int64_t v
   const double l = log(sum) + mx;
   lse[r] = static_cast<float>(l);
   const int64_t local = t - vocab_begin;
-  if (row_loss) row_loss[r] = l - xr[local];
+  // A target outside the row (a bad one: check_targets reports it) reads nothing.
+  if (row_loss) row_loss[r] = local >= 0 && local < n ? l - xr[local] : l;
   if (picked) picked[r] = local >= 0 && local < n ? xr[local] : 0.0f;
 }
 
