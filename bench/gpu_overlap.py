@@ -42,8 +42,10 @@ def main():
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=1,
                     help="per rank (1: both ranks of the 1.1B shape fit an 80 GB H100 with f32 activations)")
-    ap.add_argument("--micro-batches", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="per rank (only the last micro-batch's backward can overlap: 1 lets the whole backward)")
+    ap.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per run")
     ap.add_argument("--json", default="")
     ap.add_argument("--no-speed-check", action="store_true",
@@ -66,7 +68,7 @@ def main():
                       "stages": [{"ranks": [r], "layers": [0, cfg["num_hidden_layers"] - 1]}]}
     strategy = os.path.join(tmp, "dp2.json")
     json.dump({"pipelines": [pipe(0), pipe(1)]}, open(strategy, "w"))
-    print(f"DP 2 on {a.device}, {a.precision}, hidden {cfg['hidden_size']} x {cfg['num_hidden_layers']} layers, "
+    print(f"DP 2 on {a.device}, {a.precision} (gradients reduced in {a.grad_reduce_dtype}), hidden {cfg['hidden_size']} x {cfg['num_hidden_layers']} layers, "
           f"seq {a.seq_len}, {a.micro_batches} micro-batches of {a.micro_batch_size} per rank, {a.steps} steps")
     out, failed = {}, False
     for mode in ("overlap", "no-overlap"):
@@ -74,6 +76,8 @@ def main():
         cmd = [a.hspmd, "train", "--model", model, "--data", data, "--strategy", strategy, "--nproc", "2",
                "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--precision", a.precision,
                "--device", a.device, "--threads", "1", "--quiet", "--log", log, "--" + mode]
+        if a.precision == "bf16":
+            cmd += ["--grad-reduce-dtype", a.grad_reduce_dtype]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             rc, err = r.returncode, r.stderr.strip()
@@ -111,7 +115,8 @@ def main():
           f"exposed_off_ms={off['exposed_grad_sync_s'] * 1e3:.1f} same_losses={int(same)} "
           f"status={'PASS' if ok else 'FAIL'}")
     if a.json:
-        json.dump({"device": a.device, "precision": a.precision, "seq_len": a.seq_len, "config": cfg,
+        json.dump({"device": a.device, "precision": a.precision, "grad_reduce_dtype": a.grad_reduce_dtype,
+                   "seq_len": a.seq_len, "config": cfg,
                    "micro_batch_size": a.micro_batch_size, "micro_batches": a.micro_batches, "modes": out,
                    "same_losses": same}, open(a.json, "w"), indent=1)
     return 0 if ok else 1

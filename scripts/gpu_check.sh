@@ -547,7 +547,7 @@ elif [[ ! -x "${FBUILD:-build-gpu-full}/src/cli/hspmd" ]]; then
   record gpu_overlap NOT_BUILT 0
 else
   LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 200 ? left : 200)) \
-    python3 bench/gpu_overlap.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --steps 4 --timeout 90 \
+    python3 bench/gpu_overlap.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --timeout 90 \
       --json "$OUT/gpu_overlap.json" 2>&1 | tee "$OUT/gpu_overlap.log"
   rc=${PIPESTATUS[0]}
   record gpu_overlap "$(status_of "$rc")" $(($(date +%s) - t0))
