@@ -153,21 +153,15 @@ def read_tokens(path):
 
 
 # ------------------------------------------------------ PyTorch worker --
-def torch_worker(a):
-    """One PyTorch system in this process; writes its result JSON to a.out."""
+def torch_llama(cfg, seq, seed):
+    """The PyTorch peer's model (Llama / Qwen2 / Mistral shapes from a Hugging
+    Face config): RMSNorm in f32, RoPE, SDPA causal attention with GQA where
+    torch has it, SwiGLU, weights N(0, 0.02) drawn after torch.manual_seed(seed).
+    Also bench/gpu_overlap.py's data-parallel peer."""
     import torch
     import torch.nn.functional as F
 
-    cfg = json.load(open(a.config))
-    dev = torch.device(a.device)
-    if dev.type == "cpu":
-        torch.set_num_threads(a.threads)
-    result = {"system": a.worker, "torch": torch.__version__}
-    if a.worker == "compiled" and not hasattr(torch, "compile"):
-        result.update(status="SKIP", reason=f"torch {torch.__version__} has no torch.compile")
-        json.dump(result, open(a.out, "w"))
-        return 0
-    torch.manual_seed(a.seed)
+    torch.manual_seed(seed)
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or nh
     d, eps, window = h // nh, cfg.get("rms_norm_eps", 1e-6), sliding_window(cfg)
@@ -238,7 +232,7 @@ def torch_worker(a):
             if cfg.get("tie_word_embeddings"):
                 self.head.weight = self.embed.weight
             inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (torch.arange(0, d, 2).float() / d))
-            ang = torch.outer(torch.arange(a.seq).float(), inv)
+            ang = torch.outer(torch.arange(seq).float(), inv)
             ang = torch.cat((ang, ang), dim=-1)
             self.register_buffer("cos", ang.cos(), persistent=False)
             self.register_buffer("sin", ang.sin(), persistent=False)
@@ -257,6 +251,23 @@ def torch_worker(a):
                 p.normal_(0.0, 0.02)
             elif "bias" in name:
                 p.zero_()
+    return model, ("sdpa" if sdpa is not None else "matmul-softmax")
+
+
+def torch_worker(a):
+    """One PyTorch system in this process; writes its result JSON to a.out."""
+    import torch
+
+    cfg = json.load(open(a.config))
+    dev = torch.device(a.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(a.threads)
+    result = {"system": a.worker, "torch": torch.__version__}
+    if a.worker == "compiled" and not hasattr(torch, "compile"):
+        result.update(status="SKIP", reason=f"torch {torch.__version__} has no torch.compile")
+        json.dump(result, open(a.out, "w"))
+        return 0
+    model, attention = torch_llama(cfg, a.seq, a.seed)
     model = model.to(dev)
     fused = {"fused": True} if dev.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **fused)
@@ -290,7 +301,7 @@ def torch_worker(a):
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     result.update(status="PASS", step_times_s=times, losses=losses,
-                  attention="sdpa" if sdpa is not None else "matmul-softmax",
+                  attention=attention,
                   optimizer="AdamW fused" if fused else "AdamW")
     if dev.type == "cuda":
         result.update(device=torch.cuda.get_device_name(dev),
