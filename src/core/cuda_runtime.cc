@@ -115,20 +115,19 @@ Allocator& allocator(int index) {
   return per_device(index, *all, mu);
 }
 
-Stream& default_stream(int index) {
+// Stream `id` (0: default, 1: communication) of device `index`.
+static Stream& stream_of(int index, int id) {
   static std::mutex mu;
-  static auto* all = new std::unordered_map<int, std::unique_ptr<CudaStream>>();
-  return per_device(index, *all, mu);
-}
-
-Stream& comm_stream(int index) {
-  static std::mutex mu;
-  static auto* all = new std::unordered_map<int, std::unique_ptr<CudaStream>>();
+  static auto* all = new std::unordered_map<int, std::unique_ptr<CudaStream>>();  // never destroyed: see CudaStream
   std::lock_guard<std::mutex> lock(mu);
-  auto it = all->find(index);
-  if (it == all->end()) it = all->emplace(index, std::make_unique<CudaStream>(index, 1)).first;
+  auto it = all->find(2 * index + id);
+  if (it == all->end()) it = all->emplace(2 * index + id, std::make_unique<CudaStream>(index, id)).first;
   return *it->second;
 }
+
+Stream& default_stream(int index) { return stream_of(index, 0); }
+
+Stream& comm_stream(int index) { return stream_of(index, 1); }
 
 void stream_wait(Stream& stream, void* event) {
   set_device(stream.device().index);

@@ -111,33 +111,28 @@ Allocator& allocator_for(Device device) {
 #endif
 }
 
-Stream& default_stream(Device device) {
-  static Stream cpu(Device::cpu(), 0);
-  static Stream double_stream(Device::host_double(), 0);
-  if (device == Device::cpu()) return cpu;
-  if (device == Device::host_double()) return double_stream;
+namespace {
+
+// Stream `id` of `device`: 0 the default one, 1 the communication one.
+Stream& device_stream(Device device, int id) {
+  static Stream cpu[2] = {Stream(Device::cpu(), 0), Stream(Device::cpu(), 1)};
+  static Stream double_streams[2] = {Stream(Device::host_double(), 0), Stream(Device::host_double(), 1)};
+  if (device == Device::cpu()) return cpu[id];
+  if (device == Device::host_double()) return double_streams[id];
   if (device.type == DeviceType::CPU) require_device(device);
 #ifdef HSPMD_HAVE_CUDA
   require_device(device);
-  return cuda_rt::default_stream(device.index);
+  return id == 0 ? cuda_rt::default_stream(device.index) : cuda_rt::comm_stream(device.index);
 #else
   fail("[device] ", device.str(), ": this build has no CUDA backend");
 #endif
 }
 
-Stream& comm_stream(Device device) {
-  static Stream cpu(Device::cpu(), 1);
-  static Stream double_stream(Device::host_double(), 1);
-  if (device == Device::cpu()) return cpu;
-  if (device == Device::host_double()) return double_stream;
-  if (device.type == DeviceType::CPU) require_device(device);
-#ifdef HSPMD_HAVE_CUDA
-  require_device(device);
-  return cuda_rt::comm_stream(device.index);
-#else
-  fail("[device] ", device.str(), ": this build has no CUDA backend");
-#endif
-}
+}  // namespace
+
+Stream& default_stream(Device device) { return device_stream(device, 0); }
+
+Stream& comm_stream(Device device) { return device_stream(device, 1); }
 
 void stream_wait(Stream& stream, const Event& event) {
   HSPMD_CHECK(event.recorded(), "stream_wait on an event never recorded");
