@@ -320,7 +320,8 @@ ExecGraph::Activations ExecGraph::forward(const ValueMap& values, Communicator& 
   return a;
 }
 
-ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world, const GradReady& on_grad) const {
+ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world, const GradReady& on_grad,
+                                          bool read_loss) const {
   HSPMD_CHECK(a.instance != nullptr, "backward() of activations no forward() produced");
   if (a.recompute) {  // the forward kept only the saved values: rebuild the rest first
     a.remaining = recompute_backward_uses_;
@@ -330,8 +331,10 @@ ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world, co
   const Graph& g = *model_.graph;
   MicroBatch out;
   const auto& loss = a.slots[model_.loss.node_id()];
-  if (!loss.empty() && loss[0].valid())
-    out.loss = kernels::to_host(stream(), loss[0]).host_data<float>("the loss")[0];
+  if (!loss.empty() && loss[0].valid()) {
+    out.loss_array = loss[0];
+    if (read_loss) out.loss = kernels::to_host(stream(), loss[0]).host_data<float>("the loss")[0];
+  }
   for (const auto& [name, id] : grad_sync_node_) {
     const Tensor raw = g.node(id).inputs[0];
     const auto& s = a.slots[raw.node_id()];

@@ -560,8 +560,11 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     if (it == raw.end()) raw.emplace(name, kernels::clone(graph.stream(), g));
     else kernels::accumulate(graph.stream(), g, it->second);
   };
+  // The micro-batches' loss terms stay on the device until the schedule is
+  // queued: reading each at its backward would make the host wait there.
+  std::vector<NDArray> losses;
   auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
-    if (mb.loss) loss += *mb.loss;
+    if (mb.loss_array.valid()) losses.push_back(mb.loss_array);
     for (auto& [name, g] : mb.raw_grads) add(name, g);
   };
   const int micro_batches = !pieces_ ? rt_->micro_batches()
@@ -581,15 +584,18 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     if (overlap != nullptr && ++backwards == micro_batches) {
       // The last backward: each gradient is final as it is computed.
       std::set<std::string> handed;
-      ExecGraph::MicroBatch mb = graph.backward(std::move(a), world_, [&](const std::string& name, const NDArray& g) {
-        add(name, g);
-        overlap->ready(name, raw.at(name));
-        handed.insert(name);
-      });
+      ExecGraph::MicroBatch mb = graph.backward(
+          std::move(a), world_,
+          [&](const std::string& name, const NDArray& g) {
+            add(name, g);
+            overlap->ready(name, raw.at(name));
+            handed.insert(name);
+          },
+          false);
       for (const std::string& name : handed) mb.raw_grads.erase(name);
       accumulate(mb);
     } else {
-      accumulate(graph.backward(std::move(a), world_));
+      accumulate(graph.backward(std::move(a), world_, {}, false));
     }
     if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
   };
@@ -598,6 +604,8 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
   schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, micro_batches},
                                            forward, backward);
+  for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
+    loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
   if (micro_batches == 0 && rt_->pipeline >= 0) {
     // A pipeline that got no piece this step contributes zero gradients.
     for (const std::string& name : graph.model().names) {

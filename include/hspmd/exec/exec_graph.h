@@ -85,7 +85,8 @@ class ExecGraph {
   std::vector<DiscoveredPipeline> discover_pipelines() const;
 
   struct MicroBatch {
-    std::optional<float> loss;                   // this rank's loss term, when it holds one
+    std::optional<float> loss;                   // this rank's loss term, when it holds one (read on the host)
+    NDArray loss_array;                          // ... and the one-element array it was read from
     std::map<std::string, NDArray> raw_grads;    // local parameter gradients before sync
   };
   // What one micro-batch keeps between its forward and its backward, and
@@ -116,8 +117,12 @@ class ExecGraph {
   // stream; the work that computes it may still be queued there), before
   // the backward goes on: the overlapped gradient synchronization starts
   // there (docs/comm.md). The array is also in the result's raw_grads.
+  // `read_loss` false: the result's loss stays unread (loss_array only), so
+  // that the host does not wait for the device at each micro-batch; the
+  // trainer reads the step's losses once its schedule is queued.
   using GradReady = std::function<void(const std::string& param, const NDArray& raw_grad)>;
-  MicroBatch backward(Activations activations, Communicator& world, const GradReady& on_grad = {}) const;
+  MicroBatch backward(Activations activations, Communicator& world, const GradReady& on_grad = {},
+                      bool read_loss = true) const;
   // forward then backward.
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world) const;
   MicroBatch run_micro_batch(const ValueMap& values, Communicator& world,
