@@ -433,7 +433,7 @@ fi
 # (tests/comm/nccl_world1.cc), then plans of every kind with 2-7 ranks
 # sharing the GPU (the staged MPI communicator) against one GPU process
 # (tests/exec/equivalence_test.py --device cuda:0: losses, weights and
-# bytes = predicted).
+# bytes = predicted), plan switches, elastic failures and a join.
 t0=$(date +%s)
 left=$((T_START + BUDGET - $(date +%s) - 15))
 rm -f "$OUT/dist_cuda.log"
@@ -475,6 +475,17 @@ else
         2>&1 | tee -a "$OUT/dist_cuda.log"
     rc3=${PIPESTATUS[0]}
     rc=$(worst_rc "$rc" "$rc3")
+  fi
+  # Elastic training on the GPU: two failures and a join on 8 ranks of a
+  # heterogeneous pipeline pair, with and without ZeRO (re-plans,
+  # checkpoint-served slices), against one GPU process.
+  left=$((T_START + BUDGET - $(date +%s) - 10))
+  if ((left > 60)); then
+    LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 150 ? left : 150)) \
+      python3 tests/exec/elastic_test.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 --part gpu \
+        2>&1 | tee -a "$OUT/dist_cuda.log"
+    rc4=${PIPESTATUS[0]}
+    rc=$(worst_rc "$rc" "$rc4")
   fi
   record dist_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
 fi

@@ -8,7 +8,13 @@ checkpoint of that step, or the run rolls back to an earlier checkpoint and
 trains its steps again, and without any the run stops in one line. Also: an
 event naming its strategy, a straggler found by the sliding window and
 switched away from, a resumed run that continues under the re-planned
-strategy, and bad events refused before training starts."""
+strategy, and bad events refused before training starts.
+
+`--part gpu`: the trace's failures and join without the emulated cluster
+(`--cluster` emulates on the CPU and is refused with `--device cuda`): the
+re-plans see a uniform cluster; losses and weights against one process as
+above, the failed ranks silent, the checkpoint serving ZeRO's lost slices.
+scripts/gpu_check.sh runs it with `--device cuda:0` (ranks sharing the GPU)."""
 import argparse
 import json
 import os
@@ -28,13 +34,15 @@ CLUSTER = {"catalog": {t: {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 1
            "nodes": [{"type": "fast", "ranks": [0, 3]}, {"type": "slow", "ranks": [4, 7], "slowdown": 2.0}]}
 TRACE = [{"step": 2, "fail": [5]}, {"step": 4, "fail": [1]}, {"step": 6, "join": [5]},
          {"step": 7, "slowdown": {"2": 3.0}}]
+TRACE_NO_CLUSTER = TRACE[:3]  # a slowdown is the emulated clock's
 
 
 class Elastic:
-    def __init__(self, h):
+    def __init__(self, h, cluster=True):
         self.h = h
-        self.cluster = h.path("cluster.json")
-        json.dump(CLUSTER, open(self.cluster, "w"))
+        self.cluster = h.path("cluster.json") if cluster else None
+        if cluster:
+            json.dump(CLUSTER, open(self.cluster, "w"))
 
     def train(self, name, strategy, events, extra=(), env=None):
         """(rc, stderr, step records, event records, weights)."""
@@ -44,8 +52,9 @@ class Elastic:
         extra = list(extra)
         if "--straggler-window" not in extra:  # only the straggler case watches: CPU-clock noise stays out
             extra += ["--straggler-window", "0"]
-        cmd = h.base + ["--strategy", h.strategy_file(name, strategy), "--nproc", "8", "--cluster", self.cluster,
-                        "--events", ev, "--log", log, "--save", weights] + extra
+        cmd = h.base + ["--strategy", h.strategy_file(name, strategy), "--nproc", "8"] + \
+            (["--cluster", self.cluster] if self.cluster else []) + \
+            ["--events", ev, "--log", log, "--save", weights] + extra
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         recs = records(log) if os.path.exists(log) else []
         steps = [x for x in recs if "loss" in x]
@@ -58,17 +67,18 @@ class Elastic:
 
 def trace_case(e, zero):
     h = e.h
-    label = "trace" + (" zero" if zero else "")
+    label = "trace" + (" zero" if zero else "") + ("" if e.cluster else " no-cluster")
+    trace = TRACE if e.cluster else TRACE_NO_CLUSTER
     extra = ["--checkpoint", h.path(label.replace(" ", "_") + "_ckpt"), "--save-every", "2"]
     if zero:
         extra.append("--checkpoint-sync")  # the other runs write on the background thread
-    rc, err, steps, evs, weights = e.train(label.replace(" ", "_"), c2_like(zero)[1], TRACE, extra)
+    rc, err, steps, evs, weights = e.train(label.replace(" ", "_"), c2_like(zero)[1], trace, extra)
     if rc:
         return h.check(label, False, f"exit {rc}: {err.strip()[-400:]}")
     reconf = [x for x in evs if x["event"] == "reconfigure"]
     h.compare(label, steps, reconf, weights, want_switches=3)
     failed = set()
-    for ev in TRACE:
+    for ev in trace:
         if "fail" not in ev and "join" not in ev:
             continue
         failed |= set(ev.get("fail", []))
@@ -90,8 +100,9 @@ def trace_case(e, zero):
                 silent and not (used & failed) and sorted(rec["failed"]) == sorted(failed) and want_ckpt and fields,
                 f"failed ranks sent {[rec['bytes_sent'][r] for r in ev.get('fail', [])]}, plan uses {sorted(used)}, "
                 f"checkpoint bytes {ckpt}")
-    slow = [x for x in evs if x["event"] == "slowdown"]
-    h.check(f"{label} slowdown record", len(slow) == 1 and slow[0]["step"] == 7, json.dumps(slow)[:200])
+    if e.cluster:
+        slow = [x for x in evs if x["event"] == "slowdown"]
+        h.check(f"{label} slowdown record", len(slow) == 1 and slow[0]["step"] == 7, json.dumps(slow)[:200])
 
 
 def no_checkpoint_case(e):
@@ -265,14 +276,17 @@ def bad_events_case(e):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
-    ap.add_argument("--part", default="all", choices=["all", "trace", "more"])
+    ap.add_argument("--part", default="all", choices=["all", "trace", "more", "gpu"])
     ap.add_argument("--device", default="cpu",
                     help="hspmd train --device for every run (cpu:1: the device test double, docs/cuda.md)")
     a = ap.parse_args()
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         h = Harness(a.hspmd, tmp, 9, extra=("--device", a.device))
-        e = Elastic(h)
+        e = Elastic(h, cluster=a.part != "gpu")
+        if a.part == "gpu":
+            trace_case(e, False)
+            trace_case(e, True)
         if a.part in ("all", "trace"):
             trace_case(e, False)
             trace_case(e, True)
