@@ -433,7 +433,8 @@ fi
 # (tests/comm/nccl_world1.cc), then plans of every kind with 2-7 ranks
 # sharing the GPU (the staged MPI communicator) against one GPU process
 # (tests/exec/equivalence_test.py --device cuda:0: losses, weights and
-# bytes = predicted), plan switches, elastic failures and a join.
+# bytes = predicted), plan switches, elastic failures and a join,
+# token-budget steps, crash restarts.
 t0=$(date +%s)
 left=$((T_START + BUDGET - $(date +%s) - 15))
 rm -f "$OUT/dist_cuda.log"
@@ -486,6 +487,25 @@ else
         2>&1 | tee -a "$OUT/dist_cuda.log"
     rc4=${PIPESTATUS[0]}
     rc=$(worst_rc "$rc" "$rc4")
+  fi
+  # Token-budget steps with dispatch (CP, ZeRO, a switch, strategies per
+  # step, bucket switching), then ranks killed mid-run and the job restarted
+  # from its checkpoint.
+  left=$((T_START + BUDGET - $(date +%s) - 10))
+  if ((left > 60)); then
+    LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 150 ? left : 150)) \
+      python3 tests/exec/mixed_length_test.py --hspmd "$FBUILD/src/cli/hspmd" --device cuda:0 \
+        2>&1 | tee -a "$OUT/dist_cuda.log"
+    rc5=${PIPESTATUS[0]}
+    rc=$(worst_rc "$rc" "$rc5")
+  fi
+  left=$((T_START + BUDGET - $(date +%s) - 10))
+  if ((left > 60)); then
+    LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 10 $((left < 120 ? left : 120)) \
+      python3 tests/exec/restart_test.py --hspmd "$FBUILD/src/cli/hspmd" --repo "$ROOT" --part crash \
+        --device cuda:0 2>&1 | tee -a "$OUT/dist_cuda.log"
+    rc6=${PIPESTATUS[0]}
+    rc=$(worst_rc "$rc" "$rc6")
   fi
   record dist_cuda "$(status_of "$rc")" $(($(date +%s) - t0))
 fi
