@@ -42,7 +42,7 @@ PROBES=(probe_cublaslt probe_cudnn_sdpa probe_cuda_graph probe_streams)
 SETUP="$OUT/setup.log"
 SUMMARY="$OUT/summary.txt"
 rm -f "$SETUP" "$SUMMARY" "$OUT"/peer_torch.log
-for p in "${PROBES[@]}" conformance_memory train_cuda; do rm -f "$OUT/$p.log"; done
+for p in "${PROBES[@]}" conformance_memory kernel_perf train_cuda; do rm -f "$OUT/$p.log"; done
 
 T_START=$(date +%s)
 declare -a STEP_NAMES STEP_STATUS STEP_SECS
@@ -84,8 +84,8 @@ write_summary() {
   for i in "${!STEP_NAMES[@]}"; do
     printf "%-18s %-16s %s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}"
   done
-  MEASURED="median_ms=|fwd_ms=|gbps|_us=|predicted_ms="
-  for f in "${PROBES[@]}" peer_torch conformance_memory train_cuda dist_cuda gpu_dist gpu_overlap oracle_cuda mps_hetero; do
+  MEASURED="median_ms=|fwd_ms=|gbps|tflops=|_us=|predicted_ms=|_on_ms="
+  for f in "${PROBES[@]}" peer_torch conformance_memory kernel_perf train_cuda dist_cuda gpu_dist gpu_overlap oracle_cuda mps_hetero; do
     [[ -f "$OUT/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$OUT/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -322,7 +322,7 @@ fi
 t0=$(date +%s)
 FBUILD=${FBUILD_DIR:-build-gpu-full}
 CBC=$ROOT/.gpu-deps/cbc
-FULL_TARGETS=(hspmd conformance_memory conformance_attention nccl_world1)
+FULL_TARGETS=(hspmd conformance_memory conformance_attention kernel_perf nccl_world1)
 if [[ -n "$NVCC" && -d "$CBC" ]]; then
   left=$((T_START + BUDGET - $(date +%s) - 15))
   {
@@ -364,7 +364,8 @@ else
       "conformance_attention"
     timeout $((left / 2)) cmake -S . -B "$KBUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DHSPMD_CUDA=ON \
       -DHSPMD_GPU_KERNELS_ONLY=ON "${CMAKE_HINTS[@]}" &&
-      timeout $((left / 2)) cmake --build "$KBUILD" -j "$JOBS" --target conformance_memory conformance_attention
+      timeout $((left / 2)) cmake --build "$KBUILD" -j "$JOBS" --target conformance_memory conformance_attention \
+        kernel_perf
   } >"$OUT/conformance_memory.log" 2>&1
   fi
   if [[ -x "$KBUILD/tests/gpu/conformance_memory" ]]; then
@@ -379,6 +380,12 @@ else
         "$KBUILD/tests/gpu/conformance_attention" 2>&1 | tee -a "$OUT/conformance_memory.log"
       rc2=${PIPESTATUS[0]}
       if ((rc == 0 && rc2 != 77)); then rc=$rc2; fi
+    fi
+    # The performance mode: each kernel against the copy and GEMM ceilings
+    # (kernel_perf.log; measurements, not checks).
+    left=$((T_START + BUDGET - $(date +%s) - 10))
+    if [[ -x "$KBUILD/tests/gpu/kernel_perf" ]] && ((left > 90)); then
+      timeout -k 10 60 "$KBUILD/tests/gpu/kernel_perf" --device cuda:0 2>&1 | tee "$OUT/kernel_perf.log"
     fi
     record conformance_memory "$(status_of "$rc")" $(($(date +%s) - t0))
   else
