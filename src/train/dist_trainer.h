@@ -183,6 +183,9 @@ class DistTrainer {
     if (o.save_every > 0 && o.checkpoint_dir.empty()) fail("[flags] --save-every needs --checkpoint DIR");
     if (o.skip_nonfinite_steps < 0)
       fail("[flags] --skip-nonfinite-steps must be >= 0, got ", o.skip_nonfinite_steps);
+    if (o.overlap.value_or(false) && (!o.cluster_path.empty() || !o.trace_path.empty()))
+      fail("[flags] --overlap with --", o.cluster_path.empty() ? "trace" : "cluster",
+           ": the emulated clock bills one thread per rank (no communication thread); drop --overlap");
     train_common::check_outputs(o, world.rank());
     check_checkpoint_directory(o);
     algorithm_ = parse_switch_algorithm(o.switch_algorithm);

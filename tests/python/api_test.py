@@ -139,6 +139,10 @@ def check_trainer_errors(d):
     raises(lambda: hspmd.Trainer(MODEL, None, data, device="tpu", seq_len=64, steps=1, global_batch=8),
            "[flags] --device: 'tpu' (expected cpu, cuda or cuda:N)")
     raises(lambda: hspmd.Trainer(MODEL, STRATEGY, data, seq_len=64, steps=1), "[")  # 4 ranks on a world of 1
+    # The emulated clock has no communication thread: overlap=True is refused.
+    raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, overlap=True,
+                                 cluster=os.path.join(d, "none.json")),
+           "[flags] --overlap with --cluster: the emulated clock")
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
 
 
