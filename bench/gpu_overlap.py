@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import random
+import socket
 import statistics
 import struct
 import subprocess
@@ -114,7 +115,9 @@ def ddp_worker(a):
 
 def run_peer(a, model, data, tmp, mode):
     """The two ranks of the PyTorch peer in `mode`; its result, or an error string."""
-    port = str(29500 + random.Random().randrange(2000))
+    with socket.socket() as probe:  # a port free now, for the ranks' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     out = os.path.join(tmp, f"peer_{mode}.json")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
     # The torch processes may need another library path than hspmd's (pip's
