@@ -60,6 +60,7 @@ ExecGraph::ExecGraph(std::shared_ptr<const AnnotationPlan> plan, std::shared_ptr
     const ReshardPoint* point = model_.point(id);
     const bool grad_sync = point && point->kind == ReshardKind::kGradSync;  // once per step
     (grad_sync ? grad_resolutions_ : resolved).emplace(id, resolve_(spec));
+    if (grad_sync) grad_specs_.emplace(id, spec);
   }
   select_nodes(resolved);
   find_parameter_only();
@@ -361,33 +362,147 @@ const Resolution* ExecGraph::grad_resolution(const std::string& param) const {
 std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::string, NDArray>& raw,
                                                          Communicator& world) const {
   std::map<std::string, NDArray> synced;
-  for (const std::string& name : model_.names) {  // the same order on every rank
-    const Resolution* r = grad_resolution(name);
-    if (r == nullptr) continue;
+  auto raw_of = [&](const std::string& name) {
     auto it = raw.find(name);
-    NDArray local = it == raw.end() ? NDArray() : it->second;
-    if (local.valid() && local.dtype() != r->dtype) local = kernels::cast(stream(), local, r->dtype);  // --grad-reduce-dtype bf16
-    NDArray out = run_reshard(*r, model_.graph->node(grad_sync_node_.at(name)).name, local, world);
-    if (out.valid()) synced[name] = out.dtype() == DType::F32 ? out : kernels::cast(stream(), out, DType::F32);
+    return it == raw.end() ? NDArray() : it->second;
+  };
+  for (const GradBucket& b : grad_buckets()) {
+    if (!b.group.empty()) {
+      const int64_t before = world.bytes().sent;
+      int64_t predicted = 0;
+      sync_bucket(b, raw_of, world, stream(), &predicted, synced);
+      ledger_.measured += world.bytes().sent - before;
+      ledger_.predicted += predicted;
+      continue;
+    }
+    for (const std::string& name : b.params) {  // through run_reshard: the clock and deferred sends
+      const Resolution& r = *grad_resolution(name);
+      NDArray local = raw_of(name);
+      if (local.valid() && local.dtype() != r.dtype) local = kernels::cast(stream(), local, r.dtype);  // --grad-reduce-dtype bf16
+      NDArray out = run_reshard(r, model_.graph->node(grad_sync_node_.at(name)).name, local, world);
+      if (out.valid()) synced[name] = out.dtype() == DType::F32 ? out : kernels::cast(stream(), out, DType::F32);
+    }
   }
   return synced;
 }
 
-std::vector<std::string> ExecGraph::grad_sync_order() const {
-  std::vector<std::string> order;
-  for (auto it = model_.names.rbegin(); it != model_.names.rend(); ++it)
-    if (grad_resolution(*it) != nullptr) order.push_back(*it);
-  return order;
+std::vector<int> ExecGraph::fusable_group(const std::string& param) const {
+  auto cached = fusable_.find(param);
+  if (cached != fusable_.end()) return cached->second;
+  // One all-reduce (split or not: execute runs them alike) of the rank's
+  // whole box, nothing else.
+  auto whole_all_reduce = [](const RankResolution& rr) -> const CommOp* {
+    if (rr.phases.size() != 1) return nullptr;
+    const CommPhase& ph = rr.phases[0];
+    if (ph.ops.size() != 1 || !ph.in_box || ph.in_box != ph.out_box || ph.zero_fill) return nullptr;
+    const CommOp& op = ph.ops[0];
+    const bool all_reduce = op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce;
+    if (!all_reduce || op.group.size() < 2 || !op.contributes || !(op.box == *ph.in_box) || !op.sends.empty() ||
+        !op.recvs.empty() || !op.keeps.empty())
+      return nullptr;
+    return &op;
+  };
+  std::vector<int> group;
+  const int id = grad_sync_node_.at(param);
+  if (const CommOp* mine = whole_all_reduce(grad_resolutions_.at(id)->ranks.at(rank_))) {
+    // Every member must see the same: this rank's resolution holds its own
+    // entry only, so the Reshard is resolved for every rank once here.
+    const Resolution all = resolve(grad_specs_.at(id), *topology_);
+    group = mine->group;
+    for (int m : mine->group) {
+      auto it = all.ranks.find(m);
+      const CommOp* theirs = it == all.ranks.end() ? nullptr : whole_all_reduce(it->second);
+      if (theirs == nullptr || theirs->group != mine->group || !(theirs->box == mine->box)) group.clear();
+    }
+  }
+  return fusable_.emplace(param, group).first->second;
 }
 
-NDArray ExecGraph::sync_gradient(const std::string& param, const NDArray& raw, Communicator& world, Stream& s,
-                                 int64_t* predicted) const {
-  const Resolution* r = grad_resolution(param);
-  if (r == nullptr) return NDArray();
-  NDArray local = raw.valid() && raw.dtype() != r->dtype ? kernels::cast(s, raw, r->dtype) : raw;
-  if (predicted != nullptr) *predicted += r->ranks.at(rank_).bytes_sent;
-  NDArray out = execute(*r, rank_, local, world, nullptr, &s);
-  return !out.valid() || out.dtype() == DType::F32 ? out : kernels::cast(s, out, DType::F32);
+std::vector<ExecGraph::GradBucket> ExecGraph::grad_buckets() const {
+  std::vector<GradBucket> out;
+  GradBucket open;
+  auto close = [&] {
+    if (!open.params.empty()) {
+      if (open.params.size() == 1) open.group.clear();  // alone: its own resolution
+      out.push_back(std::move(open));
+    }
+    open = GradBucket{};
+  };
+  for (auto it = model_.names.rbegin(); it != model_.names.rend(); ++it) {
+    const Resolution* r = grad_resolution(*it);
+    if (r == nullptr) {  // not this rank's: the members of any open bucket break here too
+      close();
+      continue;
+    }
+    const std::vector<int> group = clock_ ? std::vector<int>() : fusable_group(*it);
+    const auto& phases = r->ranks.at(rank_).phases;
+    const int64_t n = !phases.empty() && phases[0].in_box ? phases[0].in_box->numel() : 0;
+    if (group.empty()) {
+      close();
+      out.push_back(GradBucket{{*it}, {}, r->dtype, n});
+      continue;
+    }
+    if (!open.params.empty() &&
+        (open.group != group || open.dtype != r->dtype || open.elements + n > kGradBucketElements))
+      close();
+    open.params.push_back(*it);
+    open.group = group;
+    open.dtype = r->dtype;
+    open.elements += n;
+  }
+  close();
+  return out;
+}
+
+void ExecGraph::sync_bucket(const GradBucket& b, const std::function<NDArray(const std::string&)>& raw,
+                            Communicator& world, Stream& s, int64_t* predicted,
+                            std::map<std::string, NDArray>& synced) const {
+  auto to_f32 = [&](const NDArray& a) {
+    return !a.valid() || a.dtype() == DType::F32 ? a : kernels::cast(s, a, DType::F32);
+  };
+  if (b.group.empty()) {  // one parameter: its resolution
+    for (const std::string& name : b.params) {
+      const Resolution& r = *grad_resolution(name);
+      const NDArray g = raw(name);
+      const NDArray local = g.valid() && g.dtype() != r.dtype ? kernels::cast(s, g, r.dtype) : g;
+      if (predicted != nullptr) *predicted += r.ranks.at(rank_).bytes_sent;
+      NDArray out = to_f32(execute(r, rank_, local, world, nullptr, &s));
+      if (out.valid()) synced[name] = out;
+    }
+    return;
+  }
+  // Fused: the gradients one after the other in one flat buffer (a missing
+  // one stays zero), one all-reduce, then each its part.
+  NDArray flat = kernels::zeros(s, {b.elements}, b.dtype);
+  std::vector<std::pair<int64_t, Box>> parts;
+  int64_t offset = 0;
+  for (const std::string& name : b.params) {
+    const Resolution& r = *grad_resolution(name);
+    const Box box = *r.ranks.at(rank_).phases[0].in_box;
+    const int64_t n = box.numel();
+    const NDArray g = raw(name);
+    if (g.valid()) {
+      if (g.shape() != box.shape())
+        fail("[comm] reshard '", r.name, "': rank ", rank_, " needs an input of shape ", shape_str(box.shape()),
+             " (its source box ", to_string(box), ")");
+      NDArray part = flat.slice(0, offset, offset + n);
+      kernels::copy(s, (g.dtype() == b.dtype ? g : kernels::cast(s, g, b.dtype)).contiguous().reshape({n}), part);
+    }
+    parts.emplace_back(offset, box);
+    offset += n;
+  }
+  Communicator& group = world.group(b.group);
+  std::vector<Request> requests;
+  requests.push_back(group.start_all_reduce(s, flat));
+  group.wait_all(requests);
+  if (predicted != nullptr) {  // the resolver's ring rule (plan.cc) over the whole bucket
+    const int64_t members = static_cast<int64_t>(b.group.size());
+    *predicted += 2 * (members - 1) * (b.elements * static_cast<int64_t>(dtype_size(b.dtype))) / members;
+  }
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const auto& [at, box] = parts[i];
+    synced[b.params[i]] = to_f32(flat.slice(0, at, at + box.numel()).reshape(box.shape()));
+  }
 }
 
 NDArray ExecGraph::reshard(const std::string& name, const Shape& shape, const Annotation& from,

@@ -1,5 +1,6 @@
 #include "train/grad_overlap.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "hspmd/core/error.h"
@@ -15,9 +16,10 @@ bool GradOverlap::any_abandoned() { return g_abandoned.load(); }
 
 GradOverlap::GradOverlap(const ExecGraph& graph, Communicator& grad_world)
     : graph_(graph), state_(std::make_shared<State>()) {
-  std::vector<std::string> order = graph.grad_sync_order();
-  for (const std::string& name : order) state_->items.emplace(name, Item{});
-  thread_ = std::thread(run, state_, &graph, &grad_world, std::move(order), num_threads());
+  std::vector<ExecGraph::GradBucket> buckets = graph.grad_buckets();
+  for (const ExecGraph::GradBucket& b : buckets)
+    for (const std::string& name : b.params) state_->items.emplace(name, Item{});
+  thread_ = std::thread(run, state_, &graph, &grad_world, std::move(buckets), num_threads());
 }
 
 GradOverlap::~GradOverlap() {
@@ -68,7 +70,7 @@ std::map<std::string, NDArray> GradOverlap::finish(const std::map<std::string, N
 }
 
 void GradOverlap::run(std::shared_ptr<State> state, const ExecGraph* graph, Communicator* world,
-                      std::vector<std::string> order, int threads) {
+                      std::vector<ExecGraph::GradBucket> buckets, int threads) {
   try {
     set_num_threads(threads);  // a new thread starts with the runtime's default team size
     bind_thread(graph->device());
@@ -77,23 +79,26 @@ void GradOverlap::run(std::shared_ptr<State> state, const ExecGraph* graph, Comm
     // stream may still use them (the allocators do not track streams).
     SideStreamScope held;
     int64_t predicted = 0;
-    for (const std::string& name : order) {
-      Item item;
+    for (const ExecGraph::GradBucket& bucket : buckets) {
+      std::map<std::string, Item> items;
       {
         std::unique_lock<std::mutex> lock(state->mu);
-        state->cv.wait(lock, [&] { return state->abandoned || state->items.at(name).given; });
+        state->cv.wait(lock, [&] {
+          return state->abandoned || std::all_of(bucket.params.begin(), bucket.params.end(),
+                                                 [&](const std::string& p) { return state->items.at(p).given; });
+        });
         if (state->abandoned) return;
-        item = std::move(state->items.at(name));
+        for (const std::string& p : bucket.params) items.emplace(p, std::move(state->items.at(p)));
       }
-      stream_wait(stream, item.event);
-      NDArray out = graph->sync_gradient(name, item.raw, *world, stream, &predicted);
-      item.raw = NDArray();
+      for (const auto& [name, item] : items) stream_wait(stream, item.event);
+      std::map<std::string, NDArray> out;
+      graph->sync_bucket(
+          bucket, [&](const std::string& p) { return items.at(p).raw; }, *world, stream, &predicted, out);
+      items.clear();
       stream.synchronize();
       held.release();
-      if (out.valid()) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->synced.emplace(name, std::move(out));
-      }
+      std::lock_guard<std::mutex> lock(state->mu);
+      for (auto& [name, g] : out) state->synced.emplace(name, std::move(g));
     }
     std::lock_guard<std::mutex> lock(state->mu);
     state->predicted = predicted;

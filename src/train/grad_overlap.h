@@ -4,10 +4,11 @@
 // gradient is final, over a duplicate of the world (so its collectives and
 // messages never interleave with the graph's) and on the device's
 // communication stream (ordered after the gradient's work by an event).
-// The thread takes the parameters in ExecGraph::grad_sync_order, one total
-// order on every rank, waiting for each in turn: a gradient ready early
-// waits for the ones before it, which keeps the ranks' collectives in the
-// same order without any agreement at run time.
+// The thread takes the buckets of ExecGraph::grad_buckets, one total order
+// on every rank, waiting for each in turn until all its gradients are
+// ready: a gradient ready early waits for the buckets before it, which keeps
+// the ranks' collectives in the same order without any agreement at run
+// time.
 #pragma once
 
 #include <condition_variable>
@@ -69,7 +70,7 @@ class GradOverlap {
     std::exception_ptr error;
   };
   static void run(std::shared_ptr<State> state, const ExecGraph* graph, Communicator* world,
-                  std::vector<std::string> order, int threads);
+                  std::vector<ExecGraph::GradBucket> buckets, int threads);
 
   const ExecGraph& graph_;
   std::shared_ptr<State> state_;

@@ -304,6 +304,42 @@ TEST(ExecGraphPreProcessing, WeightCastsRunOncePerStep) {
   EXPECT_LT(scoped.held_after_forwards, plain.held_after_forwards);
 }
 
+// Gradient buckets: under data parallelism every parameter's sync is one
+// all-reduce of the whole gradient over the same four ranks, so they share
+// one bucket, in the reverse of the model's order; a plan whose syncs differ
+// (tensor-parallel stages, the tied embedding's send to the last stage)
+// still lists each of this rank's syncs once, in that order, and fuses only
+// all-reduces over one group.
+TEST(ExecGraphGradBuckets, DataParallelSyncsShareOneBucket) {
+  Strategy dp;
+  for (int r = 0; r < kWorld; ++r) dp.pipelines.push_back(pipeline(1, {stage({r}, 0, 1)}));
+  const Rank d(model(false), dp);
+  const auto buckets = d.graph->grad_buckets();
+  ASSERT_EQ(buckets.size(), 1u);
+  EXPECT_EQ(buckets[0].group, (std::vector<int>{0, 1, 2, 3}));
+  const std::vector<std::string>& names = d.graph->model().names;
+  EXPECT_EQ(buckets[0].params, std::vector<std::string>(names.rbegin(), names.rend()));
+  int64_t elements = 0;
+  for (const std::string& n : names) elements += d.weights.at(n).numel();
+  EXPECT_EQ(buckets[0].elements, elements);
+
+  for (bool tied : {false, true}) {
+    const Rank r(model(tied), tp2_pp2());
+    std::vector<std::string> order;
+    for (const auto& b : r.graph->grad_buckets()) {
+      EXPECT_TRUE(b.group.empty() || b.params.size() > 1);  // a bucket of one runs its own resolution
+      if (!b.group.empty())
+        EXPECT_NE(std::find(b.group.begin(), b.group.end(), test_world().rank()), b.group.end());
+      order.insert(order.end(), b.params.begin(), b.params.end());
+    }
+    std::vector<std::string> want;
+    for (auto it = r.graph->model().names.rbegin(); it != r.graph->model().names.rend(); ++it)
+      if (std::find(order.begin(), order.end(), *it) != order.end()) want.push_back(*it);
+    EXPECT_EQ(order, want) << "tied " << tied;
+    EXPECT_FALSE(order.empty());
+  }
+}
+
 TEST(ExecGraphErrors, FeedDisagreeingWithTheBindings) {
   const Rank r(model(false), hetero_pipelines());
   const int rank = test_world().rank();

@@ -159,22 +159,39 @@ class ExecGraph {
   bool recompute() const { return recompute_; }
 
   // Gradient sync: each accumulated raw gradient through its grad.<param>
-  // Reshard; returns the synced local gradients (optimizer-state layout).
+  // Reshard, bucket by bucket (grad_buckets); returns the synced local
+  // gradients (optimizer-state layout).
   std::map<std::string, NDArray> sync_gradients(const std::map<std::string, NDArray>& raw,
                                                 Communicator& world) const;
-  // The parameters whose gradient sync this rank takes part in, in the
-  // order the overlapped synchronization runs them on every rank: the
-  // reverse of the model's (roughly the order the backward finishes them;
-  // one total order, so ranks that share several syncs cannot deadlock).
-  std::vector<std::string> grad_sync_order() const;
-  // One parameter's gradient sync (as sync_gradients does it) over `world`
-  // (a duplicate of the graph's world: same ranks) in `stream`'s order; adds
-  // the resolution's predicted bytes to `*predicted`. Touches no state of the
+  // The gradient syncs this rank takes part in, in buckets, in the order
+  // every rank runs them: the reverse of the model's parameters (roughly
+  // the order the backward finishes them; one total order, so ranks that
+  // share several syncs cannot deadlock). Consecutive parameters whose sync
+  // is, on every member, one all-reduce of the member's whole gradient over
+  // the same group in the same dtype share a bucket of at most
+  // kGradBucketElements elements, synced as one flat all-reduce (Megatron-LM
+  // and DDP bucket the same way); every member forms the same buckets, from
+  // the resolutions alone. Any other sync is a bucket of its own. Not under
+  // an emulated clock (each parameter syncs alone there).
+  struct GradBucket {
+    std::vector<std::string> params;
+    std::vector<int> group;  // the fused all-reduce's members; empty: one parameter, its own resolution
+    DType dtype = DType::F32;
+    int64_t elements = 0;    // of this rank's gradients, summed
+  };
+  static constexpr int64_t kGradBucketElements = 40'000'000;
+  std::vector<GradBucket> grad_buckets() const;
+  // One bucket's sync (as sync_gradients runs it) over `world` (a duplicate
+  // of the graph's world: same ranks) in `stream`'s order: the synced local
+  // gradients of its parameters go into `synced`; `raw(param)` gives a raw
+  // gradient (an invalid array: none on this rank). Adds the predicted bytes
+  // to `*predicted`: the resolutions' for a single parameter, the same ring
+  // rule over the bucket's elements for a fused one. Touches no state of the
   // graph (no ledger, clock or deferred sends), so another thread may run it
-  // while this one runs the graph. An invalid array when this rank ends
-  // with nothing.
-  NDArray sync_gradient(const std::string& param, const NDArray& raw, Communicator& world, Stream& stream,
-                        int64_t* predicted) const;
+  // while this one runs the graph.
+  void sync_bucket(const GradBucket& bucket, const std::function<NDArray(const std::string&)>& raw,
+                   Communicator& world, Stream& stream, int64_t* predicted,
+                   std::map<std::string, NDArray>& synced) const;
 
   // Moves a local array of `name` from annotation `from` to `to` (e.g. a ZeRO
   // gather, or gathering a parameter to rank 0 for saving).
@@ -249,6 +266,11 @@ class ExecGraph {
                       Communicator& world) const;
   // The grad.<param> Resolution of `param` when this rank takes part, else nullptr.
   const Resolution* grad_resolution(const std::string& param) const;
+  // The group of the one all-reduce that `param`'s gradient sync is when, on
+  // every member, it is the member's whole part of the sync (one phase, one
+  // op over its whole box), else empty: the syncs a bucket may fuse.
+  // Computed once per parameter (the sync resolved for every rank).
+  std::vector<int> fusable_group(const std::string& param) const;
   // Runs `ids` in order through hspmd::run_nodes (release after the last
   // local consumer); `values` feeds the leaves (nullptr after the loss);
   // `on_grad` as backward() takes it.
@@ -282,6 +304,8 @@ class ExecGraph {
   std::vector<int> order_;                         // node ids this rank runs, in graph order
   UseCounts uses_;                                 // per node output: consumers in order_ (+1 kept)
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
+  std::map<int, ReshardSpec> grad_specs_;  // grad.<param> node id -> its Reshard (fusable_group resolves it for all ranks)
+  mutable std::map<std::string, std::vector<int>> fusable_;  // fusable_group by parameter, once computed
   std::map<int, std::shared_ptr<const Resolution>> grad_resolutions_;  // grad.<param> node id ->
   // Recomputation: the forward nodes whose outputs the forward keeps
   // (leaves, loss, boundary Reshards), the forward nodes backward() re-runs,
