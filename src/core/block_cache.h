@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "hspmd/core/device.h"
@@ -49,28 +50,43 @@ class CachingAllocator : public Allocator {
  public:
   explicit CachingAllocator(size_t granule) : granule_(granule) {}
 
+  // A block allocated under a SideStreamScope is a side block for good:
+  // whoever frees it, it goes back to the side cache, which only such
+  // threads take from. (A side thread orders its stream after the others'
+  // work before it writes a block — the overlap's events — so a side block
+  // another thread freed is safe for it; the other threads never get one.)
   void* allocate(size_t bytes) override {
     const size_t rounded = round(bytes);
-    void* p = (SideStreamScope::current() != nullptr ? side_ : cache_).take(rounded);
+    const bool side = SideStreamScope::current() != nullptr;
+    void* p = (side ? side_ : cache_).take(rounded);
     if (p == nullptr) p = backend_allocate(rounded);
     if (p == nullptr) {
       release_cache();  // what the cache holds may be enough
       p = backend_allocate(rounded);
     }
     if (p == nullptr) out_of_memory(bytes);
+    if (side) {
+      std::lock_guard<std::mutex> lock(side_mu_);
+      side_blocks_.insert(p);
+    }
     account_alloc(bytes);
     return p;
   }
   void deallocate(void* ptr, size_t bytes) override {
+    bool side_block = false;
+    {
+      std::lock_guard<std::mutex> lock(side_mu_);
+      side_block = side_blocks_.count(ptr) > 0;
+    }
+    auto give_back = [this, ptr, bytes, side_block] {
+      account_free(bytes);
+      (side_block ? side_ : cache_).put(round(bytes), ptr);
+    };
     if (SideStreamScope* side = SideStreamScope::current()) {  // its stream may still use it
-      side->hold([this, ptr, bytes] {
-        account_free(bytes);
-        side_.put(round(bytes), ptr);
-      });
+      side->hold(give_back);
       return;
     }
-    account_free(bytes);
-    cache_.put(round(bytes), ptr);
+    give_back();
   }
 
  protected:
@@ -82,7 +98,13 @@ class CachingAllocator : public Allocator {
   // Derived destructors call it while their backend still works.
   void release_cache() {
     cache_.drain([this](void* p) { backend_free(p); });
-    side_.drain([this](void* p) { backend_free(p); });
+    side_.drain([this](void* p) {
+      {
+        std::lock_guard<std::mutex> lock(side_mu_);
+        side_blocks_.erase(p);
+      }
+      backend_free(p);
+    });
   }
 
  private:
@@ -90,6 +112,8 @@ class CachingAllocator : public Allocator {
   size_t granule_;
   BlockCache cache_;
   BlockCache side_;  // blocks of threads on a stream of their own (SideStreamScope)
+  std::mutex side_mu_;
+  std::unordered_set<void*> side_blocks_;  // every side block, cached or in use
 };
 
 }  // namespace hspmd

@@ -51,6 +51,25 @@ TEST(SideStreamScope, KeepsTheThreadsBlocksApartUntilReleased) {
   EXPECT_EQ(a.current_bytes(), before);  // the scope's end freed what it held
   void* next = a.allocate(n);  // the main thread gets its own block back, not the side's
   EXPECT_EQ(next, main_block);
+  // A side block the main thread frees (the overlap's synced gradients)
+  // goes back to the side cache: the main thread's next block is another,
+  // the side thread's next is that one.
+  void* handed = nullptr;
+  std::thread([&] {
+    SideStreamScope scope;
+    handed = a.allocate(n);
+  }).join();
+  a.deallocate(handed, n);
+  void* other = a.allocate(n);
+  EXPECT_NE(other, handed);
+  void* reused = nullptr;
+  std::thread([&] {
+    SideStreamScope scope;
+    reused = a.allocate(n);
+    a.deallocate(reused, n);
+  }).join();
+  EXPECT_EQ(reused, handed);
+  a.deallocate(other, n);
   a.deallocate(next, n);
 }
 

@@ -113,11 +113,13 @@ void bind_thread(Device device);
 // communication thread). The caching allocators (CPU, CUDA, pinned) do not
 // track streams: a block freed while work queued on its stream still uses
 // it is safe to reuse on that same stream only. So while one of these lives
-// on a thread, that thread allocates from a cache of its own (never a block
-// another thread freed, whose stream may still use it), and the blocks it
-// frees are held back until release() — which the thread calls after
-// synchronizing its stream — or its end; then they go to its cache. Not
-// nestable.
+// on a thread, that thread allocates side blocks from a cache of its own
+// (never a block another thread freed, whose stream may still use it), and
+// the blocks it frees are held back until release() — which the thread
+// calls after synchronizing its stream — or its end. A side block goes back
+// to the side cache whoever frees it (other threads never get one; the side
+// thread orders its stream after theirs before it writes), any other block
+// to the common cache. Not nestable.
 class SideStreamScope {
  public:
   SideStreamScope();
