@@ -1,7 +1,7 @@
 // The overlapped gradient synchronization (docs/comm.md "Overlap"): while
 // the last micro-batch's backward goes on, a communication thread runs each
-// parameter's gradient sync (ExecGraph::sync_gradient) as soon as its raw
-// gradient is final, over a duplicate of the world (so its collectives and
+// bucket's gradient sync (ExecGraph::sync_bucket) as soon as its raw
+// gradients are final, over a duplicate of the world (so its collectives and
 // messages never interleave with the graph's) and on the device's
 // communication stream (ordered after the gradient's work by an event).
 // The thread takes the buckets of ExecGraph::grad_buckets, one total order
