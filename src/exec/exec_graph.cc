@@ -7,6 +7,7 @@
 
 #include "exec/clocked_comm.h"
 #include "hspmd/comm/execute.h"
+#include "hspmd/comm/pack.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
 #include "hspmd/ops/ops.h"
@@ -386,36 +387,46 @@ std::map<std::string, NDArray> ExecGraph::sync_gradients(const std::map<std::str
   return synced;
 }
 
-std::vector<int> ExecGraph::fusable_group(const std::string& param) const {
+ExecGraph::Fusable ExecGraph::fusable_group(const std::string& param) const {
   auto cached = fusable_.find(param);
   if (cached != fusable_.end()) return cached->second;
-  // One all-reduce (split or not: execute runs them alike) of the rank's
-  // whole box, nothing else.
-  auto whole_all_reduce = [](const RankResolution& rr) -> const CommOp* {
+  // One all-reduce or reduce-scatter (split or not: execute runs them
+  // alike) of the member's whole box, nothing else; a reduce-scatter leaves
+  // the member its own piece.
+  auto whole = [](const RankResolution& rr, int rank) -> const CommOp* {
     if (rr.phases.size() != 1) return nullptr;
     const CommPhase& ph = rr.phases[0];
-    if (ph.ops.size() != 1 || !ph.in_box || ph.in_box != ph.out_box || ph.zero_fill) return nullptr;
+    if (ph.ops.size() != 1 || !ph.in_box || !ph.out_box || ph.zero_fill) return nullptr;
     const CommOp& op = ph.ops[0];
-    const bool all_reduce = op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce;
-    if (!all_reduce || op.group.size() < 2 || !op.contributes || !(op.box == *ph.in_box) || !op.sends.empty() ||
+    if (op.group.size() < 2 || !op.contributes || !(op.box == *ph.in_box) || !op.sends.empty() ||
         !op.recvs.empty() || !op.keeps.empty())
       return nullptr;
-    return &op;
+    if (op.kind == CommKind::kAllReduce || op.kind == CommKind::kSplitAllReduce)
+      return ph.out_box == ph.in_box ? &op : nullptr;
+    if (op.kind == CommKind::kReduceScatter || op.kind == CommKind::kSplitReduceScatter) {
+      const auto me = std::find(op.group.begin(), op.group.end(), rank);
+      if (op.pieces.size() != op.group.size() || me == op.group.end()) return nullptr;
+      return *ph.out_box == op.pieces[static_cast<size_t>(me - op.group.begin())] ? &op : nullptr;
+    }
+    return nullptr;
   };
-  std::vector<int> group;
+  Fusable f;
   const int id = grad_sync_node_.at(param);
-  if (const CommOp* mine = whole_all_reduce(grad_resolutions_.at(id)->ranks.at(rank_))) {
+  if (const CommOp* mine = whole(grad_resolutions_.at(id)->ranks.at(rank_), rank_)) {
     // Every member must see the same: this rank's resolution holds its own
     // entry only, so the Reshard is resolved for every rank once here.
     const Resolution all = resolve(grad_specs_.at(id), *topology_);
-    group = mine->group;
+    f.group = mine->group;
+    f.scatter = is_reduce_scatter(mine->kind);
     for (int m : mine->group) {
       auto it = all.ranks.find(m);
-      const CommOp* theirs = it == all.ranks.end() ? nullptr : whole_all_reduce(it->second);
-      if (theirs == nullptr || theirs->group != mine->group || !(theirs->box == mine->box)) group.clear();
+      const CommOp* theirs = it == all.ranks.end() ? nullptr : whole(it->second, m);
+      if (theirs == nullptr || theirs->group != mine->group || !(theirs->box == mine->box) ||
+          theirs->pieces != mine->pieces || is_reduce_scatter(theirs->kind) != f.scatter)
+        f.group.clear();
     }
   }
-  return fusable_.emplace(param, group).first->second;
+  return fusable_.emplace(param, f).first->second;
 }
 
 std::vector<ExecGraph::GradBucket> ExecGraph::grad_buckets() const {
@@ -423,7 +434,10 @@ std::vector<ExecGraph::GradBucket> ExecGraph::grad_buckets() const {
   GradBucket open;
   auto close = [&] {
     if (!open.params.empty()) {
-      if (open.params.size() == 1) open.group.clear();  // alone: its own resolution
+      if (open.params.size() == 1) {  // alone: its own resolution
+        open.group.clear();
+        open.scatter = false;
+      }
       out.push_back(std::move(open));
     }
     open = GradBucket{};
@@ -434,19 +448,20 @@ std::vector<ExecGraph::GradBucket> ExecGraph::grad_buckets() const {
       close();
       continue;
     }
-    const std::vector<int> group = clock_ ? std::vector<int>() : fusable_group(*it);
+    const Fusable f = clock_ ? Fusable{} : fusable_group(*it);
     const auto& phases = r->ranks.at(rank_).phases;
     const int64_t n = !phases.empty() && phases[0].in_box ? phases[0].in_box->numel() : 0;
-    if (group.empty()) {
+    if (f.group.empty()) {
       close();
-      out.push_back(GradBucket{{*it}, {}, r->dtype, n});
+      out.push_back(GradBucket{{*it}, {}, false, r->dtype, n});
       continue;
     }
-    if (!open.params.empty() &&
-        (open.group != group || open.dtype != r->dtype || open.elements + n > kGradBucketElements))
+    if (!open.params.empty() && (open.group != f.group || open.scatter != f.scatter || open.dtype != r->dtype ||
+                                 open.elements + n > kGradBucketElements))
       close();
     open.params.push_back(*it);
-    open.group = group;
+    open.group = f.group;
+    open.scatter = f.scatter;
     open.dtype = r->dtype;
     open.elements += n;
   }
@@ -469,6 +484,10 @@ void ExecGraph::sync_bucket(const GradBucket& b, const std::function<NDArray(con
       NDArray out = to_f32(execute(r, rank_, local, world, nullptr, &s));
       if (out.valid()) synced[name] = out;
     }
+    return;
+  }
+  if (b.scatter) {
+    sync_scatter_bucket(b, raw, world, s, predicted, synced);
     return;
   }
   // Fused: the gradients one after the other in one flat buffer (a missing
@@ -502,6 +521,59 @@ void ExecGraph::sync_bucket(const GradBucket& b, const std::function<NDArray(con
   for (size_t i = 0; i < b.params.size(); ++i) {
     const auto& [at, box] = parts[i];
     synced[b.params[i]] = to_f32(flat.slice(0, at, at + box.numel()).reshape(box.shape()));
+  }
+}
+
+// A fused ZeRO bucket: member i's pieces of every gradient of the bucket
+// one after the other in the send buffer's i-th part, one reduce-scatter,
+// then this rank's pieces split back.
+void ExecGraph::sync_scatter_bucket(const GradBucket& b, const std::function<NDArray(const std::string&)>& raw,
+                                    Communicator& world, Stream& s, int64_t* predicted,
+                                    std::map<std::string, NDArray>& synced) const {
+  const size_t members = b.group.size();
+  const size_t me = static_cast<size_t>(std::find(b.group.begin(), b.group.end(), rank_) - b.group.begin());
+  std::vector<int64_t> counts(members, 0);
+  for (const std::string& name : b.params) {
+    const CommOp& op = grad_resolution(name)->ranks.at(rank_).phases[0].ops[0];
+    for (size_t i = 0; i < members; ++i) counts[i] += op.pieces[i].numel();
+  }
+  std::vector<int64_t> at(members, 0);  // where member i's next piece goes
+  for (size_t i = 1; i < members; ++i) at[i] = at[i - 1] + counts[i - 1];
+  NDArray send = kernels::zeros(s, {at[members - 1] + counts[members - 1]}, b.dtype);
+  const int64_t element = static_cast<int64_t>(dtype_size(b.dtype));
+  for (const std::string& name : b.params) {
+    const Resolution& r = *grad_resolution(name);
+    const CommPhase& ph = r.ranks.at(rank_).phases[0];
+    const CommOp& op = ph.ops[0];
+    const NDArray g = raw(name);
+    if (g.valid() && g.shape() != ph.in_box->shape())
+      fail("[comm] reshard '", r.name, "': rank ", rank_, " needs an input of shape ", shape_str(ph.in_box->shape()),
+           " (its source box ", to_string(*ph.in_box), ")");
+    const NDArray local = !g.valid() ? g : (g.dtype() == b.dtype ? g : kernels::cast(s, g, b.dtype)).contiguous();
+    int64_t packed = 0;
+    for (size_t i = 0; i < members; ++i) {
+      const int64_t n = op.pieces[i].numel();
+      if (local.valid() && n > 0) {
+        NDArray part = send.slice(0, at[i], at[i] + n);
+        pack_box(s, local, *ph.in_box, op.pieces[i], part);
+      }
+      at[i] += n;
+      packed += n;
+    }
+    if (predicted != nullptr)  // the resolver's rule (plan.cc): the pieces packed, but its own
+      *predicted += (packed - op.pieces[me].numel()) * element;
+  }
+  NDArray recv = kernels::zeros(s, {counts[me]}, b.dtype);
+  Communicator& group = world.group(b.group);
+  std::vector<Request> requests;
+  requests.push_back(group.start_reduce_scatter(s, send, recv, counts));
+  group.wait_all(requests);
+  int64_t offset = 0;
+  for (const std::string& name : b.params) {
+    const Box& mine = grad_resolution(name)->ranks.at(rank_).phases[0].ops[0].pieces[me];
+    NDArray part = recv.slice(0, offset, offset + mine.numel()).reshape(mine.shape());
+    synced[name] = part.dtype() == DType::F32 ? part : kernels::cast(s, part, DType::F32);
+    offset += mine.numel();
   }
 }
 

@@ -322,6 +322,17 @@ TEST(ExecGraphGradBuckets, DataParallelSyncsShareOneBucket) {
   int64_t elements = 0;
   for (const std::string& n : names) elements += d.weights.at(n).numel();
   EXPECT_EQ(buckets[0].elements, elements);
+  EXPECT_FALSE(buckets[0].scatter);
+  // ZeRO: every sync a reduce-scatter into the same pieces' layout: one
+  // reduce-scatter bucket.
+  Strategy zero = dp;
+  zero.zero = true;
+  const Rank z(model(false), zero);
+  const auto scattered = z.graph->grad_buckets();
+  ASSERT_EQ(scattered.size(), 1u);
+  EXPECT_TRUE(scattered[0].scatter);
+  EXPECT_EQ(scattered[0].group, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(scattered[0].params, buckets[0].params);
 
   for (bool tied : {false, true}) {
     const Rank r(model(tied), tp2_pp2());

@@ -170,12 +170,16 @@ class ExecGraph {
   // is, on every member, one all-reduce of the member's whole gradient over
   // the same group in the same dtype share a bucket of at most
   // kGradBucketElements elements, synced as one flat all-reduce (Megatron-LM
-  // and DDP bucket the same way); every member forms the same buckets, from
-  // the resolutions alone. Any other sync is a bucket of its own. Not under
-  // an emulated clock (each parameter syncs alone there).
+  // and DDP bucket the same way); so do consecutive ZeRO syncs that are, on
+  // every member, one reduce-scatter of the whole gradient into the same
+  // pieces' layout over one group (one reduce-scatter, each member's pieces
+  // of all the bucket's gradients together). Every member forms the same
+  // buckets, from the resolutions alone. Any other sync is a bucket of its
+  // own. Not under an emulated clock (each parameter syncs alone there).
   struct GradBucket {
     std::vector<std::string> params;
-    std::vector<int> group;  // the fused all-reduce's members; empty: one parameter, its own resolution
+    std::vector<int> group;  // the fused collective's members; empty: one parameter, its own resolution
+    bool scatter = false;    // a reduce-scatter (ZeRO), else an all-reduce
     DType dtype = DType::F32;
     int64_t elements = 0;    // of this rank's gradients, summed
   };
@@ -264,13 +268,21 @@ class ExecGraph {
   // `name`: the Reshard's own name (a shared resolution carries another's).
   NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
                       Communicator& world) const;
+  void sync_scatter_bucket(const GradBucket& bucket, const std::function<NDArray(const std::string&)>& raw,
+                           Communicator& world, Stream& stream, int64_t* predicted,
+                           std::map<std::string, NDArray>& synced) const;
   // The grad.<param> Resolution of `param` when this rank takes part, else nullptr.
   const Resolution* grad_resolution(const std::string& param) const;
-  // The group of the one all-reduce that `param`'s gradient sync is when, on
-  // every member, it is the member's whole part of the sync (one phase, one
-  // op over its whole box), else empty: the syncs a bucket may fuse.
-  // Computed once per parameter (the sync resolved for every rank).
-  std::vector<int> fusable_group(const std::string& param) const;
+  // The group of the one all-reduce or reduce-scatter that `param`'s
+  // gradient sync is when, on every member, it is the member's whole part of
+  // the sync (one phase, one op over its whole box, the same pieces), else
+  // an empty group: the syncs a bucket may fuse. Computed once per parameter
+  // (the sync resolved for every rank).
+  struct Fusable {
+    std::vector<int> group;
+    bool scatter = false;
+  };
+  Fusable fusable_group(const std::string& param) const;
   // Runs `ids` in order through hspmd::run_nodes (release after the last
   // local consumer); `values` feeds the leaves (nullptr after the loss);
   // `on_grad` as backward() takes it.
@@ -305,7 +317,7 @@ class ExecGraph {
   UseCounts uses_;                                 // per node output: consumers in order_ (+1 kept)
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
   std::map<int, ReshardSpec> grad_specs_;  // grad.<param> node id -> its Reshard (fusable_group resolves it for all ranks)
-  mutable std::map<std::string, std::vector<int>> fusable_;  // fusable_group by parameter, once computed
+  mutable std::map<std::string, Fusable> fusable_;  // fusable_group by parameter, once computed
   std::map<int, std::shared_ptr<const Resolution>> grad_resolutions_;  // grad.<param> node id ->
   // Recomputation: the forward nodes whose outputs the forward keeps
   // (leaves, loss, boundary Reshards), the forward nodes backward() re-runs,
