@@ -1,0 +1,79 @@
+// One step's schedule of micro-batches on this rank (DistTrainer::
+// accumulate_schedule): forwards and backwards in the strategy's pipeline
+// order, raw gradients accumulated across micro-batches, the loss terms read
+// once the schedule is queued, and, with the overlap, each gradient handed
+// to the communication thread as the last backward finishes it.
+#include "train/dist_trainer.h"
+
+#include "kernels/kernels.h"
+#include "kernels/memory.h"
+
+namespace hspmd {
+namespace dist {
+
+void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
+                                      GradOverlap* overlap) {
+  ExecGraph& graph = *rt_->graph;
+  auto add = [&](const std::string& name, const NDArray& g) {
+    auto it = raw.find(name);
+    if (it == raw.end()) raw.emplace(name, kernels::clone(graph.stream(), g));
+    else kernels::accumulate(graph.stream(), g, it->second);
+  };
+  // The micro-batches' loss terms stay on the device until the schedule is
+  // queued: reading each at its backward would make the host wait there.
+  std::vector<NDArray> losses;
+  auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
+    if (mb.loss_array.valid()) losses.push_back(mb.loss_array);
+    for (auto& [name, g] : mb.raw_grads) add(name, g);
+  };
+  const int micro_batches = !pieces_ ? rt_->micro_batches()
+                            : rt_->pipeline < 0 ? 0
+                                                : static_cast<int>(token_step_->micro.at(rt_->pipeline).size());
+  int backwards = 0;
+  auto forward = [&](int micro) {
+    const double t0 = clock_ ? clock_->now() : 0;
+    Bindings bindings;
+    const ValueMap values = feeds(micro, normalizer, bindings);
+    ExecGraph::Activations a = graph.forward(values, world_, bindings);
+    if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
+    return a;
+  };
+  auto backward = [&](ExecGraph::Activations a, int micro) {
+    const double t0 = clock_ ? clock_->now() : 0;
+    if (overlap != nullptr && ++backwards == micro_batches) {
+      // The last backward: each gradient is final as it is computed.
+      std::set<std::string> handed;
+      ExecGraph::MicroBatch mb = graph.backward(
+          std::move(a), world_,
+          [&](const std::string& name, const NDArray& g) {
+            add(name, g);
+            overlap->ready(name, raw.at(name));
+            handed.insert(name);
+          },
+          false);
+      for (const std::string& name : handed) mb.raw_grads.erase(name);
+      accumulate(mb);
+    } else {
+      accumulate(graph.backward(std::move(a), world_, {}, false));
+    }
+    if (clock_) clock_->record("B" + std::to_string(micro), "backward", t0);
+  };
+  // Sends are deferred (set_deferred_sends): a stage sending activations
+  // never waits on a neighbour sending gradients.
+  const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
+  schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, micro_batches},
+                                           forward, backward);
+  for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
+    loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
+  if (micro_batches == 0 && rt_->pipeline >= 0) {
+    // A pipeline that got no piece this step contributes zero gradients.
+    for (const std::string& name : graph.model().names) {
+      const Shard& sh = state_->slot(name, StateSlot::kParam);
+      if (sh.held() && !raw.count(name))
+        raw.emplace(name, kernels::zeros(graph.stream(), sh.data.shape(), DType::F32));
+    }
+  }
+}
+
+}  // namespace dist
+}  // namespace hspmd
