@@ -44,6 +44,10 @@ void set_attention_tiles(AttentionTiles tiles);
 // ..." for a negative position or a positions array that is not 2-D i32.
 std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first);
 
+// q, k and v (all alike), out and grad_out may also be bf16 (bf16 products
+// only): read as their exact f32 values, a bf16 out rounded once (it may
+// then be replaced by a new array); dq, dk, dv and lse are f32.
+//
 // Forward: writes out [B, S, Hq, D] and the log-sum-exp of each row's scaled
 // scores, lse [B, Hq, S]. Throws hspmd::Error "[attention] cu_seqlens: ..."
 // when cu_seqlens breaks its contract (first offset 0, nondecreasing, last

@@ -97,7 +97,8 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
 // (rotate_half convention); `inverse` rotates by the negated angle.
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
           NDArray& out);
-// out = silu(gate) * up.
+// out = silu(gate) * up, in f32; each array f32 or bf16 (gate and up alike;
+// dgate and dup in gate's dtype on CUDA), a bf16 result rounded once.
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up,
                      NDArray& dgate, NDArray& dup);
@@ -132,7 +133,8 @@ void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& t
 // ignored rows. `logits` holds vocabulary entries [vocab_begin, vocab_begin +
 // logits.dim(-1)) and `lse` the log-sum-exp over the whole vocabulary, so a
 // vocab shard needs no communication.
-// Entries >= classes (when > 0) get zero gradient.
+// Entries >= classes (when > 0) get zero gradient. dlogits: f32, or bf16
+// (each value computed in f32 and rounded once).
 void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logits,
                             const NDArray& targets,
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,

@@ -283,12 +283,29 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
 
 // ---- attention.h ----
 
+namespace {
+
+// An exact f32 copy of a bf16 array (the CPU attention kernels read f32).
+NDArray as_f32(Stream& s, const NDArray& a) {
+  return a.valid() && a.dtype() == DType::BF16 ? cast(s, a, DType::F32) : a;
+}
+
+}  // namespace
+
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles, DType products, int64_t window) {
   switch (device_of("attention_forward", s, {&q, &k, &v, &documents, &out, &lse})) {
-    case DeviceType::CPU:
-      return cpu::attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
+    case DeviceType::CPU: {
+      if (q.dtype() != DType::BF16 && out.dtype() != DType::BF16)
+        return cpu::attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
+      // bf16 arrays: computed on f32 copies, the output rounded once.
+      NDArray o = NDArray::empty(out.shape(), DType::F32, out.device());
+      cpu::attention_forward(as_f32(s, q), as_f32(s, k), as_f32(s, v), documents, scale, o, lse, tiles,
+                             products, window);
+      out = out.dtype() == DType::BF16 ? cast(s, o, DType::BF16) : o;
+      return;
+    }
     HSPMD_CUDA_CASE(attention_forward(s, q, k, v, documents, scale, out, lse, tiles, products, window))
     default: no_kernel("attention_forward", s.device());
   }
@@ -301,8 +318,9 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   switch (device_of("attention_backward", s,
                     {&q, &k, &v, &out, &lse, &grad_out, &documents, &dq, &dk, &dv})) {
     case DeviceType::CPU:
-      return cpu::attention_backward(q, k, v, out, lse, grad_out, documents, scale, dq, dk, dv,
-                                     tiles, products, window);
+      return cpu::attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse,
+                                     as_f32(s, grad_out), documents, scale, dq, dk, dv, tiles,
+                                     products, window);
     HSPMD_CUDA_CASE(attention_backward(s, q, k, v, out, lse, grad_out, documents, scale, dq, dk, dv, tiles, products, window))
     default: no_kernel("attention_backward", s.device());
   }

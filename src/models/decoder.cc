@@ -91,21 +91,32 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   Tensor q = ops::reshape(project("q_proj"), {B, S, Hq, D});
   Tensor k = ops::reshape(project("k_proj"), {B, S, Hkv, D});
   Tensor v = ops::reshape(project("v_proj"), {B, S, Hkv, D});
-  q = ops::rope(q, positions, theta);
-  k = ops::rope(k, positions, theta);
+  // q, k and v, which attention keeps for its backward, are in the compute
+  // dtype: RoPE writes q and k rounded once, v is rounded (the rounding
+  // attention's bf16 products apply to them anyway). Its output stays f32
+  // (ops::attention) and is o_proj's operand as it is: a bf16 GEMM rounds
+  // it, so no bf16 copy is kept beside it.
+  q = ops::rope(q, positions, theta, o.precision.compute);
+  k = ops::rope(k, positions, theta, o.precision.compute);
+  v = lo(v);
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
                             static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel,
                             o.precision.compute, c.sliding_window);
   a = ops::reshape(a, {B, S, Hq * D});
-  const Tensor attn_out = ops::linear(lo(a), lo(param("self_attn.o_proj.weight")));
+  const Tensor attn_out = ops::linear(a, lo(param("self_attn.o_proj.weight")));
   h = ops::add(h, f32(mark(lo(attn_out), points.attn_output)));
 
   x = mark(lo(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps)), points.mlp_input);
-  Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")));
-  Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")));
-  Tensor down = ops::linear(lo(ops::swiglu(gate, up)), lo(param("mlp.down_proj.weight")));
+  // gate and up come out of their GEMMs in the compute dtype (bf16 halves
+  // what SwiGLU keeps for its backward), SwiGLU computes in f32 and writes
+  // that dtype, and down_proj's weight gradient recomputes it
+  // (ops::swiglu): the MLP keeps gate and up only.
+  const DType act = o.precision.compute;
+  Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")), act);
+  Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")), act);
+  Tensor down = ops::linear(ops::swiglu(gate, up), lo(param("mlp.down_proj.weight")));
   return ops::add(h, f32(mark(lo(down), points.mlp_output)));
 }
 
@@ -186,8 +197,10 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
                                       : ops::cast(g.find("lm_head.weight"), lo);
   Tensor logits = ops::linear(h, head);
   // Padded vocabulary: only the first vocab_size logits are classes.
+  // The logits' gradient in the head GEMM's operand dtype (its gradient
+  // would round it there anyway): no f32 copy of the [tokens, vocab] array.
   m.loss = ops::cross_entropy(logits, m.targets, m.normalizer, -100,
-                              c.table_rows() != c.vocab_size ? c.vocab_size : 0);
+                              c.table_rows() != c.vocab_size ? c.vocab_size : 0, o.precision.compute);
   m.grads = gradients(m.loss, m.params);
   for (size_t i = 0; i < m.grads.size(); ++i) {
     HSPMD_CHECK(m.grads[i].valid(), "parameter ", m.names[i], " does not reach the loss");

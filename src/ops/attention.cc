@@ -61,8 +61,10 @@ void check_qkv(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v,
                const TensorMeta* documents) {
   const char* names[] = {"q", "k", "v"};
   const TensorMeta* metas[] = {&q, &k, &v};
+  if (q.dtype != DType::F32 && q.dtype != DType::BF16)
+    fail("[attention] q must be f32 or bf16, got ", dtype_name(q.dtype));
   for (int i = 0; i < 3; ++i) {
-    expect_dtype(kOp, names[i], *metas[i], DType::F32);
+    expect_dtype(kOp, names[i], *metas[i], q.dtype);
     expect_rank(names[i], *metas[i], 4);
   }
   if (k.shape != v.shape)
@@ -494,6 +496,14 @@ std::vector<NDArray> contiguous_inputs(const std::vector<NDArray>& in, size_t n)
   return c;
 }
 
+// bf16 arrays as exact f32 copies: ring attention moves and merges f32
+// (its traffic is counted at 4 bytes per element).
+std::vector<NDArray> widened(Stream& s, std::vector<NDArray> arrays) {
+  for (NDArray& a : arrays)
+    if (a.dtype() == DType::BF16) a = kernels::cast(s, a, DType::F32);
+  return arrays;
+}
+
 // The (query, key) pairs a causal document of n tokens keeps under a window
 // W (0: none), each query's own key counted half: sum over positions p of
 // min(p + 1, W) - 1/2, which is n^2 / 2 without a window (or with W >= n).
@@ -578,7 +588,10 @@ class AttentionGradOp final : public Op {
     const SymShape& q = in[0].shape;
     if (in[4].shape != SymShape{q[0], q[2], q[1]})
       fail("[attention_grad] lse must be [B, Hq, S], got ", sym_shape_str(in[4].shape));
-    return {in[0], in[1], in[2]};
+    // f32 gradients whatever q, k and v hold (they feed f32 RoPE gradients
+    // and GEMM gradients that round them to bf16 themselves).
+    return {TensorMeta{in[0].shape, DType::F32}, TensorMeta{in[1].shape, DType::F32},
+            TensorMeta{in[2].shape, DType::F32}};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, true); }
   // The scores again, then dV, dP, dQ and dK: 2.5 times the forward's products.
@@ -592,9 +605,9 @@ class AttentionGradOp final : public Op {
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     const NDArray documents = optional_input(in, 6);
-    const std::vector<NDArray> x = contiguous_inputs(in, 6);
+    std::vector<NDArray> x = contiguous_inputs(in, 6);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention_grad(*ring, x, documents, scale_, products_, window_, out);
+      return ring_attention_grad(*ring, widened(*ctx.stream, x), documents, scale_, products_, window_, out);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
     kernels::attention_backward(*ctx.stream, x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_,
                                 out[0],
@@ -624,7 +637,10 @@ class AttentionOp final : public Op {
       fail("[attention] expected 3 or 4 inputs, got ", in.size());
     check_qkv(in[0], in[1], in[2], in.size() == 4 ? &in[3] : nullptr);
     const SymShape& q = in[0].shape;
-    return {in[0], TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
+    // The output is f32 whatever q, k and v hold: the backward's row dots
+    // (dO . O) need O unrounded, or the gradients lose softmax's shift
+    // invariance (a key bias's true gradient is nearly zero).
+    return {TensorMeta{q, DType::F32}, TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, false); }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
@@ -639,7 +655,7 @@ class AttentionOp final : public Op {
     const NDArray documents = optional_input(in, 3);
     const std::vector<NDArray> x = contiguous_inputs(in, 3);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention(*ring, x, documents, scale_, products_, window_, out);
+      return ring_attention(*ring, widened(*ctx.stream, x), documents, scale_, products_, window_, out);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
     kernels::attention_forward(*ctx.stream, x[0], x[1], x[2], documents, scale_, out[0], out[1],
@@ -679,6 +695,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   if (!q.valid() || !k.valid() || !v.valid()) fail("[attention] q, k and v must be defined");
   if (products != DType::F32 && products != DType::BF16)
     fail("[attention] products: must be f32 or bf16, got ", dtype_name(products));
+  if (q.dtype() == DType::BF16 && products != DType::BF16)
+    fail("[attention] bf16 q, k and v need bf16 products");
   if (window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", window);
   std::vector<Tensor> in = {q, k, v};
   if (documents.valid()) in.push_back(documents);

@@ -24,6 +24,15 @@ std::vector<bool> depends_on(const Graph& g, const std::vector<Tensor>& wrt, int
 
 }  // namespace
 
+Tensor ops::recompute_for_backward(const Tensor& t) {
+  const Node& producer = t.node();
+  if (!producer.op || producer.inputs.empty() || !producer.op->recompute_for_backward()) return t;
+  // Copies: add() may move the node storage.
+  const std::shared_ptr<const Op> op = producer.op;
+  const std::vector<Tensor> inputs = producer.inputs;
+  return t.graph()->add(op, inputs).at(t.index());
+}
+
 std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt) {
   if (!loss.valid()) fail("[autodiff] the loss tensor is undefined");
   if (!loss.shape().empty())

@@ -1,6 +1,7 @@
 // cross_entropy: Σ over non-ignored tokens of -log softmax(logits)[target],
 // divided by a scalar normalizer. The backward is one fused op producing
-// dlogits; targets and normalizer get no gradient.
+// dlogits (f32, or bf16 rounded once from f32); targets and normalizer get
+// no gradient.
 // Deduction: token splits of logits (targets alike) make the loss partial
 // (hdim over tokens: -2) and pass to lse; a vocab split inside a subgroup is
 // vocab-parallel cross-entropy (compute combines log-sum-exps and target
@@ -86,12 +87,12 @@ DimRule cross_entropy_rule(int targets_rank, bool backward) {
 // (dloss, logits, targets, normalizer, lse) -> dlogits.
 class CrossEntropyGradOp final : public Op {
  public:
-  CrossEntropyGradOp(int ignore_index, int64_t classes)
-      : ignore_index_(ignore_index), classes_(classes) {}
+  CrossEntropyGradOp(int ignore_index, int64_t classes, DType grad_dtype)
+      : ignore_index_(ignore_index), classes_(classes), grad_dtype_(grad_dtype) {}
   std::string type() const override { return "cross_entropy_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("cross_entropy_grad", in, 5);
-    return {in[1]};
+    return {TensorMeta{in[1].shape, grad_dtype_}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
@@ -109,11 +110,13 @@ class CrossEntropyGradOp final : public Op {
  private:
   int ignore_index_;
   int64_t classes_;
+  DType grad_dtype_;
 };
 
 class CrossEntropyOp final : public Op {
  public:
-  CrossEntropyOp(int ignore_index, int64_t classes) : ignore_index_(ignore_index), classes_(classes) {}
+  CrossEntropyOp(int ignore_index, int64_t classes, DType grad_dtype)
+      : ignore_index_(ignore_index), classes_(classes), grad_dtype_(grad_dtype) {}
   std::string type() const override { return "cross_entropy"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("cross_entropy", in, 3);
@@ -156,7 +159,7 @@ class CrossEntropyOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor logits = node.inputs[0], targets = node.inputs[1], norm = node.inputs[2];
-    auto op = std::make_shared<CrossEntropyGradOp>(ignore_index_, classes_);
+    auto op = std::make_shared<CrossEntropyGradOp>(ignore_index_, classes_, grad_dtype_);
     return {g[0].graph()->add1(op, {g[0], logits, targets, norm, node.output(1)}), Tensor(),
             Tensor()};
   }
@@ -168,14 +171,17 @@ class CrossEntropyOp final : public Op {
  private:
   int ignore_index_;
   int64_t classes_;
+  DType grad_dtype_;
 };
 
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& normalizer,
-                     int ignore_index, int64_t classes) {
+                     int ignore_index, int64_t classes, DType grad_dtype) {
   if (classes < 0) fail("[cross_entropy] classes must be >= 0, got ", classes);
-  return logits.graph()->add(std::make_shared<CrossEntropyOp>(ignore_index, classes),
+  if (grad_dtype != DType::F32 && grad_dtype != DType::BF16)
+    fail("[cross_entropy] grad_dtype must be f32 or bf16, got ", dtype_name(grad_dtype));
+  return logits.graph()->add(std::make_shared<CrossEntropyOp>(ignore_index, classes, grad_dtype),
                              {logits, targets, normalizer})[0];
 }
 

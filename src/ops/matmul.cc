@@ -66,7 +66,10 @@ void expect_float(const char* what, const TensorMeta& m) {
 
 class MatmulOp final : public Op {
  public:
-  MatmulOp(bool trans_a, bool trans_b) : trans_a_(trans_a), trans_b_(trans_b) {}
+  MatmulOp(bool trans_a, bool trans_b, DType out) : trans_a_(trans_a), trans_b_(trans_b), out_(out) {
+    if (out != DType::F32 && out != DType::BF16)
+      fail("[matmul] the output must be f32 or bf16, got ", dtype_name(out));
+  }
   std::string type() const override { return "matmul"; }
 
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
@@ -96,7 +99,7 @@ class MatmulOp final : public Op {
       out.assign(a.begin(), a.end() - 1);
       out.push_back(n);
     }
-    return {TensorMeta{out, DType::F32}};
+    return {TensorMeta{out, out_}};
   }
 
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
@@ -125,10 +128,13 @@ class MatmulOp final : public Op {
     const SymShape a_shape = a.shape(), b_shape = b.shape();
     Tensor da = trans_a_ ? reshape_if_needed(matmul(b, as_2d(dc), trans_b_, true), a_shape)
                          : matmul(dc, b, false, !trans_b_);
+    // b's gradient reads a: a cheap producer's output is made again here
+    // instead of being kept from the forward (recompute_for_backward).
+    const Tensor a_again = ops::recompute_for_backward(a);
     if (!trans_a_ && a.ndim() >= 2)
-      return {da, trans_b_ ? matmul(dc, a, true, false) : matmul(a, dc, true, false)};
-    Tensor db = trans_b_ ? matmul(as_2d(dc), as_2d(a), true, trans_a_)
-                         : reshape_if_needed(matmul(a, as_2d(dc), !trans_a_, false), b_shape);
+      return {da, trans_b_ ? matmul(dc, a_again, true, false) : matmul(a_again, dc, true, false)};
+    Tensor db = trans_b_ ? matmul(as_2d(dc), as_2d(a_again), true, trans_a_)
+                         : reshape_if_needed(matmul(a_again, as_2d(dc), !trans_a_, false), b_shape);
     return {da, db};
   }
 
@@ -150,14 +156,17 @@ class MatmulOp final : public Op {
  private:
   bool trans_a_;
   bool trans_b_;
+  DType out_;
 };
 
 }  // namespace
 
-Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
-  return a.graph()->add1(std::make_shared<MatmulOp>(trans_a, trans_b), {a, b});
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, DType out) {
+  return a.graph()->add1(std::make_shared<MatmulOp>(trans_a, trans_b, out), {a, b});
 }
 
-Tensor linear(const Tensor& x, const Tensor& weight) { return matmul(x, weight, false, true); }
+Tensor linear(const Tensor& x, const Tensor& weight, DType out) {
+  return matmul(x, weight, false, true, out);
+}
 
 }  // namespace hspmd::ops

@@ -1,5 +1,7 @@
 // rope: rotary position embedding (Hugging Face rotate_half convention). The
-// gradient is the inverse rotation: the same op with the angle negated.
+// gradient is the inverse rotation: the same op with the angle negated. x is
+// f32; the output f32 or bf16 (rounded once: the attention input of the bf16
+// graph), the gradient f32.
 // Deduction: linear in x; positions must be split like x's [B, S] dims; the
 // head dim must be whole (rotate_half pairs its two halves).
 #include "hspmd/ops/ops.h"
@@ -12,7 +14,7 @@ namespace {
 
 class RopeOp final : public Op {
  public:
-  RopeOp(float theta, bool inverse) : theta_(theta), inverse_(inverse) {}
+  RopeOp(float theta, bool inverse, DType out) : theta_(theta), inverse_(inverse), out_(out) {}
   std::string type() const override { return "rope"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("rope", in, 2);
@@ -25,7 +27,7 @@ class RopeOp final : public Op {
            ", positions ", sym_shape_str(p));
     if (!x[3].is_const() || x[3].value() % 2 != 0)
       fail("[rope] head dim ", x[3].str(), " must be a constant even number");
-    return {in[0]};
+    return {TensorMeta{in[0].shape, out_}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
@@ -34,8 +36,8 @@ class RopeOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor positions = node.inputs[1];
-    auto op = std::make_shared<RopeOp>(theta_, !inverse_);
-    return {g[0].graph()->add1(op, {g[0], positions}), Tensor()};
+    auto op = std::make_shared<RopeOp>(theta_, !inverse_, DType::F32);  // x is f32
+    return {g[0].graph()->add1(op, {cast(g[0], DType::F32), positions}), Tensor()};
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -50,12 +52,14 @@ class RopeOp final : public Op {
  private:
   float theta_;
   bool inverse_;
+  DType out_;
 };
 
 }  // namespace
 
-Tensor rope(const Tensor& x, const Tensor& positions, float theta) {
-  return x.graph()->add1(std::make_shared<RopeOp>(theta, false), {x, positions});
+Tensor rope(const Tensor& x, const Tensor& positions, float theta, DType out) {
+  if (out != DType::F32 && out != DType::BF16) fail("[rope] the output must be f32 or bf16, got ", dtype_name(out));
+  return x.graph()->add1(std::make_shared<RopeOp>(theta, false, out), {x, positions});
 }
 
 }  // namespace hspmd::ops

@@ -1,4 +1,6 @@
-// swiglu: silu(gate) * up. The backward is one fused op producing dgate, dup.
+// swiglu: silu(gate) * up. The backward is one fused op producing dgate, dup
+// (in gate's and up's dtype; dy may be f32 or bf16). Computed in f32 from
+// f32 or bf16 inputs; a bf16 result is rounded once.
 // Deduction: elementwise (the default rule: identical annotations, no
 // partial); swiglu_grad is linear in dy, gate and up sharded like it.
 #include "hspmd/ops/ops.h"
@@ -40,8 +42,9 @@ class SwigluOp final : public Op {
   std::string type() const override { return "swiglu"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("swiglu", in, 2);
-    expect_dtype("swiglu", "gate", in[0], DType::F32);
-    expect_dtype("swiglu", "up", in[1], DType::F32);
+    if (in[0].dtype != DType::F32 && in[0].dtype != DType::BF16)
+      fail("[swiglu] gate must be f32 or bf16, got ", dtype_name(in[0].dtype));
+    expect_dtype("swiglu", "up", in[1], in[0].dtype);
     expect_same_shape("swiglu", in[0], in[1]);
     return {in[0]};
   }
@@ -54,6 +57,7 @@ class SwigluOp final : public Op {
     const Tensor gate = node.inputs[0], up = node.inputs[1];
     return g[0].graph()->add(std::make_shared<SwigluGradOp>(), {g[0], gate, up});
   }
+  bool recompute_for_backward() const override { return true; }
 };
 
 }  // namespace

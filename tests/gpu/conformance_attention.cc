@@ -33,14 +33,17 @@ struct Outputs {
 };
 
 // Forward and backward on one backend (device arrays come back to the host).
-Outputs run(bool on_gpu, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& go,
-            const NDArray& docs, float scale, DType products, int64_t window) {
+// io BF16: q, k, v and out in bf16, as the bf16 training graph keeps them
+// (the inputs rounded first on both backends; grad_out stays f32).
+Outputs run(bool on_gpu, const NDArray& q32, const NDArray& k32, const NDArray& v32, const NDArray& go,
+            const NDArray& docs, float scale, DType products, int64_t window, DType io = DType::F32) {
+  const NDArray q = q32.to(io), k = k32.to(io), v = v32.to(io);
   Stream& st = on_gpu ? gpu() : cpu();
   auto put = [&](const NDArray& a) { return on_gpu && a.valid() ? up(a) : a; };
   auto get = [&](const NDArray& a) { return on_gpu ? down(a) : a; };
   const Device dev = on_gpu ? Device::cuda(0) : Device::cpu();
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
-  NDArray out = NDArray::empty(q.shape(), DType::F32, dev), lse = NDArray::empty({B, Hq, S}, DType::F32, dev);
+  NDArray out = NDArray::empty(q.shape(), io, dev), lse = NDArray::empty({B, Hq, S}, DType::F32, dev);
   NDArray dq = NDArray::empty(q.shape(), DType::F32, dev), dk = NDArray::empty(k.shape(), DType::F32, dev);
   NDArray dv = NDArray::empty(v.shape(), DType::F32, dev);
   const NDArray gq = put(q), gk = put(k), gv = put(v), gdocs = put(docs);
@@ -55,6 +58,7 @@ struct Case {
   int64_t D;
   NDArray docs;
   int64_t window;
+  DType io = DType::F32;
 };
 
 // Documents of lengths 40, 110 | 70, 80 over two rows of 150 tokens.
@@ -74,6 +78,8 @@ NDArray positions() {
 void against_cpu() {
   const std::vector<Case> cases = {
       {"d64", 64, NDArray(), 0},
+      {"d64_bf16_io", 64, NDArray(), 0, DType::BF16},
+      {"d128_cu_seqlens_bf16_io", 128, cu_seqlens(), 0, DType::BF16},
       {"d128", 128, NDArray(), 0},
       {"d64_window", 64, NDArray(), 37},
       {"d128_cu_seqlens", 128, cu_seqlens(), 0},
@@ -88,8 +94,8 @@ void against_cpu() {
       const NDArray q = random_f32({B, S, Hq, D}, 80), k = random_f32({B, S, Hkv, D}, 81);
       const NDArray v = random_f32({B, S, Hkv, D}, 82), go = random_f32({B, S, Hq, D}, 83);
       const int64_t calls = kc::cudnn_attention_calls();
-      const Outputs want = run(false, q, k, v, go, c.docs, scale, DType::BF16, c.window);
-      const Outputs got = run(true, q, k, v, go, c.docs, scale, DType::BF16, c.window);
+      const Outputs want = run(false, q, k, v, go, c.docs, scale, DType::BF16, c.window, c.io);
+      const Outputs got = run(true, q, k, v, go, c.docs, scale, DType::BF16, c.window, c.io);
       const double e_out = rel_diff(got.out, want.out), e_lse = rel_diff(got.lse, want.lse);
       const double e_grad = std::max({rel_diff(got.dq, want.dq), rel_diff(got.dk, want.dk), rel_diff(got.dv, want.dv)});
       const int64_t served = kc::cudnn_attention_calls() - calls;
@@ -115,6 +121,12 @@ void fallbacks() {
     const double e = std::max({rel_diff(got.out, want.out), rel_diff(got.dq, want.dq), rel_diff(got.dk, want.dk)});
     result("fallback_auto", e < 1e-2 && reason.find("head dim 20") != std::string::npos,
            "rel=" + std::to_string(e) + " reason=\"" + reason + "\"");
+    // The same with bf16 arrays: our kernels on f32 copies, the output rounded.
+    const Outputs want16 = run(false, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0, DType::BF16);
+    const Outputs got16 = run(true, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0, DType::BF16);
+    const double e16 = std::max({rel_diff(got16.out, want16.out), rel_diff(got16.dq, want16.dq),
+                                 rel_diff(got16.dk, want16.dk), rel_diff(got16.dv, want16.dv)});
+    result("fallback_auto_bf16_io", e16 < 1e-2 && got16.out.dtype() == DType::BF16, "rel=" + std::to_string(e16));
     kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
     std::string error;
     try {

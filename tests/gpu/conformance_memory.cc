@@ -183,6 +183,29 @@ void ops() {
     std::snprintf(d, sizeof d, "y=%.1e dgate=%.1e dup=%.1e", e1, e2, e3);
     result("swiglu", e1 < 1e-5 && e2 < 1e-5 && e3 < 1e-5, d);
   });
+  // bf16 gate and up (as the bf16 training graph has them), a bf16 output,
+  // dy in f32 and in bf16: f32 math on both sides, each result rounded once,
+  // so the two differ by at most one bf16 ulp where their f32 values sit on
+  // either side of a rounding boundary (2^-8 of the value: under 4e-3 of
+  // the largest).
+  run_case("swiglu_bf16", [] {
+    const NDArray g = random_f32({7, 333}, 27).to(DType::BF16), u = random_f32({7, 333}, 28).to(DType::BF16);
+    NDArray y = NDArray::empty(g.shape(), DType::BF16), gy = dev_empty(g.shape(), DType::BF16);
+    kernels::swiglu(cpu(), g, u, y);
+    kernels::swiglu(gpu(), up(g), up(u), gy);
+    double worst = rel_diff(down(gy), y);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const NDArray dy = dt == DType::F32 ? random_f32({7, 333}, 29) : random_f32({7, 333}, 29).to(DType::BF16);
+      NDArray dg = NDArray::empty(g.shape(), DType::BF16), du = NDArray::empty(g.shape(), DType::BF16);
+      NDArray gdg = dev_empty(g.shape(), DType::BF16), gdu = dev_empty(g.shape(), DType::BF16);
+      kernels::swiglu_backward(cpu(), dy, g, u, dg, du);
+      kernels::swiglu_backward(gpu(), up(dy), up(g), up(u), gdg, gdu);
+      worst = std::max({worst, rel_diff(down(gdg), dg), rel_diff(down(gdu), du)});
+    }
+    char d[64];
+    std::snprintf(d, sizeof d, "worst=%.1e", worst);
+    result("swiglu_bf16", worst < 4e-3, d);
+  });
 }
 
 // cuBLAS against the CPU GEMM: every transpose combination on odd sizes
@@ -331,7 +354,7 @@ void layout_and_model_ops() {
     tv[4] = -100;  // ignored
     const NDArray targets = NDArray::from_vector_i32({rows}, tv), norm = NDArray::from_vector({1}, {8.0f});
     const NDArray dloss = NDArray::from_vector({1}, {1.5f});
-    double e = 0;
+    double e = 0, e16 = 0;
     for (int64_t classes : {int64_t{0}, int64_t{290}}) {
       NDArray loss = NDArray::empty({1}, DType::F32), lse = NDArray::empty({rows}, DType::F32);
       NDArray gloss = dev_empty({1}), glse = dev_empty({rows});
@@ -342,6 +365,13 @@ void layout_and_model_ops() {
       kernels::cross_entropy_backward(gpu(), up(dloss), up(logits), up(targets), up(norm), up(lse), -100, 0, gdx,
                                       classes);
       e = std::max({e, rel_diff(down(gloss), loss), rel_diff(down(glse), lse), rel_diff(down(gdx), dx)});
+      // The bf16 gradient (the bf16 graph's): the f32 values rounded once on
+      // each side, so at most a bf16 ulp of a value apart (2^-8 relative).
+      NDArray dx16 = NDArray::empty({rows, v}, DType::BF16), gdx16 = dev_empty({rows, v}, DType::BF16);
+      kernels::cross_entropy_backward(cpu(), dloss, logits, targets, norm, lse, -100, 0, dx16, classes);
+      kernels::cross_entropy_backward(gpu(), up(dloss), up(logits), up(targets), up(norm), up(lse), -100, 0,
+                                      gdx16, classes);
+      e16 = std::max(e16, rel_diff(down(gdx16), dx16));
       // Two vocabulary shards [0, 150) and [150, 301): stats per shard, then
       // the combine, against the CPU's.
       NDArray parts = NDArray::empty({2, rows}, DType::F32), picked = NDArray::zeros({rows}, DType::F32);
@@ -375,8 +405,9 @@ void layout_and_model_ops() {
       (void)down(gloss);  // the check raises at the stream's next host read
     });
     char d[64];
-    std::snprintf(d, sizeof d, "rel=%.1e", e);
-    result("cross_entropy", e < 1e-6 && !want.empty() && got == want, std::string(d) + " error=\"" + got + "\"");
+    std::snprintf(d, sizeof d, "rel=%.1e bf16_grad=%.1e", e, e16);
+    result("cross_entropy", e < 1e-6 && e16 < 4e-3 && !want.empty() && got == want,
+           std::string(d) + " error=\"" + got + "\"");
   });
 }
 

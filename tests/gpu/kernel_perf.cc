@@ -161,16 +161,23 @@ int run(Device device, int64_t T, int reps) {
   p.bandwidth("rms_norm", 2 * f4 * th, [&] { kernels::rms_norm(s, x, wn, 1e-5f, y); });
   p.bandwidth("rms_norm_backward", 3 * f4 * th, [&] { kernels::rms_norm_backward(s, dy, x, wn, 1e-5f, dx, dwn); });
   {
-    NDArray q = p.filled({1, T, HQ, D}, 0.5f), qo = NDArray::empty({1, T, HQ, D}, DType::F32, device);
+    // The bf16 step's: f32 in, bf16 out (attention's input).
+    NDArray q = p.filled({1, T, HQ, D}, 0.5f), qo = NDArray::empty({1, T, HQ, D}, DType::BF16, device);
     NDArray pos = p.ids(T, T).reshape({1, T});
-    p.bandwidth("rope", 2 * f4 * static_cast<double>(T * HQ * D), [&] { kernels::rope(s, q, pos, 10000.0f, false, qo); });
+    p.bandwidth("rope_bf16_out", (f4 + b2) * static_cast<double>(T * HQ * D),
+                [&] { kernels::rope(s, q, pos, 10000.0f, false, qo); });
   }
   {
-    NDArray gate = p.filled({T, F}, 0.5f), up = p.filled({T, F}, 0.5f), out = NDArray::empty({T, F}, DType::F32, device);
-    NDArray dgate = NDArray::empty({T, F}, DType::F32, device), dup = NDArray::empty({T, F}, DType::F32, device);
+    // As the bf16 step runs them: gate, up and the output in bf16, dy in f32
+    // (down_proj's input gradient), dgate and dup in bf16.
+    const NDArray gate = kernels::cast(s, p.filled({T, F}, 0.5f), DType::BF16);
+    const NDArray up = kernels::cast(s, p.filled({T, F}, 0.5f), DType::BF16);
+    NDArray out = NDArray::empty({T, F}, DType::BF16, device), dyf = p.filled({T, F}, 0.25f);
+    NDArray dgate = NDArray::empty({T, F}, DType::BF16, device), dup = NDArray::empty({T, F}, DType::BF16, device);
     const double tf = static_cast<double>(T * F);
-    p.bandwidth("swiglu", 3 * f4 * tf, [&] { kernels::swiglu(s, gate, up, out); });
-    p.bandwidth("swiglu_backward", 5 * f4 * tf, [&] { kernels::swiglu_backward(s, out, gate, up, dgate, dup); });
+    p.bandwidth("swiglu_bf16", 3 * b2 * tf, [&] { kernels::swiglu(s, gate, up, out); });
+    p.bandwidth("swiglu_backward_bf16", (f4 + 4 * b2) * tf,
+                [&] { kernels::swiglu_backward(s, dyf, gate, up, dgate, dup); });
   }
   {
     NDArray w = p.filled({V, H}, 0.01f), tok = p.ids(T, V), dw = NDArray::empty({V, H}, DType::F32, device);

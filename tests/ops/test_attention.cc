@@ -626,6 +626,57 @@ TEST(Attention, Bf16ProductsFollowTheF32Kernel) {
   }
 }
 
+// bf16 q, k and v through the graph (the bf16 training graph's): the
+// output and the gradients are f32, the f32 kernel's on their values, bit
+// for bit; bf16 arrays need bf16 products. The kernel's bf16 output (used
+// by no op) is the f32 one rounded once.
+TEST(Attention, Bf16ArraysAreTheF32KernelRoundedOnce) {
+  const Dims d{2, 37, 4, 2, 8};
+  const NDArray pos = positions_of({{5, 19, 13}, {37}});
+  const Inputs x32 = random_inputs(d, 95);
+  const Inputs x{x32.q.to(DType::BF16).to(DType::F32), x32.k.to(DType::BF16).to(DType::F32),
+                 x32.v.to(DType::BF16).to(DType::F32)};
+  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 96);
+  const std::vector<NDArray> f32 = whole_attention(x, pos, dout, 0.4f, DType::BF16);
+  {
+    NDArray out16 = NDArray::empty(x.q.shape(), DType::BF16), lse = NDArray::empty(f32[1].shape(), DType::F32);
+    kernels::attention_forward(cpu_stream(), x32.q.to(DType::BF16), x32.k.to(DType::BF16), x32.v.to(DType::BF16),
+                               pos, 0.4f, out16, lse, kernels::attention_tiles(), DType::BF16);
+    ASSERT_EQ(out16.dtype(), DType::BF16);
+    EXPECT_EQ(max_diff(out16.to(DType::F32), f32[0].to(DType::BF16).to(DType::F32)), 0.0);
+  }
+  NDArray dq = NDArray::empty(x.q.shape(), DType::F32), dk = NDArray::empty(x.k.shape(), DType::F32);
+  NDArray dv = NDArray::empty(x.k.shape(), DType::F32);
+  Graph g;
+  const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
+  Tensor q = g.placeholder("q", {B, S, d.Hq, d.D}, DType::BF16);
+  Tensor k = g.placeholder("k", {B, S, d.Hkv, d.D}, DType::BF16);
+  Tensor v = g.placeholder("v", {B, S, d.Hkv, d.D}, DType::BF16);
+  Tensor p = g.placeholder("pos", {B, S}, DType::I32);
+  Tensor go = g.placeholder("go", {B, S, d.Hq, d.D}, DType::F32);
+  Tensor a = ops::attention(q, k, v, p, 0.4f, false, DType::BF16);
+  ASSERT_EQ(a.dtype(), DType::F32);
+  Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {a, go});
+  const std::vector<Tensor> grads = gradients(loss, {q, k, v});
+  for (const Tensor& t : grads) EXPECT_EQ(t.dtype(), DType::F32);
+  kernels::attention_backward(cpu_stream(), x.q, x.k, x.v, f32[0], f32[1], dout, pos, 0.4f, dq, dk, dv,
+                              kernels::attention_tiles(), DType::BF16);
+  const std::vector<NDArray> got =
+      Executor(g, {a, grads[0], grads[1], grads[2]})
+          .run({{"q", x32.q.to(DType::BF16)}, {"k", x32.k.to(DType::BF16)}, {"v", x32.v.to(DType::BF16)},
+                {"pos", pos}, {"go", dout}});
+  const NDArray want[] = {f32[0], dq, dk, dv};
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(got[i].dtype(), want[i].dtype()) << i;
+    EXPECT_EQ(max_diff(got[i].to(DType::F32), want[i].to(DType::F32)), 0.0) << "output " << i;
+  }
+  Graph bad;
+  Tensor bq = bad.placeholder("q", {1, 4, 2, 8}, DType::BF16), bk = bad.placeholder("k", {1, 4, 2, 8}, DType::BF16);
+  EXPECT_THROW(ops::attention(bq, bk, bk, Tensor(), 0.3f, false, DType::F32), Error);
+  Tensor fk = bad.placeholder("fk", {1, 4, 2, 8}, DType::F32);
+  EXPECT_THROW(ops::attention(bq, fk, fk, Tensor(), 0.3f, false, DType::BF16), Error);
+}
+
 // A row's results do not depend on the other rows of its batch, bit for bit
 // (micro-batches of any size give the same attention).
 TEST(Attention, Bf16ProductsOfARowDoNotDependOnItsBatch) {

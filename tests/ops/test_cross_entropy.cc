@@ -1,4 +1,6 @@
 #include "gradcheck.h"
+#include "hspmd/core/dtype.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 
@@ -121,6 +123,33 @@ TEST(CrossEntropy, Gradient) {
       {{"logits", random_array({2, 3, 5}, 3, 2.0f)},
        {"targets", NDArray::from_vector_i32({2, 3}, {1, -100, 4, 0, 3, 2}), false},
        {"norm", NDArray::from_vector({}, {3.0f}), false}});
+}
+
+// grad_dtype bf16: the logits' gradient is the f32 one rounded once (ignored
+// rows and padded classes stay exact zeros), also on a vocabulary shard.
+TEST(CrossEntropy, Bf16GradientIsTheF32OneRoundedOnce) {
+  const int64_t rows = 37, v = 301;
+  const NDArray logits = random_array({rows, v}, 11, 3.0f);
+  std::vector<int32_t> tv(rows);
+  for (int64_t r = 0; r < rows; ++r) tv[r] = static_cast<int32_t>((r * 97) % 290);
+  tv[5] = -100;
+  const NDArray targets = NDArray::from_vector_i32({rows}, tv);
+  const NDArray norm = NDArray::from_vector({}, {7.0f}), dloss = NDArray::from_vector({}, {1.25f});
+  NDArray loss = NDArray::empty({}, DType::F32), lse = NDArray::empty({rows}, DType::F32);
+  kernels::cross_entropy(cpu_stream(), logits, targets, norm, -100, loss, lse, 290);
+  for (const int64_t begin : {int64_t{0}, int64_t{150}}) {
+    NDArray f32 = NDArray::empty({rows, v}, DType::F32), b16 = NDArray::empty({rows, v}, DType::BF16);
+    kernels::cross_entropy_backward(cpu_stream(), dloss, logits, targets, norm, lse, -100, begin, f32, 290);
+    kernels::cross_entropy_backward(cpu_stream(), dloss, logits, targets, norm, lse, -100, begin, b16, 290);
+    for (int64_t i = 0; i < rows * v; ++i)
+      ASSERT_EQ(b16.data<uint16_t>()[i], f32_to_bf16(f32.data<float>()[i])) << "element " << i;
+  }
+  Graph g;
+  Tensor tl = g.placeholder("logits", {rows, v}, DType::F32);
+  Tensor tt = g.placeholder("targets", {rows}, DType::I32), tn = g.placeholder("norm", {}, DType::F32);
+  Tensor l = ops::cross_entropy(tl, tt, tn, -100, 0, DType::BF16);
+  EXPECT_EQ(gradients(l, {tl})[0].dtype(), DType::BF16);
+  EXPECT_THROW(ops::cross_entropy(tl, tt, tn, -100, 0, DType::I32), Error);
 }
 
 TEST(CrossEntropy, LargeRowsMatchReferenceAndAreDeterministic) {

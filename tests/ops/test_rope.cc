@@ -1,4 +1,5 @@
 #include "gradcheck.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {
@@ -42,6 +43,24 @@ TEST(Rope, MatchesFormula) {
   for (int64_t i = 0; i < x.numel(); ++i) EXPECT_NEAR(out.data<float>()[i], want[i], 1e-5);
   // Position 0 is the identity.
   for (int i = 0; i < 16; ++i) EXPECT_FLOAT_EQ(out.data<float>()[i], x.data<float>()[i]);
+}
+
+// A bf16 output is the f32 one rounded once; the gradient stays f32.
+TEST(Rope, Bf16OutputIsTheF32OneRounded) {
+  const NDArray x = random_array({2, 5, 3, 8}, 4);
+  std::vector<int32_t> pos(10);
+  for (int i = 0; i < 10; ++i) pos[i] = i * 37 % 11;
+  const NDArray f32 = run_rope(x, pos, 10000.0f);
+  Graph g;
+  Tensor tx = g.placeholder("x", {2, 5, 3, 8}, DType::F32), tp = g.placeholder("pos", {2, 5}, DType::I32);
+  Tensor y = ops::rope(tx, tp, 10000.0f, DType::BF16);
+  ASSERT_EQ(y.dtype(), DType::BF16);
+  const NDArray got = Executor(g, {y}).run({{"x", x}, {"pos", NDArray::from_vector_i32({2, 5}, pos)}})[0];
+  const NDArray want = f32.to(DType::BF16);
+  for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(got.data<uint16_t>()[i], want.data<uint16_t>()[i]) << i;
+  Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), tx});
+  EXPECT_EQ(gradients(loss, {tx})[0].dtype(), DType::F32);
+  EXPECT_THROW(ops::rope(tx, tp, 10000.0f, DType::I32), Error);
 }
 
 TEST(Rope, PositionsMatter) {

@@ -106,6 +106,13 @@ class Op {
   // rule then lets identical partial inputs through to a partial output.
   virtual bool is_linear() const { return false; }
 
+  // Whether a gradient that reads this op's output should compute it again
+  // in the backward (ops::recompute_for_backward) rather than keep the
+  // forward's value alive until then: true for cheap elementwise ops whose
+  // inputs the backward keeps anyway (swiglu), so recomputing costs one
+  // pass and frees the output as soon as its forward consumers ran.
+  virtual bool recompute_for_backward() const { return false; }
+
   // The op-internal communication of one call on the rank described by
   // `shard` (its boxes and ranks_along); none by default. Ops that talk to
   // their group in compute() override it with the exact volumes, so the dry

@@ -34,6 +34,11 @@ Tensor fill_like(const Tensor& like, float value);
 // itself when it already has that dtype. Its gradient comes back in a's
 // dtype. Mixed precision's casts (docs/precision.md).
 Tensor cast(const Tensor& a, DType dtype);
+// For gradient builders: `t` itself, or, when its producer says so
+// (Op::recompute_for_backward), a new node computing it again from the
+// same inputs, appended where the gradient is built (so it runs right
+// before its backward consumer, and the forward's value is freed early).
+Tensor recompute_for_backward(const Tensor& t);
 
 // ---- linear algebra (GEMMs: kernels/basic.h) ----
 // a is viewed as 2-D [prod(a.shape[:-1]), a.shape[-1]], transposed when
@@ -42,10 +47,12 @@ Tensor cast(const Tensor& a, DType dtype);
 // also be [a.shape[:-1]..., N] (viewed as 2-D the same way), so that weight
 // gradients contract over token dims without flattening them.
 // a and b are f32 or bf16; when either is bf16 the product is computed with
-// bf16 operands and f32 accumulation. The output is f32.
-Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// bf16 operands and f32 accumulation. The output is `out` (f32 or bf16:
+// the f32 sums rounded once to nearest even).
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false,
+              DType out = DType::F32);
 // x[..., in] · weight[out, in]^T -> [..., out] (Hugging Face weight layout).
-Tensor linear(const Tensor& x, const Tensor& weight);
+Tensor linear(const Tensor& x, const Tensor& weight, DType out = DType::F32);
 
 // ---- layout ----
 Tensor reshape(const Tensor& a, const SymShape& shape);
@@ -62,11 +69,17 @@ Tensor embedding(const Tensor& weight, const Tensor& ids);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps);
 // Rotary embedding, Hugging Face rotate_half convention: x [B, S, heads, D],
 // positions i32 [B, S]; frequency i uses theta^(-2i/D).
-Tensor rope(const Tensor& x, const Tensor& positions, float theta);
-// silu(gate) * up.
+// x is f32; the output `out` (f32 or bf16, rounded once), its gradient f32.
+Tensor rope(const Tensor& x, const Tensor& positions, float theta, DType out = DType::F32);
+// silu(gate) * up, computed in f32; gate and up are both f32 or both bf16,
+// the output has their dtype. Recomputed for the backward (its inputs are
+// saved for its own gradient anyway), so a consumer's gradient that reads it
+// does not keep the forward's output alive: see recompute_for_backward.
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 // Causal attention with grouped-query heads: q [B, S, Hq, D], k and v
-// [B, S, Hkv, D] with Hkv dividing Hq; returns [B, S, Hq, D]. Scores are
+// [B, S, Hkv, D] with Hkv dividing Hq, all f32 or all bf16 (bf16 needs bf16
+// products); returns [B, S, Hq, D] in f32 (the backward reads it unrounded;
+// dq, dk, dv are f32 too). Scores are
 // scaled by `softmax_scale`. `documents` (optional, i32) restricts each token
 // to the earlier tokens of its own document; it is either
 //  * cu_seqlens [n+1]: cumulative document lengths over the flattened B*S
@@ -98,8 +111,12 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 // `classes` > 0: only the first `classes` vocabulary entries are classes
 // (a vocabulary padded for tensor parallelism); the others are left out of
 // the softmax and get zero gradient.
+// `grad_dtype`: the dtype of the logits' gradient (f32 or bf16, computed in
+// f32 and rounded once): bf16 when the logits come from a bf16 GEMM, whose
+// gradient rounds it to bf16 anyway, so no f32 copy of it is ever held.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& normalizer,
-                     int ignore_index = -100, int64_t classes = 0);
+                     int ignore_index = -100, int64_t classes = 0,
+                     DType grad_dtype = DType::F32);
 
 // ---- distribution ----
 // Marks a point where the tensor may change layout (docs/architecture.md,

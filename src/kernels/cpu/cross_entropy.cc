@@ -138,23 +138,30 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v,
               "cross_entropy_backward: sizes");
+  const bool bf16 = dlogits.dtype() == DType::BF16;
+  HSPMD_CHECK(bf16 || dlogits.dtype() == DType::F32, "cross_entropy_backward: dlogits must be f32 or bf16");
   const float* x = logits.data<float>();
   const int32_t* t = targets.data<int32_t>();
   const float* row_lse = lse.data<float>();
-  float* dx = dlogits.data<float>();
   const float g = dloss.data<float>()[0] / normalizer.data<float>()[0];
   const int64_t n = class_columns(v, vocab_begin, classes);
-#pragma omp parallel for schedule(static) if (rows * v > 32768)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dr = dx + r * v;
-    if (t[r] == ignore_index) {
-      std::memset(dr, 0, v * sizeof(float));
-      continue;
+#pragma omp parallel if (rows * v > 32768)
+  {
+    // A bf16 gradient's rows are computed in f32 here, then rounded.
+    std::vector<float> row(bf16 ? v : 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dr = bf16 ? row.data() : dlogits.data<float>() + r * v;
+      if (t[r] == ignore_index) {
+        std::memset(dr, 0, v * sizeof(float));
+      } else {
+        vec::exp_scale(x + r * v, n, row_lse[r], g, dr);
+        std::memset(dr + n, 0, (v - n) * sizeof(float));
+        const int64_t local = t[r] - vocab_begin;
+        if (local >= 0 && local < n) dr[local] -= g;
+      }
+      if (bf16) f32_to_bf16_n(dr, dlogits.data<uint16_t>() + r * v, v);
     }
-    vec::exp_scale(x + r * v, n, row_lse[r], g, dr);
-    std::memset(dr + n, 0, (v - n) * sizeof(float));
-    const int64_t local = t[r] - vocab_begin;
-    if (local >= 0 && local < n) dr[local] -= g;
   }
 }
 

@@ -324,6 +324,13 @@ void run_backward(Stream& s, const Args& a, const Grads& g) {
 
 }  // namespace
 
+namespace {
+
+// An exact f32 copy of a bf16 array (our kernels read f32).
+NDArray as_f32(Stream& s, const NDArray& a) { return a.dtype() == DType::BF16 ? cast(s, a, DType::F32) : a; }
+
+}  // namespace
+
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& documents,
                        float scale, NDArray& out, NDArray& lse, AttentionTiles tiles, DType products,
                        int64_t window) {
@@ -333,7 +340,13 @@ void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDAr
   const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
   if (sdpa_attention_forward(s, q, k, v, host_docs, scale, out, lse, products, window)) return;
   const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
-  run_forward(s, make_args(q, k, v, scale, products, 0, idx, "attention_forward"), out, lse);
+  if (q.dtype() != DType::BF16 && out.dtype() != DType::BF16)
+    return run_forward(s, make_args(q, k, v, scale, products, 0, idx, "attention_forward"), out, lse);
+  // bf16 arrays that cuDNN did not take: our kernels on f32 copies, the output rounded once.
+  NDArray o = NDArray::empty(out.shape(), DType::F32, out.device());
+  run_forward(s, make_args(as_f32(s, q), as_f32(s, k), as_f32(s, v), scale, products, 0, idx, "attention_forward"), o,
+              lse);
+  out = out.dtype() == DType::BF16 ? cast(s, o, DType::BF16) : o;
 }
 
 void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& out,
@@ -350,11 +363,14 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
   if (sdpa_attention_backward(s, q, k, v, out, lse, grad_out, host_docs, scale, dq, dk, dv, products, window)) return;
   const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
-  const Args a = make_args(q, k, v, scale, products, 0, idx, "attention_backward");
+  // bf16 arrays that cuDNN did not take: our kernels on f32 copies.
+  const NDArray q32 = as_f32(s, q), k32 = as_f32(s, k), v32 = as_f32(s, v);
+  const NDArray out32 = as_f32(s, out), grad32 = as_f32(s, grad_out);
+  const Args a = make_args(q32, k32, v32, scale, products, 0, idx, "attention_backward");
   NDArray delta = NDArray::empty({a.B, a.Hq, a.Sq}, DType::F32, q.device());
-  attention_row_dots(s, out, grad_out, delta, a.bf16);
+  attention_row_dots(s, out32, grad32, delta, a.bf16);
   for (NDArray* x : {&dq, &dk, &dv}) fill(s, *x, 0.0f);
-  run_backward(s, a, {grad_out.data<float>(), lse.data<float>(), delta.data<float>(), dq.data<float>(),
+  run_backward(s, a, {grad32.data<float>(), lse.data<float>(), delta.data<float>(), dq.data<float>(),
                       dk.data<float>(), dv.data<float>()});
 }
 

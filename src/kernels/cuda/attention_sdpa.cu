@@ -96,6 +96,7 @@ __global__ void move_stats_kernel(float* stats, float* lse, const int32_t* first
 }
 
 NDArray bf16_copy(Stream& s, const NDArray& a) {
+  if (a.dtype() == DType::BF16) return a;  // bf16 already: cuDNN reads it as it is
   NDArray out = NDArray::empty(a.shape(), DType::BF16, a.device());
   const int64_t n = a.numel();
   to_bf16_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()),
@@ -160,7 +161,9 @@ std::string prepare(Stream& s, const NDArray& q, const NDArray& k, const NDArray
                     float scale, DType products, int64_t window, Problem* p) {
   if (cudnn_attention_mode() == CudnnAttention::kOff || products != DType::BF16) return "-";
   for (const NDArray* x : {&q, &k, &v})
-    if (x->dtype() != DType::F32 || !x->is_contiguous() || x->ndim() != 4) return "-";
+    if ((x->dtype() != DType::F32 && x->dtype() != DType::BF16) || x->dtype() != q.dtype() || !x->is_contiguous() ||
+        x->ndim() != 4)
+      return "-";
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2), D = q.dim(3), Hkv = k.dim(2);
   if (v.shape() != k.shape() || k.dim(0) != B || k.dim(1) != S || k.dim(3) != D || Hkv <= 0 || Hq % Hkv != 0)
     return "-";
@@ -212,6 +215,11 @@ bool f32_like(const NDArray& a, const Shape& shape) {
   return a.dtype() == DType::F32 && a.is_contiguous() && a.shape() == shape;
 }
 
+// f32 or bf16 (an array cuDNN's bf16 tensors are read from or written to).
+bool float_like(const NDArray& a, const Shape& shape) {
+  return (a.dtype() == DType::F32 || a.dtype() == DType::BF16) && a.is_contiguous() && a.shape() == shape;
+}
+
 }  // namespace
 
 CudnnAttention cudnn_attention_mode() {
@@ -241,9 +249,9 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   if (why == "-") return false;
   if (!why.empty()) return fall_back(why);
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
-  if (!f32_like(out, q.shape()) || !f32_like(lse, {B, Hq, S})) return false;  // our kernels name the error
+  if (!float_like(out, q.shape()) || !f32_like(lse, {B, Hq, S})) return false;  // our kernels name the error
   const NDArray qb = bf16_copy(s, q), kb = bf16_copy(s, k), vb = bf16_copy(s, v);
-  NDArray ob = NDArray::empty(q.shape(), DType::BF16, q.device());
+  NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
   NDArray stats = p.shape.ragged ? NDArray::empty({p.shape.batch, Hq, p.shape.seq}, DType::F32, q.device()) : lse;
   sdpa::Tensors t;
   t.q = qb.raw_data(), t.k = kb.raw_data(), t.v = vb.raw_data(), t.o = ob.raw_data();
@@ -251,7 +259,7 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   set_ragged(p, t);
   std::string refused;
   if (!sdpa::forward(s, p.shape, t, &refused)) return fall_back(refused);
-  to_f32(s, ob, out);
+  if (out.dtype() == DType::F32) to_f32(s, ob, out);
   if (p.shape.ragged) move_stats(s, p, stats, lse, S, true);
   served();
   return true;
@@ -265,7 +273,7 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   if (why == "-") return false;
   if (!why.empty()) return fall_back(why);
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
-  if (!f32_like(out, q.shape()) || !f32_like(grad_out, q.shape()) || !f32_like(lse, {B, Hq, S}) ||
+  if (!float_like(out, q.shape()) || !float_like(grad_out, q.shape()) || !f32_like(lse, {B, Hq, S}) ||
       !f32_like(dq, q.shape()) || !f32_like(dk, k.shape()) || !f32_like(dv, v.shape()))
     return false;
   const NDArray qb = bf16_copy(s, q), kb = bf16_copy(s, k), vb = bf16_copy(s, v);

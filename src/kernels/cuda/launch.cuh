@@ -1,6 +1,7 @@
 // Launch helpers shared by the CUDA kernel files (internal to src/kernels/cuda).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -56,5 +57,24 @@ __device__ inline double block_max(double v, double* scratch) {
   __syncthreads();
   return total;
 }
+
+// f32 <-> the element types of f32 and bf16 arrays (round to nearest even).
+__device__ inline float to_f32(float v) { return v; }
+__device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ inline T from_f32(float v);
+template <>
+__device__ inline float from_f32<float>(float v) { return v; }
+template <>
+__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Calls f(T*) with the array's elements as float or __nv_bfloat16.
+template <typename F>
+void with_float_type(const char* kernel, const NDArray& a, F f) {
+  if (a.dtype() == DType::F32) return f(static_cast<float*>(a.raw_data()));
+  HSPMD_CHECK(a.dtype() == DType::BF16, kernel, ": expected f32 or bf16, got ", dtype_name(a.dtype()));
+  f(static_cast<__nv_bfloat16*>(a.raw_data()));
+}
+
 
 }  // namespace hspmd::kernels::cuda::launch

@@ -150,8 +150,9 @@ __global__ void embedding_backward_kernel(const float* g, const int32_t* ids, in
   }
 }
 
+template <typename O>
 __global__ void rope_kernel(const float* x, const int32_t* pos, double theta, bool inverse, int64_t heads, int64_t d,
-                            float* y, int64_t total) {
+                            O* y, int64_t total) {
   const int64_t half = d / 2;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -161,8 +162,8 @@ __global__ void rope_kernel(const float* x, const int32_t* pos, double theta, bo
     const float c = static_cast<float>(cos(angle));
     const float sn = inverse ? static_cast<float>(-sin(angle)) : static_cast<float>(sin(angle));
     const float a = x[th * d + i], b = x[th * d + i + half];
-    y[th * d + i] = a * c - b * sn;
-    y[th * d + i + half] = b * c + a * sn;
+    y[th * d + i] = from_f32<O>(a * c - b * sn);
+    y[th * d + i + half] = from_f32<O>(b * c + a * sn);
   }
 }
 
@@ -229,21 +230,22 @@ __global__ void combine_kernel(const float* part, const float* picked, const int
   row_loss[r] = l - picked[r];
 }
 
+template <typename O>
 __global__ void ce_backward_kernel(const float* dloss, const float* x, const int32_t* targets, const float* normalizer,
                                    const float* lse, int32_t ignore, int64_t vocab_begin, int64_t v, int64_t n,
-                                   float* dx, int64_t total) {
+                                   O* dx, int64_t total) {
   const float g = dloss[0] / normalizer[0];
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = e / v, c = e % v;
     const int32_t t = targets[r];
     if (t == ignore || c >= n) {
-      dx[e] = 0.0f;
+      dx[e] = from_f32<O>(0.0f);
       continue;
     }
     float d = expf(x[e] - lse[r]) * g;
     if (c == t - vocab_begin) d -= g;
-    dx[e] = d;
+    dx[e] = from_f32<O>(d);
   }
 }
 
@@ -290,14 +292,16 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out) {
   require_contiguous("rope", x);
   require_contiguous("rope", positions);
-  require_f32("rope", {&x, &out});
+  require_f32("rope", {&x});
   HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
   const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3);
   HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
   const int64_t total = tokens * heads * (d / 2);
   if (total == 0) return;
-  rope_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(x.data<float>(), positions.data<int32_t>(), theta,
-                                                             inverse, heads, d, out.data<float>(), total);
+  with_float_type("rope", out, [&](auto* y) {
+    rope_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(x.data<float>(), positions.data<int32_t>(), theta,
+                                                               inverse, heads, d, y, total);
+  });
   launched("rope");
 }
 
@@ -365,14 +369,16 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
                             const NDArray& normalizer, const NDArray& lse, int ignore_index, int64_t vocab_begin,
                             NDArray& dlogits, int64_t classes) {
   require_contiguous("cross_entropy_backward", logits);
-  require_f32("cross_entropy_backward", {&dloss, &logits, &normalizer, &lse, &dlogits});
+  require_f32("cross_entropy_backward", {&dloss, &logits, &normalizer, &lse});
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v, "cross_entropy_backward: sizes");
   const int64_t total = rows * v;
   if (total == 0) return;
-  ce_backward_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(
-      dloss.data<float>(), logits.data<float>(), targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(),
-      ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dlogits.data<float>(), total);
+  with_float_type("cross_entropy_backward", dlogits, [&](auto* dx) {
+    ce_backward_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(
+        dloss.data<float>(), logits.data<float>(), targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(),
+        ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dx, total);
+  });
   launched("cross_entropy_backward");
 }
 

@@ -1,8 +1,12 @@
-// CUDA RMSNorm and SwiGLU, forward and backward, f32 (basic.h contracts).
+// CUDA RMSNorm (f32) and SwiGLU (f32 or bf16 arrays, f32 math), forward and
+// backward (basic.h contracts).
 // RMSNorm: one block per row; sums in double as the CPU kernel does, so the
 // two agree to f32 rounding. dweight: one thread per column walks the rows
 // in order (a fixed order: the same bits on every run).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "core/cuda_runtime.h"
 #include "hspmd/core/error.h"
@@ -68,19 +72,25 @@ __global__ void rms_norm_dw_kernel(const float* dy, const float* x, const float*
 
 __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__global__ void swiglu_kernel(const float* g, const float* u, float* y, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    y[i] = g[i] * sigmoidf(g[i]) * u[i];
-}
-
-__global__ void swiglu_backward_kernel(const float* d, const float* g, const float* u, float* dg, float* du,
-                                       int64_t n) {
+// SwiGLU in f32 on f32 or bf16 arrays (T: gate and up, O: the output).
+template <typename T, typename O>
+__global__ void swiglu_kernel(const T* g, const T* u, O* y, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float s = sigmoidf(g[i]);
-    du[i] = d[i] * g[i] * s;
-    dg[i] = d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));  // silu'(x) = s (1 + x (1 - s))
+    const float gv = to_f32(g[i]);
+    y[i] = from_f32<O>(gv * sigmoidf(gv) * to_f32(u[i]));
+  }
+}
+
+// D: dy; T: gate, up, dgate and dup.
+template <typename D, typename T>
+__global__ void swiglu_backward_kernel(const D* d, const T* g, const T* u, T* dg, T* du, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gv = to_f32(g[i]), dv = to_f32(d[i]);
+    const float s = sigmoidf(gv);
+    du[i] = from_f32<T>(dv * gv * s);
+    dg[i] = from_f32<T>(dv * to_f32(u[i]) * s * (1.0f + gv * (1.0f - s)));  // silu'(x) = s (1 + x (1 - s))
   }
 }
 
@@ -125,8 +135,14 @@ void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
   require_contiguous("swiglu", up);
   const int64_t n = gate.numel();
   HSPMD_CHECK(up.numel() == n && out.numel() == n, "swiglu: sizes");
+  HSPMD_CHECK(up.dtype() == gate.dtype(), "swiglu: gate and up differ in dtype");
   if (n == 0) return;
-  swiglu_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(gate.data<float>(), up.data<float>(), out.data<float>(), n);
+  with_float_type("swiglu", gate, [&](auto* g) {
+    using T = std::remove_pointer_t<decltype(g)>;
+    with_float_type("swiglu", out, [&](auto* y) {
+      swiglu_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(g, static_cast<const T*>(up.raw_data()), y, n);
+    });
+  });
   launched("swiglu");
 }
 
@@ -136,10 +152,17 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
   const int64_t n = gate.numel();
   HSPMD_CHECK(dy.numel() == n && up.numel() == n && dgate.numel() == n && dup.numel() == n,
               "swiglu_backward: sizes");
+  HSPMD_CHECK(up.dtype() == gate.dtype() && dgate.dtype() == gate.dtype() && dup.dtype() == gate.dtype(),
+              "swiglu_backward: gate, up, dgate and dup must share one dtype");
   if (n == 0) return;
-  swiglu_backward_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(dy.data<float>(), gate.data<float>(),
-                                                                    up.data<float>(), dgate.data<float>(),
-                                                                    dup.data<float>(), n);
+  with_float_type("swiglu_backward", dy, [&](auto* d) {
+    with_float_type("swiglu_backward", gate, [&](auto* g) {
+      using T = std::remove_pointer_t<decltype(g)>;
+      swiglu_backward_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(
+          d, g, static_cast<const T*>(up.raw_data()), static_cast<T*>(dgate.raw_data()),
+          static_cast<T*>(dup.raw_data()), n);
+    });
+  });
   launched("swiglu_backward");
 }
 
