@@ -24,6 +24,7 @@ namespace hspmd::kernels {
 [[noreturn]] void no_kernel(const char* kernel, Device device);
 
 // ---- elementwise ----
+// f32 arrays; add's b may also be bf16 (widened exactly).
 void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out);
 void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out);
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out);

@@ -77,11 +77,13 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   const float theta = static_cast<float>(c.rope_theta);
   const float eps = static_cast<float>(c.rms_norm_eps);
 
-  // Mixed precision: `lo` rounds to the compute dtype (a no-op in f32), `f32`
-  // widens back; GEMM operands and what the Reshards carry are `lo`.
+  // Mixed precision: `lo` rounds to the compute dtype (a no-op in f32); GEMM
+  // operands and what the Reshards carry are `lo`, and the residual adds
+  // widen a bf16 branch themselves.
   const auto lo = [&](const Tensor& t) { return ops::cast(t, o.precision.compute); };
-  const auto f32 = [](const Tensor& t) { return ops::cast(t, DType::F32); };
-  Tensor x = mark(lo(ops::rms_norm(h, param("input_layernorm.weight"), eps)), points.attn_input);
+  // RMSNorm writes the GEMMs' operand in the compute dtype (norm and cast in one pass).
+  const DType act = o.precision.compute;
+  Tensor x = mark(ops::rms_norm(h, param("input_layernorm.weight"), eps, act), points.attn_input);
   // A projection, plus its bias where the family has them (Qwen2): added in
   // f32 to the f32 product, split like the projection's rows under TP.
   const auto project = [&](const char* name) {
@@ -96,8 +98,8 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // attention's bf16 products apply to them anyway). Its output stays f32
   // (ops::attention) and is o_proj's operand as it is: a bf16 GEMM rounds
   // it, so no bf16 copy is kept beside it.
-  q = ops::rope(q, positions, theta, o.precision.compute);
-  k = ops::rope(k, positions, theta, o.precision.compute);
+  q = ops::rope(q, positions, theta, act);
+  k = ops::rope(k, positions, theta, act);
   v = lo(v);
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
@@ -105,19 +107,21 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
                             static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel,
                             o.precision.compute, c.sliding_window);
   a = ops::reshape(a, {B, S, Hq * D});
-  const Tensor attn_out = ops::linear(a, lo(param("self_attn.o_proj.weight")));
-  h = ops::add(h, f32(mark(lo(attn_out), points.attn_output)));
+  // o_proj and down_proj write their (partial, under TP) sums in the
+  // compute dtype: one rounding, the one the Reshards carry, without an f32
+  // array and a cast pass between.
+  const Tensor attn_out = ops::linear(a, lo(param("self_attn.o_proj.weight")), act);
+  h = ops::add(h, mark(attn_out, points.attn_output));  // add widens a bf16 branch itself
 
-  x = mark(lo(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps)), points.mlp_input);
+  x = mark(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps, act), points.mlp_input);
   // gate and up come out of their GEMMs in the compute dtype (bf16 halves
   // what SwiGLU keeps for its backward), SwiGLU computes in f32 and writes
   // that dtype, and down_proj's weight gradient recomputes it
   // (ops::swiglu): the MLP keeps gate and up only.
-  const DType act = o.precision.compute;
   Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")), act);
   Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")), act);
-  Tensor down = ops::linear(ops::swiglu(gate, up), lo(param("mlp.down_proj.weight")));
-  return ops::add(h, f32(mark(lo(down), points.mlp_output)));
+  Tensor down = ops::linear(ops::swiglu(gate, up), lo(param("mlp.down_proj.weight")), act);
+  return ops::add(h, mark(down, points.mlp_output));
 }
 
 // The parameters of block i, in Hugging Face order: nine, and three
@@ -191,7 +195,7 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
                        DType::F32);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     h = transformer_block(c, o, mark, i, h, m.positions, g);
-  h = mark(ops::cast(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps)), lo),
+  h = mark(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps), lo),
            head_input_point());
   Tensor head = c.tie_word_embeddings ? mark(ops::cast(g.find(kEmbedding), lo), tied_head_point())
                                       : ops::cast(g.find("lm_head.weight"), lo);

@@ -1,4 +1,7 @@
-// add: elementwise a + b (same shapes). Deduction: the default elementwise
+// add: elementwise a + b (same shapes), f32; b may be bf16 (widened
+// exactly in the kernel: a bf16 branch joins the f32 residual stream
+// without a cast pass), its gradient then rounded to bf16 as a cast's would
+// be. Deduction: the default elementwise
 // rule (identical annotations); linear, so identical partial inputs give a
 // partial output.
 #include "hspmd/ops/ops.h"
@@ -15,7 +18,8 @@ class AddOp final : public Op {
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("add", in, 2);
     expect_dtype("add", "a", in[0], DType::F32);
-    expect_dtype("add", "b", in[1], DType::F32);
+    if (in[1].dtype != DType::F32 && in[1].dtype != DType::BF16)
+      fail("[add] b must be f32 or bf16, got ", dtype_name(in[1].dtype));
     expect_same_shape("add", in[0], in[1]);
     return {in[0]};
   }
@@ -24,8 +28,8 @@ class AddOp final : public Op {
     out[0] = ctx.alloc(0);
     kernels::add(*ctx.stream, in[0], in[1], out[0]);
   }
-  std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
-    return {g[0], g[0]};
+  std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    return {g[0], cast(g[0], node.inputs[1].dtype())};
   }
   bool is_linear() const override { return true; }
 };

@@ -56,7 +56,7 @@ class RmsNormGradOp final : public Op {
 
 class RmsNormOp final : public Op {
  public:
-  explicit RmsNormOp(float eps) : eps_(eps) {}
+  RmsNormOp(float eps, DType out) : eps_(eps), out_(out) {}
   std::string type() const override { return "rms_norm"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("rms_norm", in, 2);
@@ -67,16 +67,17 @@ class RmsNormOp final : public Op {
     if (x.empty() || w.size() != 1 || !(x.back() == w[0]))
       fail("[rms_norm] weight must be [H] with H the last dim of x: x ", sym_shape_str(x),
            ", weight ", sym_shape_str(w));
-    return {in[0]};
+    return {TensorMeta{x, out_}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     kernels::rms_norm(*ctx.stream, in[0].contiguous(), in[1].contiguous(), eps_, out[0]);
   }
+  // dx and dweight are f32 (x and the weight are); a bf16 dy is widened.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor x = node.inputs[0], w = node.inputs[1];
-    return g[0].graph()->add(std::make_shared<RmsNormGradOp>(eps_), {g[0], x, w});
+    return g[0].graph()->add(std::make_shared<RmsNormGradOp>(eps_), {cast(g[0], DType::F32), x, w});
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -85,12 +86,15 @@ class RmsNormOp final : public Op {
 
  private:
   float eps_;
+  DType out_;
 };
 
 }  // namespace
 
-Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
-  return x.graph()->add1(std::make_shared<RmsNormOp>(eps), {x, weight});
+Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps, DType out) {
+  if (out != DType::F32 && out != DType::BF16)
+    fail("[rms_norm] the output must be f32 or bf16, got ", dtype_name(out));
+  return x.graph()->add1(std::make_shared<RmsNormOp>(eps, out), {x, weight});
 }
 
 }  // namespace hspmd::ops

@@ -105,6 +105,11 @@ void elementwise() {
     kernels::add(cpu(), a, b, c);
     kernels::add(gpu(), ga, gb, g);
     result("add", max_diff(down(g), c) == 0);
+    // f32 + bf16 (the residual stream and a bf16 branch): exact on both.
+    const NDArray b16 = b.to(DType::BF16);
+    kernels::add(cpu(), a, b16, c);
+    kernels::add(gpu(), ga, up(b16), g);
+    result("add_bf16_operand", max_diff(down(g), c) == 0);
     kernels::mul(cpu(), a, b, c);
     kernels::mul(gpu(), ga, gb, g);
     result("mul", max_diff(down(g), c) == 0);
@@ -163,9 +168,15 @@ void ops() {
     kernels::rms_norm_backward(cpu(), dy, x, w, 1e-5f, dx, dw);
     kernels::rms_norm_backward(gpu(), up(dy), up(x), up(w), 1e-5f, gdx, gdw);
     const double e1 = rel_diff(down(gy), y), e2 = rel_diff(down(gdx), dx), e3 = rel_diff(down(gdw), dw);
-    char d[96];
-    std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e", e1, e2, e3);
-    result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6, d);
+    char d[128];
+    // The bf16 output (norm and cast in one kernel): at most one bf16 ulp
+    // from the CPU's where the two f32 values straddle a rounding boundary.
+    NDArray y16 = NDArray::empty(x.shape(), DType::BF16), gy16 = dev_empty(x.shape(), DType::BF16);
+    kernels::rms_norm(cpu(), x, w, 1e-5f, y16);
+    kernels::rms_norm(gpu(), up(x), up(w), 1e-5f, gy16);
+    const double e4 = rel_diff(down(gy16), y16);
+    std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e y_bf16=%.1e", e1, e2, e3, e4);
+    result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6 && e4 < 4e-3, d);
   });
   run_case("swiglu", [] {
     const NDArray g = random_f32({7, 333}, 24), u = random_f32({7, 333}, 25), dy = random_f32({7, 333}, 26);

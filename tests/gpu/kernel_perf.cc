@@ -159,6 +159,10 @@ int run(Device device, int64_t T, int reps) {
   p.bandwidth("add", 3 * f4 * th, [&] { kernels::add(s, x, dy, y); });
   p.bandwidth("cast_f32_bf16", (f4 + b2) * th, [&] { (void)kernels::cast(s, x, DType::BF16); });
   p.bandwidth("rms_norm", 2 * f4 * th, [&] { kernels::rms_norm(s, x, wn, 1e-5f, y); });
+  {
+    NDArray y16 = NDArray::empty({T, H}, DType::BF16, device);  // the bf16 step's: norm and cast in one
+    p.bandwidth("rms_norm_bf16_out", (f4 + b2) * th, [&] { kernels::rms_norm(s, x, wn, 1e-5f, y16); });
+  }
   p.bandwidth("rms_norm_backward", 3 * f4 * th, [&] { kernels::rms_norm_backward(s, dy, x, wn, 1e-5f, dx, dwn); });
   {
     // The bf16 step's: f32 in, bf16 out (attention's input).

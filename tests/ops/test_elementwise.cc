@@ -1,4 +1,5 @@
 #include "gradcheck.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {
@@ -17,6 +18,32 @@ TEST(Add, ForwardAndGradient) {
   expect_gradients_match(
       [](Graph&, const std::vector<Tensor>& x) { return ops::add(x[0], ops::add(x[0], x[1])); },
       {{"a", a}, {"b", b}});
+}
+
+// f32 + bf16: the same bits as widening b with a cast first, and b's
+// gradient is rounded to bf16 as that cast's gradient would be.
+TEST(Add, Bf16SecondOperandIsWidenedExactly) {
+  const NDArray a = random_array({5, 4099}, 41), b = random_array({5, 4099}, 42).to(DType::BF16);
+  const NDArray w = random_array({5, 4099}, 43);
+  std::vector<NDArray> got[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    Graph g;
+    Tensor ta = g.placeholder("a", {5, 4099}, DType::F32), tb = g.placeholder("b", {5, 4099}, DType::BF16);
+    Tensor tw = g.placeholder("w", {5, 4099}, DType::F32);
+    Tensor y = fused ? ops::add(ta, tb) : ops::add(ta, ops::cast(tb, DType::F32));
+    ASSERT_EQ(y.dtype(), DType::F32);
+    Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {y, tw});
+    const std::vector<Tensor> grads = gradients(loss, {ta, tb});
+    EXPECT_EQ(grads[1].dtype(), DType::BF16);
+    got[fused] = Executor(g, {y, grads[0], grads[1]}).run({{"a", a}, {"b", b}, {"w", w}});
+  }
+  for (int i = 0; i < 3; ++i)
+    for (int64_t e = 0; e < got[0][i].numel(); ++e)
+      ASSERT_EQ(got[0][i].to(DType::F32).data<float>()[e], got[1][i].to(DType::F32).data<float>()[e])
+          << "output " << i << " element " << e;
+  Graph g;
+  Tensor ta = g.placeholder("a", {2}, DType::BF16), tb = g.placeholder("b", {2}, DType::F32);
+  EXPECT_THROW(ops::add(ta, tb), Error);  // a is the f32 stream
 }
 
 TEST(Add, ShapeMismatchIsAnError) {

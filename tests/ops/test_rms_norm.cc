@@ -1,4 +1,5 @@
 #include "gradcheck.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 
 namespace hspmd {
@@ -34,6 +35,31 @@ TEST(RmsNorm, Gradients) {
   expect_gradients_match(
       [](Graph&, const std::vector<Tensor>& t) { return ops::rms_norm(t[0], t[1], 1e-6f); },
       {{"x", random_array({5, 130}, 5)}, {"w", random_array({130}, 6)}});
+}
+
+// A bf16 output is the f32 one rounded once (norm and cast in one pass);
+// the gradients stay f32 and equal those through an explicit cast.
+TEST(RmsNorm, Bf16OutputIsTheF32OneRounded) {
+  const NDArray x = random_array({3, 5, 37}, 31), w = random_array({37}, 32);
+  std::vector<NDArray> got[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    Graph g;
+    Tensor tx = g.placeholder("x", {3, 5, 37}, DType::F32), tw = g.placeholder("w", {37}, DType::F32);
+    Tensor y = fused ? ops::rms_norm(tx, tw, 1e-5f, DType::BF16)
+                     : ops::cast(ops::rms_norm(tx, tw, 1e-5f), DType::BF16);
+    ASSERT_EQ(y.dtype(), DType::BF16);
+    Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), tx});
+    const std::vector<Tensor> grads = gradients(loss, {tx, tw});
+    EXPECT_EQ(grads[0].dtype(), DType::F32);
+    got[fused] = Executor(g, {y, grads[0], grads[1]}).run({{"x", x}, {"w", w}});
+  }
+  for (int i = 0; i < 3; ++i)
+    for (int64_t e = 0; e < got[0][i].numel(); ++e)
+      ASSERT_EQ(got[0][i].to(DType::F32).data<float>()[e], got[1][i].to(DType::F32).data<float>()[e])
+          << "output " << i << " element " << e;
+  Graph g;
+  Tensor tx = g.placeholder("x", {2, 4}, DType::F32), tw = g.placeholder("w", {4}, DType::F32);
+  EXPECT_THROW(ops::rms_norm(tx, tw, 1e-5f, DType::I32), Error);
 }
 
 TEST(RmsNorm, WeightShapeMismatchIsAnError) {

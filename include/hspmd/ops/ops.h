@@ -66,7 +66,9 @@ Tensor reduce_sum(const Tensor& a, const std::vector<int>& axes = {});
 // weight[V, H], ids i32 [...] -> [..., H]. Throws on ids outside [0, V) at run time.
 Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x[..., H] * rsqrt(mean(x^2) + eps) * weight[H].
-Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps);
+// x and weight f32; the output `out` f32 or bf16 (computed in f32, rounded
+// once: the norm and the cast to a GEMM's bf16 operand in one pass).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps, DType out = DType::F32);
 // Rotary embedding, Hugging Face rotate_half convention: x [B, S, heads, D],
 // positions i32 [B, S]; frequency i uses theta^(-2i/D).
 // x is f32; the output `out` (f32 or bf16, rounded once), its gradient f32.

@@ -25,7 +25,16 @@ void binary(const char* name, const NDArray& a, const NDArray& b, NDArray& out, 
 }  // namespace
 
 void add(const NDArray& a, const NDArray& b, NDArray& out) {
-  binary("add", a, b, out, [](float x, float y) { return x + y; });
+  if (b.dtype() != DType::BF16) return binary("add", a, b, out, [](float x, float y) { return x + y; });
+  require_contiguous("add", a);
+  require_contiguous("add", b);
+  HSPMD_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), "add: sizes differ");
+  const float* pa = a.data<float>();
+  const uint16_t* pb = b.data<uint16_t>();
+  float* po = out.data<float>();
+  const int64_t n = a.numel();
+#pragma omp parallel for simd schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + bf16_to_f32(pb[i]);
 }
 
 void mul(const NDArray& a, const NDArray& b, NDArray& out) {

@@ -34,15 +34,21 @@ void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) 
   require_contiguous("rms_norm", weight);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
+  const bool bf16 = out.dtype() == DType::BF16;
+  HSPMD_CHECK(bf16 || out.dtype() == DType::F32, "rms_norm: out must be f32 or bf16");
   const float* px = x.data<float>();
   const float* w = weight.data<float>();
-  float* y = out.data<float>();
-#pragma omp parallel for schedule(static) if (x.numel() > 32768)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = px + r * h;
-    float* yr = y + r * h;
-    const float s = inv_rms(xr, h, eps);
-    for (int64_t i = 0; i < h; ++i) yr[i] = w[i] * (xr[i] * s);
+#pragma omp parallel if (x.numel() > 32768)
+  {
+    std::vector<float> row(bf16 ? h : 0);  // a bf16 output's row, in f32 first
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = px + r * h;
+      float* yr = bf16 ? row.data() : out.data<float>() + r * h;
+      const float s = inv_rms(xr, h, eps);
+      for (int64_t i = 0; i < h; ++i) yr[i] = w[i] * (xr[i] * s);
+      if (bf16) f32_to_bf16_n(yr, out.data<uint16_t>() + r * h, h);
+    }
   }
 }
 

@@ -22,10 +22,14 @@ using namespace launch;
 
 enum class Binary { kAdd, kMul };
 
-__global__ void binary_kernel(const float* a, const float* b, float* out, int64_t n, Binary op) {
+// b: f32, or bf16 (widened exactly).
+template <typename B>
+__global__ void binary_kernel(const float* a, const B* b, float* out, int64_t n, Binary op) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = op == Binary::kAdd ? a[i] + b[i] : a[i] * b[i];
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float y = to_f32(b[i]);
+    out[i] = op == Binary::kAdd ? a[i] + y : a[i] * y;
+  }
 }
 
 __global__ void scale_kernel(const float* a, float factor, float* out, int64_t n) {
@@ -40,7 +44,9 @@ void binary(Stream& s, const char* name, const NDArray& a, const NDArray& b, NDA
   HSPMD_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), name, ": sizes differ");
   const int64_t n = a.numel();
   if (n == 0) return;
-  binary_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), b.data<float>(), out.data<float>(), n, op);
+  with_float_type(name, b, [&](auto* pb) {
+    binary_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), pb, out.data<float>(), n, op);
+  });
   launched(name);
 }
 

@@ -23,14 +23,15 @@ __device__ float inv_rms(double ss, int64_t h, float eps) {
   return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(h) + eps));
 }
 
-__global__ void rms_norm_kernel(const float* x, const float* w, float eps, float* y, int64_t h) {
+template <typename O>
+__global__ void rms_norm_kernel(const float* x, const float* w, float eps, O* y, int64_t h) {
   __shared__ double scratch[kThreads];
   const float* xr = x + blockIdx.x * h;
-  float* yr = y + blockIdx.x * h;
+  O* yr = y + blockIdx.x * h;
   double ss = 0;
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
   const float s = inv_rms(block_sum(ss, scratch), h, eps);
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = w[i] * (xr[i] * s);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = from_f32<O>(w[i] * (xr[i] * s));
 }
 
 __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
@@ -102,8 +103,10 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
   if (rows == 0) return;
-  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(x.data<float>(), weight.data<float>(),
-                                                                           eps, out.data<float>(), h);
+  with_float_type("rms_norm", out, [&](auto* y) {
+    rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(x.data<float>(), weight.data<float>(),
+                                                                             eps, y, h);
+  });
   launched("rms_norm");
 }
 
