@@ -85,6 +85,16 @@ class JobDir {
   int nproc() const { return nproc_; }
   const Slot& slot(int r) const { return static_cast<const Slot*>(map_)[r]; }
   bool reported() const { return access(job_file(dir_, "report").c_str(), F_OK) == 0; }
+  // The line the reporting rank printed, as it left it with its claim.
+  std::string report() const {
+    std::string text;
+    if (FILE* f = std::fopen(job_file(dir_, "report").c_str(), "r")) {
+      char chunk[512];
+      for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, f)) > 0;) text.append(chunk, n);
+      std::fclose(f);
+    }
+    return text;
+  }
 
  private:
   int nproc_;
@@ -120,6 +130,8 @@ class StderrRelay {
     }
     return failure_;
   }
+  // Whether a rank's "hspmd: error:" line went through (after finish()).
+  bool relayed_error() const { return relayed_error_; }
 
  private:
   void run() {
@@ -154,6 +166,7 @@ class StderrRelay {
     // Its shared-memory transport reading from a rank that just died ("[host:pid]
     // Read -1, expected 8192, errno = 3").
     if (l.rfind("[", 0) == 0 && l.find("] Read -1, expected ") != std::string::npos) return;
+    if (l.rfind("hspmd: ", 0) == 0 && l.find("error: ") != std::string::npos) relayed_error_ = true;
     std::fprintf(stderr, "%s\n", l.c_str());
   }
   void parse(const std::string& l) {
@@ -177,6 +190,7 @@ class StderrRelay {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> deadline_ns_{0};
   bool in_banner_ = false;
+  bool relayed_error_ = false;
   RankFailure failure_;
   std::thread thread_;
 };
@@ -328,6 +342,7 @@ struct AttemptEnd {
   bool watchdog = false;   // the watchdog ended it
   int stopped_by = 0;      // SIGINT or SIGTERM to the launcher
   bool reported = false;   // a rank printed its own error
+  std::string lost_report; // ... whose line mpirun did not relay (it was lost)
   int64_t death_ns = 0;    // when a rank was first seen gone (0: none was)
   int dead_rank = -1;      // which (-1: unknown, a zombie child of mpirun)
   bool wedged = false;     // mpirun outlived that death by kWedgedS: the launcher ended it
@@ -430,12 +445,14 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
   }
   end.failure = relay.finish(2);
   end.reported = job.reported();
+  if (end.reported && !relay.relayed_error()) end.lost_report = job.report();
   end.end_ns = now_ns();
   return end;
 }
 
 // The job's last words when it is not restarted; returns its exit code.
 int give_up(const AttemptEnd& end, int64_t restarts, int64_t max_restarts) {
+  if (!end.lost_report.empty()) std::fprintf(stderr, "%s\n", end.lost_report.c_str());
   if (end.watchdog || end.reported) return 1;  // already said
   std::string after;
   if (restarts > 0)
@@ -570,11 +587,16 @@ int launch_command(const std::vector<std::string>& args) {
   return launch_ranks(o);
 }
 
-bool claim_report() {
+bool claim_report(const std::string& message) {
   const char* dir = std::getenv("HSPMD_JOB_DIR");
   if (dir == nullptr) return true;
   const int fd = open(job_file(dir, "report").c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
   if (fd < 0) return false;
+  for (size_t done = 0; done < message.size();) {
+    const ssize_t n = write(fd, message.data() + done, message.size() - done);
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
   close(fd);
   return true;
 }

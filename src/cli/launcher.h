@@ -49,8 +49,11 @@ int launch_ranks(const LaunchOptions& options);
 int launch_command(const std::vector<std::string>& args);
 
 // Whether this rank prints its failure: under the launcher, only the first
-// failing rank of the job; otherwise always.
-bool claim_report();
+// failing rank of the job; otherwise always. `message`, the line the rank
+// prints (without its newline), is kept with the claim: the launcher prints
+// it itself when the rank's own output was lost (mpirun tearing the job
+// down at the abort before it relayed the line).
+bool claim_report(const std::string& message = "");
 
 // A rank's side of the supervision: when started by the launcher, a thread
 // that ends this process (exit 1) once the launcher is gone and ticks the

@@ -157,18 +157,22 @@ int train_on_ranks(const TrainOptions& o, const CommChoice& comm_choice) {
     locks.keep();
   } catch (const SetupFailure& e) {
     if (world->size() == 1) {
-      claim_report();  // main() prints it; the launcher must know a message came
+      claim_report(std::string("hspmd: error: ") + e.what());  // main() prints it; the launcher must know
       throw;
     }
-    if (e.reporter() && claim_report()) std::fprintf(stderr, "hspmd: error: %s\n", e.what());
+    const std::string line = std::string("hspmd: error: ") + e.what();
+    if (e.reporter() && claim_report(line)) std::fprintf(stderr, "%s\n", line.c_str());
     return 1;
   } catch (const std::exception& e) {
     if (world->size() == 1) {
-      claim_report();  // main() prints it; the launcher must know a message came
+      claim_report(std::string("hspmd: error: ") + e.what());  // main() prints it; the launcher must know
       throw;
     }
-    if (claim_report()) {
-      std::fprintf(stderr, "hspmd: error: rank %d: %s\n", world->rank(), e.what());
+    const std::string line = "hspmd: error: rank " + std::to_string(world->rank()) + ": " + e.what();
+    // HSPMD_TEST_LOSE_ERROR_LINE=1 (tests): claim without printing, as if
+    // mpirun had lost the line; the launcher must print it from the claim.
+    if (claim_report(line) && std::getenv("HSPMD_TEST_LOSE_ERROR_LINE") == nullptr) {
+      std::fprintf(stderr, "%s\n", line.c_str());
       std::fflush(stderr);
     }
     world->abort(1);
