@@ -347,11 +347,13 @@ def last_line(text):
 
 
 def run_hspmd(a, cfg_path, data, tmp, device):
-    log = os.path.join(tmp, "hspmd.jsonl")
+    log, op_times = os.path.join(tmp, "hspmd.jsonl"), os.path.join(tmp, "hspmd_op_times.json")
+    # One step more than timed: the last one times each op (--op-times, its
+    # events would perturb a timed step) and says where the time goes.
     cmd = [a.hspmd, "train", "--model", cfg_path, "--data", data, "--seq-len", str(a.seq),
-           "--global-batch", str(a.mb), "--steps", str(a.warmup + a.steps), "--precision", "bf16",
+           "--global-batch", str(a.mb), "--steps", str(a.warmup + a.steps + 1), "--precision", "bf16",
            "--lr", "3e-4", "--beta1", "0.9", "--beta2", "0.95", "--eps", "1e-8", "--seed", str(a.seed),
-           "--device", device, "--log", log, "--quiet"]
+           "--device", device, "--log", log, "--op-times", op_times, "--quiet"]
     if device == "cpu":
         cmd += ["--threads", str(a.threads)]
     rc, err = run_limited(cmd, a.timeout)
@@ -362,12 +364,14 @@ def run_hspmd(a, cfg_path, data, tmp, device):
                    reason=last_line(err))
         return row
     recs = [json.loads(l) for l in open(log) if l.strip()]
-    timed = [r for r in recs if r["step"] >= a.warmup]
-    if len(timed) != a.steps:
-        row.update(status="FAIL", reason=f"{len(recs)} step records, expected {a.warmup + a.steps}")
+    timed = [r for r in recs if a.warmup <= r["step"] < a.warmup + a.steps]
+    if len(timed) != a.steps or len(recs) != a.warmup + a.steps + 1:
+        row.update(status="FAIL", reason=f"{len(recs)} step records, expected {a.warmup + a.steps + 1}")
         return row
     row.update(status="PASS", step_times_s=[r["step_time_s"] for r in timed],
-               losses=[r["loss"] for r in recs], tokens_per_step=timed[0]["tokens"])
+               losses=[r["loss"] for r in recs[:a.warmup + a.steps]], tokens_per_step=timed[0]["tokens"])
+    if os.path.exists(op_times):
+        row["op_times"] = json.load(open(op_times))
     if "peak_memory_bytes" in timed[0]:
         row["peak_memory_bytes"] = max(max(r["peak_memory_bytes"]) for r in timed)
         row["peak_activation_bytes"] = max(max(r["peak_activation_bytes"]) for r in timed)
@@ -454,6 +458,15 @@ def print_table(rows, report):
                   f" mfu_pct={fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} peak_gib={fmt(mem and mem / 2**30, '.2f')}"
                   if r["status"] == "PASS" else f" reason=\"{r.get('reason', '')[:120]}\"")
         print(f"RESULT probe=gpu_step case={r['system']}{fields} status={r['status']}")
+    ops = next((r.get("op_times") for r in rows if r["system"] == "hspmd" and r.get("op_times")), None)
+    if ops:
+        print(f"where hspmd's step goes (one extra step, each op between two events; "
+              f"ops {1e3 * ops['ops_total_s']:.1f} ms of {1e3 * ops['step_time_s']:.1f} ms):")
+        for o in ops["ops"][:12]:
+            print(f"  {o['type']:22s} {o['calls']:5d} calls {1e3 * o['seconds']:9.2f} ms "
+                  f"{100 * o['share_of_step']:5.1f}%")
+        print(f"  {'(outside ops)':22s} {'':11s} {1e3 * ops['outside_ops_s']:9.2f} ms "
+              f"{100 * ops['outside_ops_s'] / ops['step_time_s']:5.1f}%")
     ratio = report.get("hspmd_over_compiled")
     if ratio:
         print(f"RESULT probe=gpu_step case=hspmd_over_compiled step_time_x={ratio['step_time']:.3f} "
@@ -485,6 +498,9 @@ def smoke_checks(rows, report, a):
             bad.append(f"{name}: losses {r['losses']} (a random model starts near ln V = {ln_v:.2f})")
     if not by.get("hspmd", {}).get("peak_memory_bytes", 0) > 0:
         bad.append("hspmd: no peak_memory_bytes in its records")
+    ops = by.get("hspmd", {}).get("op_times") or {}
+    if not ("matmul" in [o["type"] for o in ops.get("ops", [])] and 0 < ops["ops_total_s"] <= ops["step_time_s"]):
+        bad.append("hspmd: no op times (--op-times) for its extra step")
     if by.get("compiled", {}).get("status") not in ("PASS", "SKIP"):
         bad.append(f"compiled: {by.get('compiled')}")
     back = json.load(open(a.json))

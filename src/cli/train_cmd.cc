@@ -246,7 +246,7 @@ void check_files(const FlagSet& f, const TrainOptions& o) {
   for (const TrainOptions::Switch& sw : o.switches) in.push_back({"--switch", sw.path});
   for (const std::string& s : o.strategy_choices) in.push_back({"--strategies", s});
   check_outputs_apart(in, {{"--save", o.save_path}, {"--dump-grads", o.dump_grads_path}, {"--log", o.log_path},
-                           {"--trace", o.trace_path}});
+                           {"--trace", o.trace_path}, {"--op-times", o.op_times_path}});
   if (f.given("overwrite-checkpoint") && o.checkpoint_dir.empty())
     fail("[flags] --overwrite-checkpoint needs --checkpoint DIR");
   check_checkpoint_directory(o);
@@ -332,6 +332,8 @@ int train_command(const std::vector<std::string>& args) {
   f.add_string("grad-reduce-dtype", &grad_reduce, "with --precision bf16: fp32 (default) or bf16 gradient sync");
   f.add_string("log", &o.log_path, "write one JSON object per step here (JSONL)");
   f.add_string("dump-grads", &o.dump_grads_path, "write the step-0 gradients here (safetensors)");
+  f.add_string("op-times", &o.op_times_path,
+               "write where the last step's time goes here (JSON: ops summed by type; FILE.rank<r> per rank)");
   f.add_int("threads", &threads, "CPU threads (default: all cores)");
   f.add_bool("quiet", &quiet, "no progress line on stderr");
   f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");

@@ -240,7 +240,14 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
   const int64_t before = world_->bytes().sent;
   const double billed = clock_ ? clock_->compute_s() : 0;
   if (clock_) clock_->begin_compute();
+  OpTiming* timing = nullptr;
+  if (op_timing_) {
+    timing = &op_timing_->emplace_back();
+    timing->type = node.op->type();
+    timing->start.record(*op.ctx.stream);
+  }
   std::vector<NDArray> outputs = run_op(node, op.ctx, inputs);
+  if (timing) timing->end.record(*op.ctx.stream);
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
   ledger_.op_predicted += op.traffic.sent;

@@ -2,6 +2,7 @@
 // their own samples, gradient sync and the ZeRO gathers through the plan's
 // Reshards, AdamW on local shards (the class: train/dist_trainer.h).
 #include "train/dist_trainer.h"
+#include "train/op_times.h"
 #include "train/resume_checks.h"
 
 #include <cstdlib>
@@ -613,6 +614,9 @@ StepRecord DistTrainer::step() {
     switch_to(plan_at(step), step, log);
   }
   const auto t0 = Clock::now();
+  std::vector<ExecGraph::OpTiming> op_timings;  // --op-times: the last step's ops
+  const bool time_ops = !o_.op_times_path.empty() && step == o_.steps - 1;
+  if (time_ops) rt_->graph->set_op_timing(&op_timings);
   world_.reset_bytes();
   rt_->graph->reset_ledger();
   allocator_for(rt_->graph->device()).reset_peak();
@@ -715,6 +719,11 @@ StepRecord DistTrainer::step() {
   fill_record(gather_metrics(mine, world_), r);
   r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.tokens_per_s = r.tokens / r.step_time_s;
+  if (time_ops) {
+    rt_->graph->set_op_timing(nullptr);
+    write_op_times(o_.op_times_path, world_.rank(), world_.size(), step, r.step_time_s,
+                   rt_->graph->device().str(), op_timings);
+  }
   write_log(log, train_common::record_json(r));
   if (world_.rank() == 0 && o_.progress)
     train_common::print_progress(r, o_.steps,

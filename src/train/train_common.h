@@ -31,6 +31,7 @@ inline void check_outputs(const TrainOptions& o, int rank) {
     check_output_file("[flags] --log", o.log_path, OutputWrite::kStream);
   }
   check_output_file("[flags] --trace", o.trace_path, OutputWrite::kStream);
+  check_output_file("[flags] --op-times", o.op_times_path, OutputWrite::kRename);
   check_output_directory("[flags] --checkpoint", o.checkpoint_dir);
 }
 

@@ -239,6 +239,14 @@ class ExecGraph {
   // its work and the compute seconds it billed to the clock (0 without one).
   using OpObserver = std::function<void(const Node& node, const OpWork& work, double seconds)>;
   void set_op_observer(OpObserver observer) { observer_ = std::move(observer); }
+  // Where the time goes (`hspmd train --op-times`): while `sink` is set, every
+  // op this rank computes appends its type and two events recorded on its
+  // stream around it (nothing waits: read them once the stream is done).
+  struct OpTiming {
+    std::string type;
+    Event start, end;
+  };
+  void set_op_timing(std::vector<OpTiming>* sink) { op_timing_ = sink; }
   // Emulation: after every op and Reshard, the bytes this process holds must
   // stay within `bytes` (0 = no cap), else hspmd::Error "[emulate] rank R:
   // out of memory ...".
@@ -298,6 +306,7 @@ class ExecGraph {
   VirtualClock* clock_ = nullptr;
   std::shared_ptr<const OpTimeModel> time_model_;
   OpObserver observer_;
+  std::vector<OpTiming>* op_timing_ = nullptr;
   size_t memory_cap_ = 0;
   void check_memory(const Node& node) const;
   void sync_clock(const Resolution& r, Communicator& world) const;

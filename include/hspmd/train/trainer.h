@@ -28,6 +28,7 @@ struct TrainOptions {
   std::string save_path;        // optional safetensors written at the end
   std::string log_path;         // optional JSONL, one object per step
   std::string dump_grads_path;  // optional safetensors of the step-0 gradients
+  std::string op_times_path;    // optional JSON: the last step's op times by type (docs/profiling.md)
   std::string strategy_path;    // distributed: strategy JSON (train_distributed)
   std::string cluster_path;     // distributed: optional cluster JSON (emulated cluster)
   std::string trace_path;       // distributed: Chrome-trace timeline of the emulated cluster
