@@ -37,6 +37,7 @@ const std::map<std::string, Setter>& setters() {
       {"save", field(&TrainOptions::save_path)},
       {"log", field(&TrainOptions::log_path)},
       {"dump_grads", field(&TrainOptions::dump_grads_path)},
+      {"op_times", field(&TrainOptions::op_times_path)},
       {"strategy", field(&TrainOptions::strategy_path)},
       {"plan", field(&TrainOptions::plan_path)},
       {"cluster", field(&TrainOptions::cluster_path)},

@@ -152,7 +152,9 @@ def check_trainer_state(hspmd_cli, d):
         f.write("the quick brown fox jumps over the lazy dog. " * 400)
     subprocess.run([hspmd_cli, "tokenize", "--model", MODEL, "--output", data, os.path.join(d, "doc.txt")],
                    check=True, capture_output=True)
-    t = hspmd.Trainer(MODEL, None, data, seq_len=32, steps=4, global_batch=4, micro_batches=2, threads=1, lr=1e-2)
+    ops = os.path.join(d, "ops.json")
+    t = hspmd.Trainer(MODEL, None, data, seq_len=32, steps=4, global_batch=4, micro_batches=2, threads=1, lr=1e-2,
+                      op_times=ops)
     first = [t.step() for _ in range(2)]
     t.save_checkpoint(os.path.join(d, "ck"))
     before = t.state_dict()
@@ -166,6 +168,8 @@ def check_trainer_state(hspmd_cli, d):
     again = t.train()
     assert [(r["loss"], r["grad_norm"]) for r in again] == [(r["loss"], r["grad_norm"]) for r in later]
     assert restored["model.embed_tokens.weight"].shape == (320, 128)
+    times = json.load(open(ops))  # op_times: the last step's ops by type
+    assert times["step"] == 3 and "matmul" in [o["type"] for o in times["ops"]], times
 
 
 def main():
