@@ -283,14 +283,6 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
 
 // ---- attention.h ----
 
-namespace {
-
-// An exact f32 copy of a bf16 array (the CPU attention kernels read f32).
-NDArray as_f32(Stream& s, const NDArray& a) {
-  return a.valid() && a.dtype() == DType::BF16 ? cast(s, a, DType::F32) : a;
-}
-
-}  // namespace
 
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
@@ -401,6 +393,10 @@ NDArray clone(Stream& s, const NDArray& a) {
   NDArray out = NDArray::empty(a.shape(), a.dtype(), s.device());
   copy(s, a, out);
   return out;
+}
+
+NDArray as_f32(Stream& s, const NDArray& a) {
+  return a.valid() && a.dtype() == DType::BF16 ? cast(s, a, DType::F32) : a;
 }
 
 NDArray cast(Stream& s, const NDArray& a, DType dtype) {

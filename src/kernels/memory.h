@@ -27,6 +27,9 @@ void copy(Stream& s, const NDArray& from, NDArray& out);
 // NDArray::to; a copy when the dtypes agree), a new contiguous array on the
 // stream's device. The cast op and the Reshards that carry bf16 use it.
 NDArray cast(Stream& s, const NDArray& a, DType dtype);
+// `a` itself unless it is bf16, else an exact f32 copy (cast): for kernels
+// that compute on f32 arrays and also accept bf16 ones.
+NDArray as_f32(Stream& s, const NDArray& a);
 
 // A copy of `a` (new storage, contiguous) on the stream's device.
 NDArray clone(Stream& s, const NDArray& a);

@@ -499,8 +499,7 @@ std::vector<NDArray> contiguous_inputs(const std::vector<NDArray>& in, size_t n)
 // bf16 arrays as exact f32 copies: ring attention moves and merges f32
 // (its traffic is counted at 4 bytes per element).
 std::vector<NDArray> widened(Stream& s, std::vector<NDArray> arrays) {
-  for (NDArray& a : arrays)
-    if (a.dtype() == DType::BF16) a = kernels::cast(s, a, DType::F32);
+  for (NDArray& a : arrays) a = kernels::as_f32(s, a);
   return arrays;
 }
 

@@ -27,11 +27,11 @@ def main():
         base = [a.hspmd, "train", "--model", model, "--data", data, "--seq-len", "32", "--global-batch", "4",
                 "--steps", "3", "--threads", "1", "--quiet"]
 
-        def check(label, path, device, world=1):
+        def check(label, path, device, rank=0):
             j = json.load(open(path))
             ops = {o["type"]: o for o in j["ops"]}
             total = sum(o["seconds"] for o in j["ops"])
-            ok = (j["step"] == 2 and j["device"] == device and j["rank"] == (0 if world == 1 else j["rank"]) and
+            ok = (j["step"] == 2 and j["device"] == device and j["rank"] == rank and
                   "matmul" in ops and "attention_grad" in ops and ops["matmul"]["calls"] > 0 and
                   all(o["seconds"] >= 0 for o in j["ops"]) and abs(total - j["ops_total_s"]) < 1e-9 and
                   0 < j["ops_total_s"] <= j["step_time_s"] and
@@ -61,7 +61,7 @@ def main():
                 failures.append(f"dp2: exit {r.returncode}: {r.stderr.strip()[-300:]}")
             else:
                 for rank in (0, 1):
-                    check(f"dp2 rank {rank}", f"{out}.rank{rank}", "cpu:0", world=2)
+                    check(f"dp2 rank {rank}", f"{out}.rank{rank}", "cpu:0", rank)
         r = subprocess.run(base + ["--op-times", tmp], capture_output=True, text=True)
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         ok = r.returncode != 0 and len(lines) == 1 and "--op-times" in lines[0]

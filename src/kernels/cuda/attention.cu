@@ -33,6 +33,7 @@
 #include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/memory.h"
 
 namespace hspmd::kernels::cuda {
 
@@ -324,12 +325,6 @@ void run_backward(Stream& s, const Args& a, const Grads& g) {
 
 }  // namespace
 
-namespace {
-
-// An exact f32 copy of a bf16 array (our kernels read f32).
-NDArray as_f32(Stream& s, const NDArray& a) { return a.dtype() == DType::BF16 ? cast(s, a, DType::F32) : a; }
-
-}  // namespace
 
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& documents,
                        float scale, NDArray& out, NDArray& lse, AttentionTiles tiles, DType products,
@@ -344,8 +339,8 @@ void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDAr
     return run_forward(s, make_args(q, k, v, scale, products, 0, idx, "attention_forward"), out, lse);
   // bf16 arrays that cuDNN did not take: our kernels on f32 copies, the output rounded once.
   NDArray o = NDArray::empty(out.shape(), DType::F32, out.device());
-  run_forward(s, make_args(as_f32(s, q), as_f32(s, k), as_f32(s, v), scale, products, 0, idx, "attention_forward"), o,
-              lse);
+  const NDArray q32 = kernels::as_f32(s, q), k32 = kernels::as_f32(s, k), v32 = kernels::as_f32(s, v);
+  run_forward(s, make_args(q32, k32, v32, scale, products, 0, idx, "attention_forward"), o, lse);
   out = out.dtype() == DType::BF16 ? cast(s, o, DType::BF16) : o;
 }
 
@@ -364,8 +359,8 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   if (sdpa_attention_backward(s, q, k, v, out, lse, grad_out, host_docs, scale, dq, dk, dv, products, window)) return;
   const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
   // bf16 arrays that cuDNN did not take: our kernels on f32 copies.
-  const NDArray q32 = as_f32(s, q), k32 = as_f32(s, k), v32 = as_f32(s, v);
-  const NDArray out32 = as_f32(s, out), grad32 = as_f32(s, grad_out);
+  const NDArray q32 = kernels::as_f32(s, q), k32 = kernels::as_f32(s, k), v32 = kernels::as_f32(s, v);
+  const NDArray out32 = kernels::as_f32(s, out), grad32 = kernels::as_f32(s, grad_out);
   const Args a = make_args(q32, k32, v32, scale, products, 0, idx, "attention_backward");
   NDArray delta = NDArray::empty({a.B, a.Hq, a.Sq}, DType::F32, q.device());
   attention_row_dots(s, out32, grad32, delta, a.bf16);

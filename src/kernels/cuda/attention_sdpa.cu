@@ -67,12 +67,6 @@ void served() {
 
 // ---- conversions ----
 
-__global__ void to_bf16_kernel(const float* in, __nv_bfloat16* out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
-}
-
 __global__ void to_f32_kernel(const __nv_bfloat16* in, float* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -95,14 +89,10 @@ __global__ void move_stats_kernel(float* stats, float* lse, const int32_t* first
   }
 }
 
-NDArray bf16_copy(Stream& s, const NDArray& a) {
-  if (a.dtype() == DType::BF16) return a;  // bf16 already: cuDNN reads it as it is
-  NDArray out = NDArray::empty(a.shape(), DType::BF16, a.device());
-  const int64_t n = a.numel();
-  to_bf16_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()),
-                                                           n);
-  launched("attention (cuDNN): to bf16");
-  return out;
+// q, k, v, O and dO as cuDNN reads them: bf16 arrays as they are, f32 ones
+// rounded (cast).
+NDArray as_bf16(Stream& s, const NDArray& a) {
+  return a.dtype() == DType::BF16 ? a : cast(s, a, DType::BF16);
 }
 
 void to_f32(Stream& s, const NDArray& b16, NDArray& out) {
@@ -250,7 +240,7 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   if (!why.empty()) return fall_back(why);
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
   if (!float_like(out, q.shape()) || !f32_like(lse, {B, Hq, S})) return false;  // our kernels name the error
-  const NDArray qb = bf16_copy(s, q), kb = bf16_copy(s, k), vb = bf16_copy(s, v);
+  const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
   NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
   NDArray stats = p.shape.ragged ? NDArray::empty({p.shape.batch, Hq, p.shape.seq}, DType::F32, q.device()) : lse;
   sdpa::Tensors t;
@@ -276,8 +266,8 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   if (!float_like(out, q.shape()) || !float_like(grad_out, q.shape()) || !f32_like(lse, {B, Hq, S}) ||
       !f32_like(dq, q.shape()) || !f32_like(dk, k.shape()) || !f32_like(dv, v.shape()))
     return false;
-  const NDArray qb = bf16_copy(s, q), kb = bf16_copy(s, k), vb = bf16_copy(s, v);
-  const NDArray ob = bf16_copy(s, out), gb = bf16_copy(s, grad_out);
+  const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
+  const NDArray ob = as_bf16(s, out), gb = as_bf16(s, grad_out);
   NDArray dqb = NDArray::empty(q.shape(), DType::BF16, q.device());
   NDArray dkb = NDArray::empty(k.shape(), DType::BF16, q.device()), dvb = NDArray::empty(v.shape(), DType::BF16, q.device());
   NDArray lse_in = lse;  // only read: dense, cuDNN reads the statistics from lse itself
