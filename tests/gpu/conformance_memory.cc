@@ -157,8 +157,9 @@ void optimizer() {
 
 void ops() {
   run_case("rms_norm", [] {
-    // Rows of an odd width; sums in double on both backends.
-    const NDArray x = random_f32({5, 3, 203}, 21), w = random_f32({203}, 22), dy = random_f32({5, 3, 203}, 23);
+    // Rows of an odd width; sums in double on both backends. 155 rows: the
+    // CUDA dweight's partial sums over 64-row chunks, three of them.
+    const NDArray x = random_f32({5, 31, 203}, 21), w = random_f32({203}, 22), dy = random_f32({5, 31, 203}, 23);
     NDArray y = NDArray::empty(x.shape(), DType::F32), gy = NDArray::empty(x.shape(), DType::F32, Device::cuda(0));
     kernels::rms_norm(cpu(), x, w, 1e-5f, y);
     kernels::rms_norm(gpu(), up(x), up(w), 1e-5f, gy);
@@ -333,7 +334,13 @@ void layout_and_model_ops() {
     kernels::embedding_backward(gpu(), up(g), up(ids), 40, 100, gdw);
     const NDArray bad = NDArray::from_vector_i32({3}, {5, 100, 7});
     const std::string want = error_of([&] { kernels::embedding(cpu(), w, bad, 40, 100, y); });
-    const double e = std::max(max_diff(down(gy), y), max_diff(down(gdw), dw));
+    // Many tokens per id (500 over 12 ids, a shard of 10) and rows wider
+    // than a block: the sorted segments and the column tiles.
+    const NDArray ids2 = random_ids(500, 0, 12, 50), g2 = random_f32({500, 300}, 51);
+    NDArray dw2 = NDArray::empty({10, 300}, DType::F32), gdw2 = dev_empty({10, 300});
+    kernels::embedding_backward(cpu(), g2, ids2, 2, 12, dw2);
+    kernels::embedding_backward(gpu(), up(g2), up(ids2), 2, 12, gdw2);
+    const double e = std::max({max_diff(down(gy), y), max_diff(down(gdw), dw), max_diff(down(gdw2), dw2)});
     // The device does not wait for its check: the error comes at the
     // stream's next host read, with the CPU's message.
     std::string early;

@@ -134,20 +134,13 @@ __global__ void add_bias_kernel(const float* x, const float* b, float* y, int64_
     y[i] = x[i] + b[i % n];
 }
 
-constexpr int64_t kRowChunk = 512;  // the CPU kernel's partial sums
+constexpr int64_t kRowChunk = 512;  // the CPU kernel's partial sums: the same bits
 
-__global__ void bias_grad_kernel(const float* g, float* db, int64_t rows, int64_t n) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (j >= n) return;
-  double total = 0;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
-    double acc = 0;
-    const int64_t r1 = r0 + kRowChunk < rows ? r0 + kRowChunk : rows;
-    for (int64_t r = r0; r < r1; ++r) acc += static_cast<double>(g[r * n + j]);
-    total += acc;
-  }
-  db[j] = static_cast<float>(total);
-}
+struct BiasGradTerm {
+  const float* g;
+  int64_t n;
+  __device__ double operator()(int64_t r, int64_t j) const { return static_cast<double>(g[r * n + j]); }
+};
 
 void require_f32(const char* kernel, std::initializer_list<const NDArray*> arrays) {
   for (const NDArray* a : arrays)
@@ -255,9 +248,8 @@ void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
   const int64_t n = dbias.numel(), rows = n == 0 ? 0 : dy.numel() / n;
   HSPMD_CHECK(dy.ndim() >= 1 && dy.dim(-1) == n, "bias_grad: sizes");
   if (n == 0) return;
-  bias_grad_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
-      dy.data<float>(), dbias.data<float>(), rows, n);
-  launched("bias_grad");
+  if (rows == 0) return fill(s, dbias, 0.0f);
+  column_sums(s, "bias_grad", BiasGradTerm{dy.data<float>(), n}, rows, n, kRowChunk, dbias.data<float>());
 }
 
 }  // namespace hspmd::kernels::cuda

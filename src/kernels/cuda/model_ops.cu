@@ -3,10 +3,12 @@
 // costs a synchronization to name it (`[embedding] token id 70000 at
 // position 3 is outside the vocabulary [0, 32000)`, as on the CPU), a good
 // batch one small read back per call. Sums run in double; the embedding
-// gradient adds tokens in order per column (the same bits as the CPU);
-// RoPE's angles, cos and sin are computed in double as the CPU's table is.
+// gradient sorts the tokens by id (stably) and adds each id's tokens in order
+// per column (the same bits as the CPU); RoPE's angles, cos and sin are
+// computed in double as the CPU's table is, once per (token, pair).
 #include <cuda_runtime.h>
 
+#include <cub/device/device_radix_sort.cuh>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -139,31 +141,62 @@ __global__ void embedding_kernel(const float* w, const int32_t* ids, int64_t voc
   }
 }
 
-// One thread per column visits the tokens in order: no races, a fixed order.
-__global__ void embedding_backward_kernel(const float* g, const int32_t* ids, int64_t vocab_begin, int64_t rows,
-                                          int64_t h, int64_t tokens, float* dw) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (j >= h) return;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t row = ids[t] - vocab_begin;
-    if (row >= 0 && row < rows) dw[row * h + j] += g[t * h + j];
+__global__ void iota_kernel(int32_t* v, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    v[i] = static_cast<int32_t>(i);
+}
+
+// The tokens sorted by id, stably (`key` the sorted ids, `order` their
+// positions): block x = a position, block y = a tile of columns. The block
+// at the first position of an id sums that id's tokens in token order, one
+// column per thread (the CPU's order: the same bits), and writes the row
+// once; the other blocks return at once.
+__global__ void embedding_backward_kernel(const float* g, const int32_t* key, const int32_t* order,
+                                          int64_t vocab_begin, int64_t rows, int64_t h, int64_t tokens, float* dw) {
+  const int64_t p = blockIdx.x;
+  const int32_t id = key[p];
+  if (p > 0 && key[p - 1] == id) return;
+  const int64_t row = id - vocab_begin;
+  if (row < 0 || row >= rows) return;
+  for (int64_t j = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < h;
+       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t q = p; q < tokens && key[q] == id; ++q) acc += g[order[q] * h + j];
+    dw[row * h + j] = acc;
   }
 }
 
-template <typename O>
-__global__ void rope_kernel(const float* x, const int32_t* pos, double theta, bool inverse, int64_t heads, int64_t d,
-                            O* y, int64_t total) {
+// cos and sin (-sin for the inverse) of every (token, pair) angle, in
+// double as the CPU's table: table[t * half + i].
+__global__ void rope_table_kernel(const int32_t* pos, double theta, bool inverse, int64_t d, float2* table,
+                                  int64_t total) {
   const int64_t half = d / 2;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = e % half, th = e / half;  // th = token * heads + head
-    const int64_t t = th / heads;
+    const int64_t i = e % half, t = e / half;
     const double angle = static_cast<double>(pos[t]) * pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(d));
-    const float c = static_cast<float>(cos(angle));
-    const float sn = inverse ? static_cast<float>(-sin(angle)) : static_cast<float>(sin(angle));
-    const float a = x[th * d + i], b = x[th * d + i + half];
-    y[th * d + i] = from_f32<O>(a * c - b * sn);
-    y[th * d + i + half] = from_f32<O>(b * c + a * sn);
+    const float sn = static_cast<float>(sin(angle));
+    table[e] = make_float2(static_cast<float>(cos(angle)), inverse ? -sn : sn);
+  }
+}
+
+// threadIdx.x walks a head's pairs, threadIdx.y the (token, head) rows.
+constexpr int kRopeRowsPerBlock = 8;
+
+template <typename O>
+__global__ void rope_kernel(const float* x, const float2* table, int64_t heads, int64_t half, O* y, int64_t rows) {
+  for (int64_t th = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y; th < rows;
+       th += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const float2* cs = table + (th / heads) * half;
+    const float* xr = x + th * 2 * half;
+    O* yr = y + th * 2 * half;
+    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+      const float2 c = cs[i];
+      const float a = xr[i], b = xr[i + half];
+      yr[i] = from_f32<O>(a * c.x - b * c.y);
+      yr[i + half] = from_f32<O>(b * c.x + a * c.y);
+    }
   }
 }
 
@@ -207,11 +240,14 @@ __global__ void row_lse_kernel(const float* x, const int32_t* targets, int64_t v
   if (picked) picked[r] = local >= 0 && local < n ? xr[local] : 0.0f;
 }
 
-// loss = Σ_rows row_loss (double, row order) / normalizer: one thread.
+// loss = Σ_rows row_loss (double; each thread a strided part, then a fixed
+// tree) / normalizer: one block of kThreads.
 __global__ void loss_kernel(const double* row_loss, int64_t rows, const float* normalizer, float* loss) {
-  double total = 0;
-  for (int64_t r = 0; r < rows; ++r) total += row_loss[r];
-  loss[0] = static_cast<float>(total / normalizer[0]);
+  __shared__ double scratch[kThreads];
+  double part = 0;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) part += row_loss[r];
+  const double total = block_sum(part, scratch);
+  if (threadIdx.x == 0) loss[0] = static_cast<float>(total / normalizer[0]);
 }
 
 __global__ void combine_kernel(const float* part, const float* picked, const int32_t* targets, int64_t rows,
@@ -230,24 +266,32 @@ __global__ void combine_kernel(const float* part, const float* picked, const int
   row_loss[r] = l - picked[r];
 }
 
+// One block per row (no division per element).
 template <typename O>
 __global__ void ce_backward_kernel(const float* dloss, const float* x, const int32_t* targets, const float* normalizer,
                                    const float* lse, int32_t ignore, int64_t vocab_begin, int64_t v, int64_t n,
-                                   O* dx, int64_t total) {
+                                   O* dx, int64_t rows) {
   const float g = dloss[0] / normalizer[0];
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = e / v, c = e % v;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t t = targets[r];
-    if (t == ignore || c >= n) {
-      dx[e] = from_f32<O>(0.0f);
-      continue;
+    const float* xr = x + r * v;
+    O* dr = dx + r * v;
+    const float l = lse[r];
+    const int64_t target_column = t - vocab_begin;
+    for (int64_t c = threadIdx.x; c < v; c += blockDim.x) {
+      if (t == ignore || c >= n) {
+        dr[c] = from_f32<O>(0.0f);
+        continue;
+      }
+      float d = expf(xr[c] - l) * g;
+      if (c == target_column) d -= g;
+      dr[c] = from_f32<O>(d);
     }
-    float d = expf(x[e] - lse[r]) * g;
-    if (c == t - vocab_begin) d -= g;
-    dx[e] = from_f32<O>(d);
   }
 }
+
+// Blocks of a one-block-per-row kernel (grid-stride beyond).
+unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(rows < (1 << 20) ? rows : (1 << 20)); }
 
 int64_t class_columns(int64_t v, int64_t begin, int64_t classes) {
   if (classes <= 0) return v;
@@ -284,8 +328,28 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
   if (dweight.nbytes() > 0)
     cuda_rt::check(cudaMemsetAsync(dweight.raw_data(), 0, dweight.nbytes(), native(s)), "embedding_backward");
   if (h == 0 || tokens == 0) return;
-  embedding_backward_kernel<<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
-      grad.data<float>(), ids.data<int32_t>(), vocab_begin, rows, h, tokens, dweight.data<float>());
+  HSPMD_CHECK(tokens < (int64_t{1} << 31), "embedding_backward: more than 2^31 tokens");
+  // The tokens by id, stably (CUB's radix sort; its scratch from the
+  // stream's allocator, reused in stream order only).
+  const int n = static_cast<int>(tokens);
+  NDArray order_in = NDArray::empty({tokens}, DType::I32, s.device());
+  NDArray keys = NDArray::empty({tokens}, DType::I32, s.device()), order = NDArray::empty({tokens}, DType::I32, s.device());
+  iota_kernel<<<blocks_for(tokens), kThreads, 0, native(s)>>>(order_in.data<int32_t>(), tokens);
+  launched("embedding_backward");
+  size_t scratch_bytes = 0;
+  cuda_rt::check(cub::DeviceRadixSort::SortPairs(nullptr, scratch_bytes, ids.data<int32_t>(), keys.data<int32_t>(),
+                                                 order_in.data<int32_t>(), order.data<int32_t>(), n, 0, 32, native(s)),
+                 "embedding_backward: sort");
+  NDArray scratch = NDArray::empty({static_cast<int64_t>(scratch_bytes / 8 + 1)}, DType::I64, s.device());
+  cuda_rt::check(cub::DeviceRadixSort::SortPairs(scratch.raw_data(), scratch_bytes, ids.data<int32_t>(),
+                                                 keys.data<int32_t>(), order_in.data<int32_t>(),
+                                                 order.data<int32_t>(), n, 0, 32, native(s)),
+                 "embedding_backward: sort");
+  const int64_t tiles = (h + kThreads - 1) / kThreads;
+  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
+  embedding_backward_kernel<<<grid, kThreads, 0, native(s)>>>(grad.data<float>(), keys.data<int32_t>(),
+                                                              order.data<int32_t>(), vocab_begin, rows, h, tokens,
+                                                              dweight.data<float>());
   launched("embedding_backward");
 }
 
@@ -296,11 +360,19 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
   HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
   const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3);
   HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
-  const int64_t total = tokens * heads * (d / 2);
-  if (total == 0) return;
+  const int64_t half = d / 2, rows = tokens * heads;
+  if (rows == 0 || half == 0) return;
+  // cos/sin once per (token, pair) instead of once per head.
+  NDArray table = NDArray::empty({tokens, half, 2}, DType::F32, s.device());  // stream-ordered reuse only
+  float2* cs = static_cast<float2*>(table.raw_data());
+  rope_table_kernel<<<blocks_for(tokens * half), kThreads, 0, native(s)>>>(positions.data<int32_t>(), theta, inverse,
+                                                                          d, cs, tokens * half);
+  launched("rope");
+  const int64_t blocks = (rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock;
+  const dim3 block(kThreads / kRopeRowsPerBlock, kRopeRowsPerBlock);
   with_float_type("rope", out, [&](auto* y) {
-    rope_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(x.data<float>(), positions.data<int32_t>(), theta,
-                                                               inverse, heads, d, y, total);
+    rope_kernel<<<static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20)), block, 0, native(s)>>>(
+        x.data<float>(), cs, heads, half, y, rows);
   });
   launched("rope");
 }
@@ -321,7 +393,7 @@ void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets, con
         static_cast<double*>(row_loss.raw_data()), nullptr);
     launched("cross_entropy");
   }
-  loss_kernel<<<1, 1, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
+  loss_kernel<<<1, kThreads, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
                                       loss.data<float>());
   launched("cross_entropy: loss");
 }
@@ -360,7 +432,7 @@ void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& t
         lse.data<float>(), static_cast<double*>(row_loss.raw_data()));
     launched("cross_entropy_combine");
   }
-  loss_kernel<<<1, 1, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
+  loss_kernel<<<1, kThreads, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
                                       loss.data<float>());
   launched("cross_entropy_combine: loss");
 }
@@ -372,12 +444,11 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
   require_f32("cross_entropy_backward", {&dloss, &logits, &normalizer, &lse});
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v, "cross_entropy_backward: sizes");
-  const int64_t total = rows * v;
-  if (total == 0) return;
+  if (rows * v == 0) return;
   with_float_type("cross_entropy_backward", dlogits, [&](auto* dx) {
-    ce_backward_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(
+    ce_backward_kernel<<<row_blocks(rows), kThreads, 0, native(s)>>>(
         dloss.data<float>(), logits.data<float>(), targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(),
-        ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dx, total);
+        ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dx, rows);
   });
   launched("cross_entropy_backward");
 }

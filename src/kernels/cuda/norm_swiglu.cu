@@ -1,8 +1,9 @@
 // CUDA RMSNorm (f32) and SwiGLU (f32 or bf16 arrays, f32 math), forward and
 // backward (basic.h contracts).
 // RMSNorm: one block per row; sums in double as the CPU kernel does, so the
-// two agree to f32 rounding. dweight: one thread per column walks the rows
-// in order (a fixed order: the same bits on every run).
+// two agree to f32 rounding. dweight: partial sums over chunks of rows, then
+// over the chunks (launch::column_sums: a fixed order, the same bits on every
+// run; the CPU sums the rows in one double, so the two agree to f32 rounding).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -34,8 +35,9 @@ __global__ void rms_norm_kernel(const float* x, const float* w, float eps, O* y,
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = from_f32<O>(w[i] * (xr[i] * s));
 }
 
+// dx, and each row's scale s_r for dweight.
 __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
-                                   int64_t h) {
+                                   float* row_scale, int64_t h) {
   __shared__ double scratch[kThreads];
   const float* xr = x + blockIdx.x * h;
   const float* gr = dy + blockIdx.x * h;
@@ -48,28 +50,24 @@ __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float*
   ss = block_sum(ss, scratch);
   dot = block_sum(dot, scratch);
   const float s = inv_rms(ss, h, eps);
+  if (threadIdx.x == 0) row_scale[blockIdx.x] = s;
   const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) dr[i] = s * w[i] * gr[i] - xr[i] * c;
 }
 
-// dweight[j] = Σ_rows dy[r, j] * x[r, j] * s_r; s_r recomputed per row.
-__global__ void rms_norm_row_scale_kernel(const float* x, float eps, float* s, int64_t h) {
-  __shared__ double scratch[kThreads];
-  const float* xr = x + blockIdx.x * h;
-  double ss = 0;
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
-  ss = block_sum(ss, scratch);
-  if (threadIdx.x == 0) s[blockIdx.x] = inv_rms(ss, h, eps);
-}
+// dweight[j] = Σ_rows dy[r, j] * (x[r, j] * s_r), as the CPU kernel's term.
+struct RmsNormDwTerm {
+  const float* dy;
+  const float* x;
+  const float* s;
+  int64_t h;
+  __device__ double operator()(int64_t r, int64_t j) const {
+    return static_cast<double>(dy[r * h + j]) * (x[r * h + j] * s[r]);
+  }
+};
 
-__global__ void rms_norm_dw_kernel(const float* dy, const float* x, const float* s, float* dw, int64_t rows,
-                                   int64_t h) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (j >= h) return;
-  double acc = 0;
-  for (int64_t r = 0; r < rows; ++r) acc += static_cast<double>(dy[r * h + j]) * (x[r * h + j] * s[r]);
-  dw[j] = static_cast<float>(acc);
-}
+// Rows per partial sum of dweight: [16384, 2048] gives 256 x 8 blocks.
+constexpr int64_t kNormRowChunk = 64;
 
 __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -122,15 +120,12 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     fill(s, dweight, 0.0f);
     return;
   }
+  NDArray scale = NDArray::empty({rows}, DType::F32, s.device());  // stream-ordered reuse only
   rms_norm_dx_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), h);
+      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), scale.data<float>(), h);
   launched("rms_norm_backward");
-  NDArray scale = NDArray::empty({rows}, DType::F32, s.device());
-  rms_norm_row_scale_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(x.data<float>(), eps,
-                                                                                     scale.data<float>(), h);
-  rms_norm_dw_kernel<<<blocks_for(h), kThreads, 0, native(s)>>>(dy.data<float>(), x.data<float>(),
-                                                                scale.data<float>(), dweight.data<float>(), rows, h);
-  launched("rms_norm_backward");
+  column_sums(s, "rms_norm_backward", RmsNormDwTerm{dy.data<float>(), x.data<float>(), scale.data<float>(), h}, rows,
+              h, kNormRowChunk, dweight.data<float>());
 }
 
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
