@@ -120,6 +120,15 @@ void elementwise() {
     kernels::accumulate(cpu(), a, acc_c);
     kernels::accumulate(gpu(), ga, acc_g);
     result("accumulate", max_diff(down(acc_g), acc_c) == 0);
+    // Views one element in: not 16-byte aligned, so the kernels take one
+    // element per access instead of eight (launch::elementwise).
+    const auto view = [](const NDArray& x) { return x.reshape({4099}).slice(0, 1, 4099); };
+    NDArray c1 = NDArray::empty({4098}, DType::F32), g1 = dev_empty({4098});
+    kernels::add(cpu(), view(a), view(b), c1);
+    kernels::add(gpu(), view(ga), view(gb), g1);
+    const NDArray want16 = view(a).contiguous().to(DType::BF16), got16 = down(kernels::cast(gpu(), view(ga), DType::BF16));
+    result("unaligned_views", max_diff(down(g1), c1) == 0 &&
+                                  std::memcmp(got16.host_raw_data(), want16.host_raw_data(), want16.nbytes()) == 0);
   });
 }
 

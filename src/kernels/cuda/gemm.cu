@@ -89,25 +89,9 @@ cublasHandle_t handle_for(Stream& s) {
   return it->second;
 }
 
-__global__ void to_bf16_kernel(const float* in, __nv_bfloat16* out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
-}
-
 // `a` as bf16 on the device: itself when it is BF16, else a rounded copy
-// (kept alive by the returned array).
-NDArray as_bf16(Stream& s, const NDArray& a) {
-  if (a.dtype() == DType::BF16) return a;
-  NDArray out = NDArray::empty(a.shape(), DType::BF16, a.device());
-  const int64_t n = a.numel();
-  if (n > 0) {
-    to_bf16_kernel<<<launch::blocks_for(n), launch::kThreads, 0, launch::native(s)>>>(
-        a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()), n);
-    launch::launched("matmul: round to bf16");
-  }
-  return out;
-}
+// (cast's kernel; kept alive by the returned array).
+NDArray as_bf16(Stream& s, const NDArray& a) { return a.dtype() == DType::BF16 ? a : cast(s, a, DType::BF16); }
 
 cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "core/cuda_runtime.h"
@@ -22,21 +23,37 @@ using namespace launch;
 
 enum class Binary { kAdd, kMul };
 
-// b: f32, or bf16 (widened exactly).
+// b: f32, or bf16 (widened exactly). `out` may be `a` or `b`.
 template <typename B>
-__global__ void binary_kernel(const float* a, const B* b, float* out, int64_t n, Binary op) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float y = to_f32(b[i]);
-    out[i] = op == Binary::kAdd ? a[i] + y : a[i] * y;
+struct BinaryOp {
+  const float* a;
+  const B* b;
+  float* out;
+  Binary op;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    float x[V], y[V];
+    load<V>(a, i, x);
+    load<V>(b, i, y);
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[k] = op == Binary::kAdd ? x[k] + y[k] : x[k] * y[k];
+    store<V>(out, i, x);
   }
-}
+};
 
-__global__ void scale_kernel(const float* a, float factor, float* out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = a[i] * factor;
-}
+struct ScaleOp {
+  const float* a;
+  float factor;
+  float* out;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    float x[V];
+    load<V>(a, i, x);
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[k] *= factor;
+    store<V>(out, i, x);
+  }
+};
 
 void binary(Stream& s, const char* name, const NDArray& a, const NDArray& b, NDArray& out, Binary op) {
   require_contiguous(name, a);
@@ -45,9 +62,10 @@ void binary(Stream& s, const char* name, const NDArray& a, const NDArray& b, NDA
   const int64_t n = a.numel();
   if (n == 0) return;
   with_float_type(name, b, [&](auto* pb) {
-    binary_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), pb, out.data<float>(), n, op);
+    using B = std::remove_pointer_t<decltype(pb)>;
+    elementwise(s, name, BinaryOp<B>{a.data<float>(), pb, out.data<float>(), op}, n,
+                {a.raw_data(), b.raw_data(), out.raw_data()});
   });
-  launched(name);
 }
 
 // ---- fills ----
@@ -126,20 +144,36 @@ __global__ void add_partials_kernel(const double* partials, int count, double* t
 
 // ---- AdamW ----
 
-__global__ void adam_kernel(float* p, const float* g, float* m, float* v, int64_t n, AdamFactors f) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gi = g[i] + f.l2 * p[i];
-    const float pi = p[i] * f.decay_scale;
-    const float mi = f.beta1 * m[i] + f.one_minus_beta1 * gi;
-    const float vi = f.beta2 * v[i] + f.one_minus_beta2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    // torch's order: denom = sqrt(v) / sqrt(bc2) + eps; the last
-    // multiply-subtract fused, as on CPUs with FMA.
-    p[i] = __fmaf_rn(-f.step_size, mi / (sqrtf(vi) / f.sqrt_bc2 + f.eps), pi);
+struct AdamOp {
+  float* p;
+  const float* g;
+  float* m;
+  float* v;
+  AdamFactors f;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    float pv[V], gv[V], mv[V], vv[V];
+    load<V>(p, i, pv);
+    load<V>(g, i, gv);
+    load<V>(m, i, mv);
+    load<V>(v, i, vv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float gi = gv[k] + f.l2 * pv[k];
+      const float pi = pv[k] * f.decay_scale;
+      const float mi = f.beta1 * mv[k] + f.one_minus_beta1 * gi;
+      const float vi = f.beta2 * vv[k] + f.one_minus_beta2 * gi * gi;
+      mv[k] = mi;
+      vv[k] = vi;
+      // torch's order: denom = sqrt(v) / sqrt(bc2) + eps; the last
+      // multiply-subtract fused, as on CPUs with FMA.
+      pv[k] = __fmaf_rn(-f.step_size, mi / (sqrtf(vi) / f.sqrt_bc2 + f.eps), pi);
+    }
+    store<V>(m, i, mv);
+    store<V>(v, i, vv);
+    store<V>(p, i, pv);
   }
-}
+};
 
 }  // namespace
 
@@ -150,10 +184,8 @@ void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) { binary(s
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
   require_contiguous("scale", a);
   HSPMD_CHECK(a.numel() == out.numel(), "scale: sizes differ");
-  const int64_t n = a.numel();
-  if (n == 0) return;
-  scale_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(a.data<float>(), factor, out.data<float>(), n);
-  launched("scale");
+  elementwise(s, "scale", ScaleOp{a.data<float>(), factor, out.data<float>()}, a.numel(),
+              {a.raw_data(), out.raw_data()});
 }
 
 void accumulate(Stream& s, const NDArray& a, NDArray& out) { binary(s, "accumulate", a, out, out, Binary::kAdd); }
@@ -238,15 +270,18 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
 
 namespace {
 
-__global__ void f32_to_bf16_kernel(const float* in, __nv_bfloat16* out, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    out[i] = __float2bfloat16_rn(in[i]);
-}
-
-__global__ void bf16_to_f32_kernel(const __nv_bfloat16* in, float* out, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    out[i] = __bfloat162float(in[i]);
-}
+// f32 -> bf16 rounds to nearest even; bf16 -> f32 is exact.
+template <typename From, typename To>
+struct CastOp {
+  const From* in;
+  To* out;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    float x[V];
+    load<V>(in, i, x);
+    store<V>(out, i, x);
+  }
+};
 
 }  // namespace
 
@@ -259,17 +294,15 @@ NDArray cast(Stream& s, const NDArray& a, DType dtype) {
   }
   const int64_t n = a.numel();
   if (a.dtype() == DType::F32 && dtype == DType::BF16) {
-    if (n > 0)
-      f32_to_bf16_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(
-          a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()), n);
+    elementwise(s, "cast", CastOp<float, __nv_bfloat16>{a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data())},
+                n, {a.raw_data(), out.raw_data()});
   } else if (a.dtype() == DType::BF16 && dtype == DType::F32) {
-    if (n > 0)
-      bf16_to_f32_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(
-          static_cast<const __nv_bfloat16*>(a.raw_data()), out.data<float>(), n);
+    elementwise(s, "cast",
+                CastOp<__nv_bfloat16, float>{static_cast<const __nv_bfloat16*>(a.raw_data()), out.data<float>()}, n,
+                {a.raw_data(), out.raw_data()});
   } else {
     fail("[kernels] cast: ", dtype_name(a.dtype()), " -> ", dtype_name(dtype), " has no CUDA kernel (f32 <-> bf16)");
   }
-  launched("cast");
   return out;
 }
 
@@ -323,11 +356,11 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
                   "adam_step: param, grad and moments must be f32 of one size");
       require_contiguous("adam_step", *a);
     }
-    const int64_t n = t.param->numel();
-    if (n == 0) continue;
-    adam_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(t.param->data<float>(), t.grad->data<float>(),
-                                                          t.exp_avg->data<float>(), t.exp_avg_sq->data<float>(), n, f);
-    launched("adam_step");
+    elementwise(s, "adam_step",
+                AdamOp{t.param->data<float>(), t.grad->data<float>(), t.exp_avg->data<float>(),
+                       t.exp_avg_sq->data<float>(), f},
+                t.param->numel(),
+                {t.param->raw_data(), t.grad->raw_data(), t.exp_avg->raw_data(), t.exp_avg_sq->raw_data()});
   }
 }
 

@@ -73,25 +73,45 @@ __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // SwiGLU in f32 on f32 or bf16 arrays (T: gate and up, O: the output).
 template <typename T, typename O>
-__global__ void swiglu_kernel(const T* g, const T* u, O* y, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = to_f32(g[i]);
-    y[i] = from_f32<O>(gv * sigmoidf(gv) * to_f32(u[i]));
+struct SwigluOp {
+  const T* g;
+  const T* u;
+  O* y;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    float gv[V], uv[V];
+    load<V>(g, i, gv);
+    load<V>(u, i, uv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) gv[k] = gv[k] * sigmoidf(gv[k]) * uv[k];
+    store<V>(y, i, gv);
   }
-}
+};
 
 // D: dy; T: gate, up, dgate and dup.
 template <typename D, typename T>
-__global__ void swiglu_backward_kernel(const D* d, const T* g, const T* u, T* dg, T* du, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = to_f32(g[i]), dv = to_f32(d[i]);
-    const float s = sigmoidf(gv);
-    du[i] = from_f32<T>(dv * gv * s);
-    dg[i] = from_f32<T>(dv * to_f32(u[i]) * s * (1.0f + gv * (1.0f - s)));  // silu'(x) = s (1 + x (1 - s))
+struct SwigluBackwardOp {
+  const D* d;
+  const T* g;
+  const T* u;
+  T* dg;
+  T* du;
+  template <int V>
+  __device__ void apply(int64_t i) const {
+    float dv[V], gv[V], uv[V], dgv[V], duv[V];
+    load<V>(d, i, dv);
+    load<V>(g, i, gv);
+    load<V>(u, i, uv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float s = sigmoidf(gv[k]);
+      duv[k] = dv[k] * gv[k] * s;
+      dgv[k] = dv[k] * uv[k] * s * (1.0f + gv[k] * (1.0f - s));  // silu'(x) = s (1 + x (1 - s))
+    }
+    store<V>(du, i, duv);
+    store<V>(dg, i, dgv);
   }
-}
+};
 
 }  // namespace
 
@@ -138,10 +158,11 @@ void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
   with_float_type("swiglu", gate, [&](auto* g) {
     using T = std::remove_pointer_t<decltype(g)>;
     with_float_type("swiglu", out, [&](auto* y) {
-      swiglu_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(g, static_cast<const T*>(up.raw_data()), y, n);
+      using O = std::remove_pointer_t<decltype(y)>;
+      elementwise(s, "swiglu", SwigluOp<T, O>{g, static_cast<const T*>(up.raw_data()), y}, n,
+                  {gate.raw_data(), up.raw_data(), out.raw_data()});
     });
   });
-  launched("swiglu");
 }
 
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
@@ -156,12 +177,13 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
   with_float_type("swiglu_backward", dy, [&](auto* d) {
     with_float_type("swiglu_backward", gate, [&](auto* g) {
       using T = std::remove_pointer_t<decltype(g)>;
-      swiglu_backward_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(
-          d, g, static_cast<const T*>(up.raw_data()), static_cast<T*>(dgate.raw_data()),
-          static_cast<T*>(dup.raw_data()), n);
+      using D = std::remove_pointer_t<decltype(d)>;
+      elementwise(s, "swiglu_backward",
+                  SwigluBackwardOp<D, T>{d, g, static_cast<const T*>(up.raw_data()), static_cast<T*>(dgate.raw_data()),
+                                         static_cast<T*>(dup.raw_data())},
+                  n, {dy.raw_data(), gate.raw_data(), up.raw_data(), dgate.raw_data(), dup.raw_data()});
     });
   });
-  launched("swiglu_backward");
 }
 
 }  // namespace hspmd::kernels::cuda
