@@ -247,7 +247,12 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
     timing->start.record(*op.ctx.stream);
   }
   std::vector<NDArray> outputs = run_op(node, op.ctx, inputs);
-  if (timing) timing->end.record(*op.ctx.stream);
+  if (timing) {
+    timing->end.record(*op.ctx.stream);
+    for (const std::vector<NDArray>* arrays : {&inputs, static_cast<const std::vector<NDArray>*>(&outputs)})
+      for (const NDArray& a : *arrays) timing->bytes += a.valid() ? static_cast<double>(a.nbytes()) : 0.0;
+    timing->flops = op_work(node, inputs, outputs, &op.shard).flops;
+  }
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
   ledger_.op_predicted += op.traffic.sent;

@@ -14,7 +14,7 @@ void write_op_times(const std::string& path, int rank, int world_size, int64_t s
                     const std::string& device, const std::vector<ExecGraph::OpTiming>& timings) {
   struct Sum {
     int64_t calls = 0;
-    double seconds = 0;
+    double seconds = 0, bytes = 0, flops = 0;
   };
   std::map<std::string, Sum> by_type;
   double total = 0;
@@ -24,6 +24,8 @@ void write_op_times(const std::string& path, int rank, int world_size, int64_t s
     Sum& sum = by_type[t.type];
     ++sum.calls;
     sum.seconds += s;
+    sum.bytes += t.bytes;
+    sum.flops += t.flops;
     total += s;
   }
   std::vector<std::pair<std::string, Sum>> rows(by_type.begin(), by_type.end());
@@ -34,7 +36,11 @@ void write_op_times(const std::string& path, int rank, int world_size, int64_t s
     ops.push_back({{"type", type},
                    {"calls", sum.calls},
                    {"seconds", sum.seconds},
-                   {"share_of_step", step_time_s > 0 ? sum.seconds / step_time_s : 0.0}});
+                   {"share_of_step", step_time_s > 0 ? sum.seconds / step_time_s : 0.0},
+                   {"bytes", sum.bytes},
+                   {"flops", sum.flops},
+                   {"gb_per_s", sum.seconds > 0 ? sum.bytes / sum.seconds / 1e9 : 0.0},
+                   {"tflop_per_s", sum.seconds > 0 ? sum.flops / sum.seconds / 1e12 : 0.0}});
   const nlohmann::json j = {{"step", step},
                             {"rank", rank},
                             {"device", device},

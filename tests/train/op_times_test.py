@@ -2,6 +2,8 @@
 """`hspmd train --op-times FILE` (docs/profiling.md, "Op times of a training
 step"): the last step's ops summed by type, on the CPU, on the device double
 and on two ranks (one file per rank); the sums add up to at most the step;
+the matmuls' flops are the model's GEMM count exactly, every op moved bytes
+and its rate is bytes over seconds;
 a directory given as the file is refused in one line before training."""
 import argparse
 import json
@@ -27,11 +29,27 @@ def main():
         base = [a.hspmd, "train", "--model", model, "--data", data, "--seq-len", "32", "--global-batch", "4",
                 "--steps", "3", "--threads", "1", "--quiet"]
 
-        def check(label, path, device, rank=0):
+        # The step's matmul flops: 2 (forward) + 4 (backward) per weight and
+        # token over every GEMM weight (the LM head included), for each rank's
+        # share of the 4 x 32 tokens.
+        c = json.load(open(model))
+        H, F, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+        D = H // c["num_attention_heads"]
+        gemm_weights = L * (2 * H * H + 2 * H * c["num_key_value_heads"] * D + 3 * H * F) + V * H
+
+        def check(label, path, device, rank=0, tokens=4 * 32):
             j = json.load(open(path))
             ops = {o["type"]: o for o in j["ops"]}
             total = sum(o["seconds"] for o in j["ops"])
-            ok = (j["step"] == 2 and j["device"] == device and j["rank"] == rank and
+            mm = ops.get("matmul", {})
+            counted = (mm.get("flops") == 6 * gemm_weights * tokens and
+                       all(o["bytes"] > 0 for o in j["ops"] if o["type"] != "fill_like") and
+                       all(abs(o["gb_per_s"] * o["seconds"] * 1e9 - o["bytes"]) <= 1e-6 * o["bytes"]
+                           for o in j["ops"] if o["seconds"] > 0))
+            if not counted:
+                print(f"{label}: matmul flops {mm.get('flops')} (expected {6 * gemm_weights * tokens}), "
+                      f"bytes {[(o['type'], o['bytes'], o['gb_per_s']) for o in j['ops']]}")
+            ok = (counted and j["step"] == 2 and j["device"] == device and j["rank"] == rank and
                   "matmul" in ops and "attention_grad" in ops and ops["matmul"]["calls"] > 0 and
                   all(o["seconds"] >= 0 for o in j["ops"]) and abs(total - j["ops_total_s"]) < 1e-9 and
                   0 < j["ops_total_s"] <= j["step_time_s"] and
@@ -61,7 +79,7 @@ def main():
                 failures.append(f"dp2: exit {r.returncode}: {r.stderr.strip()[-300:]}")
             else:
                 for rank in (0, 1):
-                    check(f"dp2 rank {rank}", f"{out}.rank{rank}", "cpu:0", rank)
+                    check(f"dp2 rank {rank}", f"{out}.rank{rank}", "cpu:0", rank, tokens=2 * 32)
         r = subprocess.run(base + ["--op-times", tmp], capture_output=True, text=True)
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         ok = r.returncode != 0 and len(lines) == 1 and "--op-times" in lines[0]

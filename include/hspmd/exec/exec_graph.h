@@ -241,10 +241,13 @@ class ExecGraph {
   void set_op_observer(OpObserver observer) { observer_ = std::move(observer); }
   // Where the time goes (`hspmd train --op-times`): while `sink` is set, every
   // op this rank computes appends its type and two events recorded on its
-  // stream around it (nothing waits: read them once the stream is done).
+  // stream around it (nothing waits: read them once the stream is done),
+  // with the bytes of its arrays and its flops.
   struct OpTiming {
     std::string type;
     Event start, end;
+    double bytes = 0;  // the op's input and output arrays, as their dtypes store them
+    double flops = 0;  // OpWork::flops
   };
   void set_op_timing(std::vector<OpTiming>* sink) { op_timing_ = sink; }
   // Emulation: after every op and Reshard, the bytes this process holds must
