@@ -34,8 +34,14 @@ enum class GemmCompute { kF32, kBF16 };
 // HSPMD_GEMM_F32=openblas or set_f32_gemm_backend()). oneDNN primitives are
 // made once per shape, transposes and dtypes (and thread count) and cached;
 // both libraries use the thread count of set_num_threads().
+//
+// `addend` (f32, out's shape, out f32; not out itself): out = op(a)·op(b) +
+// addend, the product rounded to f32 first and the addend added to it, the
+// same bits as a matmul followed by add(out, addend), in one kernel where the
+// backend has one (the backward folds a gradient's accumulation into the GEMM
+// that makes the next term).
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute = GemmCompute::kF32);
+            GemmCompute compute = GemmCompute::kF32, const NDArray* addend = nullptr);
 
 // Whether this build and CPU run bf16 GEMMs natively: oneDNN is linked, its
 // effective ISA includes avx512_core_bf16 (or AMX) and /proc/cpuinfo lists
@@ -91,8 +97,10 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
                         int64_t vocab_size, NDArray& dweight);
 // out = x * rsqrt(mean(x^2, -1) + eps) * weight.
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
+// `addend` (f32, x's shape): dx = the norm's dx + addend, added as the last
+// step (the same bits as a separate add), in the same pass.
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
-                       float eps, NDArray& dx, NDArray& dweight);
+                       float eps, NDArray& dx, NDArray& dweight, const NDArray* addend = nullptr);
 // Rotates x [B, S, heads, D] by angle positions[b, s] * theta^(-2i/D)
 // (rotate_half convention); `inverse` rotates by the negated angle.
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,

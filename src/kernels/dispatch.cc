@@ -111,10 +111,19 @@ void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
 // ---- basic.h ----
 
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute) {
+            GemmCompute compute, const NDArray* addend) {
+  if (addend != nullptr) {
+    HSPMD_CHECK(out.dtype() == DType::F32 && addend->dtype() == DType::F32 && addend->shape() == out.shape() &&
+                    addend->raw_data() != out.raw_data(),
+                "matmul: the addend must be f32 of the output's shape, the output f32 and not the addend");
+    device_of("matmul", s, {addend});
+  }
   switch (device_of("matmul", s, {&a, &b, &out})) {
-    case DeviceType::CPU: return cpu::matmul(a, b, trans_a, trans_b, out, compute);
-    HSPMD_CUDA_CASE(matmul(s, a, b, trans_a, trans_b, out, compute))
+    case DeviceType::CPU:
+      cpu::matmul(a, b, trans_a, trans_b, out, compute);
+      if (addend != nullptr) add(s, out, *addend, out);  // in place: each element read before written
+      return;
+    HSPMD_CUDA_CASE(matmul(s, a, b, trans_a, trans_b, out, compute, addend))
     default: no_kernel("matmul", s.device());
   }
 }
@@ -197,10 +206,15 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
 }
 
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
-                       float eps, NDArray& dx, NDArray& dweight) {
+                       float eps, NDArray& dx, NDArray& dweight, const NDArray* addend) {
+  if (addend != nullptr) {
+    HSPMD_CHECK(addend->dtype() == DType::F32 && addend->numel() == x.numel() && addend->is_contiguous(),
+                "rms_norm_backward: the addend must be f32 and contiguous, of x's size");
+    device_of("rms_norm_backward", s, {addend});
+  }
   switch (device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {
-    case DeviceType::CPU: return cpu::rms_norm_backward(dy, x, weight, eps, dx, dweight);
-    HSPMD_CUDA_CASE(rms_norm_backward(s, dy, x, weight, eps, dx, dweight))
+    case DeviceType::CPU: return cpu::rms_norm_backward(dy, x, weight, eps, dx, dweight, addend);
+    HSPMD_CUDA_CASE(rms_norm_backward(s, dy, x, weight, eps, dx, dweight, addend))
     default: no_kernel("rms_norm_backward", s.device());
   }
 }

@@ -66,11 +66,27 @@ std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt
     if (!any) continue;
     // Copy what we need: gradient() appends nodes and may reallocate storage.
     std::vector<Tensor> inputs = node.inputs;
-    std::vector<Tensor> grad_in = node.op->gradient(g.node(id), grad_out);
+    // The gradients the inputs have so far, offered to the op to fold into
+    // its own terms (once per distinct input tensor).
+    std::vector<Tensor> addends(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!on_path[inputs[i].node_id()]) continue;
+      bool repeated = false;
+      for (size_t j = 0; j < i; ++j) repeated = repeated || inputs[j] == inputs[i];
+      auto it = grads.find({inputs[i].node_id(), inputs[i].index()});
+      if (!repeated && it != grads.end()) addends[i] = it->second;
+    }
+    const std::vector<Tensor> offered = addends;
+    std::vector<Tensor> grad_in = node.op->gradient_into(g.node(id), grad_out, addends);
     HSPMD_CHECK(grad_in.size() == inputs.size(), "op ", g.node(id).op->type(), " returned ",
                 grad_in.size(), " gradients for ", inputs.size(), " inputs");
-    for (size_t i = 0; i < inputs.size(); ++i)
-      if (grad_in[i].valid() && on_path[inputs[i].node_id()]) accumulate(inputs[i], grad_in[i]);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!grad_in[i].valid() || !on_path[inputs[i].node_id()]) continue;
+      if (offered[i].valid() && !addends[i].valid())  // folded: the sum so far
+        grads[{inputs[i].node_id(), inputs[i].index()}] = grad_in[i];
+      else
+        accumulate(inputs[i], grad_in[i]);
+    }
   }
 
   std::vector<Tensor> result;

@@ -73,7 +73,7 @@ class MatmulOp final : public Op {
   std::string type() const override { return "matmul"; }
 
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
-    expect_inputs("matmul", in, 2);
+    if (in.size() != 2 && in.size() != 3) fail("[matmul] expected 2 inputs (or 3 with an addend), got ", in.size());
     expect_float("a", in[0]);
     expect_float("b", in[1]);
     const SymShape& a = in[0].shape;
@@ -99,6 +99,9 @@ class MatmulOp final : public Op {
       out.assign(a.begin(), a.end() - 1);
       out.push_back(n);
     }
+    if (in.size() == 3 && (out_ != DType::F32 || in[2].dtype != DType::F32 || !(in[2].shape == out)))
+      fail("[matmul] the addend must be f32 of the output's shape ", sym_shape_str(out), " with an f32 output, got ",
+           dtype_name(in[2].dtype), " ", sym_shape_str(in[2].shape));
     return {TensorMeta{out, out_}};
   }
 
@@ -107,13 +110,15 @@ class MatmulOp final : public Op {
     out[0] = ctx.alloc(0);
     const NDArray& a = in[0];
     const NDArray& b = in[1];
+    const NDArray addend = in.size() == 3 ? in[2].contiguous() : NDArray();
+    const NDArray* add = addend.valid() ? &addend : nullptr;
     if (b.ndim() <= 2) {
-      kernels::matmul(*ctx.stream, a, b, trans_a_, trans_b_, out[0]);
+      kernels::matmul(*ctx.stream, a, b, trans_a_, trans_b_, out[0], kernels::GemmCompute::kF32, add);
       return;
     }
     const int64_t n = b.dim(-1);
     kernels::matmul(*ctx.stream, a, b.contiguous().reshape({n == 0 ? 0 : b.numel() / n, n}),
-                    trans_a_, trans_b_, out[0]);
+                    trans_a_, trans_b_, out[0], kernels::GemmCompute::kF32, add);
   }
 
   // With A' = op(A), B' = op(B), C = A'B': dA' = dC B'^T and dB' = A'^T dC.
@@ -122,27 +127,56 @@ class MatmulOp final : public Op {
   // Mixed precision: when an operand is bf16 the incoming gradient is rounded
   // to bf16 once here (a graph cast) rather than inside both of its GEMMs.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    std::vector<Tensor> none(node.inputs.size());
+    return gradient_into(node, g, none);
+  }
+
+  // a's gradient (without trans_a) is one GEMM of a's shape: a gradient a
+  // already has from later consumers (the other projections reading the
+  // same normalized input) is added by that GEMM (matmul's addend).
+  std::vector<Tensor> gradient_into(const Node& node, const std::vector<Tensor>& g,
+                                    std::vector<Tensor>& addends) const override {
+    // Copies: adding nodes may move the graph's node storage (and `node`).
     const Tensor a = node.inputs[0], b = node.inputs[1];
+    const size_t n_inputs = node.inputs.size();
     const bool bf16 = a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
     const Tensor dc = bf16 ? cast(g[0], DType::BF16) : g[0];
     const SymShape a_shape = a.shape(), b_shape = b.shape();
+    Tensor& fold = addends[0];
+    const bool folds = !trans_a_ && fold.valid() && fold.dtype() == DType::F32 && fold.shape() == a_shape;
     Tensor da = trans_a_ ? reshape_if_needed(matmul(b, as_2d(dc), trans_b_, true), a_shape)
+                : folds  ? a.graph()->add1(std::make_shared<MatmulOp>(false, !trans_b_, DType::F32), {dc, b, fold})
                          : matmul(dc, b, false, !trans_b_);
+    if (folds) fold = Tensor();
+    // An addend input's gradient is the incoming one (second order only).
+    const Tensor d_addend = n_inputs == 3 ? g[0] : Tensor();
     // b's gradient reads a: a cheap producer's output is made again here
     // instead of being kept from the forward (recompute_for_backward).
     const Tensor a_again = ops::recompute_for_backward(a);
-    if (!trans_a_ && a.ndim() >= 2)
-      return {da, trans_b_ ? matmul(dc, a_again, true, false) : matmul(a_again, dc, true, false)};
-    Tensor db = trans_b_ ? matmul(as_2d(dc), as_2d(a_again), true, trans_a_)
-                         : reshape_if_needed(matmul(a_again, as_2d(dc), !trans_a_, false), b_shape);
-    return {da, db};
+    std::vector<Tensor> out;
+    if (!trans_a_ && a.ndim() >= 2) {
+      out = {da, trans_b_ ? matmul(dc, a_again, true, false) : matmul(a_again, dc, true, false)};
+    } else {
+      Tensor db = trans_b_ ? matmul(as_2d(dc), as_2d(a_again), true, trans_a_)
+                           : reshape_if_needed(matmul(a_again, as_2d(dc), !trans_a_, false), b_shape);
+      out = {da, db};
+    }
+    if (n_inputs == 3) out.push_back(d_addend);
+    return out;
   }
 
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
     const DimRule rule = matmul_rule(ctx.node.inputs[0].ndim(), ctx.node.inputs[1].ndim(),
                                      trans_a_, trans_b_);
-    return deduce_by_dims(ctx, rule, in);
+    if (in.size() == 2) return deduce_by_dims(ctx, rule, in);
+    // With an addend: the product's layout, which the addend must share (as
+    // add's inputs must; identical partial terms give a partial sum).
+    std::vector<Annotation> out = deduce_by_dims(ctx, rule, {in[0], in[1]});
+    if (!same_layout(out[0], in[2]))
+      fail_at(ctx, "the addend (input 2) is sharded differently from the product (", to_string(in[2]), ") vs (",
+              to_string(out[0]), "); insert a Reshard");
+    return out;
   }
 
   // 2 m n k: every output element is a dot product over the contracted dim

@@ -29,25 +29,40 @@ DimRule norm_rule(int x_rank, bool backward) {
   return rule;
 }
 
-// (dy, x, weight) -> (dx, dweight).
+// (dy, x, weight[, addend]) -> (dx [+ addend], dweight). The addend is x's
+// gradient from its other consumers (the residual stream's), added to dx
+// in the same pass instead of by a separate add.
 class RmsNormGradOp final : public Op {
  public:
   explicit RmsNormGradOp(float eps) : eps_(eps) {}
   std::string type() const override { return "rms_norm_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
-    expect_inputs("rms_norm_grad", in, 3);
+    if (in.size() != 3 && in.size() != 4)
+      fail("[rms_norm_grad] expected 3 inputs (or 4 with an addend), got ", in.size());
+    if (in.size() == 4 && (in[3].dtype != DType::F32 || !(in[3].shape == in[1].shape)))
+      fail("[rms_norm_grad] the addend must be f32 of x's shape ", sym_shape_str(in[1].shape), ", got ",
+           dtype_name(in[3].dtype), " ", sym_shape_str(in[3].shape));
     return {in[1], in[2]};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
+    const NDArray addend = in.size() == 4 ? in[3].contiguous() : NDArray();
     kernels::rms_norm_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(),
-                               in[2].contiguous(), eps_, out[0], out[1]);
+                               in[2].contiguous(), eps_, out[0], out[1], addend.valid() ? &addend : nullptr);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
-    return deduce_by_dims(ctx, norm_rule(ctx.node.inputs[1].ndim(), true), in);
+    const DimRule rule = norm_rule(ctx.node.inputs[1].ndim(), true);
+    if (in.size() == 3) return deduce_by_dims(ctx, rule, in);
+    // With an addend: dx's layout, which the addend must share (as add's
+    // inputs must; identical partial terms give a partial sum).
+    std::vector<Annotation> out = deduce_by_dims(ctx, rule, {in[0], in[1], in[2]});
+    if (!same_layout(out[0], in[3]))
+      fail_at(ctx, "the addend (input 3) is sharded differently from dx (", to_string(in[3]), ") vs (",
+              to_string(out[0]), "); insert a Reshard");
+    return out;
   }
 
  private:
@@ -76,8 +91,21 @@ class RmsNormOp final : public Op {
   }
   // dx and dweight are f32 (x and the weight are); a bf16 dy is widened.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    std::vector<Tensor> none(node.inputs.size());
+    return gradient_into(node, g, none);
+  }
+  // x's gradient from its other consumer (the residual add after the
+  // norm's block) is added to dx by the backward kernel itself.
+  std::vector<Tensor> gradient_into(const Node& node, const std::vector<Tensor>& g,
+                                    std::vector<Tensor>& addends) const override {
     const Tensor x = node.inputs[0], w = node.inputs[1];
-    return g[0].graph()->add(std::make_shared<RmsNormGradOp>(eps_), {cast(g[0], DType::F32), x, w});
+    std::vector<Tensor> in = {cast(g[0], DType::F32), x, w};
+    Tensor& fold = addends[0];
+    if (fold.valid() && fold.dtype() == DType::F32 && fold.shape() == x.shape()) {
+      in.push_back(fold);
+      fold = Tensor();
+    }
+    return g[0].graph()->add(std::make_shared<RmsNormGradOp>(eps_), in);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {

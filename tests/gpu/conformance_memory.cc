@@ -185,8 +185,13 @@ void ops() {
     kernels::rms_norm(cpu(), x, w, 1e-5f, y16);
     kernels::rms_norm(gpu(), up(x), up(w), 1e-5f, gy16);
     const double e4 = rel_diff(down(gy16), y16);
-    std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e y_bf16=%.1e", e1, e2, e3, e4);
-    result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6 && e4 < 4e-3, d);
+    // dx with an addend (the residual stream's gradient, added in the same pass).
+    const NDArray addend = random_f32(x.shape(), 24), gaddend = up(addend);
+    kernels::rms_norm_backward(cpu(), dy, x, w, 1e-5f, dx, dw, &addend);
+    kernels::rms_norm_backward(gpu(), up(dy), up(x), up(w), 1e-5f, gdx, gdw, &gaddend);
+    const double e5 = rel_diff(down(gdx), dx);
+    std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e y_bf16=%.1e dx_addend=%.1e", e1, e2, e3, e4, e5);
+    result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6 && e4 < 4e-3 && e5 < 1e-6, d);
   });
   run_case("swiglu", [] {
     const NDArray g = random_f32({7, 333}, 24), u = random_f32({7, 333}, 25), dy = random_f32({7, 333}, 26);
@@ -259,6 +264,27 @@ void gemm() {
       }
     std::snprintf(d, sizeof d, "f32=%.1e bf16=%.1e bf16_out=%.1e", worst_f32, worst_bf16, worst_out);
     result("matmul", worst_f32 < 2e-5 && worst_bf16 < 2e-5 && worst_out < 8e-3, d);
+  });  // With an addend (the backward's folded gradient accumulation): cuBLASLt
+  // reads it and writes the sum apart (C != D); the CPU adds after its GEMM.
+  run_case("matmul_addend", [] {
+    double worst = 0;
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (kernels::GemmCompute c : {kernels::GemmCompute::kF32, kernels::GemmCompute::kBF16}) {
+          const int64_t m = 45, k = 131, n = 71;
+          const NDArray a = ta ? random_f32({k, m}, 60 + ta) : random_f32({1, m, k}, 62);
+          const NDArray b = tb ? random_f32({n, k}, 63) : random_f32({k, n}, 64), add = random_f32({m, n}, 65);
+          NDArray want = NDArray::empty({m, n}, DType::F32), got = dev_empty({m, n});
+          kernels::matmul(cpu(), a, b, ta, tb, want, c, &add);
+          const NDArray gadd = up(add);
+          kernels::matmul(gpu(), up(a), up(b), ta, tb, got, c, &gadd);
+          worst = std::max(worst, rel_diff(down(got), want));
+          // The addend is read, not written.
+          worst = std::max(worst, max_diff(down(gadd), add));
+        }
+    char d[64];
+    std::snprintf(d, sizeof d, "rel=%.1e", worst);
+    result("matmul_addend", worst < 2e-5, d);
   });
 }
 

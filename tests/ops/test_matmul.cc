@@ -1,5 +1,10 @@
+#include <cstring>
+
 #include "gradcheck.h"
+#include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
+#include "kernels/basic.h"
+#include "kernels/kernels.h"
 
 namespace hspmd {
 namespace {
@@ -114,6 +119,71 @@ TEST(Matmul, InnerDimMismatchIsAnError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("[matmul]"), std::string::npos) << e.what();
   }
+}
+
+// An input read by three projections (q, k and v of one normalized
+// activation): its gradient's accumulation is folded into the dgrad GEMMs
+// (matmul's addend), no add node is left, and the sum has the bits of the
+// GEMMs and adds done apart, in autodiff's order (the last consumer first).
+TEST(Matmul, SharedInputGradientAccumulatesInTheGemms) {
+  const Shape xs = {2, 3, 4};
+  const std::vector<Shape> ws = {{5, 4}, {6, 4}, {5, 4}};
+  Graph g;
+  Tensor x = g.placeholder("x", sym_shape(xs), DType::F32);
+  Tensor loss;
+  std::vector<NDArray> w, r;
+  ValueMap feed;
+  feed["x"] = random_array(xs, 70);
+  for (int i = 0; i < 3; ++i) {
+    w.push_back(random_array(ws[i], 71 + i));
+    r.push_back(random_array({2, 3, ws[i][0]}, 74 + i));
+    const std::string wn = "w" + std::to_string(i), rn = "r" + std::to_string(i);
+    feed[wn] = w.back();
+    feed[rn] = r.back();
+    Tensor y = ops::linear(x, g.placeholder(wn, sym_shape(ws[i]), DType::F32));
+    Tensor term = g.add1(std::make_shared<testing::WeightedSumOp>(),
+                         {y, g.placeholder(rn, sym_shape(r.back().shape()), DType::F32)});
+    loss = i == 0 ? term : ops::add(loss, term);
+  }
+  const Tensor dx = gradients(loss, {x})[0];
+  int folded = 0, wide_adds = 0;
+  for (int id = loss.node_id() + 1; id < g.num_nodes(); ++id) {
+    const Node& n = g.node(id);
+    folded += n.op->type() == "matmul" && n.inputs.size() == 3;
+    wide_adds += n.op->type() == "add";
+  }
+  EXPECT_EQ(folded, 2);
+  EXPECT_EQ(wide_adds, 0);
+  const NDArray got = Executor(g, {dx}).run(feed)[0];
+  // Apart: d2 = r2 W2, then r1 W1 + d2, then r0 W0 + that.
+  Stream& cpu = default_stream(Device::cpu());
+  NDArray want;
+  for (int i = 2; i >= 0; --i) {
+    NDArray term = NDArray::empty(xs, DType::F32);
+    kernels::matmul(cpu, r[i], w[i], false, false, term);
+    if (i < 2) kernels::add(cpu, term, want, term);
+    want = term;
+  }
+  ASSERT_EQ(got.shape(), want.shape());
+  EXPECT_EQ(std::memcmp(got.data<float>(), want.data<float>(), want.nbytes()), 0);
+}
+
+TEST(Matmul, AddendMustBeAnF32ArrayOfTheOutputsShapeApartFromIt) {
+  Stream& cpu = default_stream(Device::cpu());
+  const NDArray a = random_array({3, 4}, 1), b = random_array({4, 5}, 2);
+  NDArray out = NDArray::empty({3, 5}, DType::F32), out16 = NDArray::empty({3, 5}, DType::BF16);
+  const NDArray wrong_shape = random_array({3, 4}, 3), right = random_array({3, 5}, 4);
+  const auto gemm = [&](NDArray& o, const NDArray* add) {
+    kernels::matmul(cpu, a, b, false, false, o, kernels::GemmCompute::kF32, add);
+  };
+  EXPECT_THROW(gemm(out, &wrong_shape), InternalError);  // a caller's bug, not bad input
+  EXPECT_THROW(gemm(out16, &right), InternalError);
+  EXPECT_THROW(gemm(out, &out), InternalError);
+  gemm(out, &right);  // and the sum: the product plus the addend
+  NDArray want = NDArray::empty({3, 5}, DType::F32);
+  kernels::matmul(cpu, a, b, false, false, want);
+  kernels::add(cpu, want, right, want);
+  EXPECT_EQ(std::memcmp(out.data<float>(), want.data<float>(), want.nbytes()), 0);
 }
 
 }  // namespace

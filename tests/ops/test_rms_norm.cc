@@ -1,4 +1,8 @@
+#include <cstring>
+
 #include "gradcheck.h"
+#include "kernels/basic.h"
+#include "kernels/kernels.h"
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
 
@@ -69,6 +73,40 @@ TEST(RmsNorm, WeightShapeMismatchIsAnError) {
   Tensor w2 = g.parameter("w2", {1, 8});
   EXPECT_THROW(ops::rms_norm(x, w, 1e-5f), Error);
   EXPECT_THROW(ops::rms_norm(x, w2, 1e-5f), Error);
+}
+
+// The residual stream h feeds the norm and, later, a consumer of its own:
+// h's gradient from that consumer is added by the norm's backward kernel
+// (rms_norm_grad's addend), no add node is left, and dx has the bits of the
+// backward and the add done apart.
+TEST(RmsNorm, ResidualGradientAddsInTheBackwardKernel) {
+  const Shape hs = {3, 5, 40};
+  Graph g;
+  Tensor h = g.placeholder("h", sym_shape(hs), DType::F32);
+  Tensor w = g.placeholder("w", {40}, DType::F32);
+  Tensor r0 = g.placeholder("r0", sym_shape(hs), DType::F32), r1 = g.placeholder("r1", sym_shape(hs), DType::F32);
+  Tensor y = ops::rms_norm(h, w, 1e-5f);
+  Tensor loss = ops::add(g.add1(std::make_shared<testing::WeightedSumOp>(), {y, r0}),
+                         g.add1(std::make_shared<testing::WeightedSumOp>(), {h, r1}));
+  const int forward_end = loss.node_id();
+  const std::vector<Tensor> grads = gradients(loss, {h, w});
+  int folded = 0, wide_adds = 0;
+  for (int id = forward_end + 1; id < g.num_nodes(); ++id) {
+    const Node& n = g.node(id);
+    folded += n.op->type() == "rms_norm_grad" && n.inputs.size() == 4;
+    wide_adds += n.op->type() == "add";
+  }
+  EXPECT_EQ(folded, 1);
+  EXPECT_EQ(wide_adds, 0);
+  const NDArray hv = random_array(hs, 80), wv = random_array({40}, 81), r0v = random_array(hs, 82),
+                r1v = random_array(hs, 83);
+  const std::vector<NDArray> got = Executor(g, grads).run({{"h", hv}, {"w", wv}, {"r0", r0v}, {"r1", r1v}});
+  Stream& cpu = default_stream(Device::cpu());
+  NDArray dx = NDArray::empty(hs, DType::F32), dw = NDArray::empty({40}, DType::F32);
+  kernels::rms_norm_backward(cpu, r0v, hv, wv, 1e-5f, dx, dw);
+  kernels::add(cpu, dx, r1v, dx);
+  EXPECT_EQ(std::memcmp(got[0].data<float>(), dx.data<float>(), dx.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(got[1].data<float>(), dw.data<float>(), dw.nbytes()), 0);
 }
 
 }  // namespace

@@ -89,6 +89,19 @@ class Op {
   virtual std::vector<Tensor> gradient(const Node& node,
                                        const std::vector<Tensor>& grad_outputs) const;
 
+  // The same, where some inputs already have a gradient from later
+  // consumers: addends[i] is input i's gradient so far (invalid where it has
+  // none). An op may fold addends[i] into the gradient it returns for input
+  // i (computing their sum in the node that makes its own term: a GEMM or a
+  // norm's backward adds it as it writes, with no separate add pass) and
+  // then resets addends[i] to say so; the autodiff adds the others. The
+  // default folds none.
+  virtual std::vector<Tensor> gradient_into(const Node& node, const std::vector<Tensor>& grad_outputs,
+                                            std::vector<Tensor>& addends) const {
+    (void)addends;
+    return gradient(node, grad_outputs);
+  }
+
   // Annotation deduction (docs/deduction.md): one annotation per output
   // from the inputs' annotations, which the engine has already checked to
   // live on the same subgroups (same device groups, same hsize). Throws

@@ -43,7 +43,7 @@ void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_b
                         int64_t vocab_size, NDArray& dweight);
 void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out);
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
-                       NDArray& dx, NDArray& dweight);
+                       NDArray& dx, NDArray& dweight, const NDArray* addend);
 void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out);
 void swiglu(const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,

@@ -53,7 +53,7 @@ void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) 
 }
 
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
-                       NDArray& dx, NDArray& dweight) {
+                       NDArray& dx, NDArray& dweight, const NDArray* addend) {
   require_contiguous("rms_norm_backward", dy);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dweight.numel() == h,
@@ -62,6 +62,7 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
   const float* pg = dy.data<float>();
   const float* w = weight.data<float>();
   float* pdx = dx.data<float>();
+  const float* pa = addend != nullptr ? addend->data<float>() : nullptr;
   std::vector<float> inv(rows);
   // dx = s*w*dy - x * s^3 / H * Σ(dy*w*x), with s = rsqrt(mean(x^2) + eps).
 #pragma omp parallel for schedule(static) if (x.numel() > 32768)
@@ -78,6 +79,10 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
     const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
     float* dr = pdx + r * h;
     for (int64_t i = 0; i < h; ++i) dr[i] = s * w[i] * gr[i] - xr[i] * c;
+    if (pa != nullptr) {  // after the row, as a separate add would be
+      const float* ar = pa + r * h;
+      for (int64_t i = 0; i < h; ++i) dr[i] += ar[i];
+    }
   }
   constexpr int64_t kBlock = 64;
   const int64_t blocks = (h + kBlock - 1) / kBlock;

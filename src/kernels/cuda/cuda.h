@@ -26,11 +26,11 @@ void accumulate(Stream& s, const NDArray& a, NDArray& out);
 // ---- basic.h ----
 // cuBLAS (gemm.cu): f32 or bf16 products, f32 accumulation.
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute);
+            GemmCompute compute, const NDArray* addend);
 // f32:
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
-                       NDArray& dweight);
+                       NDArray& dweight, const NDArray* addend);
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup);

@@ -10,6 +10,7 @@
 // Row-major C[m,n] = A·B is column-major C^T[n,m] = B^T·A^T, so cuBLAS is
 // called with the operands swapped: first B (ldb = b.dim(1)), then A (lda =
 // a.dim(-1)), ldc = n.
+#include <cublasLt.h>   // the same: cuBLASLt, for the GEMMs with an addend (C != D)
 #include <cublas_v2.h>  // types and prototypes only: the library is opened at run time
 #include <cuda_bf16.h>
 
@@ -17,6 +18,7 @@
 
 #include <map>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -95,10 +97,150 @@ NDArray as_bf16(Stream& s, const NDArray& a) { return a.dtype() == DType::BF16 ?
 
 cudaDataType_t cuda_type(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
+// ---- cuBLASLt: D = op(A)·op(B) + C with C != D (the matmul's addend) ----
+// cublasGemmEx adds beta·C only in place (C == D): folding a gradient's
+// accumulation into it would cost a copy of the addend first, as much as the
+// add it replaces. cuBLASLt reads C and writes D apart: the GEMM reads the
+// addend once and writes the sum once.
+
+struct Lt {
+  decltype(&cublasLtCreate) create = nullptr;
+  decltype(&cublasLtMatmulDescCreate) desc_create = nullptr;
+  decltype(&cublasLtMatmulDescSetAttribute) desc_set = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) desc_destroy = nullptr;
+  decltype(&cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy = nullptr;
+  decltype(&cublasLtMatmulPreferenceCreate) pref_create = nullptr;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
+  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
+  decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtGetStatusString) status_string = nullptr;
+};
+
+const Lt& lt() {
+  static const Lt l = [] {
+    void* lib = nullptr;
+    std::string tried;
+    for (const char* name : {"libcublasLt.so." HSPMD_CUBLAS_MAJOR,
+                             HSPMD_CUBLAS_DIR "/libcublasLt.so." HSPMD_CUBLAS_MAJOR, "libcublasLt.so"}) {
+      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (lib) break;
+      const char* why = dlerror();
+      tried += std::string(tried.empty() ? "" : "; ") + name + ": " + (why ? why : "not found");
+    }
+    if (!lib) fail("[cuda] matmul: cannot load cuBLASLt (", tried, ")");
+    Lt out;
+    const auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (!fn) fail("[cuda] matmul: cuBLASLt has no ", name);
+    };
+    sym(out.create, "cublasLtCreate");
+    sym(out.desc_create, "cublasLtMatmulDescCreate");
+    sym(out.desc_set, "cublasLtMatmulDescSetAttribute");
+    sym(out.desc_destroy, "cublasLtMatmulDescDestroy");
+    sym(out.layout_create, "cublasLtMatrixLayoutCreate");
+    sym(out.layout_destroy, "cublasLtMatrixLayoutDestroy");
+    sym(out.pref_create, "cublasLtMatmulPreferenceCreate");
+    sym(out.pref_set, "cublasLtMatmulPreferenceSetAttribute");
+    sym(out.pref_destroy, "cublasLtMatmulPreferenceDestroy");
+    sym(out.heuristic, "cublasLtMatmulAlgoGetHeuristic");
+    sym(out.matmul, "cublasLtMatmul");
+    sym(out.status_string, "cublasLtGetStatusString");
+    return out;
+  }();
+  return l;
+}
+
+void check_lt(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS)
+    fail("[cuda] ", what, ": cuBLASLt error ", static_cast<int>(st), " (", lt().status_string(st), ")");
+}
+
+constexpr size_t kLtWorkspace = size_t{32} << 20;  // cuBLAS's own default on Hopper
+
+// One GEMM shape's descriptors and chosen algorithm (ok == false: cuBLASLt
+// offered none; the caller then adds apart).
+struct LtPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ok = false;
+};
+
+using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int>;
+
+// Plans per (thread, device, shape): made once, kept for the process (a
+// training step repeats a few dozen shapes). The handle likewise.
+const LtPlan& lt_plan(int dev, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, cudaDataType_t in_type,
+                      int64_t b_cols, int64_t a_cols, cublasLtHandle_t handle) {
+  thread_local std::map<LtKey, LtPlan> plans;
+  const LtKey key{dev, m, n, k, trans_a, trans_b, static_cast<int>(in_type)};
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  LtPlan p;
+  const Lt& L = lt();
+  check_lt(L.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  // As cublasGemmEx is called: cuBLASLt's A is our b, its B our a (column-major C^T).
+  const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a), "cublasLtMatmulDescSetAttribute");
+  check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b), "cublasLtMatmulDescSetAttribute");
+  // Stored matrices, column-major: b [b0, b1] row-major is (b1 x b0) with ld
+  // b1; a [rows, a_cols] is (a_cols x rows) with ld a_cols; C and D are (n x m).
+  const uint64_t b_rows_cm = static_cast<uint64_t>(b_cols), b_cols_cm = static_cast<uint64_t>(trans_b ? n : k);
+  const uint64_t a_rows_cm = static_cast<uint64_t>(a_cols), a_cols_cm = static_cast<uint64_t>(trans_a ? k : m);
+  check_lt(L.layout_create(&p.a, in_type, b_rows_cm, b_cols_cm, b_cols), "cublasLtMatrixLayoutCreate");
+  check_lt(L.layout_create(&p.b, in_type, a_rows_cm, a_cols_cm, a_cols), "cublasLtMatrixLayoutCreate");
+  check_lt(L.layout_create(&p.c, CUDA_R_32F, static_cast<uint64_t>(n), static_cast<uint64_t>(m), n),
+           "cublasLtMatrixLayoutCreate");
+  cublasLtMatmulPreference_t pref = nullptr;
+  check_lt(L.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
+  const size_t ws = kLtWorkspace;
+  check_lt(L.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
+           "cublasLtMatmulPreferenceSetAttribute");
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  const cublasStatus_t st = L.heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &returned);
+  L.pref_destroy(pref);
+  p.ok = st == CUBLAS_STATUS_SUCCESS && returned > 0;
+  if (p.ok) p.algo = result.algo;
+  return plans.emplace(key, p).first->second;
+}
+
+cublasLtHandle_t lt_handle(int dev) {
+  thread_local std::map<int, cublasLtHandle_t> handles;
+  auto it = handles.find(dev);
+  if (it == handles.end()) {
+    cuda_rt::check(cudaSetDevice(dev), "cudaSetDevice");
+    cublasLtHandle_t h = nullptr;
+    check_lt(lt().create(&h), "cublasLtCreate");
+    it = handles.emplace(dev, h).first;
+  }
+  return it->second;
+}
+
+// out = op(a)·op(b) + addend (f32) in one cuBLASLt call; false when cuBLASLt
+// has no algorithm for the shape (nothing was written).
+bool lt_matmul_add(Stream& s, const NDArray& a_op, const NDArray& b_op, bool trans_a, bool trans_b, int64_t m,
+                   int64_t n, int64_t k, int64_t a_cols, int64_t b_cols, cudaDataType_t in_type, const NDArray& addend,
+                   NDArray& out) {
+  const int dev = s.device().index;
+  const cublasLtHandle_t h = lt_handle(dev);
+  const LtPlan& p = lt_plan(dev, m, n, k, trans_a, trans_b, in_type, b_cols, a_cols, h);
+  if (!p.ok) return false;
+  NDArray workspace = NDArray::empty({static_cast<int64_t>(kLtWorkspace / 8)}, DType::I64, s.device());
+  const float alpha = 1.0f, beta = 1.0f;
+  check_lt(lt().matmul(h, p.desc, &alpha, b_op.raw_data(), p.a, a_op.raw_data(), p.b, &beta, addend.raw_data(), p.c,
+                       out.raw_data(), p.c, &p.algo, workspace.raw_data(), kLtWorkspace, launch::native(s)),
+           "cublasLtMatmul");
+  launch::launched("cublasLtMatmul");
+  return true;
+}
+
 }  // namespace
 
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute) {
+            GemmCompute compute, const NDArray* addend) {
   launch::require_contiguous("matmul", a);
   launch::require_contiguous("matmul", b);
   launch::require_contiguous("matmul", out);
@@ -117,6 +259,7 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
   if (m == 0 || n == 0) return;
   if (k == 0) {
     fill(s, out, 0.0f);
+    if (addend != nullptr) add(s, out, *addend, out);
     return;
   }
   constexpr int64_t kMax = 0x7fffffff;  // cuBLAS's int dimensions
@@ -125,6 +268,10 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
   const bool bf16 = compute == GemmCompute::kBF16 || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
   const NDArray a_op = bf16 ? as_bf16(s, a) : a, b_op = bf16 ? as_bf16(s, b) : b;
   const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  if (addend != nullptr) {
+    launch::require_contiguous("matmul", *addend);
+    if (lt_matmul_add(s, a_op, b_op, trans_a, trans_b, m, n, k, a_cols, b.dim(1), in_type, *addend, out)) return;
+  }
   const float alpha = 1.0f, beta = 0.0f;
   // Column-major view: C^T (n x m) = op(B)^T (n x k) · op(A)^T (k x m).
   check_blas(blas().gemm_ex(handle_for(s), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
@@ -133,6 +280,7 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
                           &beta, out.raw_data(), cuda_type(out.dtype()), static_cast<int>(n), CUBLAS_COMPUTE_32F,
                           CUBLAS_GEMM_DEFAULT),
              "cublasGemmEx");
+  if (addend != nullptr) add(s, out, *addend, out);  // in place: each element read before written
 }
 
 }  // namespace hspmd::kernels::cuda

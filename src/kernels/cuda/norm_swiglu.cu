@@ -37,7 +37,7 @@ __global__ void rms_norm_kernel(const float* x, const float* w, float eps, O* y,
 
 // dx, and each row's scale s_r for dweight.
 __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
-                                   float* row_scale, int64_t h) {
+                                   float* row_scale, const float* addend, int64_t h) {
   __shared__ double scratch[kThreads];
   const float* xr = x + blockIdx.x * h;
   const float* gr = dy + blockIdx.x * h;
@@ -52,7 +52,11 @@ __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float*
   const float s = inv_rms(ss, h, eps);
   if (threadIdx.x == 0) row_scale[blockIdx.x] = s;
   const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) dr[i] = s * w[i] * gr[i] - xr[i] * c;
+  const float* ar = addend != nullptr ? addend + blockIdx.x * h : nullptr;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float v = s * w[i] * gr[i] - xr[i] * c;
+    dr[i] = ar != nullptr ? v + ar[i] : v;  // the norm's dx rounded, then the addend: a separate add's bits
+  }
 }
 
 // dweight[j] = Σ_rows dy[r, j] * (x[r, j] * s_r), as the CPU kernel's term.
@@ -129,7 +133,7 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
 }
 
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
-                       NDArray& dweight) {
+                       NDArray& dweight, const NDArray* addend) {
   require_contiguous("rms_norm_backward", dy);
   require_contiguous("rms_norm_backward", x);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
@@ -142,7 +146,8 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
   }
   NDArray scale = NDArray::empty({rows}, DType::F32, s.device());  // stream-ordered reuse only
   rms_norm_dx_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), scale.data<float>(), h);
+      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), scale.data<float>(),
+      addend != nullptr ? addend->data<float>() : nullptr, h);
   launched("rms_norm_backward");
   column_sums(s, "rms_norm_backward", RmsNormDwTerm{dy.data<float>(), x.data<float>(), scale.data<float>(), h}, rows,
               h, kNormRowChunk, dweight.data<float>());
