@@ -108,8 +108,10 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
 // out = silu(gate) * up, in f32; each array f32 or bf16 (gate and up alike;
 // dgate and dup in gate's dtype on CUDA), a bf16 result rounded once.
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
+// `out` (gate's size, f32 or bf16): also writes the forward's output,
+// computed as swiglu computes it (the same bits), in the same pass.
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up,
-                     NDArray& dgate, NDArray& dup);
+                     NDArray& dgate, NDArray& dup, NDArray* out = nullptr);
 // loss (scalar) = Σ_{targets != ignore} (logsumexp(row) - row[target]) / normalizer;
 // lse [rows] receives logsumexp(row) (0 for ignored rows) for the backward.
 // Throws hspmd::Error on a target outside [0, V) that is not ignore_index.

@@ -237,10 +237,14 @@ void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
 }
 
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up,
-                     NDArray& dgate, NDArray& dup) {
+                     NDArray& dgate, NDArray& dup, NDArray* out) {
+  if (out != nullptr) {
+    HSPMD_CHECK(out->numel() == gate.numel() && out->is_contiguous(), "swiglu_backward: out size");
+    device_of("swiglu_backward", s, {out});
+  }
   switch (device_of("swiglu_backward", s, {&dy, &gate, &up, &dgate, &dup})) {
-    case DeviceType::CPU: return cpu::swiglu_backward(dy, gate, up, dgate, dup);
-    HSPMD_CUDA_CASE(swiglu_backward(s, dy, gate, up, dgate, dup))
+    case DeviceType::CPU: return cpu::swiglu_backward(dy, gate, up, dgate, dup, out);
+    HSPMD_CUDA_CASE(swiglu_backward(s, dy, gate, up, dgate, dup, out))
     default: no_kernel("swiglu_backward", s.device());
   }
 }

@@ -33,6 +33,20 @@ Tensor ops::recompute_for_backward(const Tensor& t) {
   return t.graph()->add(op, inputs).at(t.index());
 }
 
+Tensor ops::recompute_for_backward(const Tensor& t, const Tensor& grad) {
+  const Node& producer = t.node();
+  if (!grad.valid() || !producer.op || producer.inputs.empty() || !producer.op->recompute_for_backward())
+    return recompute_for_backward(t);
+  const Graph& g = *t.graph();
+  int readers = 0;
+  for (int id = 0; id < g.num_nodes(); ++id)
+    for (const Tensor& in : g.node(id).inputs) readers += in == t;
+  if (readers != 1) return recompute_for_backward(t);  // grad is only part of t's gradient
+  const std::shared_ptr<const Op> op = producer.op;  // kept: adding nodes may move `producer`
+  const Tensor fused = op->recompute_with_gradient(producer, grad);
+  return fused.valid() ? fused : recompute_for_backward(t);
+}
+
 std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt) {
   if (!loss.valid()) fail("[autodiff] the loss tensor is undefined");
   if (!loss.shape().empty())

@@ -5,7 +5,8 @@
 // rounded shard by shard before it is reduced (the sum of rounded partials
 // differs from the rounded sum by bf16 rounding, as in Megatron's bf16
 // tensor-parallel reductions).
-// Gradient: the incoming gradient in the input's dtype.
+// Gradient: the incoming gradient in the input's dtype. A bf16 -> f32 -> bf16
+// round trip is the identity and adds no node.
 #include "hspmd/ops/ops.h"
 #include "kernels/memory.h"
 #include "op_util.h"
@@ -48,6 +49,14 @@ class CastOp final : public Op {
 
 Tensor cast(const Tensor& a, DType dtype) {
   if (a.dtype() == dtype) return a;
+  // bf16 -> f32 is exact, so rounding its result back to bf16 gives its
+  // input: that input, with no pass (the backward meets this where a block
+  // input's bf16 gradient, widened for the residual stream, is rounded again
+  // for o_proj's or down_proj's GEMMs).
+  const Node& producer = a.node();
+  if (dtype == DType::BF16 && a.dtype() == DType::F32 && producer.op != nullptr &&
+      dynamic_cast<const CastOp*>(producer.op.get()) != nullptr && producer.inputs.at(0).dtype() == DType::BF16)
+    return producer.inputs[0];
   return a.graph()->add1(std::make_shared<CastOp>(dtype), {a});
 }
 

@@ -151,8 +151,10 @@ class MatmulOp final : public Op {
     // An addend input's gradient is the incoming one (second order only).
     const Tensor d_addend = n_inputs == 3 ? g[0] : Tensor();
     // b's gradient reads a: a cheap producer's output is made again here
-    // instead of being kept from the forward (recompute_for_backward).
-    const Tensor a_again = ops::recompute_for_backward(a);
+    // instead of being kept from the forward (recompute_for_backward), with
+    // the producer's own backward in the same pass where da is all of a's
+    // gradient.
+    const Tensor a_again = ops::recompute_for_backward(a, da);
     std::vector<Tensor> out;
     if (!trans_a_ && a.ndim() >= 2) {
       out = {da, trans_b_ ? matmul(dc, a_again, true, false) : matmul(a_again, dc, true, false)};

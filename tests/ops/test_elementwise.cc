@@ -52,5 +52,23 @@ TEST(Add, ShapeMismatchIsAnError) {
   EXPECT_THROW(ops::add(ta, tb), Error);
 }
 
+// bf16 -> f32 is exact, so a cast back to bf16 is the first cast's input
+// itself (no node, no pass); f32 -> bf16 -> f32 rounds and stays two casts.
+TEST(Cast, WideningThenNarrowingIsTheInput) {
+  Graph g;
+  Tensor b = g.placeholder("b", {3, 5}, DType::BF16), f = g.placeholder("f", {3, 5}, DType::F32);
+  const int before = g.num_nodes();
+  const Tensor wide = ops::cast(b, DType::F32);
+  EXPECT_EQ(ops::cast(wide, DType::BF16), b);
+  EXPECT_EQ(g.num_nodes(), before + 1);
+  const Tensor narrow = ops::cast(f, DType::BF16), back = ops::cast(narrow, DType::F32);
+  EXPECT_NE(back, f);
+  EXPECT_EQ(g.num_nodes(), before + 3);
+  const NDArray fv = random_array({3, 5}, 3);
+  const NDArray bv = fv.to(DType::BF16);
+  const std::vector<NDArray> out = Executor(g, {back, ops::cast(wide, DType::BF16)}).run({{"b", bv}, {"f", fv}});
+  for (int64_t e = 0; e < 15; ++e) EXPECT_EQ(out[0].data<float>()[e], bv.to(DType::F32).data<float>()[e]);
+}
+
 }  // namespace
 }  // namespace hspmd

@@ -1,4 +1,7 @@
+#include <cstring>
+
 #include "gradcheck.h"
+#include "kernels/basic.h"
 #include "hspmd/core/dtype.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/ops/autodiff.h"
@@ -87,6 +90,10 @@ TEST(Swiglu, MixedGateAndUpDtypesAreAnError) {
 // A GEMM's weight gradient that reads SwiGLU's output recomputes it in the
 // backward (a second swiglu node, built where the gradient is), so the
 // forward's output has no backward consumer and is freed after the GEMM.
+// SwiGLU's output is not kept for the weight gradient that reads it: it is
+// recomputed there, in the same pass as SwiGLU's own backward (its one
+// consumer's dgrad is all of its gradient), and gradient() reuses that
+// pass's dgate and dup.
 TEST(Swiglu, RecomputedForTheWeightGradientThatReadsIt) {
   Graph g;
   Tensor tg = g.placeholder("gate", {4, 6}, DType::F32), tu = g.placeholder("up", {4, 6}, DType::F32);
@@ -96,16 +103,34 @@ TEST(Swiglu, RecomputedForTheWeightGradientThatReadsIt) {
   Tensor tw = g.placeholder("dy", {4, 5}, DType::F32);
   Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {y, tw});
   const int forward_end = loss.node_id();
-  std::vector<Tensor> grads = gradients(loss, {w, tg});
-  int swiglus = 0, readers_after_forward = 0;
+  std::vector<Tensor> grads = gradients(loss, {w, tg, tu});
+  int swiglus = 0, fused = 0, other_grads = 0, readers_after_forward = 0;
   for (int id = 0; id < g.num_nodes(); ++id) {
     const Node& n = g.node(id);
     swiglus += n.op && n.op->type() == "swiglu";
+    if (n.op && n.op->type() == "swiglu_grad") (n.outputs.size() == 3 ? fused : other_grads) += 1;
     for (const Tensor& in : n.inputs)
       if (id > forward_end && in.node_id() == act.node_id()) ++readers_after_forward;
   }
-  EXPECT_EQ(swiglus, 2);
+  EXPECT_EQ(swiglus, 1);
+  EXPECT_EQ(fused, 1);
+  EXPECT_EQ(other_grads, 0);
   EXPECT_EQ(readers_after_forward, 0);
+  EXPECT_EQ(grads[1].node_id(), grads[2].node_id());  // dgate and dup: the fused node's
+  // The same bits as the forward, a separate backward and the GEMMs apart.
+  const NDArray gv = random_array({4, 6}, 8, 2.0f), uv = random_array({4, 6}, 9), wv = random_array({5, 6}, 10),
+                dyv = random_array({4, 5}, 11);
+  const std::vector<NDArray> got = Executor(g, grads).run({{"gate", gv}, {"up", uv}, {"w", wv}, {"dy", dyv}});
+  Stream& cpu = default_stream(Device::cpu());
+  NDArray a = NDArray::empty({4, 6}, DType::F32), da = NDArray::empty({4, 6}, DType::F32);
+  NDArray dw = NDArray::empty({5, 6}, DType::F32), dg = NDArray::empty({4, 6}, DType::F32),
+          du = NDArray::empty({4, 6}, DType::F32);
+  kernels::swiglu(cpu, gv, uv, a);
+  kernels::matmul(cpu, dyv, wv, false, false, da);
+  kernels::matmul(cpu, dyv, a, true, false, dw);
+  kernels::swiglu_backward(cpu, da, gv, uv, dg, du);
+  for (const auto& [x, want] : {std::pair{got[0], dw}, {got[1], dg}, {got[2], du}})
+    EXPECT_EQ(std::memcmp(x.data<float>(), want.data<float>(), want.nbytes()), 0);
   // And the gradients are right (finite differences through the same graph shape).
   expect_gradients_match(
       [](Graph&, const std::vector<Tensor>& t) {
@@ -113,6 +138,18 @@ TEST(Swiglu, RecomputedForTheWeightGradientThatReadsIt) {
       },
       {{"gate", random_array({4, 6}, 8, 2.0f)}, {"up", random_array({4, 6}, 9)},
        {"w", random_array({5, 6}, 10)}});
+}
+
+// An output read by two nodes gets its gradient from both: the recompute
+// then stays a plain swiglu and the backward a separate swiglu_grad.
+TEST(Swiglu, TwoConsumersKeepTheSeparateBackward) {
+  expect_gradients_match(
+      [](Graph&, const std::vector<Tensor>& t) {
+        const Tensor act = ops::swiglu(t[0], t[1]);
+        return ops::add(ops::linear(act, t[2]), ops::linear(act, t[3]));
+      },
+      {{"gate", random_array({4, 6}, 12, 2.0f)}, {"up", random_array({4, 6}, 13)},
+       {"w", random_array({5, 6}, 14)}, {"w2", random_array({5, 6}, 15)}});
 }
 
 }  // namespace

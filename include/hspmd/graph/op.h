@@ -126,6 +126,19 @@ class Op {
   // pass and frees the output as soon as its forward consumers ran.
   virtual bool recompute_for_backward() const { return false; }
 
+  // With recompute_for_backward(): appends a node that recomputes `node`'s
+  // output from its inputs and, in the same pass, its inputs' gradients
+  // from `grad` (the output's whole gradient), and returns the recomputed
+  // output; gradient() called later with that `grad` returns the gradients
+  // made there instead of another pass. Invalid: the op has no such node
+  // (the default). `node` is a reference into the graph's node storage,
+  // which adding nodes may move: copy from it first.
+  virtual Tensor recompute_with_gradient(const Node& node, const Tensor& grad) const {
+    (void)node;
+    (void)grad;
+    return Tensor();
+  }
+
   // The op-internal communication of one call on the rank described by
   // `shard` (its boxes and ranks_along); none by default. Ops that talk to
   // their group in compute() override it with the exact volumes, so the dry

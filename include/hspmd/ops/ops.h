@@ -39,6 +39,11 @@ Tensor cast(const Tensor& a, DType dtype);
 // same inputs, appended where the gradient is built (so it runs right
 // before its backward consumer, and the forward's value is freed early).
 Tensor recompute_for_backward(const Tensor& t);
+// The same where `grad` is the gradient t's one consumer sends it: when no
+// other node reads t, that is all of t's gradient, and a producer that can
+// (Op::recompute_with_gradient) computes its own backward in the pass that
+// recomputes t (SwiGLU: one pass over gate, up and grad instead of two).
+Tensor recompute_for_backward(const Tensor& t, const Tensor& grad);
 
 // ---- linear algebra (GEMMs: kernels/basic.h) ----
 // a is viewed as 2-D [prod(a.shape[:-1]), a.shape[-1]], transposed when

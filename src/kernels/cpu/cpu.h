@@ -47,7 +47,7 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
 void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out);
 void swiglu(const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
-                     NDArray& dup);
+                     NDArray& dup, NDArray* out);
 void cross_entropy(const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
                    int ignore_index, NDArray& loss, NDArray& lse, int64_t classes);
 void cross_entropy_shard_stats(const NDArray& logits, const NDArray& targets,

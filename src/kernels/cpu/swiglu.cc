@@ -93,7 +93,7 @@ void swiglu(const NDArray& gate, const NDArray& up, NDArray& out) {
 }
 
 void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
-                     NDArray& dup) {
+                     NDArray& dup, NDArray* out) {
   require_contiguous("swiglu_backward", dy);
   const int64_t n = gate.numel();
   HSPMD_CHECK(dy.numel() == n && up.numel() == n && dgate.numel() == n && dup.numel() == n,
@@ -101,15 +101,22 @@ void swiglu_backward(const NDArray& dy, const NDArray& gate, const NDArray& up, 
   for (const NDArray* a : {&dy, &gate, &up, static_cast<const NDArray*>(&dgate),
                            static_cast<const NDArray*>(&dup)})
     expect_float("swiglu_backward", *a);
+  if (out != nullptr) expect_float("swiglu_backward", *out);
   for_blocks(n, [&](int64_t begin, int64_t end) {
-    alignas(64) float db[kBlock], gb[kBlock], ub[kBlock], dgb[kBlock], dub[kBlock];
+    alignas(64) float db[kBlock], gb[kBlock], ub[kBlock], dgb[kBlock], dub[kBlock], yb[kBlock];
     const int64_t m = end - begin;
     float* dg = f32_target(dgate, begin, dgb);
     float* du = f32_target(dup, begin, dub);
-    swiglu_backward_block(f32_block(dy, begin, m, db), f32_block(gate, begin, m, gb),
-                          f32_block(up, begin, m, ub), dg, du, m);
+    const float* g = f32_block(gate, begin, m, gb);
+    const float* u = f32_block(up, begin, m, ub);
+    swiglu_backward_block(f32_block(dy, begin, m, db), g, u, dg, du, m);
     store_block(dgate, begin, m, dg);
     store_block(dup, begin, m, du);
+    if (out != nullptr) {  // the forward's blocks and code: swiglu's bits
+      float* y = f32_target(*out, begin, yb);
+      swiglu_block(g, u, y, m);
+      store_block(*out, begin, m, y);
+    }
   });
 }
 

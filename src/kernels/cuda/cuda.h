@@ -33,7 +33,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
                        NDArray& dweight, const NDArray* addend);
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
-                     NDArray& dup);
+                     NDArray& dup, NDArray* out);
 
 // ---- layout and reductions (layout.cu): any dtype for the layout kernels,
 // f32 for the others ----

@@ -92,14 +92,15 @@ struct SwigluOp {
   }
 };
 
-// D: dy; T: gate, up, dgate and dup.
-template <typename D, typename T>
+// D: dy; T: gate, up, dgate and dup; O: the recomputed output, if any.
+template <typename D, typename T, typename O>
 struct SwigluBackwardOp {
   const D* d;
   const T* g;
   const T* u;
   T* dg;
   T* du;
+  O* y;  // nullptr: not written
   template <int V>
   __device__ void apply(int64_t i) const {
     float dv[V], gv[V], uv[V], dgv[V], duv[V];
@@ -114,6 +115,11 @@ struct SwigluBackwardOp {
     }
     store<V>(du, i, duv);
     store<V>(dg, i, dgv);
+    if (y != nullptr) {  // SwigluOp's expression: its bits
+#pragma unroll
+      for (int k = 0; k < V; ++k) gv[k] = gv[k] * sigmoidf(gv[k]) * uv[k];
+      store<V>(y, i, gv);
+    }
   }
 };
 
@@ -171,7 +177,7 @@ void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
 }
 
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
-                     NDArray& dup) {
+                     NDArray& dup, NDArray* out) {
   require_contiguous("swiglu_backward", dy);
   const int64_t n = gate.numel();
   HSPMD_CHECK(dy.numel() == n && up.numel() == n && dgate.numel() == n && dup.numel() == n,
@@ -183,10 +189,19 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
     with_float_type("swiglu_backward", gate, [&](auto* g) {
       using T = std::remove_pointer_t<decltype(g)>;
       using D = std::remove_pointer_t<decltype(d)>;
-      elementwise(s, "swiglu_backward",
-                  SwigluBackwardOp<D, T>{d, g, static_cast<const T*>(up.raw_data()), static_cast<T*>(dgate.raw_data()),
-                                         static_cast<T*>(dup.raw_data())},
-                  n, {dy.raw_data(), gate.raw_data(), up.raw_data(), dgate.raw_data(), dup.raw_data()});
+      const auto run = [&](auto* y) {
+        using O = std::remove_pointer_t<decltype(y)>;
+        elementwise(s, "swiglu_backward",
+                    SwigluBackwardOp<D, T, O>{d, g, static_cast<const T*>(up.raw_data()),
+                                              static_cast<T*>(dgate.raw_data()), static_cast<T*>(dup.raw_data()), y},
+                    n,
+                    {dy.raw_data(), gate.raw_data(), up.raw_data(), dgate.raw_data(), dup.raw_data(),
+                     out != nullptr ? out->raw_data() : nullptr});
+      };
+      if (out == nullptr)
+        run(static_cast<T*>(nullptr));
+      else
+        with_float_type("swiglu_backward", *out, run);
     });
   });
 }
