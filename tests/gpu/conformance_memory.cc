@@ -189,7 +189,17 @@ void ops() {
     const NDArray addend = random_f32(x.shape(), 24), gaddend = up(addend);
     kernels::rms_norm_backward(cpu(), dy, x, w, 1e-5f, dx, dw, &addend);
     kernels::rms_norm_backward(gpu(), up(dy), up(x), up(w), 1e-5f, gdx, gdw, &gaddend);
-    const double e5 = rel_diff(down(gdx), dx);
+    double e5 = rel_diff(down(gdx), dx);
+    // Rows wider than the fused backward takes (kThreads x 16 = 4096
+    // columns): the two-kernel path, with the addend too.
+    const NDArray xw = random_f32({3, 4099}, 25), ww = random_f32({4099}, 26), dyw = random_f32({3, 4099}, 27);
+    const NDArray aw = random_f32({3, 4099}, 28);
+    NDArray dxw = NDArray::empty(xw.shape(), DType::F32), dww = NDArray::empty(ww.shape(), DType::F32);
+    NDArray gdxw = dev_empty(xw.shape()), gdww = dev_empty(ww.shape());
+    const NDArray gaw = up(aw);
+    kernels::rms_norm_backward(cpu(), dyw, xw, ww, 1e-5f, dxw, dww, &aw);
+    kernels::rms_norm_backward(gpu(), up(dyw), up(xw), up(ww), 1e-5f, gdxw, gdww, &gaw);
+    e5 = std::max({e5, rel_diff(down(gdxw), dxw), rel_diff(down(gdww), dww)});
     std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e y_bf16=%.1e dx_addend=%.1e", e1, e2, e3, e4, e5);
     result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6 && e4 < 4e-3 && e5 < 1e-6, d);
   });

@@ -73,6 +73,59 @@ struct RmsNormDwTerm {
 // Rows per partial sum of dweight: [16384, 2048] gives 256 x 8 blocks.
 constexpr int64_t kNormRowChunk = 64;
 
+// The whole backward in one pass over dy, x (and the addend): a block takes
+// kFusedRows consecutive rows, each thread the columns threadIdx.x + k *
+// blockDim.x (k < kFusedCols, so rows up to kThreads * kFusedCols wide),
+// and for each row computes the row's sums as rms_norm_dx_kernel does (the
+// same columns per thread, the same tree: dx has its bits), writes dx, and
+// adds the row's dweight terms to its columns' running sums in double, in
+// row order; the block writes its partial sums, and column_totals_kernel
+// adds the chunks in order (dweight: rows summed in chunks of kFusedRows,
+// then the chunks; deterministic). The two-kernel path read dy and x again
+// for dweight.
+constexpr int kFusedRows = 16;
+constexpr int kFusedCols = 16;
+
+__global__ void rms_norm_backward_fused_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
+                                               const float* addend, double* partial, int64_t rows, int64_t h) {
+  __shared__ double scratch[kThreads];
+  double acc[kFusedCols];
+#pragma unroll
+  for (int k = 0; k < kFusedCols; ++k) acc[k] = 0;
+  const int64_t r0 = blockIdx.x * static_cast<int64_t>(kFusedRows);
+  const int64_t r1 = r0 + kFusedRows < rows ? r0 + kFusedRows : rows;
+  for (int64_t r = r0; r < r1; ++r) {  // the same trip count in every thread: block_sum is safe
+    const float* xr = x + r * h;
+    const float* gr = dy + r * h;
+    float* dr = dx + r * h;
+    double ss = 0, dot = 0;
+    for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+      ss += static_cast<double>(xr[i]) * xr[i];
+      dot += static_cast<double>(gr[i]) * w[i] * xr[i];
+    }
+    ss = block_sum(ss, scratch);
+    dot = block_sum(dot, scratch);
+    const float s = inv_rms(ss, h, eps);
+    const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
+    const float* ar = addend != nullptr ? addend + r * h : nullptr;
+#pragma unroll
+    for (int k = 0; k < kFusedCols; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i < h) {
+        const float v = s * w[i] * gr[i] - xr[i] * c;
+        dr[i] = ar != nullptr ? v + ar[i] : v;
+        acc[k] += static_cast<double>(gr[i]) * (xr[i] * s);  // RmsNormDwTerm's term
+      }
+    }
+  }
+  double* pr = partial + blockIdx.x * h;
+#pragma unroll
+  for (int k = 0; k < kFusedCols; ++k) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+    if (i < h) pr[i] = acc[k];
+  }
+}
+
 __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // SwiGLU in f32 on f32 or bf16 arrays (T: gate and up, O: the output).
@@ -150,10 +203,22 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     fill(s, dweight, 0.0f);
     return;
   }
+  const float* add = addend != nullptr ? addend->data<float>() : nullptr;
+  if (h <= static_cast<int64_t>(kThreads) * kFusedCols) {
+    const int64_t chunks = (rows + kFusedRows - 1) / kFusedRows;
+    NDArray partial = NDArray::empty({chunks, h}, DType::F64, s.device());  // stream-ordered reuse only
+    auto* p = static_cast<double*>(partial.raw_data());
+    rms_norm_backward_fused_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
+        dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), add, p, rows, h);
+    launched("rms_norm_backward");
+    column_totals_kernel<<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
+        p, chunks, h, dweight.data<float>());
+    launched("rms_norm_backward");
+    return;
+  }
   NDArray scale = NDArray::empty({rows}, DType::F32, s.device());  // stream-ordered reuse only
   rms_norm_dx_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), scale.data<float>(),
-      addend != nullptr ? addend->data<float>() : nullptr, h);
+      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), scale.data<float>(), add, h);
   launched("rms_norm_backward");
   column_sums(s, "rms_norm_backward", RmsNormDwTerm{dy.data<float>(), x.data<float>(), scale.data<float>(), h}, rows,
               h, kNormRowChunk, dweight.data<float>());
