@@ -168,14 +168,29 @@ struct LtPlan {
   bool ok = false;
 };
 
-using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int>;
+// The alignment of each of A, B, C and D, for the heuristic: it would
+// otherwise assume 256-byte aligned pointers and may pick a kernel that
+// needs them (a view can start anywhere).
+struct LtAlign {
+  uint32_t a = 256, b = 256, c = 256, d = 256;
+  bool operator<(const LtAlign& o) const { return std::tie(a, b, c, d) < std::tie(o.a, o.b, o.c, o.d); }
+};
+
+uint32_t alignment_of(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int, LtAlign>;
 
 // Plans per (thread, device, shape): made once, kept for the process (a
 // training step repeats a few dozen shapes). The handle likewise.
 const LtPlan& lt_plan(int dev, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, cudaDataType_t in_type,
-                      int64_t b_cols, int64_t a_cols, cublasLtHandle_t handle) {
+                      int64_t b_cols, int64_t a_cols, const LtAlign& align, cublasLtHandle_t handle) {
   thread_local std::map<LtKey, LtPlan> plans;
-  const LtKey key{dev, m, n, k, trans_a, trans_b, static_cast<int>(in_type)};
+  const LtKey key{dev, m, n, k, trans_a, trans_b, static_cast<int>(in_type), align};
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   LtPlan p;
@@ -198,6 +213,12 @@ const LtPlan& lt_plan(int dev, int64_t m, int64_t n, int64_t k, bool trans_a, bo
   const size_t ws = kLtWorkspace;
   check_lt(L.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
            "cublasLtMatmulPreferenceSetAttribute");
+  // cuBLASLt's A is our b, its B our a.
+  for (const auto& [attr, bytes] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.b},
+                                    std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.a},
+                                    std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.c},
+                                    std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d}})
+    check_lt(L.pref_set(pref, attr, &bytes, sizeof bytes), "cublasLtMatmulPreferenceSetAttribute");
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   const cublasStatus_t st = L.heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &returned);
@@ -226,7 +247,9 @@ bool lt_matmul_add(Stream& s, const NDArray& a_op, const NDArray& b_op, bool tra
                    NDArray& out) {
   const int dev = s.device().index;
   const cublasLtHandle_t h = lt_handle(dev);
-  const LtPlan& p = lt_plan(dev, m, n, k, trans_a, trans_b, in_type, b_cols, a_cols, h);
+  const LtAlign align{alignment_of(a_op.raw_data()), alignment_of(b_op.raw_data()), alignment_of(addend.raw_data()),
+                      alignment_of(out.raw_data())};
+  const LtPlan& p = lt_plan(dev, m, n, k, trans_a, trans_b, in_type, b_cols, a_cols, align, h);
   if (!p.ok) return false;
   NDArray workspace = NDArray::empty({static_cast<int64_t>(kLtWorkspace / 8)}, DType::I64, s.device());
   const float alpha = 1.0f, beta = 1.0f;
