@@ -149,6 +149,16 @@ int run(Device device, int64_t T, int reps) {
     p.flop_rate(gm.name, 2.0 * T * gm.k * gm.n,
                 [&] { kernels::matmul(s, a, w, false, true, out, kernels::GemmCompute::kBF16); });
   }
+  {
+    // The backward's q/k/v dgrad with the gradient so far as the addend
+    // (cuBLASLt, C != D): against the plain dgrad above, what the addend costs.
+    NDArray g = p.filled({T, HQ * D}, 0.01f, DType::BF16), w = p.filled({HQ * D, H}, 0.01f, DType::BF16);
+    NDArray out = NDArray::empty({T, H}, DType::F32, device), add = p.filled({T, H}, 0.5f);
+    p.flop_rate("gemm_dgrad_q", 2.0 * T * HQ * D * H,
+                [&] { kernels::matmul(s, g, w, false, false, out, kernels::GemmCompute::kBF16); });
+    p.flop_rate("gemm_dgrad_q_addend", 2.0 * T * HQ * D * H,
+                [&] { kernels::matmul(s, g, w, false, false, out, kernels::GemmCompute::kBF16, &add); });
+  }
   x16 = NDArray();
 
   // Memory-bound kernels.
@@ -164,6 +174,12 @@ int run(Device device, int64_t T, int reps) {
     p.bandwidth("rms_norm_bf16_out", (f4 + b2) * th, [&] { kernels::rms_norm(s, x, wn, 1e-5f, y16); });
   }
   p.bandwidth("rms_norm_backward", 3 * f4 * th, [&] { kernels::rms_norm_backward(s, dy, x, wn, 1e-5f, dx, dwn); });
+  {
+    // With the residual stream's gradient added in the same pass.
+    const NDArray add = p.filled({T, H}, 0.125f);
+    p.bandwidth("rms_norm_backward_addend", 4 * f4 * th,
+                [&] { kernels::rms_norm_backward(s, dy, x, wn, 1e-5f, dx, dwn, &add); });
+  }
   {
     // The bf16 step's: f32 in, bf16 out (attention's input).
     NDArray q = p.filled({1, T, HQ, D}, 0.5f), qo = NDArray::empty({1, T, HQ, D}, DType::BF16, device);
@@ -182,6 +198,10 @@ int run(Device device, int64_t T, int reps) {
     p.bandwidth("swiglu_bf16", 3 * b2 * tf, [&] { kernels::swiglu(s, gate, up, out); });
     p.bandwidth("swiglu_backward_bf16", (f4 + 4 * b2) * tf,
                 [&] { kernels::swiglu_backward(s, dyf, gate, up, dgate, dup); });
+    // The bf16 step's: the output recomputed for down_proj's weight gradient
+    // in the same pass.
+    p.bandwidth("swiglu_backward_recompute_bf16", (f4 + 5 * b2) * tf,
+                [&] { kernels::swiglu_backward(s, dyf, gate, up, dgate, dup, &out); });
   }
   {
     NDArray w = p.filled({V, H}, 0.01f), tok = p.ids(T, V), dw = NDArray::empty({V, H}, DType::F32, device);
