@@ -190,9 +190,11 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
   }
 
   const DType lo = o.precision.compute;
-  Tensor h = ops::cast(mark(ops::cast(ops::embedding(g.find(kEmbedding), m.input_ids), lo),
-                            embedding_output_point()),
-                       DType::F32);
+  // The embedding's output in the compute dtype (what its Reshard point
+  // carries): the first block rounds its input to that dtype anyway, so it
+  // takes this tensor as it is; without blocks the final norm takes it f32.
+  Tensor h = mark(ops::cast(ops::embedding(g.find(kEmbedding), m.input_ids), lo), embedding_output_point());
+  if (c.num_hidden_layers == 0) h = ops::cast(h, DType::F32);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     h = transformer_block(c, o, mark, i, h, m.positions, g);
   h = mark(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps), lo),

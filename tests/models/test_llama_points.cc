@@ -66,5 +66,39 @@ void expect_same_training_step(bool tied) {
 TEST(LlamaReshardPoints, IdentityOnOneDevice) { expect_same_training_step(false); }
 TEST(LlamaReshardPoints, IdentityOnOneDeviceTied) { expect_same_training_step(true); }
 
+// Every node of the training graph is read by another or is the loss or a
+// gradient: the executors run every node of the graph, so a node nothing
+// reads (a conversion a later simplification made redundant, say) would be
+// a pass each step for nothing. Both precisions, tied or not, with the
+// plan's Reshard points and without, Qwen2's biases and Mistral's window.
+TEST(TrainingGraph, HasNoUnreadNodes) {
+  for (const char* family : {"llama", "qwen2", "mistral"})
+    for (bool tied : {false, true})
+      for (bool points : {false, true})
+        for (DType compute : {DType::F32, DType::BF16}) {
+          ModelConfig c = tiny(tied);
+          c.model_type = family;
+          c.attention_bias = std::string(family) == "qwen2";
+          if (std::string(family) == "mistral") c.sliding_window = 3;
+          ModelBuildOptions o;
+          o.reshard_points = points;
+          o.precision.compute = compute;
+          const ModelGraph m = build_model(c, o);
+          const Graph& g = *m.graph;
+          std::vector<int> readers(g.num_nodes(), 0);
+          for (int id = 0; id < g.num_nodes(); ++id)
+            for (const Tensor& in : g.node(id).inputs) ++readers[in.node_id()];
+          readers[m.loss.node_id()] += 1;
+          for (const Tensor& t : m.grads) readers[t.node_id()] += 1;
+          for (int id = 0; id < g.num_nodes(); ++id) {
+            const Node& n = g.node(id);
+            if (n.inputs.empty()) continue;  // leaves: parameters and placeholders
+            EXPECT_GT(readers[id], 0) << family << (tied ? " tied" : "") << (points ? " points" : "") << " "
+                                      << dtype_name(compute) << ": node " << id << " (" << n.op->type()
+                                      << (n.name.empty() ? "" : " '" + n.name + "'") << ") is read by nothing";
+          }
+        }
+}
+
 }  // namespace
 }  // namespace hspmd
