@@ -67,18 +67,6 @@ void served() {
 
 // ---- conversions ----
 
-// bf16 -> f32 (exact), 16 bytes per access where aligned.
-struct WidenOp {
-  const __nv_bfloat16* in;
-  float* out;
-  template <int V>
-  __device__ void apply(int64_t i) const {
-    float v[V];
-    load<V>(in, i, v);
-    store<V>(out, i, v);
-  }
-};
-
 // Packed statistics stats [n, H, seq] <-> lse [B, H, S]: sequence i's token
 // t is flat token first[i] + t of the [B*S] tokens.
 __global__ void move_stats_kernel(float* stats, float* lse, const int32_t* first, const int32_t* len, int64_t n,
@@ -101,11 +89,7 @@ NDArray as_bf16(Stream& s, const NDArray& a) {
   return a.dtype() == DType::BF16 ? a : cast(s, a, DType::BF16);
 }
 
-void to_f32(Stream& s, const NDArray& b16, NDArray& out) {
-  elementwise(s, "attention (cuDNN): to f32",
-              WidenOp{static_cast<const __nv_bfloat16*>(b16.raw_data()), out.data<float>()}, out.numel(),
-              {b16.raw_data(), out.raw_data()});
-}
+void to_f32(Stream& s, const NDArray& b16, NDArray& out) { cast_into(s, b16, out); }
 
 NDArray upload(Stream& s, const std::vector<int32_t>& v) {
   return to_device(s, NDArray::from_vector_i32({static_cast<int64_t>(v.size())}, v));

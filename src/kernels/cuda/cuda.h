@@ -82,6 +82,8 @@ void fill(Stream& s, NDArray& out, float value);
 NDArray zeros(Stream& s, const Shape& shape, DType dtype);
 void copy(Stream& s, const NDArray& from, NDArray& out);
 NDArray cast(Stream& s, const NDArray& a, DType dtype);
+// The same into `out` (contiguous, a's size; its dtype is the target).
+void cast_into(Stream& s, const NDArray& a, NDArray& out);
 void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to, const Shape& to_start,
                 const Shape& extent, bool accumulate);
 NDArray to_host(Stream& s, const NDArray& a);

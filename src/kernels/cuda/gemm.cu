@@ -16,6 +16,7 @@
 
 #include <dlfcn.h>
 
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <tuple>
@@ -43,19 +44,23 @@ struct Blas {
   decltype(&cublasGetStatusString) status_string = nullptr;
 };
 
+// The first of `names` dlopen finds (the loader's path first, then the
+// toolkit this was built against), or "[cuda] matmul: cannot load <what>
+// (each name: why)".
+void* open_library(const char* what, std::initializer_list<const char*> names) {
+  std::string tried;
+  for (const char* name : names) {
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) return lib;
+    const char* why = dlerror();
+    tried += std::string(tried.empty() ? "" : "; ") + name + ": " + (why ? why : "not found");
+  }
+  fail("[cuda] matmul: cannot load ", what, " (", tried, ")");
+}
+
 const Blas& blas() {
   static const Blas b = [] {
-    void* lib = nullptr;
-    std::string tried;
-    // The loader's path first, then the toolkit this was built against.
-    for (const char* name : {"libcublas.so." HSPMD_CUBLAS_MAJOR, HSPMD_CUBLAS_DIR "/libcublas.so." HSPMD_CUBLAS_MAJOR,
-                             "libcublas.so"}) {
-      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-      const char* why = dlerror();
-      tried += std::string(tried.empty() ? "" : "; ") + name + ": " + (why ? why : "not found");
-    }
-    if (!lib) fail("[cuda] matmul: cannot load cuBLAS (", tried, ")");
+    void* lib = open_library("cuBLAS", {"libcublas.so." HSPMD_CUBLAS_MAJOR,
+                                        HSPMD_CUBLAS_DIR "/libcublas.so." HSPMD_CUBLAS_MAJOR, "libcublas.so"});
     Blas out;
     const auto sym = [&](auto& fn, const char* name) {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
@@ -120,16 +125,8 @@ struct Lt {
 
 const Lt& lt() {
   static const Lt l = [] {
-    void* lib = nullptr;
-    std::string tried;
-    for (const char* name : {"libcublasLt.so." HSPMD_CUBLAS_MAJOR,
-                             HSPMD_CUBLAS_DIR "/libcublasLt.so." HSPMD_CUBLAS_MAJOR, "libcublasLt.so"}) {
-      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-      const char* why = dlerror();
-      tried += std::string(tried.empty() ? "" : "; ") + name + ": " + (why ? why : "not found");
-    }
-    if (!lib) fail("[cuda] matmul: cannot load cuBLASLt (", tried, ")");
+    void* lib = open_library("cuBLASLt", {"libcublasLt.so." HSPMD_CUBLAS_MAJOR,
+                                          HSPMD_CUBLAS_DIR "/libcublasLt.so." HSPMD_CUBLAS_MAJOR, "libcublasLt.so"});
     Lt out;
     const auto sym = [&](auto& fn, const char* name) {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));

@@ -285,24 +285,28 @@ struct CastOp {
 
 }  // namespace
 
-NDArray cast(Stream& s, const NDArray& a, DType dtype) {
+void cast_into(Stream& s, const NDArray& a, NDArray& out) {
   require_contiguous("cast", a);
-  NDArray out = NDArray::empty(a.shape(), dtype, s.device());
-  if (a.dtype() == dtype) {
-    copy(s, a, out);
-    return out;
-  }
+  require_contiguous("cast", out);
+  HSPMD_CHECK(a.numel() == out.numel(), "cast: sizes differ");
+  if (a.dtype() == out.dtype()) return copy(s, a, out);
   const int64_t n = a.numel();
-  if (a.dtype() == DType::F32 && dtype == DType::BF16) {
+  if (a.dtype() == DType::F32 && out.dtype() == DType::BF16) {
     elementwise(s, "cast", CastOp<float, __nv_bfloat16>{a.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data())},
                 n, {a.raw_data(), out.raw_data()});
-  } else if (a.dtype() == DType::BF16 && dtype == DType::F32) {
+  } else if (a.dtype() == DType::BF16 && out.dtype() == DType::F32) {
     elementwise(s, "cast",
                 CastOp<__nv_bfloat16, float>{static_cast<const __nv_bfloat16*>(a.raw_data()), out.data<float>()}, n,
                 {a.raw_data(), out.raw_data()});
   } else {
-    fail("[kernels] cast: ", dtype_name(a.dtype()), " -> ", dtype_name(dtype), " has no CUDA kernel (f32 <-> bf16)");
+    fail("[kernels] cast: ", dtype_name(a.dtype()), " -> ", dtype_name(out.dtype()),
+         " has no CUDA kernel (f32 <-> bf16)");
   }
+}
+
+NDArray cast(Stream& s, const NDArray& a, DType dtype) {
+  NDArray out = NDArray::empty(a.shape(), dtype, s.device());
+  cast_into(s, a, out);
   return out;
 }
 

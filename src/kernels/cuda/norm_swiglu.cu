@@ -35,6 +35,20 @@ __global__ void rms_norm_kernel(const float* x, const float* w, float eps, O* y,
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = from_f32<O>(w[i] * (xr[i] * s));
 }
 
+// A row's sum of squares of x and of dy·w·x, in double: each thread its
+// columns threadIdx.x + k·blockDim.x in order, then block_sum's fixed tree
+// (every thread of the block calls it).
+__device__ void norm_row_sums(const float* xr, const float* gr, const float* w, int64_t h, double* scratch,
+                              double& ss, double& dot) {
+  ss = 0, dot = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    ss += static_cast<double>(xr[i]) * xr[i];
+    dot += static_cast<double>(gr[i]) * w[i] * xr[i];
+  }
+  ss = block_sum(ss, scratch);
+  dot = block_sum(dot, scratch);
+}
+
 // dx, and each row's scale s_r for dweight.
 __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
                                    float* row_scale, const float* addend, int64_t h) {
@@ -42,13 +56,8 @@ __global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float*
   const float* xr = x + blockIdx.x * h;
   const float* gr = dy + blockIdx.x * h;
   float* dr = dx + blockIdx.x * h;
-  double ss = 0, dot = 0;
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    ss += static_cast<double>(xr[i]) * xr[i];
-    dot += static_cast<double>(gr[i]) * w[i] * xr[i];
-  }
-  ss = block_sum(ss, scratch);
-  dot = block_sum(dot, scratch);
+  double ss, dot;
+  norm_row_sums(xr, gr, w, h, scratch, ss, dot);
   const float s = inv_rms(ss, h, eps);
   if (threadIdx.x == 0) row_scale[blockIdx.x] = s;
   const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
@@ -98,13 +107,8 @@ __global__ void rms_norm_backward_fused_kernel(const float* dy, const float* x, 
     const float* xr = x + r * h;
     const float* gr = dy + r * h;
     float* dr = dx + r * h;
-    double ss = 0, dot = 0;
-    for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-      ss += static_cast<double>(xr[i]) * xr[i];
-      dot += static_cast<double>(gr[i]) * w[i] * xr[i];
-    }
-    ss = block_sum(ss, scratch);
-    dot = block_sum(dot, scratch);
+    double ss, dot;
+    norm_row_sums(xr, gr, w, h, scratch, ss, dot);
     const float s = inv_rms(ss, h, eps);
     const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
     const float* ar = addend != nullptr ? addend + r * h : nullptr;
