@@ -14,17 +14,26 @@ namespace dist {
 void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
                                       GradOverlap* overlap) {
   ExecGraph& graph = *rt_->graph;
-  auto add = [&](const std::string& name, const NDArray& g) {
+  // The first micro-batch's gradient is kept and later ones are added into
+  // it in place. After a backward, its raw gradients are the backward's own
+  // fresh arrays: kept as they are, unless one shares its elements with a
+  // gradient already kept (the in-place sums would then add twice). During
+  // the overlapped last backward the graph still reads a gradient after
+  // handing it over (its Reshard), while the communication thread reduces
+  // the kept array: that one is copied.
+  auto keep = [&](const std::string& name, const NDArray& g, bool copy) {
     auto it = raw.find(name);
-    if (it == raw.end()) raw.emplace(name, kernels::clone(graph.stream(), g));
-    else kernels::accumulate(graph.stream(), g, it->second);
+    if (it != raw.end()) return kernels::accumulate(graph.stream(), g, it->second);
+    for (const auto& [other, kept] : raw) copy = copy || kept.raw_data() == g.raw_data();
+    raw.emplace(name, copy || !g.is_contiguous() ? kernels::clone(graph.stream(), g) : g);
   };
+  auto add = [&](const std::string& name, const NDArray& g) { keep(name, g, true); };
   // The micro-batches' loss terms stay on the device until the schedule is
   // queued: reading each at its backward would make the host wait there.
   std::vector<NDArray> losses;
   auto accumulate = [&](const ExecGraph::MicroBatch& mb) {
     if (mb.loss_array.valid()) losses.push_back(mb.loss_array);
-    for (auto& [name, g] : mb.raw_grads) add(name, g);
+    for (auto& [name, g] : mb.raw_grads) keep(name, g, false);
   };
   const int micro_batches = !pieces_ ? rt_->micro_batches()
                             : rt_->pipeline < 0 ? 0

@@ -92,6 +92,13 @@ class NDArray {
   // refuses an array on another device (the host_data error naming the
   // method); device code uses the kernels of the same name (kernels/memory.h).
   // Copies (always new storage):
+  // The same elements of the same storage (a copy of this handle, or an
+  // identical view): a cache keyed by it cannot see another array's data,
+  // since it holds the storage alive.
+  bool same_view(const NDArray& o) const {
+    return storage_ == o.storage_ && offset_ == o.offset_ && shape_ == o.shape_ && strides_ == o.strides_ &&
+           dtype_ == o.dtype_;
+  }
   NDArray contiguous() const;  // returns *this when already contiguous (any device)
   NDArray clone() const;
   NDArray to(DType dtype) const;  // f32 <-> bf16, i32 <-> i64, i32/i64 -> f32

@@ -326,13 +326,27 @@ void run_backward(Stream& s, const Args& a, const Grads& g) {
 }  // namespace
 
 
+// The documents array on the host. Every layer's attention, forward and
+// backward, reads the same positions array of the step: the first call
+// reads it back (a host wait), the others reuse that copy (per thread; the
+// cache holds the device array, so its storage is not reused meanwhile).
+NDArray host_documents(Stream& s, const NDArray& documents) {
+  if (!documents.valid()) return NDArray();
+  thread_local NDArray device_copy, host_copy;
+  if (!device_copy.same_view(documents)) {
+    host_copy = to_host(s, documents);
+    device_copy = documents;
+  }
+  return host_copy;
+}
+
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& documents,
                        float scale, NDArray& out, NDArray& lse, AttentionTiles tiles, DType products,
                        int64_t window) {
   (void)tiles;  // one warp per row: no tiles
   if (window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", window);
   HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && k.dim(1) == q.dim(1), "attention: q and k lengths");
-  const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
+  const NDArray host_docs = host_documents(s, documents);
   if (sdpa_attention_forward(s, q, k, v, host_docs, scale, out, lse, products, window)) return;
   const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
   if (q.dtype() != DType::BF16 && out.dtype() != DType::BF16)
@@ -355,7 +369,7 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   HSPMD_CHECK(out.shape() == q.shape() && grad_out.shape() == q.shape() && dq.shape() == q.shape() &&
                   dk.shape() == k.shape() && dv.shape() == v.shape(),
               "attention_grad: shapes");
-  const NDArray host_docs = documents.valid() ? to_host(s, documents) : NDArray();
+  const NDArray host_docs = host_documents(s, documents);
   if (sdpa_attention_backward(s, q, k, v, out, lse, grad_out, host_docs, scale, dq, dk, dv, products, window)) return;
   const DeviceIndex idx = whole_sequence(s, host_docs, q.dim(0), q.dim(1), window);
   // bf16 arrays that cuDNN did not take: our kernels on f32 copies.
