@@ -16,7 +16,7 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   ExecGraph& graph = *rt_->graph;
   // The first micro-batch's gradient is kept and later ones are added into
   // it in place. After a backward, its raw gradients are the backward's own
-  // fresh arrays: kept as they are, unless one shares its elements with a
+  // fresh arrays: kept as they are, unless one is the same array as a
   // gradient already kept (the in-place sums would then add twice). During
   // the overlapped last backward the graph still reads a gradient after
   // handing it over (its Reshard), while the communication thread reduces
@@ -24,7 +24,7 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   auto keep = [&](const std::string& name, const NDArray& g, bool copy) {
     auto it = raw.find(name);
     if (it != raw.end()) return kernels::accumulate(graph.stream(), g, it->second);
-    for (const auto& [other, kept] : raw) copy = copy || kept.raw_data() == g.raw_data();
+    for (const auto& [other, kept] : raw) copy = copy || kept.same_view(g);
     raw.emplace(name, copy || !g.is_contiguous() ? kernels::clone(graph.stream(), g) : g);
   };
   auto add = [&](const std::string& name, const NDArray& g) { keep(name, g, true); };
