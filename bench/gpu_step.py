@@ -372,6 +372,13 @@ def run_hspmd(a, cfg_path, data, tmp, device):
                losses=[r["loss"] for r in recs[:a.warmup + a.steps]], tokens_per_step=timed[0]["tokens"])
     if os.path.exists(op_times):
         row["op_times"] = json.load(open(op_times))
+    # Attention calls cuDNN did not take (hspmd's own, much slower kernels
+    # ran them): the speed is then not the fused attention's.
+    fallbacks = max((max(r.get("attention_fallbacks", [0])) for r in recs), default=0)
+    if fallbacks:
+        row["attention_fallbacks"] = fallbacks
+        row["attention_fallback_reason"] = next(
+            (l.strip() for l in err.splitlines() if "fell back from cuDNN" in l), "")
     if "peak_memory_bytes" in timed[0]:
         row["peak_memory_bytes"] = max(max(r["peak_memory_bytes"]) for r in timed)
         row["peak_activation_bytes"] = max(max(r["peak_activation_bytes"]) for r in timed)
@@ -458,6 +465,11 @@ def print_table(rows, report):
                   f" mfu_pct={fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} peak_gib={fmt(mem and mem / 2**30, '.2f')}"
                   if r["status"] == "PASS" else f" reason=\"{r.get('reason', '')[:120]}\"")
         print(f"RESULT probe=gpu_step case={r['system']}{fields} status={r['status']}")
+    for r in rows:
+        if r.get("attention_fallbacks"):
+            print(f"WARNING: {r['system']}: {r['attention_fallbacks']} attention calls fell back from cuDNN's fused "
+                  f"attention: {r.get('attention_fallback_reason') or 'see its stderr'}")
+            print(f"RESULT probe=gpu_step case=attention_fallbacks count={r['attention_fallbacks']} status=WARN")
     ops = next((r.get("op_times") for r in rows if r["system"] == "hspmd" and r.get("op_times")), None)
     if ops:
         print(f"where hspmd's step goes (one extra step, each op between two events; "

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "hspmd/core/device.h"
@@ -71,6 +72,18 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
                         float scale, NDArray& dq, NDArray& dk, NDArray& dv,
                         AttentionTiles tiles, DType products = DType::F32,
                         int64_t window = 0);
+
+// How whole-sequence attention ran on CUDA in this process (docs/cuda.md,
+// "Attention on cuDNN"): the calls cuDNN's fused attention served, the
+// calls with bf16 products it did not take (our much slower kernels ran
+// them), and why the latest of those fell back. All zero and "" without a
+// CUDA build or before any such call.
+struct FusedAttentionReport {
+  int64_t cudnn_calls = 0;
+  int64_t fallbacks = 0;
+  std::string last_fallback;
+};
+FusedAttentionReport fused_attention_report();
 
 // ---- blocks of context-parallel (ring) attention (cpu/attention_block.cc) ----
 

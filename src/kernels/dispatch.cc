@@ -10,6 +10,7 @@
 
 #include "cpu/cpu.h"
 #ifdef HSPMD_HAVE_CUDA
+#include "cuda/attention_cudnn.h"
 #include "cuda/cuda.h"
 #define HSPMD_CUDA_CASE(call) \
   case DeviceType::CUDA:      \
@@ -301,6 +302,16 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
 
 // ---- attention.h ----
 
+
+FusedAttentionReport fused_attention_report() {
+  FusedAttentionReport r;
+#ifdef HSPMD_HAVE_CUDA
+  r.cudnn_calls = cuda::cudnn_attention_calls();
+  r.fallbacks = cuda::cudnn_attention_fallbacks();
+  r.last_fallback = cuda::cudnn_attention_last_fallback();
+#endif
+  return r;
+}
 
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,

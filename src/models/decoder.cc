@@ -95,9 +95,10 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   Tensor v = ops::reshape(project("v_proj"), {B, S, Hkv, D});
   // q, k and v, which attention keeps for its backward, are in the compute
   // dtype: RoPE writes q and k rounded once, v is rounded (the rounding
-  // attention's bf16 products apply to them anyway). Its output stays f32
-  // (ops::attention) and is o_proj's operand as it is: a bf16 GEMM rounds
-  // it, so no bf16 copy is kept beside it.
+  // attention's bf16 products apply to them anyway). Its output is f32 on
+  // the CPU (ops::attention) and o_proj's operand as it is: a bf16 GEMM
+  // rounds it, so no bf16 copy is kept beside it. On a GPU it is bf16
+  // (Precision::attention_output), as cuDNN writes it.
   q = ops::rope(q, positions, theta, act);
   k = ops::rope(k, positions, theta, act);
   v = lo(v);
@@ -105,7 +106,7 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
                             static_cast<float>(1.0 / std::sqrt(D)), o.context_parallel,
-                            o.precision.compute, c.sliding_window);
+                            o.precision.compute, c.sliding_window, o.precision.attention_output);
   a = ops::reshape(a, {B, S, Hq * D});
   // o_proj and down_proj write their (partial, under TP) sums in the
   // compute dtype: one rounding, the one the Reshards carry, without an f32

@@ -86,6 +86,12 @@ DType parse_precision_name(const std::string& name, const std::string& what) {
   fail("[precision] ", what, ": '", name, "' (expected fp32 or bf16)");
 }
 
+Precision Precision::for_device(const Device& device) const {
+  Precision p = *this;
+  p.attention_output = mixed() && device.type == DeviceType::CUDA ? DType::BF16 : DType::F32;
+  return p;
+}
+
 std::map<std::string, NDArray> init_model_parameters(const ModelConfig& c, uint64_t seed) {
   check_parameters_fit_memory(c, "model to initialize");
   std::map<std::string, NDArray> params;

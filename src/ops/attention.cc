@@ -437,14 +437,16 @@ RingInputs ring_inputs(const Ring& ring, const std::vector<NDArray>& in, const N
 }
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse (contiguous order).
+// The output merges f32 partial outputs; a bf16 `out_dtype` rounds the
+// merged one once (after the relayout, which moves f32 as counted).
 void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDArray& positions,
-                    float scale, DType products, int64_t window, std::vector<NDArray>& out) {
+                    float scale, DType products, int64_t window, DType out_dtype, std::vector<NDArray>& out) {
   std::vector<NDArray> none;
   const RingInputs x = ring_inputs(ring, in, positions, scale, products, window, {}, {}, none);
   NDArray o, lse;
   ring_forward(ring, x, o, lse);
   std::vector<NDArray> back = relayout(ring, {o, lse}, {1, 2}, false);
-  out[0] = back[0];
+  out[0] = out_dtype == DType::F32 ? back[0] : kernels::cast(*ring.stream, back[0], out_dtype);
   out[1] = back[1];
 }
 
@@ -628,18 +630,24 @@ class AttentionGradOp final : public Op {
 // Inputs: q, k, v[, documents]. Outputs: out, lse.
 class AttentionOp final : public Op {
  public:
-  AttentionOp(float scale, bool context_parallel, DType products, int64_t window)
-      : scale_(scale), context_parallel_(context_parallel), products_(products), window_(window) {}
+  AttentionOp(float scale, bool context_parallel, DType products, int64_t window, DType out_dtype)
+      : scale_(scale),
+        context_parallel_(context_parallel),
+        products_(products),
+        window_(window),
+        out_dtype_(out_dtype) {}
   std::string type() const override { return "attention"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 3 && in.size() != 4)
       fail("[attention] expected 3 or 4 inputs, got ", in.size());
     check_qkv(in[0], in[1], in[2], in.size() == 4 ? &in[3] : nullptr);
     const SymShape& q = in[0].shape;
-    // The output is f32 whatever q, k and v hold: the backward's row dots
-    // (dO . O) need O unrounded, or the gradients lose softmax's shift
-    // invariance (a key bias's true gradient is nearly zero).
-    return {TensorMeta{q, DType::F32}, TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
+    // The output is f32 unless asked otherwise, whatever q, k and v hold:
+    // the backward's row dots (dO . O) need O unrounded, or the gradients
+    // lose softmax's shift invariance (a key bias's true gradient is nearly
+    // zero). A bf16 output (Precision::attention_output, on a GPU) is what
+    // cuDNN reads back in its backward anyway.
+    return {TensorMeta{q, out_dtype_}, TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, false); }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext* shard) const override {
@@ -654,7 +662,8 @@ class AttentionOp final : public Op {
     const NDArray documents = optional_input(in, 3);
     const std::vector<NDArray> x = contiguous_inputs(in, 3);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention(*ring, widened(*ctx.stream, x), documents, scale_, products_, window_, out);
+      return ring_attention(*ring, widened(*ctx.stream, x), documents, scale_, products_, window_, out_dtype_,
+                            out);
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
     kernels::attention_forward(*ctx.stream, x[0], x[1], x[2], documents, scale_, out[0], out[1],
@@ -684,23 +693,27 @@ class AttentionOp final : public Op {
   float scale_;
   bool context_parallel_;
   DType products_;
-  int64_t window_;  // sliding window W (0: none)
+  int64_t window_;   // sliding window W (0: none)
+  DType out_dtype_;  // the output's dtype (lse is f32)
 };
 
 }  // namespace
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
-                 float softmax_scale, bool context_parallel, DType products, int64_t window) {
+                 float softmax_scale, bool context_parallel, DType products, int64_t window, DType out_dtype) {
   if (!q.valid() || !k.valid() || !v.valid()) fail("[attention] q, k and v must be defined");
   if (products != DType::F32 && products != DType::BF16)
     fail("[attention] products: must be f32 or bf16, got ", dtype_name(products));
   if (q.dtype() == DType::BF16 && products != DType::BF16)
     fail("[attention] bf16 q, k and v need bf16 products");
   if (window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", window);
+  if (out_dtype != DType::F32 && (out_dtype != DType::BF16 || products != DType::BF16))
+    fail("[attention] out_dtype: f32, or bf16 with bf16 products; got ", dtype_name(out_dtype), " with ",
+         dtype_name(products), " products");
   std::vector<Tensor> in = {q, k, v};
   if (documents.valid()) in.push_back(documents);
   return q.graph()->add(
-      std::make_shared<AttentionOp>(softmax_scale, context_parallel, products, window), in)[0];
+      std::make_shared<AttentionOp>(softmax_scale, context_parallel, products, window, out_dtype), in)[0];
 }
 
 }  // namespace hspmd::ops

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 
+#include "kernels/attention.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
@@ -26,7 +27,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::compile(const Strategy& strat
          " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
   CompileOptions co;
   co.seq_len = (o_.seq_len + g - 1) / g * g;  // packed lengths vary: compile for the longest, rounded up
-  co.precision = o_.precision;
+  co.precision = precision();
   return std::make_shared<const AnnotationPlan>(compile_plan(config_, strategy, world_.size(), co));
 }
 
@@ -541,6 +542,7 @@ void DistTrainer::fill_record(const std::vector<StepMetrics>& all, StepRecord& r
     r.grad_sync_s.push_back(m.grad_sync_ns * 1e-9);
     r.sm_percent.push_back(m.sm_percent);
     r.grad_sync_overlapped.push_back(m.grad_sync_overlapped);
+    r.attention_fallbacks.push_back(m.attention_fallbacks);
     end = std::max(end, m.clock_ns);
     if (!clock_) continue;
     r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);
@@ -716,6 +718,15 @@ StepRecord DistTrainer::step() {
     return p ? int64_t{std::atoi(p)} : int64_t{0};
   }();
   mine.sm_percent = sm_percent;
+  const kernels::FusedAttentionReport attention = kernels::fused_attention_report();
+  mine.attention_fallbacks = attention.fallbacks;
+  if (attention.fallbacks > 0 && !warned_attention_fallback_) {  // once per rank: the step is far slower
+    warned_attention_fallback_ = true;
+    std::fprintf(stderr,
+                 "hspmd: warning: rank %d: attention fell back from cuDNN's fused attention to hspmd's own, much "
+                 "slower kernels (%lld calls so far): %s (HSPMD_CUDNN_ATTENTION=1 makes it an error)\n",
+                 world_.rank(), static_cast<long long>(attention.fallbacks), attention.last_fallback.c_str());
+  }
   fill_record(gather_metrics(mine, world_), r);
   r.step_time_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.tokens_per_s = r.tokens / r.step_time_s;

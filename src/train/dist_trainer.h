@@ -86,6 +86,7 @@ struct StepMetrics {
   int64_t grad_sync_ns = 0;       // wall time of the gradient synchronization after the schedule
   int64_t sm_percent = 0;         // CUDA MPS: the rank's share of the GPU's SMs (0: none set)
   int64_t grad_sync_overlapped = 0;  // gradients handed to the communication thread during the backward
+  int64_t attention_fallbacks = 0;   // attention calls cuDNN did not take so far (CUDA, bf16 products)
 };
 constexpr int kStepMetricFields = sizeof(StepMetrics) / sizeof(int64_t);
 static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));
@@ -492,6 +493,9 @@ class DistTrainer {
   void write_trace() const;
 
   const TrainOptions& o_;
+  // The run's precision as its device computes it (Precision::for_device):
+  // what every plan of the run is compiled with.
+  Precision precision() const { return o_.precision.for_device(o_.device); }
   Communicator& world_;
   ModelConfig config_;
   std::string run_id_;  // stamped into every checkpoint this run commits
@@ -509,6 +513,7 @@ class DistTrainer {
   std::unique_ptr<Communicator> grad_world_;  // overlapping: the world's duplicate, for GradOverlap
   std::optional<Profile> profile_;                 // --clock model: the profile ...
   std::shared_ptr<const OpTimeModel> time_model_;  // ... and its per-op model
+  bool warned_attention_fallback_ = false;   // the warning of a cuDNN attention fallback, once
   int64_t emulated_end_ = 0;                 // ns, the previous step's end
   std::vector<int64_t> emulated_compute_;    // ns, per rank, up to the previous step
   std::unique_ptr<TokenData> data_;

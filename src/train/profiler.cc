@@ -116,7 +116,7 @@ StageProbe::StageProbe(const ModelConfig& config, int tp, int cp, std::vector<in
   const int group = tp * cp, world = group * static_cast<int>(stage_layers.size());
   CompileOptions co;
   co.seq_len = max_seq_len;
-  co.precision = precision;
+  co.precision = precision.for_device(device);  // as training on the device builds it
   Impl& m = *impl_;
   m.plan = std::make_shared<const AnnotationPlan>(compile_plan(c, pipeline_of_stages(stage_layers, tp, cp), world, co));
   m.rank = stage * group;

@@ -166,6 +166,8 @@ inline nlohmann::json record_json(const StepRecord& r) {
       j["grad_sync_overlapped"] = r.grad_sync_overlapped;
     if (std::any_of(r.sm_percent.begin(), r.sm_percent.end(), [](int64_t p) { return p > 0; }))
       j["sm_percent"] = r.sm_percent;
+    if (std::any_of(r.attention_fallbacks.begin(), r.attention_fallbacks.end(), [](int64_t n) { return n > 0; }))
+      j["attention_fallbacks"] = r.attention_fallbacks;
   }
   if (r.pieces > 0) {  // token-budget steps
     j["pieces"] = r.pieces;

@@ -155,7 +155,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::trainable_plan(AnnotationPlan
   padded.padded_vocab_size = plan.model.padded_vocab_size;
   if (plan.model.to_json() != padded.to_json())
     fail("[plan] ", source, ": its model differs from --model ", o_.model_path);
-  plan.precision = o_.precision;  // the run's flags decide how it computes
+  plan.precision = precision();  // the run's flags (and device) decide how it computes
   return std::make_shared<const AnnotationPlan>(std::move(plan));
 }
 

@@ -116,11 +116,19 @@ void fallbacks() {
     const NDArray v = random_f32({B, S, Hkv, D}, 92), go = random_f32({B, S, Hq, D}, 93);
     kc::set_cudnn_attention_mode(kc::CudnnAttention::kAuto);
     const Outputs want = run(false, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0);
+    const kernels::FusedAttentionReport before = kernels::fused_attention_report();
     const Outputs got = run(true, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0);
     const std::string reason = kc::cudnn_attention_fallback_reason();
+    const kernels::FusedAttentionReport after = kernels::fused_attention_report();
     const double e = std::max({rel_diff(got.out, want.out), rel_diff(got.dq, want.dq), rel_diff(got.dk, want.dk)});
     result("fallback_auto", e < 1e-2 && reason.find("head dim 20") != std::string::npos,
            "rel=" + std::to_string(e) + " reason=\"" + reason + "\"");
+    // What training reports (a warning, the step records' attention_fallbacks):
+    // the forward and the backward counted, the reason kept.
+    result("fallback_reported",
+           after.fallbacks - before.fallbacks == 2 && after.cudnn_calls == before.cudnn_calls &&
+               after.last_fallback.find("head dim 20") != std::string::npos,
+           "fallbacks=" + std::to_string(after.fallbacks - before.fallbacks) + " last=\"" + after.last_fallback + "\"");
     // The same with bf16 arrays: our kernels on f32 copies, the output rounded.
     const Outputs want16 = run(false, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0, DType::BF16);
     const Outputs got16 = run(true, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0, DType::BF16);

@@ -144,6 +144,27 @@ void optimizer() {
     std::snprintf(d, sizeof d, "rel_err=%.2e deterministic=%d", rel, g1 == g2);
     result("sum_of_squares", rel < 1e-12 && g1 == g2, d);
   });
+  // Many arrays in one launch: sizes around the 65536-element chunk, empty
+  // ones, and an unaligned view (its chunks take one element per access).
+  run_case("sum_of_squares_many", [] {
+    std::vector<NDArray> host, dev;
+    const int64_t sizes[] = {1, 0, 65535, 65536, 65537, 3 * 65536 + 5, 2048, 0, 7, 200003};
+    for (int i = 0; i < 10; ++i) {
+      host.push_back(random_f32({sizes[i]}, 20 + i));
+      dev.push_back(up(host.back()));
+    }
+    const NDArray whole = random_f32({131075}, 40);
+    host.push_back(whole.slice(0, 1, 131075).contiguous());
+    const NDArray gwhole = up(whole);
+    dev.push_back(gwhole.slice(0, 1, 131075));
+    const double c = kernels::sum_of_squares(cpu(), host);
+    const double g1 = kernels::sum_of_squares(gpu(), dev), g2 = kernels::sum_of_squares(gpu(), dev);
+    const double rel = std::fabs(g1 - c) / c;
+    const bool none = kernels::sum_of_squares(gpu(), {dev[1], dev[7]}) == 0.0;
+    char d[96];
+    std::snprintf(d, sizeof d, "rel_err=%.2e deterministic=%d empty_is_zero=%d", rel, g1 == g2, none);
+    result("sum_of_squares_many", rel < 1e-12 && g1 == g2 && none, d);
+  });
   run_case("adam_step", [] {
     const kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.6f, 1e-3f};
     NDArray p = random_f32({5003}, 9), g = random_f32({5003}, 10);

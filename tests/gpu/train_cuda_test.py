@@ -93,19 +93,32 @@ def main():
         if probe.returncode and ("no CUDA device" in probe.stderr or "no CUDA backend" in probe.stderr):
             print("RESULT probe=train_cuda case=device status=SKIP (" + probe.stderr.strip() + ")")
             return 77
+        saved = {}
         for precision, loss_tol, weight_tol in (("fp32", 1e-4, 1e-3), ("bf16", 2e-2, 5e-2)):
             cpu, cpu_log, cpu_save = train("cpu_" + precision, ["--precision", precision])
             gpu, gpu_log, gpu_save = train("gpu_" + precision, ["--precision", precision, "--device", dev])
             if cpu.returncode or gpu.returncode:
                 result(precision, False, f"error=\"{(cpu.stderr + gpu.stderr).strip()[-300:]}\"")
                 continue
+            saved[precision] = cpu_save
+            noise = ""
+            if precision == "bf16" and "fp32" in saved:
+                # bf16's own noise on these weights, measured: how far the CPU's
+                # bf16 run lands from its fp32 run. Two bf16 runs that round at
+                # different points (cuDNN rounds attention's output, the CPU
+                # keeps it f32; Adam turns tiny gradient differences of rarely
+                # updated weights into full-size steps) each land about that far
+                # from fp32, so at most twice that apart.
+                own = rel_weights(read_safetensors(saved["fp32"]), read_safetensors(cpu_save))
+                weight_tol = max(weight_tol, 2 * own)
+                noise = f"bf16_vs_fp32={own:.1e} "
             want, got = records(cpu_log), records(gpu_log)
             loss = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(want, got))
             norm = max(abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"]) for x, y in zip(want, got))
             w = rel_weights(read_safetensors(cpu_save), read_safetensors(gpu_save))
             ok = len(got) == STEPS and loss <= loss_tol and norm <= 10 * loss_tol and w <= weight_tol
             result(precision, ok, f"loss_rel={loss:.1e} grad_norm_rel={norm:.1e} weights_rel={w:.1e} "
-                                  f"gpu_step_s={got[-1].get('step_time_s', 0):.4f}")
+                                  f"{noise}weight_tol={weight_tol:.1e} gpu_step_s={got[-1].get('step_time_s', 0):.4f}")
         # A checkpoint of the GPU run (step 8 of 12), resumed on the CPU: the
         # GPU run's last losses go on.
         ck = os.path.join(tmp, "ck")

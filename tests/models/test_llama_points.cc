@@ -75,7 +75,9 @@ TEST(TrainingGraph, HasNoUnreadNodes) {
   for (const char* family : {"llama", "qwen2", "mistral"})
     for (bool tied : {false, true})
       for (bool points : {false, true})
-        for (DType compute : {DType::F32, DType::BF16}) {
+        for (int variant : {0, 1, 2}) {  // f32; bf16; bf16 as a GPU computes it (attention writes bf16)
+          const DType compute = variant == 0 ? DType::F32 : DType::BF16;
+          const bool gpu = variant == 2;
           ModelConfig c = tiny(tied);
           c.model_type = family;
           c.attention_bias = std::string(family) == "qwen2";
@@ -83,6 +85,7 @@ TEST(TrainingGraph, HasNoUnreadNodes) {
           ModelBuildOptions o;
           o.reshard_points = points;
           o.precision.compute = compute;
+          if (gpu) o.precision = o.precision.for_device(Device::cuda(0));
           const ModelGraph m = build_model(c, o);
           const Graph& g = *m.graph;
           std::vector<int> readers(g.num_nodes(), 0);
@@ -94,10 +97,49 @@ TEST(TrainingGraph, HasNoUnreadNodes) {
             const Node& n = g.node(id);
             if (n.inputs.empty()) continue;  // leaves: parameters and placeholders
             EXPECT_GT(readers[id], 0) << family << (tied ? " tied" : "") << (points ? " points" : "") << " "
-                                      << dtype_name(compute) << ": node " << id << " (" << n.op->type()
+                                      << dtype_name(compute) << (gpu ? " gpu" : "") << ": node " << id << " (" << n.op->type()
                                       << (n.name.empty() ? "" : " '" + n.name + "'") << ") is read by nothing";
           }
         }
+}
+
+// Where attention's output is bf16: with bf16 compute on a GPU, whose
+// cuDNN attention rounds it anyway; f32 on the CPU and its device double.
+TEST(Precision, AttentionOutputFollowsTheDevice) {
+  const Precision f32, bf16{.compute = DType::BF16};
+  EXPECT_EQ(bf16.for_device(Device::cpu()).attention_output, DType::F32);
+  EXPECT_EQ(bf16.for_device(Device::host_double()).attention_output, DType::F32);
+  EXPECT_EQ(bf16.for_device(Device::cuda(1)).attention_output, DType::BF16);
+  for (Device d : {Device::cpu(), Device::host_double(), Device::cuda(0)})
+    EXPECT_EQ(f32.for_device(d), f32) << d.str();
+  Precision gpu = bf16.for_device(Device::cuda(0));
+  EXPECT_EQ(gpu.for_device(Device::cpu()), bf16);  // decided again, not kept
+}
+
+// A bf16 attention output is o_proj's operand as it is: no conversion
+// node reads it, and the backward gets it (rounded) as its O. The step
+// computes nearly the same loss as with the f32 output.
+TEST(TrainingGraph, Bf16AttentionOutputFeedsOProjAsItIs) {
+  const ModelConfig c = tiny(false);
+  ModelBuildOptions cpu, gpu;
+  cpu.precision.compute = DType::BF16;
+  gpu.precision = cpu.precision.for_device(Device::cuda(0));
+  const ModelGraph a = build_model(c, cpu), b = build_model(c, gpu);
+  int attention = 0;
+  for (int id = 0; id < b.graph->num_nodes(); ++id) {
+    const Node& n = b.graph->node(id);
+    if (n.op->type() == "cast")
+      for (const Tensor& in : n.inputs)
+        EXPECT_NE(b.graph->node(in.node_id()).op->type(), "attention") << "node " << id << " casts attention's output";
+    if (n.op->type() != "attention") continue;
+    ++attention;
+    EXPECT_EQ(n.outputs[0].dtype, DType::BF16);
+    EXPECT_EQ(n.outputs[1].dtype, DType::F32);  // lse
+  }
+  EXPECT_EQ(attention, c.num_hidden_layers);
+  const ValueMap values = feeds(c);
+  const float la = run(a, values)[0].data<float>()[0], lb = run(b, values)[0].data<float>()[0];
+  EXPECT_NEAR(la, lb, 1e-3 * std::abs(la));
 }
 
 }  // namespace

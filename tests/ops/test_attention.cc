@@ -677,6 +677,49 @@ TEST(Attention, Bf16ArraysAreTheF32KernelRoundedOnce) {
   EXPECT_THROW(ops::attention(bq, fk, fk, Tensor(), 0.3f, false, DType::BF16), Error);
 }
 
+// A bf16 output (Precision::attention_output, as a GPU computes): the f32
+// output rounded once, and the backward's O (its row dots dO . O) is that
+// rounded output, as cuDNN's backward reads it.
+TEST(Attention, Bf16OutputIsTheF32OutputRoundedOnce) {
+  const Dims d{2, 37, 4, 2, 8};
+  const NDArray pos = positions_of({{5, 19, 13}, {37}});
+  const Inputs x32 = random_inputs(d, 97);
+  const Inputs x{x32.q.to(DType::BF16).to(DType::F32), x32.k.to(DType::BF16).to(DType::F32),
+                 x32.v.to(DType::BF16).to(DType::F32)};
+  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 98);
+  const std::vector<NDArray> f32 = whole_attention(x, pos, dout, 0.4f, DType::BF16);
+  const NDArray o16 = f32[0].to(DType::BF16).to(DType::F32);
+  NDArray dq = NDArray::empty(x.q.shape(), DType::F32), dk = NDArray::empty(x.k.shape(), DType::F32);
+  NDArray dv = NDArray::empty(x.k.shape(), DType::F32);
+  kernels::attention_backward(cpu_stream(), x.q, x.k, x.v, o16, f32[1], dout, pos, 0.4f, dq, dk, dv,
+                              kernels::attention_tiles(), DType::BF16);
+  Graph g;
+  const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
+  Tensor q = g.placeholder("q", {B, S, d.Hq, d.D}, DType::BF16);
+  Tensor k = g.placeholder("k", {B, S, d.Hkv, d.D}, DType::BF16);
+  Tensor v = g.placeholder("v", {B, S, d.Hkv, d.D}, DType::BF16);
+  Tensor p = g.placeholder("pos", {B, S}, DType::I32);
+  Tensor go = g.placeholder("go", {B, S, d.Hq, d.D}, DType::F32);
+  Tensor a = ops::attention(q, k, v, p, 0.4f, false, DType::BF16, 0, DType::BF16);
+  ASSERT_EQ(a.dtype(), DType::BF16);
+  Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(a, DType::F32), go});
+  const std::vector<Tensor> grads = gradients(loss, {q, k, v});
+  const std::vector<NDArray> got =
+      Executor(g, {a, grads[0], grads[1], grads[2]})
+          .run({{"q", x32.q.to(DType::BF16)}, {"k", x32.k.to(DType::BF16)}, {"v", x32.v.to(DType::BF16)},
+                {"pos", pos}, {"go", dout}});
+  ASSERT_EQ(got[0].dtype(), DType::BF16);
+  EXPECT_EQ(max_diff(got[0].to(DType::F32), o16), 0.0);
+  const NDArray want[] = {dq, dk, dv};
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(max_diff(got[i + 1].to(DType::F32), want[i]), 0.0) << "gradient " << i;
+  // The rounded O is what the backward read: the f32 O's gradients differ.
+  EXPECT_GT(max_diff(got[2].to(DType::F32), f32[3]), 0.0);
+  Graph bad;
+  Tensor fq = bad.placeholder("q", {1, 4, 2, 8}, DType::F32);
+  EXPECT_THROW(ops::attention(fq, fq, fq, Tensor(), 0.3f, false, DType::F32, 0, DType::BF16), Error);
+  EXPECT_THROW(ops::attention(fq, fq, fq, Tensor(), 0.3f, false, DType::BF16, 0, DType::I32), Error);
+}
+
 // A row's results do not depend on the other rows of its batch, bit for bit
 // (micro-batches of any size give the same attention).
 TEST(Attention, Bf16ProductsOfARowDoNotDependOnItsBatch) {

@@ -138,11 +138,26 @@ struct ModelGraph {
 // (f32 by default; bf16 halves the bytes; the f32 sum comes back). The graph
 // itself keeps f32 gradients: the executor casts around the once-per-step
 // grad.{parameter} Reshards (AnnotatedTraining::reshards gives them this dtype).
+//
+// attention_output: the dtype attention writes its output O in. F32 (the
+// default, the CPU's) keeps O unrounded for the backward's row dots
+// (dO . O); BF16 (bf16 compute only) is what cuDNN's fused attention writes
+// and reads back in its backward whatever the graph holds, so on a GPU an
+// f32 O is only a widening and three roundings of it (o_proj's forward, its
+// weight gradient, the backward). for_device() picks it.
 struct Precision {
   DType compute = DType::F32;
   DType grad_reduce = DType::F32;
+  DType attention_output = DType::F32;
   bool operator==(const Precision&) const = default;
   bool mixed() const { return compute == DType::BF16; }
+  // This precision as a run on `device` computes it: a bf16 attention
+  // output with bf16 compute on a GPU, else f32. The device test double
+  // cpu:1 keeps the CPU's f32 output: the CPU's attention kernels are not
+  // cuDNN's, and with a rounded O the Qwen2 key bias's gradient (near zero
+  // by softmax's shift invariance) leaves the PyTorch oracle's tolerance
+  // (docs/precision.md); a GPU has that rounding either way.
+  Precision for_device(const Device& device) const;
 };
 
 // "fp32" / "bf16" -> the compute dtype; throws hspmd::Error "[precision] ...".

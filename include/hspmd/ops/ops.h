@@ -103,14 +103,16 @@ Tensor swiglu(const Tensor& gate, const Tensor& up);
 // which needs S divisible by 2*cp and no cu_seqlens (else hspmd::Error). On
 // one device it changes nothing. `products` BF16 multiplies bf16-rounded
 // operands (q, k, v, the probabilities, the incoming gradient) with f32 sums
-// in every tile product, as mixed precision does for the GEMMs; inputs,
-// outputs, softmax and lse stay f32. `window` W > 0 is a sliding window
+// in every tile product, as mixed precision does for the GEMMs; softmax
+// and lse stay f32. `window` W > 0 is a sliding window
 // (Mistral's `sliding_window`): query i sees only keys i - W < j <= i, on top
 // of the document mask; 0 (the default) is no window. W < 0 throws
-// hspmd::Error "[attention] window: ...".
+// hspmd::Error "[attention] window: ...". `out_dtype` is the output's dtype:
+// F32, or BF16 with bf16 products (computed in f32 and rounded once; the
+// backward then reads the rounded O, as cuDNN's does); lse stays f32.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
                  float softmax_scale, bool context_parallel = false,
-                 DType products = DType::F32, int64_t window = 0);
+                 DType products = DType::F32, int64_t window = 0, DType out_dtype = DType::F32);
 // Softmax cross-entropy: logits [..., V], targets i32 [...]. Returns the
 // scalar sum over tokens with target != ignore_index of -log p(target),
 // divided by `normalizer` (an f32 scalar tensor, usually the number of target

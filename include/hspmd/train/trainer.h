@@ -161,6 +161,10 @@ struct StepRecord {
   // per rank: its CUDA MPS share of the GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
   // --mps-percent); empty when no rank has one.
   std::vector<int64_t> sm_percent;
+  // per rank: attention calls so far (bf16 products, CUDA) that cuDNN's
+  // fused attention did not take and hspmd's own, much slower kernels ran
+  // (kernels::fused_attention_report); written only when a rank has one.
+  std::vector<int64_t> attention_fallbacks;
   // Token-budget steps: pieces in the step, real tokens per pipeline, and
   // the cost model's prediction of the dispatch's slowest pipeline.
   int64_t pieces = 0;

@@ -45,6 +45,12 @@ std::string cudnn_attention_fallback_reason();
 // Forward and backward calls cuDNN computed so far in this process.
 int64_t cudnn_attention_calls();
 
+// Calls with bf16 products that fell back to our kernels so far in this
+// process (mode auto; HSPMD_CUDNN_ATTENTION=0 is not a fallback), and the
+// reason of the latest of them ("" while none did). Thread-safe.
+int64_t cudnn_attention_fallbacks();
+std::string cudnn_attention_last_fallback();
+
 // ---- entry points (attention.cu calls them before its own kernels) ----
 
 // attention_forward / attention_backward of attention.h on cuDNN, for CUDA

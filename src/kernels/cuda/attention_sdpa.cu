@@ -34,8 +34,9 @@ using namespace launch;
 
 std::atomic<int> g_mode{-1};  // a CudnnAttention, -1 until read from the environment
 std::atomic<int64_t> g_calls{0};
+std::atomic<int64_t> g_fallbacks{0};
 std::mutex g_reason_mutex;
-std::string g_reason;
+std::string g_reason, g_last_fallback;
 
 CudnnAttention mode_from_environment() {
   const char* e = std::getenv("HSPMD_CUDNN_ATTENTION");
@@ -57,6 +58,11 @@ bool fall_back(const std::string& why) {
          "case: ",
          why);
   record(why);
+  {
+    std::lock_guard<std::mutex> lock(g_reason_mutex);
+    g_last_fallback = why;
+  }
+  ++g_fallbacks;
   return false;
 }
 
@@ -134,18 +140,19 @@ struct Problem {
 };
 
 // Checks the case and builds the problem. Returns "" when cuDNN may run it;
-// "-" when the case is not cuDNN's to take (mode off, f32 products, empty
-// or malformed arrays, which our kernels report); else the reason it refuses.
+// "-" when the case is not cuDNN's to take (mode off, f32 products, no
+// elements); else the reason it refuses, malformed arrays included (our
+// kernels then name the error; with HSPMD_CUDNN_ATTENTION=1 fall_back does).
 std::string prepare(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v, const NDArray& host_docs,
                     float scale, DType products, int64_t window, Problem* p) {
   if (cudnn_attention_mode() == CudnnAttention::kOff || products != DType::BF16) return "-";
   for (const NDArray* x : {&q, &k, &v})
     if ((x->dtype() != DType::F32 && x->dtype() != DType::BF16) || x->dtype() != q.dtype() || !x->is_contiguous() ||
         x->ndim() != 4)
-      return "-";
+      return "q, k and v must be contiguous 4-d arrays of one dtype, f32 or bf16";
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2), D = q.dim(3), Hkv = k.dim(2);
   if (v.shape() != k.shape() || k.dim(0) != B || k.dim(1) != S || k.dim(3) != D || Hkv <= 0 || Hq % Hkv != 0)
-    return "-";
+    return "q, k and v shapes that do not fit (B, S and D shared, query heads a multiple of kv heads)";
   if (B * S * Hq * D == 0) return "-";
   if (D % 8 != 0 || D > 256) return "head dim " + std::to_string(D) + " (cuDNN: a multiple of 8, at most 256)";
   const std::string refused = sequences_of(cpu::key_starts(host_docs, B, S, 0), B, S, &p->seqs);
@@ -220,6 +227,13 @@ std::string cudnn_attention_fallback_reason() {
 
 int64_t cudnn_attention_calls() { return g_calls.load(); }
 
+int64_t cudnn_attention_fallbacks() { return g_fallbacks.load(); }
+
+std::string cudnn_attention_last_fallback() {
+  std::lock_guard<std::mutex> lock(g_reason_mutex);
+  return g_last_fallback;
+}
+
 bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                             const NDArray& host_documents, float scale, NDArray& out, NDArray& lse,
                             DType products, int64_t window) {
@@ -228,7 +242,8 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   if (why == "-") return false;
   if (!why.empty()) return fall_back(why);
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
-  if (!float_like(out, q.shape()) || !f32_like(lse, {B, Hq, S})) return false;  // our kernels name the error
+  if (!float_like(out, q.shape()) || !f32_like(lse, {B, Hq, S}))
+    return fall_back("an output that is not a contiguous f32 or bf16 [B, S, Hq, D] with an f32 lse [B, Hq, S]");
   const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
   NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
   NDArray stats = p.shape.ragged ? NDArray::empty({p.shape.batch, Hq, p.shape.seq}, DType::F32, q.device()) : lse;
@@ -254,7 +269,7 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
   if (!float_like(out, q.shape()) || !float_like(grad_out, q.shape()) || !f32_like(lse, {B, Hq, S}) ||
       !f32_like(dq, q.shape()) || !f32_like(dk, k.shape()) || !f32_like(dv, v.shape()))
-    return false;
+    return fall_back("backward arrays that are not contiguous (O and dO f32 or bf16 like q, lse, dq, dk, dv f32)");
   const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
   const NDArray ob = as_bf16(s, out), gb = as_bf16(s, grad_out);
   NDArray dqb = NDArray::empty(q.shape(), DType::BF16, q.device());

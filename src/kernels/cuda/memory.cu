@@ -1,5 +1,6 @@
 // CUDA memory kernels (memory.h) and the elementwise f32 kernels
 // (kernels.h) on a CUDA stream.
+#include <algorithm>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -116,30 +117,70 @@ __global__ void block_kernel(const T* from, T* to, BlockGeometry g, int64_t n) {
   }
 }
 
-// ---- sum of squares: fixed grid, partial sums in double, summed in order ----
+// ---- sum of squares: every array in one launch, chunk sums in double,
+// added in a fixed order ----
+//
+// The arrays are cut into chunks of kSquareChunk elements; a block sums one
+// chunk (16-byte loads where the array is aligned, each thread a fixed set
+// of its elements), a second kernel adds the chunk sums in one block. The
+// order depends only on the arrays' sizes, so the result is the same on
+// every call; two launches for the whole gradient norm, whatever the number
+// of parameters (one pair per array, half of them single-threaded, before).
 
-constexpr int kSumBlocks = 240;
+constexpr int64_t kSquareChunk = 1 << 16;  // elements per chunk (a multiple of 4)
 
-__global__ void square_partials_kernel(const float* x, int64_t n, double* partials) {
+// The arrays: table [3T + 1] i64 = pointers [T], sizes [T], first chunks
+// [T + 1] (first[T] = all chunks).
+__global__ void square_chunks_kernel(const int64_t* table, int64_t T, double* partials) {
   __shared__ double part[kThreads];
+  const int64_t c = blockIdx.x;
+  const int64_t* first = table + 2 * T;
+  int64_t lo = 0, hi = T - 1;  // the array whose chunks hold c: first[a] <= c < first[a + 1]
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (first[mid] <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const auto* x = reinterpret_cast<const float*>(table[lo]);
+  const int64_t n = table[T + lo], begin = (c - first[lo]) * kSquareChunk;
+  const int64_t end = begin + kSquareChunk < n ? begin + kSquareChunk : n;
   double sum = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    sum += static_cast<double>(x[i]) * x[i];
+  int64_t i = begin;
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // begin is a multiple of 4: x + begin is aligned too
+    const int64_t quads = (end - begin) / 4;
+    const auto* x4 = reinterpret_cast<const float4*>(x + begin);
+    for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
+      const float4 v = x4[q];
+      sum += static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y + static_cast<double>(v.z) * v.z +
+             static_cast<double>(v.w) * v.w;
+    }
+    i = begin + 4 * quads;
+  }
+  for (int64_t k = i + threadIdx.x; k < end; k += blockDim.x) sum += static_cast<double>(x[k]) * x[k];
   part[threadIdx.x] = sum;
   __syncthreads();
   for (int w = blockDim.x / 2; w > 0; w /= 2) {
     if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
     __syncthreads();
   }
-  if (threadIdx.x == 0) partials[blockIdx.x] = part[0];
+  if (threadIdx.x == 0) partials[c] = part[0];
 }
 
-// total += Σ partials, one thread, in a fixed order.
-__global__ void add_partials_kernel(const double* partials, int count, double* total) {
-  double sum = *total;
-  for (int i = 0; i < count; ++i) sum += partials[i];
-  *total = sum;
+// *total = the chunk sums added, one block: each thread a fixed stride of
+// them in order, then a tree.
+__global__ void add_chunks_kernel(const double* partials, int64_t count, double* total) {
+  __shared__ double part[kThreads];
+  double sum = 0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) sum += partials[i];
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *total = part[0];
 }
 
 // ---- AdamW ----
@@ -333,18 +374,35 @@ NDArray to_device(Stream& s, const NDArray& host) {
 }
 
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
-  NDArray partials = NDArray::empty({kSumBlocks}, DType::I64, s.device());  // 8-byte slots for doubles
-  NDArray total = zeros(s, {1}, DType::I64);
-  auto* p = static_cast<double*>(partials.raw_data());
-  auto* t = static_cast<double*>(total.raw_data());
+  std::vector<int64_t> ptrs, sizes, first;
+  int64_t chunks = 0;
   for (const NDArray& a : arrays) {
     require_contiguous("sum_of_squares", a);
     HSPMD_CHECK(a.dtype() == DType::F32, "sum_of_squares: f32 arrays only");
     if (a.numel() == 0) continue;
-    square_partials_kernel<<<kSumBlocks, kThreads, 0, native(s)>>>(a.data<float>(), a.numel(), p);
-    add_partials_kernel<<<1, 1, 0, native(s)>>>(p, kSumBlocks, t);
-    launched("sum_of_squares");
+    ptrs.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data<float>())));
+    sizes.push_back(a.numel());
+    first.push_back(chunks);
+    chunks += (a.numel() + kSquareChunk - 1) / kSquareChunk;
   }
+  if (chunks == 0) return 0.0;
+  const int64_t T = static_cast<int64_t>(ptrs.size());
+  first.push_back(chunks);
+  std::vector<int64_t> table = ptrs;
+  table.insert(table.end(), sizes.begin(), sizes.end());
+  table.insert(table.end(), first.begin(), first.end());
+  NDArray host_table = NDArray::empty({static_cast<int64_t>(table.size())}, DType::I64);
+  std::copy(table.begin(), table.end(), host_table.host_data<int64_t>());
+  const NDArray dtable = to_device(s, host_table);
+  NDArray partials = NDArray::empty({chunks}, DType::I64, s.device());  // 8-byte slots for doubles
+  NDArray total = NDArray::empty({1}, DType::I64, s.device());
+  auto* p = static_cast<double*>(partials.raw_data());
+  auto* t = static_cast<double*>(total.raw_data());
+  HSPMD_CHECK(chunks < (int64_t{1} << 31), "sum_of_squares: too many chunks for one grid");
+  square_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
+      static_cast<const int64_t*>(dtable.raw_data()), T, p);
+  add_chunks_kernel<<<1, kThreads, 0, native(s)>>>(p, chunks, t);
+  launched("sum_of_squares");
   double result = 0;
   cuda_rt::check(cudaMemcpyAsync(&result, t, sizeof result, cudaMemcpyDeviceToHost, native(s)), "cudaMemcpyAsync");
   s.synchronize();
