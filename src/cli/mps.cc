@@ -2,11 +2,15 @@
 #include "mps.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <thread>
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
@@ -18,9 +22,28 @@ extern char** environ;
 namespace hspmd::cli {
 namespace {
 
-// Runs `argv` with `input` on its stdin; its exit code (-1: not started or
-// killed).
-int run(const std::vector<std::string>& argv, const std::string& input) {
+// Waits for child `pid` at most `timeout_s` seconds (< 0: no limit), then
+// kills it; its exit code, -1 when it was killed or could not be waited.
+int wait_child(pid_t pid, double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  int status = 0;
+  for (;;) {
+    const pid_t r = waitpid(pid, &status, timeout_s < 0 ? 0 : WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (r < 0 && errno != EINTR) return -1;  // not our child any more (ECHILD): nothing to wait for
+    if (r == 0 && std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      return -1;
+    }
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// Runs `argv` with `input` on its stdin; its exit code (-1: not started,
+// killed, or still running after `timeout_s` seconds, when it is killed).
+int run(const std::vector<std::string>& argv, const std::string& input, double timeout_s = -1) {
   int fds[2];
   if (pipe(fds) != 0) return -1;
   posix_spawn_file_actions_t files;
@@ -40,10 +63,34 @@ int run(const std::vector<std::string>& argv, const std::string& input) {
   }
   close(fds[1]);
   if (rc != 0) return -1;
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return wait_child(pid, timeout_s);
+}
+
+// The guardian: a shell in a session of its own that waits for this process
+// to end, then sends the daemon "quit" and removes its directory. It is
+// what stops the daemon when this process is killed outright (SIGKILL, a
+// `timeout` that kills the process group) and no destructor runs; after a
+// normal stop the destructor kills it first. Returns its pid (0 if it could
+// not start: the daemon is then stopped only by the destructor).
+pid_t start_guardian(const std::string& control, const std::string& dir) {
+  const std::string script =
+      "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; echo quit | \"$2\" >/dev/null 2>&1; rm -rf \"$3\"";
+  const std::string parent = std::to_string(getpid());
+  std::vector<std::string> argv = {"/bin/sh", "-c", script, "hspmd-mps-guardian", parent, control, dir};
+  std::vector<char*> cargv;
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID);
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, cargv[0], &files, &attr, cargv.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  posix_spawnattr_destroy(&attr);
+  return rc == 0 ? pid : 0;
 }
 
 }  // namespace
@@ -87,11 +134,21 @@ MpsDaemon::MpsDaemon(const std::vector<int>& percents) {
          rc < 0 ? "not found or killed" : "exit code " + std::to_string(rc),
          "; it needs a CUDA driver with MPS, run as the GPU's user)");
   }
+  guardian_ = start_guardian(control_, dir_);
 }
 
 MpsDaemon::~MpsDaemon() {
-  if (run({control_}, "quit\n") != 0)
-    std::fprintf(stderr, "hspmd: warning: [launch] the MPS daemon (pipe %s/pipe) did not take 'quit'\n", dir_.c_str());
+  if (guardian_ > 0) {  // the stop below is this process's own
+    kill(guardian_, SIGKILL);
+    wait_child(guardian_, 5);
+  }
+  // "quit" may wait for the daemon's clients, this process among them when
+  // it used the GPU itself (`hspmd profile --mps-percent`): the daemon has
+  // the command once the control program ran, so at most 10 s here, and it
+  // ends when its last client does.
+  if (run({control_}, "quit\n", 10) != 0)
+    std::fprintf(stderr, "hspmd: warning: [launch] the MPS daemon (pipe %s/pipe) did not take 'quit' within 10 s\n",
+                 dir_.c_str());
   std::error_code ignored;
   std::filesystem::remove_all(dir_, ignored);
   unsetenv("HSPMD_MPS_PERCENTS");

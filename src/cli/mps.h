@@ -4,6 +4,8 @@
 // the GPU's SMs by the MPS server.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,8 +25,11 @@ std::vector<int> parse_mps_percents(const std::string& text, int64_t nproc, Devi
 // the ranks with HSPMD_MPS_PERCENTS), and stops it ("quit" on its control
 // pipe) and removes the directories when destroyed: after the job, whether
 // it succeeded, failed, or was stopped by SIGINT / SIGTERM (the launcher
-// returns then). A launcher killed by SIGKILL leaves the daemon running.
-// Throws "[launch] --mps-percent: ..." when the daemon does not start.
+// returns then). A guardian process (a shell in a session of its own)
+// waits for this process to end and then stops the daemon, so a launcher
+// killed outright (SIGKILL, its process group killed) does not leave it
+// running either. Throws "[launch] --mps-percent: ..." when the daemon does
+// not start.
 class MpsDaemon {
  public:
   explicit MpsDaemon(const std::vector<int>& percents);
@@ -34,6 +39,7 @@ class MpsDaemon {
 
  private:
   std::string control_, dir_;
+  pid_t guardian_ = 0;  // see start_guardian in mps.cc
 };
 
 // The rank's side, first thing in main(): under a launcher that set

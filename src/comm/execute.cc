@@ -133,7 +133,14 @@ NDArray PhaseRun::finish(const std::optional<Box>& out_box, PendingSends* deferr
     for (Request& r : sends_) requests_.push_back(std::move(r));
     sends_.clear();
   }
-  world_.wait_all(requests_);
+  // A phase whose only operations are deferred sends waits for nothing
+  // now. On NCCL a wait issues everything queued in one group on the
+  // stream, and a send issued alone blocks its stream until the peer
+  // receives: in a pipeline both stages' streams would then wait on each
+  // other (each one's receive queued behind its own send). Left queued, the
+  // sends go out in one group with this rank's next receive (or at
+  // PendingSends::wait), as Megatron pairs send_forward with recv_backward.
+  if (!requests_.empty() || deferred == nullptr) world_.wait_all(requests_);
   if (deferred != nullptr && !sends_.empty()) {
     // The arrays share their storage: the in-flight sends stay valid.
     for (NDArray& b : send_buffers_) deferred->buffers_.push_back(std::move(b));

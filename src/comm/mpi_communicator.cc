@@ -4,6 +4,7 @@
 // non-blocking operations throughout so that callers can overlap several.
 // Every dtype maps to an MPI type; bf16, which MPI lacks, travels as
 // MPI_UINT16_T and is reduced by user-defined operations (bf16_sum, bf16_max).
+#include <mutex>
 #include <mpi.h>
 
 #include <climits>
@@ -68,13 +69,17 @@ void bf16_max(void* in, void* inout, int* len, MPI_Datatype*) {
 }
 
 // The user-defined bf16 operations, created on first use (after MPI_Init)
-// and freed before MPI_Finalize when hspmd finalizes MPI.
+// and freed before MPI_Finalize when hspmd finalizes MPI. Created under a
+// lock: the training thread (a bf16 TP all-reduce) and the gradient
+// overlap's communication thread (--grad-reduce-dtype bf16) may both be first.
 MPI_Op bf16_ops[2] = {MPI_OP_NULL, MPI_OP_NULL};  // kSum, kMax
+std::mutex bf16_ops_mutex;
 
 MPI_Op mpi_op(DType dtype, ReduceOp op) {
   HSPMD_CHECK(op == ReduceOp::kSum || op == ReduceOp::kMax, "unknown reduce op ", static_cast<int>(op));
   const bool max = op == ReduceOp::kMax;
   if (dtype != DType::BF16) return max ? MPI_MAX : MPI_SUM;
+  std::lock_guard<std::mutex> lock(bf16_ops_mutex);
   MPI_Op& made = bf16_ops[max ? 1 : 0];
   if (made == MPI_OP_NULL) check(MPI_Op_create(max ? bf16_max : bf16_sum, 1, &made), "MPI_Op_create");
   return made;

@@ -139,7 +139,10 @@ class StagedCommunicator final : public Communicator {
       return host_.start_broadcast(stream, data, count, dtype, root);
     const size_t bytes = bytes_of(count, dtype);
     auto r = begin(stream, bytes, 0);
-    if (rank() == root) copy_in(stream, r->send->get(), data, bytes);
+    if (rank() == root)
+      copy_in(stream, r->send->get(), data, bytes);
+    else  // what a host library that writes nothing here (the shadow) delivers: zeros, as its receives
+      std::memset(r->send->get(), 0, bytes);
     r->inner = host_.start_broadcast(r->send->get(), count, dtype, root);
     if (rank() != root) {
       r->result = data;

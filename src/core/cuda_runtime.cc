@@ -19,17 +19,32 @@ void check(int status, const char* call) {
     fail("[cuda] ", call, ": ", cudaGetErrorString(static_cast<cudaError_t>(status)));
 }
 
-int device_count() {
-  static const int n = [] {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+namespace {
+
+struct DeviceCount {
+  int n = 0;
+  std::string why;  // cudaGetDeviceCount's error, "" when it succeeded or saw no device
+};
+
+const DeviceCount& counted() {
+  static const DeviceCount c = [] {
+    DeviceCount r;
+    const cudaError_t status = cudaGetDeviceCount(&r.n);
+    if (status != cudaSuccess) {
       (void)cudaGetLastError();  // no driver or no device: none, not an error
-      return 0;
+      r.n = 0;
+      if (status != cudaErrorNoDevice) r.why = cudaGetErrorString(status);
     }
-    return count;
+    return r;
   }();
-  return n;
+  return c;
 }
+
+}  // namespace
+
+int device_count() { return counted().n; }
+
+std::string device_count_error() { return counted().why; }
 
 void set_device(int index) { check(cudaSetDevice(index), "cudaSetDevice"); }
 

@@ -14,6 +14,11 @@ namespace hspmd::cuda_rt {
 // CUDA devices this process sees (0 when the driver or a device is missing).
 int device_count();
 
+// Why device_count() is 0 when the runtime said more than "no device"
+// (cudaGetDeviceCount's error: no driver, a driver older than this
+// runtime, an MPS server that refused the client, ...); "" otherwise.
+std::string device_count_error();
+
 // The caching allocator of device `index`: freed blocks are kept by size and
 // reused (no cudaMalloc / cudaFree in a step once the sizes repeat); when
 // cudaMalloc fails the cache is released and the allocation tried once more,

@@ -95,7 +95,14 @@ void require_device(Device device) {
   }
   if (!built_with_cuda()) fail("[device] ", device.str(), ": this build has no CUDA backend");
   const int n = cuda_device_count();
-  if (n == 0) fail("[device] ", device.str(), ": no CUDA device is visible to this process");
+  if (n == 0) {
+    std::string why;
+#ifdef HSPMD_HAVE_CUDA
+    why = cuda_rt::device_count_error();  // a broken driver or MPS is not "no device"
+#endif
+    fail("[device] ", device.str(), ": no CUDA device is visible to this process",
+         why.empty() ? "" : " (cudaGetDeviceCount: " + why + ")");
+  }
   if (device.index < 0 || device.index >= n)
     fail("[device] ", device.str(), ": no such device (", n, " CUDA device", n == 1 ? "" : "s", " visible)");
 }

@@ -95,10 +95,13 @@ void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t voc
 // holds, in token order. Throws like embedding.
 void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
                         int64_t vocab_size, NDArray& dweight);
-// out = x * rsqrt(mean(x^2, -1) + eps) * weight.
+// out = x * rsqrt(mean(x^2, -1) + eps) * weight; x f32 or bf16 (read
+// exactly), out f32 or bf16 (rounded once), weight f32.
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
-// `addend` (f32, x's shape): dx = the norm's dx + addend, added as the last
-// step (the same bits as a separate add), in the same pass.
+// `addend` (f32 or bf16, x's shape): dx = the norm's dx + addend, added as
+// the last step (the same bits as a separate add), in the same pass. x may
+// be bf16 (read exactly) and dx bf16 (the f32 result rounded once: the bits
+// of a cast after it).
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
                        float eps, NDArray& dx, NDArray& dweight, const NDArray* addend = nullptr);
 // Rotates x [B, S, heads, D] by angle positions[b, s] * theta^(-2i/D)

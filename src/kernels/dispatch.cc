@@ -209,8 +209,9 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
                        float eps, NDArray& dx, NDArray& dweight, const NDArray* addend) {
   if (addend != nullptr) {
-    HSPMD_CHECK(addend->dtype() == DType::F32 && addend->numel() == x.numel() && addend->is_contiguous(),
-                "rms_norm_backward: the addend must be f32 and contiguous, of x's size");
+    HSPMD_CHECK((addend->dtype() == DType::F32 || addend->dtype() == DType::BF16) && addend->numel() == x.numel() &&
+                    addend->is_contiguous(),
+                "rms_norm_backward: the addend must be f32 or bf16 and contiguous, of x's size");
     device_of("rms_norm_backward", s, {addend});
   }
   switch (device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {

@@ -24,7 +24,8 @@ namespace hspmd::kernels {
 [[noreturn]] void no_kernel(const char* kernel, Device device);
 
 // ---- elementwise ----
-// f32 arrays; add's b may also be bf16 (widened exactly).
+// f32 arrays; add's a and b may also be bf16 (widened exactly), and its
+// out bf16 (the f32 sum rounded once, as a cast would).
 void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out);
 void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out);
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out);

@@ -70,7 +70,11 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   const std::string p = layer_prefix(i);
   const BlockPoints points = block_points(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
-  h = ops::cast(mark(ops::cast(h, o.precision.compute), points.input), DType::F32);
+  // The block input in the compute dtype, what its Reshard point carries:
+  // the previous block's residual add (or the embedding) writes it so, and
+  // the norm and the residual add below read it as it is (no widened copy;
+  // the norm keeps it for its backward in that dtype).
+  h = mark(ops::cast(h, o.precision.compute), points.input);
   const Tensor positions = mark(block_positions, points.positions);
   const SymDim B = SymDim::symbol("B"), S = SymDim::symbol("S");
   const int64_t D = c.head_dim(), Hq = c.num_attention_heads, Hkv = c.kv_heads();
@@ -122,7 +126,12 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")), act);
   Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")), act);
   Tensor down = ops::linear(ops::swiglu(gate, up), lo(param("mlp.down_proj.weight")), act);
-  return ops::add(h, mark(down, points.mlp_output));
+  // The next block takes its input in the compute dtype (its Reshard point
+  // carries that): the residual add writes it so, rounding once as a cast
+  // would, without an f32 array and a pass between. The last block's
+  // output stays f32 for the final norm.
+  const bool last = i + 1 == c.num_hidden_layers;
+  return ops::add(h, mark(down, points.mlp_output), last ? DType::F32 : act);
 }
 
 // The parameters of block i, in Hugging Face order: nine, and three

@@ -31,7 +31,8 @@ DimRule norm_rule(int x_rank, bool backward) {
 
 // (dy, x, weight[, addend]) -> (dx [+ addend], dweight). The addend is x's
 // gradient from its other consumers (the residual stream's), added to dx
-// in the same pass instead of by a separate add.
+// in the same pass instead of by a separate add; dx comes out in x's dtype
+// (a bf16 block input's gradient is the f32 sum rounded once).
 class RmsNormGradOp final : public Op {
  public:
   explicit RmsNormGradOp(float eps) : eps_(eps) {}
@@ -39,10 +40,10 @@ class RmsNormGradOp final : public Op {
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 3 && in.size() != 4)
       fail("[rms_norm_grad] expected 3 inputs (or 4 with an addend), got ", in.size());
-    if (in.size() == 4 && (in[3].dtype != DType::F32 || !(in[3].shape == in[1].shape)))
-      fail("[rms_norm_grad] the addend must be f32 of x's shape ", sym_shape_str(in[1].shape), ", got ",
+    if (in.size() == 4 && ((in[3].dtype != DType::F32 && in[3].dtype != DType::BF16) || !(in[3].shape == in[1].shape)))
+      fail("[rms_norm_grad] the addend must be f32 or bf16 of x's shape ", sym_shape_str(in[1].shape), ", got ",
            dtype_name(in[3].dtype), " ", sym_shape_str(in[3].shape));
-    return {in[1], in[2]};
+    return {in[1], in[2]};  // dx in x's dtype (a bf16 one rounded once, the addend added)
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
@@ -75,7 +76,8 @@ class RmsNormOp final : public Op {
   std::string type() const override { return "rms_norm"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("rms_norm", in, 2);
-    expect_dtype("rms_norm", "x", in[0], DType::F32);
+    if (in[0].dtype != DType::F32 && in[0].dtype != DType::BF16)
+      fail("[rms_norm] x must be f32 or bf16, got ", dtype_name(in[0].dtype));
     expect_dtype("rms_norm", "weight", in[1], DType::F32);
     const SymShape& x = in[0].shape;
     const SymShape& w = in[1].shape;
@@ -89,7 +91,8 @@ class RmsNormOp final : public Op {
     out[0] = ctx.alloc(0);
     kernels::rms_norm(*ctx.stream, in[0].contiguous(), in[1].contiguous(), eps_, out[0]);
   }
-  // dx and dweight are f32 (x and the weight are); a bf16 dy is widened.
+  // dx in x's dtype (f32, or bf16 rounded once), dweight f32; a bf16 dy is
+  // widened.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     std::vector<Tensor> none(node.inputs.size());
     return gradient_into(node, g, none);
@@ -101,7 +104,7 @@ class RmsNormOp final : public Op {
     const Tensor x = node.inputs[0], w = node.inputs[1];
     std::vector<Tensor> in = {cast(g[0], DType::F32), x, w};
     Tensor& fold = addends[0];
-    if (fold.valid() && fold.dtype() == DType::F32 && fold.shape() == x.shape()) {
+    if (fold.valid() && (fold.dtype() == DType::F32 || fold.dtype() == DType::BF16) && fold.shape() == x.shape()) {
       in.push_back(fold);
       fold = Tensor();
     }

@@ -579,7 +579,17 @@ std::vector<StepRecord> DistTrainer::run() {
 void DistTrainer::begin() {
   agree_on_run_id();
   adam_.emplace(o_.adam);
-  if (overlapping() && !grad_world_) grad_world_ = world_.duplicate();  // collective: every rank is here
+  if (overlapping() && !grad_world_) {  // collective: every rank is here
+    try {
+      grad_world_ = world_.duplicate();
+    } catch (const Error& e) {
+      // An MPI without MPI_THREAD_MULTIPLE (every rank has the same library,
+      // so every rank takes this branch): overlap only if it was asked for.
+      if (o_.overlap.has_value()) throw;
+      if (world_.rank() == 0)
+        std::fprintf(stderr, "hspmd: note: gradients synchronized after the backward, not overlapped: %s\n", e.what());
+    }
+  }
   schedule_ = o_.schedule;
   schedule_.total_steps = o_.steps;
   if (world_.rank() == 0 && !o_.log_path.empty()) {

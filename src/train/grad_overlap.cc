@@ -17,8 +17,14 @@ bool GradOverlap::any_abandoned() { return g_abandoned.load(); }
 GradOverlap::GradOverlap(const ExecGraph& graph, Communicator& grad_world)
     : graph_(graph), state_(std::make_shared<State>()) {
   std::vector<ExecGraph::GradBucket> buckets = graph.grad_buckets();
-  for (const ExecGraph::GradBucket& b : buckets)
+  for (const ExecGraph::GradBucket& b : buckets) {
     for (const std::string& name : b.params) state_->items.emplace(name, Item{});
+    // The fused buckets' groups made here, in bucket order on every member,
+    // while no collective is in flight (cached: once per plan). The thread
+    // would otherwise create them (an NCCL communicator's init) in the
+    // middle of the backward, beside the graph's own NCCL kernels.
+    if (!b.group.empty()) (void)grad_world.group(b.group);
+  }
   thread_ = std::thread(run, state_, &graph, &grad_world, std::move(buckets), num_threads());
 }
 
@@ -78,6 +84,18 @@ void GradOverlap::run(std::shared_ptr<State> state, const ExecGraph* graph, Comm
     // This thread's blocks never mix with the graph stream's while either
     // stream may still use them (the allocators do not track streams).
     SideStreamScope held;
+    // Leaving early (an error, an abandoned step), the stream's queued
+    // work may still use blocks `held` returns: drain it first (this
+    // guard, declared after `held`, is destroyed before it).
+    struct DrainFirst {
+      Stream& stream;
+      ~DrainFirst() {
+        try {
+          stream.synchronize();
+        } catch (...) {  // the error that brought us here is the one reported
+        }
+      }
+    } drain{stream};
     int64_t predicted = 0;
     for (const ExecGraph::GradBucket& bucket : buckets) {
       std::map<std::string, Item> items;

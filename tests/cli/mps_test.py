@@ -4,7 +4,7 @@ one GPU"): the launcher starts an MPS control daemon with private pipe and log
 directories, every rank gets its share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
 reported per rank as the records' sm_percent), and the daemon is stopped and
 its directories removed however the job ends: success, a failing rank,
-SIGTERM to the launcher. The daemon here is a stand-in script
+SIGTERM to the launcher, SIGKILL to its process group (the guardian). The daemon here is a stand-in script
 (HSPMD_MPS_CONTROL) that records its calls, and the ranks run on the device
 test double cpu:1: no GPU or MPS needed. Bad flags and a daemon that does not
 start are one-line errors.
@@ -100,6 +100,27 @@ def main():
         c = calls()
         check("SIGTERM: daemon stopped", proc.returncode == 128 + signal.SIGTERM and lifecycle_ok(c),
               f"rc {proc.returncode} {c}")
+        # 3b. The launcher killed outright (SIGKILL to its process group: no
+        # destructor runs): the guardian, in a session of its own, stops the
+        # daemon and removes its directory once the launcher is gone. A
+        # bounded job, should a rank outlive its launcher.
+        proc = subprocess.Popen(base + ["--steps", "300", "--nproc", "3", "--mps-percent", "30,30,40",
+                                        "--log", p("killed.jsonl")], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and not (os.path.exists(p("killed.jsonl")) and os.path.getsize(p("killed.jsonl"))):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 15
+        seen = []
+        while time.time() < deadline:
+            seen = [l.split() for l in open(p("calls"))] if os.path.exists(p("calls")) else []
+            if len(seen) >= 2 and not os.path.exists(os.path.dirname(seen[0][1])):
+                break
+            time.sleep(0.2)
+        c = calls()
+        check("SIGKILL: the guardian stopped it", lifecycle_ok(c), f"{c}")
         # 4. A daemon that does not start: one line, no ranks started.
         bad_env = dict(env, HSPMD_MPS_CONTROL="/bin/false")
         r = subprocess.run(base + ["--steps", "1", "--nproc", "3", "--mps-percent", "50,25,25", "--log",

@@ -224,6 +224,56 @@ void ops() {
     std::snprintf(d, sizeof d, "y=%.1e dx=%.1e dweight=%.1e y_bf16=%.1e dx_addend=%.1e", e1, e2, e3, e4, e5);
     result("rms_norm", e1 < 1e-6 && e2 < 1e-6 && e3 < 1e-6 && e4 < 4e-3 && e5 < 1e-6, d);
   });
+  // The bf16 block input (the decoder's norm and residual add read it as it
+  // is): a bf16 x is the f32 kernels on its exact values, bit for bit on the
+  // GPU itself; a bf16 dx is the f32 one (the addend added) rounded once.
+  // Both backward paths (fused up to 4096 columns, two kernels past it).
+  run_case("rms_norm_bf16_io", [] {
+    double worst_exact = 0, worst_cpu = 0;
+    for (const Shape& shape : {Shape{5, 31, 203}, Shape{3, 4099}}) {
+      const int64_t h = shape.back();
+      const NDArray x16 = random_f32(shape, 31).to(DType::BF16), x32 = x16.to(DType::F32);
+      const NDArray w = random_f32({h}, 32), dy = random_f32(shape, 33);
+      const NDArray a16 = random_f32(shape, 34).to(DType::BF16), a32 = a16.to(DType::F32);
+      NDArray gy16x = dev_empty(shape), gy32x = dev_empty(shape);
+      kernels::rms_norm(gpu(), up(x16), up(w), 1e-5f, gy16x);
+      kernels::rms_norm(gpu(), up(x32), up(w), 1e-5f, gy32x);
+      worst_exact = std::max(worst_exact, max_diff(down(gy16x), down(gy32x)));
+      // dx f32 from bf16 x and addend, against the f32 arrays: exact.
+      NDArray gdx_a = dev_empty(shape), gdw_a = dev_empty({h}), gdx_b = dev_empty(shape), gdw_b = dev_empty({h});
+      const NDArray ga16 = up(a16), ga32 = up(a32);
+      kernels::rms_norm_backward(gpu(), up(dy), up(x16), up(w), 1e-5f, gdx_a, gdw_a, &ga16);
+      kernels::rms_norm_backward(gpu(), up(dy), up(x32), up(w), 1e-5f, gdx_b, gdw_b, &ga32);
+      worst_exact = std::max({worst_exact, max_diff(down(gdx_a), down(gdx_b)), max_diff(down(gdw_a), down(gdw_b))});
+      // dx bf16: the f32 dx rounded once (exact), and the CPU's within a bf16 ulp.
+      NDArray gdx16 = dev_empty(shape, DType::BF16), gdw16 = dev_empty({h});
+      kernels::rms_norm_backward(gpu(), up(dy), up(x16), up(w), 1e-5f, gdx16, gdw16, &ga16);
+      const NDArray want16 = down(gdx_b).to(DType::BF16);
+      worst_exact = std::max(worst_exact, max_diff(down(gdx16).to(DType::F32), want16.to(DType::F32)));
+      NDArray dx16 = NDArray::empty(shape, DType::BF16), dw = NDArray::empty({h}, DType::F32);
+      kernels::rms_norm_backward(cpu(), dy, x16, w, 1e-5f, dx16, dw, &a16);
+      worst_cpu = std::max({worst_cpu, rel_diff(down(gdx16).to(DType::F32), dx16.to(DType::F32)),
+                            rel_diff(down(gdw16), dw)});
+    }
+    char d[96];
+    std::snprintf(d, sizeof d, "bf16_vs_f32_on_gpu=%.1e vs_cpu=%.1e", worst_exact, worst_cpu);
+    result("rms_norm_bf16_io", worst_exact == 0 && worst_cpu < 4e-3, d);
+  });
+  // The residual adds with a bf16 block input (a) and a bf16 output (the
+  // next block's input): the f32 sum, rounded once; the CPU's bits.
+  run_case("add_bf16_io", [] {
+    const NDArray a16 = random_f32({3, 1001}, 35).to(DType::BF16), b16 = random_f32({3, 1001}, 36).to(DType::BF16);
+    const NDArray a32 = random_f32({3, 1001}, 37);
+    double worst = 0;
+    for (DType out : {DType::F32, DType::BF16})
+      for (const NDArray* a : {&a16, &a32}) {
+        NDArray c = NDArray::empty(a16.shape(), out), g = dev_empty(a16.shape(), out);
+        kernels::add(cpu(), *a, b16, c);
+        kernels::add(gpu(), up(*a), up(b16), g);
+        worst = std::max(worst, max_diff(down(g).to(DType::F32), c.to(DType::F32)));
+      }
+    result("add_bf16_io", worst == 0, "max_diff=" + std::to_string(worst));
+  });
   run_case("swiglu", [] {
     const NDArray g = random_f32({7, 333}, 24), u = random_f32({7, 333}, 25), dy = random_f32({7, 333}, 26);
     NDArray y = NDArray::empty(g.shape(), DType::F32), gy = NDArray::empty(g.shape(), DType::F32, Device::cuda(0));

@@ -34,9 +34,14 @@ TEST(Stream, CudaDeviceErrorsAreOneLine) {
   // Without a usable device: why not, in one line, before any work.
   const std::string want = built_with_cuda() ? "[device] cuda:0: no CUDA device is visible to this process"
                                              : "[device] cuda:0: this build has no CUDA backend";
-  EXPECT_EQ(testing::error_of([] { default_stream(Device::cuda(0)); }), want);
-  EXPECT_EQ(testing::error_of([] { allocator_for(Device::cuda(0)); }), want);
-  EXPECT_EQ(testing::error_of([] { require_device(Device::cuda(0)); }), want);
+  // With CUDA built, the runtime's reason follows in parentheses when it
+  // said more than "no device" (here, without a driver, it does).
+  const auto starts_with_want = [&](const std::string& got) {
+    return got.substr(0, want.size()) == want && got.find('\n') == std::string::npos;
+  };
+  EXPECT_PRED1(starts_with_want, testing::error_of([] { default_stream(Device::cuda(0)); }));
+  EXPECT_PRED1(starts_with_want, testing::error_of([] { allocator_for(Device::cuda(0)); }));
+  EXPECT_PRED1(starts_with_want, testing::error_of([] { require_device(Device::cuda(0)); }));
   EXPECT_EQ(testing::error_of([] { require_device(Device{DeviceType::CPU, 2}); }),
             "[device] cpu:2: the host is cpu:0 (and cpu:1 its device test double)");
   EXPECT_NO_THROW(require_device(Device::cpu()));

@@ -42,8 +42,40 @@ TEST(Add, Bf16SecondOperandIsWidenedExactly) {
       ASSERT_EQ(got[0][i].to(DType::F32).data<float>()[e], got[1][i].to(DType::F32).data<float>()[e])
           << "output " << i << " element " << e;
   Graph g;
-  Tensor ta = g.placeholder("a", {2}, DType::BF16), tb = g.placeholder("b", {2}, DType::F32);
-  EXPECT_THROW(ops::add(ta, tb), Error);  // a is the f32 stream
+  Tensor ta = g.placeholder("a", {2}, DType::F32), tb = g.placeholder("b", {2}, DType::F32);
+  EXPECT_THROW(ops::add(ta, tb, DType::I32), Error);
+  Tensor ti = g.placeholder("i", {2}, DType::I32);
+  EXPECT_THROW(ops::add(ti, tb), Error);
+}
+
+// A bf16 a (a block input read as it is) and a bf16 output (the next
+// block's input): the bits of casts around an f32 add; a's gradient stays
+// f32 (the residual stream's, summed before any rounding), b's is rounded.
+TEST(Add, Bf16FirstOperandAndOutput) {
+  const NDArray a = random_array({3, 4099}, 44).to(DType::BF16), b = random_array({3, 4099}, 45).to(DType::BF16);
+  const NDArray w = random_array({3, 4099}, 46);
+  std::vector<NDArray> got[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    Graph g;
+    Tensor ta = g.placeholder("a", {3, 4099}, DType::BF16), tb = g.placeholder("b", {3, 4099}, DType::BF16);
+    Tensor tw = g.placeholder("w", {3, 4099}, DType::F32);
+    Tensor y = fused ? ops::add(ta, tb, DType::BF16)
+                     : ops::cast(ops::add(ops::cast(ta, DType::F32), ops::cast(tb, DType::F32)), DType::BF16);
+    ASSERT_EQ(y.dtype(), DType::BF16);
+    Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), tw});
+    const std::vector<Tensor> grads = gradients(loss, {ta, tb});
+    if (fused) {
+      EXPECT_EQ(grads[0].dtype(), DType::F32);
+      EXPECT_EQ(grads[1].dtype(), DType::BF16);
+    }
+    got[fused] = Executor(g, {y, grads[0], grads[1]}).run({{"a", a}, {"b", b}, {"w", w}});
+  }
+  for (int i = 0; i < 3; ++i) {
+    const NDArray x = got[0][i].to(DType::F32), y = got[1][i].to(DType::F32);
+    // a's gradient: f32 (fused) against the widening cast's rounded one.
+    const NDArray want = i == 1 ? got[1][i].to(DType::BF16).to(DType::F32) : y;
+    for (int64_t e = 0; e < x.numel(); ++e) ASSERT_EQ(x.data<float>()[e], want.data<float>()[e]) << i << " " << e;
+  }
 }
 
 TEST(Add, ShapeMismatchIsAnError) {

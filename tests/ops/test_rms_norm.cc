@@ -109,5 +109,71 @@ TEST(RmsNorm, ResidualGradientAddsInTheBackwardKernel) {
   EXPECT_EQ(std::memcmp(got[1].data<float>(), dw.data<float>(), dw.nbytes()), 0);
 }
 
+// A bf16 block input, as the decoder feeds it: the norm and the residual
+// add read it as it is, and its gradient (the norm's dx with the residual
+// stream's added, rounded once to bf16) has the bits of the graph that
+// widened it first and rounded the widening's gradient.
+TEST(RmsNorm, Bf16InputReadAsItIs) {
+  const Shape hs = {3, 5, 40};
+  const NDArray hv = random_array(hs, 90).to(DType::BF16), wv = random_array({40}, 91),
+                bv = random_array(hs, 92).to(DType::BF16), r0v = random_array(hs, 93), r1v = random_array(hs, 94);
+  std::vector<NDArray> got[2];
+  int casts[2] = {0, 0}, folded[2] = {0, 0};
+  for (int direct = 0; direct < 2; ++direct) {
+    Graph g;
+    Tensor h = g.placeholder("h", sym_shape(hs), DType::BF16), b = g.placeholder("b", sym_shape(hs), DType::BF16);
+    Tensor w = g.placeholder("w", {40}, DType::F32);
+    Tensor r0 = g.placeholder("r0", sym_shape(hs), DType::F32), r1 = g.placeholder("r1", sym_shape(hs), DType::F32);
+    const Tensor x = direct ? h : ops::cast(h, DType::F32);
+    Tensor y = ops::rms_norm(x, w, 1e-5f, DType::BF16);
+    Tensor mid = ops::add(x, b);
+    ASSERT_EQ(mid.dtype(), DType::F32);
+    Tensor loss = ops::add(g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), r0}),
+                           g.add1(std::make_shared<testing::WeightedSumOp>(), {mid, r1}));
+    const int forward_end = loss.node_id();
+    const std::vector<Tensor> grads = gradients(loss, {h, w});
+    ASSERT_EQ(grads[0].dtype(), DType::BF16);
+    for (int id = 0; id < g.num_nodes(); ++id) {
+      const Node& n = g.node(id);
+      casts[direct] += n.op->type() == "cast" && n.inputs[0].node_id() == h.node_id();
+      folded[direct] += id > forward_end && n.op->type() == "rms_norm_grad" && n.inputs.size() == 4;
+    }
+    got[direct] =
+        Executor(g, {loss, grads[0], grads[1]}).run({{"h", hv}, {"b", bv}, {"w", wv}, {"r0", r0v}, {"r1", r1v}});
+  }
+  EXPECT_EQ(casts[1], 0);  // nothing widens the input
+  EXPECT_EQ(folded[0], 1);
+  EXPECT_EQ(folded[1], 1);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(got[0][i].dtype(), got[1][i].dtype()) << i;
+    EXPECT_EQ(std::memcmp(got[0][i].raw_data(), got[1][i].raw_data(), got[0][i].nbytes()), 0) << "output " << i;
+  }
+}
+
+// The kernels behind it: a bf16 x, addend or dx is the f32 kernel on exact
+// values, the result rounded once.
+TEST(RmsNorm, Bf16KernelArraysAreTheF32KernelRounded) {
+  Stream& cpu = default_stream(Device::cpu());
+  const Shape hs = {4, 7, 33};
+  const NDArray x16 = random_array(hs, 95).to(DType::BF16), x32 = x16.to(DType::F32), w = random_array({33}, 96),
+                dy = random_array(hs, 97), a16 = random_array(hs, 98).to(DType::BF16), a32 = a16.to(DType::F32);
+  NDArray y16x = NDArray::empty(hs, DType::F32), y32x = NDArray::empty(hs, DType::F32);
+  kernels::rms_norm(cpu, x16, w, 1e-5f, y16x);
+  kernels::rms_norm(cpu, x32, w, 1e-5f, y32x);
+  EXPECT_EQ(std::memcmp(y16x.raw_data(), y32x.raw_data(), y32x.nbytes()), 0);
+  NDArray dx = NDArray::empty(hs, DType::F32), dw = NDArray::empty({33}, DType::F32);
+  kernels::rms_norm_backward(cpu, dy, x32, w, 1e-5f, dx, dw, &a32);
+  NDArray dx16 = NDArray::empty(hs, DType::BF16), dw16 = NDArray::empty({33}, DType::F32);
+  kernels::rms_norm_backward(cpu, dy, x16, w, 1e-5f, dx16, dw16, &a16);
+  const NDArray want = dx.to(DType::BF16);
+  EXPECT_EQ(std::memcmp(dx16.raw_data(), want.raw_data(), want.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(dw16.raw_data(), dw.raw_data(), dw.nbytes()), 0);
+  NDArray sum16 = NDArray::empty(hs, DType::BF16), sum = NDArray::empty(hs, DType::F32);
+  kernels::add(cpu, x16, a16, sum16);
+  kernels::add(cpu, x32, a32, sum);
+  const NDArray want_sum = sum.to(DType::BF16);
+  EXPECT_EQ(std::memcmp(sum16.raw_data(), want_sum.raw_data(), want_sum.nbytes()), 0);
+}
+
 }  // namespace
 }  // namespace hspmd

@@ -27,10 +27,20 @@ float inv_rms(const float* x, int64_t h, float eps) {
   return inv_rms(ss, h, eps);
 }
 
+// A bf16 array's exact f32 copy (on its device: the test double's too);
+// an f32 array as it is.
+NDArray widened(const NDArray& a) {
+  if (a.dtype() != DType::BF16) return a;
+  NDArray w = NDArray::empty(a.shape(), DType::F32, a.device());
+  bf16_to_f32_n(a.data<uint16_t>(), w.data<float>(), a.numel());
+  return w;
+}
+
 }  // namespace
 
 void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
   require_contiguous("rms_norm", x);
+  if (x.dtype() == DType::BF16) return rms_norm(widened(x), weight, eps, out);  // its values exactly
   require_contiguous("rms_norm", weight);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
@@ -55,6 +65,17 @@ void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) 
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
                        NDArray& dx, NDArray& dweight, const NDArray* addend) {
   require_contiguous("rms_norm_backward", dy);
+  // bf16 x or addend: their exact values; a bf16 dx: the f32 result (the
+  // addend added) rounded once, as a cast after it would.
+  if (x.dtype() == DType::BF16 || dx.dtype() == DType::BF16 || (addend != nullptr && addend->dtype() == DType::BF16)) {
+    require_contiguous("rms_norm_backward", x);
+    const NDArray x32 = widened(x);
+    const NDArray a32 = addend != nullptr ? widened(addend->contiguous()) : NDArray();
+    NDArray dx32 = dx.dtype() == DType::BF16 ? NDArray::empty(dx.shape(), DType::F32, dx.device()) : dx;
+    rms_norm_backward(dy, x32, weight, eps, dx32, dweight, addend != nullptr ? &a32 : nullptr);
+    if (dx.dtype() == DType::BF16) f32_to_bf16_n(dx32.data<float>(), dx.data<uint16_t>(), dx.numel());
+    return;
+  }
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dweight.numel() == h,
               "rms_norm_backward: sizes");

@@ -24,12 +24,13 @@ using namespace launch;
 
 enum class Binary { kAdd, kMul };
 
-// b: f32, or bf16 (widened exactly). `out` may be `a` or `b`.
-template <typename B>
+// a, b: f32, or bf16 (widened exactly); out: f32, or bf16 (rounded to
+// nearest even once). `out` may be `a` or `b`.
+template <typename A, typename B, typename O>
 struct BinaryOp {
-  const float* a;
+  const A* a;
   const B* b;
-  float* out;
+  O* out;
   Binary op;
   template <int V>
   __device__ void apply(int64_t i) const {
@@ -62,10 +63,15 @@ void binary(Stream& s, const char* name, const NDArray& a, const NDArray& b, NDA
   HSPMD_CHECK(a.numel() == b.numel() && a.numel() == out.numel(), name, ": sizes differ");
   const int64_t n = a.numel();
   if (n == 0) return;
-  with_float_type(name, b, [&](auto* pb) {
-    using B = std::remove_pointer_t<decltype(pb)>;
-    elementwise(s, name, BinaryOp<B>{a.data<float>(), pb, out.data<float>(), op}, n,
-                {a.raw_data(), b.raw_data(), out.raw_data()});
+  with_float_type(name, a, [&](auto* pa) {
+    using A = std::remove_pointer_t<decltype(pa)>;
+    with_float_type(name, b, [&](auto* pb) {
+      using B = std::remove_pointer_t<decltype(pb)>;
+      with_float_type(name, out, [&](auto* po) {  // a bf16 output: the f32 result rounded (as cast)
+        using O = std::remove_pointer_t<decltype(po)>;
+        elementwise(s, name, BinaryOp<A, B, O>{pa, pb, po, op}, n, {a.raw_data(), b.raw_data(), out.raw_data()});
+      });
+    });
   });
 }
 

@@ -1,5 +1,6 @@
-// CUDA RMSNorm (f32) and SwiGLU (f32 or bf16 arrays, f32 math), forward and
-// backward (basic.h contracts).
+// CUDA RMSNorm (f32 math; x, the output, dx and the addend f32 or bf16) and
+// SwiGLU (f32 or bf16 arrays, f32 math), forward and backward (basic.h
+// contracts).
 // RMSNorm: one block per row; sums in double as the CPU kernel does, so the
 // two agree to f32 rounding. dweight: partial sums over chunks of rows, then
 // over the chunks (launch::column_sums: a fixed order, the same bits on every
@@ -24,58 +25,69 @@ __device__ float inv_rms(double ss, int64_t h, float eps) {
   return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(h) + eps));
 }
 
-template <typename O>
-__global__ void rms_norm_kernel(const float* x, const float* w, float eps, O* y, int64_t h) {
+// X: x's type, O: the output's (f32 or bf16; a bf16 x is read exactly, a
+// bf16 output rounded once).
+template <typename X, typename O>
+__global__ void rms_norm_kernel(const X* x, const float* w, float eps, O* y, int64_t h) {
   __shared__ double scratch[kThreads];
-  const float* xr = x + blockIdx.x * h;
+  const X* xr = x + blockIdx.x * h;
   O* yr = y + blockIdx.x * h;
   double ss = 0;
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) ss += static_cast<double>(xr[i]) * xr[i];
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float v = to_f32(xr[i]);
+    ss += static_cast<double>(v) * v;
+  }
   const float s = inv_rms(block_sum(ss, scratch), h, eps);
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = from_f32<O>(w[i] * (xr[i] * s));
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = from_f32<O>(w[i] * (to_f32(xr[i]) * s));
 }
 
 // A row's sum of squares of x and of dy·w·x, in double: each thread its
 // columns threadIdx.x + k·blockDim.x in order, then block_sum's fixed tree
 // (every thread of the block calls it).
-__device__ void norm_row_sums(const float* xr, const float* gr, const float* w, int64_t h, double* scratch,
-                              double& ss, double& dot) {
+template <typename X>
+__device__ void norm_row_sums(const X* xr, const float* gr, const float* w, int64_t h, double* scratch, double& ss,
+                              double& dot) {
   ss = 0, dot = 0;
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    ss += static_cast<double>(xr[i]) * xr[i];
-    dot += static_cast<double>(gr[i]) * w[i] * xr[i];
+    const float v = to_f32(xr[i]);
+    ss += static_cast<double>(v) * v;
+    dot += static_cast<double>(gr[i]) * w[i] * v;
   }
   ss = block_sum(ss, scratch);
   dot = block_sum(dot, scratch);
 }
 
-// dx, and each row's scale s_r for dweight.
-__global__ void rms_norm_dx_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
-                                   float* row_scale, const float* addend, int64_t h) {
+// dx, and each row's scale s_r for dweight. X: x's type, A: the addend's,
+// D: dx's (a bf16 dx is the f32 result rounded once).
+template <typename X, typename A, typename D>
+__global__ void rms_norm_dx_kernel(const float* dy, const X* x, const float* w, float eps, D* dx, float* row_scale,
+                                   const A* addend, int64_t h) {
   __shared__ double scratch[kThreads];
-  const float* xr = x + blockIdx.x * h;
+  const X* xr = x + blockIdx.x * h;
   const float* gr = dy + blockIdx.x * h;
-  float* dr = dx + blockIdx.x * h;
+  D* dr = dx + blockIdx.x * h;
   double ss, dot;
   norm_row_sums(xr, gr, w, h, scratch, ss, dot);
   const float s = inv_rms(ss, h, eps);
   if (threadIdx.x == 0) row_scale[blockIdx.x] = s;
   const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
-  const float* ar = addend != nullptr ? addend + blockIdx.x * h : nullptr;
+  const A* ar = addend != nullptr ? addend + blockIdx.x * h : nullptr;
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    const float v = s * w[i] * gr[i] - xr[i] * c;
-    dr[i] = ar != nullptr ? v + ar[i] : v;  // the norm's dx rounded, then the addend: a separate add's bits
+    const float v = s * w[i] * gr[i] - to_f32(xr[i]) * c;
+    // the norm's dx rounded, then the addend: a separate add's bits
+    dr[i] = from_f32<D>(ar != nullptr ? v + to_f32(ar[i]) : v);
   }
 }
 
 // dweight[j] = Σ_rows dy[r, j] * (x[r, j] * s_r), as the CPU kernel's term.
+template <typename X>
 struct RmsNormDwTerm {
   const float* dy;
-  const float* x;
+  const X* x;
   const float* s;
   int64_t h;
   __device__ double operator()(int64_t r, int64_t j) const {
-    return static_cast<double>(dy[r * h + j]) * (x[r * h + j] * s[r]);
+    return static_cast<double>(dy[r * h + j]) * (to_f32(x[r * h + j]) * s[r]);
   }
 };
 
@@ -95,8 +107,9 @@ constexpr int64_t kNormRowChunk = 64;
 constexpr int kFusedRows = 16;
 constexpr int kFusedCols = 16;
 
-__global__ void rms_norm_backward_fused_kernel(const float* dy, const float* x, const float* w, float eps, float* dx,
-                                               const float* addend, double* partial, int64_t rows, int64_t h) {
+template <typename X, typename A, typename D>
+__global__ void rms_norm_backward_fused_kernel(const float* dy, const X* x, const float* w, float eps, D* dx,
+                                               const A* addend, double* partial, int64_t rows, int64_t h) {
   __shared__ double scratch[kThreads];
   double acc[kFusedCols];
 #pragma unroll
@@ -104,21 +117,22 @@ __global__ void rms_norm_backward_fused_kernel(const float* dy, const float* x, 
   const int64_t r0 = blockIdx.x * static_cast<int64_t>(kFusedRows);
   const int64_t r1 = r0 + kFusedRows < rows ? r0 + kFusedRows : rows;
   for (int64_t r = r0; r < r1; ++r) {  // the same trip count in every thread: block_sum is safe
-    const float* xr = x + r * h;
+    const X* xr = x + r * h;
     const float* gr = dy + r * h;
-    float* dr = dx + r * h;
+    D* dr = dx + r * h;
     double ss, dot;
     norm_row_sums(xr, gr, w, h, scratch, ss, dot);
     const float s = inv_rms(ss, h, eps);
     const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
-    const float* ar = addend != nullptr ? addend + r * h : nullptr;
+    const A* ar = addend != nullptr ? addend + r * h : nullptr;
 #pragma unroll
     for (int k = 0; k < kFusedCols; ++k) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (i < h) {
-        const float v = s * w[i] * gr[i] - xr[i] * c;
-        dr[i] = ar != nullptr ? v + ar[i] : v;
-        acc[k] += static_cast<double>(gr[i]) * (xr[i] * s);  // RmsNormDwTerm's term
+        const float xv = to_f32(xr[i]);
+        const float v = s * w[i] * gr[i] - xv * c;
+        dr[i] = from_f32<D>(ar != nullptr ? v + to_f32(ar[i]) : v);
+        acc[k] += static_cast<double>(gr[i]) * (xv * s);  // RmsNormDwTerm's term
       }
     }
   }
@@ -188,9 +202,10 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
   if (rows == 0) return;
-  with_float_type("rms_norm", out, [&](auto* y) {
-    rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(x.data<float>(), weight.data<float>(),
-                                                                             eps, y, h);
+  with_float_type("rms_norm", x, [&](auto* px) {
+    with_float_type("rms_norm", out, [&](auto* y) {
+      rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(px, weight.data<float>(), eps, y, h);
+    });
   });
   launched("rms_norm");
 }
@@ -207,25 +222,39 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     fill(s, dweight, 0.0f);
     return;
   }
-  const float* add = addend != nullptr ? addend->data<float>() : nullptr;
-  if (h <= static_cast<int64_t>(kThreads) * kFusedCols) {
-    const int64_t chunks = (rows + kFusedRows - 1) / kFusedRows;
-    NDArray partial = NDArray::empty({chunks, h}, DType::F64, s.device());  // stream-ordered reuse only
-    auto* p = static_cast<double*>(partial.raw_data());
-    rms_norm_backward_fused_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
-        dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), add, p, rows, h);
+  if (addend != nullptr) require_contiguous("rms_norm_backward", *addend);
+  // x, the addend and dx: each f32 or bf16 (A float with no addend).
+  const auto run = [&](auto* px, auto* add, auto* pdx) {
+    using X = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
+    using A = std::remove_const_t<std::remove_pointer_t<decltype(add)>>;
+    using D = std::remove_pointer_t<decltype(pdx)>;
+    if (h <= static_cast<int64_t>(kThreads) * kFusedCols) {
+      const int64_t chunks = (rows + kFusedRows - 1) / kFusedRows;
+      NDArray partial = NDArray::empty({chunks, h}, DType::F64, s.device());  // stream-ordered reuse only
+      auto* p = static_cast<double*>(partial.raw_data());
+      rms_norm_backward_fused_kernel<X, A, D><<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
+          dy.data<float>(), px, weight.data<float>(), eps, pdx, add, p, rows, h);
+      launched("rms_norm_backward");
+      column_totals_kernel<<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
+          p, chunks, h, dweight.data<float>());
+      launched("rms_norm_backward");
+      return;
+    }
+    NDArray scale = NDArray::empty({rows}, DType::F32, s.device());  // stream-ordered reuse only
+    rms_norm_dx_kernel<X, A, D><<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
+        dy.data<float>(), px, weight.data<float>(), eps, pdx, scale.data<float>(), add, h);
     launched("rms_norm_backward");
-    column_totals_kernel<<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
-        p, chunks, h, dweight.data<float>());
-    launched("rms_norm_backward");
-    return;
-  }
-  NDArray scale = NDArray::empty({rows}, DType::F32, s.device());  // stream-ordered reuse only
-  rms_norm_dx_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-      dy.data<float>(), x.data<float>(), weight.data<float>(), eps, dx.data<float>(), scale.data<float>(), add, h);
-  launched("rms_norm_backward");
-  column_sums(s, "rms_norm_backward", RmsNormDwTerm{dy.data<float>(), x.data<float>(), scale.data<float>(), h}, rows,
-              h, kNormRowChunk, dweight.data<float>());
+    column_sums(s, "rms_norm_backward", RmsNormDwTerm<X>{dy.data<float>(), px, scale.data<float>(), h}, rows, h,
+                kNormRowChunk, dweight.data<float>());
+  };
+  with_float_type("rms_norm_backward", x, [&](auto* px) {
+    with_float_type("rms_norm_backward", dx, [&](auto* pdx) {
+      if (addend == nullptr)
+        run(px, static_cast<const float*>(nullptr), pdx);
+      else
+        with_float_type("rms_norm_backward", *addend, [&](auto* add) { run(px, add, pdx); });
+    });
+  });
 }
 
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
