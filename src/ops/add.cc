@@ -5,7 +5,8 @@
 // whatever a holds (the residual stream's gradient, which the norm reading
 // the same block input adds to its dx before rounding once, as a widening
 // cast's gradient did). The output may be bf16 (the f32 sum rounded once:
-// add then cast in one pass).
+// add then cast in one pass); a's gradient is then the output's as it is
+// (bf16 values: the norm that reads a widens it in its own pass).
 // Deduction: the default elementwise
 // rule (identical annotations); linear, so identical partial inputs give a
 // partial output.
@@ -36,7 +37,11 @@ class AddOp final : public Op {
     kernels::add(*ctx.stream, in[0], in[1], out[0]);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
-    return {cast(g[0], DType::F32), cast(g[0], node.inputs[1].dtype())};
+    // A bf16 output (a block boundary): its gradient comes back bf16, and
+    // a's is that gradient as it is; the norm that reads a folds it into
+    // its backward pass, widening it there, instead of a widening pass here.
+    const Tensor ga = out_dtype_ == DType::BF16 ? g[0] : cast(g[0], DType::F32);
+    return {ga, cast(g[0], node.inputs[1].dtype())};
   }
   // Linear with a bf16 output too, as cast is taken to be: the rounding is
   // the one a cast after the add would apply.

@@ -15,7 +15,8 @@ namespace hspmd::ops {
 // ---- elementwise (same shapes, f32) ----
 // a and b f32 or bf16 (read exactly), summed in f32 and written in
 // `out_dtype` (f32, or bf16: the sum rounded once, the same bits as add then
-// cast). a's gradient is f32, b's in b's dtype (src/ops/add.cc).
+// cast). a's gradient is f32 (with a bf16 output: the output's, as it
+// is), b's in b's dtype (src/ops/add.cc).
 Tensor add(const Tensor& a, const Tensor& b, DType out_dtype = DType::F32);
 // x [..., N] + bias [N], the bias broadcast over x's leading dims (x of any
 // rank >= 1, both f32). Deduction: y like x; the bias split along dim 0 like
