@@ -85,6 +85,13 @@ struct FusedAttentionReport {
 };
 FusedAttentionReport fused_attention_report();
 
+// Whether whole-sequence attention with bf16 products on `device` goes to
+// cuDNN's fused attention, which writes and reads its output O in bf16: a
+// CUDA device, a build with cuDNN attention, HSPMD_CUDNN_ATTENTION not 0
+// (Precision::for_device then keeps O in bf16; a case cuDNN refuses at run
+// time falls back, rounded and reported). False elsewhere.
+bool fused_attention_rounds_output(Device device);
+
 // ---- blocks of context-parallel (ring) attention (cpu/attention_block.cc) ----
 
 // One (query block, key block) pair of a longer sequence. Rows carry their

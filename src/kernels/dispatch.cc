@@ -304,6 +304,16 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
 // ---- attention.h ----
 
 
+bool fused_attention_rounds_output(Device device) {
+#ifdef HSPMD_HAVE_CUDA
+  return device.type == DeviceType::CUDA && cuda::sdpa::built() &&
+         cuda::cudnn_attention_mode() != cuda::CudnnAttention::kOff;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 FusedAttentionReport fused_attention_report() {
   FusedAttentionReport r;
 #ifdef HSPMD_HAVE_CUDA

@@ -6,6 +6,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/core/rng.h"
 #include "hspmd/models/model.h"
+#include "kernels/attention.h"
 
 namespace hspmd {
 
@@ -88,7 +89,7 @@ DType parse_precision_name(const std::string& name, const std::string& what) {
 
 Precision Precision::for_device(const Device& device) const {
   Precision p = *this;
-  p.attention_output = mixed() && device.type == DeviceType::CUDA ? DType::BF16 : DType::F32;
+  p.attention_output = mixed() && kernels::fused_attention_rounds_output(device) ? DType::BF16 : DType::F32;
   return p;
 }
 

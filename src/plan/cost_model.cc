@@ -254,8 +254,11 @@ StageCost CostModel::stage_cost(const StageShape& st, int64_t s, int64_t b) cons
     const double qn = tokens * model_.num_attention_heads / tp * hd, kn = tokens * model_.kv_heads() / tp * hd;
     const double lse = tokens * model_.num_attention_heads / tp, rows = tokens;
     const double moved = cp == 2 ? 1.0 : 2.0;
-    const double fwd_bytes = ab * (moved * (qn + 2 * kn + rows) / 2 + (cp - 1) * 2 * kn + moved * (qn + lse) / 2);
-    const double bwd_bytes = ab * (moved * (3 * qn + 2 * kn + rows + lse) / 2 + (2 * cp - 1) * 2 * kn +
+    // Ring attention moves f32 whatever the plan computes in (it widens
+    // bf16 inputs; its traffic counts 4 bytes an element, ops/attention.cc).
+    const double fwd_bytes =
+        kBytes * (moved * (qn + 2 * kn + rows) / 2 + (cp - 1) * 2 * kn + moved * (qn + lse) / 2);
+    const double bwd_bytes = kBytes * (moved * (3 * qn + 2 * kn + rows + lse) / 2 + (2 * cp - 1) * 2 * kn +
                                        moved * (qn + 2 * kn) / 2);
     double fwd = 0, bwd = 0;
     for (int t0 = 0; t0 < tp; ++t0) {

@@ -4,6 +4,7 @@
 
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/model.h"
+#include "kernels/attention.h"
 
 namespace hspmd {
 namespace {
@@ -85,7 +86,7 @@ TEST(TrainingGraph, HasNoUnreadNodes) {
           ModelBuildOptions o;
           o.reshard_points = points;
           o.precision.compute = compute;
-          if (gpu) o.precision = o.precision.for_device(Device::cuda(0));
+          if (gpu) o.precision.attention_output = DType::BF16;
           const ModelGraph m = build_model(c, o);
           const Graph& g = *m.graph;
           std::vector<int> readers(g.num_nodes(), 0);
@@ -109,10 +110,15 @@ TEST(Precision, AttentionOutputFollowsTheDevice) {
   const Precision f32, bf16{.compute = DType::BF16};
   EXPECT_EQ(bf16.for_device(Device::cpu()).attention_output, DType::F32);
   EXPECT_EQ(bf16.for_device(Device::host_double()).attention_output, DType::F32);
-  EXPECT_EQ(bf16.for_device(Device::cuda(1)).attention_output, DType::BF16);
+  // On CUDA: where cuDNN's attention serves it (a build with it, not turned off).
+  EXPECT_EQ(bf16.for_device(Device::cuda(1)).attention_output,
+            kernels::fused_attention_rounds_output(Device::cuda(1)) ? DType::BF16 : DType::F32);
+  EXPECT_FALSE(kernels::fused_attention_rounds_output(Device::cpu()));
+  EXPECT_FALSE(kernels::fused_attention_rounds_output(Device::host_double()));
   for (Device d : {Device::cpu(), Device::host_double(), Device::cuda(0)})
     EXPECT_EQ(f32.for_device(d), f32) << d.str();
-  Precision gpu = bf16.for_device(Device::cuda(0));
+  Precision gpu = bf16;
+  gpu.attention_output = DType::BF16;
   EXPECT_EQ(gpu.for_device(Device::cpu()), bf16);  // decided again, not kept
 }
 
@@ -123,7 +129,8 @@ TEST(TrainingGraph, Bf16AttentionOutputFeedsOProjAsItIs) {
   const ModelConfig c = tiny(false);
   ModelBuildOptions cpu, gpu;
   cpu.precision.compute = DType::BF16;
-  gpu.precision = cpu.precision.for_device(Device::cuda(0));
+  gpu.precision = cpu.precision;
+  gpu.precision.attention_output = DType::BF16;  // what for_device picks where cuDNN serves attention
   const ModelGraph a = build_model(c, cpu), b = build_model(c, gpu);
   int attention = 0;
   for (int id = 0; id < b.graph->num_nodes(); ++id) {

@@ -152,7 +152,9 @@ struct Precision {
   bool operator==(const Precision&) const = default;
   bool mixed() const { return compute == DType::BF16; }
   // This precision as a run on `device` computes it: a bf16 attention
-  // output with bf16 compute on a GPU, else f32. The device test double
+  // output with bf16 compute on a GPU whose attention goes to cuDNN
+  // (kernels::fused_attention_rounds_output: a build with cuDNN,
+  // HSPMD_CUDNN_ATTENTION not 0), else f32. The device test double
   // cpu:1 keeps the CPU's f32 output: the CPU's attention kernels are not
   // cuDNN's, and with a rounded O the Qwen2 key bias's gradient (near zero
   // by softmax's shift invariance) leaves the PyTorch oracle's tolerance

@@ -121,5 +121,9 @@ bool backward(Stream& s, const Shape& shape, const Tensors& t, std::string* why)
 // *why set when it cannot be loaded or the build has no cuDNN.
 int cudnn_version(std::string* why);
 
+// Whether this build has the cuDNN graphs (attention_cudnn.cpp), not
+// no_cudnn.cpp's refusals.
+bool built();
+
 }  // namespace sdpa
 }  // namespace hspmd::kernels::cuda

@@ -152,19 +152,19 @@ __global__ void square_chunks_kernel(const int64_t* table, int64_t T, double* pa
   const auto* x = reinterpret_cast<const float*>(table[lo]);
   const int64_t n = table[T + lo], begin = (c - first[lo]) * kSquareChunk;
   const int64_t end = begin + kSquareChunk < n ? begin + kSquareChunk : n;
+  // Groups of four in the same order whether the array is aligned (one
+  // 16-byte load; begin is a multiple of 4, so x + begin is aligned too) or
+  // not (four loads): the sum depends on the sizes only.
   double sum = 0;
-  int64_t i = begin;
-  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {  // begin is a multiple of 4: x + begin is aligned too
-    const int64_t quads = (end - begin) / 4;
-    const auto* x4 = reinterpret_cast<const float4*>(x + begin);
-    for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
-      const float4 v = x4[q];
-      sum += static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y + static_cast<double>(v.z) * v.z +
-             static_cast<double>(v.w) * v.w;
-    }
-    i = begin + 4 * quads;
+  const int64_t quads = (end - begin) / 4;
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
+    const int64_t at = begin + 4 * q;
+    const float4 v = aligned ? *reinterpret_cast<const float4*>(x + at) : make_float4(x[at], x[at + 1], x[at + 2], x[at + 3]);
+    sum += static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y + static_cast<double>(v.z) * v.z +
+           static_cast<double>(v.w) * v.w;
   }
-  for (int64_t k = i + threadIdx.x; k < end; k += blockDim.x) sum += static_cast<double>(x[k]) * x[k];
+  for (int64_t k = begin + 4 * quads + threadIdx.x; k < end; k += blockDim.x) sum += static_cast<double>(x[k]) * x[k];
   part[threadIdx.x] = sum;
   __syncthreads();
   for (int w = blockDim.x / 2; w > 0; w /= 2) {
@@ -226,7 +226,11 @@ struct AdamOp {
 
 void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) { binary(s, "add", a, b, out, Binary::kAdd); }
 
-void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) { binary(s, "mul", a, b, out, Binary::kMul); }
+void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
+  HSPMD_CHECK(a.dtype() == DType::F32 && b.dtype() == DType::F32 && out.dtype() == DType::F32,
+              "mul: f32 arrays only (as on the CPU)");
+  binary(s, "mul", a, b, out, Binary::kMul);
+}
 
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
   require_contiguous("scale", a);
@@ -235,7 +239,10 @@ void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
               {a.raw_data(), out.raw_data()});
 }
 
-void accumulate(Stream& s, const NDArray& a, NDArray& out) { binary(s, "accumulate", a, out, out, Binary::kAdd); }
+void accumulate(Stream& s, const NDArray& a, NDArray& out) {
+  HSPMD_CHECK(a.dtype() == DType::F32 && out.dtype() == DType::F32, "accumulate: f32 arrays only (as on the CPU)");
+  binary(s, "accumulate", a, out, out, Binary::kAdd);
+}
 
 void fill(Stream& s, NDArray& out, float value) {
   require_contiguous("fill", out);

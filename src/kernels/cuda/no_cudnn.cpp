@@ -22,6 +22,8 @@ bool backward(Stream&, const Shape&, const Tensors&, std::string* why) {
   return false;
 }
 
+bool built() { return false; }
+
 int cudnn_version(std::string* why) {
   *why = kNoCudnn;
   return 0;
