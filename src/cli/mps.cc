@@ -85,7 +85,11 @@ pid_t start_guardian(const std::string& control, const std::string& dir) {
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSID);
   posix_spawn_file_actions_t files;
   posix_spawn_file_actions_init(&files);
+  // Not the launcher's stdin, stdout or stderr: a pipe a caller reads to
+  // its end must not stay open for the guardian's sake.
   posix_spawn_file_actions_addopen(&files, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&files, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&files, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
   pid_t pid = 0;
   const int rc = posix_spawn(&pid, cargv[0], &files, &attr, cargv.data(), environ);
   posix_spawn_file_actions_destroy(&files);

@@ -584,8 +584,9 @@ void DistTrainer::begin() {
       grad_world_ = world_.duplicate();
     } catch (const Error& e) {
       // An MPI without MPI_THREAD_MULTIPLE (every rank has the same library,
-      // so every rank takes this branch): overlap only if it was asked for.
-      if (o_.overlap.has_value()) throw;
+      // so every rank takes this branch, before any rank communicates):
+      // overlap only if it was asked for. Any other failure is the run's.
+      if (o_.overlap.has_value() || std::string(e.what()).find("MPI_THREAD_MULTIPLE") == std::string::npos) throw;
       if (world_.rank() == 0)
         std::fprintf(stderr, "hspmd: note: gradients synchronized after the backward, not overlapped: %s\n", e.what());
     }
