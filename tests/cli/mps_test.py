@@ -60,6 +60,12 @@ def main():
             os.remove(p("calls"))
             return lines
 
+        def wait_for_steps(log, limit_s=60):
+            """Until the job has logged a step (at most limit_s)."""
+            deadline = time.time() + limit_s
+            while time.time() < deadline and not (os.path.exists(log) and os.path.getsize(log)):
+                time.sleep(0.2)
+
         def lifecycle_ok(c):
             """start then quit, on one private pipe directory, removed afterwards."""
             return (len(c) == 2 and c[0][0] == "start" and c[1][0] == "quit" and c[0][1] == c[1][1] and
@@ -88,9 +94,7 @@ def main():
         proc = subprocess.Popen(base + ["--steps", "1000000", "--nproc", "3", "--mps-percent", "20,40,40",
                                         "--log", p("long.jsonl")], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, env=env)
-        deadline = time.time() + 60
-        while time.time() < deadline and not (os.path.exists(p("long.jsonl")) and os.path.getsize(p("long.jsonl"))):
-            time.sleep(0.2)
+        wait_for_steps(p("long.jsonl"))
         proc.send_signal(signal.SIGTERM)
         try:
             _, err = proc.communicate(timeout=60)
@@ -107,9 +111,7 @@ def main():
         proc = subprocess.Popen(base + ["--steps", "300", "--nproc", "3", "--mps-percent", "30,30,40",
                                         "--log", p("killed.jsonl")], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-        deadline = time.time() + 60
-        while time.time() < deadline and not (os.path.exists(p("killed.jsonl")) and os.path.getsize(p("killed.jsonl"))):
-            time.sleep(0.2)
+        wait_for_steps(p("killed.jsonl"))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.time() + 15

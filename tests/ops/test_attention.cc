@@ -626,17 +626,34 @@ TEST(Attention, Bf16ProductsFollowTheF32Kernel) {
   }
 }
 
+// Random q, k, v (x32) and their bf16-rounded values (x, as f32), packed
+// documents and an output gradient: the bf16 tests' case.
+struct Bf16Case {
+  Dims d{2, 37, 4, 2, 8};
+  NDArray pos = positions_of({{5, 19, 13}, {37}});
+  Inputs x32, x;
+  NDArray dout;
+};
+
+Bf16Case bf16_case(uint64_t seed) {
+  Bf16Case c;
+  c.x32 = random_inputs(c.d, seed);
+  c.x = {c.x32.q.to(DType::BF16).to(DType::F32), c.x32.k.to(DType::BF16).to(DType::F32),
+         c.x32.v.to(DType::BF16).to(DType::F32)};
+  c.dout = random_array({c.d.B, c.d.S, c.d.Hq, c.d.D}, seed + 1);
+  return c;
+}
+
 // bf16 q, k and v through the graph (the bf16 training graph's): the
 // output and the gradients are f32, the f32 kernel's on their values, bit
 // for bit; bf16 arrays need bf16 products. The kernel's bf16 output (used
 // by no op) is the f32 one rounded once.
 TEST(Attention, Bf16ArraysAreTheF32KernelRoundedOnce) {
-  const Dims d{2, 37, 4, 2, 8};
-  const NDArray pos = positions_of({{5, 19, 13}, {37}});
-  const Inputs x32 = random_inputs(d, 95);
-  const Inputs x{x32.q.to(DType::BF16).to(DType::F32), x32.k.to(DType::BF16).to(DType::F32),
-                 x32.v.to(DType::BF16).to(DType::F32)};
-  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 96);
+  const Bf16Case c = bf16_case(95);
+  const Dims& d = c.d;
+  const NDArray& pos = c.pos;
+  const Inputs &x32 = c.x32, &x = c.x;
+  const NDArray& dout = c.dout;
   const std::vector<NDArray> f32 = whole_attention(x, pos, dout, 0.4f, DType::BF16);
   {
     NDArray out16 = NDArray::empty(x.q.shape(), DType::BF16), lse = NDArray::empty(f32[1].shape(), DType::F32);
@@ -681,12 +698,11 @@ TEST(Attention, Bf16ArraysAreTheF32KernelRoundedOnce) {
 // output rounded once, and the backward's O (its row dots dO . O) is that
 // rounded output, as cuDNN's backward reads it.
 TEST(Attention, Bf16OutputIsTheF32OutputRoundedOnce) {
-  const Dims d{2, 37, 4, 2, 8};
-  const NDArray pos = positions_of({{5, 19, 13}, {37}});
-  const Inputs x32 = random_inputs(d, 97);
-  const Inputs x{x32.q.to(DType::BF16).to(DType::F32), x32.k.to(DType::BF16).to(DType::F32),
-                 x32.v.to(DType::BF16).to(DType::F32)};
-  const NDArray dout = random_array({d.B, d.S, d.Hq, d.D}, 98);
+  const Bf16Case c = bf16_case(97);
+  const Dims& d = c.d;
+  const NDArray& pos = c.pos;
+  const Inputs &x32 = c.x32, &x = c.x;
+  const NDArray& dout = c.dout;
   const std::vector<NDArray> f32 = whole_attention(x, pos, dout, 0.4f, DType::BF16);
   const NDArray o16 = f32[0].to(DType::BF16).to(DType::F32);
   NDArray dq = NDArray::empty(x.q.shape(), DType::F32), dk = NDArray::empty(x.k.shape(), DType::F32);
