@@ -65,7 +65,8 @@ void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDAr
                        AttentionTiles tiles, DType products = DType::F32, int64_t window = 0);
 
 // Backward: from the forward's out and lse and the gradient of out, writes
-// dq, dk, dv (shapes of q, k, v; fully overwritten). Throws like the forward.
+// dq, dk, dv (shapes of q, k, v; fully overwritten; f32, or bf16: the f32
+// gradients rounded once, as cuDNN writes them). Throws like the forward.
 void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                         const NDArray& out,
                         const NDArray& lse, const NDArray& grad_out, const NDArray& documents,

@@ -105,7 +105,8 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
                        float eps, NDArray& dx, NDArray& dweight, const NDArray* addend = nullptr);
 // Rotates x [B, S, heads, D] by angle positions[b, s] * theta^(-2i/D)
-// (rotate_half convention); `inverse` rotates by the negated angle.
+// (rotate_half convention); `inverse` rotates by the negated angle. x f32
+// or bf16 (read exactly), out f32 or bf16 (computed in f32, rounded once).
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
           NDArray& out);
 // out = silu(gate) * up, in f32; each array f32 or bf16 (gate and up alike;

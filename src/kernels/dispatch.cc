@@ -349,10 +349,21 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
                         NDArray& dv, AttentionTiles tiles, DType products, int64_t window) {
   switch (device_of("attention_backward", s,
                     {&q, &k, &v, &out, &lse, &grad_out, &documents, &dq, &dk, &dv})) {
-    case DeviceType::CPU:
-      return cpu::attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse,
-                                     as_f32(s, grad_out), documents, scale, dq, dk, dv, tiles,
-                                     products, window);
+    case DeviceType::CPU: {
+      if (dq.dtype() == DType::F32 && dk.dtype() == DType::F32 && dv.dtype() == DType::F32)
+        return cpu::attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse,
+                                       as_f32(s, grad_out), documents, scale, dq, dk, dv, tiles, products,
+                                       window);
+      // bf16 gradients: computed in f32, each rounded once.
+      NDArray d[3] = {NDArray::empty(dq.shape(), DType::F32, dq.device()),
+                      NDArray::empty(dk.shape(), DType::F32, dk.device()),
+                      NDArray::empty(dv.shape(), DType::F32, dv.device())};
+      cpu::attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse, as_f32(s, grad_out),
+                              documents, scale, d[0], d[1], d[2], tiles, products, window);
+      NDArray* to[3] = {&dq, &dk, &dv};
+      for (int i = 0; i < 3; ++i) *to[i] = cast(s, d[i], to[i]->dtype());
+      return;
+    }
     HSPMD_CUDA_CASE(attention_backward(s, q, k, v, out, lse, grad_out, documents, scale, dq, dk, dv, tiles, products, window))
     default: no_kernel("attention_backward", s.device());
   }

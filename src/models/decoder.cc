@@ -88,24 +88,28 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // RMSNorm writes the GEMMs' operand in the compute dtype (norm and cast in one pass).
   const DType act = o.precision.compute;
   Tensor x = mark(ops::rms_norm(h, param("input_layernorm.weight"), eps, act), points.attn_input);
-  // A projection, plus its bias where the family has them (Qwen2): added in
-  // f32 to the f32 product, split like the projection's rows under TP.
-  const auto project = [&](const char* name) {
-    const Tensor y = ops::linear(x, lo(param(std::string("self_attn.") + name + ".weight")));
-    return c.attention_bias ? ops::add_bias(y, param(std::string("self_attn.") + name + ".bias")) : y;
+  // A projection in `out`, plus its bias where the family has them (Qwen2):
+  // added in f32 to the f32 product, split like the projection's rows under
+  // TP, then rounded; without a bias the GEMM writes `out` itself.
+  const auto project = [&](const char* name, DType out) {
+    const Tensor y = ops::linear(x, lo(param(std::string("self_attn.") + name + ".weight")),
+                                 c.attention_bias ? DType::F32 : out);
+    return c.attention_bias ? ops::cast(ops::add_bias(y, param(std::string("self_attn.") + name + ".bias")), out)
+                            : y;
   };
-  Tensor q = ops::reshape(project("q_proj"), {B, S, Hq, D});
-  Tensor k = ops::reshape(project("k_proj"), {B, S, Hkv, D});
-  Tensor v = ops::reshape(project("v_proj"), {B, S, Hkv, D});
   // q, k and v, which attention keeps for its backward, are in the compute
-  // dtype: RoPE writes q and k rounded once, v is rounded (the rounding
-  // attention's bf16 products apply to them anyway). Its output is f32 on
+  // dtype: RoPE writes q and k rounded once, v_proj writes v rounded once
+  // (the rounding attention's bf16 products apply to them anyway), so that
+  // v's gradient, bf16 where attention writes it so, is the GEMMs' operand
+  // as it comes. Attention's output is f32 on
   // the CPU (ops::attention) and o_proj's operand as it is: a bf16 GEMM
   // rounds it, so no bf16 copy is kept beside it. On a GPU it is bf16
   // (Precision::attention_output), as cuDNN writes it.
+  Tensor q = ops::reshape(project("q_proj", DType::F32), {B, S, Hq, D});
+  Tensor k = ops::reshape(project("k_proj", DType::F32), {B, S, Hkv, D});
+  const Tensor v = ops::reshape(project("v_proj", act), {B, S, Hkv, D});
   q = ops::rope(q, positions, theta, act);
   k = ops::rope(k, positions, theta, act);
-  v = lo(v);
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),

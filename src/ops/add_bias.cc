@@ -79,7 +79,10 @@ class AddBiasOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>& g) const override {
     if (!g[0].valid()) return {Tensor(), Tensor()};
-    return {g[0], g[0].graph()->add1(std::make_shared<BiasGradOp>(), {g[0]})};
+    // dx is the incoming gradient as it comes (bf16 where attention's
+    // gradients are, on a GPU: the projection's GEMMs read that); dbias
+    // sums it in f32.
+    return {g[0], g[0].graph()->add1(std::make_shared<BiasGradOp>(), {cast(g[0], DType::F32)})};
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {

@@ -453,13 +453,14 @@ void ring_attention(const Ring& ring, const std::vector<NDArray>& in, const NDAr
 // Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
 void ring_attention_grad(const Ring& ring, const std::vector<NDArray>& in,
                          const NDArray& positions, float scale, DType products, int64_t window,
-                         std::vector<NDArray>& out) {
+                         DType grads_dtype, std::vector<NDArray>& out) {
   std::vector<NDArray> z;
   const RingInputs x = ring_inputs(ring, in, positions, scale, products, window,
                                    {in[3], in[4], in[5]}, {1, 2, 1}, z);
   const auto [dq, dkv] = ring_backward(ring, x, z[0], z[1], z[2]);
   std::vector<NDArray> back = relayout(ring, {dq, part(dkv, 0), part(dkv, 1)}, {1, 1, 1}, false);
-  for (int i = 0; i < 3; ++i) out[i] = back[i];
+  for (int i = 0; i < 3; ++i)
+    out[i] = grads_dtype == DType::F32 ? back[i] : kernels::cast(*ring.stream, back[i], grads_dtype);
 }
 
 // What ring_attention (or ring_attention_grad) sends and receives on this
@@ -574,11 +575,13 @@ double attention_products_on(const std::vector<NDArray>& in, size_t documents_at
   return document_products(shapes[0], in[documents_at], window);
 }
 
-// Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv.
+// Inputs: q, k, v, out, lse, grad_out[, documents]. Outputs: dq, dk, dv, in
+// `grads` (f32, or bf16 where the forward's output is bf16: cuDNN writes
+// them so).
 class AttentionGradOp final : public Op {
  public:
-  AttentionGradOp(float scale, bool context_parallel, DType products, int64_t window)
-      : scale_(scale), context_parallel_(context_parallel), products_(products), window_(window) {}
+  AttentionGradOp(float scale, bool context_parallel, DType products, int64_t window, DType grads)
+      : scale_(scale), context_parallel_(context_parallel), products_(products), window_(window), grads_(grads) {}
   std::string type() const override { return "attention_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 6 && in.size() != 7)
@@ -590,9 +593,11 @@ class AttentionGradOp final : public Op {
     if (in[4].shape != SymShape{q[0], q[2], q[1]})
       fail("[attention_grad] lse must be [B, Hq, S], got ", sym_shape_str(in[4].shape));
     // f32 gradients whatever q, k and v hold (they feed f32 RoPE gradients
-    // and GEMM gradients that round them to bf16 themselves).
-    return {TensorMeta{in[0].shape, DType::F32}, TensorMeta{in[1].shape, DType::F32},
-            TensorMeta{in[2].shape, DType::F32}};
+    // and GEMM gradients that round them to bf16 themselves), unless asked
+    // for bf16 ones: on a GPU cuDNN writes them in bf16, which RoPE's
+    // backward and the projections' GEMMs then read as they are (no
+    // widening pass, no f32 RoPE gradient, no rounding cast).
+    return {TensorMeta{in[0].shape, grads_}, TensorMeta{in[1].shape, grads_}, TensorMeta{in[2].shape, grads_}};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, true); }
   // The scores again, then dV, dP, dQ and dK: 2.5 times the forward's products.
@@ -608,7 +613,8 @@ class AttentionGradOp final : public Op {
     const NDArray documents = optional_input(in, 6);
     std::vector<NDArray> x = contiguous_inputs(in, 6);
     if (auto ring = ring_of(ctx, documents.valid() ? documents.ndim() : 0))
-      return ring_attention_grad(*ring, widened(*ctx.stream, x), documents, scale_, products_, window_, out);
+      return ring_attention_grad(*ring, widened(*ctx.stream, x), documents, scale_, products_, window_, grads_,
+                                 out);
     for (int i = 0; i < 3; ++i) out[i] = ctx.alloc(i);
     kernels::attention_backward(*ctx.stream, x[0], x[1], x[2], x[3], x[4], x[5], documents, scale_,
                                 out[0],
@@ -625,6 +631,7 @@ class AttentionGradOp final : public Op {
   bool context_parallel_;
   DType products_;
   int64_t window_;  // sliding window W (0: none)
+  DType grads_;     // dq, dk and dv's dtype
 };
 
 // Inputs: q, k, v[, documents]. Outputs: out, lse.
@@ -646,7 +653,8 @@ class AttentionOp final : public Op {
     // the backward's row dots (dO . O) need O unrounded, or the gradients
     // lose softmax's shift invariance (a key bias's true gradient is nearly
     // zero). A bf16 output (Precision::attention_output, on a GPU) is what
-    // cuDNN reads back in its backward anyway.
+    // cuDNN reads back in its backward anyway; the backward then writes
+    // bf16 gradients too (AttentionGradOp), as cuDNN does.
     return {TensorMeta{q, out_dtype_}, TensorMeta{{q[0], q[2], q[1]}, DType::F32}};
   }
   OpTraffic traffic(const ShardContext& shard) const override { return ring_traffic(shard, false); }
@@ -669,6 +677,11 @@ class AttentionOp final : public Op {
     kernels::attention_forward(*ctx.stream, x[0], x[1], x[2], documents, scale_, out[0], out[1],
                                kernels::attention_tiles(), products_, window_);
   }
+  // With a bf16 output (where cuDNN serves attention) the backward reads dO
+  // in bf16 too: o_proj's input-gradient GEMM writes it so (ops::gradient_rounded).
+  bool rounds_gradient(const Node&, int output) const override {
+    return output == 0 && out_dtype_ == DType::BF16;
+  }
   // lse's gradient is never used: it only feeds the backward.
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     std::vector<Tensor> grads(node.inputs.size());
@@ -679,7 +692,7 @@ class AttentionOp final : public Op {
     // `node` may dangle once the graph grows: everything needed is copied above.
     std::vector<Tensor> d =
         node.graph->add(
-            std::make_shared<AttentionGradOp>(scale_, context_parallel_, products_, window_), in);
+            std::make_shared<AttentionGradOp>(scale_, context_parallel_, products_, window_, out_dtype_), in);
     grads[0] = d[0], grads[1] = d[1], grads[2] = d[2];
     return grads;
   }

@@ -1,5 +1,6 @@
 #include "hspmd/ops/autodiff.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -22,7 +23,31 @@ std::vector<bool> depends_on(const Graph& g, const std::vector<Tensor>& wrt, int
   return dep;
 }
 
+// Inside gradients(): the loss's node id, the last forward node (the
+// backward's nodes come after it).
+thread_local int t_forward_last = -1;
+
+struct ForwardScope {
+  int saved;
+  explicit ForwardScope(int last) : saved(t_forward_last) { t_forward_last = last; }
+  ~ForwardScope() { t_forward_last = saved; }
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+};
+
 }  // namespace
+
+bool ops::gradient_rounded(const Tensor& t) {
+  if (!t.valid()) return false;
+  const Node& producer = t.node();
+  if (!producer.op || producer.inputs.empty()) return false;
+  const Graph& g = *t.graph();
+  const int last = t_forward_last >= 0 ? std::min(t_forward_last, g.num_nodes() - 1) : g.num_nodes() - 1;
+  int readers = 0;
+  for (int id = t.node_id() + 1; id <= last; ++id)
+    for (const Tensor& in : g.node(id).inputs) readers += in == t;
+  return readers == 1 && producer.op->rounds_gradient(producer, t.index());
+}
 
 Tensor ops::recompute_for_backward(const Tensor& t) {
   const Node& producer = t.node();
@@ -53,6 +78,7 @@ std::vector<Tensor> gradients(const Tensor& loss, const std::vector<Tensor>& wrt
     fail("[autodiff] the loss must be a scalar, got shape ", sym_shape_str(loss.shape()));
   Graph& g = *loss.graph();
   const int last = loss.node_id();
+  const ForwardScope forward(last);
   const std::vector<bool> on_path = depends_on(g, wrt, last);
 
   std::map<std::pair<int, int>, Tensor> grads;

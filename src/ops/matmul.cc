@@ -144,9 +144,12 @@ class MatmulOp final : public Op {
     const SymShape a_shape = a.shape(), b_shape = b.shape();
     Tensor& fold = addends[0];
     const bool folds = !trans_a_ && fold.valid() && fold.dtype() == DType::F32 && fold.shape() == a_shape;
+    // a's gradient in bf16 where that is all of it and a's producer reads it
+    // rounded anyway (o_proj's input, attention's bf16 output on a GPU).
+    const DType da_dtype = !trans_a_ && !folds && bf16 && ops::gradient_rounded(a) ? DType::BF16 : DType::F32;
     Tensor da = trans_a_ ? reshape_if_needed(matmul(b, as_2d(dc), trans_b_, true), a_shape)
                 : folds  ? a.graph()->add1(std::make_shared<MatmulOp>(false, !trans_b_, DType::F32), {dc, b, fold})
-                         : matmul(dc, b, false, !trans_b_);
+                         : matmul(dc, b, false, !trans_b_, da_dtype);
     if (folds) fold = Tensor();
     // An addend input's gradient is the incoming one (second order only).
     const Tensor d_addend = n_inputs == 3 ? g[0] : Tensor();

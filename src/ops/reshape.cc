@@ -114,6 +114,8 @@ class ReshapeOp final : public Op {
     const SymShape in_shape = node.inputs[0].shape();
     return {reshape(g[0], in_shape)};
   }
+  // The gradient passes through as it comes: rounded where the input's is.
+  bool rounds_gradient(const Node& node, int) const override { return gradient_rounded(node.inputs[0]); }
   // Linear: partial and dup pass through; splits are renamed dim by dim.
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {

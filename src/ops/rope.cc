@@ -1,7 +1,8 @@
 // rope: rotary position embedding (Hugging Face rotate_half convention). The
 // gradient is the inverse rotation: the same op with the angle negated. x is
-// f32; the output f32 or bf16 (rounded once: the attention input of the bf16
-// graph), the gradient f32.
+// f32 or bf16 (read exactly); the output f32 or bf16 (rounded once: the
+// attention input of the bf16 graph); the gradient f32, or bf16 when the
+// incoming one is (attention's bf16 gradients on a GPU).
 // Deduction: linear in x; positions must be split like x's [B, S] dims; the
 // head dim must be whole (rotate_half pairs its two halves).
 #include "hspmd/ops/ops.h"
@@ -18,7 +19,8 @@ class RopeOp final : public Op {
   std::string type() const override { return "rope"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("rope", in, 2);
-    expect_dtype("rope", "x", in[0], DType::F32);
+    if (in[0].dtype != DType::F32 && in[0].dtype != DType::BF16)
+      fail("[rope] x must be f32 or bf16, got ", dtype_name(in[0].dtype));
     expect_dtype("rope", "positions", in[1], DType::I32);
     const SymShape& x = in[0].shape;
     const SymShape& p = in[1].shape;
@@ -36,8 +38,13 @@ class RopeOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor positions = node.inputs[1];
-    auto op = std::make_shared<RopeOp>(theta_, !inverse_, DType::F32);  // x is f32
-    return {g[0].graph()->add1(op, {cast(g[0], DType::F32), positions}), Tensor()};
+    // The rotation back, in f32, of the gradient as it comes: a bf16 one
+    // (attention's on a GPU) is read as it is and the result rounded once
+    // to bf16, the operand the projections' GEMMs read (the bits of an f32
+    // gradient then a cast, without the f32 array and the pass).
+    const DType dtype = g[0].dtype() == DType::BF16 ? DType::BF16 : DType::F32;
+    auto op = std::make_shared<RopeOp>(theta_, !inverse_, dtype);
+    return {g[0].graph()->add1(op, {g[0], positions}), Tensor()};
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {

@@ -33,8 +33,9 @@ struct Outputs {
 };
 
 // Forward and backward on one backend (device arrays come back to the host).
-// io BF16: q, k, v and out in bf16, as the bf16 training graph keeps them
-// (the inputs rounded first on both backends; grad_out stays f32).
+// io BF16: q, k, v, out and the gradients dq, dk, dv in bf16, as the bf16
+// training graph has them on a GPU (the inputs rounded first on both
+// backends; grad_out stays f32).
 Outputs run(bool on_gpu, const NDArray& q32, const NDArray& k32, const NDArray& v32, const NDArray& go,
             const NDArray& docs, float scale, DType products, int64_t window, DType io = DType::F32) {
   const NDArray q = q32.to(io), k = k32.to(io), v = v32.to(io);
@@ -44,8 +45,8 @@ Outputs run(bool on_gpu, const NDArray& q32, const NDArray& k32, const NDArray& 
   const Device dev = on_gpu ? Device::cuda(0) : Device::cpu();
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
   NDArray out = NDArray::empty(q.shape(), io, dev), lse = NDArray::empty({B, Hq, S}, DType::F32, dev);
-  NDArray dq = NDArray::empty(q.shape(), DType::F32, dev), dk = NDArray::empty(k.shape(), DType::F32, dev);
-  NDArray dv = NDArray::empty(v.shape(), DType::F32, dev);
+  NDArray dq = NDArray::empty(q.shape(), io, dev), dk = NDArray::empty(k.shape(), io, dev);
+  NDArray dv = NDArray::empty(v.shape(), io, dev);
   const NDArray gq = put(q), gk = put(k), gv = put(v), gdocs = put(docs);
   const kernels::AttentionTiles tiles{32, 32};
   kernels::attention_forward(st, gq, gk, gv, gdocs, scale, out, lse, tiles, products, window);
@@ -134,7 +135,10 @@ void fallbacks() {
     const Outputs got16 = run(true, q, k, v, go, NDArray(), 0.2f, DType::BF16, 0, DType::BF16);
     const double e16 = std::max({rel_diff(got16.out, want16.out), rel_diff(got16.dq, want16.dq),
                                  rel_diff(got16.dk, want16.dk), rel_diff(got16.dv, want16.dv)});
-    result("fallback_auto_bf16_io", e16 < 1e-2 && got16.out.dtype() == DType::BF16, "rel=" + std::to_string(e16));
+    const bool bf16_grads = got16.dq.dtype() == DType::BF16 && got16.dk.dtype() == DType::BF16 &&
+                            got16.dv.dtype() == DType::BF16;
+    result("fallback_auto_bf16_io", e16 < 1e-2 && got16.out.dtype() == DType::BF16 && bf16_grads,
+           "rel=" + std::to_string(e16));
     kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
     std::string error;
     try {

@@ -486,6 +486,25 @@ void layout_and_model_ops() {
     std::snprintf(d, sizeof d, "rel=%.1e", e);
     result("rope", e < 1e-6, d);
   });
+  // bf16 in and out (attention's bf16 gradients rotated back on a GPU): x
+  // read exactly, the f32 result rounded once; the CPU's bits but where the
+  // two backends' f32 rotations differ by an ulp across a rounding boundary.
+  run_case("rope_bf16_io", [] {
+    const NDArray x = random_f32({2, 9, 3, 16}, 52).to(DType::BF16), pos = random_ids(18, 0, 4096, 53);
+    double e = 0;
+    bool dtypes = true;
+    for (bool inverse : {false, true}) {
+      NDArray y = NDArray::empty(x.shape(), DType::BF16), gy = dev_empty(x.shape(), DType::BF16);
+      kernels::rope(cpu(), x, pos, 10000.0f, inverse, y);
+      kernels::rope(gpu(), up(x), up(pos), 10000.0f, inverse, gy);
+      const NDArray back = down(gy);
+      dtypes = dtypes && back.dtype() == DType::BF16;
+      e = std::max(e, rel_diff(back, y));
+    }
+    char d[64];
+    std::snprintf(d, sizeof d, "rel=%.1e", e);
+    result("rope_bf16_io", dtypes && e < 8e-3, d);
+  });
   run_case("cross_entropy", [] {
     const int64_t rows = 9, v = 301;
     const NDArray logits = random_f32({rows, v}, 50);

@@ -123,30 +123,80 @@ TEST(Precision, AttentionOutputFollowsTheDevice) {
 }
 
 // A bf16 attention output is o_proj's operand as it is: no conversion
-// node reads it, and the backward gets it (rounded) as its O. The step
-// computes nearly the same loss as with the f32 output.
+// node reads it, and the backward gets it (rounded) as its O. Its bf16
+// gradients reach the q, k and v projections' GEMMs the same way: RoPE's
+// backward reads dq and dk as they are and writes bf16, dv is v_proj's
+// gradient operand, and no conversion node reads any of them (Qwen2's
+// bias gradients read a widened copy). o_proj's input-gradient GEMM writes
+// dO in bf16, which cuDNN's backward reads so. The step computes nearly the same
+// loss and gradients as with the f32 output.
 TEST(TrainingGraph, Bf16AttentionOutputFeedsOProjAsItIs) {
-  const ModelConfig c = tiny(false);
-  ModelBuildOptions cpu, gpu;
-  cpu.precision.compute = DType::BF16;
-  gpu.precision = cpu.precision;
-  gpu.precision.attention_output = DType::BF16;  // what for_device picks where cuDNN serves attention
-  const ModelGraph a = build_model(c, cpu), b = build_model(c, gpu);
-  int attention = 0;
-  for (int id = 0; id < b.graph->num_nodes(); ++id) {
-    const Node& n = b.graph->node(id);
-    if (n.op->type() == "cast")
-      for (const Tensor& in : n.inputs)
-        EXPECT_NE(b.graph->node(in.node_id()).op->type(), "attention") << "node " << id << " casts attention's output";
-    if (n.op->type() != "attention") continue;
-    ++attention;
-    EXPECT_EQ(n.outputs[0].dtype, DType::BF16);
-    EXPECT_EQ(n.outputs[1].dtype, DType::F32);  // lse
+  for (const bool bias : {false, true}) {
+    ModelConfig c = tiny(false);
+    c.attention_bias = bias;
+    ModelBuildOptions cpu, gpu;
+    cpu.precision.compute = DType::BF16;
+    gpu.precision = cpu.precision;
+    gpu.precision.attention_output = DType::BF16;  // what for_device picks where cuDNN serves attention
+    const ModelGraph a = build_model(c, cpu), b = build_model(c, gpu);
+    const Graph& g = *b.graph;
+    int attention = 0, gradients = 0, rotations_back = 0, bias_grads = 0;
+    const auto type_of = [&](const Tensor& t) { return g.node(t.node_id()).op->type(); };
+    for (int id = 0; id < g.num_nodes(); ++id) {
+      const Node& n = g.node(id);
+      for (const Tensor& in : n.inputs) {
+        const std::string from = type_of(in);
+        // Conversions read neither attention's outputs nor its gradients,
+        // nor RoPE's rotations of them (but bias_grad's f32 copy).
+        const bool after_attention_grad =
+            from == "attention_grad" ||
+            (from == "rope" && type_of(g.node(in.node_id()).inputs[0]) == "attention_grad") ||
+            (from == "reshape" && type_of(g.node(in.node_id()).inputs[0]) == "attention_grad");
+        if (n.op->type() == "cast" && (from == "attention" || after_attention_grad)) {
+          int readers = 0, bias_readers = 0;
+          for (int r = id + 1; r < g.num_nodes(); ++r)
+            for (const Tensor& x : g.node(r).inputs)
+              if (x.node_id() == id) ++readers, bias_readers += g.node(r).op->type() == "bias_grad";
+          EXPECT_TRUE(bias && readers == bias_readers && readers > 0)
+              << "node " << id << " (" << n.op->type() << ") converts " << from << "'s output";
+        }
+      }
+      if (n.op->type() == "attention") {
+        ++attention;
+        EXPECT_EQ(n.outputs[0].dtype, DType::BF16);
+        EXPECT_EQ(n.outputs[1].dtype, DType::F32);  // lse
+      }
+      if (n.op->type() == "attention_grad") {
+        ++gradients;
+        for (const auto& out : n.outputs) EXPECT_EQ(out.dtype, DType::BF16);
+        // dO comes from o_proj's input-gradient GEMM in bf16, as cuDNN reads it.
+        EXPECT_EQ(n.inputs.at(5).dtype(), DType::BF16);
+        EXPECT_EQ(type_of(g.node(n.inputs.at(5).node_id()).inputs.at(0)), "matmul");
+      }
+      if (n.op->type() == "rope" && type_of(n.inputs[0]) == "attention_grad") {
+        ++rotations_back;
+        EXPECT_EQ(n.outputs[0].dtype, DType::BF16);
+      }
+      bias_grads += n.op->type() == "bias_grad";
+    }
+    EXPECT_EQ(attention, c.num_hidden_layers);
+    EXPECT_EQ(gradients, c.num_hidden_layers);
+    EXPECT_EQ(rotations_back, 2 * c.num_hidden_layers);  // q and k
+    EXPECT_EQ(bias_grads, bias ? 3 * c.num_hidden_layers : 0);
+    const ValueMap values = feeds(c);
+    const std::vector<NDArray> ra = run(a, values), rb = run(b, values);
+    const float la = ra[0].data<float>()[0], lb = rb[0].data<float>()[0];
+    EXPECT_NEAR(la, lb, 1e-3 * std::abs(la));
+    ASSERT_EQ(ra.size(), rb.size());
+    for (size_t i = 1; i < ra.size(); ++i) {
+      double diff = 0, scale = 0;
+      for (int64_t e = 0; e < ra[i].numel(); ++e)
+        diff = std::max(diff, static_cast<double>(std::abs(ra[i].data<float>()[e] - rb[i].data<float>()[e]))),
+        scale = std::max(scale, static_cast<double>(std::abs(ra[i].data<float>()[e])));
+      // Two bf16 roundings more per gradient path: well under 5% of the gradient's scale.
+      EXPECT_LE(diff, 5e-2 * scale + 1e-6) << (bias ? "qwen2 " : "llama ") << b.names[i - 1];
+    }
   }
-  EXPECT_EQ(attention, c.num_hidden_layers);
-  const ValueMap values = feeds(c);
-  const float la = run(a, values)[0].data<float>()[0], lb = run(b, values)[0].data<float>()[0];
-  EXPECT_NEAR(la, lb, 1e-3 * std::abs(la));
 }
 
 }  // namespace

@@ -696,7 +696,8 @@ TEST(Attention, Bf16ArraysAreTheF32KernelRoundedOnce) {
 
 // A bf16 output (Precision::attention_output, as a GPU computes): the f32
 // output rounded once, and the backward's O (its row dots dO . O) is that
-// rounded output, as cuDNN's backward reads it.
+// rounded output, as cuDNN's backward reads it; the backward writes bf16
+// gradients then (as cuDNN does), the f32 ones rounded once.
 TEST(Attention, Bf16OutputIsTheF32OutputRoundedOnce) {
   const Bf16Case c = bf16_case(97);
   const Dims& d = c.d;
@@ -727,13 +728,54 @@ TEST(Attention, Bf16OutputIsTheF32OutputRoundedOnce) {
   ASSERT_EQ(got[0].dtype(), DType::BF16);
   EXPECT_EQ(max_diff(got[0].to(DType::F32), o16), 0.0);
   const NDArray want[] = {dq, dk, dv};
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(max_diff(got[i + 1].to(DType::F32), want[i]), 0.0) << "gradient " << i;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(got[i + 1].dtype(), DType::BF16) << "gradient " << i;
+    EXPECT_EQ(max_diff(got[i + 1].to(DType::F32), want[i].to(DType::BF16).to(DType::F32)), 0.0) << "gradient " << i;
+  }
+  // The kernel writes bf16 gradients itself, the same bits.
+  NDArray bq = NDArray::empty(x.q.shape(), DType::BF16), bk = NDArray::empty(x.k.shape(), DType::BF16);
+  NDArray bv = NDArray::empty(x.k.shape(), DType::BF16);
+  kernels::attention_backward(cpu_stream(), x.q, x.k, x.v, o16, f32[1], dout, pos, 0.4f, bq, bk, bv,
+                              kernels::attention_tiles(), DType::BF16);
+  const NDArray* direct[] = {&bq, &bk, &bv};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(direct[i]->dtype(), DType::BF16);
+    EXPECT_EQ(max_diff(direct[i]->to(DType::F32), got[i + 1].to(DType::F32)), 0.0) << "kernel gradient " << i;
+  }
   // The rounded O is what the backward read: the f32 O's gradients differ.
-  EXPECT_GT(max_diff(got[2].to(DType::F32), f32[3]), 0.0);
+  EXPECT_GT(max_diff(dk, f32[3]), 0.0);
   Graph bad;
   Tensor fq = bad.placeholder("q", {1, 4, 2, 8}, DType::F32);
   EXPECT_THROW(ops::attention(fq, fq, fq, Tensor(), 0.3f, false, DType::F32, 0, DType::BF16), Error);
   EXPECT_THROW(ops::attention(fq, fq, fq, Tensor(), 0.3f, false, DType::BF16, 0, DType::I32), Error);
+}
+
+// A bf16 output's gradient (where cuDNN serves attention, whose backward
+// reads dO rounded to bf16): o_proj's input-gradient GEMM writes it in bf16
+// when that GEMM is the output's only reader (through a reshape), f32 when
+// another reader adds to the gradient, and f32 for an f32 output.
+TEST(Attention, Bf16OutputGradientIsWrittenInBf16ByItsOnlyReader) {
+  const auto grad_out_dtype = [](DType out, bool second_reader) {
+    Graph g;
+    const int64_t B = 2, S = 5, Hq = 4, Hkv = 2, D = 8;
+    Tensor q = g.placeholder("q", {B, S, Hq, D}, DType::BF16);
+    Tensor k = g.placeholder("k", {B, S, Hkv, D}, DType::BF16);
+    Tensor v = g.placeholder("v", {B, S, Hkv, D}, DType::BF16);
+    Tensor w = g.placeholder("w", {6, Hq * D}, DType::BF16);
+    Tensor go = g.placeholder("go", {B, S, 6}, DType::F32), go2 = g.placeholder("go2", {B, S, Hq, D}, DType::F32);
+    Tensor a = ops::attention(q, k, v, Tensor(), 0.3f, false, DType::BF16, 0, out);
+    Tensor y = ops::linear(ops::reshape(a, {B, S, Hq * D}), w);
+    Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {y, go});
+    if (second_reader)
+      loss = ops::add(loss, g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(a, DType::F32), go2}));
+    const Tensor dq = gradients(loss, {q})[0];
+    const Node& grad = dq.node();
+    EXPECT_EQ(grad.op->type(), "attention_grad");
+    return grad.inputs.at(5).dtype();
+  };
+  EXPECT_EQ(grad_out_dtype(DType::BF16, false), DType::BF16);
+  EXPECT_EQ(grad_out_dtype(DType::BF16, true), DType::F32);
+  EXPECT_EQ(grad_out_dtype(DType::F32, false), DType::F32);
 }
 
 // A row's results do not depend on the other rows of its batch, bit for bit

@@ -45,7 +45,7 @@ TEST(Rope, MatchesFormula) {
   for (int i = 0; i < 16; ++i) EXPECT_FLOAT_EQ(out.data<float>()[i], x.data<float>()[i]);
 }
 
-// A bf16 output is the f32 one rounded once; the gradient stays f32.
+// A bf16 output is the f32 one rounded once.
 TEST(Rope, Bf16OutputIsTheF32OneRounded) {
   const NDArray x = random_array({2, 5, 3, 8}, 4);
   std::vector<int32_t> pos(10);
@@ -58,9 +58,35 @@ TEST(Rope, Bf16OutputIsTheF32OneRounded) {
   const NDArray got = Executor(g, {y}).run({{"x", x}, {"pos", NDArray::from_vector_i32({2, 5}, pos)}})[0];
   const NDArray want = f32.to(DType::BF16);
   for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(got.data<uint16_t>()[i], want.data<uint16_t>()[i]) << i;
-  Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), tx});
-  EXPECT_EQ(gradients(loss, {tx})[0].dtype(), DType::F32);
   EXPECT_THROW(ops::rope(tx, tp, 10000.0f, DType::I32), Error);
+}
+
+// The gradient is in the incoming gradient's dtype. A bf16 one (attention's,
+// on a GPU; here a cast's) is rotated back as it comes: read exactly, the
+// result rounded once to bf16, the bits of the f32 inverse rotation of its
+// widened values and a cast, with no cast node between.
+TEST(Rope, Bf16GradientIsRotatedBackAsItComes) {
+  const NDArray x = random_array({2, 5, 3, 8}, 6);
+  const NDArray w = random_array({2, 5, 3, 8}, 7).to(DType::BF16).to(DType::F32);  // bf16 values
+  std::vector<int32_t> pos(10);
+  for (int i = 0; i < 10; ++i) pos[i] = i * 29 % 13;
+  const NDArray p = NDArray::from_vector_i32({2, 5}, pos);
+  const auto rotated_back = [&](DType out) {
+    Graph g;
+    Tensor tx = g.placeholder("x", {2, 5, 3, 8}, DType::F32), tp = g.placeholder("pos", {2, 5}, DType::I32);
+    Tensor tw = g.placeholder("w", {2, 5, 3, 8}, DType::F32);
+    // d(loss)/dy = w, rounded to y's dtype by the cast's gradient.
+    Tensor y = ops::rope(tx, tp, 10000.0f, out);
+    Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), tw});
+    const Tensor dx = gradients(loss, {tx})[0];
+    EXPECT_EQ(dx.dtype(), out);
+    EXPECT_EQ(dx.node().op->type(), "rope");
+    EXPECT_EQ(dx.node().inputs[0].dtype(), out);  // read as it comes
+    return Executor(g, {dx}).run({{"x", x}, {"pos", p}, {"w", w}})[0];
+  };
+  const NDArray got = rotated_back(DType::BF16), want = rotated_back(DType::F32).to(DType::BF16);
+  ASSERT_EQ(got.dtype(), DType::BF16);
+  for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(got.data<uint16_t>()[i], want.data<uint16_t>()[i]) << i;
 }
 
 TEST(Rope, PositionsMatter) {

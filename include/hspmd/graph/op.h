@@ -139,6 +139,17 @@ class Op {
     return Tensor();
   }
 
+  // Whether this op's backward reads output `output`'s gradient rounded to
+  // bf16 whatever dtype it comes in (cuDNN's attention reads dO so): the op
+  // making that gradient may then write it in bf16 itself, the same bits
+  // without an f32 array and a conversion (ops::gradient_rounded). `node`
+  // is this op's node. None by default.
+  virtual bool rounds_gradient(const Node& node, int output) const {
+    (void)node;
+    (void)output;
+    return false;
+  }
+
   // The op-internal communication of one call on the rank described by
   // `shard` (its boxes and ranks_along); none by default. Ops that talk to
   // their group in compute() override it with the exact volumes, so the dry

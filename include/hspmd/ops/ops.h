@@ -49,6 +49,14 @@ Tensor recompute_for_backward(const Tensor& t);
 // recomputes t (SwiGLU: one pass over gate, up and grad instead of two).
 Tensor recompute_for_backward(const Tensor& t, const Tensor& grad);
 
+// Whether t's whole gradient is rounded to bf16 where it is used: t has one
+// forward reader (inside gradients(): nodes up to the loss; elsewhere every
+// node), so the gradient its reader makes is all of it, and t's producer
+// reads it rounded (Op::rounds_gradient). The reader's gradient op may then
+// write it in bf16 (MatmulOp: o_proj's input gradient, which cuDNN's
+// attention backward reads in bf16).
+bool gradient_rounded(const Tensor& t);
+
 // ---- linear algebra (GEMMs: kernels/basic.h) ----
 // a is viewed as 2-D [prod(a.shape[:-1]), a.shape[-1]], transposed when
 // trans_a; b is 2-D, transposed when trans_b. Output: a's leading dims + [N]

@@ -58,10 +58,12 @@ void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse,
   HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
   const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3), half = d / 2;
   HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
-  const bool bf16 = out.dtype() == DType::BF16;
+  const bool bf16 = out.dtype() == DType::BF16, bf16_x = x.dtype() == DType::BF16;
   HSPMD_CHECK(bf16 || out.dtype() == DType::F32, "rope: out must be f32 or bf16");
+  HSPMD_CHECK(bf16_x || x.dtype() == DType::F32, "rope: x must be f32 or bf16");
   const int32_t* pos = positions.data<int32_t>();
-  const float* px = x.data<float>();
+  const float* px = bf16_x ? nullptr : x.data<float>();
+  const uint16_t* px16 = bf16_x ? x.data<uint16_t>() : nullptr;
   // cos/sin per distinct position: batches repeat positions 0..S-1 (or per
   // document), so a table over [min, max] is far smaller than one per token.
   int32_t lo = 0, hi = -1;
@@ -71,14 +73,16 @@ void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse,
   const float* sn = (inverse ? table->minus_sin : table->sin).data();
 #pragma omp parallel if (x.numel() > 32768)
   {
-    std::vector<float> row(bf16 ? d : 0);  // a bf16 output's head, in f32 first
+    std::vector<float> row(bf16 ? d : 0);    // a bf16 output's head, in f32 first
+    std::vector<float> in_row(bf16_x ? d : 0);  // a bf16 input's head, widened
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
       const float* c = cs + (pos[t] - lo) * half;
       const float* sv = sn + (pos[t] - lo) * half;
       for (int64_t hd = 0; hd < heads; ++hd) {
         const int64_t at = (t * heads + hd) * d;
-        const float* xi = px + at;
+        if (bf16_x) bf16_to_f32_n(px16 + at, in_row.data(), d);
+        const float* xi = bf16_x ? in_row.data() : px + at;
         float* yi = bf16 ? row.data() : out.data<float>() + at;
         for (int64_t i = 0; i < half; ++i) {
           const float a = xi[i], b = xi[i + half];

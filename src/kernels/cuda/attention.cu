@@ -378,9 +378,17 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   const Args a = make_args(q32, k32, v32, scale, products, 0, idx, "attention_backward");
   NDArray delta = NDArray::empty({a.B, a.Hq, a.Sq}, DType::F32, q.device());
   attention_row_dots(s, out32, grad32, delta, a.bf16);
-  for (NDArray* x : {&dq, &dk, &dv}) fill(s, *x, 0.0f);
-  run_backward(s, a, {grad32.data<float>(), lse.data<float>(), delta.data<float>(), dq.data<float>(),
-                      dk.data<float>(), dv.data<float>()});
+  // Our kernels accumulate f32 gradients: bf16 ones are rounded once after.
+  const auto f32_target = [&](const NDArray& d) {
+    return d.dtype() == DType::F32 ? d : NDArray::empty(d.shape(), DType::F32, d.device());
+  };
+  NDArray d32[3] = {f32_target(dq), f32_target(dk), f32_target(dv)};
+  for (NDArray& x : d32) fill(s, x, 0.0f);
+  run_backward(s, a, {grad32.data<float>(), lse.data<float>(), delta.data<float>(), d32[0].data<float>(),
+                      d32[1].data<float>(), d32[2].data<float>()});
+  NDArray* to[3] = {&dq, &dk, &dv};
+  for (int i = 0; i < 3; ++i)
+    if (to[i]->dtype() != DType::F32) *to[i] = cast(s, d32[i], to[i]->dtype());
 }
 
 void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,

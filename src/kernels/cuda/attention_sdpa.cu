@@ -268,12 +268,15 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   if (!why.empty()) return fall_back(why);
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2);
   if (!float_like(out, q.shape()) || !float_like(grad_out, q.shape()) || !f32_like(lse, {B, Hq, S}) ||
-      !f32_like(dq, q.shape()) || !f32_like(dk, k.shape()) || !f32_like(dv, v.shape()))
-    return fall_back("backward arrays that are not contiguous (O and dO f32 or bf16 like q, lse, dq, dk, dv f32)");
+      !float_like(dq, q.shape()) || !float_like(dk, k.shape()) || !float_like(dv, v.shape()))
+    return fall_back("backward arrays that are not contiguous (O, dO, dq, dk, dv f32 or bf16 like q, lse f32)");
   const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
   const NDArray ob = as_bf16(s, out), gb = as_bf16(s, grad_out);
-  NDArray dqb = NDArray::empty(q.shape(), DType::BF16, q.device());
-  NDArray dkb = NDArray::empty(k.shape(), DType::BF16, q.device()), dvb = NDArray::empty(v.shape(), DType::BF16, q.device());
+  // cuDNN writes bf16 gradients: into dq, dk and dv themselves where they are bf16.
+  const auto bf16_target = [&](const NDArray& d) {
+    return d.dtype() == DType::BF16 ? d : NDArray::empty(d.shape(), DType::BF16, q.device());
+  };
+  NDArray dqb = bf16_target(dq), dkb = bf16_target(dk), dvb = bf16_target(dv);
   NDArray lse_in = lse;  // only read: dense, cuDNN reads the statistics from lse itself
   NDArray stats = lse_in;
   if (p.shape.ragged) {
@@ -287,9 +290,9 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   set_ragged(p, t);
   std::string refused;
   if (!sdpa::backward(s, p.shape, t, &refused)) return fall_back(refused);
-  to_f32(s, dqb, dq);
-  to_f32(s, dkb, dk);
-  to_f32(s, dvb, dv);
+  if (dq.dtype() == DType::F32) to_f32(s, dqb, dq);
+  if (dk.dtype() == DType::F32) to_f32(s, dkb, dk);
+  if (dv.dtype() == DType::F32) to_f32(s, dvb, dv);
   served();
   return true;
 }

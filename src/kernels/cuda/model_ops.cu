@@ -184,16 +184,16 @@ __global__ void rope_table_kernel(const int32_t* pos, double theta, bool inverse
 // threadIdx.x walks a head's pairs, threadIdx.y the (token, head) rows.
 constexpr int kRopeRowsPerBlock = 8;
 
-template <typename O>
-__global__ void rope_kernel(const float* x, const float2* table, int64_t heads, int64_t half, O* y, int64_t rows) {
+template <typename I, typename O>
+__global__ void rope_kernel(const I* x, const float2* table, int64_t heads, int64_t half, O* y, int64_t rows) {
   for (int64_t th = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y; th < rows;
        th += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const float2* cs = table + (th / heads) * half;
-    const float* xr = x + th * 2 * half;
+    const I* xr = x + th * 2 * half;
     O* yr = y + th * 2 * half;
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       const float2 c = cs[i];
-      const float a = xr[i], b = xr[i + half];
+      const float a = to_f32(xr[i]), b = to_f32(xr[i + half]);
       yr[i] = from_f32<O>(a * c.x - b * c.y);
       yr[i + half] = from_f32<O>(b * c.x + a * c.y);
     }
@@ -356,7 +356,6 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse, NDArray& out) {
   require_contiguous("rope", x);
   require_contiguous("rope", positions);
-  require_f32("rope", {&x});
   HSPMD_CHECK(x.ndim() == 4 && out.numel() == x.numel(), "rope: x must be [B, S, heads, D]");
   const int64_t tokens = x.dim(0) * x.dim(1), heads = x.dim(2), d = x.dim(3);
   HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope: positions or head dim");
@@ -370,9 +369,11 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
   launched("rope");
   const int64_t blocks = (rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock;
   const dim3 block(kThreads / kRopeRowsPerBlock, kRopeRowsPerBlock);
-  with_float_type("rope", out, [&](auto* y) {
-    rope_kernel<<<static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20)), block, 0, native(s)>>>(
-        x.data<float>(), cs, heads, half, y, rows);
+  const unsigned grid = static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20));
+  with_float_type("rope", x, [&](const auto* in) {  // x f32 or bf16 (read exactly)
+    with_float_type("rope", out, [&](auto* y) {
+      rope_kernel<<<grid, block, 0, native(s)>>>(in, cs, heads, half, y, rows);
+    });
   });
   launched("rope");
 }
