@@ -1,6 +1,8 @@
 // The registry of model families and the family-independent functions,
 // which forward to the config's family (models/model.h).
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <map>
 
 #include "hspmd/core/error.h"
@@ -88,8 +90,14 @@ DType parse_precision_name(const std::string& name, const std::string& what) {
 }
 
 Precision Precision::for_device(const Device& device) const {
+  const char* io = std::getenv("HSPMD_ATTENTION_IO");
+  const std::string mode = io ? io : "auto";
+  if (mode != "auto" && mode != "bf16")
+    fail("[precision] HSPMD_ATTENTION_IO: '", mode, "' (expected auto, or bf16 for the GPU's bf16 attention "
+         "output and gradients on any device)");
   Precision p = *this;
-  p.attention_output = mixed() && kernels::fused_attention_rounds_output(device) ? DType::BF16 : DType::F32;
+  const bool bf16_io = mode == "bf16" || kernels::fused_attention_rounds_output(device);
+  p.attention_output = mixed() && bf16_io ? DType::BF16 : DType::F32;
   return p;
 }
 

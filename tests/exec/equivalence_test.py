@@ -151,8 +151,14 @@ BF16_CASES = {
     "bf16_asym7_tp421_zero": CASES["asym7_tp421_zero"],
     "bf16_cp2_tp2": CASES["cp2_tp2"],
     "bf16g_asym_pp_dp_zero": CASES["asym_pp_dp_zero"],
+    # "bf16io_": the graph a GPU with cuDNN's attention builds (docs/cuda.md:
+    # attention's output, dq, dk, dv and dO in bf16), here on CPUs through
+    # HSPMD_ATTENTION_IO=bf16: ring attention's bf16 gradients, TP, PP.
+    "bf16io_asym_pp_dp_zero": CASES["asym_pp_dp_zero"],
+    "bf16io_cp2_tp2": CASES["cp2_tp2"],
+    "bf16io_hetero_pp_tp": CASES["hetero_pp_tp"],
 }
-BF16_SAME_ROUNDING = {"bf16_asym_pp_dp_zero"}
+BF16_SAME_ROUNDING = {"bf16_asym_pp_dp_zero", "bf16io_asym_pp_dp_zero"}
 
 
 # Other model families (docs/models.md): Qwen2's q/k/v biases are split like
@@ -294,6 +300,7 @@ def main():
              "vocab66": model_variant("vocab66", vocab_size=66),
              "bf16": common + ["--precision", "bf16"],
              "bf16g": common + ["--precision", "bf16", "--grad-reduce-dtype", "bf16"],
+             "bf16io": ["env", "HSPMD_ATTENTION_IO=bf16"] + common + ["--precision", "bf16"],
              "qwen2": model_variant("qwen2", model_type="qwen2", tie_word_embeddings=True),
              "mistral": model_variant("mistral", model_type="mistral", sliding_window=5)}
     modes["mistralpacked"] = [a if a != data else packed_data for a in modes["mistral"]] + ["--pack-documents"]
@@ -350,6 +357,12 @@ def main():
     # about as much as bf16 from f32; a plan's bf16 run must stay well inside that.
     bf16_noise = weights_error(want["bf16"][1], want["fixed"][1])[0]
     print(f"bf16 vs f32, one process: weights differ by {bf16_noise:.2e}")
+    # The GPU's attention roundings took effect, and stay near the CPU's.
+    io_rel = max(abs(a - b) / abs(a) for a, b in zip(want["bf16"][0], want["bf16io"][0]))
+    io_ok = 0 < io_rel < 1e-2
+    print(f"bf16 attention io vs f32 io, one process: loss rel {io_rel:.2e} {'ok' if io_ok else 'FAIL'}")
+    if not io_ok:
+        failures.append("bf16 attention io")
     names = args.cases.split(",") if args.cases else []
     pick = random.Random(args.seed)
     for k in range(args.random):  # plans nobody wrote by hand
@@ -365,7 +378,8 @@ def main():
                 "vocab66" if name in VOCAB66_CASES else name.split("_")[0] if name in BF16_CASES else
                 family[0] if family else "fixed")
         world, strategy = {"packed": PACKED_CASES, "tied": TIED_CASES, "vocab66": VOCAB66_CASES,
-                           "bf16": BF16_CASES, "bf16g": BF16_CASES, "fixed": CASES, **FAMILY_MODES}[mode][name]
+                           "bf16": BF16_CASES, "bf16g": BF16_CASES, "bf16io": BF16_CASES, "fixed": CASES,
+                           **FAMILY_MODES}[mode][name]
         loss_tol, weight_tol = (1e-5, 1e-4)
         if mode.startswith("bf16"):
             loss_tol, weight_tol = (1e-4, 2e-2) if name in BF16_SAME_ROUNDING else (2e-3, 1.5 * bf16_noise)

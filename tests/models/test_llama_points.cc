@@ -2,6 +2,9 @@
 // device: the loss and every gradient equal those of the plain graph.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
+#include "hspmd/core/error.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/model.h"
 #include "kernels/attention.h"
@@ -120,6 +123,21 @@ TEST(Precision, AttentionOutputFollowsTheDevice) {
   Precision gpu = bf16;
   gpu.attention_output = DType::BF16;
   EXPECT_EQ(gpu.for_device(Device::cpu()), bf16);  // decided again, not kept
+  // HSPMD_ATTENTION_IO=bf16: the GPU's graph on any device (bf16 compute only).
+  ASSERT_EQ(setenv("HSPMD_ATTENTION_IO", "bf16", 1), 0);
+  EXPECT_EQ(bf16.for_device(Device::cpu()).attention_output, DType::BF16);
+  EXPECT_EQ(bf16.for_device(Device::host_double()).attention_output, DType::BF16);
+  EXPECT_EQ(f32.for_device(Device::cpu()), f32);
+  ASSERT_EQ(setenv("HSPMD_ATTENTION_IO", "auto", 1), 0);
+  EXPECT_EQ(bf16.for_device(Device::cpu()).attention_output, DType::F32);
+  ASSERT_EQ(setenv("HSPMD_ATTENTION_IO", "f16", 1), 0);
+  try {
+    (void)bf16.for_device(Device::cpu());
+    ADD_FAILURE() << "HSPMD_ATTENTION_IO=f16 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[precision] HSPMD_ATTENTION_IO: 'f16'"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(unsetenv("HSPMD_ATTENTION_IO"), 0);
 }
 
 // A bf16 attention output is o_proj's operand as it is: no conversion

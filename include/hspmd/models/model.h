@@ -139,12 +139,13 @@ struct ModelGraph {
 // itself keeps f32 gradients: the executor casts around the once-per-step
 // grad.{parameter} Reshards (AnnotatedTraining::reshards gives them this dtype).
 //
-// attention_output: the dtype attention writes its output O in. F32 (the
-// default, the CPU's) keeps O unrounded for the backward's row dots
-// (dO . O); BF16 (bf16 compute only) is what cuDNN's fused attention writes
-// and reads back in its backward whatever the graph holds, so on a GPU an
-// f32 O is only a widening and three roundings of it (o_proj's forward, its
-// weight gradient, the backward). for_device() picks it.
+// attention_output: the dtype attention writes its output O in, and with
+// it its backward dq, dk and dv, and the dtype that backward reads dO in.
+// F32 (the default, the CPU's) keeps O unrounded for the backward's row
+// dots (dO . O); BF16 (bf16 compute only) is what cuDNN's fused attention
+// writes and reads back in its backward whatever the graph holds, so on a
+// GPU f32 arrays there are only widenings and roundings of bf16 ones.
+// for_device() picks it.
 struct Precision {
   DType compute = DType::F32;
   DType grad_reduce = DType::F32;
@@ -159,6 +160,11 @@ struct Precision {
   // cuDNN's, and with a rounded O the Qwen2 key bias's gradient (near zero
   // by softmax's shift invariance) leaves the PyTorch oracle's tolerance
   // (docs/precision.md); a GPU has that rounding either way.
+  // HSPMD_ATTENTION_IO=bf16 in the environment builds the GPU's graph on
+  // any device (the CPU then rounds as cuDNN does: for testing that graph
+  // without a GPU, or comparing a GPU run's numerics on a CPU);
+  // HSPMD_ATTENTION_IO=auto or unset: the rule above. Another value throws
+  // hspmd::Error "[precision] HSPMD_ATTENTION_IO: ...".
   Precision for_device(const Device& device) const;
 };
 
