@@ -92,11 +92,11 @@ DType parse_precision_name(const std::string& name, const std::string& what) {
 Precision Precision::for_device(const Device& device) const {
   const char* io = std::getenv("HSPMD_ATTENTION_IO");
   const std::string mode = io ? io : "auto";
-  if (mode != "auto" && mode != "bf16")
-    fail("[precision] HSPMD_ATTENTION_IO: '", mode, "' (expected auto, or bf16 for the GPU's bf16 attention "
-         "output and gradients on any device)");
+  if (mode != "auto" && mode != "bf16" && mode != "f32")
+    fail("[precision] HSPMD_ATTENTION_IO: '", mode, "' (expected auto; bf16 for the GPU's bf16 attention "
+         "output and gradients on any device; f32 to keep them f32 on a GPU too)");
   Precision p = *this;
-  const bool bf16_io = mode == "bf16" || kernels::fused_attention_rounds_output(device);
+  const bool bf16_io = mode == "bf16" || (mode == "auto" && kernels::fused_attention_rounds_output(device));
   p.attention_output = mixed() && bf16_io ? DType::BF16 : DType::F32;
   return p;
 }

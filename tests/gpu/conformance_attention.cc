@@ -171,18 +171,76 @@ double median_ms(F&& f) {
   return ms[ms.size() / 2];
 }
 
-// The model's shape through the op (f32 arrays: the bf16 conversions
-// included). Causal: the forward counts 4 B Hq S^2 D / 2 flops, the backward
-// 2.5 times that.
+// How far the key gradients of each (row, KV head) are from summing to zero,
+// worst over them: |sum_j dK_j| / sum_j |dK_j|. Exactly, sum_j dK_j = scale
+// sum_i q_i sum_j dS_ij = 0 (softmax's shift invariance: each query's dS
+// row sums to zero), which a row sum formed from a rounded O breaks.
+double key_gradient_imbalance(const NDArray& dk) {
+  const std::vector<float> x = dk.to_vector();
+  const int64_t B = dk.dim(0), S = dk.dim(1), H = dk.dim(2), D = dk.dim(3);
+  double worst = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      double norms = 0, sum2 = 0;
+      std::vector<double> sum(D, 0.0);
+      for (int64_t j = 0; j < S; ++j) {
+        double n2 = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const double e = x[((b * S + j) * H + h) * D + d];
+          sum[d] += e, n2 += e * e;
+        }
+        norms += std::sqrt(n2);
+      }
+      for (double e : sum) sum2 += e * e;
+      worst = std::max(worst, norms > 0 ? std::sqrt(sum2) / norms : 0.0);
+    }
+  return worst;
+}
+
+// cuDNN with an fp32 O (an f32 output array: HSPMD_ATTENTION_IO=f32 on a GPU,
+// docs/cuda.md): whether the installed cuDNN's fused engines take it, and
+// what it buys (the key gradients' imbalance, against the bf16 O and the
+// CPU's f32 one). Information for the GPU window, not a pass/fail check:
+// the bf16 O is the default either way.
+void f32_output() {
+  run_case("cudnn_f32_output", [] {
+    kc::set_cudnn_attention_mode(kc::CudnnAttention::kAuto);
+    const int64_t B = 2, S = 150, Hq = 8, Hkv = 2, D = 64;
+    const float scale = 0.9f / std::sqrt(static_cast<float>(D));
+    const NDArray q = random_f32({B, S, Hq, D}, 110), k = random_f32({B, S, Hkv, D}, 111);
+    const NDArray v = random_f32({B, S, Hkv, D}, 112), go = random_f32({B, S, Hq, D}, 113);
+    std::string refused;
+    const int64_t before = kc::cudnn_f32_output_calls(nullptr);
+    const Outputs f32o = run(true, q, k, v, go, NDArray(), scale, DType::BF16, 0, DType::F32);
+    const int64_t served = kc::cudnn_f32_output_calls(&refused) - before;
+    const Outputs bf16o = run(true, q, k, v, go, NDArray(), scale, DType::BF16, 0, DType::BF16);
+    const Outputs cpu = run(false, q, k, v, go, NDArray(), scale, DType::BF16, 0, DType::F32);
+    const double e = std::max({rel_diff(f32o.out, cpu.out), rel_diff(f32o.dk, cpu.dk), rel_diff(f32o.dq, cpu.dq)});
+    char d[200];
+    std::snprintf(d, sizeof d, "f32_o_calls=%lld imbalance_f32_o=%.2e imbalance_bf16_o=%.2e imbalance_cpu=%.2e "
+                  "rel_vs_cpu=%.1e", (long long)served, key_gradient_imbalance(f32o.dk),
+                  key_gradient_imbalance(bf16o.dk), key_gradient_imbalance(cpu.dk), e);
+    std::printf("RESULT probe=conformance_attention case=cudnn_f32_output %s%s status=INFO\n", d,
+                refused.empty() ? "" : (" refused=\"" + refused + "\"").c_str());
+    // Whichever O served, the results are the CPU's within the bf16 bound.
+    result("cudnn_f32_output_correct", e < 2e-2, d);
+  });
+}
+
+// The model's shape through the op, in the bf16 graph's arrays (q, k, v, O,
+// dO and the gradients bf16, as training on a GPU has them). Causal: the
+// forward counts 4 B Hq S^2 D / 2 flops, the backward 2.5 times that.
 void timing() {
   run_case("timing_tinyllama", [] {
     kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
     const int64_t B = 4, S = 4096, Hq = 32, Hkv = 4, D = 64;
     const float scale = 0.125f;
-    NDArray q = up(random_f32({B, S, Hq, D}, 100)), k = up(random_f32({B, S, Hkv, D}, 101));
-    NDArray v = up(random_f32({B, S, Hkv, D}, 102)), go = up(random_f32({B, S, Hq, D}, 103));
-    NDArray out = dev_empty(q.shape()), lse = dev_empty({B, Hq, S});
-    NDArray dq = dev_empty(q.shape()), dk = dev_empty(k.shape()), dv = dev_empty(v.shape());
+    const auto bf16_up = [](const NDArray& a) { return up(a.to(DType::BF16)); };
+    NDArray q = bf16_up(random_f32({B, S, Hq, D}, 100)), k = bf16_up(random_f32({B, S, Hkv, D}, 101));
+    NDArray v = bf16_up(random_f32({B, S, Hkv, D}, 102)), go = bf16_up(random_f32({B, S, Hq, D}, 103));
+    NDArray out = dev_empty(q.shape(), DType::BF16), lse = dev_empty({B, Hq, S});
+    NDArray dq = dev_empty(q.shape(), DType::BF16), dk = dev_empty(k.shape(), DType::BF16);
+    NDArray dv = dev_empty(v.shape(), DType::BF16);
     const kernels::AttentionTiles tiles;
     const double fwd = median_ms(
         [&] { kernels::attention_forward(gpu(), q, k, v, NDArray(), scale, out, lse, tiles, DType::BF16, 0); });
@@ -219,6 +277,7 @@ int main() {
   }
   against_cpu();
   fallbacks();
+  f32_output();
   timing();
   std::printf("conformance_attention: %d failure(s)\n", conformance::failures);
   return conformance::failures == 0 ? 0 : 1;

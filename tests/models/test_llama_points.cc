@@ -130,6 +130,10 @@ TEST(Precision, AttentionOutputFollowsTheDevice) {
   EXPECT_EQ(f32.for_device(Device::cpu()), f32);
   ASSERT_EQ(setenv("HSPMD_ATTENTION_IO", "auto", 1), 0);
   EXPECT_EQ(bf16.for_device(Device::cpu()).attention_output, DType::F32);
+  // HSPMD_ATTENTION_IO=f32: f32 wherever cuDNN would have rounded it.
+  ASSERT_EQ(setenv("HSPMD_ATTENTION_IO", "f32", 1), 0);
+  for (Device d : {Device::cpu(), Device::host_double(), Device::cuda(0)})
+    EXPECT_EQ(bf16.for_device(d).attention_output, DType::F32) << d.str();
   ASSERT_EQ(setenv("HSPMD_ATTENTION_IO", "f16", 1), 0);
   try {
     (void)bf16.for_device(Device::cpu());

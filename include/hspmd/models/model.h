@@ -163,6 +163,9 @@ struct Precision {
   // HSPMD_ATTENTION_IO=bf16 in the environment builds the GPU's graph on
   // any device (the CPU then rounds as cuDNN does: for testing that graph
   // without a GPU, or comparing a GPU run's numerics on a CPU);
+  // HSPMD_ATTENTION_IO=f32 keeps the CPU's f32 output and gradients on a
+  // GPU too (cuDNN is then asked for an fp32 O, which its backward's row
+  // sums read unrounded, and its bf16 O is widened where it refuses one);
   // HSPMD_ATTENTION_IO=auto or unset: the rule above. Another value throws
   // hspmd::Error "[precision] HSPMD_ATTENTION_IO: ...".
   Precision for_device(const Device& device) const;

@@ -197,6 +197,18 @@ void move_stats(Stream& s, const Problem& p, NDArray& stats, NDArray& lse, int64
   launched(to_lse ? "attention (cuDNN): stats to lse" : "attention (cuDNN): lse to stats");
 }
 
+// Set when cuDNN first refuses an fp32 O (Shape::f32_o): later calls go to
+// the bf16 O directly instead of building a refused graph per new shape.
+std::atomic<bool> g_f32_o_refused{false};
+std::atomic<int64_t> g_f32_o_served{0};
+std::mutex g_f32_o_mutex;
+std::string g_f32_o_reason;  // why cuDNN refused an fp32 O (under g_f32_o_mutex)
+
+void f32_o_refused(const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_f32_o_mutex);
+  if (!g_f32_o_refused.exchange(true)) g_f32_o_reason = why;
+}
+
 bool f32_like(const NDArray& a, const Shape& shape) {
   return a.dtype() == DType::F32 && a.is_contiguous() && a.shape() == shape;
 }
@@ -229,6 +241,14 @@ int64_t cudnn_attention_calls() { return g_calls.load(); }
 
 int64_t cudnn_attention_fallbacks() { return g_fallbacks.load(); }
 
+int64_t cudnn_f32_output_calls(std::string* refused) {
+  if (refused) {
+    std::lock_guard<std::mutex> lock(g_f32_o_mutex);
+    *refused = g_f32_o_reason;
+  }
+  return g_f32_o_served.load();
+}
+
 std::string cudnn_attention_last_fallback() {
   std::lock_guard<std::mutex> lock(g_reason_mutex);
   return g_last_fallback;
@@ -245,15 +265,29 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   if (!float_like(out, q.shape()) || !f32_like(lse, {B, Hq, S}))
     return fall_back("an output that is not a contiguous f32 or bf16 [B, S, Hq, D] with an f32 lse [B, Hq, S]");
   const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
-  NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
   NDArray stats = p.shape.ragged ? NDArray::empty({p.shape.batch, Hq, p.shape.seq}, DType::F32, q.device()) : lse;
   sdpa::Tensors t;
-  t.q = qb.raw_data(), t.k = kb.raw_data(), t.v = vb.raw_data(), t.o = ob.raw_data();
+  t.q = qb.raw_data(), t.k = kb.raw_data(), t.v = vb.raw_data();
   t.stats = stats.data<float>();
   set_ragged(p, t);
   std::string refused;
-  if (!sdpa::forward(s, p.shape, t, &refused)) return fall_back(refused);
-  if (out.dtype() == DType::F32) to_f32(s, ob, out);
+  // An f32 O: asked of cuDNN in fp32 first (the backward's row sums then
+  // read it unrounded), else its bf16 O widened.
+  bool written = false;
+  if (out.dtype() == DType::F32 && !g_f32_o_refused.load()) {
+    sdpa::Shape f32_o = p.shape;
+    f32_o.f32_o = true;
+    t.o = out.raw_data();
+    written = sdpa::forward(s, f32_o, t, &refused);
+    if (written) ++g_f32_o_served;
+    else f32_o_refused(refused);
+  }
+  if (!written) {
+    NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
+    t.o = ob.raw_data();
+    if (!sdpa::forward(s, p.shape, t, &refused)) return fall_back(refused);
+    if (out.dtype() == DType::F32) to_f32(s, ob, out);
+  }
   if (p.shape.ragged) move_stats(s, p, stats, lse, S, true);
   served();
   return true;
@@ -271,7 +305,7 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
       !float_like(dq, q.shape()) || !float_like(dk, k.shape()) || !float_like(dv, v.shape()))
     return fall_back("backward arrays that are not contiguous (O, dO, dq, dk, dv f32 or bf16 like q, lse f32)");
   const NDArray qb = as_bf16(s, q), kb = as_bf16(s, k), vb = as_bf16(s, v);
-  const NDArray ob = as_bf16(s, out), gb = as_bf16(s, grad_out);
+  const NDArray gb = as_bf16(s, grad_out);
   // cuDNN writes bf16 gradients: into dq, dk and dv themselves where they are bf16.
   const auto bf16_target = [&](const NDArray& d) {
     return d.dtype() == DType::BF16 ? d : NDArray::empty(d.shape(), DType::BF16, q.device());
@@ -284,12 +318,26 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
     move_stats(s, p, stats, lse_in, S, false);
   }
   sdpa::Tensors t;
-  t.q = qb.raw_data(), t.k = kb.raw_data(), t.v = vb.raw_data(), t.o = ob.raw_data(), t.d_o = gb.raw_data();
+  t.q = qb.raw_data(), t.k = kb.raw_data(), t.v = vb.raw_data(), t.d_o = gb.raw_data();
   t.stats = stats.data<float>();
   t.dq = dqb.raw_data(), t.dk = dkb.raw_data(), t.dv = dvb.raw_data();
   set_ragged(p, t);
   std::string refused;
-  if (!sdpa::backward(s, p.shape, t, &refused)) return fall_back(refused);
+  // An f32 O is read as it is where cuDNN takes an fp32 O, else rounded.
+  bool computed = false;
+  if (out.dtype() == DType::F32 && !g_f32_o_refused.load()) {
+    sdpa::Shape f32_o = p.shape;
+    f32_o.f32_o = true;
+    t.o = out.raw_data();
+    computed = sdpa::backward(s, f32_o, t, &refused);
+    if (computed) ++g_f32_o_served;
+    else f32_o_refused(refused);
+  }
+  if (!computed) {
+    const NDArray ob = as_bf16(s, out);
+    t.o = ob.raw_data();
+    if (!sdpa::backward(s, p.shape, t, &refused)) return fall_back(refused);
+  }
   if (dq.dtype() == DType::F32) to_f32(s, dqb, dq);
   if (dk.dtype() == DType::F32) to_f32(s, dkb, dk);
   if (dv.dtype() == DType::F32) to_f32(s, dvb, dv);
