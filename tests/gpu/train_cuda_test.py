@@ -82,11 +82,11 @@ def main():
         base = [hs, "train", "--model", model, "--data", data, "--seq-len", "64", "--global-batch", "4",
                 "--lr", "3e-3", "--quiet", "--threads", "2"]
 
-        def train(name, extra, steps=STEPS):
+        def train(name, extra, steps=STEPS, env=None):
             log = os.path.join(tmp, name + ".jsonl")
             save = os.path.join(tmp, name + ".safetensors")
             p = subprocess.run(base + ["--steps", str(steps), "--log", log, "--save", save] + extra,
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
             return p, log, save
 
         probe, _, _ = train("probe", ["--device", dev], steps=1)
@@ -119,6 +119,23 @@ def main():
             ok = len(got) == STEPS and loss <= loss_tol and norm <= 10 * loss_tol and w <= weight_tol
             result(precision, ok, f"loss_rel={loss:.1e} grad_norm_rel={norm:.1e} weights_rel={w:.1e} "
                                   f"{noise}weight_tol={weight_tol:.1e} gpu_step_s={got[-1].get('step_time_s', 0):.4f}")
+            if precision == "bf16":
+                # The CPU computing the GPU's bf16 graph (HSPMD_ATTENTION_IO=bf16:
+                # attention's output and gradients rounded where cuDNN rounds
+                # them): the same roundings, so the GPU must land at least as
+                # near; the distances say how much of the gap above was the graph.
+                same, same_log, same_save = train("cpu_bf16_gpu_graph", ["--precision", "bf16"],
+                                                  env={"HSPMD_ATTENTION_IO": "bf16"})
+                if same.returncode:
+                    result("bf16_gpu_graph", False, f"error=\"{same.stderr.strip()[-300:]}\"")
+                    continue
+                twin = records(same_log)
+                loss2 = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(twin, got))
+                norm2 = max(abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"]) for x, y in zip(twin, got))
+                w2 = rel_weights(read_safetensors(same_save), read_safetensors(gpu_save))
+                ok2 = len(twin) == STEPS and loss2 <= loss_tol and norm2 <= 10 * loss_tol and w2 <= weight_tol
+                result("bf16_gpu_graph", ok2, f"loss_rel={loss2:.1e} grad_norm_rel={norm2:.1e} weights_rel={w2:.1e} "
+                                              f"weight_tol={weight_tol:.1e}")
         # A checkpoint of the GPU run (step 8 of 12), resumed on the CPU: the
         # GPU run's last losses go on.
         ck = os.path.join(tmp, "ck")
