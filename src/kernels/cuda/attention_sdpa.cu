@@ -209,6 +209,23 @@ void f32_o_refused(const std::string& why) {
   if (!g_f32_o_refused.exchange(true)) g_f32_o_reason = why;
 }
 
+// Runs `graph` (sdpa::forward or sdpa::backward) with cuDNN's O in fp32,
+// written to or read from `out` itself. False, with nothing run, when `out`
+// is not f32 or cuDNN refused an fp32 O before; false when cuDNN refuses it
+// now (kept: later calls go straight to the bf16 O).
+template <typename Graph>
+bool with_f32_o(Stream& s, const NDArray& out, sdpa::Shape shape, sdpa::Tensors t, Graph graph, std::string* refused) {
+  if (out.dtype() != DType::F32 || g_f32_o_refused.load()) return false;
+  shape.f32_o = true;
+  t.o = out.raw_data();
+  if (graph(s, shape, t, refused)) {
+    ++g_f32_o_served;
+    return true;
+  }
+  f32_o_refused(*refused);
+  return false;
+}
+
 bool f32_like(const NDArray& a, const Shape& shape) {
   return a.dtype() == DType::F32 && a.is_contiguous() && a.shape() == shape;
 }
@@ -273,16 +290,7 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   std::string refused;
   // An f32 O: asked of cuDNN in fp32 first (the backward's row sums then
   // read it unrounded), else its bf16 O widened.
-  bool written = false;
-  if (out.dtype() == DType::F32 && !g_f32_o_refused.load()) {
-    sdpa::Shape f32_o = p.shape;
-    f32_o.f32_o = true;
-    t.o = out.raw_data();
-    written = sdpa::forward(s, f32_o, t, &refused);
-    if (written) ++g_f32_o_served;
-    else f32_o_refused(refused);
-  }
-  if (!written) {
+  if (!with_f32_o(s, out, p.shape, t, sdpa::forward, &refused)) {
     NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
     t.o = ob.raw_data();
     if (!sdpa::forward(s, p.shape, t, &refused)) return fall_back(refused);
@@ -324,16 +332,7 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   set_ragged(p, t);
   std::string refused;
   // An f32 O is read as it is where cuDNN takes an fp32 O, else rounded.
-  bool computed = false;
-  if (out.dtype() == DType::F32 && !g_f32_o_refused.load()) {
-    sdpa::Shape f32_o = p.shape;
-    f32_o.f32_o = true;
-    t.o = out.raw_data();
-    computed = sdpa::backward(s, f32_o, t, &refused);
-    if (computed) ++g_f32_o_served;
-    else f32_o_refused(refused);
-  }
-  if (!computed) {
+  if (!with_f32_o(s, out, p.shape, t, sdpa::backward, &refused)) {
     const NDArray ob = as_bf16(s, out);
     t.o = ob.raw_data();
     if (!sdpa::backward(s, p.shape, t, &refused)) return fall_back(refused);
