@@ -40,13 +40,15 @@ struct ForwardScope {
 bool ops::gradient_rounded(const Tensor& t) {
   if (!t.valid()) return false;
   const Node& producer = t.node();
-  if (!producer.op || producer.inputs.empty()) return false;
+  // The producer's answer first: it is false for almost every tensor, and
+  // the readers' count scans the graph.
+  if (!producer.op || producer.inputs.empty() || !producer.op->rounds_gradient(producer, t.index())) return false;
   const Graph& g = *t.graph();
   const int last = t_forward_last >= 0 ? std::min(t_forward_last, g.num_nodes() - 1) : g.num_nodes() - 1;
   int readers = 0;
-  for (int id = t.node_id() + 1; id <= last; ++id)
+  for (int id = t.node_id() + 1; id <= last && readers < 2; ++id)
     for (const Tensor& in : g.node(id).inputs) readers += in == t;
-  return readers == 1 && producer.op->rounds_gradient(producer, t.index());
+  return readers == 1;
 }
 
 Tensor ops::recompute_for_backward(const Tensor& t) {
