@@ -1,8 +1,9 @@
 // Conformance of the CUDA backend's attention on cuDNN's fused SDPA
 // (docs/cuda.md, "Attention on cuDNN") against the CPU kernels with bf16
-// products: head dims 64 and 128, GQA 8:2, no documents, documents as
-// cu_seqlens and as positions (packed: THD), a sliding window; forward (out,
-// lse) and backward (dq, dk, dv). cuDNN is required here (as
+// products, in the arrays the training graphs use (bf16 or f32 I/O): head
+// dims 64 and 128, GQA 8:2, S 150 and 4096, causal, no documents, documents
+// as cu_seqlens and as positions (packed: THD), a sliding window; forward
+// (out, lse) and backward (dq, dk, dv). cuDNN is required here (as
 // HSPMD_CUDNN_ATTENTION=1): a case it refuses fails instead of falling back.
 // Then the fallback itself (a head dim cuDNN does not take), f32 products
 // staying on our kernels, and the time of forward and backward at the
@@ -48,7 +49,8 @@ Outputs run(bool on_gpu, const NDArray& q32, const NDArray& k32, const NDArray& 
   NDArray dq = NDArray::empty(q.shape(), io, dev), dk = NDArray::empty(k.shape(), io, dev);
   NDArray dv = NDArray::empty(v.shape(), io, dev);
   const NDArray gq = put(q), gk = put(k), gv = put(v), gdocs = put(docs);
-  const kernels::AttentionTiles tiles{32, 32};
+  // Small tiles on the small cases (several tiles per row), the defaults at S 4096.
+  const kernels::AttentionTiles tiles = S > 1024 ? kernels::AttentionTiles{} : kernels::AttentionTiles{32, 32};
   kernels::attention_forward(st, gq, gk, gv, gdocs, scale, out, lse, tiles, products, window);
   kernels::attention_backward(st, gq, gk, gv, out, lse, put(go), gdocs, scale, dq, dk, dv, tiles, products, window);
   return {get(out), get(lse), get(dq), get(dk), get(dv)};
@@ -60,6 +62,7 @@ struct Case {
   NDArray docs;
   int64_t window;
   DType io = DType::F32;
+  int64_t B = 2, S = 150, Hq = 8, Hkv = 2;
 };
 
 // Documents of lengths 40, 110 | 70, 80 over two rows of 150 tokens.
@@ -72,10 +75,25 @@ NDArray positions() {
   }
   return NDArray::from_vector_i32({2, 150}, pos);
 }
+// One row of 4096 tokens as packed documents of 1000, 2500 and 596 tokens
+// (positions restart at each document, as token-budget batches have them).
+NDArray positions_4096() {
+  std::vector<int32_t> pos(4096);
+  for (int64_t t = 0; t < 4096; ++t) pos[t] = static_cast<int32_t>(t < 1000 ? t : t < 3500 ? t - 1000 : t - 3500);
+  return NDArray::from_vector_i32({1, 4096}, pos);
+}
 
-// cuDNN (required) against the CPU's bf16 products: outputs are bf16 on
-// cuDNN (one rounding, 2^-9 relative) and the probabilities are rounded
-// differently, so 2e-2 of the largest value; lse within 1e-3.
+// cuDNN (required) against the CPU's bf16 products, through the entry points
+// and in the arrays the training graphs use: io BF16 is the bf16 graph on a
+// GPU (q, k, v, O and the gradients bf16), io F32 is HSPMD_ATTENTION_IO=f32
+// (f32 arrays; cuDNN's bf16 O widened). Small cases (S 150) and the
+// TinyLlama sequence (S 4096, causal, GQA 8:2, head dims 64 and 128, packed
+// documents, a window). cuDNN's outputs are bf16 (one rounding, 2^-9
+// relative) and it rounds its probabilities differently from our kernels,
+// so the bound comes from the same case: three times the distance between
+// the CPU's bf16 and f32 products (what rounding the products alone moves),
+// at least 2e-2 of the largest value; lse within 1e-3 (fp32 on both). A
+// kernel that computes the wrong attention is off by O(1).
 void against_cpu() {
   const std::vector<Case> cases = {
       {"d64", 64, NDArray(), 0},
@@ -86,24 +104,36 @@ void against_cpu() {
       {"d128_cu_seqlens", 128, cu_seqlens(), 0},
       {"d64_positions", 64, positions(), 0},
       {"d128_cu_seqlens_window", 128, cu_seqlens(), 37},
+      {"s4096_d64_bf16_io", 64, NDArray(), 0, DType::BF16, 1, 4096, 8, 2},
+      {"s4096_d128_docs_window_bf16_io", 128, positions_4096(), 1024, DType::BF16, 1, 4096, 8, 2},
+      {"s4096_d64_docs_f32_io", 64, positions_4096(), 0, DType::F32, 1, 4096, 8, 2},
+      {"s4096_d128_window_f32_io", 128, NDArray(), 1024, DType::F32, 1, 4096, 8, 2},
   };
   kc::set_cudnn_attention_mode(kc::CudnnAttention::kRequired);
   for (const Case& c : cases)
     run_case("cudnn_" + c.name, [&] {
-      const int64_t B = 2, S = 150, Hq = 8, Hkv = 2, D = c.D;
+      const int64_t B = c.B, S = c.S, Hq = c.Hq, Hkv = c.Hkv, D = c.D;
       const float scale = 0.9f / std::sqrt(static_cast<float>(D));
       const NDArray q = random_f32({B, S, Hq, D}, 80), k = random_f32({B, S, Hkv, D}, 81);
       const NDArray v = random_f32({B, S, Hkv, D}, 82), go = random_f32({B, S, Hq, D}, 83);
       const int64_t calls = kc::cudnn_attention_calls();
       const Outputs want = run(false, q, k, v, go, c.docs, scale, DType::BF16, c.window, c.io);
+      const Outputs exact = run(false, q, k, v, go, c.docs, scale, DType::F32, c.window, c.io);
       const Outputs got = run(true, q, k, v, go, c.docs, scale, DType::BF16, c.window, c.io);
+      const auto grads = [](const Outputs& a, const Outputs& b) {
+        return std::max({rel_diff(a.dq, b.dq), rel_diff(a.dk, b.dk), rel_diff(a.dv, b.dv)});
+      };
       const double e_out = rel_diff(got.out, want.out), e_lse = rel_diff(got.lse, want.lse);
-      const double e_grad = std::max({rel_diff(got.dq, want.dq), rel_diff(got.dk, want.dk), rel_diff(got.dv, want.dv)});
+      const double e_grad = grads(got, want);
+      const double tol_out = std::max(2e-2, 3 * rel_diff(want.out, exact.out));
+      const double tol_grad = std::max(2e-2, 3 * grads(want, exact));
       const int64_t served = kc::cudnn_attention_calls() - calls;
-      char d[160];
-      std::snprintf(d, sizeof d, "D=%lld window=%lld out=%.1e lse=%.1e grads=%.1e cudnn_calls=%lld", (long long)D,
-                    (long long)c.window, e_out, e_lse, e_grad, (long long)served);
-      result("cudnn_" + c.name, e_out < 2e-2 && e_lse < 1e-3 && e_grad < 2e-2 && served == 2, d);
+      const bool dtypes = got.out.dtype() == c.io && got.dq.dtype() == c.io && got.dk.dtype() == c.io;
+      char d[240];
+      std::snprintf(d, sizeof d, "S=%lld D=%lld window=%lld out=%.1e/%.1e lse=%.1e grads=%.1e/%.1e cudnn_calls=%lld",
+                    (long long)S, (long long)D, (long long)c.window, e_out, tol_out, e_lse, e_grad, tol_grad,
+                    (long long)served);
+      result("cudnn_" + c.name, e_out < tol_out && e_lse < 1e-3 && e_grad < tol_grad && served == 2 && dtypes, d);
     });
 }
 
@@ -171,62 +201,6 @@ double median_ms(F&& f) {
   return ms[ms.size() / 2];
 }
 
-// How far the key gradients of each (row, KV head) are from summing to zero,
-// worst over them: |sum_j dK_j| / sum_j |dK_j|. Exactly, sum_j dK_j = scale
-// sum_i q_i sum_j dS_ij = 0 (softmax's shift invariance: each query's dS
-// row sums to zero), which a row sum formed from a rounded O breaks.
-double key_gradient_imbalance(const NDArray& dk) {
-  const std::vector<float> x = dk.to_vector();
-  const int64_t B = dk.dim(0), S = dk.dim(1), H = dk.dim(2), D = dk.dim(3);
-  double worst = 0;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      double norms = 0, sum2 = 0;
-      std::vector<double> sum(D, 0.0);
-      for (int64_t j = 0; j < S; ++j) {
-        double n2 = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const double e = x[((b * S + j) * H + h) * D + d];
-          sum[d] += e, n2 += e * e;
-        }
-        norms += std::sqrt(n2);
-      }
-      for (double e : sum) sum2 += e * e;
-      worst = std::max(worst, norms > 0 ? std::sqrt(sum2) / norms : 0.0);
-    }
-  return worst;
-}
-
-// cuDNN with an fp32 O (an f32 output array: HSPMD_ATTENTION_IO=f32 on a GPU,
-// docs/cuda.md): whether the installed cuDNN's fused engines take it, and
-// what it buys (the key gradients' imbalance, against the bf16 O and the
-// CPU's f32 one). Information for the GPU window, not a pass/fail check:
-// the bf16 O is the default either way.
-void f32_output() {
-  run_case("cudnn_f32_output", [] {
-    kc::set_cudnn_attention_mode(kc::CudnnAttention::kAuto);
-    const int64_t B = 2, S = 150, Hq = 8, Hkv = 2, D = 64;
-    const float scale = 0.9f / std::sqrt(static_cast<float>(D));
-    const NDArray q = random_f32({B, S, Hq, D}, 110), k = random_f32({B, S, Hkv, D}, 111);
-    const NDArray v = random_f32({B, S, Hkv, D}, 112), go = random_f32({B, S, Hq, D}, 113);
-    std::string refused;
-    const int64_t before = kc::cudnn_f32_output_calls(nullptr);
-    const Outputs f32o = run(true, q, k, v, go, NDArray(), scale, DType::BF16, 0, DType::F32);
-    const int64_t served = kc::cudnn_f32_output_calls(&refused) - before;
-    const Outputs bf16o = run(true, q, k, v, go, NDArray(), scale, DType::BF16, 0, DType::BF16);
-    const Outputs cpu = run(false, q, k, v, go, NDArray(), scale, DType::BF16, 0, DType::F32);
-    const double e = std::max({rel_diff(f32o.out, cpu.out), rel_diff(f32o.dk, cpu.dk), rel_diff(f32o.dq, cpu.dq)});
-    char d[200];
-    std::snprintf(d, sizeof d, "f32_o_calls=%lld imbalance_f32_o=%.2e imbalance_bf16_o=%.2e imbalance_cpu=%.2e "
-                  "rel_vs_cpu=%.1e", (long long)served, key_gradient_imbalance(f32o.dk),
-                  key_gradient_imbalance(bf16o.dk), key_gradient_imbalance(cpu.dk), e);
-    std::printf("RESULT probe=conformance_attention case=cudnn_f32_output %s%s status=INFO\n", d,
-                refused.empty() ? "" : (" refused=\"" + refused + "\"").c_str());
-    // Whichever O served, the results are the CPU's within the bf16 bound.
-    result("cudnn_f32_output_correct", e < 2e-2, d);
-  });
-}
-
 // The model's shape through the op, in the bf16 graph's arrays (q, k, v, O,
 // dO and the gradients bf16, as training on a GPU has them). Causal: the
 // forward counts 4 B Hq S^2 D / 2 flops, the backward 2.5 times that.
@@ -277,7 +251,6 @@ int main() {
   }
   against_cpu();
   fallbacks();
-  f32_output();
   timing();
   std::printf("conformance_attention: %d failure(s)\n", conformance::failures);
   return conformance::failures == 0 ? 0 : 1;

@@ -182,7 +182,6 @@ std::shared_ptr<fe::graph::Graph> forward_graph(const Shape& s) {
   set_mask(a, s, off);
   auto [o, stats] = g->sdpa(q, k, v, a);
   as_output(o, s, kO, false, off.o);
-  if (s.f32_o) o->set_data_type(fe::DataType_t::FLOAT);
   as_stats(stats, s);
   stats->set_output(true);
   return g;
@@ -193,7 +192,6 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const Shape& s) {
   const Offsets off = ragged_inputs(*g, s);
   auto q = input(*g, s, "q", kQ, false, off.q), k = input(*g, s, "k", kK, true, off.k);
   auto v = input(*g, s, "v", kV, true, off.v), o = input(*g, s, "o", kO, false, off.o);
-  if (s.f32_o) o->set_data_type(fe::DataType_t::FLOAT);
   auto d_o = input(*g, s, "d_o", kDO, false, off.o);
   auto stats = g->tensor(fe::graph::Tensor_attributes().set_name("stats"));
   as_stats(stats, s);
@@ -246,7 +244,7 @@ Entry build(const Shape& s, bool backward, cudnnHandle_t h) {
 std::string key_of(const Shape& s, bool backward, int device) {
   std::ostringstream k;
   k << device << (backward ? " bwd " : " fwd ") << s.batch << ' ' << s.Hq << ' ' << s.Hkv << ' ' << s.seq << ' '
-    << s.D << ' ' << s.ragged << ' ' << s.window << ' ' << s.f32_o << ' ' << std::hexfloat << s.scale;
+    << s.D << ' ' << s.ragged << ' ' << s.window << ' ' << std::hexfloat << s.scale;
   return k.str();
 }
 

@@ -51,11 +51,6 @@ int64_t cudnn_attention_calls();
 int64_t cudnn_attention_fallbacks();
 std::string cudnn_attention_last_fallback();
 
-// Calls cuDNN served with an fp32 O (an f32 output array: Shape::f32_o) so
-// far in this process; *refused: why cuDNN refused the fp32 O the first time
-// ("" while it has not; the bf16 O serves from then on). Thread-safe.
-int64_t cudnn_f32_output_calls(std::string* refused);
-
 // ---- entry points (attention.cu calls them before its own kernels) ----
 
 // attention_forward / attention_backward of attention.h on cuDNN, for CUDA
@@ -68,9 +63,8 @@ int64_t cudnn_f32_output_calls(std::string* refused);
 // CPU backend's message), and in kRequired mode for a refused case.
 //
 // Outputs are cuDNN's bf16 values, in bf16 arrays or widened into f32 ones
-// (out, dq, dk, dv); an f32 out is first asked of cuDNN as an fp32 O
-// (Shape::f32_o: the backward reads it unrounded), with the bf16 O widened
-// where cuDNN refuses that graph; lse is its
+// (out, dq, dk, dv; cuDNN is never given an fp32 O: 9.14 took one and wrote
+// a wrong O); lse is its
 // fp32 softmax statistic, the natural-log log-sum-exp of the scaled scores,
 // [B, Hq, S] as the contract says, so the backward needs nothing else from
 // the forward.
@@ -93,18 +87,14 @@ namespace sdpa {
 //    offset off_q[i] (q, out, dq, dO) and off_kv[i] (k, v, dk, dv); int32,
 //    [batch] and [batch + 1], on the device.
 // window > 0: query i sees keys i - window < j <= i of its sequence.
-// f32_o: the output O is fp32 (the forward writes it, the backward reads it:
-// its row sums dO . O then come from the unrounded output); whether cuDNN's
-// fused engines take it is the library's to say (a refusal like any other).
 struct Shape {
   int64_t batch = 0, Hq = 0, Hkv = 0, seq = 0, D = 0;
   bool ragged = false;
   int64_t window = 0;
   float scale = 1.0f;
-  bool f32_o = false;
 };
 
-// Device pointers (bf16 unless said; o fp32 with Shape::f32_o). The forward
+// Device pointers (bf16 unless said). The forward
 // reads q, k, v and writes o and stats; the backward reads q, k, v, o, d_o,
 // stats and writes dq, dk, dv.
 struct Tensors {

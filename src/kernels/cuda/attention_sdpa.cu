@@ -197,35 +197,6 @@ void move_stats(Stream& s, const Problem& p, NDArray& stats, NDArray& lse, int64
   launched(to_lse ? "attention (cuDNN): stats to lse" : "attention (cuDNN): lse to stats");
 }
 
-// Set when cuDNN first refuses an fp32 O (Shape::f32_o): later calls go to
-// the bf16 O directly instead of building a refused graph per new shape.
-std::atomic<bool> g_f32_o_refused{false};
-std::atomic<int64_t> g_f32_o_served{0};
-std::mutex g_f32_o_mutex;
-std::string g_f32_o_reason;  // why cuDNN refused an fp32 O (under g_f32_o_mutex)
-
-void f32_o_refused(const std::string& why) {
-  std::lock_guard<std::mutex> lock(g_f32_o_mutex);
-  if (!g_f32_o_refused.exchange(true)) g_f32_o_reason = why;
-}
-
-// Runs `graph` (sdpa::forward or sdpa::backward) with cuDNN's O in fp32,
-// written to or read from `out` itself. False, with nothing run, when `out`
-// is not f32 or cuDNN refused an fp32 O before; false when cuDNN refuses it
-// now (kept: later calls go straight to the bf16 O).
-template <typename Graph>
-bool with_f32_o(Stream& s, const NDArray& out, sdpa::Shape shape, sdpa::Tensors t, Graph graph, std::string* refused) {
-  if (out.dtype() != DType::F32 || g_f32_o_refused.load()) return false;
-  shape.f32_o = true;
-  t.o = out.raw_data();
-  if (graph(s, shape, t, refused)) {
-    ++g_f32_o_served;
-    return true;
-  }
-  f32_o_refused(*refused);
-  return false;
-}
-
 bool f32_like(const NDArray& a, const Shape& shape) {
   return a.dtype() == DType::F32 && a.is_contiguous() && a.shape() == shape;
 }
@@ -258,14 +229,6 @@ int64_t cudnn_attention_calls() { return g_calls.load(); }
 
 int64_t cudnn_attention_fallbacks() { return g_fallbacks.load(); }
 
-int64_t cudnn_f32_output_calls(std::string* refused) {
-  if (refused) {
-    std::lock_guard<std::mutex> lock(g_f32_o_mutex);
-    *refused = g_f32_o_reason;
-  }
-  return g_f32_o_served.load();
-}
-
 std::string cudnn_attention_last_fallback() {
   std::lock_guard<std::mutex> lock(g_reason_mutex);
   return g_last_fallback;
@@ -288,14 +251,13 @@ bool sdpa_attention_forward(Stream& s, const NDArray& q, const NDArray& k, const
   t.stats = stats.data<float>();
   set_ragged(p, t);
   std::string refused;
-  // An f32 O: asked of cuDNN in fp32 first (the backward's row sums then
-  // read it unrounded), else its bf16 O widened.
-  if (!with_f32_o(s, out, p.shape, t, sdpa::forward, &refused)) {
-    NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
-    t.o = ob.raw_data();
-    if (!sdpa::forward(s, p.shape, t, &refused)) return fall_back(refused);
-    if (out.dtype() == DType::F32) to_f32(s, ob, out);
-  }
+  // cuDNN writes a bf16 O: into `out` itself where it is bf16, else widened
+  // into it. Never an fp32 O tensor: cuDNN 9.14 accepted one and wrote a
+  // wrong O (docs/cuda.md, "Attention on cuDNN").
+  NDArray ob = out.dtype() == DType::BF16 ? out : NDArray::empty(q.shape(), DType::BF16, q.device());
+  t.o = ob.raw_data();
+  if (!sdpa::forward(s, p.shape, t, &refused)) return fall_back(refused);
+  if (out.dtype() == DType::F32) to_f32(s, ob, out);
   if (p.shape.ragged) move_stats(s, p, stats, lse, S, true);
   served();
   return true;
@@ -331,12 +293,11 @@ bool sdpa_attention_backward(Stream& s, const NDArray& q, const NDArray& k, cons
   t.dq = dqb.raw_data(), t.dk = dkb.raw_data(), t.dv = dvb.raw_data();
   set_ragged(p, t);
   std::string refused;
-  // An f32 O is read as it is where cuDNN takes an fp32 O, else rounded.
-  if (!with_f32_o(s, out, p.shape, t, sdpa::backward, &refused)) {
-    const NDArray ob = as_bf16(s, out);
-    t.o = ob.raw_data();
-    if (!sdpa::backward(s, p.shape, t, &refused)) return fall_back(refused);
-  }
+  // O as cuDNN wrote it: an f32 O holds the bf16 values widened, so the
+  // rounding back is exact.
+  const NDArray ob = as_bf16(s, out);
+  t.o = ob.raw_data();
+  if (!sdpa::backward(s, p.shape, t, &refused)) return fall_back(refused);
   if (dq.dtype() == DType::F32) to_f32(s, dqb, dq);
   if (dk.dtype() == DType::F32) to_f32(s, dkb, dk);
   if (dv.dtype() == DType::F32) to_f32(s, dvb, dv);
