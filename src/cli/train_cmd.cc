@@ -238,15 +238,10 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
 
 // No output may be an input or another output (docs/reliability.md), and a
 // checkpoint directory of another run is neither replaced nor resumed
-// unless the flags say so.
+// unless the flags say so: the library's rules (every run's setup checks
+// them too), here before any rank is started.
 void check_files(const FlagSet& f, const TrainOptions& o) {
-  std::vector<NamedPath> in = {{"--model", o.model_path},       {"--data", o.data_path},   {"--init", o.init_path},
-                               {"--strategy", o.strategy_path}, {"--plan", o.plan_path},   {"--cluster", o.cluster_path},
-                               {"--profile", o.profile_path},   {"--events", o.events_path}};
-  for (const TrainOptions::Switch& sw : o.switches) in.push_back({"--switch", sw.path});
-  for (const std::string& s : o.strategy_choices) in.push_back({"--strategies", s});
-  check_outputs_apart(in, {{"--save", o.save_path}, {"--dump-grads", o.dump_grads_path}, {"--log", o.log_path},
-                           {"--trace", o.trace_path}, {"--op-times", o.op_times_path}});
+  check_run_files_apart(o);
   if (f.given("overwrite-checkpoint") && o.checkpoint_dir.empty())
     fail("[flags] --overwrite-checkpoint needs --checkpoint DIR");
   check_checkpoint_directory(o);

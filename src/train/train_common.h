@@ -21,10 +21,12 @@
 
 namespace hspmd::train_common {
 
-// Every output of a run, checked before step 0 (docs/reliability.md): on
-// rank 0 the files it alone writes; on every rank the trace (each writes
-// its part beside it) and the checkpoint directory.
+// Every output of a run, checked before step 0 (docs/reliability.md): none
+// is an input or another output (every rank); on rank 0 the files it alone
+// writes; on every rank the trace (each writes its part beside it) and the
+// checkpoint directory.
 inline void check_outputs(const TrainOptions& o, int rank) {
+  check_run_files_apart(o);
   if (rank == 0) {
     check_output_file("[flags] --save", o.save_path, OutputWrite::kRename);
     check_output_file("[flags] --dump-grads", o.dump_grads_path, OutputWrite::kRename);

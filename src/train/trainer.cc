@@ -9,6 +9,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/checkpoint.h"
+#include "hspmd/io/output_file.h"
 #include "hspmd/models/config.h"
 #include "kernels/basic.h"
 #include "train/dist_trainer.h"
@@ -84,6 +85,16 @@ void check_checkpoint_directory(const TrainOptions& o) {
   if (step >= 0) fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds the committed checkpoint of step ", step,
                       " of another run", fix);
   fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds a committed checkpoint of another run", fix);
+}
+
+void check_run_files_apart(const TrainOptions& o) {
+  std::vector<NamedPath> in = {{"--model", o.model_path},       {"--data", o.data_path},   {"--init", o.init_path},
+                               {"--strategy", o.strategy_path}, {"--plan", o.plan_path},   {"--cluster", o.cluster_path},
+                               {"--profile", o.profile_path},   {"--events", o.events_path}};
+  for (const TrainOptions::Switch& sw : o.switches) in.push_back({"--switch", sw.path});
+  for (const std::string& s : o.strategy_choices) in.push_back({"--strategies", s});
+  check_outputs_apart(in, {{"--save", o.save_path}, {"--dump-grads", o.dump_grads_path}, {"--log", o.log_path},
+                           {"--trace", o.trace_path}, {"--op-times", o.op_times_path}});
 }
 
 TrainOptions single_process_options(const TrainOptions& o) {

@@ -210,6 +210,16 @@ std::string checkpoint_run_id(const std::string& dir);
 // options.overwrite_checkpoint is set.
 void check_checkpoint_directory(const TrainOptions& options);
 
+// The rule that no output of a run is one of its inputs or another output
+// (docs/reliability.md): check_outputs_apart over the options' inputs
+// (model, data, init, strategy, plan, cluster, profile, events, switches,
+// strategies) and outputs (save, dump_grads, log, trace, op_times), named by
+// their flags: "[flags] --log d.bin: is the same file as --data d.bin;
+// writing it would destroy that input". Every way in goes through it: the
+// setup of every run (train(), train_distributed, TrainingRun: the command
+// line and the Python Trainer) and the command line before it starts ranks.
+void check_run_files_apart(const TrainOptions& options);
+
 class Communicator;
 struct AnnotationPlan;
 
