@@ -142,7 +142,10 @@ class Trainer:
     def save_checkpoint(self, directory):
         """Writes the training state (weights, masters, Adam moments, step,
         data cursor) as a committed checkpoint in `directory` (docs/checkpoint.md).
-        Collective."""
+        A directory holding another run's committed checkpoint is refused
+        with hspmd.Error (nothing written): a run writes over its own
+        checkpoints and the one it resumed only, or over checkpoint= with
+        overwrite_checkpoint=True. Collective."""
         self._run.save_checkpoint(os.fspath(directory))
 
     def load_checkpoint(self, directory):

@@ -61,8 +61,34 @@ std::map<std::string, NDArray> DistTrainer::full_parameters() {
 }
 
 void DistTrainer::checkpoint_now(const std::string& dir) {
-  save_checkpoint_to(dir);
+  save_checkpoint_to(dir, "[checkpoint] save_checkpoint");
   finish_checkpoint(true);
+}
+
+void DistTrainer::check_checkpoint_owner_agreed(const std::string& dir, const std::string& what) {
+  std::string error;
+  if (world_.rank() == 0) {
+    CheckpointWriter w;
+    w.what = what;
+    std::error_code ec;
+    w.overwrite = o_.overwrite_checkpoint && !o_.checkpoint_dir.empty() &&
+                  std::filesystem::equivalent(dir, o_.checkpoint_dir, ec);
+    w.resume_dir = o_.resume_dir;
+    w.resume_run_id = resume_run_id_;
+    w.run_id = run_id_;
+    w.fix = what == "[checkpoint] save_checkpoint"
+                ? "a run writes over its own checkpoints and the one it resumed only; give another directory "
+                  "(or load_checkpoint " + dir + " to continue that run)"
+                : "a run writes over its own checkpoints and the one it resumed only (another run committed "
+                  "there after this one started); give another --checkpoint";
+    try {
+      check_checkpoint_owner(dir, w);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  broadcast_text(error, world_);
+  if (!error.empty()) fail(error);
 }
 
 void DistTrainer::save() {
@@ -78,8 +104,9 @@ void DistTrainer::save() {
   }, o_.save_dtype);
 }
 
-void DistTrainer::save_checkpoint_to(const std::string& dir) {
+void DistTrainer::save_checkpoint_to(const std::string& dir, const std::string& what) {
   finish_checkpoint(true);  // one write at a time
+  check_checkpoint_owner_agreed(dir, what);  // before any shard is written
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
     fail("[train] --checkpoint ", dir, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; checkpoint not written (the last one is kept)");

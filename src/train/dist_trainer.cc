@@ -290,6 +290,7 @@ void DistTrainer::prepare() {
   if (!o_.resume_dir.empty()) {
     reader = std::make_unique<CheckpointReader>(o_.resume_dir);
     start = reader->index().step;
+    resume_run_id_ = reader->index().meta.value("run_id", std::string());
     std::error_code ec;
     if (!o_.checkpoint_dir.empty() && std::filesystem::equivalent(o_.resume_dir, o_.checkpoint_dir, ec))
       resumed_run_id_ = reader->index().meta.value("run_id", std::string());

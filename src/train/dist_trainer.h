@@ -463,8 +463,13 @@ class DistTrainer {
   double select_and_dispatch(int64_t step, std::ofstream& log);
   // Copies this rank's shards and writes them on a background thread
   // (synchronously with --checkpoint-sync); committed by finish_checkpoint.
-  void save_checkpoint() { save_checkpoint_to(o_.checkpoint_dir); }
-  void save_checkpoint_to(const std::string& dir);
+  // Refused first, on every rank, when `dir` holds another run's committed
+  // checkpoint (check_checkpoint_owner; `what` names the writer).
+  void save_checkpoint() { save_checkpoint_to(o_.checkpoint_dir, "[checkpoint] --checkpoint"); }
+  void save_checkpoint_to(const std::string& dir, const std::string& what);
+  // check_checkpoint_owner for this run writing into `dir`: rank 0 reads
+  // the index, every rank throws the same error.
+  void check_checkpoint_owner_agreed(const std::string& dir, const std::string& what);
   // Collective. When every rank's writer is done (or `wait`: after waiting
   // for them), rank 0 commits the pending checkpoint; a writer's error ends
   // the run. Does nothing without a pending checkpoint.
@@ -502,6 +507,8 @@ class DistTrainer {
   // With --resume the --checkpoint directory itself: the run id of the
   // checkpoint resumed (it counts as this run's own until replaced).
   std::optional<std::string> resumed_run_id_;
+  // With --resume: the run id of the checkpoint resumed, wherever it is.
+  std::optional<std::string> resume_run_id_;
   SwitchAlgorithm algorithm_ = SwitchAlgorithm::kFused;
   std::shared_ptr<const Topology> topology_;
   std::vector<std::shared_ptr<const AnnotationPlan>> plans_;  // the first, then one per switch

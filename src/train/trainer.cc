@@ -71,20 +71,35 @@ std::string checkpoint_run_id(const std::string& dir) {
   return it != index.meta.end() && it->is_string() ? it->get<std::string>() : "";
 }
 
-void check_checkpoint_directory(const TrainOptions& o) {
-  if (o.checkpoint_dir.empty() || o.overwrite_checkpoint || !checkpoint_exists(o.checkpoint_dir)) return;
-  std::error_code ec;
-  if (!o.resume_dir.empty() && std::filesystem::equivalent(o.resume_dir, o.checkpoint_dir, ec)) return;
+void check_checkpoint_owner(const std::string& dir, const CheckpointWriter& w) {
+  if (dir.empty() || w.overwrite || !checkpoint_exists(dir)) return;
   int64_t step = -1;
+  std::optional<std::string> id;  // unreadable: still another run's files
   try {
-    step = load_checkpoint_index(o.checkpoint_dir).step;
-  } catch (const Error&) {  // unreadable: still another run's files
+    const CheckpointIndex index = load_checkpoint_index(dir);
+    step = index.step;
+    const auto it = index.meta.find("run_id");
+    id = it != index.meta.end() && it->is_string() ? it->get<std::string>() : "";
+  } catch (const Error&) {
   }
-  const std::string fix = "; give --resume " + o.checkpoint_dir +
-                          " to continue it, --overwrite-checkpoint to replace it, or another directory";
-  if (step >= 0) fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds the committed checkpoint of step ", step,
-                      " of another run", fix);
-  fail("[flags] --checkpoint ", o.checkpoint_dir, ": holds a committed checkpoint of another run", fix);
+  if (id && w.run_id && *id == *w.run_id) return;  // the writer's own
+  std::error_code ec;
+  if (!w.resume_dir.empty() && std::filesystem::equivalent(w.resume_dir, dir, ec) &&
+      (!w.resume_run_id || (id && *id == *w.resume_run_id)))
+    return;  // the checkpoint the run continues
+  if (step >= 0)
+    fail(w.what, " ", dir, ": holds the committed checkpoint of step ", step, " of another run; ", w.fix);
+  fail(w.what, " ", dir, ": holds a committed checkpoint of another run; ", w.fix);
+}
+
+void check_checkpoint_directory(const TrainOptions& o) {
+  CheckpointWriter w;
+  w.what = "[flags] --checkpoint";
+  w.overwrite = o.overwrite_checkpoint;
+  w.resume_dir = o.resume_dir;
+  w.fix = "give --resume " + o.checkpoint_dir +
+          " to continue it, --overwrite-checkpoint to replace it, or another directory";
+  check_checkpoint_owner(o.checkpoint_dir, w);
 }
 
 void check_run_files_apart(const TrainOptions& o) {

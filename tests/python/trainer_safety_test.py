@@ -6,6 +6,11 @@ token file of 20,000 random ids:
    (the data, the model's config; by name or through a symbolic link) or
    another output is one hspmd.Error naming both, before anything is written;
    the inputs stay byte for byte;
+2. save_checkpoint(dir) into another run's committed checkpoint is refused
+   (as checkpoint= is), and so is a periodic save_every= checkpoint into a
+   directory another run committed to after this one started; the other
+   run's checkpoint stays; the run's own checkpoints, the one it resumed and
+   checkpoint= with overwrite_checkpoint=True are written;
 
 Each error is one line."""
 import glob
@@ -69,14 +74,74 @@ def check_outputs_apart(m, d, tmp):
     assert not os.path.exists(out), "a refused run wrote an output"
 
 
+def index_of(ck):
+    with open(os.path.join(ck, "index.json")) as f:
+        return json.load(f)
+
+
+def files_of(ck):
+    return {os.path.basename(p): open(p, "rb").read() for p in sorted(glob.glob(os.path.join(ck, "*")))}
+
+
+def check_checkpoint_owner(m, d, tmp):
+    """2. A run writes over its own checkpoints and the one it resumed only."""
+    ck_a = os.path.join(tmp, "ckA")
+    a = trainer(m, d)
+    a.step(), a.step()
+    a.save_checkpoint(ck_a)
+    kept = files_of(ck_a)
+    assert index_of(ck_a)["step"] == 2
+    b = trainer(m, d)
+    b.step()
+    raises(lambda: b.save_checkpoint(ck_a), f"[checkpoint] save_checkpoint {ck_a}: holds the committed checkpoint "
+           "of step 2 of another run", "give another directory")
+    assert files_of(ck_a) == kept, "another run's checkpoint changed"
+    b.step()  # B goes on
+    ck_b = os.path.join(tmp, "ckB")
+    b.save_checkpoint(ck_b)
+    b.step()
+    b.save_checkpoint(ck_b)  # its own: replaced
+    assert index_of(ck_b)["step"] == 3
+    raises(lambda: trainer(m, d, checkpoint=ck_a), f"[flags] --checkpoint {ck_a}: holds the committed checkpoint "
+           "of step 2 of another run; give --resume")
+
+    # The checkpoint a run resumed is its to continue, as --resume D --checkpoint D.
+    ck_c = os.path.join(tmp, "ckC")
+    shutil.copytree(ck_a, ck_c)
+    c = trainer(m, d)
+    c.load_checkpoint(ck_c)
+    c.step()
+    c.save_checkpoint(ck_c)
+    assert index_of(ck_c)["step"] == 3
+    # checkpoint= with overwrite_checkpoint=True replaces another run's there.
+    ck_d = os.path.join(tmp, "ckD")
+    shutil.copytree(ck_a, ck_d)
+    o = trainer(m, d, checkpoint=ck_d, overwrite_checkpoint=True)
+    o.step()
+    o.save_checkpoint(ck_d)
+    assert index_of(ck_d)["step"] == 1
+
+    # The periodic writer: another run commits into checkpoint= after this
+    # run started; this run's next save refuses to replace it.
+    ck_e = os.path.join(tmp, "ckE")
+    e = trainer(m, d, checkpoint=ck_e, save_every=1, checkpoint_sync=True)
+    e.step()
+    assert index_of(ck_e)["step"] == 1
+    shutil.rmtree(ck_e)
+    a.save_checkpoint(ck_e)  # run A's, at step 2
+    kept = files_of(ck_e)
+    raises(e.step, f"[checkpoint] --checkpoint {ck_e}: holds the committed checkpoint of step 2 of another run")
+    assert files_of(ck_e) == kept, "another run's checkpoint changed"
+
+
 def main():
-    parts = sys.argv[1:] or ["apart"]  # a part alone: e.g. `... load`
+    parts = sys.argv[1:] or ["apart", "owner"]  # a part alone: e.g. `... load`
     with tempfile.TemporaryDirectory() as tmp:
         m = os.path.join(tmp, "m.json")
         shutil.copy(MODEL, m)
         d = os.path.join(tmp, "d.bin")
         numpy.random.default_rng(0).integers(0, 256, 20000, dtype=numpy.uint32).astype("<u4").tofile(d)
-        checks = {"apart": check_outputs_apart}
+        checks = {"apart": check_outputs_apart, "owner": check_checkpoint_owner}
         for part in parts:
             checks[part](m, d, tmp)
     print("ok")

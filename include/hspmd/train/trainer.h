@@ -201,13 +201,43 @@ std::string new_run_id();
 // throws like load_checkpoint_index when the index cannot be read.
 std::string checkpoint_run_id(const std::string& dir);
 
-// The rule that keeps a run from destroying or adopting another run's
-// checkpoint: throws hspmd::Error "[flags] --checkpoint DIR: holds the
-// committed checkpoint of step K of another run; give --resume DIR to
-// continue it, --overwrite-checkpoint to replace it, or another directory"
-// when options.checkpoint_dir holds a committed checkpoint, unless
-// options.resume_dir is that same directory (by inode) or
-// options.overwrite_checkpoint is set.
+// Who writes a committed checkpoint into a directory, for
+// check_checkpoint_owner.
+struct CheckpointWriter {
+  // Names the writer in the error: "[flags] --checkpoint",
+  // "[train] save_checkpoint".
+  std::string what;
+  // Replacing another run's checkpoint was asked for (--overwrite-checkpoint).
+  bool overwrite = false;
+  // The checkpoint the run continues ("": none): writing over it is allowed
+  // ...
+  std::string resume_dir;
+  // ... while it still holds the run id read at the resume (nullopt: before
+  // the resume has read it, any).
+  std::optional<std::string> resume_run_id;
+  // The writing run's id (nullopt: before it has one): the checkpoints it
+  // committed itself are its own.
+  std::optional<std::string> run_id;
+  // What the error suggests, after "; ".
+  std::string fix;
+};
+
+// The one rule that keeps a run from destroying another run's checkpoint,
+// which every writer of a committed checkpoint goes through (the options'
+// check below, the periodic --checkpoint saves, TrainingRun::save_checkpoint):
+// throws hspmd::Error "<what> DIR: holds the committed checkpoint of step K
+// of another run; <fix>" when `dir` holds a committed checkpoint (an
+// unreadable index counts as another run's) unless the writer overwrites,
+// `dir` is the checkpoint it resumed (by inode), or the checkpoint carries
+// the writer's run id. An empty `dir` is accepted.
+void check_checkpoint_owner(const std::string& dir, const CheckpointWriter& writer);
+
+// The rule for the options: check_checkpoint_owner for
+// options.checkpoint_dir, which throws hspmd::Error "[flags] --checkpoint
+// DIR: holds the committed checkpoint of step K of another run; give
+// --resume DIR to continue it, --overwrite-checkpoint to replace it, or
+// another directory" unless options.resume_dir is that same directory (by
+// inode) or options.overwrite_checkpoint is set.
 void check_checkpoint_directory(const TrainOptions& options);
 
 // The rule that no output of a run is one of its inputs or another output
