@@ -45,7 +45,8 @@ class Trainer:
             options = options.single_process()
         else:
             options.set_strategy(self.strategy._native)
-        self._run = _core.TrainingRun(options, self.world)
+        run = _core.TrainingRun(options, self.world)
+        self._run = run  # the old run (load_checkpoint) is dropped here, not before
         self._finished = False
         self.records = []
 
@@ -151,9 +152,13 @@ class Trainer:
     def load_checkpoint(self, directory):
         """Continues from the checkpoint in `directory` (under this trainer's
         strategy, whatever the checkpoint's was): the next step is the
-        checkpoint's. Collective."""
-        self._run = None  # the old run's log and pending checkpoint are closed first
+        checkpoint's. Collective. A checkpoint that cannot be loaded raises
+        hspmd.Error and the Trainer goes on with its run as it was."""
         flags = dict(self._flags, resume=os.fspath(directory))
+        # The old run's pending background checkpoint is committed first (it
+        # may be the one loaded); the old run is dropped only once the new
+        # one stands, so a failed load leaves the Trainer as it was.
+        self._run.wait_for_checkpoint()
         self._start(flags)
         self._flags = flags
 

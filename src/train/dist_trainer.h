@@ -274,6 +274,8 @@ class DistTrainer {
   // Collective: writes a training checkpoint of the state now into `dir`
   // and commits it (waits for the disk).
   void checkpoint_now(const std::string& dir);
+  // Collective: commits the pending background checkpoint, if any (waits).
+  void settle_checkpoint() { finish_checkpoint(true); }
   // A switch between two steps (the Python Trainer's switch_to): `plan`
   // checked as a --switch plan is (trainable, this world, this model, the
   // run's global batch), then the run moved to it before the next step

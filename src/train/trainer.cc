@@ -166,6 +166,7 @@ StepRecord TrainingRun::step() {
 }
 
 std::vector<StepRecord> TrainingRun::finish() { return trainer_->end(); }
+void TrainingRun::wait_for_checkpoint() { trainer_->settle_checkpoint(); }
 std::map<std::string, NDArray> TrainingRun::parameters() { return trainer_->full_parameters(); }
 void TrainingRun::save_checkpoint(const std::string& dir) { trainer_->checkpoint_now(dir); }
 

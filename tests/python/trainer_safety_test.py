@@ -11,6 +11,10 @@ token file of 20,000 random ids:
    directory another run committed to after this one started; the other
    run's checkpoint stays; the run's own checkpoints, the one it resumed and
    checkpoint= with overwrite_checkpoint=True are written;
+3. a failed load_checkpoint() (a missing directory, a file, a corrupt shard)
+   is one hspmd.Error and the Trainer goes on with its run as it was (its
+   weights and next step; the next steps train as if the call had not been
+   made);
 
 Each error is one line."""
 import glob
@@ -134,14 +138,48 @@ def check_checkpoint_owner(m, d, tmp):
     assert files_of(ck_e) == kept, "another run's checkpoint changed"
 
 
+def same_weights(x, y):
+    return sorted(x) == sorted(y) and all(numpy.array_equal(x[k], y[k]) for k in x)
+
+
+def check_failed_load(m, d, tmp):
+    """3. A failed load_checkpoint() leaves the Trainer as it was."""
+    ref = trainer(m, d)
+    want = [ref.step() for _ in range(4)]
+    t = trainer(m, d)
+    t.step(), t.step()
+    good = os.path.join(tmp, "ck-good")
+    t.save_checkpoint(good)
+    bad = os.path.join(tmp, "ck-corrupt")
+    shutil.copytree(good, bad)
+    shard = sorted(glob.glob(os.path.join(bad, "*.safetensors")))[0]
+    with open(shard, "r+b") as f:  # one byte of tensor data flipped
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    a_file = os.path.join(tmp, "not-a-dir")
+    with open(a_file, "w") as f:
+        f.write("x")
+    before = t.state_dict()
+    for target in (os.path.join(tmp, "missing"), a_file, bad):
+        raises(lambda: t.load_checkpoint(target), "[")
+        assert t.next_step == 2 and not t.done, (target, t.next_step)
+        assert same_weights(t.state_dict(), before), f"load_checkpoint({target}) changed the weights"
+    got = [t.step(), t.step()]
+    for w, g in zip(want[2:], got):
+        assert (w["step"], w["loss"], w["grad_norm"]) == (g["step"], g["loss"], g["grad_norm"]), (w, g)
+    t.finish()
+
+
 def main():
-    parts = sys.argv[1:] or ["apart", "owner"]  # a part alone: e.g. `... load`
+    parts = sys.argv[1:] or ["apart", "owner", "load"]  # a part alone: e.g. `... load`
     with tempfile.TemporaryDirectory() as tmp:
         m = os.path.join(tmp, "m.json")
         shutil.copy(MODEL, m)
         d = os.path.join(tmp, "d.bin")
         numpy.random.default_rng(0).integers(0, 256, 20000, dtype=numpy.uint32).astype("<u4").tofile(d)
-        checks = {"apart": check_outputs_apart, "owner": check_checkpoint_owner}
+        checks = {"apart": check_outputs_apart, "owner": check_checkpoint_owner, "load": check_failed_load}
         for part in parts:
             checks[part](m, d, tmp)
     print("ok")

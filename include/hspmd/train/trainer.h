@@ -323,6 +323,10 @@ class TrainingRun {
   // Waits for the last checkpoint and writes options.save_path and the
   // trace; returns every step's record. Call once, after the last step.
   std::vector<StepRecord> finish();
+  // Commits the pending background checkpoint (--save-every), waiting for
+  // its writers; throws hspmd::Error for a write error (the pending
+  // checkpoint is dropped, the run goes on).
+  void wait_for_checkpoint();
   // The weights as full f32 tensors with Hugging Face names (the masters
   // under mixed precision), the same on every rank.
   std::map<std::string, NDArray> parameters();
