@@ -63,10 +63,16 @@ class Trainer:
     def next_step(self):
         return self._run.next_step
 
+    def _check_open(self, call):
+        if self._finished:
+            raise _core.Error(f"[train] Trainer.{call}: called after finish(), which wrote the run's save= and "
+                              "trace=; a finished Trainer trains, switches and loads no more (make a new Trainer)")
+
     def step(self):
         """Trains the next step; returns its record, the object the command
         line's --log gets for the step (loss, grad_norm, lr, tokens, ...,
-        unix_time)."""
+        unix_time). hspmd.Error after finish()."""
+        self._check_open("step()")
         try:
             record = json.loads(self._run.step())
         except _core.Error as e:
@@ -78,7 +84,9 @@ class Trainer:
         return record
 
     def train(self):
-        """Trains the remaining steps, then finish(); returns their records."""
+        """Trains the remaining steps, then finish(); returns their records.
+        hspmd.Error after finish()."""
+        self._check_open("train()")
         out = []
         while not self.done:
             out.append(self.step())
@@ -86,7 +94,11 @@ class Trainer:
         return out
 
     def finish(self):
-        """Waits for the last checkpoint and writes `save` and `trace`. Once."""
+        """Waits for the last checkpoint and writes `save` and `trace`. Once:
+        later calls do nothing, and step(), train(), switch_to(),
+        load_state_dict() and load_checkpoint() raise hspmd.Error (what
+        finish wrote stays the run's result); state_dict() and
+        save_checkpoint() still read the finished run."""
         if not self._finished:
             self._finished = True
             try:
@@ -110,6 +122,7 @@ class Trainer:
         target raises hspmd.Error on every rank and the run goes on under
         its plan. Collective."""
         from . import Plan, Strategy, _strategy_of
+        self._check_open("switch_to()")
         strategy = plan = None
         if isinstance(target, Plan):
             plan, source = target, "the compiled plan"
@@ -137,7 +150,9 @@ class Trainer:
         finite; hspmd.Error naming the tensor otherwise (nothing changed).
         The Adam moments restart at zero; the step count (lr schedule, Adam's
         bias correction) and the data position go on. Before the first step
-        this is the run init= with these weights would train. Collective."""
+        this is the run init= with these weights would train. Collective.
+        hspmd.Error after finish()."""
+        self._check_open("load_state_dict()")
         self._run.load_parameters(dict(weights), "load_state_dict")
 
     def save_checkpoint(self, directory):
@@ -153,7 +168,9 @@ class Trainer:
         """Continues from the checkpoint in `directory` (under this trainer's
         strategy, whatever the checkpoint's was): the next step is the
         checkpoint's. Collective. A checkpoint that cannot be loaded raises
-        hspmd.Error and the Trainer goes on with its run as it was."""
+        hspmd.Error and the Trainer goes on with its run as it was.
+        hspmd.Error after finish()."""
+        self._check_open("load_checkpoint()")
         flags = dict(self._flags, resume=os.fspath(directory))
         # The old run's pending background checkpoint is committed first (it
         # may be the one loaded); the old run is dropped only once the new

@@ -209,6 +209,7 @@ void bind_train(py::module_& m) {
              for (const StepRecord& r : records) out.push_back(step_record_json(r));
              return out;
            }, "Waits for the last checkpoint, writes --save and --trace; every step's record as JSON text")
+      .def_property_readonly("finished", &TrainingRun::finished)
       .def("wait_for_checkpoint", &TrainingRun::wait_for_checkpoint, py::call_guard<py::gil_scoped_release>(),
            "Commits the pending background checkpoint (save_every=), waiting for its writers")
       .def("parameters", &numpy_parameters, "{Hugging Face name: float32 numpy array}, the same on every rank")

@@ -160,12 +160,23 @@ TrainingRun::~TrainingRun() = default;
 bool TrainingRun::done() const { return trainer_->done(); }
 int64_t TrainingRun::next_step() const { return trainer_->next_step(); }
 
+void TrainingRun::check_not_finished(const char* call) const {
+  if (finished_)
+    fail("[train] ", call, ": the run has finished (finish() wrote its save and trace); a finished run takes no "
+         "more steps, switches or weights");
+}
+
 StepRecord TrainingRun::step() {
+  check_not_finished("step");
   if (done()) fail("[train] step ", next_step(), ": the run has trained its ", options_.steps, " steps already");
   return trainer_->step();
 }
 
-std::vector<StepRecord> TrainingRun::finish() { return trainer_->end(); }
+std::vector<StepRecord> TrainingRun::finish() {
+  check_not_finished("finish");
+  finished_ = true;
+  return trainer_->end();
+}
 void TrainingRun::wait_for_checkpoint() { trainer_->settle_checkpoint(); }
 std::map<std::string, NDArray> TrainingRun::parameters() { return trainer_->full_parameters(); }
 void TrainingRun::save_checkpoint(const std::string& dir) { trainer_->checkpoint_now(dir); }
@@ -223,6 +234,7 @@ void DistTrainer::load_weights(const std::map<std::string, NDArray>& weights) {
 
 
 void TrainingRun::switch_to(const SwitchTarget& target) {
+  check_not_finished("switch_to");
   std::shared_ptr<const AnnotationPlan> plan;
   agreed(trainer_->world(), [&] {
     if (done()) fail("[train] switch_to: the run has trained its ", options_.steps, " steps already");
@@ -235,6 +247,7 @@ void TrainingRun::switch_to(const SwitchTarget& target) {
 }
 
 void TrainingRun::load_parameters(std::map<std::string, NDArray> weights, const std::string& source) {
+  check_not_finished("load_parameters");
   std::map<std::string, NDArray> full;
   agreed(trainer_->world(), [&] {
     full = validate_model_weights(ModelConfig::load(options_.model_path), std::move(weights), source);

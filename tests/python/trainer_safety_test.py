@@ -15,6 +15,9 @@ token file of 20,000 random ids:
    is one hspmd.Error and the Trainer goes on with its run as it was (its
    weights and next step; the next steps train as if the call had not been
    made);
+4. after finish(), step(), train(), switch_to(), load_state_dict() and
+   load_checkpoint() are one hspmd.Error each and save= keeps finish()'s
+   weights; finish() again does nothing; state_dict() still reads the run.
 
 Each error is one line."""
 import glob
@@ -172,14 +175,41 @@ def check_failed_load(m, d, tmp):
     t.finish()
 
 
+def check_after_finish(m, d, tmp):
+    """4. Calls after finish() are refused; save= keeps finish()'s weights."""
+    save = os.path.join(tmp, "final.safetensors")
+    ck = os.path.join(tmp, "ck-fin")
+    t = trainer(m, d, steps=3, save=save)
+    t.step()
+    t.save_checkpoint(ck)
+    t.finish()
+    saved = open(save, "rb").read()
+    weights = t.state_dict()
+    calls = [("step()", t.step), ("train()", t.train), ("switch_to()", lambda: t.switch_to({"pipelines": []})),
+             ("load_state_dict()", lambda: t.load_state_dict(weights)),
+             ("load_checkpoint()", lambda: t.load_checkpoint(ck))]
+    for name, call in calls:
+        raises(call, f"[train] Trainer.{name}: called after finish()")
+    t.finish()  # once: nothing again
+    assert open(save, "rb").read() == saved, "save= changed after finish()"
+    assert same_weights(t.state_dict(), weights), "the weights changed after finish()"
+    assert t.next_step == 1
+    # The library's run refuses the same (every way in).
+    raises(t._run.step, "[train] step: the run has finished")
+    raises(t._run.finish, "[train] finish: the run has finished")
+    with hspmd.Trainer(m, None, d, steps=2, **RUN) as w:
+        w.train()  # train() finishes, and the with block's finish() does nothing
+
+
 def main():
-    parts = sys.argv[1:] or ["apart", "owner", "load"]  # a part alone: e.g. `... load`
+    parts = sys.argv[1:] or ["apart", "owner", "load", "finish"]  # a part alone: e.g. `... load`
     with tempfile.TemporaryDirectory() as tmp:
         m = os.path.join(tmp, "m.json")
         shutil.copy(MODEL, m)
         d = os.path.join(tmp, "d.bin")
         numpy.random.default_rng(0).integers(0, 256, 20000, dtype=numpy.uint32).astype("<u4").tofile(d)
-        checks = {"apart": check_outputs_apart, "owner": check_checkpoint_owner, "load": check_failed_load}
+        checks = {"apart": check_outputs_apart, "owner": check_checkpoint_owner, "load": check_failed_load,
+                  "finish": check_after_finish}
         for part in parts:
             checks[part](m, d, tmp)
     print("ok")

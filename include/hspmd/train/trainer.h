@@ -318,11 +318,15 @@ class TrainingRun {
   int64_t next_step() const;
   // Trains the next step (after the switches or elastic events due before
   // it), logs its record (rank 0) and returns it. Throws hspmd::Error as
-  // train_distributed does during a run, and when done().
+  // train_distributed does during a run, and when done() or finished().
   StepRecord step();
   // Waits for the last checkpoint and writes options.save_path and the
-  // trace; returns every step's record. Call once, after the last step.
+  // trace; returns every step's record. Once: the run is finished() after
+  // it (even when it throws), and step(), switch_to(), load_parameters()
+  // and finish() throw hspmd::Error then (what finish wrote stays the
+  // run's result); parameters() and save_checkpoint() still read it.
   std::vector<StepRecord> finish();
+  bool finished() const { return finished_; }
   // Commits the pending background checkpoint (--save-every), waiting for
   // its writers; throws hspmd::Error for a write error (the pending
   // checkpoint is dropped, the run goes on).
@@ -358,8 +362,12 @@ class TrainingRun {
   void load_parameters(std::map<std::string, NDArray> weights, const std::string& source);
 
  private:
+  // Throws "[train] <call>: the run has finished ..." once finished_.
+  void check_not_finished(const char* call) const;
+
   TrainOptions options_;  // the trainer keeps a reference to it
   std::unique_ptr<dist::DistTrainer> trainer_;
+  bool finished_ = false;
 };
 
 }  // namespace hspmd
