@@ -11,6 +11,7 @@
 #include "hspmd/data/length_stats.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/io/output_file.h"
+#include "hspmd/io/text_output.h"
 #include "hspmd/models/config.h"
 
 namespace hspmd::cli {
@@ -55,8 +56,7 @@ bool parse_stats_flags(const std::vector<std::string>& args, StatsFlags& out) {
     if (out.max_seq_lens.back() <= 0) fail("[flags] --max-seq-len ", v, " must be positive");
   }
   check_input_file("--model", out.model);
-  check_output_file("[flags] --svg", out.svg, OutputWrite::kStream);
-  check_outputs_apart({{"token file", out.data}, {"--model", out.model}}, {{"--svg", out.svg}});
+  check_outputs({{"token file", out.data}, {"--model", out.model}}, {{"--svg", out.svg}});
   return true;
 }
 
@@ -93,13 +93,6 @@ void print_table(const StatsFlags& flags, const LengthStats& s) {
   }
 }
 
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  if (!out) fail("[flags] --svg ", path, ": cannot open for writing");
-  out << text;
-  if (!out.flush()) fail("[flags] --svg ", path, ": write failed");
-}
-
 int stats_command(const std::vector<std::string>& args) {
   StatsFlags flags;
   if (!parse_stats_flags(args, flags)) return 0;
@@ -111,7 +104,8 @@ int stats_command(const std::vector<std::string>& args) {
   if (stats.documents == 1 && data.tokens().back() != flags.eos)
     std::fprintf(stderr, "hspmd: warning: [data] %s: eos %lld never occurs; the file is one document\n",
                  flags.data.c_str(), static_cast<long long>(flags.eos));
-  if (!flags.svg.empty()) write_text(flags.svg, histogram_svg(stats, flags.data + ": document lengths"));
+  if (!flags.svg.empty())
+    write_output_file("[data] --svg", flags.svg, histogram_svg(stats, flags.data + ": document lengths"));
   if (!flags.json) {
     print_table(flags, stats);
     return 0;

@@ -54,6 +54,15 @@ void check_input_file(const std::string& flag, const std::string& path) {
   fail("[flags] ", flag, " ", path, " is ", what, ", not a regular file");
 }
 
+void check_outputs(const std::vector<NamedPath>& inputs, const std::vector<OutputFlag>& outputs) {
+  std::vector<NamedPath> named;
+  for (const OutputFlag& o : outputs) {
+    check_output_file("[flags] " + o.flag, o.path, o.how);
+    named.push_back({o.flag, o.path});
+  }
+  check_outputs_apart(inputs, named);
+}
+
 namespace {
 
 double parse_double(const std::string& flag, const std::string& v) {

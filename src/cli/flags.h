@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "hspmd/io/output_file.h"
+
 namespace hspmd::cli {
 
 // `v` as an integer; hspmd::Error "[flags] --<flag>: '<v>' is not an integer".
@@ -26,6 +28,23 @@ std::set<int> parse_ranks(const std::string& text, int world, const char* flag);
 // a device, ...), so that a loader never blocks on a FIFO nor reports a
 // directory as missing. A path that does not exist is left to the loader.
 void check_input_file(const std::string& flag, const std::string& path);
+
+// A file a command writes: the flag that names it, its path (empty: not
+// written) and how the writer puts it there.
+struct OutputFlag {
+  std::string flag;  // e.g. "--output"
+  std::string path;
+  OutputWrite how = OutputWrite::kStream;
+};
+
+// The output check of every command, made before any work (one rule in one
+// place, docs/reliability.md): each output passes check_output_file (its
+// directory takes a new file; it is no directory, FIFO or socket, symbolic
+// links followed; kRename: no device either) and none is one of `inputs` or
+// another output (check_outputs_apart). hspmd::Error "[flags] <flag> <path>:
+// <why>". The writers check again as they write (write_output_file,
+// include/hspmd/io/text_output.h).
+void check_outputs(const std::vector<NamedPath>& inputs, const std::vector<OutputFlag>& outputs);
 
 class FlagSet {
  public:

@@ -16,6 +16,7 @@
 #include "plan_search_cmd.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/output_file.h"
+#include "hspmd/io/text_output.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/strategy.h"
@@ -54,14 +55,6 @@ std::string list(const std::vector<int>& ranks) {
   return s + "]";
 }
 
-// Writes `text` to `path` in one go, so that nothing is written on an earlier error.
-void write_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) fail("[cli] ", path, ": cannot open for writing");
-  out << text;
-  if (!out.flush()) fail("[cli] ", path, ": write failed");
-}
-
 int stage_count(const Strategy& s) {
   int n = 0;
   for (const auto& p : s.pipelines) n += static_cast<int>(p.stages.size());
@@ -90,12 +83,13 @@ int compile_command(const std::vector<std::string>& args) {
     fail("[flags] --seq-len must be positive, got ", seq_len);
   check_input_file("--model", model);
   check_input_file("--strategy", strategy_path);
-  check_outputs_apart({{"--model", model}, {"--strategy", strategy_path}}, {{"--output", output}});
+  check_outputs({{"--model", model}, {"--strategy", strategy_path}}, {{"--output", output}});
 
   const ModelConfig config = ModelConfig::load(model);
   const Strategy strategy = load_strategy(strategy_path);
   const AnnotationPlan plan = compile_plan(config, strategy, static_cast<int>(world), co);
-  write_file(output, to_json(plan).dump(1) + "\n");
+  // Written in one go after the work, so that nothing is written on an earlier error.
+  write_output_file("[plan] --output", output, to_json(plan).dump(1) + "\n");
   const std::vector<int> idle = idle_ranks(strategy, static_cast<int>(world));
   std::fprintf(stderr,
                "hspmd: plan: %zu pipelines, %d stages, world %lld, global batch %d, idle ranks: %s -> %s\n",

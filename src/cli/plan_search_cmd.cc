@@ -11,6 +11,7 @@
 #include "flags.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/output_file.h"
+#include "hspmd/io/text_output.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/models/config.h"
@@ -272,10 +273,7 @@ int mixed_command(const std::vector<std::string>& args) {
     validate(b.strategy, config, topology.world_size());
     if (c.strategies_out.empty()) continue;
     const std::string path = c.strategies_out + "/bucket_" + std::to_string(b.max_seq_len) + ".json";
-    std::ofstream out(path);
-    if (!out) fail("[cli] ", path, ": cannot open for writing");
-    out << to_json(b.strategy).dump(2) << "\n";
-    if (!out) fail("[cli] ", path, ": write failed");
+    write_output_file("[plan] --strategies-out", path, to_json(b.strategy).dump(2) + "\n");
     written.push_back(path);
   }
   if (c.json) {
@@ -331,8 +329,8 @@ int search_command(const std::vector<std::string>& args) {
   f.add_bool("json", &c.json, "print one JSON document instead of text");
   const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
-  check_outputs_apart({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from}},
-                      {{"--output", c.out}});
+  check_outputs({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from}},
+                {{"--output", c.out}});
   // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
   // between those calls cost more than the calls (measured: 2x the search).
   set_num_threads(1);
@@ -372,12 +370,7 @@ int search_command(const std::vector<std::string>& args) {
                 res.best.front().family.c_str());
   best.description = desc;
   validate(best, config, topology.world_size());
-  if (!c.out.empty()) {
-    std::ofstream out(c.out);
-    if (!out) fail("[cli] ", c.out, ": cannot open for writing");
-    out << to_json(best).dump(2) << "\n";
-    if (!out) fail("[cli] ", c.out, ": write failed");
-  }
+  if (!c.out.empty()) write_output_file("[plan] --output", c.out, to_json(best).dump(2) + "\n");
   if (c.json) {
     std::fputs((res.to_json().dump(1) + "\n").c_str(), stdout);
     return 0;

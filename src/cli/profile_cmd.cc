@@ -22,6 +22,7 @@
 #include "hspmd/models/model.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/output_file.h"
+#include "hspmd/io/text_output.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/models/model.h"
 #include "hspmd/train/profiler.h"
@@ -214,10 +215,7 @@ int profile_command(const std::vector<std::string>& args) {
     fail("[profile] --emulated-ranks ", emulated_ranks, " must lie in [0, ", most_ranks,
          "] on this machine (32 per core: each is a process here)");
   if (!std::filesystem::is_regular_file(model)) fail("[profile] --model ", model, ": no such file");
-  check_outputs_apart({{"--model", model}}, {{"--output", output}});
-  const auto dir = std::filesystem::absolute(output).parent_path();
-  if (!std::filesystem::is_directory(dir))
-    fail("[profile] --output ", output, ": directory ", dir.string(), " does not exist");
+  check_outputs({{"--model", model}}, {{"--output", output}});
   ProfileOptions o;
   o.model_path = model;
   o.config = ModelConfig::load(model);
@@ -261,7 +259,7 @@ int profile_command(const std::vector<std::string>& args) {
                    e.emulation_factor, p.emulation_ranks);
     }
   }
-  p.save(output);
+  write_output_file("[profile] --output", output, p.to_json().dump(1) + "\n");
   print_table(p, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   std::fprintf(stderr, "wrote %s\n", output.c_str());
   return 0;

@@ -23,13 +23,10 @@ int tokenize_command(const std::vector<std::string>& args) {
   f.allow_positional("FILE...");
   if (!f.parse(args)) return 0;
   if (f.positional().empty()) fail("[flags] tokenize: no input files given");
-  check_output_file("[flags] --output", output, OutputWrite::kRename);
   std::vector<NamedPath> inputs = {{"--model", model}};
-  for (const std::string& in : f.positional()) {
-    check_input_file("input", in);
-    inputs.push_back({"input", in});
-  }
-  check_outputs_apart(inputs, {{"--output", output}});
+  for (const std::string& in : f.positional()) inputs.push_back({"input", in});
+  check_outputs(inputs, {{"--output", output, OutputWrite::kRename}});
+  for (const std::string& in : f.positional()) check_input_file("input", in);
   if (f.given("eos") && (eos < 0 || eos > int64_t{UINT32_MAX}))
     fail("[flags] --eos ", eos, " is outside the token ids [256, ", UINT32_MAX, "]");
   if (!f.given("eos")) {

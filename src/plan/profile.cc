@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
-#include <fstream>
 #include <set>
 
 #include "hspmd/core/error.h"
@@ -342,12 +341,5 @@ std::string Profile::load_summary() const {
 }
 
 Profile Profile::load(const std::string& path) { return from_json(read_json_file(path, "profile"), path); }
-
-void Profile::save(const std::string& path) const {
-  std::ofstream out(path);
-  if (!out) fail("[profile] ", path, ": cannot open for writing");
-  out << to_json().dump(1) << "\n";
-  if (!out) fail("[profile] ", path, ": write failed");
-}
 
 }  // namespace hspmd

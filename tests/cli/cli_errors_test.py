@@ -144,6 +144,9 @@ def main():
         json.dump({"pipelines": [{"micro_batch_size": 1, "micro_batches": 2,
                                   "stages": [{"ranks": [0], "layers": [0, 1]}]}]}, f)
     os.mkfifo(p("fifo.svg"))  # an output opened for writing would block on it forever
+    os.symlink(p("fifo.svg"), p("fifo_link.json"))
+    with open(p("cluster.json"), "w") as f:
+        json.dump({"catalog": {"H800": {"tflops": 990, "memory_gib": 80}}, "nodes": [{"type": "H800", "ranks": [0, 1]}]}, f)
     guarded = ["cfg.json", "data.bin", "g.txt", "strategy.json"]
     before = {n: open(p(n), "rb").read() for n in guarded}
     cases += [
@@ -168,6 +171,19 @@ def main():
         ("data stats --svg is a FIFO", ["data", "stats", "--eos", "5", p("data.bin"), "--svg", p("fifo.svg")],
          "is a FIFO"),
         ("train --log is a FIFO", base + ["--log", p("fifo.svg")], "is a FIFO"),
+        # Every writer goes through the same output check (a FIFO, also
+        # through a symbolic link, is refused before the work, not blocked on).
+        ("plan compile -o is a FIFO", ["plan", "compile", "--model", p("cfg.json"), "--strategy",
+                                       p("strategy.json"), "--world", "1", "-o", p("fifo.svg")], "is a FIFO"),
+        ("plan compile -o links to a FIFO", ["plan", "compile", "--model", p("cfg.json"), "--strategy",
+                                             p("strategy.json"), "--world", "1", "-o", p("fifo_link.json")],
+         "is a FIFO"),
+        ("plan search -o is a FIFO", ["plan", "search", "--model", p("cfg.json"), "--cluster", p("cluster.json"),
+                                      "--global-batch", "2", "--seq-len", "16", "-o", p("fifo.svg")], "is a FIFO"),
+        ("profile -o is a FIFO", ["profile", "--model", p("cfg.json"), "--seq-lens", "16", "--micro-batch-sizes",
+                                  "1", "--repetitions", "1", "-o", p("fifo_link.json")], "is a FIFO"),
+        ("plan compile -o is a directory", ["plan", "compile", "--model", p("cfg.json"), "--strategy",
+                                            p("strategy.json"), "--world", "1", "-o", tmp], "is a directory"),
     ]
     # The valid baseline must succeed, or the cases below prove nothing.
     ok = subprocess.run([exe] + base + ["--init", p("ok.safetensors")], capture_output=True, text=True)
@@ -175,7 +191,12 @@ def main():
     if ok.returncode != 0:
         failures.append(f"baseline run failed: {ok.stderr.strip()}")
     for name, args, needle in cases:
-        r = subprocess.run([exe] + args, capture_output=True, text=True, timeout=60)
+        try:
+            r = subprocess.run([exe] + args, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            print(f"{name:34s} FAIL (hung for 60 s)")
+            failures.append(name + " (hung)")
+            continue
         lines = r.stderr.strip().splitlines()
         problems = []
         if r.returncode == 0:

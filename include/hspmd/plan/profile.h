@@ -136,7 +136,7 @@ struct Profile {
   // Throws hspmd::Error "[profile] <source>: <rule>" for a malformed document.
   static Profile from_json(const nlohmann::json& j, const std::string& source);
   static Profile load(const std::string& path);
-  void save(const std::string& path) const;
+  // Written by `hspmd profile` through write_output_file (include/hspmd/io/text_output.h).
 };
 
 }  // namespace hspmd
