@@ -28,8 +28,14 @@ inline void result(const std::string& name, bool ok, const std::string& detail =
   if (!ok) ++failures;
 }
 
+// The device under test: cuda:0, or where a program offers it (conformance_memory
+// --device cpu:1) the device test double cpu:1 (docs/cuda.md), whose arrays
+// the CPU's kernels compute: the harness itself then runs on any machine, and
+// every comparison must come out exact.
+inline Device device_under_test = Device::cuda(0);
+
 inline Stream& cpu() { return default_stream(Device::cpu()); }
-inline Stream& gpu() { return default_stream(Device::cuda(0)); }
+inline Stream& gpu() { return default_stream(device_under_test); }
 
 inline NDArray random_f32(const Shape& shape, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -41,7 +47,7 @@ inline NDArray random_f32(const Shape& shape, uint32_t seed) {
 
 inline NDArray up(const NDArray& host) { return kernels::to_device(gpu(), host); }
 inline NDArray down(const NDArray& dev) { return kernels::to_host(gpu(), dev); }
-inline NDArray dev_empty(const Shape& shape, DType t = DType::F32) { return NDArray::empty(shape, t, Device::cuda(0)); }
+inline NDArray dev_empty(const Shape& shape, DType t = DType::F32) { return NDArray::empty(shape, t, device_under_test); }
 
 // Largest |a - b| over the elements (as f32), or inf when the shapes differ.
 inline double max_diff(const NDArray& a, const NDArray& b) {
