@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "hspmd/core/device_code.h"
 #include "hspmd/core/error.h"
 
 namespace hspmd {
@@ -18,6 +19,7 @@ void* array_buffer(const NDArray& a, const Stream& stream, const char* call) {
   if (!(a.device() == stream.device()))
     fail("[comm] ", call, ": the array lives on ", a.device().str(), " but the stream on ",
          stream.device().str());
+  const DeviceCodeScope code;  // a device's pointer, for the library (device_code.h)
   return a.raw_data();
 }
 
@@ -109,11 +111,13 @@ void Communicator::batched_send_recv(Stream& stream, const std::vector<SendBuffe
 
 SendBuffer send_buffer(int peer, const NDArray& a) {
   if (!a.valid() || !a.is_contiguous()) fail("[comm] send: the buffer must be a valid contiguous array");
+  const DeviceCodeScope code;
   return SendBuffer{peer, a.raw_data(), a.numel(), a.dtype()};
 }
 
 RecvBuffer recv_buffer(int peer, NDArray& a) {
   if (!a.valid() || !a.is_contiguous()) fail("[comm] recv: the buffer must be a valid contiguous array");
+  const DeviceCodeScope code;
   return RecvBuffer{peer, a.raw_data(), a.numel(), a.dtype()};
 }
 

@@ -1,8 +1,11 @@
 #include "hspmd/core/ndarray.h"
 
+#include <omp.h>
+
 #include <cstring>
 #include <sstream>
 
+#include "hspmd/core/device_code.h"
 #include "hspmd/core/error.h"
 
 namespace hspmd {
@@ -78,8 +81,29 @@ Device NDArray::device() const { return storage_ ? storage_->device() : Device::
 
 bool NDArray::is_contiguous() const { return strides_ == contiguous_strides(shape_); }
 
+namespace {
+
+thread_local int t_device_code_depth = 0;
+
+// data<T>() or raw_data() of a cpu:1 array outside the device's code
+// (device_code.h): the bug a GPU would show as a host read of device memory.
+[[noreturn]] void refuse_host_read(Device device) {
+  fail("[ndarray] data: a ", device.str(),
+       " (device test double) array read outside the kernel dispatch: host code may not read a device's "
+       "elements (rule: a host helper brings them to the host with kernels::to_host first, or runs as a "
+       "dispatched kernel; docs/cuda.md, \"Host helpers\")");
+}
+
+}  // namespace
+
+DeviceCodeScope::DeviceCodeScope() { ++t_device_code_depth; }
+DeviceCodeScope::~DeviceCodeScope() { --t_device_code_depth; }
+bool DeviceCodeScope::active() { return t_device_code_depth > 0 || omp_in_parallel(); }
+
 void* NDArray::raw_data() const {
   HSPMD_CHECK(valid(), "use of an invalid NDArray");
+  const Device d = storage_->device();
+  if (d.index != 0 && d.type == DeviceType::CPU && !DeviceCodeScope::active()) refuse_host_read(d);
   return static_cast<char*>(storage_->data()) + offset_ * dtype_size(dtype_);
 }
 

@@ -38,12 +38,15 @@ struct AttentionTiles {
 AttentionTiles attention_tiles();
 void set_attention_tiles(AttentionTiles tiles);
 
-// Per token of positions [B, S] (i32), the sequence index where its document
-// starts, max(0, first + i - positions[b, i]) for column i: `first` is the
-// global index of column 0 (nonzero for a chunk of a longer sequence).
-// Returned flat, [B*S]. Throws hspmd::Error "[attention] document positions:
-// ..." for a negative position or a positions array that is not 2-D i32.
-std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first);
+// Per token of positions [B, S] (i32, on the stream's device), the sequence
+// index where its document starts, max(0, first + i - positions[b, i]) for
+// column i: `first` is the global index of column 0 (nonzero for a chunk of
+// a longer sequence). Returned flat, [B*S], in host memory. A host helper:
+// positions on a device are read back first (kernels::to_host, a wait for
+// the stream's work), then the CPU's rules run on the host copy. Throws
+// hspmd::Error "[attention] document positions: ..." for a negative position
+// or a positions array that is not contiguous 2-D i32.
+std::vector<int32_t> document_starts_from_positions(Stream& s, const NDArray& positions, int64_t first);
 
 // q, k and v (all alike), out and grad_out may also be bf16 (bf16 products
 // only): read as their exact f32 values, a bf16 out rounded once (it may

@@ -4,7 +4,12 @@
 // cpu/cpu.h). A device type without an implementation of the kernel ends in
 // no_kernel(), the one place that declares missing backend support. A CUDA
 // backend adds `case DeviceType::CUDA: return cuda::<kernel>(s, ...);` to
-// each switch (and src/kernels/cuda/); no op file changes.
+// each switch (and src/kernels/cuda/); no op file changes. Each switch runs
+// inside a DeviceCodeScope (device_code.h): the only code that may take the
+// pointers of the device test double's arrays. Host helpers that read arrays
+// take the stream too and bring them to the host (to_host) first. Every
+// entry point is listed at the end (dispatch_table.h) with its CUDA path;
+// tests/kernels/test_cuda_paths.cc checks the listing against the headers.
 #include <cstring>
 #include <initializer_list>
 
@@ -18,9 +23,11 @@
 #else
 #define HSPMD_CUDA_CASE(call)
 #endif
+#include "hspmd/core/device_code.h"
 #include "hspmd/core/error.h"
 #include "kernels/attention.h"
 #include "kernels/basic.h"
+#include "kernels/dispatch_table.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
 
@@ -62,7 +69,7 @@ DeviceType device_of(const char* kernel, const Stream& s,
 // ---- kernels.h ----
 
 void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
-  switch (device_of("add", s, {&a, &b, &out})) {
+  switch (const DeviceCodeScope code; device_of("add", s, {&a, &b, &out})) {
     case DeviceType::CPU: return cpu::add(a, b, out);
     HSPMD_CUDA_CASE(add(s, a, b, out))
     default: no_kernel("add", s.device());
@@ -70,7 +77,7 @@ void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
 }
 
 void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
-  switch (device_of("mul", s, {&a, &b, &out})) {
+  switch (const DeviceCodeScope code; device_of("mul", s, {&a, &b, &out})) {
     case DeviceType::CPU: return cpu::mul(a, b, out);
     HSPMD_CUDA_CASE(mul(s, a, b, out))
     default: no_kernel("mul", s.device());
@@ -78,7 +85,7 @@ void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
 }
 
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
-  switch (device_of("scale", s, {&a, &out})) {
+  switch (const DeviceCodeScope code; device_of("scale", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::scale(a, factor, out);
     HSPMD_CUDA_CASE(scale(s, a, factor, out))
     default: no_kernel("scale", s.device());
@@ -86,7 +93,7 @@ void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
 }
 
 void accumulate(Stream& s, const NDArray& a, NDArray& out) {
-  switch (device_of("accumulate", s, {&a, &out})) {
+  switch (const DeviceCodeScope code; device_of("accumulate", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::accumulate(a, out);
     HSPMD_CUDA_CASE(accumulate(s, a, out))
     default: no_kernel("accumulate", s.device());
@@ -94,7 +101,7 @@ void accumulate(Stream& s, const NDArray& a, NDArray& out) {
 }
 
 void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
-  switch (device_of("add_bias", s, {&x, &bias, &out})) {
+  switch (const DeviceCodeScope code; device_of("add_bias", s, {&x, &bias, &out})) {
     case DeviceType::CPU: return cpu::add_bias(x, bias, out);
     HSPMD_CUDA_CASE(add_bias(s, x, bias, out))
     default: no_kernel("add_bias", s.device());
@@ -102,7 +109,7 @@ void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
 }
 
 void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
-  switch (device_of("bias_grad", s, {&dy, &dbias})) {
+  switch (const DeviceCodeScope code; device_of("bias_grad", s, {&dy, &dbias})) {
     case DeviceType::CPU: return cpu::bias_grad(dy, dbias);
     HSPMD_CUDA_CASE(bias_grad(s, dy, dbias))
     default: no_kernel("bias_grad", s.device());
@@ -113,6 +120,7 @@ void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
 
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
             GemmCompute compute, const NDArray* addend) {
+  const DeviceCodeScope code;  // the addend's check compares pointers
   if (addend != nullptr) {
     HSPMD_CHECK(out.dtype() == DType::F32 && addend->dtype() == DType::F32 && addend->shape() == out.shape() &&
                     addend->raw_data() != out.raw_data(),
@@ -130,7 +138,7 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
 }
 
 void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
-  switch (device_of("transpose", s, {&a, &out})) {
+  switch (const DeviceCodeScope code; device_of("transpose", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::transpose(a, d0, d1, out);
     HSPMD_CUDA_CASE(transpose(s, a, d0, d1, out))
     default: no_kernel("transpose", s.device());
@@ -138,7 +146,7 @@ void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
 }
 
 void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
-  switch (device_of("slice", s, {&a, &out})) {
+  switch (const DeviceCodeScope code; device_of("slice", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::slice(a, axis, begin, out);
     HSPMD_CUDA_CASE(slice(s, a, axis, begin, out))
     default: no_kernel("slice", s.device());
@@ -146,7 +154,7 @@ void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
 }
 
 void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDArray& out) {
-  switch (device_of("slice_backward", s, {&grad, &out})) {
+  switch (const DeviceCodeScope code; device_of("slice_backward", s, {&grad, &out})) {
     case DeviceType::CPU: return cpu::slice_backward(grad, axis, begin, out);
     HSPMD_CUDA_CASE(slice_backward(s, grad, axis, begin, out))
     default: no_kernel("slice_backward", s.device());
@@ -155,7 +163,7 @@ void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDA
 
 void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out) {
   for (const NDArray& p : parts) device_of("concat", s, {&p});
-  switch (device_of("concat", s, {&out})) {
+  switch (const DeviceCodeScope code; device_of("concat", s, {&out})) {
     case DeviceType::CPU: return cpu::concat(parts, axis, out);
     HSPMD_CUDA_CASE(concat(s, parts, axis, out))
     default: no_kernel("concat", s.device());
@@ -163,7 +171,7 @@ void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out
 }
 
 void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, NDArray& out) {
-  switch (device_of("reduce_sum", s, {&a, &out})) {
+  switch (const DeviceCodeScope code; device_of("reduce_sum", s, {&a, &out})) {
     case DeviceType::CPU: return cpu::reduce_sum(a, reduced, out);
     HSPMD_CUDA_CASE(reduce_sum(s, a, reduced, out))
     default: no_kernel("reduce_sum", s.device());
@@ -172,7 +180,7 @@ void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, N
 
 void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& reduced,
                        NDArray& out) {
-  switch (device_of("broadcast_reduced", s, {&g, &out})) {
+  switch (const DeviceCodeScope code; device_of("broadcast_reduced", s, {&g, &out})) {
     case DeviceType::CPU: return cpu::broadcast_reduced(g, reduced, out);
     HSPMD_CUDA_CASE(broadcast_reduced(s, g, reduced, out))
     default: no_kernel("broadcast_reduced", s.device());
@@ -181,7 +189,7 @@ void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& red
 
 void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t vocab_begin,
                int64_t vocab_size, NDArray& out) {
-  switch (device_of("embedding", s, {&weight, &ids, &out})) {
+  switch (const DeviceCodeScope code; device_of("embedding", s, {&weight, &ids, &out})) {
     case DeviceType::CPU: return cpu::embedding(weight, ids, vocab_begin, vocab_size, out);
     HSPMD_CUDA_CASE(embedding(s, weight, ids, vocab_begin, vocab_size, out))
     default: no_kernel("embedding", s.device());
@@ -190,7 +198,7 @@ void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t voc
 
 void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
                         int64_t vocab_size, NDArray& dweight) {
-  switch (device_of("embedding_backward", s, {&grad, &ids, &dweight})) {
+  switch (const DeviceCodeScope code; device_of("embedding_backward", s, {&grad, &ids, &dweight})) {
     case DeviceType::CPU: return cpu::embedding_backward(grad, ids, vocab_begin, vocab_size,
                                                          dweight);
     HSPMD_CUDA_CASE(embedding_backward(s, grad, ids, vocab_begin, vocab_size, dweight))
@@ -199,7 +207,7 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
 }
 
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
-  switch (device_of("rms_norm", s, {&x, &weight, &out})) {
+  switch (const DeviceCodeScope code; device_of("rms_norm", s, {&x, &weight, &out})) {
     case DeviceType::CPU: return cpu::rms_norm(x, weight, eps, out);
     HSPMD_CUDA_CASE(rms_norm(s, x, weight, eps, out))
     default: no_kernel("rms_norm", s.device());
@@ -214,7 +222,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
                 "rms_norm_backward: the addend must be f32 or bf16 and contiguous, of x's size");
     device_of("rms_norm_backward", s, {addend});
   }
-  switch (device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {
+  switch (const DeviceCodeScope code; device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {
     case DeviceType::CPU: return cpu::rms_norm_backward(dy, x, weight, eps, dx, dweight, addend);
     HSPMD_CUDA_CASE(rms_norm_backward(s, dy, x, weight, eps, dx, dweight, addend))
     default: no_kernel("rms_norm_backward", s.device());
@@ -223,7 +231,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
 
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
           NDArray& out) {
-  switch (device_of("rope", s, {&x, &positions, &out})) {
+  switch (const DeviceCodeScope code; device_of("rope", s, {&x, &positions, &out})) {
     case DeviceType::CPU: return cpu::rope(x, positions, theta, inverse, out);
     HSPMD_CUDA_CASE(rope(s, x, positions, theta, inverse, out))
     default: no_kernel("rope", s.device());
@@ -231,7 +239,7 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
 }
 
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
-  switch (device_of("swiglu", s, {&gate, &up, &out})) {
+  switch (const DeviceCodeScope code; device_of("swiglu", s, {&gate, &up, &out})) {
     case DeviceType::CPU: return cpu::swiglu(gate, up, out);
     HSPMD_CUDA_CASE(swiglu(s, gate, up, out))
     default: no_kernel("swiglu", s.device());
@@ -244,7 +252,7 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
     HSPMD_CHECK(out->numel() == gate.numel() && out->is_contiguous(), "swiglu_backward: out size");
     device_of("swiglu_backward", s, {out});
   }
-  switch (device_of("swiglu_backward", s, {&dy, &gate, &up, &dgate, &dup})) {
+  switch (const DeviceCodeScope code; device_of("swiglu_backward", s, {&dy, &gate, &up, &dgate, &dup})) {
     case DeviceType::CPU: return cpu::swiglu_backward(dy, gate, up, dgate, dup, out);
     HSPMD_CUDA_CASE(swiglu_backward(s, dy, gate, up, dgate, dup, out))
     default: no_kernel("swiglu_backward", s.device());
@@ -254,7 +262,7 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
 void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets,
                    const NDArray& normalizer, int ignore_index, NDArray& loss, NDArray& lse,
                    int64_t classes) {
-  switch (device_of("cross_entropy", s, {&logits, &targets, &normalizer, &loss, &lse})) {
+  switch (const DeviceCodeScope code; device_of("cross_entropy", s, {&logits, &targets, &normalizer, &loss, &lse})) {
     case DeviceType::CPU:
       return cpu::cross_entropy(logits, targets, normalizer, ignore_index, loss, lse, classes);
     HSPMD_CUDA_CASE(cross_entropy(s, logits, targets, normalizer, ignore_index, loss, lse, classes))
@@ -265,7 +273,7 @@ void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets,
 void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& targets,
                                int64_t vocab_begin, int64_t vocab_size, int ignore_index,
                                NDArray& local_lse, NDArray& target_logit, int64_t classes) {
-  switch (device_of("cross_entropy_shard_stats", s, {&logits, &targets, &local_lse, &target_logit})) {
+  switch (const DeviceCodeScope code; device_of("cross_entropy_shard_stats", s, {&logits, &targets, &local_lse, &target_logit})) {
     case DeviceType::CPU:
       return cpu::cross_entropy_shard_stats(logits, targets, vocab_begin, vocab_size, ignore_index,
                                             local_lse, target_logit, classes);
@@ -277,7 +285,7 @@ void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& 
 void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& target_logit,
                            const NDArray& targets, const NDArray& normalizer, int ignore_index,
                            NDArray& loss, NDArray& lse) {
-  switch (device_of("cross_entropy_combine", s,
+  switch (const DeviceCodeScope code; device_of("cross_entropy_combine", s,
                     {&shard_lse, &target_logit, &targets, &normalizer, &loss, &lse})) {
     case DeviceType::CPU:
       return cpu::cross_entropy_combine(shard_lse, target_logit, targets, normalizer, ignore_index,
@@ -291,7 +299,7 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
                             const NDArray& targets, const NDArray& normalizer, const NDArray& lse,
                             int ignore_index, int64_t vocab_begin, NDArray& dlogits,
                             int64_t classes) {
-  switch (device_of("cross_entropy_backward", s,
+  switch (const DeviceCodeScope code; device_of("cross_entropy_backward", s,
                     {&dloss, &logits, &targets, &normalizer, &lse, &dlogits})) {
     case DeviceType::CPU:
       return cpu::cross_entropy_backward(dloss, logits, targets, normalizer, lse, ignore_index,
@@ -303,6 +311,14 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
 
 // ---- attention.h ----
 
+
+// A host helper: the positions come to the host (a copy from a device; the
+// array itself on the CPU), then the CPU backend's rules run there.
+std::vector<int32_t> document_starts_from_positions(Stream& s, const NDArray& positions, int64_t first) {
+  device_of("document_starts_from_positions", s, {&positions});
+  cpu::require_contiguous("attention", positions);
+  return cpu::document_starts_from_positions(to_host(s, positions), first);
+}
 
 bool fused_attention_rounds_output(Device device) {
 #ifdef HSPMD_HAVE_CUDA
@@ -327,7 +343,7 @@ FusedAttentionReport fused_attention_report() {
 void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDArray& v,
                        const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                        AttentionTiles tiles, DType products, int64_t window) {
-  switch (device_of("attention_forward", s, {&q, &k, &v, &documents, &out, &lse})) {
+  switch (const DeviceCodeScope code; device_of("attention_forward", s, {&q, &k, &v, &documents, &out, &lse})) {
     case DeviceType::CPU: {
       if (q.dtype() != DType::BF16 && out.dtype() != DType::BF16)
         return cpu::attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
@@ -347,7 +363,7 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
                         const NDArray& out, const NDArray& lse, const NDArray& grad_out,
                         const NDArray& documents, float scale, NDArray& dq, NDArray& dk,
                         NDArray& dv, AttentionTiles tiles, DType products, int64_t window) {
-  switch (device_of("attention_backward", s,
+  switch (const DeviceCodeScope code; device_of("attention_backward", s,
                     {&q, &k, &v, &out, &lse, &grad_out, &documents, &dq, &dk, &dv})) {
     case DeviceType::CPU: {
       if (dq.dtype() == DType::F32 && dk.dtype() == DType::F32 && dv.dtype() == DType::F32)
@@ -371,7 +387,7 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
 
 void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_blk,
                              NDArray& lse_blk, AttentionTiles tiles) {
-  switch (device_of("attention_block_forward", s, {&blk.q, &blk.k, &blk.v, &out_blk, &lse_blk})) {
+  switch (const DeviceCodeScope code; device_of("attention_block_forward", s, {&blk.q, &blk.k, &blk.v, &out_blk, &lse_blk})) {
     case DeviceType::CPU: return cpu::attention_block_forward(blk, out_blk, lse_blk, tiles);
     HSPMD_CUDA_CASE(attention_block_forward(s, blk, out_blk, lse_blk, tiles))
     default: no_kernel("attention_block_forward", s.device());
@@ -380,7 +396,7 @@ void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_
 
 void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_blk,
                      const NDArray& lse_blk) {
-  switch (device_of("attention_merge", s, {&out, &lse, &out_blk, &lse_blk})) {
+  switch (const DeviceCodeScope code; device_of("attention_merge", s, {&out, &lse, &out_blk, &lse_blk})) {
     case DeviceType::CPU: return cpu::attention_merge(out, lse, out_blk, lse_blk);
     HSPMD_CUDA_CASE(attention_merge(s, out, lse, out_blk, lse_blk))
     default: no_kernel("attention_merge", s.device());
@@ -389,7 +405,7 @@ void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_b
 
 void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, NDArray& delta,
                         bool bf16_grad) {
-  switch (device_of("attention_row_dots", s, {&out, &grad_out, &delta})) {
+  switch (const DeviceCodeScope code; device_of("attention_row_dots", s, {&out, &grad_out, &delta})) {
     case DeviceType::CPU: return cpu::attention_row_dots(out, grad_out, delta, bf16_grad);
     HSPMD_CUDA_CASE(attention_row_dots(s, out, grad_out, delta, bf16_grad))
     default: no_kernel("attention_row_dots", s.device());
@@ -399,7 +415,7 @@ void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, 
 void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArray& grad_out,
                               const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
                               NDArray& dv, AttentionTiles tiles) {
-  switch (device_of("attention_block_backward", s,
+  switch (const DeviceCodeScope code; device_of("attention_block_backward", s,
                     {&blk.q, &blk.k, &blk.v, &grad_out, &lse, &delta, &dq, &dk, &dv})) {
     case DeviceType::CPU:
       return cpu::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
@@ -411,7 +427,7 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
 // ---- memory.h ----
 
 void fill(Stream& s, NDArray& out, float value) {
-  switch (device_of("fill", s, {&out})) {
+  switch (const DeviceCodeScope code; device_of("fill", s, {&out})) {
     case DeviceType::CPU: return cpu::fill(out, value);
     HSPMD_CUDA_CASE(fill(s, out, value))
     default: no_kernel("fill", s.device());
@@ -419,6 +435,7 @@ void fill(Stream& s, NDArray& out, float value) {
 }
 
 NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
+  const DeviceCodeScope code;
   if (is_double(s.device())) {
     NDArray z = NDArray::empty(shape, dtype, s.device());
     if (z.nbytes() > 0) std::memset(z.raw_data(), 0, z.nbytes());
@@ -432,7 +449,7 @@ NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
 }
 
 void copy(Stream& s, const NDArray& from, NDArray& out) {
-  switch (device_of("copy", s, {&from, &out})) {
+  switch (const DeviceCodeScope code; device_of("copy", s, {&from, &out})) {
     case DeviceType::CPU: return cpu::copy(from, out);
     HSPMD_CUDA_CASE(copy(s, from, out))
     default: no_kernel("copy", s.device());
@@ -451,7 +468,7 @@ NDArray as_f32(Stream& s, const NDArray& a) {
 }
 
 NDArray cast(Stream& s, const NDArray& a, DType dtype) {
-  switch (device_of("cast", s, {&a})) {
+  switch (const DeviceCodeScope code; device_of("cast", s, {&a})) {
     case DeviceType::CPU:
       if (is_double(s.device())) return moved(moved(a, Device::cpu()).to(dtype), s.device());
       return a.to(dtype);
@@ -462,7 +479,7 @@ NDArray cast(Stream& s, const NDArray& a, DType dtype) {
 
 void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to,
                 const Shape& to_start, const Shape& extent, bool accumulate) {
-  switch (device_of("copy_block", s, {&from, &to})) {
+  switch (const DeviceCodeScope code; device_of("copy_block", s, {&from, &to})) {
     case DeviceType::CPU: return cpu::copy_block(from, from_start, to, to_start, extent, accumulate);
     HSPMD_CUDA_CASE(copy_block(s, from, from_start, to, to_start, extent, accumulate))
     default: no_kernel("copy_block", s.device());
@@ -470,7 +487,7 @@ void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray
 }
 
 NDArray to_host(Stream& s, const NDArray& a) {
-  switch (device_of("to_host", s, {&a})) {
+  switch (const DeviceCodeScope code; device_of("to_host", s, {&a})) {
     case DeviceType::CPU: return is_double(s.device()) ? moved(a, Device::cpu()) : a;  // the host is cpu:0
     HSPMD_CUDA_CASE(to_host(s, a))
     default: no_kernel("to_host", s.device());
@@ -482,6 +499,7 @@ NDArray to_device(Stream& s, const NDArray& a) {
   if (!(a.device() == Device::cpu()))
     fail("[kernels] to_device: the array lives on ", a.device().str(), ", neither on the host nor on ",
          s.device().str());
+  const DeviceCodeScope code;
   if (is_double(s.device())) return moved(a.contiguous(), s.device());
   switch (s.device().type) {
     HSPMD_CUDA_CASE(to_device(s, a))
@@ -491,7 +509,7 @@ NDArray to_device(Stream& s, const NDArray& a) {
 
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
   for (const NDArray& a : arrays) device_of("sum_of_squares", s, {&a});
-  switch (s.device().type) {
+  switch (const DeviceCodeScope code; s.device().type) {
     case DeviceType::CPU: return cpu::sum_of_squares(arrays);
     HSPMD_CUDA_CASE(sum_of_squares(s, arrays))
     default: no_kernel("sum_of_squares", s.device());
@@ -501,11 +519,58 @@ double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
 void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
   for (const AdamTensor& t : tensors)
     device_of("adam_step", s, {t.param, t.grad, t.exp_avg, t.exp_avg_sq});
-  switch (s.device().type) {
+  switch (const DeviceCodeScope code; s.device().type) {
     case DeviceType::CPU: return cpu::adam_step(tensors, f);
     HSPMD_CUDA_CASE(adam_step(s, tensors, f))
     default: no_kernel("adam_step", s.device());
   }
 }
+
+// ---- the listing (dispatch_table.h) ----
+
+namespace {
+
+#ifdef HSPMD_HAVE_CUDA
+template <typename F>
+const void* address_of(F* f) {
+  return reinterpret_cast<const void*>(f);
+}
+#define HSPMD_CUDA_ENTRY(name) {#name, DispatchEntry::Path::kCuda, address_of(&cuda::name)}
+#else
+#define HSPMD_CUDA_ENTRY(name) {#name, DispatchEntry::Path::kCuda, nullptr}
+#endif
+#define HSPMD_COMPOSED_ENTRY(name) {#name, DispatchEntry::Path::kComposed, nullptr}
+
+const DispatchEntry kEntries[] = {
+    // kernels.h
+    HSPMD_CUDA_ENTRY(add), HSPMD_CUDA_ENTRY(mul), HSPMD_CUDA_ENTRY(scale), HSPMD_CUDA_ENTRY(accumulate),
+    HSPMD_CUDA_ENTRY(add_bias), HSPMD_CUDA_ENTRY(bias_grad),
+    // basic.h
+    HSPMD_CUDA_ENTRY(matmul), HSPMD_CUDA_ENTRY(transpose), HSPMD_CUDA_ENTRY(slice),
+    HSPMD_CUDA_ENTRY(slice_backward), HSPMD_CUDA_ENTRY(concat), HSPMD_CUDA_ENTRY(reduce_sum),
+    HSPMD_CUDA_ENTRY(broadcast_reduced), HSPMD_CUDA_ENTRY(embedding), HSPMD_CUDA_ENTRY(embedding_backward),
+    HSPMD_CUDA_ENTRY(rms_norm), HSPMD_CUDA_ENTRY(rms_norm_backward), HSPMD_CUDA_ENTRY(rope),
+    HSPMD_CUDA_ENTRY(swiglu), HSPMD_CUDA_ENTRY(swiglu_backward), HSPMD_CUDA_ENTRY(cross_entropy),
+    HSPMD_CUDA_ENTRY(cross_entropy_shard_stats), HSPMD_CUDA_ENTRY(cross_entropy_combine),
+    HSPMD_CUDA_ENTRY(cross_entropy_backward),
+    // attention.h
+    HSPMD_COMPOSED_ENTRY(document_starts_from_positions),  // to_host, then the CPU's rules on the host
+    HSPMD_CUDA_ENTRY(attention_forward), HSPMD_CUDA_ENTRY(attention_backward),
+    HSPMD_CUDA_ENTRY(attention_block_forward), HSPMD_CUDA_ENTRY(attention_merge),
+    HSPMD_CUDA_ENTRY(attention_row_dots), HSPMD_CUDA_ENTRY(attention_block_backward),
+    // memory.h
+    HSPMD_CUDA_ENTRY(fill), HSPMD_CUDA_ENTRY(zeros), HSPMD_CUDA_ENTRY(copy), HSPMD_CUDA_ENTRY(cast),
+    HSPMD_COMPOSED_ENTRY(as_f32),  // cast
+    HSPMD_COMPOSED_ENTRY(clone),   // empty + copy
+    HSPMD_CUDA_ENTRY(copy_block), HSPMD_CUDA_ENTRY(to_host), HSPMD_CUDA_ENTRY(to_device),
+    HSPMD_CUDA_ENTRY(sum_of_squares), HSPMD_CUDA_ENTRY(adam_step),
+};
+
+#undef HSPMD_CUDA_ENTRY
+#undef HSPMD_COMPOSED_ENTRY
+
+}  // namespace
+
+std::span<const DispatchEntry> dispatch_entries() { return kEntries; }
 
 }  // namespace hspmd::kernels

@@ -267,7 +267,7 @@ std::string chunk_error(const Ring& ring, const NDArray& positions, std::vector<
                           " holds [", q_box.begin[1], ", ", q_box.end[1], ") of S=", ring.S);
   if (!positions.valid()) return "";
   try {
-    start = kernels::document_starts_from_positions(positions, first);
+    start = kernels::document_starts_from_positions(*ring.stream, positions, first);
   } catch (const Error& e) {
     return e.what();
   }

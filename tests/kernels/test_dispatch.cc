@@ -7,6 +7,8 @@
 #include <thread>
 
 #include "hspmd/core/device.h"
+#include "hspmd/core/device_code.h"
+#include "kernels/attention.h"
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
@@ -59,7 +61,10 @@ TEST(DeviceDouble, HostAccessIsRefusedAndTransfersCopy) {
   const NDArray host = NDArray::from_vector({5}, {1.0f, -2.5f, 3.0f, 1.00390625f, 0.0f});
   NDArray a = kernels::to_device(s, host);
   EXPECT_EQ(a.device(), dbl);
-  EXPECT_NE(a.raw_data(), host.raw_data());  // a copy
+  {
+    const DeviceCodeScope code;  // the double's pointers: device code only (the next test)
+    EXPECT_NE(a.raw_data(), host.raw_data());  // a copy
+  }
   EXPECT_EQ(testing::error_of([&] { a.host_data<float>(); }),
             "[ndarray] host_data: the array lives on cpu:1, not on the host");
   EXPECT_EQ(testing::error_of([&] { (void)a.clone(); }),
@@ -78,6 +83,41 @@ TEST(DeviceDouble, HostAccessIsRefusedAndTransfersCopy) {
   // Mixing it with host arrays is the dispatch's one-line error.
   EXPECT_EQ(testing::error_of([&] { kernels::scale(s, host, 2.0f, c); }),
             "[kernels] scale: an array lives on cpu:0 but the stream on cpu:1");
+}
+
+// The double's host-read rule (device_code.h): the pointers of its arrays
+// only in the dispatch (a DeviceCodeScope), as a GPU's arrays are readable
+// by its kernels only. A host helper brings them to the host first, as
+// document_starts_from_positions does (positions on cuda:0 once ended in
+// "no kernel for device cuda:0" while the double passed).
+TEST(DeviceDouble, HostReadsOfItsArraysOnlyInDeviceCode) {
+  const Device dbl = Device::host_double();
+  Stream& s = default_stream(dbl);
+  const NDArray host_pos = NDArray::from_vector_i32({1, 4}, {0, 1, 0, 1});
+  const NDArray pos = kernels::to_device(s, host_pos);
+  const std::string rule =
+      "[ndarray] data: a cpu:1 (device test double) array read outside the kernel dispatch: host code may not "
+      "read a device's elements (rule: a host helper brings them to the host with kernels::to_host first, or "
+      "runs as a dispatched kernel; docs/cuda.md, \"Host helpers\")";
+  EXPECT_EQ(testing::error_of([&] { pos.data<int32_t>(); }), rule);
+  EXPECT_EQ(testing::error_of([&] { pos.raw_data(); }), rule);
+  EXPECT_FALSE(DeviceCodeScope::active());
+  {
+    const DeviceCodeScope code;
+    EXPECT_TRUE(DeviceCodeScope::active());
+    EXPECT_EQ(pos.data<int32_t>()[3], 1);
+  }
+  EXPECT_FALSE(DeviceCodeScope::active());
+  EXPECT_EQ(host_pos.data<int32_t>()[3], 1);  // the host's arrays: no rule
+  // The helper on the double and on the host: the same starts (first = 4).
+  const std::vector<int32_t> want = {4, 4, 6, 6};
+  EXPECT_EQ(kernels::document_starts_from_positions(s, pos, 4), want);
+  EXPECT_EQ(kernels::document_starts_from_positions(default_stream(Device::cpu()), host_pos, 4), want);
+  EXPECT_EQ(testing::error_of([&] { kernels::document_starts_from_positions(s, host_pos, 0); }),
+            "[kernels] document_starts_from_positions: an array lives on cpu:0 but the stream on cpu:1");
+  const NDArray negative = kernels::to_device(s, NDArray::from_vector_i32({1, 2}, {0, -1}));
+  EXPECT_EQ(testing::error_of([&] { kernels::document_starts_from_positions(s, negative, 0); }),
+            "[attention] document positions: position -1 of row 0, token 1 is negative (rule: positions >= 0)");
 }
 
 TEST(Event, TimesCpuWork) {

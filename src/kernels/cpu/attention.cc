@@ -116,7 +116,7 @@ Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t t
     if (documents.dim(0) != B || documents.dim(1) != S)
       fail("[attention] document positions: shape [", documents.dim(0), ", ", documents.dim(1),
            "] must be [B, S] = [", B, ", ", S, "]");
-    s.start = document_starts_from_positions(documents, 0);
+    s.start = cpu::document_starts_from_positions(documents, 0);
   } else {
     s.start = starts_from_cu_seqlens(documents, B, S);
   }
@@ -330,10 +330,9 @@ std::vector<int32_t> cpu::key_starts(const NDArray& documents, int64_t B, int64_
   return document_starts(documents, B, S, std::max<int64_t>(S, 1), window).start;
 }
 
-// A host helper (no stream): it reads positions in host memory.
-std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first) {
-  if (positions.device().type != DeviceType::CPU)
-    no_kernel("document_starts_from_positions", positions.device());
+// Positions in host memory (or the double's, read by a CPU kernel); the
+// public helper in dispatch.cc brings a device's to the host first.
+std::vector<int32_t> cpu::document_starts_from_positions(const NDArray& positions, int64_t first) {
   cpu::require_contiguous("attention", positions);
   if (positions.dtype() != DType::I32 || positions.ndim() != 2)
     fail("[attention] document positions: must be a 2-D i32 array [B, S]");

@@ -61,6 +61,9 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
                             int64_t vocab_begin, NDArray& dlogits, int64_t classes);
 
 // ---- attention.h ----
+// document_starts_from_positions of positions in host memory (the dispatch
+// brings a device's there first).
+std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first);
 // Per token of [B, S], where its visible keys start in its row: its
 // document's start from `documents` (host memory; see attention.h),
 // raised to i - W + 1 by a window W > 0. Throws as attention_forward does.
