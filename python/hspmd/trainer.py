@@ -30,7 +30,7 @@ class Trainer:
         self.model = _model_of(model)
         self.strategy = None if strategy is None else _strategy_of(strategy)
         self.world = world()
-        self._flags = dict(flags, model=self.model.path, data=os.fspath(data), optimizer=optimizer,
+        self._flags = dict(flags, model=self.model.path, data=data, optimizer=optimizer,
                            precision=precision, device=device)
         if self.world.rank != 0:
             self._flags["progress"] = False
@@ -171,7 +171,7 @@ class Trainer:
         hspmd.Error and the Trainer goes on with its run as it was.
         hspmd.Error after finish()."""
         self._check_open("load_checkpoint()")
-        flags = dict(self._flags, resume=os.fspath(directory))
+        flags = dict(self._flags, resume=directory)
         # The old run's pending background checkpoint is committed first (it
         # may be the one loaded); the old run is dropped only once the new
         # one stands, so a failed load leaves the Trainer as it was.

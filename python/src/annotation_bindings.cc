@@ -6,6 +6,7 @@
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 #include "hspmd/graph/graph.h"
 #include "hspmd/ops/ops.h"
 
@@ -175,7 +176,7 @@ void bind_annotation(py::module_& m) {
       .def("to_json", [](const Annotation& a) { return to_json(a).dump(); })
       .def_static("from_json",
                   [](const std::string& text, const std::string& name) {
-                    return annotation_from_json(nlohmann::json::parse(text), name);
+                    return annotation_from_json(parse_json_text(text, "annotation", "tensor '" + name + "'"), name);
                   },
                   py::arg("text"), py::arg("name") = "tensor")
       .def("__eq__", [](const Annotation& a, const Annotation& b) { return a == b; })

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -12,6 +13,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/json_file.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
@@ -24,9 +26,37 @@ namespace {
 // underscores), each written into TrainOptions.
 using Setter = std::function<void(TrainOptions&, const py::handle&)>;
 
+// A value of the wrong type, what the option takes: options_from_flags
+// names the option (a pybind11 cast error names none).
+struct BadValue {
+  const char* expected;
+};
+
+template <typename T>
+const char* expected_kind() {
+  if constexpr (std::is_same_v<T, bool>) return "True or False";
+  else if constexpr (std::is_same_v<T, int>) return "an integer in [-2^31, 2^31)";
+  else if constexpr (std::is_integral_v<T>) return "an integer in [-2^63, 2^63)";
+  else if constexpr (std::is_floating_point_v<T>) return "a number";
+  else return "a string";
+}
+
+// `v` as a T (a path-like object as its os.fspath for strings); BadValue
+// when it is not one.
+template <typename T>
+T value(const py::handle& v) {
+  try {
+    if constexpr (std::is_same_v<T, std::string>)
+      if (py::hasattr(v, "__fspath__")) return py::module_::import("os").attr("fspath")(v).template cast<T>();
+    return v.cast<T>();
+  } catch (const py::cast_error&) {
+    throw BadValue{expected_kind<T>()};
+  }
+}
+
 template <typename T>
 Setter field(T TrainOptions::*member) {
-  return [member](TrainOptions& o, const py::handle& v) { o.*member = v.cast<T>(); };
+  return [member](TrainOptions& o, const py::handle& v) { o.*member = value<T>(v); };
 }
 
 const std::map<std::string, Setter>& setters() {
@@ -59,44 +89,44 @@ const std::map<std::string, Setter>& setters() {
       {"switch_algorithm", field(&TrainOptions::switch_algorithm)},
       {"switch_bucket_mb", field(&TrainOptions::switch_bucket_mb)},
       {"seed", [](TrainOptions& o, const py::handle& v) {
-         const int64_t seed = v.cast<int64_t>();
+         const int64_t seed = value<int64_t>(v);
          if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
          o.seed = static_cast<uint64_t>(seed);
        }},
-      {"lr", [](TrainOptions& o, const py::handle& v) { o.schedule.lr = v.cast<double>(); }},
-      {"min_lr", [](TrainOptions& o, const py::handle& v) { o.schedule.min_lr = v.cast<double>(); }},
-      {"warmup_steps", [](TrainOptions& o, const py::handle& v) { o.schedule.warmup_steps = v.cast<int64_t>(); }},
+      {"lr", [](TrainOptions& o, const py::handle& v) { o.schedule.lr = value<double>(v); }},
+      {"min_lr", [](TrainOptions& o, const py::handle& v) { o.schedule.min_lr = value<double>(v); }},
+      {"warmup_steps", [](TrainOptions& o, const py::handle& v) { o.schedule.warmup_steps = value<int64_t>(v); }},
       {"lr_schedule",
-       [](TrainOptions& o, const py::handle& v) { o.schedule.kind = LrSchedule::parse_kind(v.cast<std::string>()); }},
-      {"weight_decay", [](TrainOptions& o, const py::handle& v) { o.adam.weight_decay = v.cast<double>(); }},
-      {"beta1", [](TrainOptions& o, const py::handle& v) { o.adam.beta1 = v.cast<double>(); }},
-      {"beta2", [](TrainOptions& o, const py::handle& v) { o.adam.beta2 = v.cast<double>(); }},
-      {"eps", [](TrainOptions& o, const py::handle& v) { o.adam.eps = v.cast<double>(); }},
+       [](TrainOptions& o, const py::handle& v) { o.schedule.kind = LrSchedule::parse_kind(value<std::string>(v)); }},
+      {"weight_decay", [](TrainOptions& o, const py::handle& v) { o.adam.weight_decay = value<double>(v); }},
+      {"beta1", [](TrainOptions& o, const py::handle& v) { o.adam.beta1 = value<double>(v); }},
+      {"beta2", [](TrainOptions& o, const py::handle& v) { o.adam.beta2 = value<double>(v); }},
+      {"eps", [](TrainOptions& o, const py::handle& v) { o.adam.eps = value<double>(v); }},
       {"optimizer", [](TrainOptions& o, const py::handle& v) {
-         const std::string name = v.cast<std::string>();
+         const std::string name = value<std::string>(v);
          if (name != "adamw" && name != "adam")
            fail("[flags] --optimizer: unknown optimizer '", name, "' (expected adamw or adam)");
          o.adam.decoupled_weight_decay = name == "adamw";
        }},
       {"save_dtype", [](TrainOptions& o, const py::handle& v) {
-         const std::string name = v.cast<std::string>();
+         const std::string name = value<std::string>(v);
          if (name != "f32" && name != "bf16") fail("[flags] --save-dtype: '", name, "' (expected f32 or bf16)");
          o.save_dtype = name == "bf16" ? DType::BF16 : DType::F32;
        }},
       {"precision", [](TrainOptions& o, const py::handle& v) {
-         std::string name = v.cast<std::string>();
+         std::string name = value<std::string>(v);
          if (name == "auto") name = kernels::bf16_gemm_native() ? "bf16" : "fp32";
          o.precision.compute = parse_precision_name(name, "--precision");
        }},
       {"grad_reduce_dtype", [](TrainOptions& o, const py::handle& v) {
-         o.precision.grad_reduce = parse_precision_name(v.cast<std::string>(), "--grad-reduce-dtype");
+         o.precision.grad_reduce = parse_precision_name(value<std::string>(v), "--grad-reduce-dtype");
        }},
-      {"overlap", [](TrainOptions& o, const py::handle& v) { o.overlap = v.cast<bool>(); }},
+      {"overlap", [](TrainOptions& o, const py::handle& v) { o.overlap = value<bool>(v); }},
       {"device", [](TrainOptions& o, const py::handle& v) {
          // As the command line: plain "cuda" spreads a machine's ranks over
          // its GPUs, "cuda:N" puts them all on N. The ranks communicate
          // through the staged MPI world (docs/comm.md).
-         const Device where = rank_device(v.cast<std::string>(), "--device", 0);
+         const Device where = rank_device(value<std::string>(v), "--device", 0);
          require_device(where);
          o.device = where;
        }},
@@ -118,7 +148,13 @@ TrainOptions options_from_flags(const py::dict& flags) {
     const std::string name = key.cast<std::string>();
     const auto it = setters().find(name);
     if (it == setters().end()) fail("[flags] unknown training option '", name, "'");
-    if (!value.is_none()) it->second(o, value);
+    if (value.is_none()) continue;
+    try {
+      it->second(o, value);
+    } catch (const BadValue& bad) {
+      fail("[flags] ", name, "=", shorten(py::repr(value).cast<std::string>()), ": must be ", bad.expected,
+           ", got ", py::str(value.get_type().attr("__name__")).cast<std::string>());
+    }
   }
   if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
     fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");

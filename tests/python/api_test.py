@@ -146,6 +146,41 @@ def check_trainer_errors(d):
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
 
 
+def check_unclear_inputs(d):
+    """Bytes that are not UTF-8 in a JSON input, a cut JSON text and option
+    values of the wrong type: each one hspmd.Error whose one-line message
+    names the input (undecodable bytes as \\xNN), never an empty message, a
+    bare JSON-library error or a pybind11 cast error naming no argument."""
+    bad = os.path.join(d, "latin1.json")
+    with open(bad, "wb") as f:
+        f.write(b'{"description": "caf\xe9 \xff"}')
+    for fn, prefix in ((lambda: hspmd.Strategy.from_json(bad), f"[strategy] {bad}: not valid JSON"),
+                       (lambda: hspmd.models.from_hf(bad), f"[config] {bad}: not valid JSON"),
+                       (lambda: hspmd.Plan.from_json(bad), f"[plan] {bad}: not valid JSON"),
+                       (lambda: hspmd.Strategy.from_json(b'{"a": "\xff"}'), "[python] strategy: malformed JSON"),
+                       (lambda: hspmd.Plan.from_json(b"\xff"), "[python] plan: malformed JSON")):
+        assert "\\x" in raises(fn, prefix), prefix
+    raises(lambda: hspmd.Annotation.from_json("{"), "[annotation] tensor 'tensor': not valid JSON")
+    raises(lambda: hspmd.Annotation.from_json("[1", name="w"), "[annotation] tensor 'w': not valid JSON")
+    data = os.path.join(d, "ids.bin")
+    with open(data, "wb") as f:
+        f.write(bytes(4 * 4096))
+    run = dict(seq_len=32, steps=1, global_batch=4)
+    for flag, value, want in (("seq_len", "abc", "[flags] seq_len='abc': must be an integer in [-2^63, 2^63), got str"),
+                              ("seq_len", 32.7, "[flags] seq_len=32.7: must be an integer in [-2^63, 2^63), got float"),
+                              ("seq_len", 2**64, "[flags] seq_len=18446744073709551616: must be an integer"),
+                              ("threads", 2**40, "[flags] threads=1099511627776: must be an integer in [-2^31, 2^31)"),
+                              ("device", 1, "[flags] device=1: must be a string, got int"),
+                              ("log", 1, "[flags] log=1: must be a string, got int"),
+                              ("lr", "x", "[flags] lr='x': must be a number, got str"),
+                              ("pack_documents", "yes", "[flags] pack_documents='yes': must be True or False, got str")):
+        raises(lambda: hspmd.Trainer(MODEL, None, data, **dict(run, **{flag: value})), want)
+    import pathlib  # paths as os.PathLike, as the data argument always took them
+    log = pathlib.Path(d) / "ids.jsonl"
+    hspmd.Trainer(MODEL, None, pathlib.Path(data), log=log, threads=1, **run).train()
+    assert len(log.read_text().splitlines()) == 1
+
+
 def check_trainer_state(hspmd_cli, d):
     data = os.path.join(d, "corpus.bin")
     with open(os.path.join(d, "doc.txt"), "w") as f:
@@ -182,6 +217,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         check_strategies(a.hspmd, d)
         check_trainer_errors(d)
+        check_unclear_inputs(d)
         check_trainer_state(a.hspmd, d)
     print("ok")
 
