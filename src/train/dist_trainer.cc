@@ -630,7 +630,19 @@ StepRecord DistTrainer::step() {
     write_op_times(o_.op_times_path, world_.rank(), world_.size(), step, r.step_time_s,
                    rt_->graph->device().str(), op_timings);
   }
-  write_log(log, train_common::record_json(r));
+  nlohmann::json record = train_common::record_json(r);
+  if (precision().mixed()) {
+    // bf16 compute: the dtype of attention's output (and its gradients) in
+    // the graph this run built (Precision::for_device: bf16 on a GPU whose
+    // attention goes to cuDNN, or with HSPMD_ATTENTION_IO=bf16; else f32),
+    // and whether attention's backward reads O rounded to bf16 (a bf16 O,
+    // or cuDNN's, which rounds it whatever the graph holds), so a test can
+    // tell which graph and which numerics a device ran.
+    const bool bf16_o = precision().attention_output == DType::BF16;
+    record["attention_output"] = dtype_name(precision().attention_output);
+    record["attention_rounds_output"] = bf16_o || kernels::fused_attention_rounds_output(rt_->graph->device());
+  }
+  write_log(log, record);
   if (world_.rank() == 0 && o_.progress)
     train_common::print_progress(r, o_.steps,
                                  std::chrono::duration<double>(Clock::now() - start).count());
