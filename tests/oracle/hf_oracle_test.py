@@ -52,15 +52,23 @@ each check's tolerance is the larger of a bf16 level (u = 2^-8, bf16's unit
 roundoff: losses 2.5u and 5u, gradients and weights 13u, oracle_test.py's
 1e-2, 2e-2, 5e-2) and 1.5 x how far this run's full-f32 HF lands from HF
 autocast (the size of bf16's own noise on this model and data, measured,
-not assumed from one machine).
+not assumed from one machine). Where hspmd's attention backward read O
+rounded to bf16 (its step records' attention_rounds_output: cuDNN on a GPU,
+HSPMD_ATTENTION_IO=bf16 anywhere), the step-0 gradients and final weights
+are checked per tensor, each against at least 1.5x how far HF autocast
+lands when its attention's backward forms softmax's row sums from the
+stored bf16 O as a fused attention does (FusedAttentionBackward): that
+rounding moves the gradients that flow through the scores (q_proj and
+k_proj; in Qwen2's last layer by 7-26% of their size, the key bias's the
+most), which HF's own backward cancels.
 
-Before hspmd runs, the test proves that it can fail: (1) a perturbation scan
+Before it compares, the test proves that it can fail: (1) a perturbation scan
 over a one-layer copy of the model checks which positions each input token
 reaches (causal; for mistral exactly i - W < j <= i), and (2) for each wrong
 model a port might build (mistral: window W-1, W+1, none; qwen2: each bias
 zeroed, rope_theta 1e4, the window of the file applied) the HF step-0 loss or
 gradients must differ from the right model's by at least 10x this variant's
-tolerance.
+tolerance (per tensor where the tolerances are per tensor).
 
 Exit status 77 (CTest SKIP_RETURN_CODE) with one line saying why when the
 reference cannot run: no venv with transformers (run
@@ -164,6 +172,9 @@ COMMON_TRAIN = ["--seq-len", str(SEQ), "--global-batch", str(BATCH), "--steps", 
                 "--lr", "1e-2", "--weight-decay", "0.1", "--beta1", "0.9", "--beta2", "0.95",
                 "--eps", "1e-6"]
 U_BF16 = 2.0 ** -8
+# bf16 with a bf16 attention output: a tensor's tolerance is at least this
+# times how far HF lands with a fused attention's backward (FusedAttentionBackward).
+FUSED_FACTOR = 1.5
 
 
 def train_flags(family):
@@ -252,10 +263,57 @@ def mean_loss_parts(model, inputs, targets, micro_batches, autocast):
     return total
 
 
-def hf_train(config_path, weights, tokens, opts, autocast, out_prefix, dtype=torch.float32):
+class FusedAttentionBackward:
+    """Inside it, HF's eager attention (P = softmax(S) in f32, O = P @ V, as
+    its Llama, Qwen2 and Mistral classes compute it) takes the backward of a
+    fused attention (cuDNN's, FlashAttention's): the row sums D_i of
+    softmax's backward, dS = P * (dP - D), formed as dO_i . O_i from the O
+    the forward stored (bf16 under autocast) instead of as sum_j P_ij dP_ij
+    from the same dP they are subtracted from. In exact arithmetic the two
+    are equal; rounded, only the second cancels, so every gradient that
+    flows through the scores (q_proj and k_proj, weights and biases) carries
+    the first's rounding of O: a GPU's bf16 graph computes it so
+    (docs/precision.md). Done with tensor hooks on S, P and O (found by
+    wrapping torch.nn.functional.softmax and the torch.matmul after it), so
+    HF's own code runs unchanged."""
+
+    def __enter__(self):
+        self.softmax, self.matmul = torch.nn.functional.softmax, torch.matmul
+        pending = []
+
+        def softmax(s, *args, **kwargs):
+            p = self.softmax(s, *args, **kwargs)
+            if torch.is_grad_enabled() and s.requires_grad:
+                pending.append((s, p))
+            return p
+
+        def matmul(a, b, *args, **kwargs):
+            out = self.matmul(a, b, *args, **kwargs)
+            if pending and out.requires_grad:  # O = P @ V, the matmul right after the softmax
+                s, p = pending.pop()
+                rows = {}
+                o, pd = out.detach(), p.detach()
+                out.register_hook(lambda g: rows.__setitem__("fused", (g.float() * o.float()).sum(-1)))
+                p.register_hook(lambda g: rows.__setitem__("hf", (pd * g.float()).sum(-1)))
+                s.register_hook(lambda g: g + (pd * (rows["hf"] - rows["fused"]).unsqueeze(-1)).to(g.dtype))
+            return out
+
+        torch.nn.functional.softmax, torch.matmul = softmax, matmul
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.softmax, torch.matmul = self.softmax, self.matmul
+        return False
+
+
+def hf_train(config_path, weights, tokens, opts, autocast, out_prefix, dtype=torch.float32, fused=False):
     """Trains the HF model as `hspmd train` does; writes <prefix>.jsonl,
     <prefix>_grads.safetensors (step 0, before clipping), <prefix>_final.safetensors
-    (F32 files; dtype float64 gives the near-exact run)."""
+    (F32 files; dtype float64 gives the near-exact run; fused: attention's
+    backward as a fused attention forms it, FusedAttentionBackward)."""
+    if fused:
+        with FusedAttentionBackward():
+            return hf_train(config_path, weights, tokens, opts, autocast, out_prefix, dtype)
     model = load_weights(build_model(config_path), weights).to(dtype)
     named = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     groups = [{"params": [p for p in named.values() if p.dim() >= 2], "weight_decay": opts.weight_decay},
@@ -296,6 +354,11 @@ def normalized_error(a, b):
 
 def worst_error(h, t):
     return max((normalized_error(h[n], t[n]), n) for n in t)
+
+
+def worst_ratio(h, t, tols):
+    """The largest normalized error over its tensor's tolerance, and that tensor."""
+    return max((normalized_error(h[n], t[n]) / tols[n], n) for n in t)
 
 
 def reach_scan(config_path, weights, family):
@@ -412,6 +475,41 @@ def main():
             tol[k] = max(tol[k], factor * noise[k])
         print("tolerances: " + ", ".join(f"{k} {v:.2e}" for k, v in tol.items()))
 
+        common = ["--model", config_path, "--data", p("data.bin"), "--init", p("init.safetensors"),
+                  "--threads", "1"] + COMMON_TRAIN + FAMILIES[family]["train"]
+        run_hspmd([ARGS.hspmd, "train", *common, "--device", ARGS.device, *(["--precision", "bf16"] if bf16 else []),
+                   "--quiet", "--log", p("h.jsonl"), "--dump-grads", p("h_grads.safetensors"),
+                   "--save", p("h_final.safetensors")], family)
+        h_log = [json.loads(line) for line in open(p("h.jsonl"))]
+
+        # Per tensor tolerances of the step-0 gradients and the final weights:
+        # the ones above, and where hspmd's attention backward read O rounded
+        # to bf16 (its step records say "attention_rounds_output": true: a GPU
+        # whose attention is cuDNN's, or HSPMD_ATTENTION_IO=bf16 anywhere), at
+        # least 1.5x how far HF itself lands when its attention's backward
+        # forms its row sums from the stored bf16 O as a fused attention does
+        # (FusedAttentionBackward): that rounding moves the gradients that flow
+        # through the scores (q_proj, k_proj) by a measured amount that the f32
+        # vs autocast noise does not hold (docs/models.md).
+        tols = {w: {n: tol[w] for n in t[w]} for w in ("grads", "final")}
+        rounds_o = bf16 and any(r.get("attention_rounds_output") for r in h_log)
+        if rounds_o:
+            hf_train(config_path, weights, tokens, opts, True, p("f"), fused=True)
+            for w in ("grads", "final"):
+                f = llama_ref.load_safetensors(p(f"f_{w}.safetensors"))
+                for n in t[w]:
+                    fused = normalized_error(f[n], t[w][n])
+                    if FUSED_FACTOR * fused > tol[w]:
+                        tols[w][n] = FUSED_FACTOR * fused
+                        print(f"HF autocast with a fused attention's backward vs HF autocast ({w}, {n}): "
+                              f"{fused:.2e}; tolerance {tols[w][n]:.2e}")
+            # Still able to fail there: a gradient of such a tensor that is
+            # missing (zero) reads 1.
+            for n, v in tols["grads"].items():
+                if v > tol["grads"] and v >= 0.5:
+                    sys.exit(f"FAIL: the fused attention's rounding leaves {n}'s gradient a tolerance of "
+                             f"{v:.2e}: a missing gradient (1) would pass within 2x")
+
         # The reference can fail: reach scan and wrong models.
         reach_scan(config_path, weights, family)
         inputs, targets = llama_ref.batch_at(tokens, 0, SEQ, BATCH)
@@ -420,9 +518,10 @@ def main():
         for what, cfg, w in wrong_models(family, config_path, p("wrong"), weights):
             loss, grads = step0_loss_grads(cfg, w, inputs, targets, opts.micro_batches, bf16)
             rel = abs(loss - right[0]) / abs(right[0])
-            gerr = worst_error(grads, right[1])[0]
-            margin = max(rel / tol["loss0"], gerr / tol["grads"])
-            print(f"wrong model ({what}): step-0 loss off by {rel:.2e}, gradients by {gerr:.2e}: "
+            gratio, gname = worst_ratio(grads, right[1], tols["grads"])
+            gerr = normalized_error(grads[gname], right[1][gname])
+            margin = max(rel / tol["loss0"], gratio)
+            print(f"wrong model ({what}): step-0 loss off by {rel:.2e}, gradients by {gerr:.2e} ({gname}): "
                   f"{margin:.0f}x the tolerance")
             if margin < 10:
                 sys.exit(f"FAIL: the test could not tell '{what}' from the right model "
@@ -430,13 +529,6 @@ def main():
 
         transformers.logging.set_verbosity_warning()
 
-        common = ["--model", config_path, "--data", p("data.bin"), "--init", p("init.safetensors"),
-                  "--threads", "1"] + COMMON_TRAIN + FAMILIES[family]["train"]
-        run_hspmd([ARGS.hspmd, "train", *common, "--device", ARGS.device, *(["--precision", "bf16"] if bf16 else []),
-                   "--quiet", "--log", p("h.jsonl"), "--dump-grads", p("h_grads.safetensors"),
-                   "--save", p("h_final.safetensors")], family)
-
-        h_log = [json.loads(line) for line in open(p("h.jsonl"))]
         failures = []
         if len(h_log) != STEPS or len(t_log) != STEPS:
             sys.exit(f"FAIL: expected {STEPS} logged steps, got {len(h_log)} and {len(t_log)}")
@@ -459,8 +551,14 @@ def main():
                 continue
             worst = worst_error(h, t[what])
             print(f"{what}: worst normalized error {worst[0]:.2e} ({worst[1]})")
-            if worst[0] > tol[what]:
-                failures.append(f"{what}: {worst[1]} differs by {worst[0]:.2e} (> {tol[what]:.2e})")
+            ratio, name = worst_ratio(h, t[what], tols[what])
+            if ratio > 1 or name != worst[1]:
+                print(f"{what}: nearest its tolerance {name}: {normalized_error(h[name], t[what][name]):.2e} "
+                      f"({ratio:.2f}x its tolerance {tols[what][name]:.2e})")
+            for n in sorted(t[what]):
+                e = normalized_error(h[n], t[what][n])
+                if e > tols[what][n]:
+                    failures.append(f"{what}: {n} differs by {e:.2e} (> {tols[what][n]:.2e})")
         if h_log[-1]["loss"] >= h_log[0]["loss"]:
             failures.append(f"loss did not decrease over {STEPS} steps")
         if failures:
