@@ -42,14 +42,35 @@ allocator's bytes in use; max_memory_reserved is in the JSON too).
   bench/gpu_step.py --model path/to/config.json --json out.json
   /usr/bin/python3 bench/gpu_step.py --cpu-smoke # the harness on the CPU
 
+Then the loss check (docs/benchmarks.md, "Loss check"; --no-loss-check
+skips it): a model that trains fast but wrong is not a result. PyTorch
+writes its initial weights (Hugging Face names, F32 safetensors) and
+trains from them --loss-steps steps (default 30) on the bytes of
+data/corpus twice, in bf16 autocast and in fp32 (no TF32); hspmd trains
+from the same weights (--init) on the same token file, same AdamW, warmup
++ cosine schedule, weight decay and clipping. hspmd's loss at step k must
+stay within max(--loss-floor x PyTorch bf16's loss, --loss-multiple x the
+largest |PyTorch bf16 - PyTorch fp32| of steps 0..k) of PyTorch bf16's:
+a multiple of bf16's own noise. Self-test: hspmd once more with
+HSPMD_DEBUG_BREAK_ATTENTION=1 (a test-only switch, src/ops/attention.cc:
+each query sees only its own key) must FAIL that check, else the check
+is reported FAIL. The shape is smaller than the timed one by default
+(--loss-layers 4, --loss-seq 1024, --loss-mb 2: the timed width and
+vocabulary); RESULT lines case=loss_check and case=loss_check_self_test,
+the curves and bounds in the JSON ("loss_check"). Exit 1 when either fails.
+
 --cpu-smoke runs the same harness on the CPU (the tiny example model,
 `hspmd train --device cpu`, PyTorch's CPU autocast; the compiled row is
 skipped where torch has no torch.compile) and checks its own results: the
-CTest gpu_step_bench_harness_on_cpu. Its times say nothing about GPUs.
+CTest gpu_step_bench_harness_on_cpu; there the loss check runs at the tiny
+model's shape, S 32, B 2, and must pass with its self-test. Its times say
+nothing about GPUs.
 
-Exit codes: 0 every system measured (or skipped for a reason printed), 1 a
-system failed or timed out (its row says how), 77 GPU mode without a CUDA
-device (CTest: skipped), 2 bad arguments.
+Exit codes: 0 every system measured (or skipped for a reason printed) and
+the loss check and its self-test passed (or were skipped), 1 a system
+failed or timed out (its row says how) or the loss check or its self-test
+failed, 77 GPU mode without a CUDA device (CTest: skipped), 2 bad
+arguments.
 """
 import argparse
 import array
@@ -311,6 +332,126 @@ def torch_worker(a):
     return 0
 
 
+# ------------------------------------------------ loss check (worker) --
+def hf_name(name):
+    """The Hugging Face Llama name of a torch_llama parameter (what hspmd's
+    --init expects, docs/models.md)."""
+    parts = name.split(".")
+    if parts[0] == "embed":
+        return "model.embed_tokens.weight"
+    if parts[0] == "norm":
+        return "model.norm.weight"
+    if parts[0] == "head":
+        return "lm_head.weight"
+    i, local = parts[1], parts[2]
+    if local in ("input_layernorm", "post_attention_layernorm"):
+        return f"model.layers.{i}.{local}.weight"
+    module = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}[local]
+    return f"model.layers.{i}.{module}.{parts[3]}"
+
+
+def write_safetensors(path, tensors):
+    """{name: tensor} as F32 safetensors (needs neither the safetensors
+    package nor numpy: an 8-byte little-endian header length, the JSON
+    header, padded to 8 bytes, then the raw little-endian data, copied out
+    of each CPU tensor's memory in pieces)."""
+    import ctypes
+    if sys.byteorder != "little":
+        raise RuntimeError("write_safetensors: a big-endian host")
+    header, offset, arrays = {}, 0, []
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").float().contiguous()
+        n = t.numel() * 4
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        arrays.append(t)
+        offset += n
+    header["__metadata__"] = {"format": "pt", "written_by": "bench/gpu_step.py loss check"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        piece = 1 << 26  # bytes per write
+        for t in arrays:
+            n = t.numel() * 4
+            for at in range(0, n, piece):
+                f.write(ctypes.string_at(t.data_ptr() + at, min(piece, n - at)))
+
+
+def lr_at(a, step):
+    """hspmd's schedule (LrSchedule::at, tests/oracle/llama_ref.py lr_at):
+    linear warmup lr * (step + 1) / warmup, then cosine to --loss-min-lr at
+    the last step."""
+    if step < a.loss_warmup:
+        return a.loss_lr * (step + 1) / a.loss_warmup
+    span = a.loss_steps - a.loss_warmup
+    progress = 1.0 if span <= 0 else min(max((step - a.loss_warmup) / span, 0.0), 1.0)
+    return a.loss_min_lr + 0.5 * (a.loss_lr - a.loss_min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def loss_worker(a):
+    """The loss check's PyTorch side in this process: builds torch_llama
+    (seed --seed), writes its initial weights to a.init_out (Hugging Face
+    names, F32), then trains from them --loss-steps steps twice, in bf16
+    autocast and in fp32 (TF32 off), with hspmd's AdamW, schedule and
+    clipping; writes both loss curves to a.out."""
+    import torch
+
+    cfg = json.load(open(a.config))
+    dev = torch.device(a.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(a.threads)
+    else:  # the fp32 reference must be fp32: no TF32 in its GEMMs or convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    t0 = time.perf_counter()
+    model, attention = torch_llama(cfg, a.seq, a.seed)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}  # a tied head appears once, as embed
+    write_safetensors(a.init_out, {hf_name(n): t for n, t in init.items()})
+    init_s = time.perf_counter() - t0
+    model = model.to(dev)
+    tokens = torch.tensor(read_tokens(a.data), dtype=torch.int64)
+    s, bsz = a.seq, a.mb
+
+    def batch(k):
+        rows = [tokens[i * s:i * s + s + 1] for i in range(k * bsz, k * bsz + bsz)]
+        t = torch.stack(rows).to(dev)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    result = {"system": "torch", "torch": torch.__version__, "attention": attention, "init_s": init_s}
+    for mode in ("bf16", "fp32"):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(init[n])
+        params = list(model.named_parameters())
+        opt = torch.optim.AdamW(
+            [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": a.loss_weight_decay},
+             {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=a.loss_lr, betas=(0.9, 0.95), eps=1e-8)
+        losses, norms = [], []
+        t1 = time.perf_counter()
+        for k in range(a.loss_steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(a, k)
+            ids, targets = batch(k)
+            if mode == "bf16":
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    loss = model(ids, targets)
+            else:
+                loss = model(ids, targets)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.loss_clip if a.loss_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            norms.append(float(norm))
+        result[mode] = {"losses": losses, "grad_norms": norms, "seconds": time.perf_counter() - t1}
+        del opt
+    json.dump(result, open(a.out, "w"))
+    return 0
+
+
 # ------------------------------------------------------------- harness --
 CHILDREN = []  # the system running now: its process group goes when this process is stopped
 
@@ -324,9 +465,10 @@ def stop_children(signum, frame):
     sys.exit(128 + signum)
 
 
-def run_limited(cmd, timeout, env=None):
-    """(return code or 'TIMEOUT', stderr tail); the whole process group is
-    killed at the limit (torch.compile's workers too)."""
+def run_limited(cmd, timeout, env=None, tail=2000):
+    """(return code or 'TIMEOUT', stderr's last `tail` characters, None: all);
+    the whole process group is killed at the limit (torch.compile's workers
+    too)."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     CHILDREN.append(p)
@@ -335,10 +477,10 @@ def run_limited(cmd, timeout, env=None):
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        return "TIMEOUT", (err or "")[-2000:]
+        return "TIMEOUT", (err or "")[-(tail or 0):]
     finally:
         CHILDREN.remove(p)
-    return p.returncode, (err or "")[-2000:]
+    return p.returncode, (err or "")[-(tail or 0):]
 
 
 def last_line(text):
@@ -399,6 +541,219 @@ def run_torch(a, system, cfg_path, data, tmp, device):
     if rc != 0 or not os.path.exists(out):
         return {"system": system, "status": "TIMEOUT" if rc == "TIMEOUT" else "FAIL", "reason": last_line(err)}
     return json.load(open(out))
+
+
+# ------------------------------------------------ loss check (harness) --
+BREAK_ENV = "HSPMD_DEBUG_BREAK_ATTENTION"  # src/ops/attention.cc: test-only, attention made wrong
+LOSS_MULTIPLE = 6.0  # the bound's defaults: docs/benchmarks.md, "Loss check"
+LOSS_FLOOR = 2.0 ** -11  # times the loss: an eighth of bf16's unit roundoff 2^-8
+
+
+def corpus_tokens(count):
+    """`count` byte-level token ids (0-255): the bytes of data/corpus/*.txt in
+    name order, wrapped around as often as needed."""
+    folder = os.path.join(ROOT, "data", "corpus")
+    text = b"".join(open(os.path.join(folder, n), "rb").read()
+                    for n in sorted(os.listdir(folder)) if n.endswith(".txt"))
+    if not text:
+        raise RuntimeError(f"no corpus text in {folder}")
+    reps = -(-count // len(text))
+    return array.array("I", list((text * reps)[:count]))
+
+
+def loss_bound(a, loss, envelope):
+    """The bound on |hspmd - PyTorch bf16| at a step (docs/benchmarks.md,
+    "Loss check"): --loss-multiple times `envelope`, the largest |PyTorch
+    bf16 - PyTorch fp32| of the steps so far, and at least the floor,
+    --loss-floor times PyTorch bf16's loss `loss` (it holds in the first
+    steps, where the two PyTorch runs have not yet drifted apart)."""
+    return max(a.loss_floor * abs(loss), a.loss_multiple * envelope)
+
+
+def judge_losses(a, bf16, fp32, got):
+    """Step by step: {'status', 'steps': [...], 'worst': {...}, 'first_fail'}."""
+    if len(got) != a.loss_steps or any(not math.isfinite(x) for x in got):
+        return {"status": "FAIL", "reason": f"{len(got)} losses (expected {a.loss_steps}) or a non-finite one",
+                "steps": [], "worst": None, "first_fail": None}
+    steps, envelope, worst, first_fail = [], 0.0, None, None
+    for k, (b, f, h) in enumerate(zip(bf16, fp32, got)):
+        envelope = max(envelope, abs(b - f))
+        bound = loss_bound(a, b, envelope)
+        dev = abs(h - b)
+        row = {"step": k, "fp32": f, "bf16": b, "got": h, "bf16_fp32_gap": abs(b - f), "envelope": envelope,
+               "bound": bound, "deviation": dev, "ratio": dev / bound}
+        steps.append(row)
+        if worst is None or row["ratio"] > worst["ratio"]:
+            worst = row
+        if first_fail is None and dev > bound:
+            first_fail = k
+    return {"status": "PASS" if first_fail is None else "FAIL", "steps": steps, "worst": worst,
+            "first_fail": first_fail}
+
+
+def run_hspmd_losses(a, cfg_path, data, init, tmp, device, name, env=None):
+    """hspmd trains the loss check's steps from `init`; (losses, row)."""
+    log = os.path.join(tmp, f"loss_{name}.jsonl")
+    cmd = [a.hspmd, "train", "--model", cfg_path, "--data", data, "--seq-len", str(a.loss_seq),
+           "--global-batch", str(a.loss_mb), "--steps", str(a.loss_steps), "--precision", "bf16",
+           "--lr", repr(a.loss_lr), "--min-lr", repr(a.loss_min_lr), "--lr-schedule", "cosine",
+           "--warmup-steps", str(a.loss_warmup), "--weight-decay", repr(a.loss_weight_decay),
+           "--beta1", "0.9", "--beta2", "0.95", "--eps", "1e-8", "--clip-grad", repr(a.loss_clip),
+           "--init", init, "--device", device, "--log", log, "--quiet"]
+    if device == "cpu":
+        cmd += ["--threads", str(a.threads)]
+    full_env = dict(os.environ)  # an exported HSPMD_DEBUG_BREAK_ATTENTION breaks the checked run too
+    full_env.update(env or {})
+    t0 = time.time()
+    rc, err = run_limited(cmd, a.timeout, full_env, tail=None)
+    row = {"run": name, "command": " ".join([f"{k}={v}" for k, v in (env or {}).items()] + cmd),
+           "wall_s": time.time() - t0}
+    if rc != 0:
+        row.update(status="TIMEOUT" if rc == "TIMEOUT" else "FAIL", reason=last_line(err))
+        return None, row
+    recs = [json.loads(l) for l in open(log) if l.strip()]
+    row.update(status="DONE", grad_norms=[r.get("grad_norm") for r in recs])
+    if env and BREAK_ENV in env and BREAK_ENV not in err:
+        row.update(status="FAIL", reason=f"hspmd did not announce {BREAK_ENV} on stderr (switch not read?)")
+        return None, row
+    return [r["loss"] for r in recs], row
+
+
+def loss_check(a, base, device, tmp, info):
+    """The loss check and its self-check: {'check': row, 'self_test': row, ...}."""
+    t0 = time.time()
+    cfg = run_config(base, a.loss_layers, a.hidden, a.loss_seq)
+    report = {"config": cfg, "seq": a.loss_seq, "mb": a.loss_mb, "steps": a.loss_steps,
+              "layers": cfg["num_hidden_layers"], "data": "data/corpus/*.txt bytes (byte-level ids 0-255)",
+              "optimizer": {"lr": a.loss_lr, "min_lr": a.loss_min_lr, "schedule": "cosine",
+                            "warmup_steps": a.loss_warmup, "weight_decay": a.loss_weight_decay,
+                            "betas": [0.9, 0.95], "eps": 1e-8, "clip_grad": a.loss_clip},
+              "bound": {"multiple": a.loss_multiple, "floor_per_nat": a.loss_floor,
+                        "rule": "|hspmd_k - bf16_k| <= max(floor_per_nat * bf16_k, "
+                                "multiple * max_{j<=k} |bf16_j - fp32_j|)"},
+              "break": f"{BREAK_ENV}={a.loss_break}"}
+    skip = None
+    if cfg["vocab_size"] < 256:
+        skip = f"vocab {cfg['vocab_size']} < 256: byte-level ids do not fit"
+    elif not info.get("torch", True) and device == "cuda":
+        skip = f"no torch in {sys.executable}"
+    if skip:
+        report["check"] = {"status": "SKIP", "reason": skip}
+        report["self_test"] = {"status": "SKIP", "reason": skip}
+        return report
+    cfg_path, data = os.path.join(tmp, "loss_config.json"), os.path.join(tmp, "loss_tokens.bin")
+    init, out = os.path.join(tmp, "loss_init.safetensors"), os.path.join(tmp, "loss_torch.json")
+    json.dump(cfg, open(cfg_path, "w"), indent=1)
+    tokens = corpus_tokens(a.loss_steps * a.loss_mb * a.loss_seq + 1)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    with open(data, "wb") as f:
+        tokens.tofile(f)
+    # PyTorch first: it writes the shared initial weights.
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "loss", "--config", cfg_path, "--data", data,
+           "--seq", str(a.loss_seq), "--mb", str(a.loss_mb), "--seed", str(a.seed), "--device", device,
+           "--threads", str(a.threads), "--out", out, "--init-out", init]
+    cmd += [f"--loss-{k}={getattr(a, 'loss_' + k.replace('-', '_'))!r}"
+            for k in ("steps", "lr", "min-lr", "warmup", "weight-decay", "clip")]
+    env = dict(os.environ)
+    if "GPU_STEP_TORCH_LD_LIBRARY_PATH" in env:
+        env["LD_LIBRARY_PATH"] = env["GPU_STEP_TORCH_LD_LIBRARY_PATH"]
+    t1 = time.time()
+    rc, err = run_limited(cmd, a.timeout, env)
+    report["torch_wall_s"] = time.time() - t1
+    print(f"[gpu_step] loss check: PyTorch bf16 + fp32 in {report['torch_wall_s']:.0f} s", file=sys.stderr, flush=True)
+    if rc != 0 or not os.path.exists(out):
+        why = f"PyTorch reference {'timed out' if rc == 'TIMEOUT' else 'failed'}: {last_line(err)}"
+        report["check"] = {"status": "TIMEOUT" if rc == "TIMEOUT" else "FAIL", "reason": why}
+        report["self_test"] = {"status": "FAIL", "reason": "no reference"}
+        return report
+    ref = json.load(open(out))
+    report["torch"] = ref
+    bf16, fp32 = ref["bf16"]["losses"], ref["fp32"]["losses"]
+    if any(len(c) != a.loss_steps or not all(math.isfinite(x) for x in c) for c in (bf16, fp32)):
+        report["check"] = {"status": "FAIL", "reason": "the PyTorch reference's losses are incomplete or not finite"}
+        report["self_test"] = {"status": "FAIL", "reason": "no reference"}
+        return report
+    runs = {}
+    for name, extra in (("hspmd", None), ("broken", {BREAK_ENV: str(a.loss_break)})):
+        losses, row = run_hspmd_losses(a, cfg_path, data, init, tmp, device, name, extra)
+        print(f"[gpu_step] loss check: hspmd{' with ' + BREAK_ENV if extra else ''} in {row['wall_s']:.0f} s",
+              file=sys.stderr, flush=True)
+        if losses is not None:
+            row.update(losses=losses, **judge_losses(a, bf16, fp32, losses))
+        runs[name] = row
+    report["hspmd"], report["broken"] = runs["hspmd"], runs["broken"]
+    h, b = runs["hspmd"], runs["broken"]
+    if "losses" not in h or h["worst"] is None:
+        report["check"] = {"status": "TIMEOUT" if h["status"] == "TIMEOUT" else "FAIL",
+                           "reason": f"hspmd: {h.get('reason', '')}"}
+    else:
+        w = h["worst"]
+        report["check"] = {"status": h["status"], "max_ratio": w["ratio"], "worst_step": w["step"],
+                           "worst_deviation": w["deviation"], "worst_bound": w["bound"], "first_fail": h["first_fail"]}
+        if h["status"] == "FAIL":
+            report["check"]["reason"] = (f"hspmd's loss left PyTorch bf16's at step {h['first_fail']}: "
+                                         f"|{h['steps'][h['first_fail']]['got']:.5f} - "
+                                         f"{h['steps'][h['first_fail']]['bf16']:.5f}| > "
+                                         f"{h['steps'][h['first_fail']]['bound']:.5f}")
+    # The self-check: the deliberately broken attention must FAIL the check.
+    if "losses" not in b or b["worst"] is None:
+        report["self_test"] = {"status": "FAIL", "reason": f"the broken run gave no (finite) losses: "
+                                                           f"{b.get('reason', '')}"}
+    elif b["status"] == "FAIL":
+        report["self_test"] = {"status": "PASS", "broken_first_fail": b["first_fail"],
+                               "broken_max_ratio": b["worst"]["ratio"]}
+    else:
+        report["self_test"] = {"status": "FAIL", "broken_max_ratio": b["worst"]["ratio"],
+                               "reason": f"the check passed hspmd with {BREAK_ENV}={a.loss_break} (worst ratio "
+                                         f"{b['worst']['ratio']:.2f}): it cannot tell this wrong attention"}
+    report["wall_s"] = time.time() - t0
+    return report
+
+
+def print_loss_check(lc, a):
+    timed = lc.get("timed_shape", {})
+    c, st = lc["check"], lc["self_test"]
+    cfg = lc["config"]
+    print(f"loss check: hidden {cfg['hidden_size']} layers {cfg['num_hidden_layers']} heads "
+          f"{cfg['num_attention_heads']}/{cfg.get('num_key_value_heads')} vocab {cfg['vocab_size']}; seq {lc['seq']} x "
+          f"micro-batch {lc['mb']}, {lc['steps']} steps on the bytes of data/corpus; one shared init; "
+          f"AdamW lr {a.loss_lr:g} (warmup {a.loss_warmup}, cosine to {a.loss_min_lr:g}), weight decay "
+          f"{a.loss_weight_decay:g}, clip {a.loss_clip:g}")
+    if timed and (timed["layers"], timed["seq"], timed["mb"]) != (lc["layers"], lc["seq"], lc["mb"]):
+        print(f"  (not the timed shape: that is {timed['layers']} layers, seq {timed['seq']} x micro-batch "
+              f"{timed['mb']}; --loss-layers, --loss-seq, --loss-mb choose this one)")
+    print(f"  bound at step k: max({a.loss_floor:.3g} x PyTorch bf16's loss, {a.loss_multiple:g} x the largest "
+          f"|PyTorch bf16 - PyTorch fp32| of steps 0..k); self-test: hspmd with {BREAK_ENV}={a.loss_break} must "
+          f"fail it")
+    h, b = lc.get("hspmd", {}), lc.get("broken", {})
+    if h.get("steps"):
+        print(f"  {'step':>4s} {'fp32':>8s} {'bf16':>8s} {'hspmd':>8s} {'|h-bf16|':>9s} {'bound':>8s} "
+              f"{'broken':>8s} {'|b-bf16|':>9s}")
+        bs = b.get("steps") or []
+        for k, r in enumerate(h["steps"]):
+            br = bs[k] if k < len(bs) else None
+            print(f"  {k:4d} {r['fp32']:8.4f} {r['bf16']:8.4f} {r['got']:8.4f} {r['deviation']:9.5f} {r['bound']:8.5f} "
+                  f"{fmt(br and br['got'], '8.4f'):>8s} {fmt(br and br['deviation'], '9.5f'):>9s}"
+                  f"{'  <- over' if r['deviation'] > r['bound'] else ''}"
+                  f"{'  (broken over)' if br and br['deviation'] > br['bound'] else ''}")
+    if c["status"] in ("PASS", "FAIL") and "max_ratio" in c:
+        print(f"RESULT probe=gpu_step case=loss_check steps={lc['steps']} layers={lc['layers']} seq={lc['seq']} "
+              f"mb={lc['mb']} max_ratio={c['max_ratio']:.3f} worst_step={c['worst_step']} "
+              f"worst_dev={c['worst_deviation']:.5f} worst_bound={c['worst_bound']:.5f} "
+              f"wall_s={lc.get('wall_s', 0):.0f} status={c['status']}")
+    else:
+        print(f"RESULT probe=gpu_step case=loss_check reason=\"{c.get('reason', '')[:120]}\" status={c['status']}")
+    if st["status"] == "PASS":
+        print(f"RESULT probe=gpu_step case=loss_check_self_test break={BREAK_ENV}={a.loss_break} "
+              f"broken_first_fail={st['broken_first_fail']} broken_max_ratio={st['broken_max_ratio']:.3f} status=PASS")
+    else:
+        print(f"RESULT probe=gpu_step case=loss_check_self_test break={BREAK_ENV}={a.loss_break} "
+              f"reason=\"{st.get('reason', '')[:120]}\" status={st['status']}")
+    if c["status"] == "FAIL":
+        print(f"FAIL: loss check: {c.get('reason', '')}")
+    if st["status"] == "FAIL":
+        print(f"FAIL: loss check's self-test: {st.get('reason', '')}")
 
 
 def summarize(row, cfg, a, peak_tflops):
@@ -516,6 +871,20 @@ def smoke_checks(rows, report, a):
     if by.get("compiled", {}).get("status") not in ("PASS", "SKIP"):
         bad.append(f"compiled: {by.get('compiled')}")
     back = json.load(open(a.json))
+    if not a.no_loss_check:
+        # The loss check ran on the CPU too: hspmd within its bound, the
+        # broken attention outside it, both curves and the bound in the JSON.
+        lc = back.get("loss_check", {})
+        for key, what in (("check", "loss check"), ("self_test", "loss check's self-test")):
+            got = lc.get(key) or {}
+            if got.get("status") != "PASS":
+                bad.append(f"{what}: status {got.get('status')} (above)")
+        for run in ("hspmd", "broken"):
+            if len((lc.get(run) or {}).get("steps", [])) != a.loss_steps:
+                bad.append(f"loss check: the JSON lacks the {run} run's {a.loss_steps} steps")
+        ref = lc.get("torch") or {}
+        if any(len((ref.get(m) or {}).get("losses", [])) != a.loss_steps for m in ("bf16", "fp32")):
+            bad.append("loss check: the JSON lacks PyTorch's bf16 and fp32 curves")
     if [r["system"] for r in back["rows"]] != list(SYSTEMS):
         bad.append("the JSON file does not hold the three rows")
     if back["gflop_per_token"] <= 0 or back["tokens_per_step"] != a.seq * a.mb:
@@ -548,13 +917,34 @@ def main():
     ap.add_argument("--json", help="write the results here (default: gpu_step.json in the temporary dir)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the harness on the CPU with a tiny model")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--cpu-smoke)")
+    lc = ap.add_argument_group("loss check (docs/benchmarks.md, \"Loss check\")")
+    lc.add_argument("--no-loss-check", action="store_true", help="skip the loss check and its self-test")
+    lc.add_argument("--loss-steps", type=int, default=30, help="steps of the loss check (default 30)")
+    lc.add_argument("--loss-seq", type=int, help="its sequence length (default 1024; --cpu-smoke 32)")
+    lc.add_argument("--loss-mb", type=int, default=2, help="its micro-batch = global batch (default 2)")
+    lc.add_argument("--loss-layers", type=int,
+                    help="its layers (default: 4, or the timed model's if fewer; --cpu-smoke: the tiny model's 4)")
+    lc.add_argument("--loss-lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    lc.add_argument("--loss-min-lr", type=float, default=1e-4, help="the cosine's final rate (default 1e-4)")
+    lc.add_argument("--loss-warmup", type=int, default=5, help="linear warmup steps (default 5)")
+    lc.add_argument("--loss-weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default 0.1)")
+    lc.add_argument("--loss-clip", type=float, default=1.0, help="gradient-norm clipping, 0 = off (default 1)")
+    lc.add_argument("--loss-multiple", type=float, default=LOSS_MULTIPLE,
+                    help=f"bound: this many times the bf16-fp32 gap (default {LOSS_MULTIPLE:g})")
+    lc.add_argument("--loss-floor", type=float, default=LOSS_FLOOR,
+                    help=f"bound: at least this times the loss (default 2^-11 = {LOSS_FLOOR:.3g})")
+    lc.add_argument("--loss-break", type=int, default=1,
+                    help=f"the self-test's {BREAK_ENV} value: attention sees only the last W keys (default 1)")
     # Internal: one PyTorch system in a child process.
-    ap.add_argument("--worker", choices=["eager", "compiled"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["eager", "compiled", "loss"], help=argparse.SUPPRESS)
+    ap.add_argument("--init-out", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker == "loss":
+        return loss_worker(a)
     if a.worker:
         return torch_worker(a)
 
@@ -563,6 +953,10 @@ def main():
         ap.error(f"--systems {a.systems}: expected a comma list of {','.join(SYSTEMS)}")
     if min(a.seq, a.mb, a.steps) < 1 or a.warmup < 0:
         ap.error("--seq, --mb and --steps must be positive, --warmup not negative")
+    if min(a.loss_steps, a.loss_mb, a.loss_seq or 1, a.loss_break) < 1 or (a.loss_layers or 1) < 1 or \
+            a.loss_warmup < 0 or a.loss_multiple <= 0 or a.loss_floor < 0:
+        ap.error("--loss-steps, --loss-mb, --loss-seq, --loss-layers, --loss-break and --loss-multiple must be "
+                 "positive, --loss-warmup and --loss-floor not negative")
     a.hspmd = a.hspmd or find_hspmd()
     # A `timeout` around this script stops it with SIGTERM: the system running
     # then (in its own session) must not keep the GPU.
@@ -578,6 +972,7 @@ def main():
             a.warmup = 1
         if "--steps" not in sys.argv:
             a.steps = 2
+        a.loss_seq = a.loss_seq or 32
         peak = a.peak_tflops or 1.0  # nominal: exercises the MFU arithmetic only
         info = {"available": False, "name": "cpu (smoke: times say nothing about GPUs)"}
     else:
@@ -590,6 +985,8 @@ def main():
         peak = a.peak_tflops or (H100_H200_BF16_TFLOPS if any(g in info["name"] for g in ("H100", "H200")) else None)
     cfg = run_config(base, a.layers, a.hidden, a.seq)
     total, n_matmul = param_counts(cfg)
+    a.loss_seq = a.loss_seq or 1024
+    a.loss_layers = a.loss_layers or min(4, cfg["num_hidden_layers"])
     with tempfile.TemporaryDirectory(prefix="gpu_step-") as tmp:
         a.json = a.json or os.path.join(tmp, "gpu_step.json")
         cfg_path = os.path.join(tmp, "config.json")
@@ -614,6 +1011,13 @@ def main():
         if device == "cuda" and rows[0]["status"] == "NO_DEVICE":
             print("SKIP: " + rows[0]["reason"])
             return 77
+        lcheck = None
+        if os.environ.get(BREAK_ENV, "0") not in ("", "0"):
+            print(f"WARNING: {BREAK_ENV}={os.environ[BREAK_ENV]} is set: every hspmd run here computes a "
+                  f"deliberately wrong attention (a test-only switch)", file=sys.stderr, flush=True)
+        if not a.no_loss_check:
+            lcheck = loss_check(a, base, device, tmp, info)
+            lcheck["timed_shape"] = {"layers": cfg["num_hidden_layers"], "seq": a.seq, "mb": a.mb}
         report = {
             "bench": "gpu_step", "unix_time": time.time(), "device": info["name"],
             "model": a.model or "TinyLlama-1.1B shape (built in)", "model_type": cfg.get("model_type", "llama"),
@@ -621,6 +1025,8 @@ def main():
             "tokens_per_step": a.seq * a.mb, "n_params": total, "n_matmul": n_matmul,
             "gflop_per_token": flops_per_token(cfg, a.seq) / 1e9, "peak_tflops": peak,
             "peak_is_nominal": a.cpu_smoke and not a.peak_tflops, "rows": rows,
+            "loss_check": lcheck or {"check": {"status": "SKIP", "reason": "--no-loss-check"},
+                                     "self_test": {"status": "SKIP", "reason": "--no-loss-check"}},
         }
         by = {r["system"]: r for r in rows}
         h, c = by["hspmd"], by["compiled"]
@@ -633,6 +1039,10 @@ def main():
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
         print_table(rows, report)
+        if lcheck:
+            print_loss_check(lcheck, a)
+        else:
+            print("RESULT probe=gpu_step case=loss_check reason=\"--no-loss-check\" status=SKIP")
         print(f"json: {a.json}" + (" (removed with the temporary directory: pass --json)" if a.json.startswith(tmp) else ""))
         if a.cpu_smoke:
             bad = smoke_checks(rows, report, a)
@@ -641,7 +1051,8 @@ def main():
             if bad:
                 return 1
             print("gpu_step harness on the CPU: OK")
-        return 1 if any(r["status"] in ("FAIL", "TIMEOUT") for r in rows) else 0
+        bad_loss = lcheck is not None and any(lcheck[k]["status"] in ("FAIL", "TIMEOUT") for k in ("check", "self_test"))
+        return 1 if bad_loss or any(r["status"] in ("FAIL", "TIMEOUT") for r in rows) else 0
 
 
 if __name__ == "__main__":

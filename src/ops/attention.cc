@@ -11,7 +11,11 @@
 // sequence may be split (q, k, v and positions alike) only with
 // context_parallel; lse follows; cu_seqlens must be whole. attention_grad is
 // linear in grad_out.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "hspmd/comm/communicator.h"
@@ -710,6 +714,32 @@ class AttentionOp final : public Op {
   DType out_dtype_;  // the output's dtype (lse is f32)
 };
 
+// HSPMD_DEBUG_BREAK_ATTENTION: a test-only switch that makes attention
+// deliberately wrong, so that a check of the trained model (the loss check
+// of bench/gpu_step.py, docs/benchmarks.md) can show it notices a wrong
+// model. Read once per process. Unset, empty or 0: off. A positive integer
+// W: every attention op built afterwards drops the keys more than W - 1
+// positions before its query (a sliding window of W on top of the model's
+// own; W = 1: each query sees only its own key). It is applied where the op
+// is built, so the forward, the backward and every path (CPU, CUDA, cuDNN,
+// ring attention) compute the same wrong but finite function.
+int64_t debug_break_window() {
+  static const int64_t window = [] {
+    const char* v = std::getenv("HSPMD_DEBUG_BREAK_ATTENTION");
+    if (v == nullptr || *v == '\0' || std::string(v) == "0") return int64_t{0};
+    char* end = nullptr;
+    const long long w = std::strtoll(v, &end, 10);
+    if (*end != '\0' || w < 1)
+      fail("[attention] HSPMD_DEBUG_BREAK_ATTENTION must be 0 (off) or a positive key window, got \"", v, "\"");
+    std::fprintf(stderr,
+                 "hspmd: HSPMD_DEBUG_BREAK_ATTENTION=%lld: attention is deliberately wrong (each query sees only "
+                 "its last %lld keys); a test-only switch\n",
+                 w, w);
+    return static_cast<int64_t>(w);
+  }();
+  return window;
+}
+
 }  // namespace
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
@@ -723,6 +753,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   if (out_dtype != DType::F32 && (out_dtype != DType::BF16 || products != DType::BF16))
     fail("[attention] out_dtype: f32, or bf16 with bf16 products; got ", dtype_name(out_dtype), " with ",
          dtype_name(products), " products");
+  if (const int64_t broken = debug_break_window(); broken > 0)
+    window = window > 0 ? std::min(window, broken) : broken;
   std::vector<Tensor> in = {q, k, v};
   if (documents.valid()) in.push_back(documents);
   return q.graph()->add(
