@@ -993,6 +993,19 @@ def main():
         json.dump(cfg, open(cfg_path, "w"), indent=1)
         data = os.path.join(tmp, "tokens.bin")
         write_tokens(data, cfg["vocab_size"], (a.warmup + a.steps) * a.mb * a.seq + 1, a.seed + 1)
+        # The loss check first: a wrong model matters more than a timing, and
+        # its verdict is printed before the timed runs can use up the time.
+        lcheck = None
+        if os.environ.get(BREAK_ENV, "0") not in ("", "0"):
+            print(f"WARNING: {BREAK_ENV}={os.environ[BREAK_ENV]} is set: every hspmd run here computes a "
+                  f"deliberately wrong attention (a test-only switch)", file=sys.stderr, flush=True)
+        if not a.no_loss_check:
+            lcheck = loss_check(a, base, device, tmp, info)
+            lcheck["timed_shape"] = {"layers": cfg["num_hidden_layers"], "seq": a.seq, "mb": a.mb}
+            print_loss_check(lcheck, a)
+            sys.stdout.flush()
+        else:
+            print("RESULT probe=gpu_step case=loss_check reason=\"--no-loss-check\" status=SKIP")
         rows = []
         for s in SYSTEMS:
             if s not in systems:
@@ -1011,13 +1024,6 @@ def main():
         if device == "cuda" and rows[0]["status"] == "NO_DEVICE":
             print("SKIP: " + rows[0]["reason"])
             return 77
-        lcheck = None
-        if os.environ.get(BREAK_ENV, "0") not in ("", "0"):
-            print(f"WARNING: {BREAK_ENV}={os.environ[BREAK_ENV]} is set: every hspmd run here computes a "
-                  f"deliberately wrong attention (a test-only switch)", file=sys.stderr, flush=True)
-        if not a.no_loss_check:
-            lcheck = loss_check(a, base, device, tmp, info)
-            lcheck["timed_shape"] = {"layers": cfg["num_hidden_layers"], "seq": a.seq, "mb": a.mb}
         report = {
             "bench": "gpu_step", "unix_time": time.time(), "device": info["name"],
             "model": a.model or "TinyLlama-1.1B shape (built in)", "model_type": cfg.get("model_type", "llama"),
@@ -1039,10 +1045,6 @@ def main():
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
         print_table(rows, report)
-        if lcheck:
-            print_loss_check(lcheck, a)
-        else:
-            print("RESULT probe=gpu_step case=loss_check reason=\"--no-loss-check\" status=SKIP")
         print(f"json: {a.json}" + (" (removed with the temporary directory: pass --json)" if a.json.startswith(tmp) else ""))
         if a.cpu_smoke:
             bad = smoke_checks(rows, report, a)
