@@ -488,7 +488,10 @@ run_parts oracle_cuda 90 oracle_cuda.log -- "${ORACLE_CMDS[@]}"
 
 # Plans of every kind on 3-7 ranks sharing the GPU (the staged MPI
 # communicator) against one GPU process: losses, weights, bytes = predicted.
-CORE_CASES=${CORE_CASES:-dp4_zero,pp4_1f1b,tp4,cp2_tp2,asym7_tp421_zero,hetero_pp_tp_recompute,bf16_dp2_tp2_zero,packed_cp_hetero_zero}
+# Each kind once: 1F1B, CP x TP, an asymmetric TP 4/2/1 with ZeRO, a
+# heterogeneous pipeline with recomputation, bf16 DP x TP with ZeRO, packed
+# documents under CP in a heterogeneous plan with ZeRO.
+CORE_CASES=${CORE_CASES:-pp4_1f1b,cp2_tp2,asym7_tp421_zero,hetero_pp_tp_recompute,bf16_dp2_tp2_zero,packed_cp_hetero_zero}
 run_step dist_core 100 40 dist_core.log -- python3 tests/exec/equivalence_test.py --hspmd "$HSPMD" \
   --device cuda:0 --random 0 --cases "$CORE_CASES"
 
@@ -501,7 +504,7 @@ GPU_STEP_CAP=${GPU_STEP_CAP:-240}
 if want gpu_step; then
   lim=$(cap_of gpu_step "$GPU_STEP_CAP")
   GPU_STEP_TORCH_LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH run_step gpu_step "$GPU_STEP_CAP" 90 gpu_step.log -- \
-    python3 bench/gpu_step.py --hspmd "$HSPMD" --warmup 2 --steps 5 --timeout $(((lim - 15) / 4)) \
+    python3 bench/gpu_step.py --hspmd "$HSPMD" --warmup 2 --steps 5 --timeout $((lim - 15 < 110 ? lim - 15 : 110)) \
       --json "$LOGS/gpu_step.json"
 fi
 
@@ -512,7 +515,7 @@ run_step kernel_perf 30 15 kernel_perf.log -- "$FBUILD/tests/gpu/kernel_perf" --
 
 # The other plans, plan switches and a resume, elastic failures and a join,
 # token-budget steps with CP and switching, crash restarts.
-EXT_CASES=${EXT_CASES:-2pp2_gpipe,idle_rank,qwen2_hetero_pp_tp,tied_tp1_to_cp2tp2,mistral_cp2}
+EXT_CASES=${EXT_CASES:-dp4_zero,tp4,2pp2_gpipe,idle_rank,qwen2_hetero_pp_tp,tied_tp1_to_cp2tp2,mistral_cp2}
 run_parts dist_ext 120 dist_ext.log -- \
   "python3 tests/exec/equivalence_test.py --hspmd $HSPMD --device cuda:0 --random 0 --cases $EXT_CASES" \
   "python3 tests/exec/switch_test.py --hspmd $HSPMD --device cuda:0 --only cases,resume" \
