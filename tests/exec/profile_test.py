@@ -72,7 +72,8 @@ def main():
             "a length the split cannot cut": (["--cp", "2", "--seq-lens", "18"],
                                               "[profile] --seq-lens: 18 is not a multiple of 4"),
             "a missing model": (["--model", os.path.join(tmp, "none.json")], "[profile] --model"),
-            "a missing directory": (["-o", os.path.join(tmp, "no", "p.json")], "[profile] --output"),
+            # The output check every command shares (check_outputs, src/cli/flags.h).
+            "a missing directory": (["-o", os.path.join(tmp, "no", "p.json")], "[flags] --output"),
             "an unknown device": (["--device", "tpu"], "[flags] --device: 'tpu' (expected cpu, cuda or cuda:N)"),
             # No machine has 100 GPUs: refused as absent here and on a GPU machine.
             "a device that does not exist": (["--device", "cuda:99"], "[device] cuda:99: "),
