@@ -7,8 +7,10 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "int_arg.h"
 #include "cli/commands.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/limits.h"
 #include "hspmd/models/config.h"
 #include "hspmd/models/model.h"
 #include "hspmd/plan/plan.h"
@@ -107,7 +109,11 @@ void bind_strategy(py::module_& m) {
       .def_readonly("zero", &Strategy::zero)
       .def_property_readonly("global_batch", &Strategy::global_batch)
       .def_property_readonly("ranks", &Strategy::ranks)
-      .def("validate", [](const Strategy& s, const ModelConfig& c, int world) { validate(s, c, world); },
+      .def("validate",
+           [](const Strategy& s, const ModelConfig& c, const py::object& world) {
+             validate(s, c, static_cast<int>(int_arg(world, "[python] Strategy.validate: world_size",
+                                                     {1, kMaxWorldSize})));
+           },
            py::arg("config"), py::arg("world_size"))
       .def("__eq__", [](const Strategy& a, const Strategy& b) { return a == b; });
 }
@@ -125,17 +131,19 @@ void bind_annotation_plan(py::module_& m) {
       .def_readonly("strategy", &AnnotationPlan::strategy);
   m.def(
       "compile_plan",
-      [](const ModelConfig& config, const Strategy& strategy, int world, int64_t seq_len,
+      [](const ModelConfig& config, const Strategy& strategy, const py::object& world, const py::object& seq_len,
          const std::string& precision, const std::string& grad_reduce) {
+        // The integers through the one range check (as `plan compile --world/--seq-len`), with the GIL.
+        const int n = static_cast<int>(int_arg(world, "[python] compile_plan: world", {1, kMaxWorldSize}));
         CompileOptions co;
-        co.seq_len = seq_len;
+        co.seq_len = int_arg(seq_len, "[python] compile_plan: seq_len", kNonNegativeInt);  // 0: the model's
         co.precision.compute = parse_precision_name(precision, "precision");
         co.precision.grad_reduce = parse_precision_name(grad_reduce, "grad_reduce_dtype");
-        return compile_plan(config, strategy, world, co);
+        py::gil_scoped_release release;
+        return compile_plan(config, strategy, n, co);
       },
       py::arg("config"), py::arg("strategy"), py::arg("world_size"), py::arg("seq_len") = 0,
-      py::arg("precision") = "fp32", py::arg("grad_reduce_dtype") = "fp32",
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("precision") = "fp32", py::arg("grad_reduce_dtype") = "fp32");
   m.def(
       "plan_cli",
       [](const std::vector<std::string>& args) {

@@ -2,11 +2,13 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <sstream>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/limits.h"
 
 namespace hspmd::cli {
 
@@ -16,24 +18,37 @@ std::vector<std::string> expand_short_output(const std::vector<std::string>& arg
   return out;
 }
 
-int64_t parse_int(const std::string& flag, const std::string& v) {
+int64_t parse_int(const std::string& flag, const std::string& v, const IntRange& range) {
   int64_t out = 0;
   auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
-  if (ec != std::errc() || end != v.data() + v.size() || v.empty())
+  if (end != v.data() + v.size() || v.empty() || (ec != std::errc() && ec != std::errc::result_out_of_range))
     fail("[flags] --", flag, ": '", v, "' is not an integer");
-  return out;
+  if (ec == std::errc::result_out_of_range) fail_int_range("[flags] --" + flag, v, range);
+  return check_int_range("[flags] --" + flag, out, range);
 }
 
 std::set<int> parse_ranks(const std::string& text, int world, const char* flag) {
   std::set<int> out;
   std::stringstream ss(text);
+  // A rank is below kMaxWorldSize: a larger number is refused by the one
+  // range check, never cut to 32 bits (nor a range walked for billions).
+  const std::string name = std::string(flag).substr(std::string(flag).rfind("--", 0) == 0 ? 2 : 0);
+  const IntRange ranks{0, kMaxWorldSize - 1};
+  auto trim = [](const std::string& s) {
+    const size_t b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+    return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+  };
+  auto is_number = [](const std::string& s) {
+    return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
+  };
   for (std::string item; std::getline(ss, item, ',');) {
-    int first = 0, last = 0;
-    char tail = 0;
-    const bool range = std::sscanf(item.c_str(), "%d-%d%c", &first, &last, &tail) == 2;
-    if (!range && std::sscanf(item.c_str(), "%d%c", &first, &tail) != 1)
+    item = trim(item);
+    const size_t dash = item.find('-', 1);
+    const std::string a = trim(item.substr(0, dash)), b = dash == std::string::npos ? a : trim(item.substr(dash + 1));
+    if (!is_number(a) || !is_number(b))
       fail("[flags] ", flag, ": '", item, "' is not a rank or a range first-last");
-    if (!range) last = first;
+    const int first = static_cast<int>(parse_int(name, a, ranks));
+    const int last = static_cast<int>(parse_int(name, b, ranks));
     if (last < first) fail("[flags] ", flag, ": range '", item, "' ends before it begins");
     for (int r = first; r <= last; ++r) {
       if (r < 0 || (world > 0 && r >= world))
@@ -87,10 +102,19 @@ void FlagSet::add_list(const std::string& name, std::vector<std::string>* target
   flags_.back().repeats = true;
 }
 
-void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help,
-                      bool required) {
+void FlagSet::add_int(const std::string& name, int64_t* target, const std::string& help, bool required,
+                      IntRange range) {
   flags_.push_back({name, help, "N", required, false,
-                    [name, target](const std::string& v) { *target = parse_int(name, v); }});
+                    [name, target, range](const std::string& v) { *target = parse_int(name, v, range); }});
+}
+
+void FlagSet::add_int(const std::string& name, int* target, const std::string& help, bool required,
+                      IntRange range) {
+  range.lo = std::max(range.lo, kIntRange.lo);
+  range.hi = std::min(range.hi, kIntRange.hi);
+  flags_.push_back({name, help, "N", required, false, [name, target, range](const std::string& v) {
+                      *target = static_cast<int>(parse_int(name, v, range));
+                    }});
 }
 
 void FlagSet::add_double(const std::string& name, double* target, const std::string& help,

@@ -8,12 +8,16 @@
 #include <string>
 #include <vector>
 
+#include "hspmd/core/int_range.h"
 #include "hspmd/io/output_file.h"
 
 namespace hspmd::cli {
 
-// `v` as an integer; hspmd::Error "[flags] --<flag>: '<v>' is not an integer".
-int64_t parse_int(const std::string& flag, const std::string& v);
+// `v` as an integer in `range` (the one integer-range check,
+// hspmd/core/int_range.h); hspmd::Error "[flags] --<flag>: '<v>' is not an
+// integer" or "[flags] --<flag> <v> is outside [lo, hi]" (also for a value
+// beyond 64 bits).
+int64_t parse_int(const std::string& flag, const std::string& v, const IntRange& range = {});
 
 // FlagSet knows only long flags: `-o X` is the conventional spelling of
 // `--output X`.
@@ -53,8 +57,13 @@ class FlagSet {
 
   void add_string(const std::string& name, std::string* target, const std::string& help,
                   bool required = false);
+  // An integer flag; a value outside `range` is refused by the parser
+  // (parse_int). The int overload refuses what an int cannot hold, so a flag
+  // read into an int is never cut to 32 bits.
   void add_int(const std::string& name, int64_t* target, const std::string& help,
-               bool required = false);
+               bool required = false, IntRange range = {});
+  void add_int(const std::string& name, int* target, const std::string& help,
+               bool required = false, IntRange range = kIntRange);
   void add_double(const std::string& name, double* target, const std::string& help,
                   bool required = false);
   void add_bool(const std::string& name, bool* target, const std::string& help);

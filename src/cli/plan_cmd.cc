@@ -15,6 +15,7 @@
 #include "flags.h"
 #include "plan_search_cmd.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/limits.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/io/text_output.h"
 #include "hspmd/plan/pipelines.h"
@@ -63,18 +64,19 @@ int stage_count(const Strategy& s) {
 
 int compile_command(const std::vector<std::string>& args) {
   std::string model, strategy_path, output;
-  int64_t world = 0, seq_len = 0;
+  int world = 0;
+  int64_t seq_len = 0;
   FlagSet f("plan compile", "Compile a strategy (docs/strategy.md) into an annotation plan (docs/plan.md).");
   f.add_string("model", &model, "Hugging Face config.json of the model", true);
   f.add_string("strategy", &strategy_path, "strategy JSON", true);
-  f.add_int("world", &world, "number of ranks of the world", true);
-  f.add_int("seq-len", &seq_len, "sequence length for byte counts (default: max_position_embeddings)");
+  f.add_int("world", &world, "number of ranks of the world", true, {1, kMaxWorldSize});
+  f.add_int("seq-len", &seq_len, "sequence length for byte counts (default: max_position_embeddings)", false,
+            kPositiveInt);
   f.add_string("output", &output, "plan JSON to write (also -o)", true);
   std::string precision = "fp32", grad_reduce = "fp32";
   f.add_string("precision", &precision, "fp32 (default) or bf16: the dtypes the Reshards carry (docs/precision.md)");
   f.add_string("grad-reduce-dtype", &grad_reduce, "fp32 (default) or bf16 gradient sync");
   if (!f.parse(expand_short_output(args))) return 0;
-  if (world < 1) fail("[flags] --world must be >= 1, got ", world);
   CompileOptions co;
   co.seq_len = seq_len;
   co.precision = {parse_precision_name(precision, "--precision"),
@@ -87,10 +89,10 @@ int compile_command(const std::vector<std::string>& args) {
 
   const ModelConfig config = ModelConfig::load(model);
   const Strategy strategy = load_strategy(strategy_path);
-  const AnnotationPlan plan = compile_plan(config, strategy, static_cast<int>(world), co);
+  const AnnotationPlan plan = compile_plan(config, strategy, world, co);
   // Written in one go after the work, so that nothing is written on an earlier error.
   write_output_file("[plan] --output", output, to_json(plan).dump(1) + "\n");
-  const std::vector<int> idle = idle_ranks(strategy, static_cast<int>(world));
+  const std::vector<int> idle = idle_ranks(strategy, world);
   std::fprintf(stderr,
                "hspmd: plan: %zu pipelines, %d stages, world %lld, global batch %d, idle ranks: %s -> %s\n",
                strategy.pipelines.size(), stage_count(strategy), static_cast<long long>(world),
@@ -272,7 +274,7 @@ int explain_command(const std::vector<std::string>& args) {
             "what every rank (or one) executes, then the communication inside ops (ring\n"
             "attention, vocab-parallel loss). Identity reshards are hidden unless --all. Needs\n"
             "no devices.");
-  f.add_int("rank", &rank, "show only this rank's primitives");
+  f.add_int("rank", &rank, "show only this rank's primitives", false, {0, kMaxWorldSize - 1});
   f.add_bool("json", &json, "print one JSON document instead of text");
   f.add_string("cluster", &cluster, "cluster JSON (docs/cluster.md); default: uniform nodes of 8 ranks");
   f.add_bool("all", &o.all, "also list identity reshards");
@@ -377,7 +379,8 @@ void print_switch_table(std::ostream& os, const SwitchPlan& sp, double bound, do
 
 struct SwitchFlags {
   std::string model, from, to, cluster, algorithm = "all", lost;
-  int64_t world = 0, seq_len = 0;
+  int world = 0;
+  int64_t seq_len = 0;
   double bucket_mb = 0;
   bool json = false, no_checkpoint = false;
 };
@@ -393,17 +396,17 @@ bool parse_switch_flags(const std::vector<std::string>& args, SwitchFlags& s) {
   f.add_string("model", &s.model, "Hugging Face config.json (required for a strategy)");
   f.add_string("from", &s.from, "the current strategy or plan JSON", true);
   f.add_string("to", &s.to, "the next strategy or plan JSON", true);
-  f.add_int("world", &s.world, "number of ranks of the world (both plans)", true);
+  f.add_int("world", &s.world, "number of ranks of the world (both plans)", true, {1, kMaxWorldSize});
   f.add_string("cluster", &s.cluster, "cluster JSON (docs/cluster.md); default: uniform nodes of 8 ranks");
   f.add_string("algorithm", &s.algorithm, "naive, per-tensor, fused or all (default all)");
-  f.add_int("seq-len", &s.seq_len, "sequence length to compile strategies with (default: max_position_embeddings)");
+  f.add_int("seq-len", &s.seq_len, "sequence length to compile strategies with (default: max_position_embeddings)",
+            false, kPositiveInt);
   f.add_double("bucket-mb", &s.bucket_mb, "fused: MiB of state per round, whole layers (default 0: one round)");
   f.add_string("lost-ranks", &s.lost,
                "ranks whose memory is gone, e.g. 3,5 or 8-15; what only they held is read from the checkpoint");
   f.add_bool("no-checkpoint", &s.no_checkpoint, "there is no training checkpoint: slices only lost ranks held fail");
   f.add_bool("json", &s.json, "print one JSON document instead of text");
   if (!f.parse(args)) return false;
-  if (s.world < 1) fail("[flags] --world must be >= 1, got ", s.world);
   if (s.seq_len < 0 || (f.given("seq-len") && s.seq_len == 0))
     fail("[flags] --seq-len must be positive, got ", s.seq_len);
   if (!(s.bucket_mb >= 0) || !std::isfinite(s.bucket_mb))
@@ -425,7 +428,7 @@ int switch_command(const std::vector<std::string>& args) {
   SwitchFlags s;
   if (!parse_switch_flags(args, s)) return 0;
   const std::vector<SwitchAlgorithm> algorithms = switch_algorithms(s.algorithm);
-  const int n = static_cast<int>(s.world);
+  const int n = s.world;
   SwitchOptions o;
   o.lost_ranks = parse_ranks(s.lost, n, "--lost-ranks");
   o.have_checkpoint = !s.no_checkpoint;

@@ -36,13 +36,12 @@ std::vector<int64_t> parse_list(const std::string& flag, const std::string& text
   std::vector<int64_t> out;
   std::stringstream ss(text);
   for (std::string item; std::getline(ss, item, ',');) {
-    int64_t v = 0;
-    try {
-      v = parse_int(flag, item);
-    } catch (const Error&) {
+    const size_t digits = !item.empty() && item[0] == '-' ? 1 : 0;
+    if (item.size() == digits || item.find_first_not_of("0123456789", digits) != std::string::npos)
       fail("[profile] --", flag, ": '", item, "' in '", text, "' is not an integer");
-    }
+    const int64_t v = parse_int(flag, item);  // one beyond 64 bits is refused with the range
     if (v < 1) fail("[profile] --", flag, ": ", v, " must be positive");
+    check_int_range("[profile] --" + flag, v, kPositiveInt);  // --tp and --cp are read as ints
     out.push_back(v);
   }
   if (out.empty() || text.back() == ',') fail("[profile] --", flag, ": '", text, "' is not a list like 1,2,4");
@@ -161,7 +160,8 @@ double emulation_factor(const Profile& p, const ProfileEntry& e, const std::stri
 
 int profile_command(const std::vector<std::string>& args) {
   std::string model, output, tp = "1", cp = "1", seqs = "16,32,64", batches = "1,2";
-  int64_t repetitions = 5, threads = 1, emulated_ranks = 0;
+  int repetitions = 5, threads = 1;  // ints: the parser refuses what does not fit
+  int64_t emulated_ranks = 0;
   FlagSet f("profile",
             "Measure a model's embedding, block and head (forward and backward) on one rank of a\n"
             "tensor-parallel x context-parallel group with the real executor, and fit them\n"
@@ -173,8 +173,9 @@ int profile_command(const std::vector<std::string>& args) {
   f.add_string("cp", &cp, "context-parallel degrees (default 1)");
   f.add_string("seq-lens", &seqs, "sequence lengths (default 16,32,64)");
   f.add_string("micro-batch-sizes", &batches, "micro-batch sizes (default 1,2)");
-  f.add_int("repetitions", &repetitions, "timed runs per point after one warm-up; the median counts (default 5)");
-  f.add_int("threads", &threads, "kernel threads, as the emulated ranks run (default 1)");
+  f.add_int("repetitions", &repetitions, "timed runs per point after one warm-up; the median counts (default 5)",
+            false, kPositiveInt);
+  f.add_int("threads", &threads, "kernel threads, as the emulated ranks run (default 1)", false, {1, 1024});
   std::string precision = "fp32";
   f.add_string("precision", &precision, "fp32 (default) or bf16: the precision of the runs it serves (--precision)");
   std::string device = "cpu";
@@ -223,8 +224,8 @@ int profile_command(const std::vector<std::string>& args) {
   o.cp = to_ints(parse_list("cp", cp));
   o.seq_lens = parse_list("seq-lens", seqs);
   o.micro_batch_sizes = parse_list("micro-batch-sizes", batches);
-  o.repetitions = static_cast<int>(repetitions);
-  o.threads = static_cast<int>(threads);
+  o.repetitions = repetitions;
+  o.threads = threads;
   o.precision.compute = parse_precision_name(precision, "--precision");
   o.device = where;
   check_profile_options(o);

@@ -116,6 +116,31 @@ def main():
                                             "--batch-tokens", "10", "--max-seq-len", "32"],
          "--batch-tokens 10 is smaller than the longest piece"),
     ]
+    # Integers go through one range check in the flag parser (issue 39 item 9):
+    # a value an int cannot hold is refused with the flag and the range, never
+    # cut to 32 bits (--world 4294967300 wrote "world_size": 4).
+    search = ["plan", "search", "--model", p("cfg.json"), "--cluster", p("cluster.json"), "--global-batch", "2",
+              "--seq-len", "16"]
+    prof = ["profile", "--model", p("cfg.json"), "-o", p("prof.json")]
+    cases += [
+        ("plan compile world 2^32+4", with_flag(plan, "--world", "4294967300"),
+         "--world 4294967300 is outside [1, 1048576]"),
+        ("plan compile world beyond 64 bits", with_flag(plan, "--world", "99999999999999999999"),
+         "--world 99999999999999999999 is outside [1, 1048576]"),
+        ("plan switch world 2^32+1", ["plan", "switch", "--model", p("cfg.json"), "--from", p("s.json"), "--to",
+                                      p("s.json"), "--world", "4294967297"], "--world 4294967297 is outside"),
+        ("plan search global-batch 2^32+8", with_flag(search, "--global-batch", "4294967304"),
+         "--global-batch 4294967304 is outside [1, "),
+        ("plan search global-batch 10^15", with_flag(search, "--global-batch", "1000000000000000"),
+         "--global-batch 1000000000000000 is outside [1, "),
+        ("plan search top 2^32+5", search + ["--top", "4294967301"], "--top 4294967301 is outside"),
+        ("plan search tp 2^32+1", search + ["--tp", "4294967297"], "--tp 4294967297 is outside"),
+        ("plan search unavailable 2^32", search + ["--unavailable", "4294967296"], "--unavailable 4294967296 is outside"),
+        ("plan search seq-len 10^15", with_flag(search, "--seq-len", "1000000000000000"),
+         "--seq-len 1000000000000000 is outside"),
+        ("profile repetitions 2^32+1", prof + ["--repetitions", "4294967297"], "--repetitions 4294967297 is outside"),
+        ("profile tp 2^32+2", prof + ["--tp", "4294967298"], "--tp 4294967298 is outside"),
+    ]
     failures = []
     for name, args, needle in cases:
         try:
