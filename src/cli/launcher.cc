@@ -54,7 +54,7 @@ int64_t now_ns() {
 std::string job_file(const std::string& dir, const char* name) { return dir + "/" + name; }
 
 void remove_job_dir(const std::string& dir) {
-  for (const char* name : {"alive", "heartbeat", "report"}) unlink(job_file(dir, name).c_str());
+  for (const char* name : {"alive", "heartbeat", "report", "exit"}) unlink(job_file(dir, name).c_str());
   rmdir(dir.c_str());
 }
 
@@ -85,6 +85,16 @@ class JobDir {
   int nproc() const { return nproc_; }
   const Slot& slot(int r) const { return static_cast<const Slot*>(map_)[r]; }
   bool reported() const { return access(job_file(dir_, "report").c_str(), F_OK) == 0; }
+  // The first rank that exited with a failure while MPI was up, and its
+  // exit status, as it left them in `exit` before its MPI_Abort
+  // (mpi_communicator.cc); false when none did.
+  bool failed_exit(int& rank, int& code) const {
+    FILE* f = std::fopen(job_file(dir_, "exit").c_str(), "r");
+    if (f == nullptr) return false;
+    const bool ok = std::fscanf(f, "%d %d", &rank, &code) == 2;
+    std::fclose(f);
+    return ok;
+  }
   // The line the reporting rank printed, as it left it with its claim.
   std::string report() const {
     std::string text;
@@ -173,8 +183,16 @@ class StderrRelay {
     if (failure_.rank >= 0 && failure_.exit_code < 0 && failure_.signal == 0) {
       const char* code = std::strstr(l.c_str(), "Exit code:");
       if (code) std::sscanf(code, "Exit code: %d", &failure_.exit_code);
+      // MPI_Abort's banner: "with errorcode C." on the line after the rank.
+      if (const char* err = std::strstr(l.c_str(), "with errorcode "))
+        std::sscanf(err, "with errorcode %d", &failure_.exit_code);
     }
     if (failure_.rank >= 0) return;
+    // A rank that exits with a failure under the launcher calls MPI_Abort
+    // with its exit status (mpi_communicator.cc): "MPI_ABORT was invoked on
+    // rank R in communicator MPI_COMM_WORLD".
+    if (const char* abort = std::strstr(l.c_str(), "MPI_ABORT was invoked on rank "))
+      if (std::sscanf(abort, "MPI_ABORT was invoked on rank %d", &failure_.rank) == 1) return;
     char name[64] = {0};
     const char* p = std::strstr(l.c_str(), "process rank ");
     if (p && std::sscanf(p, "process rank %d with PID %*d on node %*s exited on signal %d (%63[^)])",
@@ -444,6 +462,12 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
     for (int k = 0; p > 0 && k < 250 && !process_gone(p); ++k) usleep(20000);
   }
   end.failure = relay.finish(2);
+  // A rank's own record of its failing exit names it even when mpirun's
+  // banner was not relayed (seen: "mpirun exited with code 3").
+  if (int rank = -1, code = -1; end.failure.signal == 0 && job.failed_exit(rank, code)) {
+    end.failure.rank = rank;
+    end.failure.exit_code = code;
+  }
   end.reported = job.reported();
   if (end.reported && !relay.relayed_error()) end.lost_report = job.report();
   end.end_ns = now_ns();

@@ -11,6 +11,10 @@
 //    last finished step and when) that the launcher's watchdog reads.
 //  * `report`: created by the first rank that prints its error, so that a
 //    job fails with one message.
+//  * `exit`: "R C", left by the first rank whose process exits with a
+//    failure status C while MPI is up; it then calls MPI_Abort instead of
+//    waiting in MPI_Finalize for ranks that wait for it
+//    (src/comm/mpi_communicator.cc).
 #pragma once
 
 #include <atomic>

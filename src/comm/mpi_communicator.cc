@@ -4,11 +4,15 @@
 // non-blocking operations throughout so that callers can overlap several.
 // Every dtype maps to an MPI type; bf16, which MPI lacks, travels as
 // MPI_UINT16_T and is reduced by user-defined operations (bf16_sum, bf16_max).
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <mutex>
 #include <mpi.h>
 
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -286,6 +290,36 @@ void finalize_mpi() {
   MPI_Finalize();
 }
 
+// At exit (glibc's on_exit passes the exit status). A rank under the
+// launcher (`hspmd launch`, `hspmd train --nproc`: HSPMD_JOB_DIR is set) that
+// exits with a failure -- sys.exit(3), an uncaught Python exception, a C++
+// rank returning 1 -- does not finalize: MPI_Finalize waits for every rank
+// while the others may wait in a collective for this one, and the job would
+// hang with no dead rank for the launcher to see (issue 39 item 4). The
+// first such rank leaves "R C" in the job directory's `exit` file (mpirun's
+// banner naming it is not always relayed), then MPI_Abort with the status
+// ends the job at once; the launcher says "rank R exited with code C".
+void finalize_mpi_at_exit(int status, void*) {
+  int finalized = 0, size = 1, rank = 0;
+  MPI_Finalized(&finalized);
+  const char* job_dir = std::getenv("HSPMD_JOB_DIR");
+  if (!finalized && status != 0 && job_dir != nullptr && MPI_Comm_size(MPI_COMM_WORLD, &size) == MPI_SUCCESS &&
+      size > 1) {
+    std::fflush(stdout);
+    std::fflush(stderr);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    const std::string path = std::string(job_dir) + "/exit";
+    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      const std::string text = std::to_string(rank) + " " + std::to_string(status) + "\n";
+      [[maybe_unused]] const ssize_t written = ::write(fd, text.data(), text.size());  // else mpirun's banner
+      ::close(fd);
+    }
+    MPI_Abort(MPI_COMM_WORLD, status);
+  }
+  finalize_mpi();
+}
+
 }  // namespace
 
 std::unique_ptr<Communicator> MpiCommunicator::duplicate() {
@@ -308,7 +342,7 @@ std::unique_ptr<Communicator> make_world_communicator() {
     // Multiple: the overlapped gradient synchronization drives a duplicate
     // world from its own thread (duplicate()).
     check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
-    std::atexit(finalize_mpi);
+    on_exit(finalize_mpi_at_exit, nullptr);
   }
   MPI_Comm world = MPI_COMM_NULL;
   check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup");

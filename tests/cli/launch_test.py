@@ -9,6 +9,9 @@
  * with --timeout, a rank that stops (SIGSTOP) is named by the watchdog: the
    Python ranks tick the heartbeat (python/hspmd/_supervision.py);
  * a Trainer setup error on every rank is one line from one rank;
+ * a rank that exits (sys.exit(3)) or raises before the first collective
+   ends the job within seconds, named with its exit code (it used to sit in
+   MPI_Finalize while the others waited for it: a hang);
  * SIGTERM to the launcher ends the ranks: exit code 143 and one line;
  * a missing script or --nproc is one [flags] line, exit code 1."""
 import argparse
@@ -48,6 +51,18 @@ BAD_SETUP = """import sys, hspmd
 bad = {"pipelines": [{"micro_batch_size": 2, "micro_batches": 1,
                       "stages": [{"ranks": [0, 1, 2], "layers": [0, 3]}]}]}
 hspmd.Trainer(sys.argv[1], bad, sys.argv[2], seq_len=64, steps=1)
+"""
+EARLY_EXIT = """import sys, hspmd
+w = hspmd.world()
+if w.rank == 1:
+    sys.exit(3)  # before the first collective: rank 0 waits in the barrier
+w.barrier()
+"""
+EARLY_RAISE = """import hspmd
+w = hspmd.world()
+if w.rank == 1:
+    raise ValueError("rank 1 fails before the first collective")
+w.barrier()
 """
 SLEEPER = """import os, sys, time, hspmd
 w = hspmd.world()
@@ -129,6 +144,25 @@ def main():
         lines = errors(p.stderr)
         assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
         assert lines[0].startswith("hspmd: error: rank "), lines
+
+        # A rank that exits or raises before the first collective: the job
+        # ends at once (not by the watchdog's --timeout), naming the rank and
+        # its exit code (issue 39 item 4).
+        for name, script, want in (("early_exit.py", EARLY_EXIT, "rank 1 exited with code 3"),
+                                   ("early_raise.py", EARLY_RAISE, "ValueError: rank 1 fails")):
+            path = os.path.join(d, name)
+            with open(path, "w") as f:
+                f.write(script)
+            start = time.time()
+            p = subprocess.run(launch[:2] + ["--nproc", "2", "--timeout", "30", "--python", a.python, path], env=env,
+                               capture_output=True, text=True, timeout=180)
+            took = time.time() - start
+            assert p.returncode == 1 and want in p.stderr and "[watchdog]" not in p.stderr, (name, p.stderr)
+            assert len(errors(p.stderr)) <= 1, (name, p.stderr)
+            if name == "early_exit.py":
+                assert errors(p.stderr) == ["hspmd: error: [launch] rank 1 exited with code 3 without a message; "
+                                            "the job was ended"], p.stderr
+            assert took < 10, f"{name}: the job took {took:.1f} s to end"
 
         # SIGTERM to the launcher: forwarded, the ranks end, 128 + 15.
         sleeper, marker = os.path.join(d, "sleeper.py"), os.path.join(d, "started")
