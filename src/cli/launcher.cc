@@ -5,7 +5,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -21,6 +21,7 @@
 #include <ctime>
 #include <functional>
 
+#include "flags.h"
 #include "hspmd/core/error.h"
 #include "hspmd/train/trainer.h"
 #include "restart.h"
@@ -245,6 +246,23 @@ void kill_ranks(const JobDir& job, int sig) {
     if (const int64_t pid = job.slot(r).pid.load(); pid > 0) kill(static_cast<pid_t>(pid), sig);
 }
 
+// The executable `name` as execvp would find it on PATH; "" when none is.
+std::string find_in_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/bin:/bin";
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t colon = dirs.find(':', start);
+    if (colon == std::string::npos) colon = dirs.size();
+    const std::string dir = colon > start ? dirs.substr(start, colon - start) : ".";
+    const std::string candidate = dir + "/" + name;
+    struct stat st {};
+    if (stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(candidate.c_str(), X_OK) == 0)
+      return candidate;
+    start = colon + 1;
+  }
+  return "";
+}
+
 std::string self_executable() {
   char self[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -270,29 +288,36 @@ pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& command, const
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
+  const std::string path = find_in_path("mpirun");
+  if (path.empty()) fail("[launch] cannot start mpirun (is Open MPI installed?)");
   // Its own process group (a terminal's ^C reaches the launcher only, which
   // forwards it), stdin from /dev/null (a background group reading the
-  // terminal would stop), stderr into the relay.
-  posix_spawn_file_actions_t files;
-  posix_spawn_file_actions_init(&files);
-  posix_spawn_file_actions_addopen(&files, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&files, err_fd, 2);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setpgroup(&attr, 0);
-  sigset_t none, defaults;
+  // terminal would stop), stderr into the relay. And SIGTERM when the
+  // launcher dies, however (PR_SET_PDEATHSIG; even SIGKILL): mpirun then
+  // ends every rank, whatever the rank is doing -- a Python rank that has not
+  // reached hspmd.world() has no watcher thread of its own (issue 39 item 10).
+  // fork, not posix_spawn, for the prctl; the child calls only
+  // async-signal-safe functions before execve.
+  const pid_t launcher = getpid();
+  const int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devnull < 0) fail("[launch] cannot open /dev/null: ", std::strerror(errno));
+  sigset_t none;
   sigemptyset(&none);
-  sigemptyset(&defaults);
-  sigaddset(&defaults, SIGINT);
-  sigaddset(&defaults, SIGTERM);
-  posix_spawnattr_setsigmask(&attr, &none);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  pid_t pid = 0;
-  const int rc = posix_spawnp(&pid, "mpirun", &files, &attr, cargv.data(), environ);
-  posix_spawn_file_actions_destroy(&files);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) fail("[launch] cannot start mpirun (is Open MPI installed?)");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != launcher) _exit(127);  // already gone
+    dup2(devnull, 0);
+    dup2(err_fd, 2);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execve(path.c_str(), cargv.data(), environ);
+    _exit(127);
+  }
+  close(devnull);
+  if (pid < 0) fail("[launch] cannot start mpirun: ", std::strerror(errno));
+  setpgid(pid, pid);  // also here: no signal to the group may race the child's own call
   return pid;
 }
 
@@ -488,8 +513,17 @@ int give_up(const AttemptEnd& end, int64_t restarts, int64_t max_restarts) {
 
 }  // namespace
 
+int64_t max_local_ranks() { return 32 * static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency())); }
+
+void check_local_ranks(const std::string& what, int64_t n, int64_t least) {
+  const int64_t most = max_local_ranks();
+  if (n < least || n > most)
+    fail(what, " ", n, " must lie in [", least, ", ", most,
+         "] on this machine (32 per core: each rank is a process here)");
+}
+
 int launch_ranks(const LaunchOptions& o) {
-  if (o.nproc < 1) fail("[flags] --nproc must be >= 1, got ", o.nproc);
+  check_local_ranks("[flags] --nproc", o.nproc, 1);
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
@@ -583,9 +617,9 @@ int launch_command(const std::vector<std::string>& args) {
       return 0;
     }
     if (a.rfind("--nproc", 0) == 0) {
-      const double n = number("--nproc", value("--nproc"));
-      if (n != std::floor(n) || n < 1 || n > 4096) fail("[flags] --nproc must be an integer in [1, 4096], got ", n);
-      o.nproc = static_cast<int64_t>(n);
+      // The one integer parser (no "1e3"), then the one bound on local ranks.
+      o.nproc = parse_int("nproc", value("--nproc"));
+      check_local_ranks("[flags] --nproc", o.nproc, 1);
       nproc_given = true;
     } else if (a.rfind("--timeout", 0) == 0) {
       o.timeout_s = number("--timeout", value("--timeout"));

@@ -38,13 +38,26 @@ struct LaunchOptions {
   std::vector<std::string> command;
 };
 
+// The most ranks (processes) one job may run on this machine: 32 per core.
+// Beyond that the ranks measure the scheduler (1,000 ranks on 2 cores ran
+// the machine to a load of 199).
+int64_t max_local_ranks();
+
+// The one bound on local process counts: hspmd::Error "<what> <n> must lie
+// in [<least>, max_local_ranks()] on this machine (32 per core: each rank is
+// a process here)" otherwise. `hspmd launch --nproc`, `hspmd train --nproc`
+// (launch_ranks) and `hspmd profile --emulated-ranks` go through it.
+void check_local_ranks(const std::string& what, int64_t n, int64_t least);
+
 // Runs `mpirun -np N hspmd train <rank_args>` (or `<command> <rank_args>`)
 // in its own process group and
 // returns the job's exit code: 0 when every rank succeeded; 1 when a rank
 // failed (its error, or "[launch] rank R was killed by signal S", printed
 // once) or the watchdog ended the job; 128+S when the launcher got SIGINT or
 // SIGTERM (forwarded to mpirun, which ends the ranks; SIGKILL after 10 s).
-// Throws hspmd::Error when mpirun cannot be started.
+// mpirun gets SIGTERM when the launcher dies however (PR_SET_PDEATHSIG), so a
+// killed launcher takes its ranks with it. Throws hspmd::Error when mpirun
+// cannot be started or options.nproc fails check_local_ranks.
 int launch_ranks(const LaunchOptions& options);
 
 // `hspmd launch --nproc N [--timeout S] [--python PY] script.py [args]`:

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "launcher.h"
 #include "mps.h"
 #include "flags.h"
 #include "hspmd/models/model.h"
@@ -211,10 +212,7 @@ int profile_command(const std::vector<std::string>& args) {
   // Each emulated rank is a process on this machine: beyond 32 per core
   // the calibration measures the scheduler, and 1000 ranks on 2 cores ran
   // the machine to a load of 199.
-  const int64_t most_ranks = 32 * static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  if (emulated_ranks < 0 || emulated_ranks > most_ranks)
-    fail("[profile] --emulated-ranks ", emulated_ranks, " must lie in [0, ", most_ranks,
-         "] on this machine (32 per core: each is a process here)");
+  check_local_ranks("[profile] --emulated-ranks", emulated_ranks, 0);  // the launcher's bound
   if (!std::filesystem::is_regular_file(model)) fail("[profile] --model ", model, ": no such file");
   check_outputs({{"--model", model}}, {{"--output", output}});
   ProfileOptions o;

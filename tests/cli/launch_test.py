@@ -13,6 +13,10 @@
    ends the job within seconds, named with its exit code (it used to sit in
    MPI_Finalize while the others waited for it: a hang);
  * SIGTERM to the launcher ends the ranks: exit code 143 and one line;
+ * SIGKILL to the launcher takes mpirun and every rank with it, also ranks
+   that never reached hspmd.world() (mpirun gets SIGTERM at the launcher's
+   death: PR_SET_PDEATHSIG);
+ * --nproc beyond 32 ranks per core (or not an integer: 1e3) is refused;
  * a missing script or --nproc is one [flags] line, exit code 1."""
 import argparse
 import glob
@@ -63,6 +67,13 @@ w = hspmd.world()
 if w.rank == 1:
     raise ValueError("rank 1 fails before the first collective")
 w.barrier()
+"""
+# Never calls hspmd.world(): no watcher thread of its own (a rank still
+# importing, or a script that does not use the module).
+SLEEPER_NO_WORLD = """import os, sys, time
+with open(sys.argv[1] + "." + os.environ["OMPI_COMM_WORLD_RANK"], "w") as f:
+    f.write(f"{os.getpid()} {os.getppid()}")
+time.sleep(120)
 """
 SLEEPER = """import os, sys, time, hspmd
 w = hspmd.world()
@@ -180,10 +191,49 @@ def main():
         assert errors(stderr) == ["hspmd: error: [launch] SIGTERM: ended the job's 2 ranks"], stderr
         assert time.time() - start < 15, "the ranks outlived the SIGTERM"
 
+        # SIGKILL to the launcher: mpirun and the ranks follow it within
+        # seconds, even ranks without a watcher thread (issue 39 item 10).
+        lonely, marker = os.path.join(d, "lonely.py"), os.path.join(d, "lonely")
+        with open(lonely, "w") as f:
+            f.write(SLEEPER_NO_WORLD)
+        p = subprocess.Popen(launch + [lonely, marker], env=env, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not all(os.path.exists(f"{marker}.{r}") and os.path.getsize(f"{marker}.{r}") for r in (0, 1)):
+            assert time.time() < deadline and p.poll() is None, "the lonely ranks did not start"
+            time.sleep(0.1)
+        pids = set()
+        for r in (0, 1):
+            with open(f"{marker}.{r}") as f:
+                pids.update(int(x) for x in f.read().split())  # the rank and its parent, mpirun
+        pids.discard(p.pid)
+        p.kill()
+        p.wait()
+
+        def alive(pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            except OSError:
+                return False
+        deadline = time.time() + 10
+        while any(alive(x) for x in pids) and time.time() < deadline:
+            time.sleep(0.1)
+        left = sorted(x for x in pids if alive(x))
+        for x in left:  # leave nothing behind, even when failing
+            try:
+                os.kill(x, signal.SIGKILL)
+            except OSError:
+                pass
+        assert not left, f"SIGKILL to the launcher left mpirun and ranks running: pids {left}"
+
         # Bad invocations: one [flags] line.
         for args, want in (([a.hspmd, "launch", "--nproc", "2", os.path.join(d, "none.py")], "none.py"),
                            ([a.hspmd, "launch", killer], "--nproc N is required"),
-                           ([a.hspmd, "launch", "--nproc", "2"], "no script given")):
+                           ([a.hspmd, "launch", "--nproc", "2"], "no script given"),
+                           # 32 ranks per core at most, as profile --emulated-ranks (issue 39 item 10).
+                           ([a.hspmd, "launch", "--nproc", "100000", killer],
+                            "--nproc 100000 must lie in [1, "),
+                           ([a.hspmd, "launch", "--nproc", "1e3", killer], "--nproc: '1e3' is not an integer")):
             p = subprocess.run(args, env=env, capture_output=True, text=True)
             assert p.returncode == 1 and len(errors(p.stderr)) == 1 and want in p.stderr, (args, p.stderr)
     print("ok: hspmd launch == mpirun python3 == hspmd train --nproc 2; a killed rank, the watchdog, a setup "
