@@ -22,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ w.barrier()
 # importing, or a script that does not use the module).
 SLEEPER_NO_WORLD = """import os, sys, time
 with open(sys.argv[1] + "." + os.environ["OMPI_COMM_WORLD_RANK"], "w") as f:
-    f.write(f"{os.getpid()} {os.getppid()}")
+    f.write(f"{os.getpid()} {os.getppid()}\\n{os.environ['HSPMD_JOB_DIR']}")
 time.sleep(120)
 """
 SLEEPER = """import os, sys, time, hspmd
@@ -201,10 +202,11 @@ def main():
         while not all(os.path.exists(f"{marker}.{r}") and os.path.getsize(f"{marker}.{r}") for r in (0, 1)):
             assert time.time() < deadline and p.poll() is None, "the lonely ranks did not start"
             time.sleep(0.1)
-        pids = set()
+        pids, job_dir = set(), None
         for r in (0, 1):
             with open(f"{marker}.{r}") as f:
-                pids.update(int(x) for x in f.read().split())  # the rank and its parent, mpirun
+                ids, job_dir = f.read().split("\n")
+                pids.update(int(x) for x in ids.split())  # the rank and its parent, mpirun
         pids.discard(p.pid)
         p.kill()
         p.wait()
@@ -224,6 +226,7 @@ def main():
                 os.kill(x, signal.SIGKILL)
             except OSError:
                 pass
+        shutil.rmtree(job_dir, ignore_errors=True)  # nobody left to remove it: these ranks have no watcher
         assert not left, f"SIGKILL to the launcher left mpirun and ranks running: pids {left}"
 
         # Bad invocations: one [flags] line.
