@@ -299,6 +299,8 @@ class DistTrainer {
   // zero, as a fresh run's.
   void load_weights(const std::map<std::string, NDArray>& full);
   Communicator& world() const { return world_; }
+  // The plan in force (the one the next step trains under).
+  const AnnotationPlan& plan_in_force() const { return *rt_->plan; }
 
  private:
   // A strategy (compiled) or a trainable plan for this job.

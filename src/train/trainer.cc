@@ -13,6 +13,7 @@
 #include "hspmd/models/config.h"
 #include "kernels/basic.h"
 #include "train/dist_trainer.h"
+#include "train/replica_check.h"
 #include "train/train_common.h"
 
 namespace hspmd {
@@ -253,6 +254,9 @@ void TrainingRun::load_parameters(std::map<std::string, NDArray> weights, const 
     full = validate_model_weights(ModelConfig::load(options_.model_path), std::move(weights), source);
     train_common::check_finite_weights(full, source);
   });
+  // Each rank passed its own arrays: where two ranks hold the same elements
+  // they must agree (refused on every rank otherwise, nothing loaded).
+  check_weight_replicas(trainer_->plan_in_force(), trainer_->world(), full, source);
   trainer_->load_weights(full);
 }
 
