@@ -42,7 +42,7 @@ class DGUnion(list):
     """One DeviceGroup per subgroup."""
 
     def __init__(self, groups):
-        super().__init__(g if isinstance(g, DeviceGroup) else DeviceGroup(list(g)) for g in groups)
+        super().__init__(g if isinstance(g, DeviceGroup) else DeviceGroup(g) for g in groups)
 
     @property
     def hsize(self):
@@ -70,9 +70,10 @@ class Strategy:
     @staticmethod
     def from_json(value):
         """From a dict, JSON text or a file path; raises hspmd.Error for a bad strategy."""
+        _check_json_source(value, "Strategy.from_json(): value", "a dict, JSON text or a strategy file's path")
         if isinstance(value, dict):
             return Strategy(_core.Strategy.from_json(json.dumps(value)))
-        if isinstance(value, (str, os.PathLike)) and os.path.exists(value):
+        if isinstance(value, os.PathLike) or (isinstance(value, str) and os.path.exists(value)):
             return Strategy(_core.Strategy.load(os.fspath(value)))
         return Strategy(_core.Strategy.from_json(value))
 
@@ -103,6 +104,15 @@ class Strategy:
         return f"Strategy({json.dumps(self.to_json())})"
 
 
+def _check_json_source(value, what, expected):
+    """hspmd.Error naming `what` for a value that is neither a dict, text,
+    bytes nor a path (pybind11's TypeError names no argument)."""
+    if not isinstance(value, (dict, str, bytes, os.PathLike)):
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise Error(f"[python] {what}={shown}: must be {expected}, got {type(value).__name__}")
+
+
 def _temp_json(directory, name, value):
     path = os.path.join(directory, name)
     with open(path, "w") as f:
@@ -126,9 +136,10 @@ class Plan:
 
     @staticmethod
     def from_json(value):
+        _check_json_source(value, "Plan.from_json(): value", "a dict, JSON text or a plan file's path")
         if isinstance(value, dict):
             return Plan(AnnotationPlan.from_json(json.dumps(value)))
-        if isinstance(value, (str, os.PathLike)) and os.path.exists(value):
+        if isinstance(value, os.PathLike) or (isinstance(value, str) and os.path.exists(value)):
             return Plan(AnnotationPlan.load(os.fspath(value)))
         return Plan(AnnotationPlan.from_json(value))
 

@@ -50,7 +50,10 @@ def from_hf(config):
         with open(path, "w") as f:
             f.write(text)
         return Model(parsed, path, owned)
-    raise TypeError(f"hspmd.models.from_hf: expected a config.json path or a dict, got {type(config).__name__}")
+    shown = repr(config)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise _core.Error(f"[python] models.from_hf(): config={shown}: must be a config.json path or a dict, got "
+                      f"{type(config).__name__}")
 
 
 def families():

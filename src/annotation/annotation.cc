@@ -284,6 +284,10 @@ void check_divisible(const Annotation& a, const std::string& name, const Shape& 
                      const std::vector<int64_t>& part_sizes) {
   const int rank = static_cast<int>(global_shape.size());
   if (a.subgroups.empty()) fail_tensor(name, "has no subgroups");
+  for (int d = 0; d < rank; ++d)
+    if (global_shape[d] < 0)
+      fail_tensor(name, "shape ", shape_str(global_shape), " has the negative size ", global_shape[d], " along dim ",
+                  d);
   if (a.hdim >= rank) fail_tensor(name, "hdim ", a.hdim, " is outside the shape ", shape_str(global_shape));
   if (a.hdim < 0 && !part_sizes.empty()) fail_tensor(name, "part sizes given but hdim is ", a.hdim);
   // Part sizes once (errors name the tensor), not once per part_box: O(hsize), not O(hsize^2).

@@ -194,8 +194,12 @@ TEST(CheckDivisible, PartsAndSplits) {
   a.hdim = kDup;
   expect_bad(a, {6, 3}, {4, 2}, "part sizes given but hdim is -1");
   expect_bad(a, {5, 3}, {}, "split(0): 2 does not divide size 5");
+  // A negative size was divisible (-8 % 2 == 0) and gave a box (issue 39).
+  expect_bad(a, {-8, 3}, {}, "has the negative size -8 along dim 0");
+  expect_bad(a, {6, -1}, {}, "has the negative size -1 along dim 1");
   // local_box runs the same checks (its message names no tensor).
   EXPECT_THROW(local_box(a, {5, 3}, 0), Error);
+  EXPECT_THROW(local_box(a, {-8, 3}, 0), Error);
   EXPECT_THROW(local_box(a, {6, 3}, 0, {4, 2}), Error);
 }
 

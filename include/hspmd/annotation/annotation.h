@@ -148,7 +148,8 @@ void validate(const Annotation& annotation, const std::string& tensor_name, int 
 // the top-tier parts along hdim, one per subgroup (empty = from the
 // annotation's part_weights, or hsize equal parts without weights; must be
 // empty unless hdim >= 0). Throws hspmd::Error "[annotation] tensor
-// '<name>': <rule>" when: a split dim or hdim is outside the shape's rank;
+// '<name>': <rule>" when: a size of the shape is negative; a split dim or
+// hdim is outside the shape's rank;
 // part_sizes has the wrong count, a negative size, or does not sum to the
 // dim's size; equal parts do not divide the dim; a bottom-tier split degree
 // does not divide the size of its subgroup's part along that dim.
