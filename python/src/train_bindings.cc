@@ -3,6 +3,8 @@
 // TrainingRun, the training loop driven one step at a time.
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 
@@ -14,6 +16,7 @@
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
+#include "hspmd/optim/lr_schedule.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
@@ -156,17 +159,52 @@ TrainOptions options_from_flags(const py::dict& flags) {
            ", got ", py::str(value.get_type().attr("__name__")).cast<std::string>());
     }
   }
+  // The rates first, in the Trainer's own spelling: Trainer(lr=-1) is
+  // refused as lr, not as min_lr's bound.
+  o.schedule.check_rates("lr", "min_lr");
   if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
     fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
   for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
     if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
-  if (!(o.schedule.min_lr >= 0 && o.schedule.min_lr <= o.schedule.lr))
-    fail("[flags] --min-lr ", o.schedule.min_lr, " must lie in [0, --lr ", o.schedule.lr, "]");
   if (o.threads < 1 || o.threads > 1024) fail("[flags] --threads must lie in [1, 1024], got ", o.threads);
   return o;
 }
 
+// One call at a time per run: the calls below release the GIL while they
+// work, and a run's state is not shared between threads. A call that comes
+// while another thread is in one is refused before it touches the run
+// (hspmd.Error naming both calls); the call in progress goes on.
+class OneCallAtATime {
+ public:
+  OneCallAtATime(const TrainingRun& run, const char* call) : run_(&run) {
+    std::lock_guard<std::mutex> lock(mutex());
+    const auto [it, fresh] = calls().emplace(run_, call);
+    if (!fresh)
+      fail("[train] Trainer.", call, ": another thread is in ", it->second,
+           " of this Trainer; a Trainer's calls run one at a time (wait for that call, or give each thread its "
+           "own Trainer)");
+  }
+  ~OneCallAtATime() {
+    std::lock_guard<std::mutex> lock(mutex());
+    calls().erase(run_);
+  }
+  OneCallAtATime(const OneCallAtATime&) = delete;
+  OneCallAtATime& operator=(const OneCallAtATime&) = delete;
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<const TrainingRun*, const char*>& calls() {
+    static std::map<const TrainingRun*, const char*> c;
+    return c;
+  }
+  const TrainingRun* run_;
+};
+
 py::dict numpy_parameters(TrainingRun& run) {
+  OneCallAtATime one(run, "state_dict()");
   std::map<std::string, NDArray> params;
   {
     py::gil_scoped_release release;
@@ -228,6 +266,7 @@ void bind_train(py::module_& m) {
       .def_property_readonly("done", &TrainingRun::done)
       .def_property_readonly("next_step", &TrainingRun::next_step)
       .def("step", [](TrainingRun& run) {
+             OneCallAtATime one(run, "step()");
              StepRecord r;
              {
                py::gil_scoped_release release;
@@ -236,6 +275,7 @@ void bind_train(py::module_& m) {
              return step_record_json(r);
            }, "Trains the next step; returns its log record as JSON text")
       .def("finish", [](TrainingRun& run) {
+             OneCallAtATime one(run, "finish()");
              std::vector<StepRecord> records;
              {
                py::gil_scoped_release release;
@@ -246,13 +286,21 @@ void bind_train(py::module_& m) {
              return out;
            }, "Waits for the last checkpoint, writes --save and --trace; every step's record as JSON text")
       .def_property_readonly("finished", &TrainingRun::finished)
-      .def("wait_for_checkpoint", &TrainingRun::wait_for_checkpoint, py::call_guard<py::gil_scoped_release>(),
+      .def("wait_for_checkpoint", [](TrainingRun& run) {
+             OneCallAtATime one(run, "load_checkpoint()");
+             py::gil_scoped_release release;
+             run.wait_for_checkpoint();
+           },
            "Commits the pending background checkpoint (save_every=), waiting for its writers")
       .def("parameters", &numpy_parameters, "{Hugging Face name: float32 numpy array}, the same on every rank")
-      .def("save_checkpoint", &TrainingRun::save_checkpoint, py::arg("dir"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("save_checkpoint", [](TrainingRun& run, const std::string& dir) {
+             OneCallAtATime one(run, "save_checkpoint()");
+             py::gil_scoped_release release;
+             run.save_checkpoint(dir);
+           }, py::arg("dir"))
       .def("switch_to", [](TrainingRun& run, std::optional<Strategy> strategy, std::optional<AnnotationPlan> plan,
                            const std::string& source) {
+             OneCallAtATime one(run, "switch_to()");
              TrainingRun::SwitchTarget t;
              t.strategy = std::move(strategy);
              if (plan) t.plan = std::make_shared<const AnnotationPlan>(std::move(*plan));
@@ -262,6 +310,7 @@ void bind_train(py::module_& m) {
            }, py::arg("strategy"), py::arg("plan"), py::arg("source"),
            "Moves the run to a strategy, a compiled plan, or the strategy or plan file `source`, before the next step")
       .def("load_parameters", [](TrainingRun& run, const py::dict& weights, const std::string& source) {
+             OneCallAtATime one(run, "load_state_dict()");
              std::map<std::string, NDArray> arrays = arrays_from_numpy(weights, source);
              py::gil_scoped_release release;
              run.load_parameters(std::move(arrays), source);

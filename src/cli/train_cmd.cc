@@ -21,6 +21,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
+#include "hspmd/optim/lr_schedule.h"
 #include "hspmd/plan/token_dispatch.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
@@ -215,7 +216,10 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
                   int64_t nproc, double timeout, int64_t max_restarts) {
   for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
     if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
-  if (!(min_lr >= 0 && min_lr <= lr)) fail("[flags] --min-lr ", min_lr, " must lie in [0, --lr ", lr, "]");
+  LrSchedule rates;
+  rates.lr = lr;
+  rates.min_lr = min_lr;
+  rates.check_rates("--lr", "--min-lr");
   if (threads < 1 || threads > kMaxThreads)
     fail("[flags] --threads must lie in [1, ", kMaxThreads, "], got ", threads);
   if (f.given("nproc") && (nproc < 1 || nproc > kMaxThreads))

@@ -32,6 +32,14 @@ double LrSchedule::at(int64_t step) const {
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
+void LrSchedule::check_rates(const std::string& lr_name, const std::string& min_lr_name) const {
+  if (!std::isfinite(lr)) fail("[flags] ", lr_name, " must be a finite number, got ", lr);
+  if (!(lr > 0)) fail("[flags] ", lr_name, " must be positive, got ", lr);
+  if (!std::isfinite(min_lr)) fail("[flags] ", min_lr_name, " must be a finite number, got ", min_lr);
+  if (!(min_lr >= 0 && min_lr <= lr))
+    fail("[flags] ", min_lr_name, " ", min_lr, " must lie in [0, ", lr_name, " ", lr, "]");
+}
+
 LrScheduleKind LrSchedule::parse_kind(const std::string& name) {
   if (name == "constant" || name == "warmup") return LrScheduleKind::Constant;
   if (name == "cosine") return LrScheduleKind::Cosine;

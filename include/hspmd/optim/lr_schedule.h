@@ -25,6 +25,15 @@ struct LrSchedule {
   // when total_steps <= warmup_steps it yields min_lr after warmup.
   double at(int64_t step) const;
 
+  // The one check of the two rates, for every way in (the CLI's flags, the
+  // Python Trainer's options): lr a finite number > 0 first, then min_lr a
+  // finite number in [0, lr], so that a bad lr is named as itself, never as
+  // min_lr's bound. Throws hspmd::Error "[flags] <lr_name> must be positive,
+  // got -1" (or "... must be a finite number, got inf", "[flags]
+  // <min_lr_name> 0.1 must lie in [0, <lr_name> 0.01]"); the names as the
+  // caller's user spells them ("--lr" on the command line, "lr" in Python).
+  void check_rates(const std::string& lr_name, const std::string& min_lr_name) const;
+
   // Parses "constant", "warmup" (= constant after warmup) or "cosine".
   // Throws hspmd::Error "[flags] --lr-schedule: ..." otherwise.
   static LrScheduleKind parse_kind(const std::string& name);
