@@ -586,6 +586,27 @@ std::string python_module_dir() {
   return "";
 }
 
+// The interpreter of `hspmd launch --python`, found before any rank starts:
+// a missing one would only show as ranks that "exited with code ?". A name
+// without a slash is looked up on PATH as mpirun will; a path must be an
+// executable file.
+namespace {
+void check_interpreter(const std::string& python) {
+  const std::string what = "[flags] launch --python " + python + ": ";
+  if (python.empty()) fail("[flags] launch --python: an empty name (the interpreter that runs the script)");
+  if (python.find('/') == std::string::npos) {
+    if (find_in_path(python).empty())
+      fail(what, "no executable of that name on PATH (give the interpreter's path)");
+    return;
+  }
+  struct stat st {};
+  if (stat(python.c_str(), &st) != 0) fail(what, std::strerror(errno), " (the interpreter that runs the script)");
+  if (S_ISDIR(st.st_mode)) fail(what, "is a directory, not an interpreter");
+  if (!S_ISREG(st.st_mode)) fail(what, "is not a regular file, not an interpreter");
+  if (access(python.c_str(), X_OK) != 0) fail(what, "is not executable (", std::strerror(errno), ")");
+}
+}  // namespace
+
 int launch_command(const std::vector<std::string>& args) {
   LaunchOptions o;
   o.timeout_s = 0;  // the watchdog only with --timeout: a script's steps are its own
@@ -633,6 +654,7 @@ int launch_command(const std::vector<std::string>& args) {
     }
   }
   if (!nproc_given) fail("[flags] launch: --nproc N is required");
+  check_interpreter(python);
   if (i >= args.size()) fail("[flags] launch: no script given (hspmd launch --nproc N script.py [args])");
   const std::string& script = args[i];
   if (access(script.c_str(), R_OK) != 0) fail("[flags] launch: ", script, ": ", std::strerror(errno));
