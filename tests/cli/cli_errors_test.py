@@ -106,7 +106,8 @@ def main():
         ("config impossible heads", with_flag("--model", p("bad_heads.json")), "num_attention_heads"),
         ("missing data", with_flag("--data", p("nope.bin")), "nope.bin"),
         ("empty data", with_flag("--data", p("empty.bin")), "empty.bin"),
-        ("data not uint32", with_flag("--data", p("odd.bin")), "odd.bin"),
+        ("data not uint32", with_flag("--data", p("odd.bin")),
+         p("odd.bin") + ": size 6 bytes is not a multiple of 4 (uint32 token ids)"),
         ("data shorter than a sample", with_flag("--data", p("short.bin")), "short.bin"),
         ("token id >= vocab", with_flag("--data", p("bad_id.bin")), "70000"),
         ("truncated safetensors", base + ["--init", p("truncated.safetensors")], "truncated"),
@@ -184,6 +185,38 @@ def main():
                                   "1", "--repetitions", "1", "-o", p("fifo_link.json")], "is a FIFO"),
         ("plan compile -o is a directory", ["plan", "compile", "--model", p("cfg.json"), "--strategy",
                                             p("strategy.json"), "--world", "1", "-o", tmp], "is a directory"),
+    ]
+    # Issue 39 item 12: the flag the user gave is the one named. --lr -1 was
+    # blamed on --min-lr ("--min-lr 0 must lie in [0, --lr -1]"); a missing
+    # or unusable launch --python gave "rank 0 exited with code ?" after the
+    # job started. A token file that is not whole uint32 ids is refused by
+    # every reader.
+    with open(p("s.py"), "w") as f:
+        f.write("print('never run')\n")
+    os.mkdir(p("pydir"))
+    with open(p("one_layer.json"), "w") as f:
+        json.dump({"pipelines": [{"micro_batch_size": 1, "micro_batches": 2,
+                                  "stages": [{"ranks": [0], "layers": [0, 0]}]}]}, f)
+    launch = ["launch", "--nproc", "1", "--python"]
+    cases += [
+        ("train --lr -1 names --lr", base + ["--lr", "-1"], "[flags] --lr must be positive, got -1"),
+        ("train --lr nan names --lr", base + ["--lr", "nan"], "[flags] --lr must be a finite number, got nan"),
+        ("train --min-lr above --lr", base + ["--lr", "0.01", "--min-lr", "0.1"],
+         "[flags] --min-lr 0.1 must lie in [0, --lr 0.01]"),
+        ("launch --python missing", launch + [p("no_python"), p("s.py")],
+         "[flags] launch --python " + p("no_python") + ": No such file or directory"),
+        ("launch --python not executable", launch + [p("g.txt"), p("s.py")],
+         "[flags] launch --python " + p("g.txt") + ": is not executable"),
+        ("launch --python a directory", launch + [p("pydir"), p("s.py")],
+         "[flags] launch --python " + p("pydir") + ": is a directory"),
+        ("launch --python not on PATH", launch + ["no-such-python-hspmd", p("s.py")],
+         "[flags] launch --python no-such-python-hspmd: no executable of that name on PATH"),
+        ("data stats of an odd token file", ["data", "stats", "--eos", "5", p("odd.bin")],
+         p("odd.bin") + ": size 6 bytes is not a multiple of 4"),
+        ("plan cost --lengths odd token file", ["plan", "cost", "--model", p("cfg.json"), "--strategy",
+                                                p("one_layer.json"), "--cluster", p("cluster.json"), "--lengths",
+                                                p("odd.bin"), "--batch-tokens", "32", "--max-seq-len", "16"],
+         p("odd.bin") + ": size 6 bytes is not a multiple of 4"),
     ]
     # The valid baseline must succeed, or the cases below prove nothing.
     ok = subprocess.run([exe] + base + ["--init", p("ok.safetensors")], capture_output=True, text=True)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 
 import hspmd
 
@@ -181,6 +182,122 @@ def check_unclear_inputs(d):
     assert len(log.read_text().splitlines()) == 1
 
 
+def check_refused_arguments(d):
+    """Issue 39 item 12, the rest: each bad argument is hspmd.Error whose one
+    line names the argument and the rule, never a pybind11 cast error naming
+    no argument, Python's own TypeError, an InternalError ("check failed")
+    from user input, nor a value accepted that no rule allows."""
+    ok = hspmd.annotation(hspmd.DGUnion([[0, 1]]), hspmd.DSUnion([hspmd.DS({0: 2})]))
+    broken = hspmd.Annotation([hspmd.DeviceGroup([0, 1, 2, 3])], [hspmd.DS({0: 2})])  # 2 != 4 ranks
+    for fn, prefix in (
+            (lambda: hspmd.DS({0: 2**40}), "[annotation] DS: degree of split(0) 1099511627776 is outside [1, 1048576]"),
+            (lambda: hspmd.DS({"a": 2}), "[annotation] DS: key must be an integer, got str 'a'"),
+            (lambda: hspmd.DS({0: 2.5}), "[annotation] DS: degree of split(0) must be an integer, got float"),
+            (lambda: hspmd.DS({-7: 2}), "[annotation] DS: key -7 is not a key (split dims are >= 0"),
+            (lambda: hspmd.DS({0: 1024, 1: 2048}), "[annotation] DS: degrees multiply to more than the largest world"),
+            (lambda: hspmd.DS([0, 2]), "[annotation] DS: degrees must be a dict {key: degree}"),
+            (lambda: hspmd.DS({0: 2}, order=["x"]), "[annotation] DS: order[0] must be an integer, got str"),
+            (lambda: hspmd.DS({0: 2}).degree("x"), "[annotation] DS.degree: key must be an integer"),
+            (lambda: hspmd.DeviceGroup([0, 2**40]), "[annotation] DeviceGroup: ranks[1] 1099511627776 is outside"),
+            (lambda: hspmd.DeviceGroup([-1]), "[annotation] DeviceGroup: ranks[0] -1 is outside [0, 1048575]"),
+            (lambda: hspmd.DeviceGroup(3), "[annotation] DeviceGroup: ranks must be a list of integers, got int"),
+            (lambda: hspmd.DGUnion([3]), "[annotation] DeviceGroup: ranks must be a list of integers, got int"),
+            (lambda: hspmd.Annotation([[0, 1]], [hspmd.DS({0: 2})], hetero_dim=-7),
+             "[annotation] Annotation: hetero_dim -7 is neither -2 (PARTIAL), -1 (DUP) nor a tensor dim"),
+            (lambda: hspmd.annotation(hspmd.DGUnion([[0, 1]]), hspmd.DSUnion([hspmd.DS({0: 2})], hetero_dim=-7)),
+             "[annotation] Annotation: hetero_dim -7"),
+            (lambda: hspmd.Annotation([[0, 1]], [hspmd.DS()], hetero_dim="0"),
+             "[annotation] Annotation: hetero_dim must be an integer, got str"),
+            (lambda: hspmd.Annotation([[0], [1]], [hspmd.DS(), hspmd.DS()], 0, [3, 0]),
+             "[annotation] Annotation: part_weights[1] 0 is outside [1, "),
+            (lambda: hspmd.Annotation([[0, 1]], [1]), "[annotation] Annotation: states[0] must be a DS, got int"),
+            (lambda: hspmd.Annotation(5, [hspmd.DS()]), "[annotation] Annotation: groups must be a list of"),
+            (lambda: ok.local_box([-8, 4], 0), "[annotation] local_box: shape[0] -8 is outside [0, "),
+            (lambda: ok.local_box([8, "4"], 0), "[annotation] local_box: shape[1] must be an integer, got str"),
+            (lambda: ok.local_box([8, 4], 2**40), "[annotation] local_box: rank 1099511627776 is outside"),
+            (lambda: broken.local_box([8, 4], 3),  # was InternalError "check failed: rest == 0"
+             "[annotation] tensor 'tensor': subgroup 0: degrees multiply to 2 but the device group has 4 ranks"),
+            (lambda: broken.local_box([8, 4], 0, name="w"), "[annotation] tensor 'w': subgroup 0: degrees multiply"),
+            (lambda: ok.validate(world_size=2**40, tensor_rank=2), "[annotation] validate: world_size 1099511627776"),
+            (lambda: hspmd.deduce("add", 5), "[deduce] inputs must be a list of (shape, Annotation) pairs, got int"),
+            (lambda: hspmd.deduce("add", [([4, 4], ok), ([4, -4], ok)]), "[deduce] inputs[1] shape[1] -4 is outside"),
+            (lambda: hspmd.deduce("transpose", [([4, 4], ok)], dim0="x"),
+             "[deduce] attribute dim0 must be an integer, got str"),
+            (lambda: hspmd.Strategy.from_json(1), "[python] Strategy.from_json(): value=1: must be a dict"),
+            (lambda: hspmd.Plan.from_json(None), "[python] Plan.from_json(): value=None: must be a dict"),
+            (lambda: hspmd.models.from_hf(1), "[python] models.from_hf(): config=1: must be a config.json path")):
+        raises(fn, prefix)
+    assert ok.local_box([8, 4], 1) == ([4, 0], [8, 4])  # the valid ones still work
+
+    # The learning rates: the user's own argument named (lr=-1 blamed min_lr).
+    data = os.path.join(d, "refused.bin")
+    with open(data, "wb") as f:
+        f.write(bytes(4 * 4096))
+    run = dict(seq_len=32, steps=40, global_batch=8, threads=1)
+    for flags, want in (({"lr": -1}, "[flags] lr must be positive, got -1"),
+                        ({"lr": 0}, "[flags] lr must be positive, got 0"),
+                        ({"lr": float("nan")}, "[flags] lr must be a finite number, got nan"),
+                        ({"lr": 0.1, "min_lr": 1}, "[flags] min_lr 1 must lie in [0, lr 0.1]"),
+                        ({"min_lr": -1}, "[flags] min_lr -1 must lie in [0, lr ")):
+        raises(lambda: hspmd.Trainer(MODEL, None, data, **dict(run, **flags)), want)
+
+    # A token file whose size is not a multiple of 4 is refused wherever it
+    # is read (its last bytes were said to be dropped without a word).
+    odd = os.path.join(d, "odd.bin")
+    with open(odd, "wb") as f:
+        f.write(bytes(4 * 4096 + 2))
+    rule = f"[data] {odd}: size 16386 bytes is not a multiple of 4 (uint32 token ids)"
+    raises(lambda: hspmd.Trainer(MODEL, None, odd, **run), rule)
+    cluster = os.path.join(d, "refused_cluster.json")
+    json.dump({"catalog": {"cpu": {"tflops": 1, "memory_gib": 16}}, "nodes": [{"type": "cpu", "ranks": [0, 3]}]},
+              open(cluster, "w"))
+    raises(lambda: hspmd.plan_cost(MODEL, STRATEGY, cluster, lengths=odd, batch_tokens=64, max_seq_len=32), rule)
+
+    # Paths of the wrong type: hspmd.Error naming the argument (was Python's
+    # TypeError from os.fspath).
+    t = hspmd.Trainer(MODEL, None, data, **run)
+    raises(lambda: t.save_checkpoint(1), "[train] Trainer.save_checkpoint(): directory=1: must be a path")
+    raises(lambda: t.load_checkpoint(1), "[train] Trainer.load_checkpoint(): directory=1: must be a path")
+    raises(lambda: t.switch_to(1), "[train] Trainer.switch_to(): target=1: must be a Strategy, its dict, a Plan")
+    raises(lambda: t.switch_to(None), "[train] Trainer.switch_to(): target=None: must be a Strategy")
+
+    # Two threads in step() at once: the second is refused (was InternalError
+    # from the run's own checks), the first goes on, no step is lost or run twice.
+    def race(second):
+        out, barrier = [], threading.Barrier(2)
+
+        def call(fn):
+            barrier.wait()
+            try:
+                out.append(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 -- any other kind is a failure
+                out.append((type(e).__name__, str(e)))
+        threads = [threading.Thread(target=call, args=(fn,)) for fn in (t.step, second)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return out
+
+    refused = {"step()": 0, "load_state_dict()": 0}
+    weights = t.state_dict()
+    for attempt in range(12):
+        for name, second in (("step()", t.step), ("load_state_dict()", lambda: t.load_state_dict(weights))):
+            for kind, value in race(second):
+                if kind == "ok":
+                    continue
+                assert kind == "Error", f"{kind}: {value}"
+                assert value.startswith((f"[train] Trainer.{name}: another thread is in step() of this Trainer",
+                                         f"[train] Trainer.step(): another thread is in {name} of this Trainer")), value
+                assert "\n" not in value, value
+                refused[name] += 1
+    assert refused["step()"] > 0, "two threads in step() were never refused"
+    steps = [r["step"] for r in t.records]
+    assert steps == list(range(len(steps))) and t.next_step == len(steps), steps
+    t.step()  # the Trainer goes on
+    t.finish()
+
+
 def check_trainer_state(hspmd_cli, d):
     data = os.path.join(d, "corpus.bin")
     with open(os.path.join(d, "doc.txt"), "w") as f:
@@ -218,6 +335,7 @@ def main():
         check_strategies(a.hspmd, d)
         check_trainer_errors(d)
         check_unclear_inputs(d)
+        check_refused_arguments(d)
         check_trainer_state(a.hspmd, d)
     print("ok")
 
