@@ -3,7 +3,7 @@
 #include "train/replica_check.h"
 
 #include <algorithm>
-#include <cstring>
+#include <bit>
 #include <optional>
 #include <sstream>
 
@@ -125,8 +125,7 @@ uint64_t box_checksum(const NDArray& array, const Box& box) {
   int64_t count = 0;
   auto mix_run = [&](const float* p, int64_t len) {
     for (int64_t i = 0; i < len; ++i) {
-      uint32_t u;
-      std::memcpy(&u, p + i, 4);
+      uint32_t u = std::bit_cast<uint32_t>(p[i]);
       if (u == 0x80000000u) u = 0;  // -0.0 trains as +0.0
       h ^= static_cast<uint64_t>(u) * 0xC2B2AE3D27D4EB4FULL;
       h = rotl(h, 31) * 0x9E3779B97F4A7C15ULL;
