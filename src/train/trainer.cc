@@ -140,10 +140,6 @@ std::string step_record_json(const StepRecord& record) { return train_common::re
 
 TrainingRun::TrainingRun(const TrainOptions& options, Communicator& world) : options_(options) {
   set_num_threads(options_.threads);
-  if (options_.precision.mixed() && kernels::bf16_gemm_emulated() && world.rank() == 0)
-    std::fprintf(stderr, "hspmd: note: --precision bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
-                 "amx_bf16 with oneDNN) or HSPMD_GEMM_BF16=emulate; same roundings, f32 speed: %s\n",
-                 kernels::gemm_isa_description().c_str());
   // Setup errors (strategy, world size, data, weights) are agreed on by all
   // ranks before any step: the lowest failing rank reports, every rank exits.
   agreed(
@@ -154,6 +150,12 @@ TrainingRun::TrainingRun(const TrainOptions& options, Communicator& world) : opt
       },
       "[train] setup failed on another rank");
   trainer_->begin();
+  // Once the run is set up: an error stays the one line it is (the note says
+  // nothing about why a run was refused).
+  if (options_.precision.mixed() && kernels::bf16_gemm_emulated() && world.rank() == 0)
+    std::fprintf(stderr, "hspmd: note: --precision bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
+                 "amx_bf16 with oneDNN) or HSPMD_GEMM_BF16=emulate; same roundings, f32 speed: %s\n",
+                 kernels::gemm_isa_description().c_str());
 }
 
 TrainingRun::~TrainingRun() = default;
