@@ -52,7 +52,9 @@ each check's tolerance is the larger of a bf16 level (u = 2^-8, bf16's unit
 roundoff: losses 2.5u and 5u, gradients and weights 13u, oracle_test.py's
 1e-2, 2e-2, 5e-2) and 1.5 x how far this run's full-f32 HF lands from HF
 autocast (the size of bf16's own noise on this model and data, measured,
-not assumed from one machine). Where hspmd's attention backward read O
+not assumed from one machine; autocast's GEMMs sum in f32 on every CPU,
+llama_ref.autocast_gemms_sum_in_f32, so that noise is bf16's rounding and
+not torch 1.13's bf16 sums on a CPU without AVX-512). Where hspmd's attention backward read O
 rounded to bf16 (its step records' attention_rounds_output: cuDNN on a GPU,
 HSPMD_ATTENTION_IO=bf16 anywhere), the step-0 gradients and final weights
 are checked per tensor, each against at least 2x how far HF autocast
@@ -436,6 +438,11 @@ def main():
     family, bf16 = ARGS.family, ARGS.variant == "bf16"
     torch.set_num_threads(1)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, python {sys.executable}")
+    # Autocast's GEMMs sum in f32 on every CPU (llama_ref.py): the noise the
+    # bf16 tolerances are derived from is bf16 rounding, not torch's bf16 sums.
+    note = llama_ref.autocast_gemms_sum_in_f32() if bf16 else llama_ref.follow_onednn_cap()
+    if note:
+        print(note)
     opts = train_flags(family)
     with tempfile.TemporaryDirectory() as tmp:
         if ARGS.keep:

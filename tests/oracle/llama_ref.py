@@ -250,6 +250,93 @@ def forward(params, cfg, input_ids):
 AUTOCAST = False
 
 
+# ----------------------------------------------------------------------------
+# bf16 GEMMs of the reference, the same on every CPU
+#
+# Autocast's GEMMs multiply bf16 operands, sum in f32 and round the result to
+# bf16 (oneDNN on CPUs with AVX-512, cuBLAS on GPUs). Torch 1.13 asks oneDNN
+# only where cpuid lists avx512bw/vl/dq; on a CPU without AVX-512 it takes its
+# own bf16 GEMM, which sums in bf16: 5e-2 from the exact product at K 512
+# against 2.6e-3 (measured here with oneDNN off). Such a reference is 20x
+# noisier than the thing it checks, and the oracles derive their tolerances
+# from its noise (hf_oracle_test.py: 1.5x HF f32 vs HF autocast), so on such
+# a CPU they widened until a wrong model passed. Where the probe below finds
+# bf16 sums, autocast's F.linear and torch.matmul (every GEMM of llama_ref
+# and of HF's Llama, Qwen2 and Mistral) compute in f32 on the bf16-rounded
+# operands and round the result once: autocast's contract, whatever the CPU.
+
+
+def onednn_isa_cap():
+    """The ISA oneDNN is capped at (ONEDNN_MAX_CPU_ISA, else DNNL_MAX_CPU_ISA),
+    upper case, or None."""
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        v = os.environ.get(var, "").strip().upper()
+        if v:
+            return v
+    return None
+
+
+def follow_onednn_cap():
+    """Under an oneDNN cap below AVX-512 (`ONEDNN_MAX_CPU_ISA=AVX2`, which
+    emulates an AVX2-only CPU, docs/precision.md), torch takes the path it
+    takes on such a CPU: no oneDNN for bf16. Torch reads cpuid, not the cap,
+    so it would still ask the capped oneDNN for a bf16 matmul, which refuses
+    ("could not create a primitive descriptor iterator"). Returns a note or ''."""
+    cap = onednn_isa_cap()
+    if cap is None or cap.startswith("AVX512") or cap in ("ALL", "DEFAULT"):
+        return ""
+    torch.backends.mkldnn.enabled = False
+    return f"oneDNN capped at {cap}: torch without oneDNN, as on a CPU without AVX-512"
+
+
+def bf16_matmul_sums_in_f32():
+    """Whether torch's bf16 matmul sums in f32: its result equals the exact
+    product rounded to bf16 (all but near-ties; bf16 sums leave about 5%)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 512, generator=g).to(torch.bfloat16)
+    b = torch.randn(512, 48, generator=g).to(torch.bfloat16)
+    exact = (a.double() @ b.double()).to(torch.bfloat16)
+    return float((torch.matmul(a, b) == exact).float().mean()) > 0.9
+
+
+_F32_SUMS = None
+
+
+def autocast_gemms_sum_in_f32():
+    """Makes autocast's bf16 GEMMs sum in f32 where torch's own do not (see
+    above); idempotent. Returns one line saying what the reference's bf16
+    GEMMs are."""
+    global _F32_SUMS
+    note = follow_onednn_cap()
+    if _F32_SUMS is None:
+        _F32_SUMS = not bf16_matmul_sums_in_f32()
+        if _F32_SUMS:
+            linear, matmul = F.linear, torch.matmul
+
+            def bf16_autocast():
+                return torch.is_autocast_cpu_enabled() and torch.get_autocast_cpu_dtype() == torch.bfloat16
+
+            def widened(t):  # autocast's cast, then exact in f32
+                return None if t is None else t.to(torch.bfloat16).float()
+
+            def f32_sum_linear(x, w, bias=None):
+                if not bf16_autocast():
+                    return linear(x, w, bias)
+                with torch.autocast("cpu", enabled=False):
+                    return linear(widened(x), widened(w), widened(bias)).to(torch.bfloat16)
+
+            def f32_sum_matmul(a, b, *args, **kwargs):
+                if not bf16_autocast():
+                    return matmul(a, b, *args, **kwargs)
+                with torch.autocast("cpu", enabled=False):
+                    return matmul(widened(a), widened(b), *args, **kwargs).to(torch.bfloat16)
+
+            F.linear, torch.matmul = f32_sum_linear, f32_sum_matmul
+    what = ("torch's bf16 GEMMs sum in bf16 here: autocast's GEMMs computed in f32 on bf16 operands, "
+            "rounded once" if _F32_SUMS else "torch's bf16 GEMMs sum in f32")
+    return "reference bf16 GEMMs: " + what + (f" ({note})" if note else "")
+
+
 def loss_sum(params, cfg, inputs, targets):
     """Summed cross-entropy over non-ignored targets (the loss in float32 under autocast)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST):
@@ -459,6 +546,9 @@ def run(args):
     global AUTOCAST
     AUTOCAST = args.autocast
     torch.set_num_threads(args.threads)
+    note = autocast_gemms_sum_in_f32() if AUTOCAST else follow_onednn_cap()
+    if note:
+        print(note, file=sys.stderr)
     cfg = load_config(args.model)
     params = load_params(cfg, args.init) if args.init else random_params(cfg, args.seed)
     dtype = getattr(torch, args.dtype)

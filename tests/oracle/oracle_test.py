@@ -73,6 +73,7 @@ def run(cmd):
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+    return r
 
 
 def packed_documents_data(rng, eos, seq_len, batch, steps):
@@ -142,9 +143,11 @@ def main():
         run([args.hspmd, "train", *common, *(["--precision", "bf16"] if autocast else []),
              "--quiet", "--log", p("h.jsonl"),
              "--dump-grads", p("h_grads.safetensors"), "--save", p("h_final.safetensors")])
-        run([sys.executable, os.path.join(HERE, "llama_ref.py"), *common,
-             *(["--autocast"] if autocast else []), "--log", p("t.jsonl"),
-             "--dump-grads", p("t_grads.safetensors"), "--save", p("t_final.safetensors")])
+        ref = run([sys.executable, os.path.join(HERE, "llama_ref.py"), *common,
+                   *(["--autocast"] if autocast else []), "--log", p("t.jsonl"),
+                   "--dump-grads", p("t_grads.safetensors"), "--save", p("t_final.safetensors")])
+        if ref.stderr.strip():
+            print(ref.stderr.strip())  # what the reference's bf16 GEMMs are (llama_ref.py)
 
         if autocast:  # how far full f32 lands from autocast: the scale of bf16's own noise
             run([sys.executable, os.path.join(HERE, "llama_ref.py"), *common,
