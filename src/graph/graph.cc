@@ -36,6 +36,8 @@ std::vector<Tensor> Graph::add(std::shared_ptr<const Op> op, const std::vector<T
   node.op = std::move(op);
   node.inputs = inputs;
   node.name = name;
+  for (const auto& t : node.inputs) readers_[t.node_id()][t.index()].push_back(node.id);
+  readers_.emplace_back(node.outputs.size());
   nodes_.push_back(std::move(node));
   std::vector<Tensor> outs;
   for (int i = 0; i < static_cast<int>(nodes_.back().outputs.size()); ++i)
@@ -51,28 +53,32 @@ Tensor Graph::add1(std::shared_ptr<const Op> op, const std::vector<Tensor>& inpu
 }
 
 Tensor Graph::placeholder(const std::string& name, const SymShape& shape, DType dtype) {
-  for (const auto& t : placeholders_)
-    if (t.node().name == name) fail("[graph] placeholder '", name, "' defined twice");
+  if (placeholder_names_.count(name)) fail("[graph] placeholder '", name, "' defined twice");
   Tensor t =
       add1(std::make_shared<LeafOp>(LeafOp::Kind::kPlaceholder, TensorMeta{shape, dtype}), {}, name);
   placeholders_.push_back(t);
+  placeholder_names_.emplace(name, t);
   return t;
 }
 
 Tensor Graph::parameter(const std::string& name, const Shape& shape, DType dtype) {
-  for (const auto& t : parameters_)
-    if (t.node().name == name) fail("[graph] parameter '", name, "' defined twice");
+  if (parameter_names_.count(name)) fail("[graph] parameter '", name, "' defined twice");
   const TensorMeta meta{sym_shape(shape), dtype};
   Tensor t = add1(std::make_shared<LeafOp>(LeafOp::Kind::kParameter, meta), {}, name);
   parameters_.push_back(t);
+  parameter_names_.emplace(name, t);
   return t;
 }
 
 Tensor Graph::find(const std::string& name) const {
-  for (const auto* list : {&parameters_, &placeholders_})
-    for (const auto& t : *list)
-      if (t.node().name == name) return t;
+  for (const auto* names : {&parameter_names_, &placeholder_names_})
+    if (auto it = names->find(name); it != names->end()) return it->second;
   fail("[graph] no placeholder or parameter named '", name, "'");
+}
+
+const std::vector<int>& Graph::readers(const Tensor& t) const {
+  HSPMD_CHECK(t.valid() && t.graph() == this, "readers() of a tensor of another graph");
+  return readers_.at(t.node_id()).at(t.index());
 }
 
 namespace {

@@ -26,6 +26,9 @@ void validate(const ModelConfig& c, const ConfigFields& r) {
       {"max_position_embeddings", c.max_position_embeddings}};
   for (const auto& [name, value] : sizes)
     if (value <= 0) r.fail_rule(name, "=", value, " must be positive");
+  if (c.num_hidden_layers > kMaxHiddenLayers)
+    r.fail_rule("num_hidden_layers=", c.num_hidden_layers, " is more than hspmd builds (at most ", kMaxHiddenLayers,
+                ": every layer is its own part of the graph on every rank; docs/models.md)");
   if (c.hidden_size % c.num_attention_heads != 0)
     r.fail_rule("num_attention_heads=", c.num_attention_heads, " does not divide hidden_size=", c.hidden_size);
   if (c.num_attention_heads % c.num_key_value_heads != 0)
@@ -100,13 +103,30 @@ ModelConfig ModelConfig::load(const std::string& path) {
   return from_json(read_json_file(path, "config"), path);
 }
 
-double ModelConfig::parameter_count() const {
-  const double h = static_cast<double>(hidden_size), rows = static_cast<double>(table_rows());
-  const double kv = static_cast<double>(kv_heads()) * (num_attention_heads > 0 ? h / num_attention_heads : 0);
-  const double biases = attention_bias ? h + 2 * kv : 0;  // q, k, v
-  const double layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * static_cast<double>(intermediate_size) + biases;
-  return rows * h * (tie_word_embeddings ? 1 : 2) + h + static_cast<double>(num_hidden_layers) * layer;
+ParameterCount count_parameters(const ModelConfig& c) {
+  // One layer's declarations: the count costs nothing per layer, whatever
+  // num_hidden_layers says (the memory check runs before anything is built).
+  ModelConfig one = c;
+  one.num_hidden_layers = 1;
+  ParameterCount out;
+  double most = -1;
+  for (const ModelParameter& p : model_parameters(one)) {
+    double n = 1;
+    for (int64_t d : p.shape) n *= static_cast<double>(d);
+    const int64_t copies = p.part == ModelPart::kBlock ? c.num_hidden_layers : 1;
+    n *= static_cast<double>(copies);
+    out.total += n;
+    if (n > most) {
+      most = n;
+      out.largest = p.name;
+      out.largest_shape = p.shape;
+      out.largest_copies = copies;
+    }
+  }
+  return out;
 }
+
+double ModelConfig::parameter_count() const { return count_parameters(*this).total; }
 
 std::optional<uint64_t> machine_memory_bytes() {
   std::ifstream in("/proc/meminfo");
@@ -122,13 +142,17 @@ std::optional<uint64_t> machine_memory_bytes() {
 void check_parameters_fit_memory(const ModelConfig& c, const std::string& source, int bytes_per_parameter,
                                  const char* what) {
   const std::optional<uint64_t> total = machine_memory_bytes();
-  const double bytes = c.parameter_count() * bytes_per_parameter;
-  if (!total || bytes <= static_cast<double>(*total)) return;
+  if (!total) return;
+  const ParameterCount count = count_parameters(c);
+  const double bytes = count.total * bytes_per_parameter;
+  if (bytes <= static_cast<double>(*total)) return;
   std::ostringstream gib;
   gib.precision(3);
-  gib << c.parameter_count() << " parameters need " << bytes / (1u << 30) << " GiB (" << bytes_per_parameter
+  gib << count.total << " parameters need " << bytes / (1u << 30) << " GiB (" << bytes_per_parameter
       << " bytes each: " << what << "), more than this machine's "
-      << static_cast<double>(*total) / (1u << 30) << " GiB (MemTotal)";
+      << static_cast<double>(*total) / (1u << 30) << " GiB (MemTotal); the largest parameter: " << count.largest
+      << " " << shape_str(count.largest_shape);
+  if (count.largest_copies != 1) gib << " in each of " << count.largest_copies << " layers";
   fail("[config] ", source, ": ", gib.str());
 }
 

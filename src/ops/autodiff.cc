@@ -40,15 +40,14 @@ struct ForwardScope {
 bool ops::gradient_rounded(const Tensor& t) {
   if (!t.valid()) return false;
   const Node& producer = t.node();
-  // The producer's answer first: it is false for almost every tensor, and
-  // the readers' count scans the graph.
+  // The producer's answer first: it is false for almost every tensor.
   if (!producer.op || producer.inputs.empty() || !producer.op->rounds_gradient(producer, t.index())) return false;
   const Graph& g = *t.graph();
   const int last = t_forward_last >= 0 ? std::min(t_forward_last, g.num_nodes() - 1) : g.num_nodes() - 1;
-  int readers = 0;
-  for (int id = t.node_id() + 1; id <= last && readers < 2; ++id)
-    for (const Tensor& in : g.node(id).inputs) readers += in == t;
-  return readers == 1;
+  // The forward's reads of t: its readers up to `last` (the graph keeps
+  // them ascending; a scan of the graph here made autodiff quadratic).
+  const std::vector<int>& readers = g.readers(t);
+  return std::upper_bound(readers.begin(), readers.end(), last) - readers.begin() == 1;
 }
 
 Tensor ops::recompute_for_backward(const Tensor& t) {
@@ -64,11 +63,7 @@ Tensor ops::recompute_for_backward(const Tensor& t, const Tensor& grad) {
   const Node& producer = t.node();
   if (!grad.valid() || !producer.op || producer.inputs.empty() || !producer.op->recompute_for_backward())
     return recompute_for_backward(t);
-  const Graph& g = *t.graph();
-  int readers = 0;
-  for (int id = 0; id < g.num_nodes(); ++id)
-    for (const Tensor& in : g.node(id).inputs) readers += in == t;
-  if (readers != 1) return recompute_for_backward(t);  // grad is only part of t's gradient
+  if (t.graph()->readers(t).size() != 1) return recompute_for_backward(t);  // grad is only part of t's gradient
   const std::shared_ptr<const Op> op = producer.op;  // kept: adding nodes may move `producer`
   const Tensor fused = op->recompute_with_gradient(producer, grad);
   return fused.valid() ? fused : recompute_for_backward(t);

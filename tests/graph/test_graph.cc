@@ -23,6 +23,33 @@ TEST(SymDim, ProductsDivisionAndEvaluation) {
   EXPECT_THROW(n.eval({{"B", 2}}), Error);
 }
 
+// Name lookups and reader lists are kept as nodes are added (no scan of the
+// graph: building a model was quadratic in its layers, issue 39 item 6).
+TEST(Graph, FindsLeavesByNameAndListsReaders) {
+  Graph g;
+  Tensor x = g.placeholder("x", {2}, DType::F32);
+  Tensor w = g.parameter("w", {2});
+  Tensor shadow = g.parameter("x", {2});  // a parameter named like a placeholder: find() prefers it
+  EXPECT_EQ(g.find("w"), w);
+  EXPECT_EQ(g.find("x"), shadow);
+  EXPECT_THROW(g.parameter("w", {2}), Error);
+  EXPECT_THROW(g.placeholder("x", {2}, DType::F32), Error);
+  try {
+    g.find("nope");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "[graph] no placeholder or parameter named 'nope'");
+  }
+  Tensor sq = ops::mul(x, x);    // reads x twice
+  Tensor y = ops::add(sq, w);
+  Tensor z = ops::add(x, y);
+  EXPECT_EQ(g.readers(x), (std::vector<int>{sq.node_id(), sq.node_id(), z.node_id()}));
+  EXPECT_EQ(g.readers(w), (std::vector<int>{y.node_id()}));
+  EXPECT_EQ(g.readers(sq), (std::vector<int>{y.node_id()}));
+  EXPECT_TRUE(g.readers(z).empty());
+  EXPECT_TRUE(g.readers(shadow).empty());
+}
+
 TEST(Executor, BindsSymbolsFromFeedsAndChecksThem) {
   Graph g;
   SymDim B = SymDim::symbol("B");

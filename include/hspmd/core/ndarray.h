@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -98,6 +99,11 @@ class NDArray {
   bool same_view(const NDArray& o) const {
     return storage_ == o.storage_ && offset_ == o.offset_ && shape_ == o.shape_ && strides_ == o.strides_ &&
            dtype_ == o.dtype_;
+  }
+  // Equal for arrays that are the same view (a hash of the storage and the
+  // offset, for a hash table of views; compare its entries with same_view).
+  size_t view_hash() const {
+    return std::hash<const void*>()(storage_.get()) ^ (std::hash<int64_t>()(offset_) * 0x9e3779b97f4a7c15ull);
   }
   NDArray contiguous() const;  // returns *this when already contiguous (any device)
   NDArray clone() const;

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "hspmd/core/ndarray.h"
@@ -80,13 +81,22 @@ class Graph {
   // Parameter tensors in creation order.
   const std::vector<Tensor>& parameters() const { return parameters_; }
   const std::vector<Tensor>& placeholders() const { return placeholders_; }
-  // The placeholder or parameter with this name; throws hspmd::Error if none.
+  // The placeholder or parameter with this name (a parameter first); throws
+  // hspmd::Error if none. A hash lookup: building a model looks up every
+  // parameter by name, and a scan per lookup made that quadratic in the
+  // layer count.
   Tensor find(const std::string& name) const;
+  // The ids of the nodes that read `t`, ascending, one entry per input slot
+  // (a node that reads it twice appears twice). Kept as nodes are added, so
+  // that "how many readers" costs no scan of the graph.
+  const std::vector<int>& readers(const Tensor& t) const;
 
  private:
   std::vector<Node> nodes_;
   std::vector<Tensor> parameters_;
   std::vector<Tensor> placeholders_;
+  std::unordered_map<std::string, Tensor> parameter_names_, placeholder_names_;
+  std::vector<std::vector<std::vector<int>>> readers_;  // [node][output] -> reader ids
 };
 
 // What a node is, by the op it applies (not by its type() string, which is

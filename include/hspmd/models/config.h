@@ -10,10 +10,22 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 namespace hspmd {
+
+// The most layers a config may have, for every family (from_json refuses
+// more, naming the limit). Every layer is its own nodes, parameters and
+// Reshard points in the graph of every rank: the first step of the tiny
+// custom GPT of examples/python/custom_gpt.py costs about 350 KB and 1.7 ms
+// of CPU per layer (4,000 layers: 1.4 GB, 7 s), whatever its parameter
+// count. The deepest published transformers have about 1,000 layers
+// (DeepNet), LLMs under 200. Without a bound, 10^7 layers of a tiny model
+// passed the memory check (few parameters) and then grew the graph past
+// 17 GB (docs/models.md, "Depth").
+inline constexpr int64_t kMaxHiddenLayers = 4096;
 
 struct ModelConfig {
   // The Hugging Face model_type: which registered family builds the model
@@ -59,7 +71,8 @@ struct ModelConfig {
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }
 
   // Parameters of the full model (table_rows() embedding rows; an untied LM
-  // head counts again), as a double so that no config overflows it.
+  // head counts again), as a double so that no config overflows it:
+  // count_parameters(*this).total, from the family's declared shapes.
   double parameter_count() const;
 
   // Parses and validates; the family named by model_type reads its own
@@ -82,14 +95,31 @@ struct ModelConfig {
   nlohmann::json to_json() const;
 };
 
+// The parameters of a model counted from the shapes its family declares
+// (model_parameters: a custom program's own shapes, not the config's
+// hidden_size and intermediate_size): the declarations of one layer, a block
+// parameter counted num_hidden_layers times, so that counting costs nothing
+// per layer and builds no graph. Throws hspmd::Error for an unregistered
+// model_type.
+struct ParameterCount {
+  double total = 0;
+  // The parameter with the most elements over the whole model (a block
+  // parameter: layer 0's name, times largest_copies = num_hidden_layers).
+  std::string largest;
+  std::vector<int64_t> largest_shape;
+  int64_t largest_copies = 1;
+};
+ParameterCount count_parameters(const ModelConfig& config);
+
 // MemTotal of /proc/meminfo in bytes; nullopt where it cannot be read.
 std::optional<uint64_t> machine_memory_bytes();
 
 // Throws hspmd::Error "[config] <source>: <count> parameters need <n> GiB
 // (<bytes_per_parameter> bytes each: <what>), more than this machine's <m>
-// GiB (MemTotal)" when the full model at `bytes_per_parameter` exceeds the
-// machine's memory; called before anything of that size is allocated. Does
-// nothing where MemTotal cannot be read.
+// GiB (MemTotal); the largest parameter: <name> [<shape>][ in each of <L>
+// layers]" when the full model (count_parameters) at `bytes_per_parameter`
+// exceeds the machine's memory; called before anything of that size is
+// allocated or built. Does nothing where MemTotal cannot be read.
 void check_parameters_fit_memory(const ModelConfig& config, const std::string& source, int bytes_per_parameter = 4,
                                  const char* what = "f32 weights");
 

@@ -4,7 +4,9 @@
 // built-in family. Its Reshard points are the program's "mark" ops.
 #include "models/custom/custom.h"
 
+#include <algorithm>
 #include <cmath>
+#include <unordered_set>
 
 #include "hspmd/core/error.h"
 #include "hspmd/ops/autodiff.h"
@@ -181,7 +183,10 @@ class PartBuilder {
   std::map<std::string, Tensor> scope_;
 };
 
-ModelGraph build_custom(const ModelConfig& c, const ModelBuildOptions& o) {
+// The training graph of the program. `keeps_its_input`, when given, is set
+// to whether the last block built writes a tensor of its input's shape and
+// dtype (then every further layer reads what that one read).
+ModelGraph build_custom(const ModelConfig& c, const ModelBuildOptions& o, bool* keeps_its_input = nullptr) {
   const Program p = program_of(c);
   ModelGraph m;
   Graph& g = *m.graph;
@@ -197,7 +202,11 @@ ModelGraph build_custom(const ModelConfig& c, const ModelBuildOptions& o) {
   }
   PartBuilder build(c, o, m);
   Tensor h = build.run(p.embedding, "embedding", -1, Tensor());
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) h = build.run(p.block, "block", i, h);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const Tensor out = build.run(p.block, "block", i, h);
+    if (keeps_its_input) *keeps_its_input = out.shape() == h.shape() && out.dtype() == h.dtype();
+    h = out;
+  }
   m.loss = build.run(p.head, "head", -1, h);
   if (!m.loss.shape().empty())
     fail("[model] hspmd_custom program: the head's output '", p.head.output, "' is not a scalar (the loss): shape ",
@@ -220,13 +229,37 @@ class CustomFamily final : public ModelFamily {
   std::string model_type() const override { return "hspmd_custom"; }
 
   // The program is parsed and its graph built once, so that a bad program
-  // fails when its config is read, naming the op.
+  // fails when its config is read, naming the op. That graph has at most
+  // two layers (reading a config costs nothing per layer; the run builds
+  // the whole model after the memory check): every further layer applies
+  // the same ops to its own parameters, and when the block writes what it
+  // reads (a residual stream's shape and dtype) layer 2 onwards read what
+  // layer 1 read. A block that changes them is built with every layer (the
+  // head reads what the last one writes). The names of every layer's
+  // parameters and points are checked apart ("p{i}" at layer 10 and "p1{i}"
+  // at layer 0 are both "p10").
   void read_config(const ConfigFields& r, ModelConfig& c) const override {
     if (!r.given("program")) r.fail_rule("model_type hspmd_custom needs a 'program' (docs/models.md)");
     c.program = r.object()["program"];
     try {
-      custom::parse_program(c.program, "");
-      (void)build_custom(c, ModelBuildOptions{});
+      const Program p = custom::parse_program(c.program, "");
+      ModelConfig probe = c;
+      probe.num_hidden_layers = std::min<int64_t>(c.num_hidden_layers, 2);
+      const bool deeper = c.num_hidden_layers > probe.num_hidden_layers;
+      bool keeps_its_input = true;  // what the last block built did
+      try {
+        (void)build_custom(probe, ModelBuildOptions{}, &keeps_its_input);
+      } catch (const Error&) {
+        if (keeps_its_input || !deeper) throw;  // every layer fails alike, or the head does on what it reads
+      }
+      if (!keeps_its_input && deeper) (void)build_custom(c, ModelBuildOptions{});
+      std::unordered_set<std::string> names;
+      for (const ModelParameter& d : parameters_of(p, c))
+        if (!names.insert(d.name).second)
+          fail("program: parameter '", d.name, "' is declared twice (two names with {i} meet at one layer)");
+      for (const ReshardPoint& point : reshard_points(c))
+        if (point.kind != ReshardKind::kGradSync && !names.insert(point.name).second)
+          fail("program: point '", point.name, "' is named twice (a parameter or another point has its name)");
     } catch (const Error& e) {
       const std::string what = e.what(), tag = "[model] hspmd_custom ";
       r.fail_rule(what.rfind(tag, 0) == 0 ? what.substr(tag.size()) : what);
