@@ -314,7 +314,9 @@ int search_command(const std::vector<std::string>& args) {
   f.add_int("seq-len", &c.seq_len, "tokens per sample", true, kPositiveInt);
   f.add_bool("zero", &c.zero, "ZeRO-1 (fp32 master weights and Adam states split across the pipelines)");
   f.add_string("schedule", &c.schedule, "1f1b (default) or gpipe");
-  f.add_double("time-limit", &c.time_limit, "seconds the enumeration may take (default 60; keeps the best so far)");
+  f.add_double("time-limit", &c.time_limit,
+               "seconds the search may take (default 60): it then answers with the best so far, saying so on\n"
+               "stderr (docs/planner.md, \"Time limit\")");
   f.add_int("top", &c.top, "how many strategies to report (default 5)", false, kPositiveInt);
   f.add_string("profile", &c.profile, "profile JSON for device types without their own (hspmd profile)");
   f.add_string("tp", &c.tp, "TP degrees to consider, e.g. 1,2,4 (default: powers of two dividing the heads)");
@@ -366,6 +368,7 @@ int search_command(const std::vector<std::string>& args) {
     o.previous = &previous;
   }
   const SearchResult res = search_strategy(model, o);
+  if (!res.note.empty()) std::fprintf(stderr, "%s\n", res.note.c_str());
   Strategy best = res.best.front().strategy;
   char desc[160];
   std::snprintf(desc, sizeof desc, "hspmd plan search: predicted step %.6g s (%s)", res.best.front().predicted_step_s,

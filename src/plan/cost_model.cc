@@ -564,7 +564,13 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
         }
         const double extra = static_cast<double>(stage_params(sh)) - per_layer * sh.layers;
         const int dp = static_cast<int>(placed.size());
-        if (extra > 0 && dp > 1) sync += group_seconds(holders[st.first_layer], 2.0 * extra * kBytes * (dp - 1) / dp);
+        if (extra > 0 && dp > 1 && holders[st.first_layer].size() >= 2) {
+          // group_seconds over the first layer's holders, from its cached link
+          // (per rank it was a pass over every holder: 2,048 ranks, 4e6 steps).
+          const int l = st.first_layer;
+          if (holder_link[l].second < 0) holder_link[l] = group_link(holders[l]);
+          sync += holder_link[l].first + holder_link[l].second * (2.0 * extra * kBytes * (dp - 1) / dp);
+        }
         const int64_t n_opt = strategy.zero ? static_cast<int64_t>(static_cast<double>(stage_params(sh)) /
                                                                      std::max(1.0, static_cast<double>(dp)))
                                             : stage_params(sh);

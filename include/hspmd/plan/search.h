@@ -66,6 +66,10 @@ struct SearchResult {
   int ilps = 0;                       // integer programs solved
   double search_s = 0;
   bool timed_out = false;
+  // When the time limit stopped the search: one line saying in which phase
+  // and what the answer is (the best scored so far, or the fallback);
+  // `hspmd plan search` prints it on stderr. Empty otherwise.
+  std::string note;
   nlohmann::json to_json() const;
 };
 
