@@ -561,3 +561,6 @@ pack_logs
 echo
 echo "==================== summary ($SUMMARY) ===================="
 cat "$SUMMARY"
+if [[ "$SET" == core ]] && ((!LOCAL)); then
+  echo "next, at once (the machine keeps this build for 30 s): bash scripts/gpu_check.sh extended"
+fi
