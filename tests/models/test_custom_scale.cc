@@ -227,7 +227,8 @@ TEST(CustomScale, ABlockThatChangesItsInputIsBuiltWholeWhenRead) {
 // it) of N and 4N layers, the best of 3: linear is 4x (measured 5.4-6.5x
 // at 1,000 and 4,000 layers on 2 busy cores: caches); the quadratic build (a scan of
 // every parameter per name lookup, of the whole graph per SwiGLU's fused
-// recompute) was 17.6x (0.16 s and 2.83 s).
+// recompute) was 17.6x (0.16 s and 2.83 s): the bound is 12x, room for
+// another CPU's caches, below the quadratic 16x.
 double build_seconds(int64_t layers) {
   const ModelConfig c = ModelConfig::from_json(tiny_config(layers, 8, 16, 8, 48), "m.json");
   ModelBuildOptions o;
@@ -245,7 +246,7 @@ double build_seconds(int64_t layers) {
 TEST(CustomScale, GraphBuildIsLinearInTheLayerCount) {
   const double small = build_seconds(1000), large = build_seconds(4000);
   std::printf("build: 1000 layers %.3f s, 4000 layers %.3f s (ratio %.1f)\n", small, large, large / small);
-  EXPECT_LT(large / small, 10.0) << "1000 layers: " << small << " s, 4000: " << large << " s";
+  EXPECT_LT(large / small, 12.0) << "1000 layers: " << small << " s, 4000: " << large << " s";
   EXPECT_LT(large, 1.5);
 }
 
