@@ -297,9 +297,7 @@ def torch_worker(a):
     s, bsz = a.seq, a.mb
 
     def batch(k):
-        rows = [tokens[i * s:i * s + s + 1] for i in range(k * bsz, k * bsz + bsz)]
-        t = torch.stack(rows).to(dev)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return batch_at(tokens, s, bsz, k, dev)
 
     def sync():
         if dev.type == "cuda":
@@ -415,9 +413,7 @@ def loss_worker(a):
     s, bsz = a.seq, a.mb
 
     def batch(k):
-        rows = [tokens[i * s:i * s + s + 1] for i in range(k * bsz, k * bsz + bsz)]
-        t = torch.stack(rows).to(dev)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        return batch_at(tokens, s, bsz, k, dev)
 
     result = {"system": "torch", "torch": torch.__version__, "attention": attention, "init_s": init_s}
     for mode in ("bf16", "fp32"):
@@ -463,6 +459,15 @@ def stop_children(signum, frame):
         except ProcessLookupError:
             pass
     sys.exit(128 + signum)
+
+
+def batch_at(tokens, s, bsz, k, dev):
+    """Step k's inputs and targets: samples k*bsz .. k*bsz+bsz-1, sample i =
+    tokens[i*s : i*s+s+1], on `dev` (the layout hspmd train reads)."""
+    import torch
+    rows = [tokens[i * s:i * s + s + 1] for i in range(k * bsz, k * bsz + bsz)]
+    t = torch.stack(rows).to(dev)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
 def run_limited(cmd, timeout, env=None, tail=2000):
