@@ -6,6 +6,7 @@
 
 #include <functional>
 
+#include "custom_program_util.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/model.h"
@@ -15,16 +16,8 @@ namespace {
 
 using nlohmann::json;
 
-json op(const std::string& name, std::vector<std::string> inputs, const std::string& output,
-        json attrs = json::object()) {
-  attrs["op"] = name;
-  attrs["inputs"] = inputs;
-  attrs["output"] = output;
-  return attrs;
-}
-json mark(const std::string& in, const std::string& out, const std::string& kind, const std::string& name) {
-  return op("mark", {in}, out, {{"kind", kind}, {"name", name}});
-}
+using custom_program::mark;
+using custom_program::op;
 
 // Llama with hidden 16, 4 heads of 4 (2 KV heads), ffn 24, as a program.
 json llama_program(bool tied) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "custom_program_util.h"
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
 
@@ -18,16 +19,8 @@ namespace {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-json op(const std::string& name, std::vector<std::string> inputs, const std::string& output,
-        json attrs = json::object()) {
-  attrs["op"] = name;
-  attrs["inputs"] = inputs;
-  attrs["output"] = output;
-  return attrs;
-}
-json mark(const std::string& in, const std::string& out, const std::string& kind, const std::string& name) {
-  return op("mark", {in}, out, {{"kind", kind}, {"name", name}});
-}
+using custom_program::mark;
+using custom_program::op;
 
 // A tiny pre-norm residual SwiGLU MLP: each block is
 // x + down(swiglu(gate(n), up(n))), n = norm(x), with up and gate [wide,

@@ -25,12 +25,13 @@ import argparse
 import glob
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
 
 import numpy
+
+from safetensors_util import write_safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(ROOT, "examples", "tiny-llama", "config.json")
@@ -45,19 +46,6 @@ FIELDS = ("step", "loss", "grad_norm", "lr", "tokens")
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 DOWN1 = "model.layers.1.mlp.down_proj.weight"
 DOWN3 = "model.layers.3.mlp.down_proj.weight"
-
-
-def write_safetensors(path, tensors):
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        b = numpy.ascontiguousarray(tensors[name], dtype=numpy.float32).tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(b)]}
-        offset += len(b)
-        blobs.append(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def same(a, b, what):

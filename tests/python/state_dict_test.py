@@ -10,12 +10,13 @@ import argparse
 import glob
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
 
 import numpy
+
+from safetensors_util import write_safetensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(ROOT, "examples", "tiny-llama", "config.json")
@@ -29,19 +30,6 @@ FIELDS = ("step", "loss", "grad_norm", "lr", "tokens")
 DEVICE = os.environ.get("HSPMD_TEST_DEVICE", "cpu")
 TRAIN["device"] = DEVICE
 FLAGS += ["--device", DEVICE]
-
-
-def write_safetensors(path, tensors):
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        b = numpy.ascontiguousarray(tensors[name], dtype=numpy.float32).tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(b)]}
-        offset += len(b)
-        blobs.append(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def same(a, b, what):
