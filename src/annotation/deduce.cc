@@ -96,7 +96,9 @@ void check_output(const DeduceContext& ctx, int index, const Annotation& a) {
 std::string DeduceContext::where() const {
   std::string s = "op '" + node.op->type() + "' ";
   if (!node.name.empty()) s += "'" + node.name + "' ";
-  return s + "(node " + std::to_string(node.id) + ")";
+  s += "(node " + std::to_string(node.id);
+  if (!node.origin.empty()) s += ", from " + node.origin;
+  return s + ")";
 }
 
 const Annotation& AnnotatedGraph::of(const Tensor& t) const {

@@ -1,5 +1,6 @@
 #include "hspmd/graph/graph.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "hspmd/core/error.h"
@@ -43,6 +44,11 @@ std::vector<Tensor> Graph::add(std::shared_ptr<const Op> op, const std::vector<T
   for (int i = 0; i < static_cast<int>(nodes_.back().outputs.size()); ++i)
     outs.emplace_back(this, nodes_.back().id, i);
   return outs;
+}
+
+void Graph::set_origin(int first_node, const std::string& origin) {
+  for (int i = std::max(first_node, 0); i < num_nodes(); ++i)
+    if (nodes_[i].origin.empty()) nodes_[i].origin = origin;
 }
 
 Tensor Graph::add1(std::shared_ptr<const Op> op, const std::vector<Tensor>& inputs,

@@ -224,6 +224,11 @@ AnnotationPlan compile_plan(const ModelConfig& config, const Strategy& strategy,
   if (model.table_rows() % tp != 0) model.padded_vocab_size = (model.vocab_size + tp - 1) / tp * tp;
   AnnotationPlan plan = Compiler(model, strategy).compile(world_size, seq_len);
   plan.precision = options.precision;
+  // A custom program's ops are the user's, and the plan above follows its
+  // declarations only: deduce its training graph, so that an op the plan
+  // cannot serve (an unmarked row-parallel output) is refused here, by every
+  // way in, naming the program op, and not at the first step.
+  if (!model.program.is_null()) annotate_training_graph(plan);
   return plan;
 }
 

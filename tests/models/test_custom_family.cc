@@ -10,6 +10,8 @@
 #include "hspmd/core/error.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/model.h"
+#include "hspmd/plan/plan.h"
+#include "hspmd/plan/strategy.h"
 
 namespace hspmd {
 namespace {
@@ -187,6 +189,36 @@ TEST(CustomFamily, BadProgramsNameTheOpAndTheRule) {
   json no_program = llama_config(false);
   no_program["model_type"] = "hspmd_custom";
   EXPECT_THROW(ModelConfig::from_json(no_program, "x.json"), Error);
+}
+
+// An MLP output left unmarked: under tensor parallelism the down projection
+// is partial where the residual add needs it whole. compile_plan (the CLI's
+// `plan compile`, Python's compile_plan and the trainer all call it) deduces
+// a custom program's graph, so the plan is refused before any run, and the
+// error names the program op, not only a graph node.
+TEST(CustomFamily, UnmarkedRowParallelOutputIsRefusedNamingTheOp) {
+  json program = llama_program(false);
+  json& block = program["block"]["ops"];
+  ASSERT_EQ(block[23]["op"], "mark");
+  ASSERT_EQ(block[24]["op"], "add");
+  block.erase(block.begin() + 23);
+  block[23]["inputs"][1] = "down";
+  const ModelConfig c = custom_config(program);
+  auto strategy = [](json ranks) {
+    return strategy_from_json({{"pipelines", {{{"micro_batch_size", 1}, {"micro_batches", 1},
+                                              {"stages", {{{"ranks", ranks}, {"layers", {0, 1}}}}}}}}});
+  };
+  // One rank: nothing is partial, and the program is fine.
+  EXPECT_NO_THROW(compile_plan(c, strategy({0}), 1, {}));
+  try {
+    compile_plan(c, strategy({0, 1}), 2, {});
+    FAIL() << "compile_plan accepted an unmarked row-parallel output under TP 2";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("[deduce] op 'add' (node "), std::string::npos) << m;
+    EXPECT_NE(m.find(", from hspmd_custom program: block op 23 (add -> out) of layer 0)"), std::string::npos) << m;
+    EXPECT_NE(m.find("insert a Reshard"), std::string::npos) << m;
+  }
 }
 
 }  // namespace

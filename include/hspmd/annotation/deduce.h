@@ -28,7 +28,9 @@ struct DeduceContext {
   int world_size = 1;
 
   // "op 'matmul' (node 12)", or "op 'reshard' 'model.layers.3.input' (node
-  // 40)" for a named node: the prefix of the rule's error messages.
+  // 40)" for a named node, "(node 24, from hspmd_custom program: block op 8
+  // (add -> out) of layer 0)" for a node with an origin: the prefix of the
+  // rule's error messages.
   std::string where() const;
 };
 

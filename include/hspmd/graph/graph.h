@@ -54,6 +54,10 @@ struct Node {
   std::vector<Tensor> inputs;
   std::vector<TensorMeta> outputs;
   std::string name;  // unique for placeholders and parameters
+  // What the user wrote that made this node, for error messages (a custom
+  // program's op, "hspmd_custom program: block op 8 (add -> out) of layer
+  // 0"); empty for the built-in models.
+  std::string origin;
   Tensor output(int i = 0) const;
 };
 
@@ -77,6 +81,8 @@ class Graph {
   Tensor parameter(const std::string& name, const Shape& shape, DType dtype = DType::F32);
 
   const Node& node(int id) const { return nodes_.at(id); }
+  // Sets `origin` on the nodes from `first_node` on that have none.
+  void set_origin(int first_node, const std::string& origin);
   int num_nodes() const { return static_cast<int>(nodes_.size()); }
   // Parameter tensors in creation order.
   const std::vector<Tensor>& parameters() const { return parameters_; }

@@ -68,14 +68,18 @@ class PartBuilder {
     for (const ProgramOp& o : part.ops) {
       std::vector<Tensor> in;
       for (const std::string& n : o.inputs) in.push_back(find(n, layer));
+      const std::string where =
+          "hspmd_custom program: " + o.where + (layer >= 0 ? " of layer " + std::to_string(layer) : "");
+      const int first_node = m_.graph->num_nodes();
       try {
         scope_[o.output] = apply(o, in, part_of(name), layer);
       } catch (const Error& e) {
-        fail("[model] hspmd_custom program: ", o.where, layer >= 0 ? " of layer " + std::to_string(layer) : "",
-             ": ", e.what());
+        fail("[model] ", where, ": ", e.what());
       } catch (const json::exception& e) {
-        fail("[model] hspmd_custom program: ", o.where, ": an attribute has the wrong type (", e.what(), ")");
+        fail("[model] ", where, ": an attribute has the wrong type (", e.what(), ")");
       }
+      // Deduction's errors name the program op, not only a graph node.
+      m_.graph->set_origin(first_node, where);
     }
     return scope_.at(part.output);
   }
