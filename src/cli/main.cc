@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "launcher.h"
 #include "mps.h"
+#include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/threads.h"
 
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
   try {
+    hspmd::cpu_isa();  // a bad HSPMD_CPU_ISA fails here, in one line, before any work
     if (command == "train") return hspmd::cli::train_command(args);
     if (command == "tokenize") return hspmd::cli::tokenize_command(args);
     if (command == "data") return hspmd::cli::data_command(args);

@@ -52,7 +52,10 @@ std::string human_bytes(int64_t bytes) {
 
 std::string list(const std::vector<int>& ranks) {
   std::string s = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(ranks[i]);
+  }
   return s + "]";
 }
 

@@ -1,9 +1,10 @@
 // Bulk f32 <-> bf16 conversions (dtype.h). The build is the same for every
-// x86 CPU (-march=native is optional), so the AVX-512 loops are target
-// functions picked at run time. Every path is bitwise equal to the scalar
+// x86 CPU, so the AVX-512 loops are target functions picked at run time
+// (cpu_isa(): HSPMD_CPU_ISA caps them). Every path is bitwise equal to the scalar
 // f32_to_bf16 / bf16_to_f32, NaN and denormals included (tests/core).
 #include <algorithm>
 
+#include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/dtype.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -91,13 +92,11 @@ __attribute__((target("avx512f"))) void bf16_to_f32_avx512f(const uint16_t* src,
 
 #endif  // HSPMD_CONVERT_X86
 
+// The CPU's level under HSPMD_CPU_ISA's cap (hspmd/core/cpu_isa.h).
 ConvertIsa detect_convert_isa() {
 #ifdef HSPMD_CONVERT_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
-    if (__builtin_cpu_supports("avx512bf16")) return ConvertIsa::kAvx512Bf16;
-    return ConvertIsa::kAvx512F;
-  }
+  if (cpu_isa() >= CpuIsa::kAvx512Bf16) return ConvertIsa::kAvx512Bf16;
+  if (cpu_isa() >= CpuIsa::kAvx512) return ConvertIsa::kAvx512F;
 #endif
   return ConvertIsa::kScalar;
 }

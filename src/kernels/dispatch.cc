@@ -70,7 +70,7 @@ DeviceType device_of(const char* kernel, const Stream& s,
 
 void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("add", s, {&a, &b, &out})) {
-    case DeviceType::CPU: return cpu::add(a, b, out);
+    case DeviceType::CPU: return cpu::kernels().add(a, b, out);
     HSPMD_CUDA_CASE(add(s, a, b, out))
     default: no_kernel("add", s.device());
   }
@@ -78,7 +78,7 @@ void add(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
 
 void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("mul", s, {&a, &b, &out})) {
-    case DeviceType::CPU: return cpu::mul(a, b, out);
+    case DeviceType::CPU: return cpu::kernels().mul(a, b, out);
     HSPMD_CUDA_CASE(mul(s, a, b, out))
     default: no_kernel("mul", s.device());
   }
@@ -86,7 +86,7 @@ void mul(Stream& s, const NDArray& a, const NDArray& b, NDArray& out) {
 
 void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("scale", s, {&a, &out})) {
-    case DeviceType::CPU: return cpu::scale(a, factor, out);
+    case DeviceType::CPU: return cpu::kernels().scale(a, factor, out);
     HSPMD_CUDA_CASE(scale(s, a, factor, out))
     default: no_kernel("scale", s.device());
   }
@@ -94,7 +94,7 @@ void scale(Stream& s, const NDArray& a, float factor, NDArray& out) {
 
 void accumulate(Stream& s, const NDArray& a, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("accumulate", s, {&a, &out})) {
-    case DeviceType::CPU: return cpu::accumulate(a, out);
+    case DeviceType::CPU: return cpu::kernels().accumulate(a, out);
     HSPMD_CUDA_CASE(accumulate(s, a, out))
     default: no_kernel("accumulate", s.device());
   }
@@ -102,7 +102,7 @@ void accumulate(Stream& s, const NDArray& a, NDArray& out) {
 
 void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("add_bias", s, {&x, &bias, &out})) {
-    case DeviceType::CPU: return cpu::add_bias(x, bias, out);
+    case DeviceType::CPU: return cpu::kernels().add_bias(x, bias, out);
     HSPMD_CUDA_CASE(add_bias(s, x, bias, out))
     default: no_kernel("add_bias", s.device());
   }
@@ -110,7 +110,7 @@ void add_bias(Stream& s, const NDArray& x, const NDArray& bias, NDArray& out) {
 
 void bias_grad(Stream& s, const NDArray& dy, NDArray& dbias) {
   switch (const DeviceCodeScope code; device_of("bias_grad", s, {&dy, &dbias})) {
-    case DeviceType::CPU: return cpu::bias_grad(dy, dbias);
+    case DeviceType::CPU: return cpu::kernels().bias_grad(dy, dbias);
     HSPMD_CUDA_CASE(bias_grad(s, dy, dbias))
     default: no_kernel("bias_grad", s.device());
   }
@@ -139,7 +139,7 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
 
 void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("transpose", s, {&a, &out})) {
-    case DeviceType::CPU: return cpu::transpose(a, d0, d1, out);
+    case DeviceType::CPU: return cpu::kernels().transpose(a, d0, d1, out);
     HSPMD_CUDA_CASE(transpose(s, a, d0, d1, out))
     default: no_kernel("transpose", s.device());
   }
@@ -147,7 +147,7 @@ void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out) {
 
 void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("slice", s, {&a, &out})) {
-    case DeviceType::CPU: return cpu::slice(a, axis, begin, out);
+    case DeviceType::CPU: return cpu::kernels().slice(a, axis, begin, out);
     HSPMD_CUDA_CASE(slice(s, a, axis, begin, out))
     default: no_kernel("slice", s.device());
   }
@@ -155,7 +155,7 @@ void slice(Stream& s, const NDArray& a, int axis, int64_t begin, NDArray& out) {
 
 void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("slice_backward", s, {&grad, &out})) {
-    case DeviceType::CPU: return cpu::slice_backward(grad, axis, begin, out);
+    case DeviceType::CPU: return cpu::kernels().slice_backward(grad, axis, begin, out);
     HSPMD_CUDA_CASE(slice_backward(s, grad, axis, begin, out))
     default: no_kernel("slice_backward", s.device());
   }
@@ -164,7 +164,7 @@ void slice_backward(Stream& s, const NDArray& grad, int axis, int64_t begin, NDA
 void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out) {
   for (const NDArray& p : parts) device_of("concat", s, {&p});
   switch (const DeviceCodeScope code; device_of("concat", s, {&out})) {
-    case DeviceType::CPU: return cpu::concat(parts, axis, out);
+    case DeviceType::CPU: return cpu::kernels().concat(parts, axis, out);
     HSPMD_CUDA_CASE(concat(s, parts, axis, out))
     default: no_kernel("concat", s.device());
   }
@@ -172,7 +172,7 @@ void concat(Stream& s, const std::vector<NDArray>& parts, int axis, NDArray& out
 
 void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("reduce_sum", s, {&a, &out})) {
-    case DeviceType::CPU: return cpu::reduce_sum(a, reduced, out);
+    case DeviceType::CPU: return cpu::kernels().reduce_sum(a, reduced, out);
     HSPMD_CUDA_CASE(reduce_sum(s, a, reduced, out))
     default: no_kernel("reduce_sum", s.device());
   }
@@ -181,7 +181,7 @@ void reduce_sum(Stream& s, const NDArray& a, const std::vector<bool>& reduced, N
 void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& reduced,
                        NDArray& out) {
   switch (const DeviceCodeScope code; device_of("broadcast_reduced", s, {&g, &out})) {
-    case DeviceType::CPU: return cpu::broadcast_reduced(g, reduced, out);
+    case DeviceType::CPU: return cpu::kernels().broadcast_reduced(g, reduced, out);
     HSPMD_CUDA_CASE(broadcast_reduced(s, g, reduced, out))
     default: no_kernel("broadcast_reduced", s.device());
   }
@@ -190,7 +190,7 @@ void broadcast_reduced(Stream& s, const NDArray& g, const std::vector<bool>& red
 void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t vocab_begin,
                int64_t vocab_size, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("embedding", s, {&weight, &ids, &out})) {
-    case DeviceType::CPU: return cpu::embedding(weight, ids, vocab_begin, vocab_size, out);
+    case DeviceType::CPU: return cpu::kernels().embedding(weight, ids, vocab_begin, vocab_size, out);
     HSPMD_CUDA_CASE(embedding(s, weight, ids, vocab_begin, vocab_size, out))
     default: no_kernel("embedding", s.device());
   }
@@ -199,7 +199,7 @@ void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t voc
 void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int64_t vocab_begin,
                         int64_t vocab_size, NDArray& dweight) {
   switch (const DeviceCodeScope code; device_of("embedding_backward", s, {&grad, &ids, &dweight})) {
-    case DeviceType::CPU: return cpu::embedding_backward(grad, ids, vocab_begin, vocab_size,
+    case DeviceType::CPU: return cpu::kernels().embedding_backward(grad, ids, vocab_begin, vocab_size,
                                                          dweight);
     HSPMD_CUDA_CASE(embedding_backward(s, grad, ids, vocab_begin, vocab_size, dweight))
     default: no_kernel("embedding_backward", s.device());
@@ -208,7 +208,7 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
 
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("rms_norm", s, {&x, &weight, &out})) {
-    case DeviceType::CPU: return cpu::rms_norm(x, weight, eps, out);
+    case DeviceType::CPU: return cpu::kernels().rms_norm(x, weight, eps, out);
     HSPMD_CUDA_CASE(rms_norm(s, x, weight, eps, out))
     default: no_kernel("rms_norm", s.device());
   }
@@ -223,7 +223,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     device_of("rms_norm_backward", s, {addend});
   }
   switch (const DeviceCodeScope code; device_of("rms_norm_backward", s, {&dy, &x, &weight, &dx, &dweight})) {
-    case DeviceType::CPU: return cpu::rms_norm_backward(dy, x, weight, eps, dx, dweight, addend);
+    case DeviceType::CPU: return cpu::kernels().rms_norm_backward(dy, x, weight, eps, dx, dweight, addend);
     HSPMD_CUDA_CASE(rms_norm_backward(s, dy, x, weight, eps, dx, dweight, addend))
     default: no_kernel("rms_norm_backward", s.device());
   }
@@ -232,7 +232,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
           NDArray& out) {
   switch (const DeviceCodeScope code; device_of("rope", s, {&x, &positions, &out})) {
-    case DeviceType::CPU: return cpu::rope(x, positions, theta, inverse, out);
+    case DeviceType::CPU: return cpu::kernels().rope(x, positions, theta, inverse, out);
     HSPMD_CUDA_CASE(rope(s, x, positions, theta, inverse, out))
     default: no_kernel("rope", s.device());
   }
@@ -240,7 +240,7 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
 
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("swiglu", s, {&gate, &up, &out})) {
-    case DeviceType::CPU: return cpu::swiglu(gate, up, out);
+    case DeviceType::CPU: return cpu::kernels().swiglu(gate, up, out);
     HSPMD_CUDA_CASE(swiglu(s, gate, up, out))
     default: no_kernel("swiglu", s.device());
   }
@@ -253,7 +253,7 @@ void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const ND
     device_of("swiglu_backward", s, {out});
   }
   switch (const DeviceCodeScope code; device_of("swiglu_backward", s, {&dy, &gate, &up, &dgate, &dup})) {
-    case DeviceType::CPU: return cpu::swiglu_backward(dy, gate, up, dgate, dup, out);
+    case DeviceType::CPU: return cpu::kernels().swiglu_backward(dy, gate, up, dgate, dup, out);
     HSPMD_CUDA_CASE(swiglu_backward(s, dy, gate, up, dgate, dup, out))
     default: no_kernel("swiglu_backward", s.device());
   }
@@ -264,7 +264,7 @@ void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets,
                    int64_t classes) {
   switch (const DeviceCodeScope code; device_of("cross_entropy", s, {&logits, &targets, &normalizer, &loss, &lse})) {
     case DeviceType::CPU:
-      return cpu::cross_entropy(logits, targets, normalizer, ignore_index, loss, lse, classes);
+      return cpu::kernels().cross_entropy(logits, targets, normalizer, ignore_index, loss, lse, classes);
     HSPMD_CUDA_CASE(cross_entropy(s, logits, targets, normalizer, ignore_index, loss, lse, classes))
     default: no_kernel("cross_entropy", s.device());
   }
@@ -275,7 +275,7 @@ void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& 
                                NDArray& local_lse, NDArray& target_logit, int64_t classes) {
   switch (const DeviceCodeScope code; device_of("cross_entropy_shard_stats", s, {&logits, &targets, &local_lse, &target_logit})) {
     case DeviceType::CPU:
-      return cpu::cross_entropy_shard_stats(logits, targets, vocab_begin, vocab_size, ignore_index,
+      return cpu::kernels().cross_entropy_shard_stats(logits, targets, vocab_begin, vocab_size, ignore_index,
                                             local_lse, target_logit, classes);
     HSPMD_CUDA_CASE(cross_entropy_shard_stats(s, logits, targets, vocab_begin, vocab_size, ignore_index, local_lse, target_logit, classes))
     default: no_kernel("cross_entropy_shard_stats", s.device());
@@ -288,7 +288,7 @@ void cross_entropy_combine(Stream& s, const NDArray& shard_lse, const NDArray& t
   switch (const DeviceCodeScope code; device_of("cross_entropy_combine", s,
                     {&shard_lse, &target_logit, &targets, &normalizer, &loss, &lse})) {
     case DeviceType::CPU:
-      return cpu::cross_entropy_combine(shard_lse, target_logit, targets, normalizer, ignore_index,
+      return cpu::kernels().cross_entropy_combine(shard_lse, target_logit, targets, normalizer, ignore_index,
                                         loss, lse);
     HSPMD_CUDA_CASE(cross_entropy_combine(s, shard_lse, target_logit, targets, normalizer, ignore_index, loss, lse))
     default: no_kernel("cross_entropy_combine", s.device());
@@ -302,7 +302,7 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
   switch (const DeviceCodeScope code; device_of("cross_entropy_backward", s,
                     {&dloss, &logits, &targets, &normalizer, &lse, &dlogits})) {
     case DeviceType::CPU:
-      return cpu::cross_entropy_backward(dloss, logits, targets, normalizer, lse, ignore_index,
+      return cpu::kernels().cross_entropy_backward(dloss, logits, targets, normalizer, lse, ignore_index,
                                          vocab_begin, dlogits, classes);
     HSPMD_CUDA_CASE(cross_entropy_backward(s, dloss, logits, targets, normalizer, lse, ignore_index, vocab_begin, dlogits, classes))
     default: no_kernel("cross_entropy_backward", s.device());
@@ -346,10 +346,10 @@ void attention_forward(Stream& s, const NDArray& q, const NDArray& k, const NDAr
   switch (const DeviceCodeScope code; device_of("attention_forward", s, {&q, &k, &v, &documents, &out, &lse})) {
     case DeviceType::CPU: {
       if (q.dtype() != DType::BF16 && out.dtype() != DType::BF16)
-        return cpu::attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
+        return cpu::kernels().attention_forward(q, k, v, documents, scale, out, lse, tiles, products, window);
       // bf16 arrays: computed on f32 copies, the output rounded once.
       NDArray o = NDArray::empty(out.shape(), DType::F32, out.device());
-      cpu::attention_forward(as_f32(s, q), as_f32(s, k), as_f32(s, v), documents, scale, o, lse, tiles,
+      cpu::kernels().attention_forward(as_f32(s, q), as_f32(s, k), as_f32(s, v), documents, scale, o, lse, tiles,
                              products, window);
       out = out.dtype() == DType::BF16 ? cast(s, o, DType::BF16) : o;
       return;
@@ -367,14 +367,14 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
                     {&q, &k, &v, &out, &lse, &grad_out, &documents, &dq, &dk, &dv})) {
     case DeviceType::CPU: {
       if (dq.dtype() == DType::F32 && dk.dtype() == DType::F32 && dv.dtype() == DType::F32)
-        return cpu::attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse,
+        return cpu::kernels().attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse,
                                        as_f32(s, grad_out), documents, scale, dq, dk, dv, tiles, products,
                                        window);
       // bf16 gradients: computed in f32, each rounded once.
       NDArray d[3] = {NDArray::empty(dq.shape(), DType::F32, dq.device()),
                       NDArray::empty(dk.shape(), DType::F32, dk.device()),
                       NDArray::empty(dv.shape(), DType::F32, dv.device())};
-      cpu::attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse, as_f32(s, grad_out),
+      cpu::kernels().attention_backward(as_f32(s, q), as_f32(s, k), as_f32(s, v), as_f32(s, out), lse, as_f32(s, grad_out),
                               documents, scale, d[0], d[1], d[2], tiles, products, window);
       NDArray* to[3] = {&dq, &dk, &dv};
       for (int i = 0; i < 3; ++i) *to[i] = cast(s, d[i], to[i]->dtype());
@@ -388,7 +388,7 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
 void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_blk,
                              NDArray& lse_blk, AttentionTiles tiles) {
   switch (const DeviceCodeScope code; device_of("attention_block_forward", s, {&blk.q, &blk.k, &blk.v, &out_blk, &lse_blk})) {
-    case DeviceType::CPU: return cpu::attention_block_forward(blk, out_blk, lse_blk, tiles);
+    case DeviceType::CPU: return cpu::kernels().attention_block_forward(blk, out_blk, lse_blk, tiles);
     HSPMD_CUDA_CASE(attention_block_forward(s, blk, out_blk, lse_blk, tiles))
     default: no_kernel("attention_block_forward", s.device());
   }
@@ -397,7 +397,7 @@ void attention_block_forward(Stream& s, const AttentionBlock& blk, NDArray& out_
 void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_blk,
                      const NDArray& lse_blk) {
   switch (const DeviceCodeScope code; device_of("attention_merge", s, {&out, &lse, &out_blk, &lse_blk})) {
-    case DeviceType::CPU: return cpu::attention_merge(out, lse, out_blk, lse_blk);
+    case DeviceType::CPU: return cpu::kernels().attention_merge(out, lse, out_blk, lse_blk);
     HSPMD_CUDA_CASE(attention_merge(s, out, lse, out_blk, lse_blk))
     default: no_kernel("attention_merge", s.device());
   }
@@ -406,7 +406,7 @@ void attention_merge(Stream& s, NDArray& out, NDArray& lse, const NDArray& out_b
 void attention_row_dots(Stream& s, const NDArray& out, const NDArray& grad_out, NDArray& delta,
                         bool bf16_grad) {
   switch (const DeviceCodeScope code; device_of("attention_row_dots", s, {&out, &grad_out, &delta})) {
-    case DeviceType::CPU: return cpu::attention_row_dots(out, grad_out, delta, bf16_grad);
+    case DeviceType::CPU: return cpu::kernels().attention_row_dots(out, grad_out, delta, bf16_grad);
     HSPMD_CUDA_CASE(attention_row_dots(s, out, grad_out, delta, bf16_grad))
     default: no_kernel("attention_row_dots", s.device());
   }
@@ -418,7 +418,7 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
   switch (const DeviceCodeScope code; device_of("attention_block_backward", s,
                     {&blk.q, &blk.k, &blk.v, &grad_out, &lse, &delta, &dq, &dk, &dv})) {
     case DeviceType::CPU:
-      return cpu::attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
+      return cpu::kernels().attention_block_backward(blk, grad_out, lse, delta, dq, dk, dv, tiles);
     HSPMD_CUDA_CASE(attention_block_backward(s, blk, grad_out, lse, delta, dq, dk, dv, tiles))
     default: no_kernel("attention_block_backward", s.device());
   }
@@ -428,7 +428,7 @@ void attention_block_backward(Stream& s, const AttentionBlock& blk, const NDArra
 
 void fill(Stream& s, NDArray& out, float value) {
   switch (const DeviceCodeScope code; device_of("fill", s, {&out})) {
-    case DeviceType::CPU: return cpu::fill(out, value);
+    case DeviceType::CPU: return cpu::kernels().fill(out, value);
     HSPMD_CUDA_CASE(fill(s, out, value))
     default: no_kernel("fill", s.device());
   }
@@ -442,7 +442,7 @@ NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
     return z;
   }
   switch (s.device().type) {
-    case DeviceType::CPU: return cpu::zeros(shape, dtype);
+    case DeviceType::CPU: return cpu::kernels().zeros(shape, dtype);
     HSPMD_CUDA_CASE(zeros(s, shape, dtype))
     default: no_kernel("zeros", s.device());
   }
@@ -450,7 +450,7 @@ NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
 
 void copy(Stream& s, const NDArray& from, NDArray& out) {
   switch (const DeviceCodeScope code; device_of("copy", s, {&from, &out})) {
-    case DeviceType::CPU: return cpu::copy(from, out);
+    case DeviceType::CPU: return cpu::kernels().copy(from, out);
     HSPMD_CUDA_CASE(copy(s, from, out))
     default: no_kernel("copy", s.device());
   }
@@ -480,7 +480,7 @@ NDArray cast(Stream& s, const NDArray& a, DType dtype) {
 void copy_block(Stream& s, const NDArray& from, const Shape& from_start, NDArray& to,
                 const Shape& to_start, const Shape& extent, bool accumulate) {
   switch (const DeviceCodeScope code; device_of("copy_block", s, {&from, &to})) {
-    case DeviceType::CPU: return cpu::copy_block(from, from_start, to, to_start, extent, accumulate);
+    case DeviceType::CPU: return cpu::kernels().copy_block(from, from_start, to, to_start, extent, accumulate);
     HSPMD_CUDA_CASE(copy_block(s, from, from_start, to, to_start, extent, accumulate))
     default: no_kernel("copy_block", s.device());
   }
@@ -510,7 +510,7 @@ NDArray to_device(Stream& s, const NDArray& a) {
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
   for (const NDArray& a : arrays) device_of("sum_of_squares", s, {&a});
   switch (const DeviceCodeScope code; s.device().type) {
-    case DeviceType::CPU: return cpu::sum_of_squares(arrays);
+    case DeviceType::CPU: return cpu::kernels().sum_of_squares(arrays);
     HSPMD_CUDA_CASE(sum_of_squares(s, arrays))
     default: no_kernel("sum_of_squares", s.device());
   }
@@ -520,7 +520,7 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
   for (const AdamTensor& t : tensors)
     device_of("adam_step", s, {t.param, t.grad, t.exp_avg, t.exp_avg_sq});
   switch (const DeviceCodeScope code; s.device().type) {
-    case DeviceType::CPU: return cpu::adam_step(tensors, f);
+    case DeviceType::CPU: return cpu::kernels().adam_step(tensors, f);
     HSPMD_CUDA_CASE(adam_step(s, tensors, f))
     default: no_kernel("adam_step", s.device());
   }

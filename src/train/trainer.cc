@@ -7,6 +7,7 @@
 #include <random>
 
 #include "hspmd/comm/communicator.h"
+#include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/checkpoint.h"
 #include "hspmd/io/output_file.h"
@@ -145,6 +146,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, Communicator& world) : opt
   agreed(
       world,
       [&] {
+        cpu_isa();  // a bad HSPMD_CPU_ISA: one line before the setup (Python's Trainer too)
         trainer_ = std::make_unique<dist::DistTrainer>(options_, world);
         trainer_->prepare();
       },

@@ -37,7 +37,7 @@ inline uint16_t f32_to_bf16(float f) {
 
 // The instruction sets of the bulk conversions below, best first.
 enum class ConvertIsa : uint8_t { kAvx512Bf16, kAvx512F, kScalar };
-// The best one this CPU has (checked once, at the first call).
+// The best one this CPU has under HSPMD_CPU_ISA's cap (checked once, at the first call).
 ConvertIsa best_convert_isa();
 
 // dst[i] = f32_to_bf16(src[i]) / bf16_to_f32(src[i]) for i < n, bitwise equal

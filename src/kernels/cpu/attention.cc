@@ -7,23 +7,21 @@
 #include "kernels/attention.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <vector>
 
-#include "attention_tile.h"
 #include "hspmd/core/error.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels {
+#include "attention_tile.h"
+
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
 using namespace attention_tile;
-
-std::atomic<int64_t> g_tile_q{64};
-std::atomic<int64_t> g_tile_k{64};
 
 // The problem's sizes and read-only inputs, shared by all tiles.
 struct Problem {
@@ -116,7 +114,7 @@ Starts document_starts(const NDArray& documents, int64_t B, int64_t S, int64_t t
     if (documents.dim(0) != B || documents.dim(1) != S)
       fail("[attention] document positions: shape [", documents.dim(0), ", ", documents.dim(1),
            "] must be [B, S] = [", B, ", ", S, "]");
-    s.start = cpu::document_starts_from_positions(documents, 0);
+    s.start = document_starts_from_positions(documents, 0);
   } else {
     s.start = starts_from_cu_seqlens(documents, B, S);
   }
@@ -325,14 +323,14 @@ void backward_group(const Problem& p, const Grads& g, int64_t b, int64_t hk,
 
 }  // namespace
 
-std::vector<int32_t> cpu::key_starts(const NDArray& documents, int64_t B, int64_t S, int64_t window) {
+std::vector<int32_t> key_starts(const NDArray& documents, int64_t B, int64_t S, int64_t window) {
   check_window(window);
   return document_starts(documents, B, S, std::max<int64_t>(S, 1), window).start;
 }
 
 // Positions in host memory (or the double's, read by a CPU kernel); the
 // public helper in dispatch.cc brings a device's to the host first.
-std::vector<int32_t> cpu::document_starts_from_positions(const NDArray& positions, int64_t first) {
+std::vector<int32_t> document_starts_from_positions(const NDArray& positions, int64_t first) {
   cpu::require_contiguous("attention", positions);
   if (positions.dtype() != DType::I32 || positions.ndim() != 2)
     fail("[attention] document positions: must be a 2-D i32 array [B, S]");
@@ -349,16 +347,7 @@ std::vector<int32_t> cpu::document_starts_from_positions(const NDArray& position
   return start;
 }
 
-AttentionTiles attention_tiles() { return {g_tile_q.load(), g_tile_k.load()}; }
-
-void set_attention_tiles(AttentionTiles tiles) {
-  if (tiles.q < 1 || tiles.k < 1)
-    fail("[attention] tile sizes must be >= 1, got q=", tiles.q, " k=", tiles.k);
-  g_tile_q = tiles.q;
-  g_tile_k = tiles.k;
-}
-
-void cpu::attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
+void attention_forward(const NDArray& q, const NDArray& k, const NDArray& v,
                             const NDArray& documents, float scale, NDArray& out, NDArray& lse,
                             AttentionTiles tiles, DType products, int64_t window) {
   Problem p = make_problem(q, k, v, scale, tiles, products, window);
@@ -395,7 +384,7 @@ void cpu::attention_forward(const NDArray& q, const NDArray& k, const NDArray& v
   }
 }
 
-void cpu::attention_backward(const NDArray& q, const NDArray& k, const NDArray& v,
+void attention_backward(const NDArray& q, const NDArray& k, const NDArray& v,
                              const NDArray& out,
                              const NDArray& lse, const NDArray& grad_out, const NDArray& documents,
                              float scale, NDArray& dq, NDArray& dk, NDArray& dv,
@@ -433,7 +422,7 @@ void cpu::attention_backward(const NDArray& q, const NDArray& k, const NDArray& 
               "attention_grad: shapes");
   NDArray delta = NDArray::empty({p.B, p.Hq, p.S}, DType::F32);
   attention_row_dots(out, grad_out, delta, p.bf16);
-  for (NDArray* a : {&dq, &dk, &dv}) cpu::fill(*a, 0.0f);  // the kernel: they may live on cpu:1
+  for (NDArray* a : {&dq, &dk, &dv}) fill(*a, 0.0f);  // the kernel: they may live on cpu:1
   const Grads g{lse.data<float>(), dout.data<float>(), delta.data<float>(), dq.data<float>(),
                 dk.data<float>(),  dv.data<float>(),   dout_rows.data(),   dout_cols.data()};
 #pragma omp parallel if (p.parallel())
@@ -444,4 +433,4 @@ void cpu::attention_backward(const NDArray& q, const NDArray& k, const NDArray& 
   }
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

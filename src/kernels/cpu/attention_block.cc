@@ -10,13 +10,15 @@
 #include <cmath>
 #include <vector>
 
-#include "attention_tile.h"
 #include "hspmd/core/error.h"
 #include "kernels/attention.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels {
+#include "attention_tile.h"
+
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -28,19 +30,6 @@ struct Run {
   int64_t size() const { return end - begin; }
   int64_t g_last() const { return g0 + end - begin - 1; }
 };
-
-// Global index where the keys of query i (of batch row b) start: its
-// document's start, raised to i - W + 1 by a window W > 0.
-std::vector<int32_t> windowed_starts(const AttentionBlock& blk) {
-  if (blk.window < 0) fail("[attention] window: must be >= 0 (0: no window), got ", blk.window);
-  std::vector<int32_t> start(blk.q_start.begin(), blk.q_start.end());
-  const int64_t Sq = static_cast<int64_t>(blk.q_index.size());
-  if (blk.window > 0 && Sq > 0)
-    for (size_t t = 0; t < start.size(); ++t)
-      start[t] = static_cast<int32_t>(
-          std::max<int64_t>(start[t], blk.q_index[t % Sq] - blk.window + 1));
-  return start;
-}
 
 // Splits rows into runs of at most `tile` rows that never straddle a jump.
 std::vector<Run> runs_of(std::span<const int64_t> index, int64_t tile) {
@@ -311,29 +300,14 @@ void backward_group(const BlockProblem& p, const Grads& g, int64_t b, int64_t hk
 
 }  // namespace
 
-bool attention_block_hidden(const AttentionBlock& blk) {
-  HSPMD_CHECK(blk.q_index.empty() || blk.q_start.size() % blk.q_index.size() == 0,
-              "attention block: starts");
-  std::vector<int64_t> keys(blk.k_index.begin(), blk.k_index.end());
-  std::sort(keys.begin(), keys.end());
-  const std::vector<int32_t> start = windowed_starts(blk);
-  const size_t Sq = blk.q_index.size();
-  for (size_t t = 0; t < start.size(); ++t) {
-    const int64_t hi = blk.q_index[t % Sq];
-    const auto first = std::lower_bound(keys.begin(), keys.end(), int64_t{start[t]});
-    if (first != keys.end() && *first <= hi) return false;  // query t sees key *first
-  }
-  return true;
-}
-
-void cpu::attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
+void attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, NDArray& lse_blk,
                                   AttentionTiles tiles) {
   if (blk.window > 0 && attention_block_hidden(blk)) {  // nothing to compute or pack
     HSPMD_CHECK(out_blk.shape() == blk.q.shape() &&
                     lse_blk.numel() == blk.q.dim(0) * blk.q.dim(2) * blk.q.dim(1),
                 "attention block: outputs");
-    cpu::fill(out_blk, 0.0f);  // the kernel, not NDArray::fill: out_blk may live on cpu:1
-    cpu::fill(lse_blk, kNegInf);
+    fill(out_blk, 0.0f);  // the kernel, not NDArray::fill: out_blk may live on cpu:1
+    fill(lse_blk, kNegInf);
     return;
   }
   const BlockProblem p = make_block_problem(blk, tiles, false);
@@ -353,7 +327,7 @@ void cpu::attention_block_forward(const AttentionBlock& blk, NDArray& out_blk, N
   }
 }
 
-void cpu::attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk,
+void attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk,
                           const NDArray& lse_blk) {
   HSPMD_CHECK(out.ndim() == 4 && out.shape() == out_blk.shape() && lse.shape() == lse_blk.shape() &&
                   lse.numel() == out.dim(0) * out.dim(2) * out.dim(1),
@@ -375,7 +349,7 @@ void cpu::attention_merge(NDArray& out, NDArray& lse, const NDArray& out_blk,
   }
 }
 
-void cpu::attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta,
+void attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArray& delta,
                              bool bf16_grad) {
   HSPMD_CHECK(out.ndim() == 4 && grad_out.shape() == out.shape() &&
                   delta.numel() == out.dim(0) * out.dim(1) * out.dim(2),
@@ -399,7 +373,7 @@ void cpu::attention_row_dots(const NDArray& out, const NDArray& grad_out, NDArra
   }
 }
 
-void cpu::attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
+void attention_block_backward(const AttentionBlock& blk, const NDArray& grad_out,
                                    const NDArray& lse, const NDArray& delta, NDArray& dq, NDArray& dk,
                                    NDArray& dv, AttentionTiles tiles) {
   if (blk.window > 0 && attention_block_hidden(blk)) return;  // adds nothing
@@ -421,4 +395,4 @@ void cpu::attention_block_backward(const AttentionBlock& blk, const NDArray& gra
   for (int64_t it = 0; it < p.B * p.Hkv; ++it) backward_group(p, g, it / p.Hkv, it % p.Hkv);
 }
 
-}  // namespace hspmd::kernels
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

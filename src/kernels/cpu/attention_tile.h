@@ -18,7 +18,11 @@
 #include "kernels/attention.h"
 #include "vec_math.h"
 
-namespace hspmd::kernels::attention_tile {
+#ifndef HSPMD_CPU_VARIANT
+#error "attention_tile.h: include it after kernels/cpu/variant.h, in a CPU variant's source"
+#endif
+
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT::attention_tile {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Below this many score multiply-adds a call runs on one thread: waking the
@@ -247,4 +251,4 @@ inline void add_transposed(const float* dkt, const float* dvt, int64_t ld, int64
     }
 }
 
-}  // namespace hspmd::kernels::attention_tile
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT::attention_tile

@@ -5,12 +5,16 @@
 // run-time check of the CPU.
 #include "bf16_pairs.h"
 
+// GCC 12 reports the _mm512_undefined_* inside the AVX-512 intrinsics as
+// "maybe uninitialized" when they are inlined (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/dtype.h"
 #include "kernels/basic.h"
 
@@ -129,8 +133,9 @@ HSPMD_BF16_TARGET void tile_rows_native(const float* s, int64_t m, int64_t n, in
   }
 }
 
+// The CPU's level under HSPMD_CPU_ISA's cap (hspmd/core/cpu_isa.h).
 bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
+  static const bool has = cpu_isa() >= CpuIsa::kAvx512Bf16;
   return has;
 }
 

@@ -11,9 +11,11 @@
 #include "kernels/basic.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
+
 #include "vec_math.h"
 
-namespace hspmd::kernels::cpu {
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -165,4 +167,4 @@ void cross_entropy_backward(const NDArray& dloss, const NDArray& logits, const N
   }
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

@@ -1,12 +1,9 @@
 #include "hspmd/core/error.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels::cpu {
-
-void require_contiguous(const char* kernel, const NDArray& a) {
-  HSPMD_CHECK(a.is_contiguous(), kernel, ": strided input");
-}
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -74,4 +71,4 @@ void accumulate(const NDArray& a, NDArray& out) {
   binary("accumulate", a, out, out, [](float x, float y) { return x + y; });
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

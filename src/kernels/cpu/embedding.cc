@@ -6,8 +6,9 @@
 #include "kernels/basic.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels::cpu {
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -72,4 +73,4 @@ void embedding_backward(const NDArray& grad, const NDArray& ids, int64_t vocab_b
   }
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

@@ -17,10 +17,10 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 
+#include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/error.h"
 #include "kernels/basic.h"
 #include "kernels/cpu/cpu.h"
@@ -70,18 +70,6 @@ std::atomic<GemmF32Backend>& f32_backend_flag() {
   static std::atomic<GemmF32Backend> flag{(env_f32_backend(), GemmF32Backend::kOpenBLAS)};
 #endif
   return flag;
-}
-
-bool cpuinfo_has_bf16() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("flags", 0) != 0) continue;
-    const std::string padded = line + " ";
-    return padded.find(" avx512_bf16 ") != std::string::npos ||
-           padded.find(" amx_bf16 ") != std::string::npos;
-  }
-  return false;
 }
 
 // ---- conversions (OpenMP over large arrays) ----
@@ -146,7 +134,31 @@ struct Dnnl {
   std::map<PrimKey, std::shared_ptr<const Prim>> cache;
 };
 
+// HSPMD_CPU_ISA's cap, given to oneDNN before its first primitive (it takes
+// a cap only then). ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), when set, is
+// oneDNN's own cap and wins.
+void cap_onednn() {
+  static const bool done = [] {
+    if (!cpu_isa_capped() || std::getenv("ONEDNN_MAX_CPU_ISA") || std::getenv("DNNL_MAX_CPU_ISA")) return true;
+    dnnl::cpu_isa cap = dnnl::cpu_isa::avx512_core_bf16;
+    switch (cpu_isa()) {
+      case CpuIsa::kBaseline: cap = dnnl::cpu_isa::sse41; break;
+      case CpuIsa::kAvx2: cap = dnnl::cpu_isa::avx2; break;
+      case CpuIsa::kAvx512: cap = dnnl::cpu_isa::avx512_core; break;
+      default: break;
+    }
+    try {
+      dnnl::set_max_cpu_isa(cap);
+    } catch (const dnnl::error&) {
+      // Too late (a primitive exists already): oneDNN keeps the CPU's level.
+    }
+    return true;
+  }();
+  (void)done;
+}
+
 Dnnl& dnnl_state() {
+  cap_onednn();
   static Dnnl state;
   return state;
 }
@@ -296,7 +308,7 @@ void cpu::matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b,
   HSPMD_CHECK(k == kb && out.numel() == m * n, "matmul: inner dims ", k, " vs ", kb);
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    cpu::fill(out, 0.0f);
+    cpu::kernels().fill(out, 0.0f);
     return;
   }
   const Gemm g{m, n, k, a_cols, b.dim(1), trans_a, trans_b};
@@ -317,9 +329,10 @@ void cpu::matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b,
 
 bool bf16_gemm_native() {
 #ifdef HSPMD_HAVE_DNNL
+  cap_onednn();
   static const bool native = isa_has(dnnl::get_effective_cpu_isa(),
                                      dnnl::cpu_isa::avx512_core_bf16) &&
-                             cpuinfo_has_bf16();
+                             cpu_isa() >= CpuIsa::kAvx512Bf16;
   return native;
 #else
   return false;
@@ -345,6 +358,7 @@ GemmF32Backend f32_gemm_backend() { return f32_backend_flag().load(); }
 std::string gemm_isa_description() {
   std::string bf16;
 #ifdef HSPMD_HAVE_DNNL
+  cap_onednn();
   const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
   const std::string onednn = std::string("oneDNN ") + dnnl_isa_name(isa);
   if (!bf16_gemm_native()) {
@@ -359,7 +373,8 @@ std::string gemm_isa_description() {
   bf16 = "OpenBLAS sgemm (bf16 emulated: built without oneDNN)";
 #endif
   const bool f32_dnnl = f32_gemm_backend() == GemmF32Backend::kOneDNN;
-  return bf16 + "; fp32 " + (f32_dnnl ? "oneDNN matmul" : "OpenBLAS sgemm");
+  return bf16 + "; fp32 " + (f32_dnnl ? "oneDNN matmul" : "OpenBLAS sgemm") + "; CPU kernels " +
+         cpu_isa_name(cpu::kernels().isa) + ", CPU level " + cpu_isa_description();
 }
 
 }  // namespace hspmd::kernels

@@ -7,8 +7,9 @@
 #include "kernels/basic.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels::cpu {
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -115,4 +116,4 @@ void concat(const std::vector<NDArray>& parts, int axis, NDArray& out) {
   HSPMD_CHECK(offset == s[axis], "concat: parts do not fill the output");
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

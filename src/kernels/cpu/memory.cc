@@ -9,8 +9,9 @@
 #include "hspmd/core/error.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/memory.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels::cpu {
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 void fill(NDArray& out, float value) {
   require_contiguous("fill", out);
@@ -151,4 +152,4 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
   }
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

@@ -8,8 +8,9 @@
 #include "kernels/basic.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels::cpu {
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -122,4 +123,4 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
   }
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

@@ -6,8 +6,9 @@
 #include "kernels/basic.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
+#include "kernels/cpu/variant.h"
 
-namespace hspmd::kernels::cpu {
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT {
 
 namespace {
 
@@ -67,4 +68,4 @@ void broadcast_reduced(const NDArray& g, const std::vector<bool>& reduced, NDArr
                   [&](int64_t i, int64_t o) { y[i] = x[o]; });
 }
 
-}  // namespace hspmd::kernels::cpu
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

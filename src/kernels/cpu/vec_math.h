@@ -1,6 +1,7 @@
 // Vectorized float math for the CPU kernels, written with GCC vector
-// extensions so it compiles to the widest SIMD the target has (AVX-512 with
-// -march=native here) without intrinsics. Loops over rows call these helpers
+// extensions so it compiles to the widest SIMD of each CPU variant
+// (variant.h: 16 lanes are one AVX-512 register, two AVX2 ones, four SSE
+// ones) without intrinsics. Loops over rows call these helpers
 // instead of relying on auto-vectorization of libm calls.
 #pragma once
 
@@ -10,7 +11,11 @@
 #include <cstdint>
 #include <cstring>
 
-namespace hspmd::kernels::vec {
+#ifndef HSPMD_CPU_VARIANT
+#error "vec_math.h: include it after kernels/cpu/variant.h, in a CPU variant's source"
+#endif
+
+namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT::vec {
 
 constexpr int kLanes = 16;
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -102,4 +107,4 @@ inline void exp_scale(const float* x, int64_t n, float shift, float scale, float
   for (; i < n; ++i) out[i] = exp_scalar(x[i] - shift) * scale;
 }
 
-}  // namespace hspmd::kernels::vec
+}  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT::vec
