@@ -57,6 +57,9 @@ def main():
     ap.add_argument("--autocast", action="store_true", help="torch.autocast('cpu', torch.bfloat16) around the forward")
     args = ap.parse_args()
     llama_ref.AUTOCAST = args.autocast
+    # Under an oneDNN cap below AVX-512 (the capped leg's emulation of an
+    # AVX2 CPU) torch takes the path it takes on such a CPU: no oneDNN.
+    llama_ref.follow_onednn_cap()
 
     torch.set_num_threads(args.threads)
     cfg = load_model_config(args.model)

@@ -48,11 +48,16 @@ bool env_bf16_emulate() {
 }
 
 GemmF32Backend env_f32_backend() {
-  // Default oneDNN (5-10% faster than OpenBLAS at the model's shapes, 1 and 2
-  // threads, and one threading runtime with our OpenMP kernels;
-  // docs/precision.md); OpenBLAS when the build has no oneDNN.
+  // Default with AVX-512 oneDNN (5-10% faster than OpenBLAS at the model's
+  // shapes, 1 and 2 threads, and one threading runtime with our OpenMP
+  // kernels); below it OpenBLAS, whose AVX2 kernels beat oneDNN's there
+  // (the LM head's weight gradient 102 against 46 GFLOP/s, the reference
+  // step's GEMMs 0.47 against 0.57-0.60 s; docs/precision.md). OpenBLAS
+  // when the build has no oneDNN.
   const char* v = std::getenv("HSPMD_GEMM_F32");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "onednn") == 0) return GemmF32Backend::kOneDNN;
+  if (v == nullptr || *v == '\0')
+    return cpu_isa() >= CpuIsa::kAvx512 ? GemmF32Backend::kOneDNN : GemmF32Backend::kOpenBLAS;
+  if (std::strcmp(v, "onednn") == 0) return GemmF32Backend::kOneDNN;
   if (std::strcmp(v, "openblas") == 0) return GemmF32Backend::kOpenBLAS;
   fail("[matmul] HSPMD_GEMM_F32 must be \"openblas\" or \"onednn\", got \"", v, "\"");
 }

@@ -16,7 +16,7 @@ namespace {
 
 constexpr int64_t kBlock = 4096;  // elements per OpenMP work item
 
-inline vec::f32x16 sigmoid(vec::f32x16 x) { return 1.0f / (1.0f + vec::exp(-x)); }
+inline vec::f32v sigmoid(vec::f32v x) { return 1.0f / (1.0f + vec::exp(-x)); }
 
 // Runs f(begin, end) over [0, n) in blocks whose inner ranges are multiples of
 // the vector width except the last.
@@ -48,7 +48,7 @@ void store_block(NDArray& out, int64_t begin, int64_t n, const float* buf) {
 void swiglu_block(const float* g, const float* u, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + vec::kLanes <= n; i += vec::kLanes) {
-    const vec::f32x16 gv = vec::load(g + i);
+    const vec::f32v gv = vec::load(g + i);
     vec::store(y + i, gv * sigmoid(gv) * vec::load(u + i));
   }
   for (; i < n; ++i) y[i] = g[i] / (1.0f + vec::exp_scalar(-g[i])) * u[i];
@@ -59,8 +59,8 @@ void swiglu_backward_block(const float* d, const float* g, const float* u, float
                            int64_t n) {
   int64_t i = 0;
   for (; i + vec::kLanes <= n; i += vec::kLanes) {
-    const vec::f32x16 gv = vec::load(g + i), dv = vec::load(d + i);
-    const vec::f32x16 s = sigmoid(gv);
+    const vec::f32v gv = vec::load(g + i), dv = vec::load(d + i);
+    const vec::f32v s = sigmoid(gv);
     vec::store(du + i, dv * gv * s);
     vec::store(dg + i, dv * vec::load(u + i) * s * (1.0f + gv * (1.0f - s)));
   }
