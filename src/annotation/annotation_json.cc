@@ -6,6 +6,7 @@
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
+#include "hspmd/core/limits.h"
 
 namespace hspmd {
 namespace {
@@ -74,8 +75,10 @@ struct Reader {
     return s;
   }
 
-  Subgroup subgroup(const json& sub, const std::string& path) const {
-    only_fields(sub, path, {"ranks", "states", "order"});
+  // Appends the subgroup at `sub` to `out`: `repeat` [count, stride] times
+  // (default once), the k-th copy with every rank + k * stride.
+  void subgroups(const json& sub, const std::string& path, std::vector<Subgroup>& out) const {
+    only_fields(sub, path, {"ranks", "states", "order", "repeat"});
     Subgroup g;
     if (!sub.contains("ranks")) fail_field(path + ".ranks", "missing");
     const json& ranks = sub["ranks"];
@@ -83,9 +86,42 @@ struct Reader {
     for (size_t i = 0; i < ranks.size(); ++i)
       g.devices.ranks.push_back(integer(ranks[i], path + ".ranks[" + std::to_string(i) + "]"));
     g.states = states(sub, path);
-    return g;
+    int count = 1, stride = 0;
+    if (sub.contains("repeat")) {
+      const json& r = sub["repeat"];
+      if (!r.is_array() || r.size() != 2) fail_field(path + ".repeat", "must be [count, stride]");
+      count = integer(r[0], path + ".repeat[0]");
+      stride = integer(r[1], path + ".repeat[1]");
+      if (count < 1 || count > kMaxRepeat) fail_field(path + ".repeat[0]", "count ", count, " is outside [1, ", kMaxRepeat, "]");
+      if (stride < 1) fail_field(path + ".repeat[1]", "stride must be >= 1, got ", stride);
+      // Subgroups are disjoint sets of ranks below the world size: more
+      // ranks than the largest world cannot be valid (and are not allocated).
+      if (static_cast<int64_t>(count) * g.devices.size() > kMaxWorldSize)
+        fail_field(path + ".repeat", count, " copies of ", g.devices.size(), " ranks exceed the largest world (",
+                   kMaxWorldSize, " ranks)");
+      for (int rank : g.devices.ranks)
+        if (static_cast<int64_t>(rank) + static_cast<int64_t>(count - 1) * stride > INT_MAX)
+          fail_field(path + ".repeat", "rank ", rank, " + ", count - 1, " x ", stride, " is out of range");
+    }
+    for (int k = 0; k < count; ++k) {
+      Subgroup copy = g;
+      for (int& rank : copy.devices.ranks) rank += k * stride;
+      out.push_back(std::move(copy));
+    }
   }
+
+  // A bound on one entry's copies (ranks are bounded by the world anyway,
+  // which validate() checks; this keeps a typo from allocating billions).
+  static constexpr int kMaxRepeat = 1 << 20;
 };
+
+// Whether b is a shifted by `stride` (same states and order, every rank + stride).
+bool shifted(const Subgroup& a, const Subgroup& b, int64_t stride) {
+  if (!(a.states == b.states) || a.devices.size() != b.devices.size()) return false;
+  for (int i = 0; i < a.devices.size(); ++i)
+    if (static_cast<int64_t>(b.devices.ranks[i]) - a.devices.ranks[i] != stride) return false;
+  return true;
+}
 
 std::string key_json(int key) {
   if (key == kDup) return "dup";
@@ -97,12 +133,27 @@ std::string key_json(int key) {
 
 json to_json(const Annotation& a) {
   json subgroups = json::array();
-  for (const Subgroup& g : a.subgroups) {
+  // A run of subgroups that repeat one at a constant rank stride (a
+  // pipeline's TP group in every data-parallel replica) is one entry with
+  // "repeat": [count, stride] (a 4096-rank plan: 36 MB -> well under 1 MB).
+  for (size_t i = 0; i < a.subgroups.size();) {
+    const Subgroup& g = a.subgroups[i];
+    size_t count = 1;
+    int64_t stride = 0;
+    if (i + 1 < a.subgroups.size() && g.devices.size() > 0) {
+      stride = static_cast<int64_t>(a.subgroups[i + 1].devices.ranks[0]) - g.devices.ranks[0];
+      while (stride >= 1 && i + count < a.subgroups.size() &&
+             shifted(a.subgroups[i + count - 1], a.subgroups[i + count], stride))
+        ++count;
+    }
     json states = json::object();
     for (auto [key, n] : g.states.degrees) states[key_json(key)] = n;
     json order = json::array();
     for (int key : g.states.order) order.push_back(key_json(key));
-    subgroups.push_back({{"ranks", g.devices.ranks}, {"states", states}, {"order", order}});
+    json entry = {{"ranks", g.devices.ranks}, {"states", states}, {"order", order}};
+    if (count > 1) entry["repeat"] = {count, stride};
+    subgroups.push_back(std::move(entry));
+    i += count;
   }
   json out = {{"hdim", a.hdim}, {"subgroups", subgroups}};
   if (!a.part_weights.empty()) out["part_weights"] = a.part_weights;
@@ -124,8 +175,7 @@ Annotation annotation_from_json(const json& j, const std::string& tensor_name) {
   if (!j.contains("subgroups")) r.fail_field("subgroups", "missing");
   const json& subs = j["subgroups"];
   if (!subs.is_array()) r.fail_field("subgroups", "must be an array");
-  for (size_t i = 0; i < subs.size(); ++i)
-    a.subgroups.push_back(r.subgroup(subs[i], "subgroups[" + std::to_string(i) + "]"));
+  for (size_t i = 0; i < subs.size(); ++i) r.subgroups(subs[i], "subgroups[" + std::to_string(i) + "]", a.subgroups);
   return a;
 }
 

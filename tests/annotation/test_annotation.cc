@@ -216,6 +216,27 @@ TEST(Json, RoundTrip) {
       {"ranks": [4, 5, 6, 7], "states": {"split0": 2, "dup": 2}, "order": ["split0", "dup"]}]})"));
 }
 
+// Subgroups that repeat one at a constant rank stride (every data-parallel
+// replica's TP group) are written as one entry with "repeat": [count,
+// stride], and read back as the same subgroups.
+TEST(Json, RepeatedSubgroupsAreOneEntry) {
+  Annotation a{{}, 0};
+  for (int k = 0; k < 5; ++k)
+    a.subgroups.push_back(subgroup({8 * k + 1, 8 * k}, {{split_key(1), 2}}, {split_key(1)}));
+  a.subgroups.push_back(subgroup({40, 41}, {{split_key(1), 2}}, {split_key(1)}));  // rank order differs
+  a.subgroups.push_back(subgroup({50, 51}, {{kDup, 2}}, {kDup}));                  // states differ
+  a.subgroups.push_back(subgroup({60, 61}, {{kDup, 2}}, {kDup}));                  // a run of 2
+  const nlohmann::json j = to_json(a);
+  ASSERT_EQ(j["subgroups"].size(), 3u) << j.dump();
+  EXPECT_EQ(j["subgroups"][0]["ranks"], nlohmann::json({1, 0}));
+  EXPECT_EQ(j["subgroups"][0]["repeat"], nlohmann::json({5, 8}));
+  EXPECT_FALSE(j["subgroups"][1].contains("repeat"));
+  EXPECT_EQ(j["subgroups"][2]["repeat"], nlohmann::json({2, 10}));
+  EXPECT_EQ(annotation_from_json(nlohmann::json::parse(j.dump()), kName), a);
+  // A single subgroup, or one of another size, never repeats.
+  EXPECT_FALSE(to_json(design_example())["subgroups"][0].contains("repeat"));
+}
+
 TEST(Json, DefaultsForHdimAndOrder) {
   Annotation a = annotation_from_json(nlohmann::json::parse(R"({"subgroups": [
       {"ranks": [0, 1, 2, 3, 4, 5, 6, 7], "states": {"split1": 2, "dup": 2, "partial": 2, "split0": 1}}]})"),
@@ -250,6 +271,16 @@ TEST(Json, MalformedNamesTheField) {
   expect_bad(R"({"subgroups": [{"ranks": [0, 99999999999], "states": {}}]})", "out of range");
   expect_bad(R"({"subgroups": [{"ranks": [0]}]})", "field 'subgroups[0].states': missing");
   expect_bad(R"({"subgroups": [{"ranks": [0], "states": [2]}]})", "field 'subgroups[0].states': must be an object");
+  expect_bad(R"({"subgroups": [{"ranks": [0], "states": {}, "repeat": 3}]})",
+             "field 'subgroups[0].repeat': must be [count, stride]");
+  expect_bad(R"({"subgroups": [{"ranks": [0], "states": {}, "repeat": [0, 1]}]})",
+             "field 'subgroups[0].repeat[0]': count 0 is outside");
+  expect_bad(R"({"subgroups": [{"ranks": [0], "states": {}, "repeat": [2, 0]}]})",
+             "field 'subgroups[0].repeat[1]': stride must be >= 1");
+  expect_bad(R"({"subgroups": [{"ranks": [0, 1, 2, 3], "states": {}, "repeat": [1000000, 4]}]})",
+             "1000000 copies of 4 ranks exceed the largest world");
+  expect_bad(R"({"subgroups": [{"ranks": [2000000000], "states": {}, "repeat": [1000, 1000000]}]})",
+             "field 'subgroups[0].repeat': rank 2000000000 + 999 x 1000000 is out of range");
   expect_bad(R"({"subgroups": [{"ranks": [0, 1], "states": {"split": 2}}]})",
              "field 'subgroups[0].states.split': key 'split' is not splitN");
   expect_bad(R"({"subgroups": [{"ranks": [0, 1], "states": {"split-1": 2}}]})", "key 'split-1'");
