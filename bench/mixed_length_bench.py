@@ -60,7 +60,8 @@ max_seq_len and the step's longest piece) as a plain SVG.
 
 usage: bench/mixed_length_bench.py [--hspmd build/src/cli/hspmd] [--model M.json] [--docs synthetic|code]
            [--scale paper|context] [--max-seq-len 256] [--batch-tokens 2048] [--steps 12] [--buckets 3]
-           [--cap-gib 0.011|auto] [--max-cp N] [--zero] [--profile P.json] [--svg out.svg] [--json out.json]
+           [--cap-gib 0.011|auto] [--max-cp N] [--zero] [--profile P.json] [--profile-mbs 1,2,4,8]
+           [--profile-repetitions 3] [--svg out.svg] [--json out.json] [--smoke]
 """
 import argparse
 import array
@@ -82,6 +83,9 @@ MODEL = os.path.join(ROOT, "examples", "models", "llama-tiny-8l.json")
 CORPUS = os.path.join(ROOT, "out", "code_corpus.bin")
 CORPUS_EOS = 256  # scripts/make_code_corpus.py tokenizes with examples/tiny-llama/config.json
 L_DEFAULT = 256
+# --smoke's defaults: L != 256, so the tiny model takes the automatic cap (plan cost with the profile).
+SMOKE = {"max_seq_len": 64, "batch_tokens": 128, "steps": 3, "buckets": 2, "profile_mbs": "1,2",
+         "profile_repetitions": 1}
 CLUSTER = {"catalog": {t: {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100, "inter_node_gbps": 25}
                        for t in ("fast", "slow")},
            "nodes": [{"type": "fast", "ranks": [0, 3]}, {"type": "slow", "ranks": [4, 7], "slowdown": 2.0}]}
@@ -211,8 +215,10 @@ def throughput(log):
         statistics.median(s["tokens"] for s in steps)
 
 
-def memory_gib(hs, model, cluster, tmp, ranks, cp, s):
-    """The cost model's largest rank memory for one pipeline of one stage (every layer) on `ranks` ranks."""
+def memory_gib(hs, model, cluster, profile, tmp, ranks, cp, s):
+    """The cost model's largest rank memory for one pipeline of one stage (every layer) on `ranks` ranks.
+    `hspmd plan cost` needs the profile: the cluster's device types are emulated on this CPU, and the
+    planner refuses them without one (it has no silent roofline for emulated devices)."""
     layers = json.load(open(model))["num_hidden_layers"]
     st = {"pipelines": [{"micro_batch_size": 1, "micro_batches": 1,
                          "stages": [{"ranks": list(range(ranks)), "layers": [0, layers - 1],
@@ -220,15 +226,15 @@ def memory_gib(hs, model, cluster, tmp, ranks, cp, s):
     path = os.path.join(tmp, "mem_strategy.json")
     json.dump(st, open(path, "w"))
     j = json.loads(run([hs, "plan", "cost", "--model", model, "--cluster", cluster, "--strategy", path,
-                        "--seq-len", str(s), "--json"]))
+                        "--seq-len", str(s), "--profile", profile, "--json"]))
     return max(r["memory_gib"] for r in j["ranks"])
 
 
-def auto_cap(hs, model, cluster, tmp, L):
-    hi = memory_gib(hs, model, cluster, tmp, 1, 1, L)
-    parts = {"1 rank, L/2": memory_gib(hs, model, cluster, tmp, 1, 1, L // 2),
-             "TP2, L": memory_gib(hs, model, cluster, tmp, 2, 1, L),
-             "CP2, L": memory_gib(hs, model, cluster, tmp, 2, 2, L)}
+def auto_cap(hs, model, cluster, profile, tmp, L):
+    hi = memory_gib(hs, model, cluster, profile, tmp, 1, 1, L)
+    parts = {"1 rank, L/2": memory_gib(hs, model, cluster, profile, tmp, 1, 1, L // 2),
+             "TP2, L": memory_gib(hs, model, cluster, profile, tmp, 2, 1, L),
+             "CP2, L": memory_gib(hs, model, cluster, profile, tmp, 2, 2, L)}
     lo = max(parts.values())
     if lo >= hi:
         raise SystemExit(f"--cap-gib auto: no cap between {lo:.5f} and {hi:.5f} GiB")
@@ -310,12 +316,20 @@ def main():  # noqa: C901
                     help="--max-cp for both plan searches (default: none, the planners' own defaults: 1 for the "
                          "fixed search, the node for --lengths; the profile measures cp 1 and 2)")
     ap.add_argument("--profile-mbs", default="1,2,4,8", help="micro-batch sizes the profile measures")
+    ap.add_argument("--profile-repetitions", type=int, default=3, help="the profile's --repetitions")
     ap.add_argument("--profile", help="reuse this profile (made by `hspmd profile` with the flags this bench "
                                       "uses for the same model and L) instead of measuring one")
     ap.add_argument("--zero", action="store_true", help="ZeRO-1 in every mode (all plan searches get --zero)")
     ap.add_argument("--svg", help="write the dynamic mode's per-step choice here")
     ap.add_argument("--json", help="write the figures as JSON here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (L 64, T 128, 3 steps, 2 buckets, a one-repetition profile of micro-batch "
+                         "sizes 1 and 2; flags given explicitly win), every mode and the automatic cap: the same "
+                         "calls, checked to give figures (the CTest bench_smoke_mixed_length_bench)")
     a = ap.parse_args()
+    if a.smoke:
+        ap.set_defaults(**SMOKE)
+        a = ap.parse_args()
     T, L, hs = a.batch_tokens, a.max_seq_len, a.hspmd
     model = os.path.abspath(a.model)
     cfg = json.load(open(model))
@@ -343,11 +357,21 @@ def main():  # noqa: C901
         pieces = pieces_of(lengths, L)
         plan_steps = token_steps(pieces, T, a.steps)
         longest = [max(s) for s in plan_steps]
+        # The profile first: the automatic cap's `plan cost` calls need it as much as the plan searches.
+        seq_lens = sorted({max(8, L // 8), max(8, L // 4), max(8, L // 2), L})
+        t0 = time.perf_counter()
+        if a.profile:
+            shutil.copyfile(a.profile, p("profile.json"))
+        else:
+            run([hs, "profile", "--model", model, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens",
+                 ",".join(map(str, seq_lens)), "--micro-batch-sizes", a.profile_mbs, "--repetitions",
+                 str(a.profile_repetitions), "-o", p("profile.json")])
+        profile_s = time.perf_counter() - t0
         cluster = json.loads(json.dumps(CLUSTER))
         json.dump(cluster, open(p("cluster_nocap.json"), "w"))
         cap_note = ""
         if a.cap_gib == "auto":
-            cap, hi, parts = auto_cap(hs, model, p("cluster_nocap.json"), tmp, L)
+            cap, hi, parts = auto_cap(hs, model, p("cluster_nocap.json"), p("profile.json"), tmp, L)
             cap_note = (f"auto cap {cap:.5f} GiB: 1 rank at L {hi:.5f}; " +
                         ", ".join(f"{k} {v:.5f}" for k, v in parts.items()))
         else:
@@ -356,15 +380,6 @@ def main():  # noqa: C901
             for node in cluster["nodes"]:
                 node["memory_cap_gib"] = cap
         json.dump(cluster, open(p("cluster.json"), "w"))
-        seq_lens = sorted({max(8, L // 8), max(8, L // 4), max(8, L // 2), L})
-        t0 = time.perf_counter()
-        if a.profile:
-            shutil.copyfile(a.profile, p("profile.json"))
-        else:
-            run([hs, "profile", "--model", model, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens",
-                 ",".join(map(str, seq_lens)), "--micro-batch-sizes", a.profile_mbs, "--repetitions", "3",
-                 "-o", p("profile.json")])
-        profile_s = time.perf_counter() - t0
         max_cp = ["--max-cp", str(a.max_cp)] if a.max_cp else []
         common = ["--model", model, "--cluster", p("cluster.json"), "--profile", p("profile.json")]
         zero = ["--zero"] if a.zero else []
@@ -465,6 +480,9 @@ def main():  # noqa: C901
             print(f"{m:12s} {tps:18.0f} {st:14.5f} {tok:14.0f} {ps:7.2f}")
         d, f, b, bc = res["dynamic"][0], res["fixed"][0], res["buckets"][0], res["buckets-cost"][0]
         print(f"dynamic / fixed: {d / f:.2f}x; dynamic / buckets: {d / b:.2f}x; dynamic / buckets-cost: {d / bc:.2f}x")
+        bad = [m for m in modes if not (res[m][0] > 0 and res[m][0] < float("inf"))]
+        if bad:
+            raise SystemExit(f"no throughput for {', '.join(bad)}")
         if a.json:
             json.dump({"model": os.path.basename(model), "docs": a.docs, "scale": a.scale if a.docs == "code" else None,
                        "L": L, "T": T, "steps": a.steps, "cap_gib": cap, "cap_note": cap_note,
