@@ -7,7 +7,7 @@ Prints each rank's median virtual compute per step and the spread
 (max / min - 1); causal attention over contiguous chunks would give the
 last rank about 2 x cp - 1 times the first one's attention work.
 
-usage: bench/cp_balance.py [--hspmd build/src/cli/hspmd] [--seq-len 2048] [--steps 3]
+usage: bench/cp_balance.py [--hspmd build/src/cli/hspmd] [--seq-len 2048] [--steps 3] [--smoke]
 """
 import argparse
 import json
@@ -28,7 +28,15 @@ def main():
     ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="sequence 64, 2 steps: the same runs (cp 2 and 4), checked to give figures (the CTest "
+                         "bench_smoke_cp_balance)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(seq_len=64, steps=2)
+        args = ap.parse_args()
+    if args.steps < 2:
+        sys.exit("--steps must be at least 2 (the first step is left out)")
     tmp = tempfile.mkdtemp(prefix="hspmd_cp_")
     cfg = json.load(open(os.path.join(HERE, "configs/reference.json")))
     cfg["num_hidden_layers"] = 2

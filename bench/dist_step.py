@@ -8,7 +8,7 @@ ranks are oversubscribed: their wall-clock step times measure contention on
 this machine, not the plan (the emulated cluster of a later issue measures
 plans independently of the core count). The byte columns do not depend on it.
 
-usage: bench/dist_step.py [--hspmd build/src/cli/hspmd] [--steps 6] [--seq-len 256]
+usage: bench/dist_step.py [--hspmd build/src/cli/hspmd] [--steps 6] [--seq-len 256] [--only NAME,...] [--smoke]
 """
 import argparse
 import json
@@ -62,7 +62,16 @@ def main():
     ap.add_argument("--model", default=os.path.join(HERE, "configs/reference.json"))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--only", default="", help="comma list of plan names (default: all)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="sequence 32, 2 steps, every plan: the same runs, and exit 1 when a rank's bytes differ "
+                         "from the prediction (the CTest bench_smoke_dist_step)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(seq_len=32, steps=2)
+        args = ap.parse_args()
+    if args.steps < 2:
+        sys.exit("--steps must be at least 2 (the first step is left out)")
     tmp = tempfile.mkdtemp(prefix="hspmd_bench_")
     vocab = json.load(open(args.model))["vocab_size"]
     data = os.path.join(tmp, "data.bin")
@@ -78,7 +87,10 @@ def main():
     print(f"{'plan':24s} {'ranks':>5s} {'median step':>12s} {'vs 1 process':>13s}  MiB sent per rank "
           f"inside Reshards / the resolver's prediction [+ inside ops / the ops' prediction]")
     print(f"{'single process':24s} {1:5d} {base:11.3f}s {1.0:12.2f}x")
-    for name, (world, strategy) in PLANS.items():
+    mismatched = []
+    names = [n for n in args.only.split(",") if n] or list(PLANS)
+    for name in names:
+        world, strategy = PLANS[name]
         spath = os.path.join(tmp, "plan.json")
         json.dump(strategy, open(spath, "w"))
         log = os.path.join(tmp, "dist.jsonl")
@@ -93,6 +105,10 @@ def main():
                                                      last["op_bytes_sent"], last["predicted_op_bytes"]))
         print(f"{name:24s} {world:5d} {step:11.3f}s {base / step:12.2f}x  [{per_rank}] MiB "
               f"{'(all steps equal)' if same else '(MISMATCH)'}")
+        if not same:
+            mismatched.append(name)
+    if mismatched and args.smoke:
+        sys.exit(f"bytes differ from the prediction: {', '.join(mismatched)}")
 
 
 if __name__ == "__main__":

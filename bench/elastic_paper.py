@@ -35,7 +35,7 @@ otherwise) and the example strategies' rank numbering.
 Timings are medians of --repeat runs (wall clock of the whole command:
 process start, loading, compiling, output).
 
-usage: bench/elastic_paper.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--json OUT]
+usage: bench/elastic_paper.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--json OUT] [--smoke]
 """
 import argparse
 import json
@@ -149,11 +149,19 @@ def main():
     ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="also write every figure to this JSON file")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one run of the first trace's two transitions (C1 -> C2 -> C3: re-plan, switches, "
+                         "specialization proxy, the chained re-plan): the same calls, and the same exit 1 when "
+                         "a searched plan is predicted slower than the paper's (the CTest bench_smoke_elastic_paper)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(repeat=1)
+        args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_elastic_paper_")
     rows, chained = [], []
     chain_prev = None  # the searched plan of the previous transition of the same trace
-    for name, world, cluster_file, prev_file, next_file, lost_new, lost_all in TRANSITIONS:
+    for name, world, cluster_file, prev_file, next_file, lost_new, lost_all in (
+            TRANSITIONS[:2] if args.smoke else TRANSITIONS):
         cluster = os.path.join(EX, "clusters", cluster_file)
         prev = os.path.join(EX, "strategies", prev_file)
         paper_next = os.path.join(EX, "strategies", next_file)

@@ -14,7 +14,7 @@ largest change of any rank's virtual compute between N runs of the same
 strategy (the emulation's stability).
 
 usage: bench/emulated_step.py [--hspmd build/src/cli/hspmd] [--steps 4] [--trace-dir DIR]
-                              [--repeat N] [--only NAME,...]
+                              [--repeat N] [--only NAME,...] [--seq-len 256] [--smoke]
 """
 import argparse
 import json
@@ -65,6 +65,8 @@ STRATEGIES = {
         pipeline(1, 2, [([4, 5], [0, 3]), ([6, 7], [4, 7])], recompute=True)]},
 }
 
+SMOKE_ONLY = ["symmetric DP2 x TP4", "asymmetric PP2 x TP2 6:2 recompute"]
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -73,7 +75,16 @@ def main():
     ap.add_argument("--trace-dir", default="")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated strategy names")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true",
+                    help="sequence 32, 2 steps, one symmetric and the recomputing asymmetric strategy: the same "
+                         "runs, checked to give figures (the CTest bench_smoke_emulated_step)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(seq_len=32, steps=2, only=",".join(SMOKE_ONLY))
+        args = ap.parse_args()
+    if args.steps < 2:
+        sys.exit("--steps must be at least 2 (the first step is left out)")
     tmp = tempfile.mkdtemp(prefix="hspmd_emulated_")
     cfg = json.load(open(os.path.join(HERE, "configs/reference.json")))
     cfg["num_hidden_layers"] = 8
@@ -87,12 +98,15 @@ def main():
         f.write(b"".join(struct.pack("<I", rng.randrange(cfg["vocab_size"])) for _ in range(100000)))
     results, runs = {}, {}
     names = args.only.split(",") if args.only else list(STRATEGIES)
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        sys.exit(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
     for name in [n for _ in range(args.repeat) for n in names]:
         strategy = STRATEGIES[name]
         spath = os.path.join(tmp, "strategy.json")
         json.dump(strategy, open(spath, "w"))
         log = os.path.join(tmp, "log.jsonl")
-        cmd = [args.hspmd, "train", "--model", model, "--data", data, "--seq-len", "256",
+        cmd = [args.hspmd, "train", "--model", model, "--data", data, "--seq-len", str(args.seq_len),
                "--steps", str(args.steps), "--threads", "1", "--quiet", "--strategy", spath,
                "--nproc", "8", "--cluster", cluster, "--log", log]
         if args.trace_dir:

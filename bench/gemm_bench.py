@@ -6,7 +6,7 @@ bf16 oneDNN with f32 operands rounded per call, bf16 emulated on OpenBLAS),
 with the CPU model and the backends the kernels picked.
 
 usage: bench/gemm_bench.py [--exe build/bench/gemm_bench] [--threads 1 2] [--reps 15]
-                           [--shapes all|model] [--interleave] [--json out.jsonl]
+                           [--shapes all|model] [--interleave] [--json out.jsonl] [--smoke]
 """
 import argparse
 import json
@@ -40,7 +40,10 @@ def cpu_model():
 def run(exe, threads, reps, shapes, interleave):
     cmd = [exe, "--threads", str(threads), "--reps", str(reps), "--shapes", shapes,
            "--interleave", "1" if interleave else "0"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    out = r.stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     info = next(r for r in rows if r.get("info"))
     return info, [r for r in rows if not r.get("info")]
@@ -72,7 +75,14 @@ def main():
     p.add_argument("--interleave", action="store_true",
                    help="alternate the backends call by call (default: each alone, after warm-up)")
     p.add_argument("--json", help="also write every row as JSON lines here")
+    p.add_argument("--smoke", action="store_true",
+                   help="1 thread, 1 timed call per backend, the model's shapes (gemm_bench still warms each "
+                        "backend up for 0.3 s: about 25 s); exit 1 unless every shape has a positive figure per "
+                        "backend (the CTest bench_smoke_gemm_bench)")
     a = p.parse_args()
+    if a.smoke:
+        p.set_defaults(threads=[1], reps=1, shapes="model")
+        a = p.parse_args()
     if not os.path.exists(a.exe):
         sys.exit(f"gemm_bench.py: no executable {a.exe} (build the gemm_bench target)")
     print(f"CPU: {cpu_model()}")
@@ -82,6 +92,10 @@ def main():
         all_rows += rows
         print(f"\n{t} thread(s); backends: {info['backends']}\n")
         print(table(rows))
+    bad = [r["shape"] for r in all_rows if not any(k in r for k, _ in COLUMNS)
+           or any(r.get(k, 1.0) <= 0 for k, _ in COLUMNS)]
+    if not all_rows or bad:
+        sys.exit(f"gemm_bench.py: no rows, or rows without a positive figure: {bad}")
     if a.json:
         with open(a.json, "w") as f:
             for r in all_rows:

@@ -18,7 +18,9 @@ Document lengths: the code corpus (out/code_corpus.bin, docs/data.md "A
 heavy-tailed corpus") scaled so that its p97 is L/4 (the paper: 97% of
 sequences < 8K at 32K), sampled with a fixed seed; a Pareto distribution
 with the same p97 when the corpus is absent. Writes docs/mixed_length_paper.svg
-and prints the markdown section."""
+and prints the markdown section.
+
+usage: bench/mixed_length_paper.py [--hspmd build/src/cli/hspmd] [--svg docs/mixed_length_paper.svg] [--smoke]"""
 import argparse
 import array
 import json
@@ -36,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(REPO, "examples", "models", "llama-32b.json")
 CLUSTER = os.path.join(REPO, "examples", "clusters", "32h20.json")
 T, STEPS, EOS = 200_000, 100, 50256
+SMOKE_STEPS = 5
 
 
 def corpus_lengths():
@@ -174,10 +177,18 @@ def svg(results, path):
 
 
 def main():
+    global STEPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", default=os.path.join(REPO, "build", "src", "cli", "hspmd"))
-    ap.add_argument("--svg", default=os.path.join(REPO, "docs", "mixed_length_paper.svg"))
+    ap.add_argument("--svg", default=None, help="the figure (default docs/mixed_length_paper.svg; --smoke: none)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"{SMOKE_STEPS} steps per context instead of {STEPS}: the same plan search, costs and "
+                         "figure (written only with --svg), checked to give every regime a time (the CTest "
+                         "bench_smoke_mixed_length_paper)")
     a = ap.parse_args()
+    if a.smoke:
+        STEPS = SMOKE_STEPS
+    svg_path = a.svg or (None if a.smoke else os.path.join(REPO, "docs", "mixed_length_paper.svg"))
     base = corpus_lengths()
     source = "code corpus" if base else "Pareto(1.1)"
     if not base:
@@ -239,9 +250,14 @@ def main():
             if over:
                 lines.append(f"\nOver the memory of the cost model: {sorted(over)}.")
             lines.append("")
-    svg(results, a.svg)
+    if svg_path:
+        svg(results, svg_path)
     print(f"Document lengths from the {source}.\n")
     print("\n".join(lines))
+    bad = [f"{L} {name}" for L, r in results.items() for name, v in r.items()
+           if len(v) < min(STEPS, 2) or not all(x > 0 for x in v)]
+    if bad:
+        sys.exit(f"no predicted step times for {bad}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ the best hand-written one of the table, and prints both emulated step times.
 
 usage: bench/planner_bench.py [--hspmd build/src/cli/hspmd] [--steps 4]
            [--profile P.json] [--only NAME,...] [--search] [--search-batch 8,30]
-           [--json out.json]
+           [--json out.json] [--smoke]
 """
 import argparse
 import json
@@ -126,7 +126,19 @@ def main():
     ap.add_argument("--search", action="store_true")
     ap.add_argument("--search-batch", default="8,30", help="global batches to search (comma-separated)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a one-repetition profile of tp 1 and 2 (cp 1, s 32 and 64), 2 steps of dp8 and tp2_dp4, "
+                         "the search at batch 8 (tp 1 and 2) and its run: the same calls (the CTest "
+                         "bench_smoke_planner_bench)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(steps=2, only="dp8,tp2_dp4", search=True, search_batch="8")
+        args = ap.parse_args()
+    if args.steps < 2:
+        sys.exit("--steps must be at least 2 (the first step is left out)")
+    unknown = [n for n in args.only.split(",") if n and n not in strategies()]
+    if unknown:
+        sys.exit(f"unknown strategies {unknown}; known: {list(strategies())}")
     tmp = tempfile.mkdtemp(prefix="hspmd_planner_bench_")
     data = os.path.join(tmp, "data.bin")
     rng = random.Random(1)
@@ -137,8 +149,10 @@ def main():
     profile = args.profile
     if not profile:
         profile = os.path.join(tmp, "profile.json")
-        run([args.hspmd, "profile", "--model", MODEL, "--tp", "1,2,4", "--cp", "1,2", "--seq-lens", "32,64,128",
-             "--micro-batch-sizes", "1,2", "--threads", "1", "--emulated-ranks", "8", "-o", profile])
+        grid = (["--tp", "1,2", "--cp", "1", "--seq-lens", "32,64", "--repetitions", "1"] if args.smoke else
+                ["--tp", "1,2,4", "--cp", "1,2", "--seq-lens", "32,64,128"])
+        run([args.hspmd, "profile", "--model", MODEL] + grid +
+            ["--micro-batch-sizes", "1,2", "--threads", "1", "--emulated-ranks", "8", "-o", profile])
     rows = []
     only = set(args.only.split(",")) if args.only else None
     print(f"{'strategy':20s} {'predicted_s':>12s} {'emulated_s':>12s} {'error':>8s}")
@@ -151,6 +165,8 @@ def main():
         emu = emulate(args.hspmd, tmp, name, path, data, cluster, args.steps)
         rows.append({"strategy": name, "predicted_s": pred, "emulated_s": emu, "error": pred / emu - 1})
         print(f"{name:20s} {pred:12.5f} {emu:12.5f} {100 * (pred / emu - 1):+7.1f}%", flush=True)
+    if not rows:
+        sys.exit("no strategy was run")
     errs = [abs(r["error"]) for r in rows]
     print(f"\n{len(rows)} strategies: median |error| {100 * statistics.median(errs):.1f}%, "
           f"largest {100 * max(errs):.1f}%, within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}")
@@ -161,7 +177,7 @@ def main():
             found = os.path.join(tmp, f"searched_{batch}.json")
             res = json.loads(run([args.hspmd, "plan", "search", "--model", MODEL, "--cluster", cluster,
                                   "--global-batch", str(batch), "--seq-len", str(SEQ), "--profile", profile,
-                                  "-o", found, "--json"]))
+                                  "-o", found, "--json"] + (["--tp", "1,2"] if args.smoke else [])))
             emu = emulate(args.hspmd, tmp, f"searched_{batch}", found, data, cluster, args.steps)
             hand = [r for r in rows if sum(p["micro_batch_size"] * p["micro_batches"]
                                            for p in strategies()[r["strategy"]]["pipelines"]) == batch]

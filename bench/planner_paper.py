@@ -14,7 +14,7 @@ C4 -> C5 (16 H800 + 32 H20, ranks 40-47 lost), C5 -> C6 (rank 15 lost),
 C6 -> C7 (ranks 8-15 lost), each `plan search --from <previous> --unavailable
 ...`, with its time.
 
-usage: bench/planner_paper.py [--hspmd build/src/cli/hspmd] [--repeat 3]
+usage: bench/planner_paper.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--smoke]
 """
 import argparse
 import json
@@ -69,11 +69,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one run of the first case and the first re-plan: the same calls (the CTest "
+                         "bench_smoke_planner_paper)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(repeat=1)
+        args = ap.parse_args()
+    cases, replans = (CASES[:1], REPLANS[:1]) if args.smoke else (CASES, REPLANS)
     tmp = tempfile.mkdtemp(prefix="hspmd_planner_paper_")
     print(f"{'case':22s} {'search_s':>9s} {'searched':>10s} {'paper':>10s} {'megatron':>10s} "
           f"{'paper/searched':>15s} {'megatron/searched':>18s}")
-    for name, h20, (dp, tp, pp, bs) in CASES:
+    for name, h20, (dp, tp, pp, bs) in cases:
         model = os.path.join(EX, "models", f"llama-{name}.json")
         cluster = os.path.join(EX, "clusters", f"16h800_{h20}h20.json")
         out = os.path.join(tmp, f"{name}_{h20}.json")
@@ -94,7 +101,7 @@ def main():
                 f"R{s['ranks'][0]}-{s['ranks'][-1]} L{s['layers'][0]}-{s['layers'][1]}" + (" rc" if s.get("recompute") else "")
                 for s in p["stages"]) for p in res["strategy"]["pipelines"]))
     print(f"\n{'re-plan':10s} {'search_s':>9s} {'replanned':>10s} {'paper':>10s} {'paper/replanned':>16s}")
-    for name, cluster, prev, lost, nxt in REPLANS:
+    for name, cluster, prev, lost, nxt in replans:
         model = os.path.join(EX, "models", "llama-32b.json")
         times, res = [], None
         for _ in range(args.repeat):

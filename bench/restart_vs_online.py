@@ -25,7 +25,7 @@ clock of the log records' `unix_time` (written by rank 0 as it logs):
 Beside them, the median step time of an undisturbed run of the same job.
 Figures are medians over --repeat runs.
 
-usage: bench/restart_vs_online.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--json OUT]
+usage: bench/restart_vs_online.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--json OUT] [--smoke]
 """
 import argparse
 import json
@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 STEPS = 8
+SMOKE_STEPS = 6
 CLUSTER = {"catalog": {t: {"tflops": 100, "memory_gib": 80, "intra_node_gbps": 100, "inter_node_gbps": 25}
                        for t in ("fast", "slow")},
            "nodes": [{"type": "fast", "ranks": [0, 3]}, {"type": "slow", "ranks": [4, 7], "slowdown": 2.0}]}
@@ -158,11 +159,19 @@ def median(rows, key):
 
 
 def main():
+    global STEPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="write every run's figures here")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"one run of each kind, {SMOKE_STEPS} steps (the event still before step 4): the same "
+                         "runs, the kill and the restart (the CTest bench_smoke_restart_vs_online)")
     a = ap.parse_args()
+    if a.smoke:
+        ap.set_defaults(repeat=1)
+        a = ap.parse_args()
+        STEPS = SMOKE_STEPS
     with tempfile.TemporaryDirectory(prefix="hspmd_restart_bench_") as tmp:
         b = Bench(a.hspmd, tmp)
         rows = {"plain": [], "online": [], "restart": []}

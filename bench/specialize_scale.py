@@ -13,7 +13,7 @@ and prints one row per (world, what): the process's wall seconds and max RSS
 the specialization alone (graph + dry run + discovery, after the plan is
 loaded) and the MB it still holds at the end beyond the loaded plan.
 
-usage: bench/specialize_scale.py [--build build] [--pipelines 1,8,64] [--rank 0] [--keep DIR]
+usage: bench/specialize_scale.py [--build build] [--pipelines 1,8,64] [--rank 0] [--keep DIR] [--smoke]
 """
 import argparse
 import json
@@ -67,7 +67,13 @@ def main():
     ap.add_argument("--pipelines", default="1,8,64")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--keep", help="write the files here instead of a temporary directory")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one pipeline (64 ranks): the same compile, explain and hspmd_specialize calls (the "
+                         "CTest bench_smoke_specialize_scale)")
     a = ap.parse_args()
+    if a.smoke:
+        ap.set_defaults(pipelines="1")
+        a = ap.parse_args()
     hspmd = os.path.join(a.build, "src", "cli", "hspmd")
     specialize = os.path.join(a.build, "bench", "hspmd_specialize")
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,8 +87,11 @@ def main():
                 json.dump(strategy(p), f, indent=1)
             with open(c_path, "w") as f:
                 json.dump(cluster(world), f, indent=1)
-            subprocess.run([hspmd, "plan", "compile", "--model", MODEL, "--strategy", s_path,
-                            "--world", str(world), "-o", plan], check=True, stderr=subprocess.DEVNULL)
+            r = subprocess.run([hspmd, "plan", "compile", "--model", MODEL, "--strategy", s_path,
+                                "--world", str(world), "-o", plan], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+            if r.returncode:
+                sys.exit(f"plan compile ({world} ranks) failed:\n{r.stderr[-2000:]}")
             for what, cmd in (("explain", [hspmd, "plan", "explain", plan, "--rank", str(a.rank),
                                            "--cluster", c_path]),
                               ("exec", [specialize, plan, "--rank", str(a.rank), "--cluster", c_path])):

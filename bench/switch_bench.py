@@ -16,7 +16,7 @@ prints, per switch, the median over --repeat runs of:
 and the ratio of each algorithm's emulated time to fused, and the switch
 plan's own prediction (`hspmd plan switch`, links only) beside it.
 
-usage: bench/switch_bench.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--bucket-mb 0]
+usage: bench/switch_bench.py [--hspmd build/src/cli/hspmd] [--repeat 3] [--bucket-mb 0] [--smoke]
 """
 import argparse
 import json
@@ -49,7 +49,13 @@ def main():
     ap.add_argument("--hspmd", default=os.path.join(ROOT, "build/src/cli/hspmd"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one run per algorithm: the same runs and checks (bytes = predicted) (the CTest "
+                         "bench_smoke_switch_bench)")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(repeat=1)
+        args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_switch_bench_")
     data = os.path.join(tmp, "data.bin")
     rng = random.Random(1)
@@ -91,7 +97,8 @@ def main():
         fused = statistics.median(run[k]["emulated_switch_s"] for run in results["fused"])
         for algorithm, runs in results.items():
             recs = [run[k] for run in runs]
-            assert all(r["bytes_sent"] == r["predicted_bytes"] for r in recs), "measured != predicted"
+            if not all(r["bytes_sent"] == r["predicted_bytes"] for r in recs):
+                sys.exit(f"{algorithm}, {label}: bytes sent differ from the prediction")
             emu = statistics.median(r["emulated_switch_s"] for r in recs)
             wall = statistics.median(r["switch_s"] for r in recs)
             moved = sum(recs[0]["bytes_sent"]) / 1e6
