@@ -28,7 +28,8 @@ tokens that look like flags (`-x`, `--name`, `--name=value`) are checked.
 A fenced command whose first word after `hspmd` is not a command fails; in
 an inline span such a word is taken for prose (`a running hspmd job`).
 
-usage: docs_check.py [--repo DIR] [--hspmd build/src/cli/hspmd] [--python python3] [--list] [FILE.md ...]
+usage: docs_check.py [--repo DIR] [--hspmd build/src/cli/hspmd] [--python python3] [--pythonpath build/python]
+                     [--list] [FILE.md ...]
 Exit 0 when every command checks, 1 otherwise (each problem on one line:
 FILE:LINE: the command: what is wrong).
 """
@@ -49,8 +50,8 @@ SCRIPT_DIRS = ("bench", "examples", "tests", "scripts")
 
 
 class Checker:
-    def __init__(self, repo, hspmd, python):
-        self.repo, self.hspmd, self.python = repo, hspmd, python
+    def __init__(self, repo, hspmd, python, pythonpath):
+        self.repo, self.hspmd, self.python, self.pythonpath = repo, hspmd, python, pythonpath
         self.help_cache = {}
         self.script_cache = {}
         self.counts = {"hspmd": 0, "python": 0, "shell": 0}
@@ -134,7 +135,7 @@ class Checker:
             else:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = os.pathsep.join(
-                    [os.path.join(self.repo, "build", "python"), os.path.dirname(script)]
+                    [self.pythonpath, os.path.dirname(script)]
                     + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
                 try:
                     r = subprocess.run([self.python, script, "--help"], capture_output=True, text=True,
@@ -153,8 +154,12 @@ class Checker:
         return self.script_cache[script]
 
     def local_module(self, name):
+        """A module this repository provides: a script's sibling, or the hspmd module when the build made
+        it (a build without the Python module cannot run the scripts that import it: not checked)."""
         top = name.split(".")[0]
-        return top == "hspmd" or any(glob.glob(os.path.join(self.repo, d, "**", top + ".py"), recursive=True)
+        if top == "hspmd":
+            return os.path.exists(os.path.join(self.pythonpath, "hspmd"))
+        return any(glob.glob(os.path.join(self.repo, d, "**", top + ".py"), recursive=True)
                                      for d in SCRIPT_DIRS)
 
     def check_python(self, path, rest):
@@ -373,6 +378,8 @@ def main():
     ap.add_argument("--repo", default=repo_default, help="the repository root")
     ap.add_argument("--hspmd", default=None, help="the hspmd executable (default REPO/build/src/cli/hspmd)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter that runs the scripts' --help")
+    ap.add_argument("--pythonpath", default=None,
+                    help="where the hspmd module is built (default REPO/build/python)")
     ap.add_argument("--list", action="store_true", help="print every command checked")
     ap.add_argument("files", nargs="*", help="Markdown files (default: README.md and docs/*.md)")
     a = ap.parse_args()
@@ -381,7 +388,7 @@ def main():
     if not os.access(hspmd, os.X_OK):
         sys.exit(f"docs_check: no hspmd executable at {hspmd}")
     files = a.files or [os.path.join(repo, "README.md")] + sorted(glob.glob(os.path.join(repo, "docs", "*.md")))
-    ck = Checker(repo, hspmd, a.python)
+    ck = Checker(repo, hspmd, a.python, os.path.abspath(a.pythonpath or os.path.join(repo, "build", "python")))
     problems, n = [], 0
     for f in files:
         rel = os.path.relpath(f, repo) if os.path.abspath(f).startswith(repo + os.sep) else f

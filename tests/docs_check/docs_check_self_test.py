@@ -5,7 +5,7 @@ exit 1 naming it; a snippet of correct commands of every kind and an
 unchanged copy of README.md must pass; the same README with one flag renamed
 must fail.
 
-usage: docs_check_self_test.py --hspmd build/src/cli/hspmd [--repo DIR] [--python python3]
+usage: docs_check_self_test.py --hspmd build/src/cli/hspmd [--repo DIR] [--python python3] [--pythonpath DIR]
 """
 import argparse
 import os
@@ -50,8 +50,9 @@ BAD = [
 
 
 def check(args, files):
+    extra = ["--pythonpath", args.pythonpath] if args.pythonpath else []
     r = subprocess.run([args.python, os.path.join(HERE, "docs_check.py"), "--repo", args.repo, "--hspmd", args.hspmd,
-                        "--python", args.python] + files, capture_output=True, text=True, timeout=600)
+                        "--python", args.python] + extra + files, capture_output=True, text=True, timeout=600)
     return r.returncode, r.stdout + r.stderr
 
 
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(HERE)))
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--pythonpath", default=None, help="where the hspmd module is built (docs_check.py's flag)")
     args = ap.parse_args()
     failures = []
     with tempfile.TemporaryDirectory(prefix="docs_check_self_test_") as tmp:
