@@ -4,25 +4,39 @@
 # Idempotent: does nothing when all packages are already installed.
 set -euo pipefail
 
+# What building and running hspmd needs (the first command installs only
+# these: `install_deps.sh --main`, from scripts/setup.sh).
 PACKAGES=(
   build-essential cmake pkg-config
   libopenblas-dev            # BLAS (sgemm) for the CPU backend
   libdnnl-dev                # oneDNN: bf16 (avx512_bf16/AMX) and fp32 GEMMs; optional in CMake
   libopenmpi-dev openmpi-bin # MPI: communication and the multi-process launcher
   nlohmann-json3-dev         # JSON (configs, plans, safetensors headers)
-  libgtest-dev               # GoogleTest
+  libgtest-dev               # GoogleTest (the same build directory serves the tests)
   coinor-libcbc-dev          # CBC: the planner's integer programs (docs/ilp.md)
-  python3 python3-torch python3-numpy  # PyTorch oracle tests and the peer benchmark
-  python3-venv               # the Hugging Face oracle's venv (scripts/setup_oracle_venv.sh)
+  python3 python3-numpy      # Python, numpy for the module's arrays
   python3-dev python3-pybind11  # the Python module hspmd (docs/python.md; HSPMD_PYTHON)
+)
+# What the tests and the GPU build add (the test command installs these too).
+TEST_PACKAGES=(
+  python3-torch              # PyTorch oracle tests and the peer benchmark
+  python3-venv               # the Hugging Face oracle's venv (scripts/setup_oracle_venv.sh)
   python3-pip                # pip download of the cudnn_frontend headers (below)
 )
+MAIN=0
+if [ "${1:-}" = "--main" ]; then
+  MAIN=1
+else
+  PACKAGES+=("${TEST_PACKAGES[@]}")
+fi
 
 # With a CUDA toolkit (nvcc), the cudnn_frontend headers from PyPI
 # (scripts/fetch_cudnn_frontend.sh, into .gpu-deps), so that the build
 # compiles the CUDA backend's cuDNN attention (HSPMD_CUDNN, docs/cuda.md).
 # Optional: a failed fetch warns, and the build leaves cuDNN attention out.
 fetch_cudnn_frontend() {
+  # The first command builds CUDA only with a GPU (scripts/build.sh --main).
+  if [ "$MAIN" = 1 ] && ! nvidia-smi -L >/dev/null 2>&1 && [ -z "${HSPMD_CUDA:-}" ]; then return 0; fi
   if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
     bash "$(dirname "$0")/fetch_cudnn_frontend.sh" >/dev/null 2>&1 ||
       echo "warning: scripts/fetch_cudnn_frontend.sh failed: the build leaves cuDNN attention out" >&2
