@@ -27,7 +27,9 @@ fi
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "${ARGS[@]}" >/dev/null
 # The Python module's target exists when pybind11 and the Python headers
 # were found (HSPMD_PYTHON=AUTO).
-if [ ${#TARGETS[@]} -gt 0 ] && cmake --build build --target help | grep -qw hspmd_python; then
+# (grep reads the whole list: with -q it would stop early, and pipefail would
+# count cmake's broken pipe as a failure.)
+if [ ${#TARGETS[@]} -gt 0 ] && cmake --build build --target help | grep -w hspmd_python >/dev/null; then
   TARGETS+=(hspmd_python)
 fi
 cmake --build build -j "$(nproc)" "${TARGETS[@]}"

@@ -148,6 +148,8 @@ void stream_wait(Stream& stream, const Event& event) {
     cuda_rt::stream_wait(stream, event.native_handle());
     return;
   }
+#else
+  (void)stream;  // without CUDA every stream is a CPU stream
 #endif
   event.synchronize();  // a CPU event's work ran when it was recorded
 }
