@@ -607,10 +607,20 @@ void check_interpreter(const std::string& python) {
 }
 }  // namespace
 
+// The interpreter the hspmd module was built for (its extension imports only
+// there), when the build has the module and it is still executable; else
+// python3 from PATH.
+std::string default_interpreter() {
+#ifdef HSPMD_PYTHON_EXECUTABLE
+  if (access(HSPMD_PYTHON_EXECUTABLE, X_OK) == 0) return HSPMD_PYTHON_EXECUTABLE;
+#endif
+  return "python3";
+}
+
 int launch_command(const std::vector<std::string>& args) {
   LaunchOptions o;
   o.timeout_s = 0;  // the watchdog only with --timeout: a script's steps are its own
-  std::string python = "python3";
+  std::string python = default_interpreter();
   bool nproc_given = false;
   size_t i = 0;
   const auto value = [&](const std::string& flag) -> std::string {
@@ -634,7 +644,8 @@ int launch_command(const std::vector<std::string>& args) {
                   "  --nproc N      ranks (required)\n"
                   "  --timeout S    end the job when a rank's heartbeat stops or no step finishes for S s\n"
                   "                 (Trainer steps; default: no watchdog)\n"
-                  "  --python PY    the interpreter (default python3)\n");
+                  "  --python PY    the interpreter (default: the one the hspmd module was built for, %s)\n",
+                  default_interpreter().c_str());
       return 0;
     }
     if (a.rfind("--nproc", 0) == 0) {

@@ -128,6 +128,22 @@ def main():
                 for k in FIELDS:
                     assert w[k] == g[k], f"step {w['step']}: {k} {g[k]!r} under launch, {w[k]!r} under {other}"
 
+        # No --python, and PATH's first python3 is another interpreter (one
+        # that cannot import the module): launch runs the interpreter the
+        # module was built for.
+        fake = os.path.join(d, "fakebin")
+        os.makedirs(fake)
+        with open(os.path.join(fake, "python3"), "w") as f:
+            f.write("#!/bin/sh\necho 'the wrong python3' >&2\nexit 3\n")
+        os.chmod(os.path.join(fake, "python3"), 0o755)
+        hello = os.path.join(d, "hello.py")
+        with open(hello, "w") as f:
+            f.write("import sys, hspmd\nprint('imported by', sys.executable)\n")
+        p = subprocess.run([a.hspmd, "launch", "--nproc", "2", hello], capture_output=True, text=True, timeout=120,
+                           env=dict(env, PATH=fake + os.pathsep + env.get("PATH", "")))
+        assert p.returncode == 0 and p.stdout.count("imported by") == 2, (p.returncode, p.stdout, p.stderr)
+        assert "the wrong python3" not in p.stderr, p.stderr
+
         # A rank killed by a signal: exit 1, one line naming it.
         killer = os.path.join(d, "killer.py")
         with open(killer, "w") as f:
