@@ -10,10 +10,10 @@
 
 #include "bindings.h"
 #include "hspmd/annotation/annotation.h"
-#include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
 #include "hspmd/core/limits.h"
+#include "hspmd/deduce/deduce.h"
 #include "hspmd/graph/graph.h"
 #include "hspmd/ops/ops.h"
 #include "int_arg.h"

@@ -1,6 +1,7 @@
 #include "hspmd/annotation/annotation.h"
 
 #include <algorithm>
+#include <numeric>
 #include <set>
 #include <sstream>
 
@@ -104,6 +105,17 @@ std::vector<int64_t> resolve_part_sizes(const Annotation& a, const std::string& 
 }
 
 Box whole(const Shape& shape) { return Box{Shape(shape.size(), 0), shape}; }
+
+// Part weights reduced to lowest terms; equal parts (or hsize 1) -> empty.
+std::vector<int64_t> normalized_weights(const Annotation& a) {
+  if (a.part_weights.empty() || a.hdim < 0 || a.hsize() == 1) return {};
+  int64_t g = 0;
+  for (int64_t w : a.part_weights) g = std::gcd(g, w);
+  std::vector<int64_t> out;
+  for (int64_t w : a.part_weights) out.push_back(g ? w / g : w);
+  if (std::all_of(out.begin(), out.end(), [](int64_t w) { return w == 1; })) return {};
+  return out;
+}
 
 }  // namespace
 
@@ -338,6 +350,27 @@ bool holds_partial_sum(const Annotation& a, int rank) {
   const int i = a.subgroup_of(rank);
   if (i < 0) return false;
   return a.subgroups[i].states.has_partial() || (a.hdim == kPartial && a.hsize() > 1);
+}
+
+bool same_devices(const Annotation& a, const Annotation& b) {
+  if (a.hsize() != b.hsize()) return false;
+  for (int i = 0; i < a.hsize(); ++i)
+    if (!(a.subgroups[i].devices == b.subgroups[i].devices)) return false;
+  return true;
+}
+
+bool same_layout(const Annotation& a, const Annotation& b) {
+  if (!same_devices(a, b)) return false;
+  for (int i = 0; i < a.hsize(); ++i)
+    if (!(a.subgroups[i].states == b.subgroups[i].states)) return false;
+  if (a.hsize() == 1) return true;
+  return a.hdim == b.hdim && normalized_weights(a) == normalized_weights(b);
+}
+
+bool has_partial(const Annotation& a) {
+  if (a.hdim == kPartial && a.hsize() > 1) return true;
+  return std::any_of(a.subgroups.begin(), a.subgroups.end(),
+                     [](const Subgroup& g) { return g.states.has_partial(); });
 }
 
 std::vector<int> ranks_along(const Annotation& a, int rank, int dim) {

@@ -110,6 +110,30 @@ std::vector<Tensor> Op::gradient(const Node& node, const std::vector<Tensor>&) c
   fail("[autodiff] op '", type(), "' (node ", node.id, ") is not differentiable");
 }
 
+// The default (elementwise) deduction rule, with the Op interface that
+// declares it: the deduction engine (src/deduce) sits above the graph.
+std::vector<Annotation> Op::deduce(const DeduceContext& ctx,
+                                   const std::vector<Annotation>& inputs) const {
+  if (inputs.empty()) fail_at(ctx, "has no inputs to take its devices from and no rule of its own");
+  if (!is_linear())
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (has_partial(inputs[i]))
+        fail_at(ctx, "input ", i, " is partial; insert a Reshard to reduce it first");
+  for (size_t i = 1; i < inputs.size(); ++i)
+    if (!same_layout(inputs[0], inputs[i]))
+      fail_at(ctx, "inputs 0 and ", i, " are sharded differently (", to_string(inputs[0]), ") vs (",
+              to_string(inputs[i]), "); insert a Reshard");
+  return std::vector<Annotation>(ctx.node.outputs.size(), inputs[0]);
+}
+
+std::string DeduceContext::where() const {
+  std::string s = "op '" + node.op->type() + "' ";
+  if (!node.name.empty()) s += "'" + node.name + "' ";
+  s += "(node " + std::to_string(node.id);
+  if (!node.origin.empty()) s += ", from " + node.origin;
+  return s + ")";
+}
+
 double Op::flops(const std::vector<Shape>&, const std::vector<Shape>& outputs, const ShardContext*) const {
   double n = 0;
   for (const Shape& s : outputs) n += static_cast<double>(shape_numel(s));

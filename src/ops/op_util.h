@@ -1,12 +1,12 @@
 // Helpers shared by op files: checks of the shape rules with one-line errors,
-// and label lists for the deduction rules (DimRule, hspmd/annotation/deduce.h).
+// and label lists for the deduction rules (DimRule, hspmd/deduce/deduce.h).
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
+#include "hspmd/deduce/deduce.h"
 #include "hspmd/graph/op.h"
 
 namespace hspmd::ops {

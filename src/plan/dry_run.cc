@@ -1,8 +1,8 @@
 // dry_run: deduce the plan's annotated training graph and resolve every
 // Reshard of it — forward, backward (mirrors), gradient sync, and the ZeRO
 // gathers that follow the optimizer step — for a virtual world.
-#include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
+#include "hspmd/deduce/deduce.h"
 #include "hspmd/graph/op.h"
 #include "hspmd/models/model.h"
 #include "hspmd/ops/ops.h"

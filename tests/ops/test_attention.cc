@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "annotation/deduce_test_util.h"
+#include "deduce/deduce_test_util.h"
 #include "attention_test_util.h"
 #include "gradcheck.h"
 #include "hspmd/core/threads.h"

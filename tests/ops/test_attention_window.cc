@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "annotation/deduce_test_util.h"
+#include "deduce/deduce_test_util.h"
 #include "gradcheck.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/ops/autodiff.h"

@@ -190,6 +190,16 @@ std::vector<int64_t> part_sizes(const Annotation& annotation, const std::string&
 // hdim = -2 with hsize > 1. False for a rank outside the annotation.
 bool holds_partial_sum(const Annotation& annotation, int rank);
 
+// Same hsize and, subgroup by subgroup, the same device lists (same order).
+bool same_devices(const Annotation& a, const Annotation& b);
+
+// Same layout: same devices, equal DistStates, same hdim (ignored when hsize
+// is 1) and the same part proportions (empty = equal; [2, 2] == [1, 1]).
+bool same_layout(const Annotation& a, const Annotation& b);
+
+// Whether any subgroup has partial degree > 1, or hdim = -2 with hsize > 1.
+bool has_partial(const Annotation& a);
+
 // JSON form (docs/annotation.md):
 //   {"hdim": -1, "subgroups": [{"ranks": [0, 1, 2, 3],
 //     "states": {"split0": 2, "dup": 2}, "order": ["split0", "dup"]}]}

@@ -4,18 +4,43 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "hspmd/annotation/annotation.h"
+#include "hspmd/core/error.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/graph/graph.h"
 
 namespace hspmd {
 
-struct Annotation;     // hspmd/annotation/annotation.h
-struct DeduceContext;  // hspmd/annotation/deduce.h
+class AnnotatedGraph;  // hspmd/deduce/deduce.h
 class Communicator;    // hspmd/comm/communicator.h
+
+// What an op's deduction rule (Op::deduce) sees besides its input
+// annotations. The engine that fills it walks graphs: hspmd/deduce/deduce.h.
+struct DeduceContext {
+  const Node& node;
+  // Annotations from the plan (leaves and named Reshards), by tensor name.
+  const std::map<std::string, Annotation>& plan;
+  // Annotations of every tensor deduced so far (all nodes before `node`).
+  const AnnotatedGraph& graph;
+  // Ranks are in [0, world_size); plan annotations are validated against it.
+  int world_size = 1;
+
+  // "op 'matmul' (node 12)", or "op 'reshard' 'model.layers.3.input' (node
+  // 40)" for a named node, "(node 24, from hspmd_custom program: block op 8
+  // (add -> out) of layer 0)" for a node with an origin: the prefix of the
+  // rule's error messages.
+  std::string where() const;
+};
+
+// Throws hspmd::Error "[deduce] <ctx.where()>: <args...>" (one line).
+template <typename... Args>
+[[noreturn]] void fail_at(const DeduceContext& ctx, const Args&... args) {
+  fail("[deduce] ", ctx.where(), ": ", args...);
+}
 
 // Where a rank's local arrays sit in the global tensors, for the few ops whose
 // local computation depends on it or needs its peers (vocab-parallel
@@ -110,7 +135,6 @@ class Op {
   // have the same annotation (else "inputs 0 and I are sharded differently"),
   // no input may be partial unless is_linear() (else "input I is partial;
   // insert a Reshard to reduce it first"), and every output copies input 0.
-  // Defined in src/annotation/deduce.cc.
   virtual std::vector<Annotation> deduce(const DeduceContext& ctx,
                                          const std::vector<Annotation>& inputs) const;
 

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/annotation/annotation.h"
-#include "hspmd/annotation/deduce.h"
+#include "hspmd/deduce/deduce.h"
 #include "hspmd/graph/op.h"
 #include "hspmd/models/model.h"
 #include "hspmd/models/config.h"

@@ -5,7 +5,7 @@
 #include "hspmd/models/model.h"
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
-#include "annotation/deduce_test_util.h"
+#include "deduce/deduce_test_util.h"
 
 namespace hspmd {
 namespace {

@@ -7,7 +7,7 @@
 #include <numeric>
 #include <set>
 
-#include "hspmd/annotation/deduce.h"
+#include "hspmd/deduce/deduce.h"
 
 namespace hspmd {
 

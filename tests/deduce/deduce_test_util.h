@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "hspmd/annotation/deduce.h"
 #include "hspmd/core/error.h"
+#include "hspmd/deduce/deduce.h"
 #include "hspmd/graph/graph.h"
 #include "hspmd/graph/op.h"
 

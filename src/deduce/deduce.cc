@@ -1,7 +1,7 @@
 // The deduction engine: walks the graph in order, leaves from the plan, every
-// other node through its op's rule; plus the default (elementwise) rule and
-// the helpers the rules share.
-#include "hspmd/annotation/deduce.h"
+// other node through its op's rule (the default elementwise rule, Op::deduce,
+// is the graph layer's: src/graph/graph.cc); plus the helpers the rules share.
+#include "hspmd/deduce/deduce.h"
 
 #include <algorithm>
 #include <numeric>
@@ -11,17 +11,6 @@
 namespace hspmd {
 
 namespace {
-
-// Part weights reduced to lowest terms; equal parts (or hsize 1) -> empty.
-std::vector<int64_t> normalized_weights(const Annotation& a) {
-  if (a.part_weights.empty() || a.hdim < 0 || a.hsize() == 1) return {};
-  int64_t g = 0;
-  for (int64_t w : a.part_weights) g = std::gcd(g, w);
-  std::vector<int64_t> out;
-  for (int64_t w : a.part_weights) out.push_back(g ? w / g : w);
-  if (std::all_of(out.begin(), out.end(), [](int64_t w) { return w == 1; })) return {};
-  return out;
-}
 
 std::string weights_str(const std::vector<int64_t>& w) {
   std::string s = "[";
@@ -93,14 +82,6 @@ void check_output(const DeduceContext& ctx, int index, const Annotation& a) {
 
 }  // namespace
 
-std::string DeduceContext::where() const {
-  std::string s = "op '" + node.op->type() + "' ";
-  if (!node.name.empty()) s += "'" + node.name + "' ";
-  s += "(node " + std::to_string(node.id);
-  if (!node.origin.empty()) s += ", from " + node.origin;
-  return s + ")";
-}
-
 const Annotation& AnnotatedGraph::of(const Tensor& t) const {
   HSPMD_CHECK(has(t), "tensor ", t.node_id(), ":", t.index(), " has no deduced annotation");
   return by_node_[t.node_id()][t.index()];
@@ -148,27 +129,6 @@ Annotation annotation_from_plan(const DeduceContext& ctx, const std::string& nam
   return it->second;
 }
 
-bool same_devices(const Annotation& a, const Annotation& b) {
-  if (a.hsize() != b.hsize()) return false;
-  for (int i = 0; i < a.hsize(); ++i)
-    if (!(a.subgroups[i].devices == b.subgroups[i].devices)) return false;
-  return true;
-}
-
-bool same_layout(const Annotation& a, const Annotation& b) {
-  if (!same_devices(a, b)) return false;
-  for (int i = 0; i < a.hsize(); ++i)
-    if (!(a.subgroups[i].states == b.subgroups[i].states)) return false;
-  if (a.hsize() == 1) return true;
-  return a.hdim == b.hdim && normalized_weights(a) == normalized_weights(b);
-}
-
-bool has_partial(const Annotation& a) {
-  if (a.hdim == kPartial && a.hsize() > 1) return true;
-  return std::any_of(a.subgroups.begin(), a.subgroups.end(),
-                     [](const Subgroup& g) { return g.states.has_partial(); });
-}
-
 Annotation without_partial(const DeduceContext& ctx, const Annotation& a) {
   Annotation out = a;
   if (out.hdim == kPartial) out.hdim = kDup;
@@ -197,20 +157,6 @@ std::vector<std::string> numbered_labels(const std::string& prefix, int n) {
   std::vector<std::string> labels;
   for (int i = 0; i < n; ++i) labels.push_back(prefix + std::to_string(i));
   return labels;
-}
-
-std::vector<Annotation> Op::deduce(const DeduceContext& ctx,
-                                   const std::vector<Annotation>& inputs) const {
-  if (inputs.empty()) fail_at(ctx, "has no inputs to take its devices from and no rule of its own");
-  if (!is_linear())
-    for (size_t i = 0; i < inputs.size(); ++i)
-      if (has_partial(inputs[i]))
-        fail_at(ctx, "input ", i, " is partial; insert a Reshard to reduce it first");
-  for (size_t i = 1; i < inputs.size(); ++i)
-    if (!same_layout(inputs[0], inputs[i]))
-      fail_at(ctx, "inputs 0 and ", i, " are sharded differently (", to_string(inputs[0]), ") vs (",
-              to_string(inputs[i]), "); insert a Reshard");
-  return std::vector<Annotation>(ctx.node.outputs.size(), inputs[0]);
 }
 
 ShardContext shard_context(const AnnotatedGraph& annotated, const Node& node,

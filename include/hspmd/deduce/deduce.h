@@ -1,8 +1,11 @@
 // Annotation deduction (paper §6.1, docs/deduction.md): from the
 // annotations of the leaf tensors (placeholders, parameters) and of the named
 // Reshard outputs, derive the annotation of every tensor of a graph, forward
-// and backward. Each op owns its rule (Op::deduce, next to its shape rule);
-// this file holds the engine and the helpers the rules share.
+// and backward. Each op owns its rule (Op::deduce, next to its shape rule;
+// its context, DeduceContext and fail_at, is declared with the Op interface
+// in hspmd/graph/op.h); this file holds the engine and the helpers the rules
+// share (the annotation predicates same_devices, same_layout and has_partial
+// are value functions of hspmd/annotation/annotation.h).
 #pragma once
 
 #include <map>
@@ -12,33 +15,9 @@
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/graph.h"
+#include "hspmd/graph/op.h"
 
 namespace hspmd {
-
-class AnnotatedGraph;
-
-// What an op's deduction rule sees besides its input annotations.
-struct DeduceContext {
-  const Node& node;
-  // Annotations from the plan (leaves and named Reshards), by tensor name.
-  const std::map<std::string, Annotation>& plan;
-  // Annotations of every tensor deduced so far (all nodes before `node`).
-  const AnnotatedGraph& graph;
-  // Ranks are in [0, world_size); plan annotations are validated against it.
-  int world_size = 1;
-
-  // "op 'matmul' (node 12)", or "op 'reshard' 'model.layers.3.input' (node
-  // 40)" for a named node, "(node 24, from hspmd_custom program: block op 8
-  // (add -> out) of layer 0)" for a node with an origin: the prefix of the
-  // rule's error messages.
-  std::string where() const;
-};
-
-// Throws hspmd::Error "[deduce] <ctx.where()>: <args...>" (one line).
-template <typename... Args>
-[[noreturn]] void fail_at(const DeduceContext& ctx, const Args&... args) {
-  fail("[deduce] ", ctx.where(), ": ", args...);
-}
 
 // The result of deduce(): one annotation per output of every node.
 class AnnotatedGraph {
@@ -87,16 +66,6 @@ ShardContext shard_context(const AnnotatedGraph& annotated, const Node& node,
 // errors.
 Annotation annotation_from_plan(const DeduceContext& ctx, const std::string& name,
                                 int tensor_rank, bool is_parameter);
-
-// Same hsize and, subgroup by subgroup, the same device lists (same order).
-bool same_devices(const Annotation& a, const Annotation& b);
-
-// Same layout: same devices, equal DistStates, same hdim (ignored when hsize
-// is 1) and the same part proportions (empty = equal; [2, 2] == [1, 1]).
-bool same_layout(const Annotation& a, const Annotation& b);
-
-// Whether any subgroup has partial degree > 1, or hdim = -2 with hsize > 1.
-bool has_partial(const Annotation& a);
 
 // The annotation of a value that every holder of `a` has in full where `a`
 // holds a partial sum: bottom-tier partial becomes dup (merged with an
