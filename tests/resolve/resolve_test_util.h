@@ -9,8 +9,8 @@
 #include "hspmd/annotation/annotation.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/resolve/resolver.h"
-#include "hspmd/resolve/simulate.h"
 #include "hspmd/resolve/topology.h"
+#include "resolve/simulator/simulate.h"
 
 namespace hspmd::testing {
 

@@ -1,6 +1,7 @@
 // Runs one rank's part of a resolved Reshard (resolver.h) over a
-// communicator: the distributed twin of simulate() (simulate.h), following
-// the same EXECUTION MODEL phase by phase.
+// communicator: the distributed twin of the tests' simulate()
+// (tests/resolve/simulator/simulate.h), following the same EXECUTION MODEL
+// phase by phase.
 #pragma once
 
 #include <cstddef>

@@ -2,14 +2,14 @@
 // as a dataflow: a rank posts its phase (everything it reads from its current
 // buffer: collective contributions, outgoing messages), and completes it
 // once every input it waits for has been posted by its partners.
-#include "hspmd/resolve/simulate.h"
+#include "resolve/simulator/simulate.h"
 
 #include <algorithm>
 #include <deque>
 
 #include "hspmd/core/error.h"
-#include "resolve/box_arrays.h"
 #include "resolve/internal.h"
+#include "resolve/simulator/box_arrays.h"
 
 namespace hspmd {
 

@@ -6,9 +6,9 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/rng.h"
-#include "hspmd/resolve/simulate.h"
-#include "resolve/box_arrays.h"
 #include "resolve/internal.h"
+#include "resolve/simulator/box_arrays.h"
+#include "resolve/simulator/simulate.h"
 
 namespace hspmd {
 

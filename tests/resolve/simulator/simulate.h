@@ -1,6 +1,8 @@
-// A one-process simulator of the resolver's execution model (resolver.h):
-// the reference semantics that an executor (MPI, NCCL) must reproduce, and
-// the way tests check a resolution on real data without any process.
+// A one-process simulator of the resolver's execution model
+// (hspmd/resolve/resolver.h): the reference semantics that an executor (MPI,
+// NCCL) must reproduce, and the way tests check a resolution on real data
+// without any process. Test support (library hspmd_resolve_simulator, linked
+// by the tests that use it): no production code runs it.
 //
 // All arrays are f32 and contiguous. Every function is pure: inputs are
 // never modified, outputs are fresh arrays.
