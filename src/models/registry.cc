@@ -1,14 +1,12 @@
 // The registry of model families and the family-independent functions,
 // which forward to the config's family (models/model.h).
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <map>
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/rng.h"
 #include "hspmd/models/model.h"
-#include "kernels/attention.h"
 
 namespace hspmd {
 
@@ -81,24 +79,6 @@ ModelGraph build_model(const ModelConfig& c, bool packed_documents) {
   ModelBuildOptions o;
   o.packed_documents = packed_documents;
   return build_model(c, o);
-}
-
-DType parse_precision_name(const std::string& name, const std::string& what) {
-  if (name == "fp32" || name == "f32") return DType::F32;
-  if (name == "bf16") return DType::BF16;
-  fail("[precision] ", what, ": '", name, "' (expected fp32 or bf16)");
-}
-
-Precision Precision::for_device(const Device& device) const {
-  const char* io = std::getenv("HSPMD_ATTENTION_IO");
-  const std::string mode = io ? io : "auto";
-  if (mode != "auto" && mode != "bf16" && mode != "f32")
-    fail("[precision] HSPMD_ATTENTION_IO: '", mode, "' (expected auto; bf16 for the GPU's bf16 attention "
-         "output and gradients on any device; f32 to keep them f32 on a GPU too)");
-  Precision p = *this;
-  const bool bf16_io = mode == "bf16" || (mode == "auto" && kernels::fused_attention_rounds_output(device));
-  p.attention_output = mixed() && bf16_io ? DType::BF16 : DType::F32;
-  return p;
 }
 
 std::map<std::string, NDArray> init_model_parameters(const ModelConfig& c, uint64_t seed) {
