@@ -17,7 +17,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: hspmd <command> [flags]\n\n"
     "commands:\n"
-    "  train      train a Llama model on a token file\n"
+    "  train      train a model on a token file\n"
     "  tokenize   turn text files into a token file (byte-level tokenizer)\n"
     "  data       statistics of a token file: document lengths, pieces under a max length\n"
     "  plan       compile a strategy into an annotation plan; explain a plan's communication\n"

@@ -291,7 +291,8 @@ int train_command(const std::vector<std::string>& args) {
   double lr = 3e-4, min_lr = 0.0;
   bool quiet = false;
   int64_t nproc = 0;
-  FlagSet f("train", "Train a Llama model (Hugging Face config and weights) on a token file.");
+  FlagSet f("train", "Train a model of a registered family (model_type " + registered_model_types() +
+                         "; Hugging Face config and weights) on a token file.");
   f.add_string("model", &o.model_path, "Hugging Face config.json of the model", true);
   f.add_string("data", &o.data_path, "token file (.bin, little-endian uint32 ids)", true);
   f.add_int("seq-len", &o.seq_len, "tokens per sample (with --pack-documents: at most); required without --batch-tokens");
