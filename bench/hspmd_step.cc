@@ -1,4 +1,4 @@
-// One training step (forward, backward, AdamW) of a Llama config on random
+// One training step (forward, backward, AdamW) of a model config on random
 // tokens, timed over several steps after warm-up. Prints one JSON line with
 // the median step time, tokens/s and the process's peak RSS, in the format of
 // bench/torch_step.py so bench/train_step.py can compare them side by side.
