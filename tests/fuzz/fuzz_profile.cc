@@ -1,7 +1,7 @@
 // Fuzz target: a profile written by `hspmd profile` (the part fits, the op
 // fits, the optimizer fit and the memory table), loaded as --profile does.
 #include "fuzz/fuzz_util.h"
-#include "hspmd/plan/profile.h"
+#include "hspmd/planner/profile.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace hspmd;

@@ -2,7 +2,7 @@
 // clock (`hspmd train --clock model`, docs/profiling.md): an op of type T on
 // local arrays takes
 //     t = overhead_s + s_per_flop * flops + s_per_element * elements
-// seconds of this machine, with the fit Profile::ops[T] (plan/profile.h)
+// seconds of this machine, with the fit Profile::ops[T] (planner/profile.h; OpFit: exec/op_fit.h)
 // that `hspmd profile` measured over every op it ran.
 #pragma once
 
@@ -12,7 +12,7 @@
 
 #include "hspmd/graph/graph.h"
 #include "hspmd/graph/op.h"
-#include "hspmd/plan/profile.h"
+#include "hspmd/exec/op_fit.h"
 
 namespace hspmd {
 

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "hspmd/core/error.h"
-#include "hspmd/plan/ilp.h"
+#include "hspmd/planner/ilp.h"
 
 namespace hspmd {
 namespace {

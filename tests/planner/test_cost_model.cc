@@ -9,10 +9,10 @@
 #include <set>
 
 #include "hspmd/core/error.h"
-#include "hspmd/plan/cost_model.h"
-#include "hspmd/plan/token_dispatch.h"
+#include "hspmd/planner/cost_model.h"
+#include "hspmd/planner/token_dispatch.h"
 #include "hspmd/plan/plan.h"
-#include "hspmd/plan/search.h"
+#include "hspmd/planner/search.h"
 #include "plan/plan_test_util.h"
 #include "test_util.h"
 
@@ -386,7 +386,7 @@ TEST(Search, CbcAndExactSolversAgree) {
 }
 
 
-// Token-budget dispatch (plan/token_dispatch.h): a micro-batch packs its pieces
+// Token-budget dispatch (planner/token_dispatch.h): a micro-batch packs its pieces
 // into one call of every op, so a call's fixed cost is paid once per
 // micro-batch and each piece adds only its marginal cost. Block forward
 // 1 ms + 10 us per token, backward 2 ms, 8 layers, one rank: a piece of s

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hspmd/exec/op_fit.h"
 #include "hspmd/models/config.h"
 
 namespace hspmd {
@@ -68,22 +69,8 @@ struct OptimizerFit {
   std::vector<std::pair<int64_t, double>> samples;  // (n, seconds)
 };
 
-// Per-op-type model for `hspmd train --clock model`:
-//   t = overhead_s + s_per_flop * flops + s_per_element * elements
-// where flops and elements are those op_work() (exec layer) counts for one
-// op run on its local shapes.
-struct OpFit {
-  double overhead_s = 0, s_per_flop = 0, s_per_element = 0;
-  double max_rel_error = 0;
-  int samples = 0;
-
-  double at(double flops, double elements) const {
-    return overhead_s + s_per_flop * flops + s_per_element * elements;
-  }
-};
-// The key of Profile::ops whose fit (over every op measured) serves op types
-// that have no fit of their own.
-inline constexpr const char* kAnyOp = "*";
+// OpFit and kAnyOp (Profile::ops) are declared by the exec layer, whose
+// model clock uses them: hspmd/exec/op_fit.h.
 
 // Bytes of one transformer block on one rank at tp x cp (docs/planner.md
 // "Memory"): measured by the profiler, next to the cost model's formula.

@@ -1,4 +1,4 @@
-// The profiler (train/profiler.h, docs/profiling.md): under the model clock
+// The profiler (planner/profiler.h, docs/profiling.md): under the model clock
 // (deterministic) the parts it splits a pipeline into add up exactly to
 // any stage; under the CPU clock its fits predict a measured multi-layer
 // stage; layer memory comes out of the allocator as the shapes say; bad
@@ -12,7 +12,7 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
-#include "hspmd/train/profiler.h"
+#include "hspmd/planner/profiler.h"
 #include "test_util.h"
 
 namespace hspmd {

@@ -8,7 +8,7 @@
 //      nodes, stages of a pipeline ordered by device speed, pipelines either
 //      mixing the classes round-robin or keeping each class apart, and the
 //      symmetric (Megatron-like) strategies always among the candidates;
-//   2. per configuration, two integer linear programs (plan/ilp.h, CBC):
+//   2. per configuration, two integer linear programs (planner/ilp.h, CBC):
 //      layers per stage (minimise the slowest stage under each device's
 //      memory) and micro-batches per pipeline (minimise the slowest
 //      pipeline, at least as many micro-batches as stages).
@@ -22,8 +22,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "hspmd/plan/cost_model.h"
-#include "hspmd/plan/ilp.h"
+#include "hspmd/planner/cost_model.h"
+#include "hspmd/planner/ilp.h"
 #include "hspmd/plan/strategy.h"
 
 namespace hspmd {

@@ -1,7 +1,7 @@
 // The search's micro-batch sizes pass (docs/planner.md, "Micro-batch sizes
 // per pipeline"): a strategy's pipelines each get their own micro-batch
 // size and count, the batch split by dynamic programming over sample counts.
-#include "plan/micro_batch_sizes.h"
+#include "planner/micro_batch_sizes.h"
 
 #include <algorithm>
 #include <cmath>

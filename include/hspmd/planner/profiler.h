@@ -1,7 +1,7 @@
 // The profiler behind `hspmd profile` (docs/profiling.md): times the parts
 // of a model (embedding, one block, head; forward and backward) on one rank
 // of a tensor-parallel x context-parallel group with the real executor, and
-// fits them into a Profile (plan/profile.h).
+// fits them into a Profile (planner/profile.h).
 //
 // What is measured is what the emulator bills to a rank's virtual clock
 // for the same work: ExecGraph brackets every op with the clock, so a
@@ -25,7 +25,7 @@
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/exec/op_work.h"
 #include "hspmd/models/config.h"
-#include "hspmd/plan/profile.h"
+#include "hspmd/planner/profile.h"
 
 namespace hspmd {
 

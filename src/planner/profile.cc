@@ -1,4 +1,4 @@
-#include "hspmd/plan/profile.h"
+#include "hspmd/planner/profile.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,11 +1,11 @@
-// The search's micro-batch sizes pass (internal to plan/): see
+// The search's micro-batch sizes pass (internal to planner/): see
 // micro_batch_sizes.cc and docs/planner.md, "Micro-batch sizes per pipeline".
 #pragma once
 
 #include <optional>
 
-#include "hspmd/plan/cost_model.h"
-#include "hspmd/plan/search.h"
+#include "hspmd/planner/cost_model.h"
+#include "hspmd/planner/search.h"
 #include "hspmd/plan/strategy.h"
 
 namespace hspmd {

@@ -1,4 +1,4 @@
-#include "hspmd/plan/cost_model.h"
+#include "hspmd/planner/cost_model.h"
 
 #include <algorithm>
 #include <cmath>

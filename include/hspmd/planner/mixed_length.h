@@ -18,9 +18,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "hspmd/plan/cost_model.h"
+#include "hspmd/planner/cost_model.h"
 #include "hspmd/plan/strategy.h"
-#include "hspmd/plan/token_dispatch.h"
+#include "hspmd/planner/token_dispatch.h"
 
 namespace hspmd {
 

@@ -1,4 +1,4 @@
-#include "hspmd/plan/ilp.h"
+#include "hspmd/planner/ilp.h"
 
 #include <coin/Cbc_C_Interface.h>
 

@@ -1,4 +1,4 @@
-#include "hspmd/plan/token_dispatch.h"
+#include "hspmd/planner/token_dispatch.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "hspmd/train/profiler.h"
+#include "hspmd/planner/profiler.h"
 
 #include <sched.h>
 

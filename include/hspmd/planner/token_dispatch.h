@@ -1,7 +1,7 @@
 // Token-budget steps (docs/mixed_length.md): how a step's pieces are cut
 // into steps, which pipelines take them, how they are dispatched and packed
 // into micro-batches, and what the cost model predicts for a step, as the
-// trainer runs it and as the mixed-length planner (plan/mixed_length.h)
+// trainer runs it and as the mixed-length planner (planner/mixed_length.h)
 // scores its candidates.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "hspmd/plan/cost_model.h"
+#include "hspmd/planner/cost_model.h"
 #include "hspmd/plan/strategy.h"
 
 namespace hspmd {

@@ -1,4 +1,4 @@
-#include "hspmd/plan/mixed_length.h"
+#include "hspmd/planner/mixed_length.h"
 
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,7 @@
 // communication, pipeline bubble, step time and memory of every rank for a
 // strategy on a cluster.
 //
-// Compute comes from a measured profile (plan/profile.h) times the rank's
+// Compute comes from a measured profile (planner/profile.h) times the rank's
 // emulation slowdown, or, for a device type with no profile, from a roofline
 // (FLOPs / (tflops x efficiency)). Communication is an alpha-beta model over
 // the topology's links, with the volumes the resolver gives this system's
@@ -21,7 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/models/config.h"
-#include "hspmd/plan/profile.h"
+#include "hspmd/planner/profile.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/topology.h"
 

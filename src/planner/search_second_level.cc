@@ -3,7 +3,7 @@
 // per pipeline by the two ILPs (or exhaustively), lower bounds that order
 // and prune the configurations, scoring by the cost model, and the
 // per-pipeline micro-batch sizes pass over the best strategies.
-#include "plan/search_internal.h"
+#include "planner/search_internal.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,8 +13,8 @@
 #include <numeric>
 #include <optional>
 
-#include "hspmd/plan/ilp.h"
-#include "plan/micro_batch_sizes.h"
+#include "hspmd/planner/ilp.h"
+#include "planner/micro_batch_sizes.h"
 
 namespace hspmd {
 namespace search_detail {

@@ -2,7 +2,7 @@
 // their TP groups, the enumeration of configurations (symmetric, mixed,
 // separate), Searcher::run and search_strategy. The second level, which
 // scores the configurations, is in search_second_level.cc.
-#include "hspmd/plan/search.h"
+#include "hspmd/planner/search.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,7 +14,7 @@
 #include <cstdio>
 
 #include "hspmd/core/error.h"
-#include "plan/search_internal.h"
+#include "planner/search_internal.h"
 
 namespace hspmd {
 namespace search_detail {

@@ -1,4 +1,4 @@
-// Internal to src/plan: the strategy search's state (docs/planner.md), shared
+// Internal to src/planner: the strategy search's state (docs/planner.md), shared
 // by its two files. search.cc holds the first level (device classes, TP
 // groups, the enumeration of configurations) and run(); search_second_level.cc
 // the second level (layer and micro-batch programs, lower bounds, the
@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "hspmd/plan/cost_model.h"
-#include "hspmd/plan/ilp.h"
-#include "hspmd/plan/search.h"
+#include "hspmd/planner/cost_model.h"
+#include "hspmd/planner/ilp.h"
+#include "hspmd/planner/search.h"
 #include "hspmd/plan/strategy.h"
 
 namespace hspmd {
