@@ -15,9 +15,9 @@
 #include "hspmd/core/threads.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/models/config.h"
-#include "hspmd/plan/cost_model.h"
-#include "hspmd/plan/mixed_length.h"
-#include "hspmd/plan/search.h"
+#include "hspmd/planner/cost_model.h"
+#include "hspmd/planner/mixed_length.h"
+#include "hspmd/planner/search.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/topology.h"
 
@@ -208,16 +208,7 @@ std::string pipeline_summary(const Pipeline& p) {
   return os.str();
 }
 
-// hspmd plan search --lengths: one strategy per maximum-length bucket for
-// token-budget steps (docs/planner.md "Mixed lengths").
-int mixed_command(const std::vector<std::string>& args) {
-  MixedFlags c;
-  FlagSet f("plan search --lengths",
-            "Plan token-budget steps for mixed lengths (docs/planner.md \"Mixed lengths\"): from the\n"
-            "pieces of a token file (documents cut at eos, pieces of at most --max-seq-len), one\n"
-            "strategy per maximum-length bucket, each of pipelines tailored to length intervals by a\n"
-            "dynamic program over intervals x devices. The strategies are for\n"
-            "hspmd train --batch-tokens T --max-seq-len L --strategies A.json,B.json.");
+void add_mixed_flags(FlagSet& f, MixedFlags& c) {
   f.add_string("model", &c.model, "Hugging Face config.json (its eos_token_id cuts the documents)", true);
   f.add_string("cluster", &c.cluster, "cluster JSON (docs/cluster.md)", true);
   f.add_string("lengths", &c.lengths, "token file whose piece lengths the plan is for", true);
@@ -237,21 +228,17 @@ int mixed_command(const std::vector<std::string>& args) {
   f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("strategies-out", &c.strategies_out, "directory to write one strategy JSON per bucket into");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
-  if (!f.parse(args)) return 0;
+}
+
+void check_mixed_flags(const MixedFlags& c) {
   if (c.max_seq_len < 1) fail("[flags] --max-seq-len must be >= 1, got ", c.max_seq_len);
   if (c.batch_tokens < 1) fail("[flags] --batch-tokens must be >= 1, got ", c.batch_tokens);
   if (c.buckets < 1) fail("[flags] --buckets must be >= 1, got ", c.buckets);
   if (c.max_cp < 0) fail("[flags] --max-cp must be >= 0, got ", c.max_cp);
   check_input_file("--lengths", c.lengths);
-  set_num_threads(1);
-  const ModelConfig config = ModelConfig::load(c.model);
-  const Topology topology = Topology::load(c.cluster);
-  const CostModel model = CostModel::load(config, topology, c.profile);
-  model.require_profiles_for_emulation(c.cluster);
-  const TokenData data = TokenData::load(c.lengths, config.vocab_size);
-  const PackedDocuments docs(data, c.max_seq_len, config.eos_token_id);
-  std::vector<int64_t> pieces(static_cast<size_t>(docs.num_pieces()));
-  for (int64_t i = 0; i < docs.num_pieces(); ++i) pieces[static_cast<size_t>(i)] = docs.piece_size(i);
+}
+
+MixedLengthOptions mixed_options(const MixedFlags& c, const Topology& topology) {
   MixedLengthOptions o;  // the planner refuses a budget below --max-seq-len itself
   o.batch_tokens = c.batch_tokens;
   o.max_seq_len = c.max_seq_len;
@@ -262,7 +249,13 @@ int mixed_command(const std::vector<std::string>& args) {
   o.homogeneous = c.homogeneous;
   o.dispatch = parse_dispatch_rule(c.dispatch);
   o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
-  MixedLengthPlan plan = plan_mixed_lengths(model, pieces, o);
+  return o;
+}
+
+// Describes and validates each bucket's strategy and writes it under
+// --strategies-out when given; returns the paths written.
+std::vector<std::string> finish_buckets(MixedLengthPlan& plan, const MixedFlags& c, const ModelConfig& config,
+                                        const Topology& topology) {
   std::vector<std::string> written;
   for (LengthBucket& b : plan.buckets) {
     char desc[200];
@@ -275,11 +268,15 @@ int mixed_command(const std::vector<std::string>& args) {
     write_output_file("[plan] --strategies-out", path, to_json(b.strategy).dump(2) + "\n");
     written.push_back(path);
   }
+  return written;
+}
+
+void print_mixed_plan(const MixedFlags& c, const MixedLengthPlan& plan, const std::vector<std::string>& written) {
   if (c.json) {
     nlohmann::json j = plan.to_json();
     j["written"] = written;
     std::fputs((j.dump(1) + "\n").c_str(), stdout);
-    return 0;
+    return;
   }
   std::ostringstream os;
   os << plan.pieces << " pieces, " << plan.steps << " steps of at most " << c.batch_tokens << " tokens; planned "
@@ -293,19 +290,34 @@ int mixed_command(const std::vector<std::string>& args) {
   }
   for (const std::string& w : written) os << "wrote " << w << "\n";
   std::fputs(os.str().c_str(), stdout);
+}
+
+// hspmd plan search --lengths: one strategy per maximum-length bucket for
+// token-budget steps (docs/planner.md "Mixed lengths").
+int mixed_command(const std::vector<std::string>& args) {
+  MixedFlags c;
+  FlagSet f("plan search --lengths",
+            "Plan token-budget steps for mixed lengths (docs/planner.md \"Mixed lengths\"): from the\n"
+            "pieces of a token file (documents cut at eos, pieces of at most --max-seq-len), one\n"
+            "strategy per maximum-length bucket, each of pipelines tailored to length intervals by a\n"
+            "dynamic program over intervals x devices. The strategies are for\n"
+            "hspmd train --batch-tokens T --max-seq-len L --strategies A.json,B.json.");
+  add_mixed_flags(f, c);
+  if (!f.parse(args)) return 0;
+  check_mixed_flags(c);
+  set_num_threads(1);
+  const ModelConfig config = ModelConfig::load(c.model);
+  const Topology topology = Topology::load(c.cluster);
+  const CostModel model = CostModel::load(config, topology, c.profile);
+  model.require_profiles_for_emulation(c.cluster);
+  const std::vector<int64_t> pieces = file_pieces(c.lengths, config, c.max_seq_len);
+  MixedLengthPlan plan = plan_mixed_lengths(model, pieces, mixed_options(c, topology));
+  const std::vector<std::string> written = finish_buckets(plan, c, config, topology);
+  print_mixed_plan(c, plan, written);
   return 0;
 }
 
-int search_command(const std::vector<std::string>& args) {
-  for (const std::string& a : args)
-    if (a == "--lengths" || a.rfind("--lengths=", 0) == 0) return mixed_command(args);
-  SearchFlags c;
-  FlagSet f("plan search",
-            "Search the best strategy for a model on a cluster at a global batch (docs/planner.md):\n"
-            "pipeline configurations enumerated with pruning, layers per stage and micro-batches\n"
-            "per pipeline by integer programs (CBC), every candidate scored by the cost model.\n"
-            "Writes the best strategy (-o) and prints it with its predicted step time, the top\n"
-            "alternatives and the search time.");
+void add_search_flags(FlagSet& f, SearchFlags& c) {
   f.add_string("model", &c.model, "Hugging Face config.json", true);
   f.add_string("cluster", &c.cluster, "cluster JSON (docs/cluster.md)", true);
   // The search's work grows with the batch (measured: 10^7 samples 2 s and 200 MB, 2^31 samples past any
@@ -331,17 +343,10 @@ int search_command(const std::vector<std::string>& args) {
   f.add_string("solver", &c.solver, "cbc (default) or exact: who solves the integer programs");
   f.add_string("output", &c.out, "write the best strategy JSON here (also -o)");
   f.add_bool("json", &c.json, "print one JSON document instead of text");
-  const std::vector<std::string> expanded = expand_short_output(args);
-  if (!f.parse(expanded)) return 0;
-  check_outputs({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from}},
-                {{"--output", c.out}});
-  // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
-  // between those calls cost more than the calls (measured: 2x the search).
-  set_num_threads(1);
-  const ModelConfig config = ModelConfig::load(c.model);
-  const Topology topology = Topology::load(c.cluster);
-  const CostModel model = CostModel::load(config, topology, c.profile);
-  model.require_profiles_for_emulation(c.cluster);
+}
+
+// The search's options from its flags, checking each as it is read.
+SearchOptions search_options(const SearchFlags& c, const Topology& topology) {
   SearchOptions o;
   o.global_batch = c.global_batch;
   o.seq_len = c.seq_len;
@@ -361,24 +366,24 @@ int search_command(const std::vector<std::string>& args) {
   if (!(c.time_limit > 0) || !std::isfinite(c.time_limit))
     fail("[flags] --time-limit must be a positive number of seconds, got ", c.time_limit);
   o.unavailable = parse_ranks(c.unavailable, topology.world_size(), "--unavailable");
-  Strategy previous;
-  if (!c.from.empty()) {
-    previous = load_strategy(c.from);
-    validate(previous, config, topology.world_size());
-    o.previous = &previous;
-  }
-  const SearchResult res = search_strategy(model, o);
-  if (!res.note.empty()) std::fprintf(stderr, "%s\n", res.note.c_str());
+  return o;
+}
+
+// The best candidate's strategy, described by its prediction and validated.
+Strategy best_strategy(const SearchResult& res, const ModelConfig& config, const Topology& topology) {
   Strategy best = res.best.front().strategy;
   char desc[160];
   std::snprintf(desc, sizeof desc, "hspmd plan search: predicted step %.6g s (%s)", res.best.front().predicted_step_s,
                 res.best.front().family.c_str());
   best.description = desc;
   validate(best, config, topology.world_size());
-  if (!c.out.empty()) write_output_file("[plan] --output", c.out, to_json(best).dump(2) + "\n");
+  return best;
+}
+
+void print_search_result(const SearchFlags& c, const SearchResult& res) {
   if (c.json) {
     std::fputs((res.to_json().dump(1) + "\n").c_str(), stdout);
-    return 0;
+    return;
   }
   std::ostringstream os;
   os << "searched " << res.configurations << " configurations (" << res.pruned << " pruned by their bound), "
@@ -397,6 +402,42 @@ int search_command(const std::vector<std::string>& args) {
   }
   if (!c.out.empty()) os << "wrote " << c.out << "\n";
   std::fputs(os.str().c_str(), stdout);
+}
+
+int search_command(const std::vector<std::string>& args) {
+  for (const std::string& a : args)
+    if (a == "--lengths" || a.rfind("--lengths=", 0) == 0) return mixed_command(args);
+  SearchFlags c;
+  FlagSet f("plan search",
+            "Search the best strategy for a model on a cluster at a global batch (docs/planner.md):\n"
+            "pipeline configurations enumerated with pruning, layers per stage and micro-batches\n"
+            "per pipeline by integer programs (CBC), every candidate scored by the cost model.\n"
+            "Writes the best strategy (-o) and prints it with its predicted step time, the top\n"
+            "alternatives and the search time.");
+  add_search_flags(f, c);
+  const std::vector<std::string> expanded = expand_short_output(args);
+  if (!f.parse(expanded)) return 0;
+  check_outputs({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from}},
+                {{"--output", c.out}});
+  // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
+  // between those calls cost more than the calls (measured: 2x the search).
+  set_num_threads(1);
+  const ModelConfig config = ModelConfig::load(c.model);
+  const Topology topology = Topology::load(c.cluster);
+  const CostModel model = CostModel::load(config, topology, c.profile);
+  model.require_profiles_for_emulation(c.cluster);
+  SearchOptions o = search_options(c, topology);
+  Strategy previous;
+  if (!c.from.empty()) {
+    previous = load_strategy(c.from);
+    validate(previous, config, topology.world_size());
+    o.previous = &previous;
+  }
+  const SearchResult res = search_strategy(model, o);
+  if (!res.note.empty()) std::fprintf(stderr, "%s\n", res.note.c_str());
+  const Strategy best = best_strategy(res, config, topology);
+  if (!c.out.empty()) write_output_file("[plan] --output", c.out, to_json(best).dump(2) + "\n");
+  print_search_result(c, res);
   return 0;
 }
 

@@ -26,7 +26,7 @@
 #include "hspmd/io/text_output.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/models/model.h"
-#include "hspmd/train/profiler.h"
+#include "hspmd/planner/profiler.h"
 
 namespace hspmd::cli {
 
@@ -157,80 +157,83 @@ double emulation_factor(const Profile& p, const ProfileEntry& e, const std::stri
   return median / predicted;
 }
 
-}  // namespace
-
-int profile_command(const std::vector<std::string>& args) {
+struct ProfileFlags {
   std::string model, output, tp = "1", cp = "1", seqs = "16,32,64", batches = "1,2";
   int repetitions = 5, threads = 1;  // ints: the parser refuses what does not fit
   int64_t emulated_ranks = 0;
-  FlagSet f("profile",
-            "Measure a model's embedding, block and head (forward and backward) on one rank of a\n"
-            "tensor-parallel x context-parallel group with the real executor, and fit them\n"
-            "(docs/profiling.md). Times are the CPU time the emulator bills for the same work\n"
-            "(--device cuda: the GPU's time, from CUDA events).");
-  f.add_string("model", &model, "Hugging Face config.json of the model", true);
-  f.add_string("output", &output, "profile JSON to write (also -o)", true);
-  f.add_string("tp", &tp, "tensor-parallel degrees, e.g. 1,2,4 (default 1)");
-  f.add_string("cp", &cp, "context-parallel degrees (default 1)");
-  f.add_string("seq-lens", &seqs, "sequence lengths (default 16,32,64)");
-  f.add_string("micro-batch-sizes", &batches, "micro-batch sizes (default 1,2)");
-  f.add_int("repetitions", &repetitions, "timed runs per point after one warm-up; the median counts (default 5)",
+  std::string precision = "fp32", device = "cpu", mps_percent;
+};
+
+void add_profile_flags(FlagSet& f, ProfileFlags& c) {
+  f.add_string("model", &c.model, "Hugging Face config.json of the model", true);
+  f.add_string("output", &c.output, "profile JSON to write (also -o)", true);
+  f.add_string("tp", &c.tp, "tensor-parallel degrees, e.g. 1,2,4 (default 1)");
+  f.add_string("cp", &c.cp, "context-parallel degrees (default 1)");
+  f.add_string("seq-lens", &c.seqs, "sequence lengths (default 16,32,64)");
+  f.add_string("micro-batch-sizes", &c.batches, "micro-batch sizes (default 1,2)");
+  f.add_int("repetitions", &c.repetitions, "timed runs per point after one warm-up; the median counts (default 5)",
             false, kPositiveInt);
-  f.add_int("threads", &threads, "kernel threads, as the emulated ranks run (default 1)", false, {1, 1024});
-  std::string precision = "fp32";
-  f.add_string("precision", &precision, "fp32 (default) or bf16: the precision of the runs it serves (--precision)");
-  std::string device = "cpu";
-  f.add_string("device", &device,
+  f.add_int("threads", &c.threads, "kernel threads, as the emulated ranks run (default 1)", false, {1, 1024});
+  f.add_string("precision", &c.precision, "fp32 (default) or bf16: the precision of the runs it serves (--precision)");
+  f.add_string("device", &c.device,
                "cpu (default), cuda or cuda:N: where the parts run (on a GPU: timed with CUDA events,\n"
                "docs/cuda.md)");
-  std::string mps_percent;
-  f.add_string("mps-percent", &mps_percent,
+  f.add_string("mps-percent", &c.mps_percent,
                "with --device cuda:N: profile a CUDA MPS partition of this share of the GPU's SMs (a private MPS\n"
                "daemon runs for the profile; docs/cuda.md)");
-  f.add_int("emulated-ranks", &emulated_ranks,
+  f.add_int("emulated-ranks", &c.emulated_ranks,
             "also calibrate to an emulated cluster of this many ranks on this machine: the compute\n"
             "they bill over what the parts predict (default 0: no calibration)");
-  const std::vector<std::string> expanded = expand_short_output(args);
-  if (!f.parse(expanded)) return 0;
-  // The device first, before any work: a build without CUDA, no GPU, an
-  // index that does not exist.
-  const Device where = parse_device_name(device, "--device");
+}
+
+// The device first, before any work: a build without CUDA, no GPU, an
+// index that does not exist. `mps` holds the MPS daemon of --mps-percent.
+Device profile_device(const FlagSet& f, const ProfileFlags& c, std::optional<MpsDaemon>& mps) {
+  const Device where = parse_device_name(c.device, "--device");
   // An MPS partition: the daemon, then this process's share, both before
   // the first CUDA call (require_device's).
-  std::optional<MpsDaemon> mps;
   if (f.given("mps-percent")) {
-    const std::vector<int> share = parse_mps_percents(mps_percent, 1, where);
+    const std::vector<int> share = parse_mps_percents(c.mps_percent, 1, where);
     mps.emplace(share);
     setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(share[0]).c_str(), 1);
   }
   require_device(where);
   const bool on_cpu = where == Device::cpu();
-  if (!on_cpu && emulated_ranks > 0)
+  if (!on_cpu && c.emulated_ranks > 0)
     fail("[profile] --device ", where.str(), ": --emulated-ranks calibrates emulated CPU ranks (profile on the "
          "CPU for it)");
+  return where;
+}
 
+// The files and lists of the flags, checked: the options of profile_model.
+ProfileOptions profile_options(const ProfileFlags& c, Device where) {
   // Each emulated rank is a process on this machine: beyond 32 per core
   // the calibration measures the scheduler, and 1000 ranks on 2 cores ran
   // the machine to a load of 199.
-  check_local_ranks("[profile] --emulated-ranks", emulated_ranks, 0);  // the launcher's bound
-  if (!std::filesystem::is_regular_file(model)) fail("[profile] --model ", model, ": no such file");
-  check_outputs({{"--model", model}}, {{"--output", output}});
+  check_local_ranks("[profile] --emulated-ranks", c.emulated_ranks, 0);  // the launcher's bound
+  if (!std::filesystem::is_regular_file(c.model)) fail("[profile] --model ", c.model, ": no such file");
+  check_outputs({{"--model", c.model}}, {{"--output", c.output}});
   ProfileOptions o;
-  o.model_path = model;
-  o.config = ModelConfig::load(model);
-  o.tp = to_ints(parse_list("tp", tp));
-  o.cp = to_ints(parse_list("cp", cp));
-  o.seq_lens = parse_list("seq-lens", seqs);
-  o.micro_batch_sizes = parse_list("micro-batch-sizes", batches);
-  o.repetitions = repetitions;
-  o.threads = threads;
-  o.precision.compute = parse_precision_name(precision, "--precision");
+  o.model_path = c.model;
+  o.config = ModelConfig::load(c.model);
+  o.tp = to_ints(parse_list("tp", c.tp));
+  o.cp = to_ints(parse_list("cp", c.cp));
+  o.seq_lens = parse_list("seq-lens", c.seqs);
+  o.micro_batch_sizes = parse_list("micro-batch-sizes", c.batches);
+  o.repetitions = c.repetitions;
+  o.threads = c.threads;
+  o.precision.compute = parse_precision_name(c.precision, "--precision");
   o.device = where;
   check_profile_options(o);
   o.progress = [](const std::string& what) { std::fprintf(stderr, "[profile] %s\n", what.c_str()); };
-  const auto t0 = std::chrono::steady_clock::now();
-  // How quiet the machine is: a profile taken while other processes share
-  // its cores times the scheduler as much as the model.
+  return o;
+}
+
+// Profiles the parts, recording how quiet the machine was: a profile taken
+// while other processes share its cores times the scheduler as much as the
+// model. `t0` is when the profile started.
+Profile measured_profile(const ProfileOptions& o, bool on_cpu, int threads,
+                         std::chrono::steady_clock::time_point t0) {
   double load[1] = {0};
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const double load_before = getloadavg(load, 1) == 1 ? load[0] : 0;
@@ -248,19 +251,43 @@ int profile_command(const std::vector<std::string>& args) {
                  "be too slow or uneven; profile again on a quiet machine (the profile records it, and plan "
                  "search / plan cost will say so)\n",
                  p.load_summary().c_str());
-  if (emulated_ranks > 0) {
-    if (threads != 1) fail("[profile] --emulated-ranks needs --threads 1 (how emulated ranks run)");
-    p.emulation_ranks = static_cast<int>(emulated_ranks);
-    const int64_t s = *std::max_element(o.seq_lens.begin(), o.seq_lens.end());
-    for (ProfileEntry& e : p.entries) {
-      e.emulation_factor = emulation_factor(p, e, model, p.emulation_ranks, s);
-      std::fprintf(stderr, "[profile] tp %d cp %d: emulation factor %.3f (%d emulated ranks)\n", e.tp, e.cp,
-                   e.emulation_factor, p.emulation_ranks);
-    }
+  return p;
+}
+
+// --emulated-ranks: each entry's emulation factor, at the longest profiled
+// length.
+void calibrate_emulation(Profile& p, const ProfileFlags& c, const std::vector<int64_t>& seq_lens) {
+  if (c.threads != 1) fail("[profile] --emulated-ranks needs --threads 1 (how emulated ranks run)");
+  p.emulation_ranks = static_cast<int>(c.emulated_ranks);
+  const int64_t s = *std::max_element(seq_lens.begin(), seq_lens.end());
+  for (ProfileEntry& e : p.entries) {
+    e.emulation_factor = emulation_factor(p, e, c.model, p.emulation_ranks, s);
+    std::fprintf(stderr, "[profile] tp %d cp %d: emulation factor %.3f (%d emulated ranks)\n", e.tp, e.cp,
+                 e.emulation_factor, p.emulation_ranks);
   }
-  write_output_file("[profile] --output", output, p.to_json().dump(1) + "\n");
+}
+
+}  // namespace
+
+int profile_command(const std::vector<std::string>& args) {
+  ProfileFlags c;
+  FlagSet f("profile",
+            "Measure a model's embedding, block and head (forward and backward) on one rank of a\n"
+            "tensor-parallel x context-parallel group with the real executor, and fit them\n"
+            "(docs/profiling.md). Times are the CPU time the emulator bills for the same work\n"
+            "(--device cuda: the GPU's time, from CUDA events).");
+  add_profile_flags(f, c);
+  const std::vector<std::string> expanded = expand_short_output(args);
+  if (!f.parse(expanded)) return 0;
+  std::optional<MpsDaemon> mps;  // --mps-percent's daemon, stopped when the command returns
+  const Device where = profile_device(f, c, mps);
+  const ProfileOptions o = profile_options(c, where);
+  const auto t0 = std::chrono::steady_clock::now();
+  Profile p = measured_profile(o, where == Device::cpu(), c.threads, t0);
+  if (c.emulated_ranks > 0) calibrate_emulation(p, c, o.seq_lens);
+  write_output_file("[profile] --output", c.output, p.to_json().dump(1) + "\n");
   print_table(p, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  std::fprintf(stderr, "wrote %s\n", output.c_str());
+  std::fprintf(stderr, "wrote %s\n", c.output.c_str());
   return 0;
 }
 

@@ -22,7 +22,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
 #include "hspmd/optim/lr_schedule.h"
-#include "hspmd/plan/token_dispatch.h"
+#include "hspmd/planner/token_dispatch.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
@@ -281,142 +281,160 @@ std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::stri
   return out;
 }
 
-}  // namespace
-
-int train_command(const std::vector<std::string>& args) {
+// What hspmd train's flags are read into: the TrainOptions fields a flag
+// sets as it is, and the raw values of those checked or converted first.
+struct TrainFlags {
   TrainOptions o;
   std::string schedule = "constant", save_dtype = "f32", optimizer = "adamw";
   int64_t seed = 0, warmup = 0;
   int64_t threads = std::min<int64_t>(kMaxThreads, std::max(1u, std::thread::hardware_concurrency()));
   double lr = 3e-4, min_lr = 0.0;
   bool quiet = false;
-  int64_t nproc = 0;
-  FlagSet f("train", "Train a model of a registered family (model_type " + registered_model_types() +
-                         "; Hugging Face config and weights) on a token file.");
-  f.add_string("model", &o.model_path, "Hugging Face config.json of the model", true);
-  f.add_string("data", &o.data_path, "token file (.bin, little-endian uint32 ids)", true);
-  f.add_int("seq-len", &o.seq_len, "tokens per sample (with --pack-documents: at most); required without --batch-tokens");
-  int64_t max_seq_len = 0;
-  f.add_int("batch-tokens", &o.batch_tokens,
+  int64_t nproc = 0, max_seq_len = 0;
+  std::string precision = "fp32", grad_reduce = "fp32", device = "cpu", mps_percent, clock = "cpu";
+  CommChoice comm_choice;
+  bool overlap = false, no_overlap = false;
+  std::string choices, dispatch = "cost";
+  std::vector<std::string> switches, lost;
+  double timeout = 300;
+  int64_t max_restarts = 0;
+};
+
+// The model, the data and the size of a step.
+void add_data_flags(FlagSet& f, TrainFlags& t) {
+  f.add_string("model", &t.o.model_path, "Hugging Face config.json of the model", true);
+  f.add_string("data", &t.o.data_path, "token file (.bin, little-endian uint32 ids)", true);
+  f.add_int("seq-len", &t.o.seq_len, "tokens per sample (with --pack-documents: at most); required without --batch-tokens");
+  f.add_int("batch-tokens", &t.o.batch_tokens,
             "token-budget steps: each step takes the next document pieces while their tokens stay within this "
             "(docs/mixed_length.md)");
-  f.add_int("max-seq-len", &max_seq_len, "with --batch-tokens: the longest piece (documents are cut into pieces of "
+  f.add_int("max-seq-len", &t.max_seq_len, "with --batch-tokens: the longest piece (documents are cut into pieces of "
             "at most this many tokens)");
-  f.add_bool("pack-documents", &o.pack_documents,
+  f.add_bool("pack-documents", &t.o.pack_documents,
              "pack whole documents (cut at eos) into samples; attention and loss stay inside each document");
-  f.add_int("global-batch", &o.global_batch,
+  f.add_int("global-batch", &t.o.global_batch,
             "samples per optimizer step (required without --strategy; with it, must match)");
-  f.add_int("steps", &o.steps, "optimizer steps", true);
-  f.add_int("micro-batches", &o.micro_batches, "gradient accumulation steps per optimizer step (default 1)");
-  f.add_string("optimizer", &optimizer, "adamw (default) or adam (L2 weight decay)");
-  f.add_double("lr", &lr, "peak learning rate (default 3e-4)");
-  f.add_double("min-lr", &min_lr, "final learning rate of the cosine schedule (default 0)");
-  f.add_string("lr-schedule", &schedule, "constant (default), warmup or cosine");
-  f.add_int("warmup-steps", &warmup, "linear warmup steps (default 0)");
-  f.add_double("weight-decay", &o.adam.weight_decay, "weight decay of matrices (default 0)");
-  f.add_double("beta1", &o.adam.beta1, "Adam beta1 (default 0.9)");
-  f.add_double("beta2", &o.adam.beta2, "Adam beta2 (default 0.95)");
-  f.add_double("eps", &o.adam.eps, "Adam epsilon (default 1e-8)");
-  f.add_double("clip-grad", &o.clip_grad, "global gradient-norm clipping, 0 = off (default)");
-  f.add_int("skip-nonfinite-steps", &o.skip_nonfinite_steps,
+  f.add_int("steps", &t.o.steps, "optimizer steps", true);
+  f.add_int("micro-batches", &t.o.micro_batches, "gradient accumulation steps per optimizer step (default 1)");
+}
+
+void add_optimizer_flags(FlagSet& f, TrainFlags& t) {
+  f.add_string("optimizer", &t.optimizer, "adamw (default) or adam (L2 weight decay)");
+  f.add_double("lr", &t.lr, "peak learning rate (default 3e-4)");
+  f.add_double("min-lr", &t.min_lr, "final learning rate of the cosine schedule (default 0)");
+  f.add_string("lr-schedule", &t.schedule, "constant (default), warmup or cosine");
+  f.add_int("warmup-steps", &t.warmup, "linear warmup steps (default 0)");
+  f.add_double("weight-decay", &t.o.adam.weight_decay, "weight decay of matrices (default 0)");
+  f.add_double("beta1", &t.o.adam.beta1, "Adam beta1 (default 0.9)");
+  f.add_double("beta2", &t.o.adam.beta2, "Adam beta2 (default 0.95)");
+  f.add_double("eps", &t.o.adam.eps, "Adam epsilon (default 1e-8)");
+  f.add_double("clip-grad", &t.o.clip_grad, "global gradient-norm clipping, 0 = off (default)");
+  f.add_int("skip-nonfinite-steps", &t.o.skip_nonfinite_steps,
             "skip up to N steps whose loss or gradient norm is not finite (no update), then stop (default 0: "
             "stop at the first)");
-  f.add_int("seed", &seed, "seed of the initialization (default 0)");
-  f.add_string("init", &o.init_path, "initial weights (safetensors, F32 or BF16)");
-  f.add_string("save", &o.save_path, "write the final weights here (safetensors)");
-  f.add_string("save-dtype", &save_dtype, "f32 (default) or bf16");
-  std::string precision = "fp32", grad_reduce = "fp32";
-  f.add_string("precision", &precision,
+  f.add_int("seed", &t.seed, "seed of the initialization (default 0)");
+}
+
+// Weights in and out, precision, logs and threads.
+void add_output_flags(FlagSet& f, TrainFlags& t) {
+  f.add_string("init", &t.o.init_path, "initial weights (safetensors, F32 or BF16)");
+  f.add_string("save", &t.o.save_path, "write the final weights here (safetensors)");
+  f.add_string("save-dtype", &t.save_dtype, "f32 (default) or bf16");
+  f.add_string("precision", &t.precision,
                "fp32 (default), bf16 (bf16 GEMMs with fp32 accumulation, fp32 master weights; docs/precision.md) or "
                "auto (bf16 where this CPU has bf16 GEMM instructions, else fp32)");
-  f.add_string("grad-reduce-dtype", &grad_reduce, "with --precision bf16: fp32 (default) or bf16 gradient sync");
-  f.add_string("log", &o.log_path, "write one JSON object per step here (JSONL)");
-  f.add_string("dump-grads", &o.dump_grads_path, "write the step-0 gradients here (safetensors)");
-  f.add_string("op-times", &o.op_times_path,
+  f.add_string("grad-reduce-dtype", &t.grad_reduce, "with --precision bf16: fp32 (default) or bf16 gradient sync");
+  f.add_string("log", &t.o.log_path, "write one JSON object per step here (JSONL)");
+  f.add_string("dump-grads", &t.o.dump_grads_path, "write the step-0 gradients here (safetensors)");
+  f.add_string("op-times", &t.o.op_times_path,
                "write where the last step's time goes here (JSON: ops summed by type; FILE.rank<r> per rank)");
-  f.add_int("threads", &threads, "CPU threads (default: all cores)");
-  f.add_bool("quiet", &quiet, "no progress line on stderr");
-  f.add_string("strategy", &o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
-  f.add_string("cluster", &o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
-  f.add_string("trace", &o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
-  std::string device = "cpu";
-  f.add_string("device", &device,
+  f.add_int("threads", &t.threads, "CPU threads (default: all cores)");
+  f.add_bool("quiet", &t.quiet, "no progress line on stderr");
+}
+
+// Strategy, cluster, device and how the ranks communicate.
+void add_parallel_flags(FlagSet& f, TrainFlags& t) {
+  f.add_string("strategy", &t.o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
+  f.add_string("cluster", &t.o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
+  f.add_string("trace", &t.o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
+  f.add_string("device", &t.device,
                "cpu (default), cuda or cuda:N: where the model computes (docs/cuda.md); with several ranks, cuda "
                "spreads a machine's ranks over its GPUs and cuda:N puts them all on GPU N");
-  std::string mps_percent;
-  f.add_string("mps-percent", &mps_percent,
+  f.add_string("mps-percent", &t.mps_percent,
                "with --nproc and --device cuda:N: give the ranks these shares of the GPU's SMs through CUDA MPS, "
                "one percentage per rank (e.g. 50,25,25); the launcher starts and stops the MPS daemon");
-  CommChoice comm_choice;
-  f.add_string("comm", &comm_choice.flag,
+  f.add_string("comm", &t.comm_choice.flag,
                "with --device cuda and several ranks: auto (default: NCCL when every rank has a GPU of its own, "
                "else MPI), nccl, or mpi (device buffers staged through pinned host memory; ranks may share a GPU)");
-  bool overlap = false, no_overlap = false;
-  f.add_bool("overlap", &overlap,
+  f.add_bool("overlap", &t.overlap,
              "synchronize each gradient on a communication thread as soon as the last backward computes it "
              "(default with a device other than the CPU; docs/comm.md)");
-  f.add_bool("no-overlap", &no_overlap, "synchronize the gradients after the schedule (default on the CPU)");
-  std::string clock = "cpu";
-  f.add_string("clock", &clock,
+  f.add_bool("no-overlap", &t.no_overlap, "synchronize the gradients after the schedule (default on the CPU)");
+  f.add_string("clock", &t.clock,
                "emulated compute time: cpu (measured CPU time, default) or model (predicted from --profile: "
                "deterministic, independent of the machine's load)");
-  f.add_string("profile", &o.profile_path, "profile JSON made by `hspmd profile` (with --clock model)");
-  f.add_string("plan", &o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
-  std::string choices;
-  f.add_bool("bucket-switching", &o.bucket_switching,
+  f.add_string("profile", &t.o.profile_path, "profile JSON made by `hspmd profile` (with --clock model)");
+  f.add_string("plan", &t.o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
+}
+
+// How a token budget's pieces are dispatched, and strategies that change
+// during the run: per step (--strategies), at set steps (--switch), on events.
+void add_switching_flags(FlagSet& f, TrainFlags& t) {
+  f.add_bool("bucket-switching", &t.o.bucket_switching,
              "with --strategies: each step's pieces in buckets by the smallest strategy that accepts them, run "
              "bucket by bucket, switching inside the step (the HotSPa-like baseline, docs/mixed_length.md)");
-  std::string dispatch = "cost";
-  f.add_string("dispatch", &dispatch,
+  f.add_string("dispatch", &t.dispatch,
                "with --batch-tokens: how a step's pieces go to the pipelines: cost (the cost model, device speeds "
                "included; default) or symmetric (blind to device speeds, as homogeneous SPMD data parallelism)");
-  f.add_string("strategies", &choices,
+  f.add_string("strategies", &t.choices,
                "A.json,B.json,...: with --batch-tokens, per step the strategy the cost model favours for its "
                "pieces, switched to online (docs/mixed_length.md); instead of --strategy");
-  std::vector<std::string> switches, lost;
-  f.add_list("switch", &switches,
+  f.add_list("switch", &t.switches,
              "STEP:FILE: from step STEP on, train under FILE (a strategy or plan), moving the training state "
              "without a restart (docs/switching.md)");
-  f.add_string("switch-algorithm", &o.switch_algorithm, "naive, per-tensor or fused (default)");
-  f.add_double("switch-bucket-mb", &o.switch_bucket_mb,
+  f.add_string("switch-algorithm", &t.o.switch_algorithm, "naive, per-tensor or fused (default)");
+  f.add_double("switch-bucket-mb", &t.o.switch_bucket_mb,
                "fused switches: MiB of state tensors (full logical size) per round, at least one layer group "
                "(default 256; 0: everything in one round)");
-  f.add_list("switch-lost", &lost,
+  f.add_list("switch-lost", &t.lost,
              "STEP:R1,R2,...: at the switch of step STEP, the memory of these ranks counts as gone (their "
              "slices come from the --checkpoint)");
-  f.add_string("events", &o.events_path,
+  f.add_string("events", &t.o.events_path,
                "elastic training: JSON list of {\"step\", \"fail\"|\"join\": [ranks], \"slowdown\": {rank: x}, "
                "\"strategy\"?}; the run re-plans and switches online (docs/elastic.md)");
-  f.add_double("replan-time-limit", &o.replan_time_limit_s, "with --events: seconds the planner may search (default 30)");
-  f.add_int("straggler-window", &o.straggler_window,
+  f.add_double("replan-time-limit", &t.o.replan_time_limit_s, "with --events: seconds the planner may search (default 30)");
+  f.add_int("straggler-window", &t.o.straggler_window,
             "with --events and --cluster: steps per straggler check (default 3; 0 = no straggler re-planning)");
-  f.add_double("straggler-threshold", &o.straggler_threshold,
+  f.add_double("straggler-threshold", &t.o.straggler_threshold,
                "a rank whose compute is off its assumed speed by more than this fraction is a straggler (default 0.25)");
-  f.add_int("straggler-horizon", &o.straggler_horizon,
+  f.add_int("straggler-horizon", &t.o.straggler_horizon,
             "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)");
-  f.add_string("checkpoint", &o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md); without --save-every, one after the last step");
-  f.add_int("save-every", &o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
-  f.add_bool("checkpoint-sync", &o.checkpoint_sync,
+}
+
+void add_checkpoint_and_launch_flags(FlagSet& f, TrainFlags& t) {
+  f.add_string("checkpoint", &t.o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md); without --save-every, one after the last step");
+  f.add_int("save-every", &t.o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
+  f.add_bool("checkpoint-sync", &t.o.checkpoint_sync,
              "write checkpoints inside the step (default: copy the shards, write them on a background thread)");
-  f.add_string("resume", &o.resume_dir, "continue from the training checkpoint in this directory");
-  f.add_bool("overwrite-checkpoint", &o.overwrite_checkpoint,
+  f.add_string("resume", &t.o.resume_dir, "continue from the training checkpoint in this directory");
+  f.add_bool("overwrite-checkpoint", &t.o.overwrite_checkpoint,
              "with --checkpoint: start anew in a directory that holds another run's checkpoint, replacing it at the "
              "first save (without it such a directory is refused unless --resume names it)");
-  f.add_int("nproc", &nproc,
+  f.add_int("nproc", &t.nproc,
             "start this many local ranks through mpirun (with --strategy); without --threads, each rank gets "
             "max(1, cores / N) threads");
-  double timeout = 300;
-  f.add_double("timeout", &timeout,
+  f.add_double("timeout", &t.timeout,
                "with --nproc: end the job when no step finishes or a rank stops responding for this many seconds "
                "(setup and step 0: 3x, at least 120 s; default 300; 0 = off)");
-  int64_t max_restarts = 0;
-  f.add_int("max-restarts", &max_restarts,
+  f.add_int("max-restarts", &t.max_restarts,
             "with --nproc, --checkpoint and --save-every: when a rank dies (killed by a signal), restart the job "
             "from the last checkpoint, at most this many times (default 0)");
-  if (!f.parse(args)) return 0;
-  // The device first, before any work: a build without CUDA, no GPU, an
-  // index that does not exist, each in one line.
-  const Device where = parse_device_name(device, "--device");
+}
+
+// The device first, before any work: a build without CUDA, no GPU, an
+// index that does not exist, each in one line; then --comm, which needs it.
+Device read_device(const FlagSet& f, TrainFlags& t) {
+  const Device where = parse_device_name(t.device, "--device");
   require_device(where);
   if (where.type == DeviceType::CUDA) {
     // The emulated cluster bills CPU time to virtual clocks: a CPU feature.
@@ -426,82 +444,152 @@ int train_command(const std::vector<std::string>& args) {
              "it does not run on CUDA (docs/cuda.md)");
   }
   if (f.given("comm")) {
-    if (comm_choice.flag != "auto" && comm_choice.flag != "nccl" && comm_choice.flag != "mpi")
-      fail("[flags] --comm: '", comm_choice.flag, "' (expected auto, nccl or mpi)");
+    if (t.comm_choice.flag != "auto" && t.comm_choice.flag != "nccl" && t.comm_choice.flag != "mpi")
+      fail("[flags] --comm: '", t.comm_choice.flag, "' (expected auto, nccl or mpi)");
     if (where.type != DeviceType::CUDA)
       fail("[flags] --comm is read only with --device cuda (CPU ranks communicate through MPI)");
   }
-  comm_choice.device = device;
-  if (overlap && no_overlap) fail("[flags] give --overlap or --no-overlap, not both");
-  if (overlap)
+  t.comm_choice.device = t.device;
+  return where;
+}
+
+void read_overlap(const FlagSet& f, TrainFlags& t) {
+  if (t.overlap && t.no_overlap) fail("[flags] give --overlap or --no-overlap, not both");
+  if (t.overlap)
     for (const char* flag : {"cluster", "trace"})
       if (f.given(flag))
         fail("[flags] --overlap with --", flag, ": the emulated clock bills one thread per rank (no "
              "communication thread); drop --overlap");
-  if (overlap || no_overlap) o.overlap = overlap;
+  if (t.overlap || t.no_overlap) t.o.overlap = t.overlap;
+}
+
+// --mps-percent: the ranks' shares of the GPU's SMs (none without the flag).
+std::vector<int> mps_shares(const FlagSet& f, const TrainFlags& t, Device where) {
   std::vector<int> mps_percents;
   if (f.given("mps-percent")) {
     if (!f.given("nproc")) fail("[flags] --mps-percent needs --nproc (the launcher runs the MPS daemon)");
-    mps_percents = parse_mps_percents(mps_percent, nproc, where);
+    mps_percents = parse_mps_percents(t.mps_percent, t.nproc, where);
   }
-  o.device = where;
+  return mps_percents;
+}
+
+// A step is --global-batch samples of --seq-len tokens, or a budget of
+// --batch-tokens tokens in pieces of at most --max-seq-len.
+void read_step_size(const FlagSet& f, TrainFlags& t) {
   if (f.given("batch-tokens")) {
-    if (o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", o.batch_tokens);
+    if (t.o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", t.o.batch_tokens);
     if (!f.given("max-seq-len")) fail("[flags] --batch-tokens needs --max-seq-len L (the longest piece)");
-    if (max_seq_len <= 0) fail("[flags] --max-seq-len must be positive, got ", max_seq_len);
+    if (t.max_seq_len <= 0) fail("[flags] --max-seq-len must be positive, got ", t.max_seq_len);
     if (f.given("seq-len")) fail("[flags] --seq-len is not read with --batch-tokens (give --max-seq-len)");
     if (f.given("global-batch")) fail("[flags] --global-batch is not read with --batch-tokens (steps are token budgets)");
     if (f.given("micro-batches")) fail("[flags] --micro-batches is not read with --batch-tokens");
-    o.seq_len = max_seq_len;
-    o.symmetric_dispatch = parse_dispatch_rule(dispatch) == DispatchRule::kSymmetric;
+    t.o.seq_len = t.max_seq_len;
+    t.o.symmetric_dispatch = parse_dispatch_rule(t.dispatch) == DispatchRule::kSymmetric;
   } else if (f.given("max-seq-len")) {
     fail("[flags] --max-seq-len is read only with --batch-tokens");
   } else if (!f.given("seq-len")) {
     fail("[flags] --seq-len is required (or --batch-tokens T --max-seq-len L)");
   }
   if (f.given("dispatch") && !f.given("batch-tokens")) fail("[flags] --dispatch is read only with --batch-tokens");
+}
 
-  if (optimizer != "adamw" && optimizer != "adam")
-    fail("[flags] --optimizer: unknown optimizer '", optimizer, "' (expected adamw or adam)");
-  o.adam.decoupled_weight_decay = optimizer == "adamw";
-  if (save_dtype != "f32" && save_dtype != "bf16")
-    fail("[flags] --save-dtype: '", save_dtype, "' (expected f32 or bf16)");
-  o.save_dtype = save_dtype == "bf16" ? DType::BF16 : DType::F32;
-  if (precision == "auto") precision = kernels::bf16_gemm_native() ? "bf16" : "fp32";
-  o.precision.compute = parse_precision_name(precision, "--precision");
-  o.precision.grad_reduce = parse_precision_name(grad_reduce, "--grad-reduce-dtype");
-  if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
+void read_optimizer_and_precision(TrainFlags& t) {
+  if (t.optimizer != "adamw" && t.optimizer != "adam")
+    fail("[flags] --optimizer: unknown optimizer '", t.optimizer, "' (expected adamw or adam)");
+  t.o.adam.decoupled_weight_decay = t.optimizer == "adamw";
+  if (t.save_dtype != "f32" && t.save_dtype != "bf16")
+    fail("[flags] --save-dtype: '", t.save_dtype, "' (expected f32 or bf16)");
+  t.o.save_dtype = t.save_dtype == "bf16" ? DType::BF16 : DType::F32;
+  if (t.precision == "auto") t.precision = kernels::bf16_gemm_native() ? "bf16" : "fp32";
+  t.o.precision.compute = parse_precision_name(t.precision, "--precision");
+  t.o.precision.grad_reduce = parse_precision_name(t.grad_reduce, "--grad-reduce-dtype");
+  if (t.o.precision.grad_reduce == DType::BF16 && !t.o.precision.mixed())
     fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
-  if (clock != "cpu" && clock != "model") fail("[flags] --clock: '", clock, "' (expected cpu or model)");
-  o.model_clock = clock == "model";
-  if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
-  if (warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", warmup);
-  check_values(f, o, threads, lr, min_lr, nproc, timeout, max_restarts);
+}
+
+// The clock, the seed, the learning-rate schedule, the threads and the
+// progress line; check_values' ranges on the way.
+void read_run_flags(const FlagSet& f, TrainFlags& t) {
+  if (t.clock != "cpu" && t.clock != "model") fail("[flags] --clock: '", t.clock, "' (expected cpu or model)");
+  t.o.model_clock = t.clock == "model";
+  if (t.seed < 0) fail("[flags] --seed must be >= 0, got ", t.seed);
+  if (t.warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", t.warmup);
+  check_values(f, t.o, t.threads, t.lr, t.min_lr, t.nproc, t.timeout, t.max_restarts);
   if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); local && !f.given("threads"))
-    threads = std::max<int64_t>(1, threads / std::max(1, std::atoi(local)));  // the node's cores are shared
-  o.seed = static_cast<uint64_t>(seed);
-  o.threads = static_cast<int>(threads);
-  o.schedule.kind = LrSchedule::parse_kind(schedule);
-  o.schedule.lr = lr;
-  o.schedule.min_lr = min_lr;
-  o.schedule.warmup_steps = warmup;
-  o.progress = !quiet;
-  o.switches = parse_switches(switches, lost);
-  for (const TrainOptions::Switch& sw : o.switches) check_input_file("--switch", sw.path);
+    t.threads = std::max<int64_t>(1, t.threads / std::max(1, std::atoi(local)));  // the node's cores are shared
+  t.o.seed = static_cast<uint64_t>(t.seed);
+  t.o.threads = static_cast<int>(t.threads);
+  t.o.schedule.kind = LrSchedule::parse_kind(t.schedule);
+  t.o.schedule.lr = t.lr;
+  t.o.schedule.min_lr = t.min_lr;
+  t.o.schedule.warmup_steps = t.warmup;
+  t.o.progress = !t.quiet;
+}
+
+// --switch / --switch-lost, and --strategies (whose first file is the
+// strategy the run starts under).
+void read_strategy_changes(const FlagSet& f, TrainFlags& t) {
+  t.o.switches = parse_switches(t.switches, t.lost);
+  for (const TrainOptions::Switch& sw : t.o.switches) check_input_file("--switch", sw.path);
   if (f.given("strategies")) {
     if (f.given("strategy") || f.given("plan")) fail("[flags] give --strategies or --strategy / --plan, not both");
-    std::stringstream ss(choices);
+    std::stringstream ss(t.choices);
     for (std::string item; std::getline(ss, item, ',');) {
-      if (item.empty()) fail("[flags] --strategies '", choices, "': an empty file name");
+      if (item.empty()) fail("[flags] --strategies '", t.choices, "': an empty file name");
       check_input_file("--strategies", item);
-      o.strategy_choices.push_back(item);
+      t.o.strategy_choices.push_back(item);
     }
-    if (o.strategy_choices.empty()) fail("[flags] --strategies needs at least one file");
-    o.strategy_path = o.strategy_choices[0];
+    if (t.o.strategy_choices.empty()) fail("[flags] --strategies needs at least one file");
+    t.o.strategy_path = t.o.strategy_choices[0];
   }
-  check_files(f, o);
-  const bool distributed = !o.strategy_path.empty() || !o.plan_path.empty();
-  if (!o.strategy_path.empty() && !o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
+}
+
+// --nproc: start the local ranks through mpirun (and the MPS daemon of
+// --mps-percent) and wait for the job.
+int launch_local_ranks(const FlagSet& f, const std::vector<std::string>& args, const TrainFlags& t,
+                       const std::vector<int>& mps_percents) {
+  std::vector<std::string> ranks = rank_args(f, args, t.nproc);
+  std::optional<MpsDaemon> mps;  // stopped when the job ends, however it ends
+  if (!mps_percents.empty()) mps.emplace(mps_percents);
+  return launch_ranks(LaunchOptions{t.nproc, std::move(ranks), t.timeout, t.max_restarts, t.o.log_path,
+                                    t.o.checkpoint_dir, t.o.resume_dir, {}});
+}
+
+// Training in this one process, without a strategy.
+int train_alone(const FlagSet& f, const TrainOptions& o) {
+  if (!f.given("global-batch") && !f.given("batch-tokens"))
+    fail("[flags] --global-batch is required (without --strategy)");
+  OutputLocks locks;
+  if (const std::string busy = locks.lock_all(o); !busy.empty()) fail(busy);
+  train(o);
+  locks.keep();
+  return 0;
+}
+
+}  // namespace
+
+int train_command(const std::vector<std::string>& args) {
+  TrainFlags t;
+  FlagSet f("train", "Train a model of a registered family (model_type " + registered_model_types() +
+                         "; Hugging Face config and weights) on a token file.");
+  add_data_flags(f, t);
+  add_optimizer_flags(f, t);
+  add_output_flags(f, t);
+  add_parallel_flags(f, t);
+  add_switching_flags(f, t);
+  add_checkpoint_and_launch_flags(f, t);
+  if (!f.parse(args)) return 0;
+  const Device where = read_device(f, t);
+  read_overlap(f, t);
+  const std::vector<int> mps_percents = mps_shares(f, t, where);
+  t.o.device = where;
+  read_step_size(f, t);
+  read_optimizer_and_precision(t);
+  read_run_flags(f, t);
+  read_strategy_changes(f, t);
+  check_files(f, t.o);
+  const bool distributed = !t.o.strategy_path.empty() || !t.o.plan_path.empty();
+  if (!t.o.strategy_path.empty() && !t.o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
   if (!distributed && mpi_world_size() > 1) {
     if (std::getenv("OMPI_COMM_WORLD_RANK") && std::string(std::getenv("OMPI_COMM_WORLD_RANK")) != "0") return 1;
     fail("[flags] this is one of ", mpi_world_size(), " MPI ranks but no --strategy or --plan was given: "
@@ -510,22 +598,10 @@ int train_command(const std::vector<std::string>& args) {
   check_combinations(f, distributed);
   if (f.given("nproc")) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
-    std::vector<std::string> ranks = rank_args(f, args, nproc);
-    std::optional<MpsDaemon> mps;  // stopped when the job ends, however it ends
-    if (!mps_percents.empty()) mps.emplace(mps_percents);
-    return launch_ranks(LaunchOptions{nproc, std::move(ranks), timeout, max_restarts, o.log_path,
-                                      o.checkpoint_dir, o.resume_dir, {}});
+    return launch_local_ranks(f, args, t, mps_percents);
   }
-  if (!distributed) {
-    if (!f.given("global-batch") && !f.given("batch-tokens"))
-      fail("[flags] --global-batch is required (without --strategy)");
-    OutputLocks locks;
-    if (const std::string busy = locks.lock_all(o); !busy.empty()) fail(busy);
-    train(o);
-    locks.keep();
-    return 0;
-  }
-  return train_on_ranks(o, comm_choice);
+  if (!distributed) return train_alone(f, t.o);
+  return train_on_ranks(t.o, t.comm_choice);
 }
 
 }  // namespace hspmd::cli
