@@ -5,6 +5,9 @@
 #include "train/dist_trainer.h"
 #include "train/resume_checks.h"
 
+#include "hspmd/io/safetensors.h"
+#include "hspmd/models/model.h"
+
 #include <cstdlib>
 
 #include "kernels/basic.h"
@@ -65,32 +68,6 @@ void DistTrainer::checkpoint_now(const std::string& dir) {
   finish_checkpoint(true);
 }
 
-void DistTrainer::check_checkpoint_owner_agreed(const std::string& dir, const std::string& what) {
-  std::string error;
-  if (world_.rank() == 0) {
-    CheckpointWriter w;
-    w.what = what;
-    std::error_code ec;
-    w.overwrite = o_.overwrite_checkpoint && !o_.checkpoint_dir.empty() &&
-                  std::filesystem::equivalent(dir, o_.checkpoint_dir, ec);
-    w.resume_dir = o_.resume_dir;
-    w.resume_run_id = resume_run_id_;
-    w.run_id = run_id_;
-    w.fix = what == "[checkpoint] save_checkpoint"
-                ? "a run writes over its own checkpoints and the one it resumed only; give another directory "
-                  "(or load_checkpoint " + dir + " to continue that run)"
-                : "a run writes over its own checkpoints and the one it resumed only (another run committed "
-                  "there after this one started); give another --checkpoint";
-    try {
-      check_checkpoint_owner(dir, w);
-    } catch (const Error& e) {
-      error = e.what();
-    }
-  }
-  broadcast_text(error, world_);
-  if (!error.empty()) fail(error);
-}
-
 void DistTrainer::save() {
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
     fail("[train] --save ", o_.save_path, ": parameter '", bad, "' holds non-finite values after step ",
@@ -106,56 +83,42 @@ void DistTrainer::save() {
 
 void DistTrainer::save_checkpoint_to(const std::string& dir, const std::string& what) {
   finish_checkpoint(true);  // one write at a time
-  check_checkpoint_owner_agreed(dir, what);  // before any shard is written
+  checkpoints_.check_owner_agreed(dir, what);  // before any shard is written
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
     fail("[train] --checkpoint ", dir, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; checkpoint not written (the last one is kept)");
   std::vector<CheckpointShard> shards;
   for (TrainingState::NamedShard& s : state_->checkpoint_shards())  // copies: the next steps update the state
     shards.push_back(CheckpointShard{s.tensor, s.shape, s.shard.box, train_common::host_copy(s.shard.data)});
-  auto p = std::make_unique<PendingCheckpoint>();
-  p->step = state_->step;
-  p->dir = dir;
-  p->meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
-             {"strategy", to_json(rt_->strategy)}, {"run_id", run_id_}};
-  p->meta.update(train_common::resume_meta(config_, o_));  // "model", "data": what a resume must match
-  if (!events_.empty() && !choices_.empty()) {  // the strategy set in force (re-planned perhaps), for --resume
-    nlohmann::json set = nlohmann::json::array();
-    for (const auto& c : choices_) set.push_back(to_json(*c->strategy));
-    p->meta["strategies"] = set;
-    p->meta["choice"] = choice_;
-  }
-  PendingCheckpoint* raw = p.get();
-  const int rank = world_.rank();
-  p->writer = std::thread([raw, rank, dir, shards = std::move(shards)] {
-    try {
-      write_checkpoint_shards(dir, raw->step, rank, shards);
-    } catch (const std::exception& e) {
-      raw->error = e.what();
-    }
-    raw->done = true;
-  });
-  pending_ = std::move(p);
-  if (o_.checkpoint_sync) finish_checkpoint(true);
+  nlohmann::json meta = {{"samples", state_->samples}, {"seed", state_->seed}, {"world_size", world_.size()},
+                         {"strategy", to_json(rt_->strategy)}, {"run_id", checkpoints_.run_id()}};
+  meta.update(train_common::resume_meta(config_, o_));  // "model", "data": what a resume must match
+  // The strategy set in force (re-planned perhaps), for --resume.
+  if (elastic() && tokens_ && !tokens_->choices().empty()) tokens_->describe(meta);
+  checkpoints_.start(dir, state_->step, std::move(shards), std::move(meta));
 }
 
-void DistTrainer::finish_checkpoint(bool wait) {
-  if (!pending_) return;  // the same on every rank: saves are collective
-  int64_t busy = !wait && !pending_->done ? 1 : 0;
-  world_.all_reduce(&busy, 1, ReduceOp::kMax);
-  if (busy) return;
-  pending_->writer.join();
-  int64_t failed = pending_->error.empty() ? 0 : 1;
-  world_.all_reduce(&failed, 1, ReduceOp::kMax);
-  if (failed) {
-    const std::string error = pending_->error, dir = pending_->dir;
-    pending_.reset();
-    fail(error.empty() ? std::string("[checkpoint] ") + dir + ": another rank failed to write its shards"
-                       : error);
+std::string DistTrainer::nonfinite_parameter() {
+  const std::vector<std::string>& names = rt_->graph->model().names;
+  int64_t mine = static_cast<int64_t>(names.size());
+  for (size_t k = 0; k < names.size() && mine == static_cast<int64_t>(names.size()); ++k) {
+    const Shard& s = state_->slot(names[k], StateSlot::kParam);
+    if (s.held() && train_common::first_nonfinite(s.data) >= 0) mine = static_cast<int64_t>(k);
   }
-  if (world_.rank() == 0) commit_checkpoint(pending_->dir, pending_->step, world_.size(), pending_->meta);
-  world_.barrier();  // committed before any rank reads index.json
-  pending_.reset();
+  const std::vector<int64_t> all = gather_counts({mine}, world_)[0];
+  const int64_t first = *std::min_element(all.begin(), all.end());
+  return first < static_cast<int64_t>(names.size()) ? names[first] : "";
+}
+
+void DistTrainer::load_weights(const std::map<std::string, NDArray>& weights) {
+  finish_checkpoint(true);  // the pending write holds copies; the state is replaced after it
+  const int64_t step = state_->step, samples = state_->samples;
+  const uint64_t seed = state_->seed;
+  state_ = TrainingState::from_full(rt_->plan, world_.rank(), weights);
+  state_->move_to_device(o_.device);
+  state_->step = step;
+  state_->samples = samples;
+  state_->seed = seed;
 }
 
 }  // namespace dist

@@ -1,44 +1,43 @@
 // Elastic training (docs/elastic.md): events, re-plans, reconfiguration,
 // rollback to the last checkpoint, and the straggler watch.
+#include "train/elastic.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "hspmd/core/error.h"
+#include "hspmd/planner/cost_model.h"
+#include "hspmd/planner/mixed_length.h"
+#include "hspmd/planner/search.h"
 #include "train/dist_trainer.h"
 #include "train/resume_checks.h"
 
 namespace hspmd::dist {
 
-void DistTrainer::load_elastic_events() {
-  if (!o_.switches.empty())
+ElasticController::ElasticController(DistTrainer& trainer) : t_(trainer) {
+  if (!t_.o_.switches.empty())
     fail("[flags] give --events or --switch, not both (an event may name its \"strategy\")");
-  if (o_.straggler_window < 0) fail("[flags] --straggler-window must be >= 0, got ", o_.straggler_window);
-  if (!(o_.straggler_threshold > 0)) fail("[flags] --straggler-threshold must be > 0, got ", o_.straggler_threshold);
-  if (o_.straggler_horizon < 1) fail("[flags] --straggler-horizon must be >= 1, got ", o_.straggler_horizon);
-  if (!(o_.replan_time_limit_s > 0)) fail("[flags] --replan-time-limit must be > 0, got ", o_.replan_time_limit_s);
-  events_ = load_events(o_.events_path, world_.size(), o_.steps);
-  const std::vector<int> first = plans_[0]->strategy->ranks();
+  if (t_.o_.straggler_window < 0) fail("[flags] --straggler-window must be >= 0, got ", t_.o_.straggler_window);
+  if (!(t_.o_.straggler_threshold > 0)) fail("[flags] --straggler-threshold must be > 0, got ", t_.o_.straggler_threshold);
+  if (t_.o_.straggler_horizon < 1) fail("[flags] --straggler-horizon must be >= 1, got ", t_.o_.straggler_horizon);
+  if (!(t_.o_.replan_time_limit_s > 0)) fail("[flags] --replan-time-limit must be > 0, got ", t_.o_.replan_time_limit_s);
+  events_ = load_events(t_.o_.events_path, t_.world_.size(), t_.o_.steps);
+  const std::vector<int> first = t_.plans_[0]->strategy->ranks();
   for (const ElasticEvent& e : events_) {
     if (e.strategy_path.empty()) continue;
-    auto plan = load_plan_file(e.strategy_path);
+    auto plan = t_.load_plan_file(e.strategy_path);
     const std::set<int> down = failed_after(events_, e.step);
     for (int r : plan->strategy->ranks())
       if (down.count(r))
-        fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " uses rank ", r,
+        fail("[events] ", t_.o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " uses rank ", r,
              ", which has failed by then");
-    if (o_.batch_tokens == 0 && plan->strategy->global_batch() != plans_[0]->strategy->global_batch())
-      fail("[events] ", o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " has global batch ",
-           plan->strategy->global_batch(), ", the run ", plans_[0]->strategy->global_batch());
+    if (t_.o_.batch_tokens == 0 && plan->strategy->global_batch() != t_.plans_[0]->strategy->global_batch())
+      fail("[events] ", t_.o_.events_path, ": step ", e.step, ": strategy ", e.strategy_path, " has global batch ",
+           plan->strategy->global_batch(), ", the run ", t_.plans_[0]->strategy->global_batch());
     event_plans_[e.step] = plan;
   }
-  assumed_ = topology_;
-}
-
-bool DistTrainer::own_checkpoint() const {
-  if (o_.checkpoint_dir.empty() || !checkpoint_exists(o_.checkpoint_dir)) return false;
-  const std::string id = checkpoint_run_id(o_.checkpoint_dir);
-  return id == run_id_ || (resumed_run_id_ && id == *resumed_run_id_);
-}
-
-bool DistTrainer::checkpoint_at(int64_t step) {
-  finish_checkpoint(true);
-  return own_checkpoint() && CheckpointReader(o_.checkpoint_dir).index().step == step;
+  assumed_ = t_.topology_;
 }
 
 namespace {
@@ -65,22 +64,22 @@ nlohmann::json agree_on_plan(Communicator& world, int64_t step, const std::strin
 
 }  // namespace
 
-Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s) {
+Strategy ElasticController::replan(const Topology& topology, int64_t step, const std::string& cause, double& planning_s) {
   const auto t0 = Clock::now();
-  const nlohmann::json answer = agree_on_plan(world_, step, cause, t0, planning_s, [&] {
-    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
+  const nlohmann::json answer = agree_on_plan(t_.world_, step, cause, t0, planning_s, [&] {
+    const CostModel model = CostModel::load(t_.config_, topology, t_.o_.profile_path);
     SearchOptions so;
-    so.global_batch = static_cast<int>(rt_->strategy.global_batch());
-    so.seq_len = o_.seq_len;
-    so.zero = rt_->strategy.zero;
-    so.schedule = rt_->strategy.schedule;
+    so.global_batch = static_cast<int>(t_.rt_->strategy.global_batch());
+    so.seq_len = t_.o_.seq_len;
+    so.zero = t_.rt_->strategy.zero;
+    so.schedule = t_.rt_->strategy.schedule;
     so.unavailable = failed_;
     so.top_k = 1;
     // Redundancy the run had stays: with two pipelines (no ZeRO) every
     // slice lives on two disjoint rank sets, so the next failure is served
     // by the survivors instead of the checkpoint. One pipeline only when
     // no plan of two fits.
-    const int wanted = !rt_->strategy.zero && rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
+    const int wanted = !t_.rt_->strategy.zero && t_.rt_->strategy.pipelines.size() >= 2 ? 2 : 1;
     // Two searches: pruned by the current plan (the planner's re-plan
     // mode: its TP per device class and micro-batch size; fast), then from
     // scratch within the time left (it finds what the pruning excludes,
@@ -89,10 +88,10 @@ Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::
     std::string error;
     for (int min = wanted; min >= 1 && !best_found; --min) {
       so.min_pipelines = min;
-      const Strategy* current = &rt_->strategy;
+      const Strategy* current = &t_.rt_->strategy;
       for (const Strategy* previous : {current, static_cast<const Strategy*>(nullptr)}) {
         so.previous = previous;
-        so.time_limit_s = std::max(0.05, o_.replan_time_limit_s -
+        so.time_limit_s = std::max(0.05, t_.o_.replan_time_limit_s -
                                              std::chrono::duration<double>(Clock::now() - t0).count());
         try {
           SearchCandidate c = search_strategy(model, so).best.at(0);
@@ -110,27 +109,25 @@ Strategy DistTrainer::replan(const Topology& topology, int64_t step, const std::
   return strategy_from_json(answer);
 }
 
-int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                                 double planning_s, std::ofstream& log, std::unique_ptr<Runtime> ready,
+int64_t ElasticController::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                                 double planning_s, std::unique_ptr<Runtime> ready,
                                  double ready_specialize_s, const nlohmann::json& extra) {
-  SwitchOptions so;
-  so.algorithm = algorithm_;
-  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+  SwitchOptions so = t_.base_switch_options();
   so.lost_ranks = failed_;
-  so.have_checkpoint = checkpoint_at(step);
-  if (!so.have_checkpoint && own_checkpoint()) {
+  so.have_checkpoint = t_.checkpoints_.committed_at(step);
+  if (!so.have_checkpoint && t_.checkpoints_.own_committed()) {
     bool servable = true;  // the same answer on every rank: the switch plan is a pure function
     try {
-      switch_plans_.get(*rt_->plan, *plan, *topology_, so);
+      t_.switch_plans_.get(*t_.rt_->plan, *plan, *t_.topology_, so);
     } catch (const Error&) {
       servable = false;
     }
     if (!servable)
-      return rollback(std::move(plan), step, cause, planning_s, log, std::move(ready), ready_specialize_s, extra);
+      return rollback(std::move(plan), step, cause, planning_s, std::move(ready), ready_specialize_s, extra);
   }
   nlohmann::json moved;
   try {
-    moved = ready ? move_runtime(std::move(ready), so, ready_specialize_s, nullptr) : move_to(std::move(plan), so);
+    moved = ready ? t_.move_runtime(std::move(ready), so, ready_specialize_s, nullptr) : t_.move_to(std::move(plan), so);
   } catch (const Error& e) {
     fail("[elastic] step ", step, " (", cause, "): ", e.what(),
          so.have_checkpoint ? "" : " (no training checkpoint was committed before this step: --checkpoint DIR "
@@ -140,71 +137,46 @@ int64_t DistTrainer::reconfigure(std::shared_ptr<const AnnotationPlan> plan, int
   j.update(moved);
   j["from_checkpoint_bytes"] = j["checkpoint_bytes"];
   j["failed"] = std::vector<int>(failed_.begin(), failed_.end());
-  j["strategy"] = to_json(rt_->strategy);
+  j["strategy"] = to_json(t_.rt_->strategy);
   j.update(extra);
-  write_log(log, j);
+  t_.log_.write(j);
   return step;
 }
 
-int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
-                              double planning_s, std::ofstream& log, std::unique_ptr<Runtime> ready,
+int64_t ElasticController::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_t step, const std::string& cause,
+                              double planning_s, std::unique_ptr<Runtime> ready,
                               double ready_specialize_s, const nlohmann::json& extra) {
-  CheckpointReader reader(o_.checkpoint_dir);
+  CheckpointReader reader(t_.o_.checkpoint_dir);
   const int64_t back = reader.index().step;
-  if (next_.valid()) next_.wait();  // token-budget steps: the next step's preparation reads the plan
-  rt_.reset();
-  state_.reset();  // every slice comes from the checkpoint
+  if (t_.tokens_) t_.tokens_->before_plan_change();  // the next step's preparation reads the plan
+  t_.rt_.reset();
+  t_.state_.reset();  // every slice comes from the checkpoint
   const auto t0 = Clock::now();
-  rt_ = ready ? std::move(ready) : specialize(std::move(plan));
+  t_.rt_ = ready ? std::move(ready) : t_.specialize(std::move(plan));
   const double specialize_s =
       ready_specialize_s > 0 ? ready_specialize_s : std::chrono::duration<double>(Clock::now() - t0).count();
-  last_specialize_s_ = specialize_s;
+  t_.last_specialize_s_ = specialize_s;
   const auto t1 = Clock::now();
-  state_ = TrainingState::load(rt_->plan, world_.rank(), reader);
-  state_->move_to_device(o_.device);  // loaded on the host
+  t_.state_ = TrainingState::load(t_.rt_->plan, t_.world_.rank(), reader);
+  t_.state_->move_to_device(t_.o_.device);  // loaded on the host
   const nlohmann::json& meta = reader.index().meta;
-  state_->step = back;
-  const train_common::ResumeCursor cursor = train_common::read_resume_cursor(meta, o_.checkpoint_dir);
-  state_->samples = cursor.samples;
-  state_->seed = cursor.seed;
+  t_.state_->step = back;
+  const train_common::ResumeCursor cursor = train_common::read_resume_cursor(meta, t_.o_.checkpoint_dir);
+  t_.state_->samples = cursor.samples;
+  t_.state_->seed = cursor.seed;
   const double load_s = std::chrono::duration<double>(Clock::now() - t1).count();
-  const std::vector<int64_t> read = gather_counts({state_->bytes()}, world_)[0];
-  if (clock_) emulated_end_ = static_cast<int64_t>(clock_->now() * 1e9);
-  skip_next_ = true;
-  window_.clear();
-  window_steps_.clear();
-  predicted_.clear();
-  // The log keeps one record per step: those of the steps trained again go.
-  if (log.is_open()) {
-    log.close();
-    std::vector<std::string> kept;
-    {
-      std::ifstream in(o_.log_path);
-      for (std::string line; std::getline(in, line);) {
-        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-        if (!j.is_discarded() && j.contains("loss") && j.value("step", int64_t{0}) >= back) continue;
-        kept.push_back(line);
-      }
-    }
-    const std::string tmp = o_.log_path + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      for (const std::string& line : kept) out << line << "\n";
-      out.close();
-      if (!out) fail("[train] --log ", o_.log_path, ": write failed (disk full or I/O error)");
-    }
-    std::filesystem::rename(tmp, o_.log_path);
-    log.open(o_.log_path, std::ios::app);
-    if (!log) fail("[train] --log ", o_.log_path, ": cannot reopen for writing: ", std::strerror(errno));
-  }
+  const std::vector<int64_t> read = gather_counts({t_.state_->bytes()}, t_.world_)[0];
+  if (t_.clock_) t_.meter_.set_emulated_end(static_cast<int64_t>(t_.clock_->now() * 1e9));
+  after_plan_change();
+  t_.log_.drop_steps_from(back);  // the log keeps one record per step: those trained again go
   nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s},
                       {"specialize_s", specialize_s}, {"switch_s", load_s},
-                      {"bytes_sent", std::vector<int64_t>(world_.size(), 0)},
+                      {"bytes_sent", std::vector<int64_t>(t_.world_.size(), 0)},
                       {"from_checkpoint_bytes", read}, {"rollback_to", back},
                       {"failed", std::vector<int>(failed_.begin(), failed_.end())},
-                      {"strategy", to_json(rt_->strategy)}};
+                      {"strategy", to_json(t_.rt_->strategy)}};
   j.update(extra);
-  write_log(log, j);
+  t_.log_.write(j);
   return back;
 }
 
@@ -213,39 +185,39 @@ int64_t DistTrainer::rollback(std::shared_ptr<const AnnotationPlan> plan, int64_
 // rank the events failed before the resumed step must get no work. Re-plans
 // now, as the event would have; the state is then read from the checkpoint
 // under the new plan, and the record is logged once the log is open.
-void DistTrainer::replan_failed_at_resume(int64_t start) {
+void ElasticController::replan_failed_at_resume(int64_t start) {
   std::vector<int> lost;
-  for (int r : rt_->strategy.ranks())
+  for (int r : t_.rt_->strategy.ranks())
     if (failed_.count(r)) lost.push_back(r);
   if (lost.empty()) return;
   std::string names;
   for (int r : lost) names += (names.empty() ? "" : ",") + std::to_string(r);
   const std::string cause =
       "resume: failed rank" + std::string(lost.size() > 1 ? "s " : " ") + names + " in the checkpoint's plan";
-  if (pieces_)
-    fail("[events] ", o_.events_path, ": rank ", lost.front(), " failed before step ", start, ", but the checkpoint ",
-         o_.resume_dir, " was written under strategies that give it work; with --batch-tokens, resume with the "
+  if (t_.tokens_)
+    fail("[events] ", t_.o_.events_path, ": rank ", lost.front(), " failed before step ", start, ", but the checkpoint ",
+         t_.o_.resume_dir, " was written under strategies that give it work; with --batch-tokens, resume with the "
          "events the checkpoint's run went through");
   double planning_s = 0;
-  const Strategy next = replan(assumed_ ? *assumed_ : *topology_, start, cause, planning_s);
+  const Strategy next = replan(assumed_ ? *assumed_ : *t_.topology_, start, cause, planning_s);
   resume_replan_ = {{"event", "reconfigure"}, {"step", start}, {"cause", cause}, {"planning_s", planning_s},
                     {"failed", std::vector<int>(failed_.begin(), failed_.end())}, {"strategy", to_json(next)},
                     // nothing moves between ranks: every rank reads its state from the checkpoint
-                    {"bytes_sent", std::vector<int64_t>(world_.size(), 0)},
-                    {"predicted_bytes", std::vector<int64_t>(world_.size(), 0)}, {"from_checkpoint", true}};
-  rt_ = specialize(compile(next));
+                    {"bytes_sent", std::vector<int64_t>(t_.world_.size(), 0)},
+                    {"predicted_bytes", std::vector<int64_t>(t_.world_.size(), 0)}, {"from_checkpoint", true}};
+  t_.rt_ = t_.specialize(t_.compile(next));
 }
 
-int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
+int64_t ElasticController::apply_event(const ElasticEvent& ev, int64_t step) {
   for (const auto& [r, factor] : ev.slowdown) {
-    if (r == world_.rank() && clock_) clock_->set_slowdown(factor);
+    if (r == t_.world_.rank() && t_.clock_) t_.clock_->set_slowdown(factor);
   }
   for (int r : ev.fail) failed_.insert(r);
   for (int r : ev.join) failed_.erase(r);
-  if (pieces_) return apply_token_event(ev, step, log);
+  if (t_.tokens_) return apply_token_event(ev, step);
   const std::string cause = ev.cause();
   if (!ev.strategy_path.empty()) {
-    return reconfigure(event_plans_.at(step), step, cause, 0.0, log);
+    return reconfigure(event_plans_.at(step), step, cause, 0.0);
   }
   if (!ev.slowdown.empty()) {  // steps before the change say nothing about the speeds now
     window_.clear();
@@ -254,28 +226,29 @@ int64_t DistTrainer::apply_event(const ElasticEvent& ev, int64_t step, std::ofst
   if (!ev.changes_ranks()) {  // a speed change alone: the straggler watch decides
     nlohmann::json speeds = nlohmann::json::object();
     for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
-    write_log(log, {{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
+    t_.log_.write({{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
     return step;
   }
   double planning_s = 0;
   const Strategy next = replan(*assumed_, step, cause, planning_s);
-  return reconfigure(compile(next), step, cause, planning_s, log);
+  return reconfigure(t_.compile(next), step, cause, planning_s);
 }
 
-std::vector<Strategy> DistTrainer::replan_tokens(const Topology& topology, int64_t step, const std::string& cause,
+std::vector<Strategy> ElasticController::replan_tokens(const Topology& topology, int64_t step, const std::string& cause,
                                                  double& planning_s) {
   const auto t0 = Clock::now();
-  const nlohmann::json answer = agree_on_plan(world_, step, cause, t0, planning_s, [&] {
-    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
-    std::vector<int64_t> lengths(static_cast<size_t>(pieces_->num_pieces()));
-    for (int64_t i = 0; i < pieces_->num_pieces(); ++i) lengths[static_cast<size_t>(i)] = pieces_->piece_size(i);
+  const nlohmann::json answer = agree_on_plan(t_.world_, step, cause, t0, planning_s, [&] {
+    const CostModel model = CostModel::load(t_.config_, topology, t_.o_.profile_path);
+    const PackedDocuments& pieces = t_.tokens_->pieces();
+    std::vector<int64_t> lengths(static_cast<size_t>(pieces.num_pieces()));
+    for (int64_t i = 0; i < pieces.num_pieces(); ++i) lengths[static_cast<size_t>(i)] = pieces.piece_size(i);
     MixedLengthOptions mo;
-    mo.batch_tokens = o_.batch_tokens;
+    mo.batch_tokens = t_.o_.batch_tokens;
     // The planner wants the budget to hold a piece of its top length; every
     // piece fits the budget (checked before the first step).
-    mo.max_seq_len = std::min(o_.seq_len, o_.batch_tokens);
-    mo.buckets = replan_buckets_;
-    mo.zero = rt_->strategy.zero;
+    mo.max_seq_len = std::min(t_.o_.seq_len, t_.o_.batch_tokens);
+    mo.buckets = t_.tokens_->replan_buckets();
+    mo.zero = t_.rt_->strategy.zero;
     mo.unavailable = failed_;
     MixedLengthPlan plan = plan_mixed_lengths(model, lengths, mo);
     nlohmann::json all = nlohmann::json::array();
@@ -292,23 +265,23 @@ std::vector<Strategy> DistTrainer::replan_tokens(const Topology& topology, int64
   return out;
 }
 
-int64_t DistTrainer::apply_token_event(const ElasticEvent& ev, int64_t step, std::ofstream& log) {
+int64_t ElasticController::apply_token_event(const ElasticEvent& ev, int64_t step) {
   const std::string cause = ev.cause();
   // Nothing prepared for this step survives: the set, the speeds the
   // dispatch reads and the piece costs may all change below.
-  discard_prepared();
+  TokenSteps& tokens = *t_.tokens_;
+  tokens.discard_prepared();
   window_.clear();  // steps before an event say nothing about the speeds after it
   if (!ev.slowdown.empty() && !watching()) {  // no watch to find the new speeds: taken as known
     Topology t = *assumed_;
     for (const auto& [r, factor] : ev.slowdown) t = t.with_slowdown(r, factor);
     assumed_ = std::make_shared<const Topology>(std::move(t));
   }
-  piece_costs_.clear();
-  dispatch_model_.emplace(CostModel::load(config_, *assumed_, o_.profile_path));
+  tokens.set_speeds(*assumed_);
   if (!ev.changes_ranks() && ev.strategy_path.empty()) {  // a speed change alone: the dispatch follows it
     nlohmann::json speeds = nlohmann::json::object();
     for (const auto& [r, factor] : ev.slowdown) speeds[std::to_string(r)] = factor;
-    write_log(log, {{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
+    t_.log_.write({{"event", "slowdown"}, {"step", step}, {"slowdown", speeds}});
     return step;
   }
   // The new strategy set: the event's strategy alone, or the mixed-length
@@ -321,14 +294,14 @@ int64_t DistTrainer::apply_token_event(const ElasticEvent& ev, int64_t step, std
     const std::vector<Strategy> planned = replan_tokens(*assumed_, step, cause, planning_s);
     for (size_t i = 0; i < planned.size(); ++i) {
       try {
-        set.push_back(compile(planned[i]));
+        set.push_back(t_.compile(planned[i]));
       } catch (const Error& e) {
         fail("[elastic] step ", step, " (", cause, "): re-planned strategy ", i, ": ", e.what());
       }
     }
     std::vector<const Strategy*> all;
     for (const auto& p : set) all.push_back(&*p->strategy);
-    const int64_t longest = longest_piece(), most = most_accepted(all);
+    const int64_t longest = tokens.longest_piece(), most = tokens.most_accepted(all);
     if (most < longest)
       fail("[elastic] step ", step, " (", cause, "): a piece of ", longest, " tokens, but no re-planned strategy "
            "accepts more than ", most, " (its max_seq_len)");
@@ -336,41 +309,24 @@ int64_t DistTrainer::apply_token_event(const ElasticEvent& ev, int64_t step, std
   nlohmann::json described = nlohmann::json::array();
   for (const auto& p : set) described.push_back(to_json(*p->strategy));
   nlohmann::json extra = {{"strategies", described}};
-  if (choices_.empty()) {  // one strategy: it replaces the plan (K = 1)
+  if (tokens.choices().empty()) {  // one strategy: it replaces the plan (K = 1)
     HSPMD_CHECK(set.size() == 1, "a re-plan for one strategy made ", set.size());
-    return reconfigure(set[0], step, cause, planning_s, log, nullptr, 0.0, extra);
+    return reconfigure(set[0], step, cause, planning_s, nullptr, 0.0, extra);
   }
   // --strategies: the old choices' graphs go; every new choice is
-  // specialized now (the same order on every rank: creating communicator
-  // groups is collective) and the state moves to the one this step picks.
-  choice_rt_.clear();
-  choices_ = std::move(set);
-  const auto t0 = Clock::now();
-  std::vector<std::unique_ptr<Runtime>> runtimes;
-  for (const auto& p : choices_) runtimes.push_back(specialize(p));
-  const double specialize_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  last_specialize_s_ = specialize_s;
-  const auto t1 = Clock::now();
-  plan_choice_switches();
-  extra["switch_plans_s"] = std::chrono::duration<double>(Clock::now() - t1).count();
-  // The pick: the least predicted step among the choices that accept the
-  // step's longest piece (every one is a switch from the old plan).
-  int64_t pick = prepare_token_step(state_->samples, -1, rt_->plan.get()).pick;
-  world_.broadcast(&pick, 1, 0);  // one decision for all ranks
-  extra["choice"] = pick;
-  choice_ = static_cast<int>(pick);
-  std::unique_ptr<Runtime> ready = std::move(runtimes[choice_]);
-  choice_rt_ = std::move(runtimes);
-  ++generation_;
-  return reconfigure(choices_[choice_], step, cause, planning_s, log, std::move(ready), specialize_s, extra);
+  // specialized now and the state moves to the one this step picks.
+  double specialize_s = 0;
+  std::unique_ptr<Runtime> ready = tokens.replace_choices(std::move(set), t_.state_->samples, specialize_s, extra);
+  return reconfigure(tokens.choices()[tokens.choice()], step, cause, planning_s, std::move(ready), specialize_s,
+                     extra);
 }
 
-std::vector<double> DistTrainer::predicted_compute(const Topology& topology) const {
-  std::vector<double> out(world_.size(), 0.0);
+std::vector<double> ElasticController::predicted_compute(const Topology& topology) const {
+  std::vector<double> out(t_.world_.size(), 0.0);
   try {
-    const CostModel model = CostModel::load(config_, topology, o_.profile_path);
-    for (const RankCost& rc : model.evaluate(rt_->strategy, o_.seq_len).ranks)
-      if (rc.rank >= 0 && rc.rank < world_.size()) out[rc.rank] = rc.compute_s;
+    const CostModel model = CostModel::load(t_.config_, topology, t_.o_.profile_path);
+    for (const RankCost& rc : model.evaluate(t_.rt_->strategy, t_.o_.seq_len).ranks)
+      if (rc.rank >= 0 && rc.rank < t_.world_.size()) out[rc.rank] = rc.compute_s;
   } catch (const Error&) {
     return {};
   }
@@ -383,7 +339,7 @@ std::vector<double> DistTrainer::predicted_compute(const Topology& topology) con
 // assumed speeds are then corrected, the planner searches under them, and
 // the run switches when the predicted gain over the horizon exceeds the
 // switch's cost (planning, specialization, the switch plan's time).
-std::optional<Topology> DistTrainer::corrected_speeds(const std::vector<int>& active,
+std::optional<Topology> ElasticController::corrected_speeds(const std::vector<int>& active,
                                                       const std::vector<double>& ratio) const {
   std::vector<double> ratios;
   for (int k : active) ratios.push_back(ratio[k]);
@@ -394,7 +350,7 @@ std::optional<Topology> DistTrainer::corrected_speeds(const std::vector<int>& ac
   bool off = false;
   for (int k : active) {
     const double rel = ratio[k] / mid;
-    if (std::abs(rel - 1) <= o_.straggler_threshold) continue;
+    if (std::abs(rel - 1) <= t_.o_.straggler_threshold) continue;
     off = true;
     estimated = estimated.with_slowdown(k, assumed_->rank(k).slowdown * rel);
   }
@@ -414,8 +370,8 @@ nlohmann::json role_factors(const StragglerWindow& window) {
 
 }  // namespace
 
-bool DistTrainer::watching() const {
-  return !events_.empty() && clock_ && o_.straggler_window > 0 && !o_.bucket_switching;
+bool ElasticController::watching() const {
+  return !events_.empty() && t_.clock_ && t_.o_.straggler_window > 0 && !t_.o_.bucket_switching;
 }
 
 // Token-budget steps: a step's compute follows its pieces, so each step is
@@ -426,20 +382,14 @@ bool DistTrainer::watching() const {
 // The corrected speeds go to the dispatch from the next step on (pieces
 // move off a slowed pipeline) and to the next re-plan; the strategy set is
 // kept (docs/elastic.md, "Token-budget steps").
-void DistTrainer::watch_token_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
-  if (!token_step_) return;
+void ElasticController::watch_token_stragglers(int64_t step, const StepRecord& r) {
+  TokenSteps& tokens = *t_.tokens_;
+  if (!tokens.has_step()) return;
   if (std::exchange(skip_next_, false)) return;  // a switch's step: its time is not the pieces'
-  std::vector<std::vector<std::vector<int64_t>>> lengths(token_step_->micro.size());
-  for (size_t p = 0; p < lengths.size(); ++p)
-    for (const std::vector<int64_t>& mb : token_step_->micro[p]) {
-      lengths[p].emplace_back();
-      for (int64_t piece : mb) lengths[p].back().push_back(pieces_->piece_size(piece));
-    }
-  window_.add(r.emulated_compute_s,
-              token_step_rank_compute(*dispatch_model_, rt_->strategy, lengths, world_.size()),
-              straggler_roles(rt_->strategy, world_.size()));
+  window_.add(r.emulated_compute_s, tokens.step_rank_compute(t_.rt_->strategy, t_.world_.size()),
+              straggler_roles(t_.rt_->strategy, t_.world_.size()));
   window_steps_.push_back(r.emulated_step_time_s);
-  if (static_cast<int64_t>(window_.size()) < o_.straggler_window) return;
+  if (static_cast<int64_t>(window_.size()) < t_.o_.straggler_window) return;
   std::vector<int> active;
   const std::vector<double> ratio = window_.ratios(failed_, true, active);
   const double observed_step = window_steps_.empty() ? r.emulated_step_time_s : median(window_steps_);
@@ -447,26 +397,25 @@ void DistTrainer::watch_token_stragglers(int64_t step, const StepRecord& r, std:
   window_steps_.clear();
   std::optional<Topology> estimated = corrected_speeds(active, ratio);
   if (!estimated) return;
-  discard_prepared();  // step + 1 was dispatched under the old speeds
+  tokens.discard_prepared();  // step + 1 was dispatched under the old speeds
   assumed_ = std::make_shared<const Topology>(std::move(*estimated));
-  piece_costs_.clear();
-  dispatch_model_.emplace(CostModel::load(config_, *assumed_, o_.profile_path));
+  tokens.set_speeds(*assumed_);
   nlohmann::json speeds = nlohmann::json::object();
   for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
-  write_log(log, {{"event", "straggler"}, {"step", step + 1}, {"estimated_slowdown", speeds},
+  t_.log_.write({{"event", "straggler"}, {"step", step + 1}, {"estimated_slowdown", speeds},
                   {"role_factors", role_factors(window_)}, {"observed_step_s", observed_step}, {"switch", false},
                   {"dispatch", "re-weighted"}});
 }
 
-void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstream& log) {
-  if (!watching() || step + 1 >= o_.steps) return;
-  if (pieces_) return watch_token_stragglers(step, r, log);
+void ElasticController::watch_stragglers(int64_t step, const StepRecord& r) {
+  if (!watching() || step + 1 >= t_.o_.steps) return;
+  if (t_.tokens_) return watch_token_stragglers(step, r);
   if (std::exchange(skip_next_, false)) return;
   if (predicted_.empty()) predicted_ = predicted_compute(*assumed_);
   if (predicted_.empty()) return;
-  window_.add(r.emulated_compute_s, predicted_, straggler_roles(rt_->strategy, world_.size()));
+  window_.add(r.emulated_compute_s, predicted_, straggler_roles(t_.rt_->strategy, t_.world_.size()));
   window_steps_.push_back(r.emulated_step_time_s);
-  if (static_cast<int64_t>(window_.size()) < o_.straggler_window) return;
+  if (static_cast<int64_t>(window_.size()) < t_.o_.straggler_window) return;
   std::vector<int> active;
   const std::vector<double> ratio = window_.ratios(failed_, false, active);
   const double observed_step = median(window_steps_);
@@ -484,35 +433,89 @@ void DistTrainer::watch_stragglers(int64_t step, const StepRecord& r, std::ofstr
   double planning_s = 0;
   const Strategy next = replan(*assumed_, next_step, cause, planning_s);
   predicted_ = current;
-  const CostModel model = CostModel::load(config_, *assumed_, o_.profile_path);
-  const double now_s = model.evaluate(rt_->strategy, o_.seq_len).predicted_step_s;
-  const double next_s = model.evaluate(next, o_.seq_len).predicted_step_s;
-  const int64_t horizon = std::min(o_.straggler_horizon, o_.steps - next_step);
+  // A straggler re-plan keeps every rank's memory: never a rollback.
+  if (auto plan = straggler_decision(next, next_step, observed_step, planning_s, active))
+    reconfigure(plan, next_step, cause, planning_s);
+}
+
+std::shared_ptr<const AnnotationPlan> ElasticController::straggler_decision(const Strategy& next, int64_t next_step,
+                                                                            double observed_step, double planning_s,
+                                                                            const std::vector<int>& active) {
+  const TrainOptions& o = t_.o_;
+  const CostModel model = CostModel::load(t_.config_, *assumed_, o.profile_path);
+  const double now_s = model.evaluate(t_.rt_->strategy, o.seq_len).predicted_step_s;
+  const double next_s = model.evaluate(next, o.seq_len).predicted_step_s;
+  const int64_t horizon = std::min(o.straggler_horizon, o.steps - next_step);
   // The model's prediction scaled to what the run observes.
   const double gain_s = now_s > 0 ? observed_step * (1 - next_s / now_s) * static_cast<double>(horizon) : 0.0;
   std::shared_ptr<const AnnotationPlan> plan;
   double switch_s = 0;
-  const bool differs = !same_execution(next, rt_->strategy);
+  const bool differs = !same_execution(next, t_.rt_->strategy);
   if (differs) {
-    plan = compile(next);
-    SwitchOptions so;
-    so.algorithm = algorithm_;
-    so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
+    plan = t_.compile(next);
+    SwitchOptions so = t_.base_switch_options();
     so.lost_ranks = failed_;
-    switch_s = switch_plans_.get(*rt_->plan, *plan, *topology_, so).predicted_s;
+    switch_s = t_.switch_plans_.get(*t_.rt_->plan, *plan, *t_.topology_, so).predicted_s;
   }
-  const double cost_s = planning_s + last_specialize_s_ + switch_s;
+  const double cost_s = planning_s + t_.last_specialize_s_ + switch_s;
   // The wall-clock parts of the cost differ between ranks: rank 0 decides.
   int64_t decision = differs && gain_s > cost_s ? 1 : 0;
-  world_.broadcast(&decision, 1, 0);
+  t_.world_.broadcast(&decision, 1, 0);
   const bool go = decision != 0;
   nlohmann::json speeds = nlohmann::json::object();
   for (int k : active) speeds[std::to_string(k)] = assumed_->rank(k).slowdown;
-  write_log(log, {{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
-                  {"role_factors", role_factors(window_)}, {"predicted_step_s", now_s}, {"replanned_step_s", next_s}, {"observed_step_s", observed_step},
-                  {"horizon_steps", horizon}, {"gain_s", gain_s}, {"cost_s", cost_s}, {"switch", go}});
-  // A straggler re-plan keeps every rank's memory: never a rollback.
-  if (go) reconfigure(plan, next_step, cause, planning_s, log);
+  t_.log_.write({{"event", "straggler"}, {"step", next_step}, {"estimated_slowdown", speeds},
+                 {"role_factors", role_factors(window_)}, {"predicted_step_s", now_s}, {"replanned_step_s", next_s},
+                 {"observed_step_s", observed_step}, {"horizon_steps", horizon}, {"gain_s", gain_s},
+                 {"cost_s", cost_s}, {"switch", go}});
+  return go ? plan : nullptr;
+}
+
+// ---- The part's life: checks before step 0, resume, the loop's hooks ----
+
+void ElasticController::check_token_events(const TokenSteps& tokens) const {
+  const TrainOptions& o = t_.o_;
+  for (const ElasticEvent& e : events_) {  // an event's strategy becomes the only choice: it takes every piece
+    if (e.strategy_path.empty()) continue;
+    const Strategy& s = *event_plans_.at(e.step)->strategy;
+    const int64_t longest = tokens.longest_piece(), most = tokens.most_accepted({&s});
+    if (most < longest)
+      fail("[events] ", o.events_path, ": step ", e.step, ": strategy ", e.strategy_path, ": a piece of ", longest,
+           " tokens of ", o.data_path, ", but no pipeline accepts more than ", most, " (its max_seq_len)");
+    try {
+      tokens.check_pieces({&s}, "its strategy");
+    } catch (const Error& err) {
+      fail("[events] ", o.events_path, ": step ", e.step, ": strategy ", e.strategy_path, ": ", err.what());
+    }
+  }
+}
+
+void ElasticController::resume_at(int64_t start) {
+  failed_ = failed_after(events_, start - 1);
+  events_done_ = start - 1;
+  for (const ElasticEvent& e : events_) {
+    if (e.step >= start) break;
+    for (const auto& [r, factor] : e.slowdown) {
+      if (r == t_.world_.rank() && t_.clock_) t_.clock_->set_slowdown(factor);
+      assumed_ = std::make_shared<const Topology>(assumed_->with_slowdown(r, factor));
+    }
+  }
+}
+
+int64_t ElasticController::before_step(int64_t step) {
+  auto ev = std::find_if(events_.begin(), events_.end(), [&](const ElasticEvent& e) { return e.step == step; });
+  if (ev == events_.end() || step <= events_done_) return step;
+  events_done_ = step;
+  return apply_event(*ev, step);
+}
+
+void ElasticController::after_step(int64_t step, const StepRecord& r) { watch_stragglers(step, r); }
+
+void ElasticController::after_plan_change() {
+  skip_next_ = true;
+  window_.clear();
+  window_steps_.clear();
+  predicted_.clear();
 }
 
 }  // namespace hspmd::dist

@@ -9,6 +9,7 @@
 
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
+#include "train/schedules.h"
 
 namespace hspmd {
 namespace dist {
@@ -45,9 +46,7 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
     if (mb.loss_array.valid()) losses.push_back(mb.loss_array);
     for (auto& [name, g] : mb.raw_grads) keep(name, g, false);
   };
-  const int micro_batches = !pieces_ ? rt_->micro_batches()
-                            : rt_->pipeline < 0 ? 0
-                                                : static_cast<int>(token_step_->micro.at(rt_->pipeline).size());
+  const int micro_batches = tokens_ ? tokens_->micro_batches(rt_->pipeline) : rt_->micro_batches();
   int backwards = 0;
   auto forward = [&](int micro) {
     const double t0 = clock_ ? clock_->now() : 0;

@@ -9,6 +9,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/threads.h"
 #include "hspmd/io/checkpoint.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/models/config.h"
@@ -186,56 +187,6 @@ void TrainingRun::wait_for_checkpoint() { trainer_->settle_checkpoint(); }
 std::map<std::string, NDArray> TrainingRun::parameters() { return trainer_->full_parameters(); }
 void TrainingRun::save_checkpoint(const std::string& dir) { trainer_->checkpoint_now(dir); }
 
-namespace dist {
-
-std::shared_ptr<const AnnotationPlan> DistTrainer::trainable_plan(AnnotationPlan plan, const std::string& source) const {
-  if (!plan.strategy)
-    fail("[plan] ", source, ": no \"strategy\" field: a trainable plan carries its execution (schedule, "
-         "pipelines' micro-batches, recompute); compile one with `hspmd plan compile`");
-  if (plan.world_size != world_.size())
-    fail("[plan] ", source, ": compiled for ", plan.world_size, " ranks but the job has ", world_.size());
-  ModelConfig padded = config_;
-  padded.padded_vocab_size = plan.model.padded_vocab_size;
-  if (plan.model.to_json() != padded.to_json())
-    fail("[plan] ", source, ": its model differs from --model ", o_.model_path);
-  plan.precision = precision();  // the run's flags (and device) decide how it computes
-  return std::make_shared<const AnnotationPlan>(std::move(plan));
-}
-
-void DistTrainer::check_switch(const AnnotationPlan& plan, const std::string& source) const {
-  if (!o_.switches.empty() || !o_.events_path.empty() || !o_.strategy_choices.empty())
-    fail("[train] switch_to ", source, ": this run switches by its own --switch, --events or --strategies");
-  if (o_.batch_tokens == 0 && plan.strategy->global_batch() != plans_[0]->strategy->global_batch())
-    fail("[flags] switch_to ", source, ": global batch ", plan.strategy->global_batch(), ", the run's is ",
-         plans_[0]->strategy->global_batch(), " (a switch keeps the global batch)");
-}
-
-// As switch_to(index, ...) for a --switch, with the options a --switch
-// without lost ranks gets.
-void DistTrainer::switch_now(std::shared_ptr<const AnnotationPlan> plan) {
-  SwitchOptions so;
-  so.algorithm = algorithm_;
-  so.bucket_bytes = static_cast<int64_t>(o_.switch_bucket_mb * 1024 * 1024);
-  so.have_checkpoint = !o_.checkpoint_dir.empty() && o_.save_every > 0 && next_step_ % o_.save_every == 0;
-  nlohmann::json j = {{"event", "switch"}, {"step", next_step_}};
-  j.update(move_to(plan, so));
-  plans_.push_back(std::move(plan));
-  plan_index_ = plans_.size() - 1;
-  write_log(log_, j);
-}
-
-void DistTrainer::load_weights(const std::map<std::string, NDArray>& weights) {
-  finish_checkpoint(true);  // the pending write holds copies; the state is replaced after it
-  const int64_t step = state_->step, samples = state_->samples;
-  const uint64_t seed = state_->seed;
-  state_ = TrainingState::from_full(rt_->plan, world_.rank(), weights);
-  state_->move_to_device(o_.device);
-  state_->step = step;
-  state_->samples = samples;
-  state_->seed = seed;
-}
-
-}  // namespace dist
 
 
 void TrainingRun::switch_to(const SwitchTarget& target) {

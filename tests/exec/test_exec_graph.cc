@@ -20,6 +20,7 @@
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
 #include "hspmd/exec/exec_graph.h"
+#include "hspmd/exec/grad_sync.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/models/model.h"
 #include "hspmd/plan/plan.h"
@@ -171,7 +172,7 @@ void check_against_single_process(const Rank& r) {
     const bool counts = mb.loss && is_representative(r.graph->loss_annotation(), rank);
     const double loss = sum_over_ranks(counts ? *mb.loss : 0.0f);
     EXPECT_LE(std::fabs(loss - ref.loss), 1e-5 * std::fabs(ref.loss)) << loss << " vs " << ref.loss;
-    const auto synced = r.graph->sync_gradients(mb.raw_grads, test_world());
+    const auto synced = sync_gradients(*r.graph, grad_buckets(*r.graph), mb.raw_grads, test_world());
     EXPECT_FALSE(synced.empty());
     for (const auto& [name, g] : synced) {
       const NDArray& full = ref.grads.at(name);
@@ -314,7 +315,7 @@ TEST(ExecGraphGradBuckets, DataParallelSyncsShareOneBucket) {
   Strategy dp;
   for (int r = 0; r < kWorld; ++r) dp.pipelines.push_back(pipeline(1, {stage({r}, 0, 1)}));
   const Rank d(model(false), dp);
-  const auto buckets = d.graph->grad_buckets();
+  const auto buckets = grad_buckets(*d.graph);
   ASSERT_EQ(buckets.size(), 1u);
   EXPECT_EQ(buckets[0].group, (std::vector<int>{0, 1, 2, 3}));
   const std::vector<std::string>& names = d.graph->model().names;
@@ -328,7 +329,7 @@ TEST(ExecGraphGradBuckets, DataParallelSyncsShareOneBucket) {
   Strategy zero = dp;
   zero.zero = true;
   const Rank z(model(false), zero);
-  const auto scattered = z.graph->grad_buckets();
+  const auto scattered = grad_buckets(*z.graph);
   ASSERT_EQ(scattered.size(), 1u);
   EXPECT_TRUE(scattered[0].scatter);
   EXPECT_EQ(scattered[0].group, (std::vector<int>{0, 1, 2, 3}));
@@ -337,7 +338,7 @@ TEST(ExecGraphGradBuckets, DataParallelSyncsShareOneBucket) {
   for (bool tied : {false, true}) {
     const Rank r(model(tied), tp2_pp2());
     std::vector<std::string> order;
-    for (const auto& b : r.graph->grad_buckets()) {
+    for (const auto& b : grad_buckets(*r.graph)) {
       EXPECT_TRUE(b.group.empty() || b.params.size() > 1);  // a bucket of one runs its own resolution
       if (!b.group.empty())
         EXPECT_NE(std::find(b.group.begin(), b.group.end(), test_world().rank()), b.group.end());

@@ -1,5 +1,5 @@
 // ExecGraph: one rank's executable graph (paper §6.2, docs/execution.md). From the
-// annotation plan it builds the Llama training graph with its Reshard points,
+// annotation plan it builds the model's training graph with its Reshard points,
 // deduces every annotation, keeps the nodes this rank runs, and resolves every
 // Reshard it takes part in, for this rank alone (resolve_for_rank, the same
 // resolver the dry run uses): it holds no other rank's primitives and
@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
-#include "hspmd/annotation/deduce.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/comm/execute.h"
+#include "hspmd/deduce/deduce.h"
 #include "hspmd/exec/op_work.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/graph/executor.h"
@@ -158,44 +158,16 @@ class ExecGraph {
   void set_recompute(bool on) { recompute_ = on; }
   bool recompute() const { return recompute_; }
 
-  // Gradient sync: each accumulated raw gradient through its grad.<param>
-  // Reshard, bucket by bucket (grad_buckets); returns the synced local
-  // gradients (optimizer-state layout).
-  std::map<std::string, NDArray> sync_gradients(const std::map<std::string, NDArray>& raw,
-                                                Communicator& world) const;
-  // The gradient syncs this rank takes part in, in buckets, in the order
-  // every rank runs them: the reverse of the model's parameters (roughly
-  // the order the backward finishes them; one total order, so ranks that
-  // share several syncs cannot deadlock). Consecutive parameters whose sync
-  // is, on every member, one all-reduce of the member's whole gradient over
-  // the same group in the same dtype share a bucket of at most
-  // kGradBucketElements elements, synced as one flat all-reduce (Megatron-LM
-  // and DDP bucket the same way); so do consecutive ZeRO syncs that are, on
-  // every member, one reduce-scatter of the whole gradient into the same
-  // pieces' layout over one group (one reduce-scatter, each member's pieces
-  // of all the bucket's gradients together). Every member forms the same
-  // buckets, from the resolutions alone. Any other sync is a bucket of its
-  // own. Not under an emulated clock (each parameter syncs alone there).
-  struct GradBucket {
-    std::vector<std::string> params;
-    std::vector<int> group;  // the fused collective's members; empty: one parameter, its own resolution
-    bool scatter = false;    // a reduce-scatter (ZeRO), else an all-reduce
-    DType dtype = DType::F32;
-    int64_t elements = 0;    // of this rank's gradients, summed
-  };
-  static constexpr int64_t kGradBucketElements = 40'000'000;
-  std::vector<GradBucket> grad_buckets() const;
-  // One bucket's sync (as sync_gradients runs it) over `world` (a duplicate
-  // of the graph's world: same ranks) in `stream`'s order: the synced local
-  // gradients of its parameters go into `synced`; `raw(param)` gives a raw
-  // gradient (an invalid array: none on this rank). Adds the predicted bytes
-  // to `*predicted`: the resolutions' for a single parameter, the same ring
-  // rule over the bucket's elements for a fused one. Touches no state of the
-  // graph (no ledger, clock or deferred sends), so another thread may run it
-  // while this one runs the graph.
-  void sync_bucket(const GradBucket& bucket, const std::function<NDArray(const std::string&)>& raw,
-                   Communicator& world, Stream& stream, int64_t* predicted,
-                   std::map<std::string, NDArray>& synced) const;
+  // Gradient sync (hspmd/exec/grad_sync.h runs it): the grad.<param>
+  // Reshard of `param` resolved for this rank, or nullptr when this rank
+  // takes no part in it; its spec (to resolve it for every rank); and one
+  // such sync run as any other Reshard of the graph (the clock, deferred
+  // sends and the byte ledger), `local` in the resolution's dtype.
+  const Resolution* grad_resolution(const std::string& param) const;
+  const ReshardSpec& grad_spec(const std::string& param) const;
+  NDArray run_grad_sync(const std::string& param, const NDArray& local, Communicator& world) const;
+  // Whether an emulated clock runs the graph (set_clock).
+  bool clocked() const { return clock_ != nullptr; }
 
   // Moves a local array of `name` from annotation `from` to `to` (e.g. a ZeRO
   // gather, or gathering a parameter to rank 0 for saving).
@@ -255,7 +227,7 @@ class ExecGraph {
   // out of memory ...".
   void set_memory_cap(size_t bytes) { memory_cap_ = bytes; }
   void reset_ledger() const { ledger_ = {}; }
-  // Adds Reshard bytes moved outside the graph's world (sync_gradient's).
+  // Adds Reshard bytes moved outside the graph's world (the gradient sync's).
   void add_to_ledger(int64_t measured, int64_t predicted) const {
     ledger_.measured += measured;
     ledger_.predicted += predicted;
@@ -279,21 +251,6 @@ class ExecGraph {
   // `name`: the Reshard's own name (a shared resolution carries another's).
   NDArray run_reshard(const Resolution& r, const std::string& name, const NDArray& in,
                       Communicator& world) const;
-  void sync_scatter_bucket(const GradBucket& bucket, const std::function<NDArray(const std::string&)>& raw,
-                           Communicator& world, Stream& stream, int64_t* predicted,
-                           std::map<std::string, NDArray>& synced) const;
-  // The grad.<param> Resolution of `param` when this rank takes part, else nullptr.
-  const Resolution* grad_resolution(const std::string& param) const;
-  // The group of the one all-reduce or reduce-scatter that `param`'s
-  // gradient sync is when, on every member, it is the member's whole part of
-  // the sync (one phase, one op over its whole box, the same pieces), else
-  // an empty group: the syncs a bucket may fuse. Computed once per parameter
-  // (the sync resolved for every rank).
-  struct Fusable {
-    std::vector<int> group;
-    bool scatter = false;
-  };
-  Fusable fusable_group(const std::string& param) const;
   // Runs `ids` in order through hspmd::run_nodes (release after the last
   // local consumer); `values` feeds the leaves (nullptr after the loss);
   // `on_grad` as backward() takes it.
@@ -328,8 +285,7 @@ class ExecGraph {
   std::vector<int> order_;                         // node ids this rank runs, in graph order
   UseCounts uses_;                                 // per node output: consumers in order_ (+1 kept)
   std::map<std::string, int> grad_sync_node_;      // param name -> grad.<param> node id
-  std::map<int, ReshardSpec> grad_specs_;  // grad.<param> node id -> its Reshard (fusable_group resolves it for all ranks)
-  mutable std::map<std::string, Fusable> fusable_;  // fusable_group by parameter, once computed
+  std::map<int, ReshardSpec> grad_specs_;  // grad.<param> node id -> its Reshard (grad_sync resolves it for all ranks)
   std::map<int, std::shared_ptr<const Resolution>> grad_resolutions_;  // grad.<param> node id ->
   // Recomputation: the forward nodes whose outputs the forward keeps
   // (leaves, loss, boundary Reshards), the forward nodes backward() re-runs,
