@@ -105,7 +105,7 @@ struct TrainOptions {
   // --dispatch symmetric: a step's pieces go to the pipelines blind to
   // device speeds, packed micro-batches to the pipeline with the fewest
   // tokens (SPMD data parallelism, the baselines' rule); false: by the cost
-  // model (plan/token_dispatch.h, DispatchRule).
+  // model (planner/token_dispatch.h, DispatchRule).
   bool symmetric_dispatch = false;
   int64_t global_batch = 0;
   int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
