@@ -1,0 +1,403 @@
+// The conformance harness (ggml's test-backend-ops in our terms): one case
+// type, a case per kernel of src/kernels/kernel_list.inc (the list declares
+// case_<kernel>; a kernel without one does not link), run on every target:
+// each registered backend on each of its devices here (cpu:0, the device
+// test double cpu:1, cuda:0 when a GPU is visible) and every CPU ISA variant
+// of the build, each compared with the CPU baseline variant on cpu:0.
+// Inputs are the same random arrays on every target, uploaded with the
+// backend's to_device; results come back with its to_host.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hspmd/core/device_code.h"
+#include "kernels/backend.h"
+
+namespace hspmd {
+namespace {
+
+using kernels::Backend;
+
+// What a case sees of its target: the backend's table, a stream of the
+// device, inputs made on the host and uploaded, and the results it keeps.
+struct Io {
+  Io(const Backend& b, Stream& stream) : backend(b), s(stream) {}
+  const Backend& backend;
+  Stream& s;
+  std::mt19937 rng{1234};
+  std::vector<NDArray> results;  // on the host
+  std::vector<double> values;
+  double tolerance = 2e-4;  // |x - y| <= tolerance * (1 + |y|)
+
+  const kernels::KernelTable& k() const { return backend.kernels; }
+  NDArray up(const NDArray& host) { return k().to_device(s, host); }
+  NDArray host_f32(const Shape& shape, float lo = -1, float hi = 1) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    NDArray a = NDArray::empty(shape, DType::F32);
+    for (int64_t i = 0; i < a.numel(); ++i) a.data<float>()[i] = d(rng);
+    return a;
+  }
+  NDArray f32(const Shape& shape, float lo = -1, float hi = 1) { return up(host_f32(shape, lo, hi)); }
+  NDArray ids(const Shape& shape, int32_t lo, int32_t hi) {
+    std::uniform_int_distribution<int32_t> d(lo, hi - 1);
+    std::vector<int32_t> v(static_cast<size_t>(NDArray::empty(shape, DType::I32).numel()));
+    for (int32_t& x : v) x = d(rng);
+    return up(NDArray::from_vector_i32(shape, v));
+  }
+  NDArray out(const Shape& shape, DType dtype = DType::F32) { return k().zeros(s, shape, dtype); }
+  void keep(const NDArray& a) { results.push_back(a.device() == Device::cpu() ? a.clone() : k().to_host(s, a)); }
+};
+
+// ---- one case per kernel of the list ----
+#define HSPMD_KERNEL(name, ret, params, args, cpu) void case_##name(Io& io);
+#include "kernels/kernel_list.inc"
+#undef HSPMD_KERNEL
+
+void case_add(Io& io) {
+  NDArray a = io.f32({5, 37}), b = io.f32({5, 37}), o = io.out({5, 37});
+  io.k().add(io.s, a, b, o);
+  io.keep(o);
+}
+void case_mul(Io& io) {
+  NDArray a = io.f32({5, 37}), b = io.f32({5, 37}), o = io.out({5, 37});
+  io.k().mul(io.s, a, b, o);
+  io.keep(o);
+}
+void case_scale(Io& io) {
+  NDArray a = io.f32({5, 37}), o = io.out({5, 37});
+  io.k().scale(io.s, a, 0.7f, o);
+  io.keep(o);
+}
+void case_accumulate(Io& io) {
+  NDArray a = io.f32({5, 37}), o = io.f32({5, 37});
+  io.k().accumulate(io.s, a, o);
+  io.keep(o);
+}
+void case_add_bias(Io& io) {
+  NDArray x = io.f32({6, 40}), b = io.f32({40}), o = io.out({6, 40});
+  io.k().add_bias(io.s, x, b, o);
+  io.keep(o);
+}
+void case_bias_grad(Io& io) {
+  NDArray dy = io.f32({6, 40}), db = io.out({40});
+  io.k().bias_grad(io.s, dy, db);
+  io.keep(db);
+}
+void case_matmul(Io& io) {
+  NDArray a = io.f32({9, 16}), b = io.f32({16, 12}), bt = io.f32({12, 16}), add = io.f32({9, 12});
+  NDArray o = io.out({9, 12}), o2 = io.out({9, 12});
+  io.k().matmul(io.s, a, b, false, false, o, kernels::GemmCompute::kF32, nullptr);
+  io.k().matmul(io.s, a, bt, false, true, o2, kernels::GemmCompute::kF32, &add);
+  io.keep(o);
+  io.keep(o2);
+}
+void case_transpose(Io& io) {
+  NDArray a = io.f32({3, 4, 5}), o = io.out({5, 4, 3});
+  io.k().transpose(io.s, a, 0, 2, o);
+  io.keep(o);
+}
+void case_slice(Io& io) {
+  NDArray a = io.f32({4, 10}), o = io.out({4, 5});
+  io.k().slice(io.s, a, 1, 3, o);
+  io.keep(o);
+}
+void case_slice_backward(Io& io) {
+  NDArray g = io.f32({4, 5}), o = io.f32({4, 10});
+  io.k().slice_backward(io.s, g, 1, 3, o);
+  io.keep(o);
+}
+void case_concat(Io& io) {
+  std::vector<NDArray> parts = {io.f32({4, 3}), io.f32({4, 5})};
+  NDArray o = io.out({4, 8});
+  io.k().concat(io.s, parts, 1, o);
+  io.keep(o);
+}
+void case_reduce_sum(Io& io) {
+  NDArray a = io.f32({4, 6, 5}), o = io.out({4, 5});
+  io.k().reduce_sum(io.s, a, {false, true, false}, o);
+  io.keep(o);
+}
+void case_broadcast_reduced(Io& io) {
+  NDArray g = io.f32({4, 5}), o = io.out({4, 6, 5});
+  io.k().broadcast_reduced(io.s, g, {false, true, false}, o);
+  io.keep(o);
+}
+void case_embedding(Io& io) {
+  NDArray w = io.f32({11, 8}), ids = io.ids({7}, 0, 11), o = io.out({7, 8});
+  io.k().embedding(io.s, w, ids, 0, 11, o);
+  io.keep(o);
+}
+void case_embedding_backward(Io& io) {
+  NDArray g = io.f32({7, 8}), ids = io.ids({7}, 0, 11), dw = io.f32({11, 8});
+  io.k().embedding_backward(io.s, g, ids, 0, 11, dw);
+  io.keep(dw);
+}
+void case_rms_norm(Io& io) {
+  NDArray x = io.f32({6, 32}), w = io.f32({32}), o = io.out({6, 32});
+  io.k().rms_norm(io.s, x, w, 1e-5f, o);
+  io.keep(o);
+}
+void case_rms_norm_backward(Io& io) {
+  NDArray dy = io.f32({6, 32}), x = io.f32({6, 32}), w = io.f32({32}), add = io.f32({6, 32});
+  NDArray dx = io.out({6, 32}), dw = io.out({32});
+  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, &add);
+  io.keep(dx);
+  io.keep(dw);
+}
+void case_rope(Io& io) {
+  NDArray x = io.f32({2, 5, 3, 8}), pos = io.ids({2, 5}, 0, 9), o = io.out({2, 5, 3, 8});
+  io.k().rope(io.s, x, pos, 10000.0f, false, o);
+  io.keep(o);
+}
+void case_swiglu(Io& io) {
+  NDArray g = io.f32({6, 24}), u = io.f32({6, 24}), o = io.out({6, 24});
+  io.k().swiglu(io.s, g, u, o);
+  io.keep(o);
+}
+void case_swiglu_backward(Io& io) {
+  NDArray dy = io.f32({6, 24}), g = io.f32({6, 24}), u = io.f32({6, 24});
+  NDArray dg = io.out({6, 24}), du = io.out({6, 24}), o = io.out({6, 24});
+  io.k().swiglu_backward(io.s, dy, g, u, dg, du, &o);
+  for (const NDArray* a : {&dg, &du, &o}) io.keep(*a);
+}
+
+// Rows of 31 classes, one target ignored (-100), normalizer 8.
+struct CrossEntropyInputs {
+  NDArray logits, targets, normalizer;
+  explicit CrossEntropyInputs(Io& io, int64_t width = 31)
+      : logits(io.f32({9, width}, -3, 3)), normalizer(io.up(NDArray::from_vector({1}, {8.0f}))) {
+    std::vector<int32_t> t = {0, 5, 30, 12, -100, 7, 19, 3, 25};
+    targets = io.up(NDArray::from_vector_i32({9}, t));
+  }
+};
+
+void case_cross_entropy(Io& io) {
+  CrossEntropyInputs in(io);
+  NDArray loss = io.out({1}), lse = io.out({9});
+  io.k().cross_entropy(io.s, in.logits, in.targets, in.normalizer, -100, loss, lse, 0);
+  io.keep(loss);
+  io.keep(lse);
+}
+void case_cross_entropy_shard_stats(Io& io) {
+  CrossEntropyInputs in(io, 16);  // entries [8, 24) of 31
+  NDArray local = io.out({9}), picked = io.out({9});
+  io.k().cross_entropy_shard_stats(io.s, in.logits, in.targets, 8, 31, -100, local, picked, 0);
+  io.keep(local);
+  io.keep(picked);
+}
+void case_cross_entropy_combine(Io& io) {
+  CrossEntropyInputs in(io);
+  NDArray shard_lse = io.f32({2, 9}, 1, 3), picked = io.f32({9}), loss = io.out({1}), lse = io.out({9});
+  io.k().cross_entropy_combine(io.s, shard_lse, picked, in.targets, in.normalizer, -100, loss, lse);
+  io.keep(loss);
+  io.keep(lse);
+}
+void case_cross_entropy_backward(Io& io) {
+  CrossEntropyInputs in(io);
+  NDArray dloss = io.up(NDArray::from_vector({1}, {1.5f})), lse = io.f32({9}, 4, 5), d = io.out({9, 31});
+  io.k().cross_entropy_backward(io.s, dloss, in.logits, in.targets, in.normalizer, lse, -100, 0, d, 0);
+  io.keep(d);
+}
+
+// One batch row of 16 tokens in two documents (positions restart at 10),
+// 2 heads of 8, tiles of 8.
+struct AttentionInputs {
+  NDArray q, k, v, documents;
+  kernels::AttentionTiles tiles{8, 8};
+  float scale = 0.35f;
+  explicit AttentionInputs(Io& io) : q(io.f32({1, 16, 2, 8})), k(io.f32({1, 16, 2, 8})), v(io.f32({1, 16, 2, 8})) {
+    std::vector<int32_t> pos(16);
+    for (int i = 0; i < 16; ++i) pos[i] = i < 10 ? i : i - 10;
+    documents = io.up(NDArray::from_vector_i32({1, 16}, pos));
+  }
+};
+
+void case_attention_forward(Io& io) {
+  AttentionInputs in(io);
+  NDArray o = io.out({1, 16, 2, 8}), lse = io.out({1, 2, 16});
+  io.k().attention_forward(io.s, in.q, in.k, in.v, in.documents, in.scale, o, lse, in.tiles, DType::F32, 0);
+  io.keep(o);
+  io.keep(lse);
+}
+void case_attention_backward(Io& io) {
+  AttentionInputs in(io);
+  NDArray o = io.out({1, 16, 2, 8}), lse = io.out({1, 2, 16}), g = io.f32({1, 16, 2, 8});
+  io.k().attention_forward(io.s, in.q, in.k, in.v, in.documents, in.scale, o, lse, in.tiles, DType::F32, 0);
+  NDArray dq = io.out({1, 16, 2, 8}), dk = io.out({1, 16, 2, 8}), dv = io.out({1, 16, 2, 8});
+  io.k().attention_backward(io.s, in.q, in.k, in.v, o, lse, g, in.documents, in.scale, dq, dk, dv, in.tiles,
+                            DType::F32, 0);
+  for (const NDArray* a : {&dq, &dk, &dv}) io.keep(*a);
+}
+
+// A ring-attention block: queries 8..15 against keys 0..7 of one document.
+struct BlockInputs {
+  std::vector<int64_t> q_index, k_index;
+  std::vector<int32_t> q_start = std::vector<int32_t>(8, 0);
+  kernels::AttentionBlock blk;
+  explicit BlockInputs(Io& io) {
+    for (int64_t i = 0; i < 8; ++i) {
+      q_index.push_back(8 + i);
+      k_index.push_back(i);
+    }
+    blk.q = io.f32({1, 8, 2, 8});
+    blk.k = io.f32({1, 8, 2, 8});
+    blk.v = io.f32({1, 8, 2, 8});
+    blk.q_index = q_index;
+    blk.q_start = q_start;
+    blk.k_index = k_index;
+    blk.scale = 0.35f;
+  }
+};
+
+void case_attention_block_forward(Io& io) {
+  BlockInputs in(io);
+  NDArray o = io.out({1, 8, 2, 8}), lse = io.out({1, 2, 8});
+  io.k().attention_block_forward(io.s, in.blk, o, lse, {8, 8});
+  io.keep(o);
+  io.keep(lse);
+}
+void case_attention_merge(Io& io) {
+  NDArray o = io.f32({1, 8, 2, 8}), lse = io.f32({1, 2, 8}), ob = io.f32({1, 8, 2, 8}), lb = io.f32({1, 2, 8});
+  io.k().attention_merge(io.s, o, lse, ob, lb);
+  io.keep(o);
+  io.keep(lse);
+}
+void case_attention_row_dots(Io& io) {
+  NDArray o = io.f32({1, 8, 2, 8}), g = io.f32({1, 8, 2, 8}), delta = io.out({1, 2, 8});
+  io.k().attention_row_dots(io.s, o, g, delta, false);
+  io.keep(delta);
+}
+void case_attention_block_backward(Io& io) {
+  BlockInputs in(io);
+  NDArray g = io.f32({1, 8, 2, 8}), lse = io.f32({1, 2, 8}, 1, 2), delta = io.f32({1, 2, 8});
+  NDArray dq = io.f32({1, 8, 2, 8}), dk = io.f32({1, 8, 2, 8}), dv = io.f32({1, 8, 2, 8});
+  io.k().attention_block_backward(io.s, in.blk, g, lse, delta, dq, dk, dv, {8, 8});
+  for (const NDArray* a : {&dq, &dk, &dv}) io.keep(*a);
+}
+
+void case_fill(Io& io) {
+  NDArray o = io.out({5, 7});
+  io.k().fill(io.s, o, 1.5f);
+  io.keep(o);
+}
+void case_zeros(Io& io) { io.keep(io.k().zeros(io.s, {4, 5}, DType::F32)); }
+void case_copy(Io& io) {
+  NDArray a = io.f32({4, 5}), o = io.out({4, 5});
+  io.k().copy(io.s, a, o);
+  io.keep(o);
+}
+void case_cast(Io& io) {
+  NDArray a = io.f32({4, 5});
+  io.keep(io.k().cast(io.s, io.k().cast(io.s, a, DType::BF16), DType::F32));
+}
+void case_copy_block(Io& io) {
+  NDArray from = io.f32({4, 6}), to = io.f32({5, 7});
+  io.k().copy_block(io.s, from, {1, 2}, to, {0, 1}, {3, 3}, true);
+  io.keep(to);
+}
+void case_to_host(Io& io) { io.results.push_back(io.k().to_host(io.s, io.f32({3, 4})).clone()); }
+void case_to_device(Io& io) { io.keep(io.k().to_device(io.s, io.host_f32({3, 4}))); }
+void case_sum_of_squares(Io& io) {
+  std::vector<NDArray> arrays = {io.f32({4, 5}), io.f32({7})};
+  io.values.push_back(io.k().sum_of_squares(io.s, arrays));
+}
+void case_adam_step(Io& io) {
+  NDArray p = io.f32({33}), g = io.f32({33}), m = io.f32({33}), v = io.f32({33}, 0.1f, 1);
+  kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 1.0f, 1e-3f};
+  io.k().adam_step(io.s, {{&p, &g, &m, &v}}, f);
+  for (const NDArray* a : {&p, &m, &v}) io.keep(*a);
+}
+
+// ---- the harness ----
+
+struct KernelCase {
+  const char* kernel;
+  void (*run)(Io&);
+};
+
+const std::vector<KernelCase>& all_cases() {
+  static const std::vector<KernelCase> cases = {
+#define HSPMD_KERNEL(name, ret, params, args, cpu) {#name, &case_##name},
+#include "kernels/kernel_list.inc"
+#undef HSPMD_KERNEL
+  };
+  return cases;
+}
+
+struct Target {
+  const Backend* backend;
+  Device device;
+  std::string label() const { return std::string(backend->name) + " on " + device.str(); }
+};
+
+// Every registered backend on each of its devices here, then the CPU variants.
+std::vector<Target> targets() {
+  std::vector<Target> out;
+  for (const Backend* b : kernels::registered_backends()) {
+    if (b->device_type == DeviceType::CPU) {
+      out.push_back({b, Device::cpu()});
+      out.push_back({b, Device::host_double()});
+    } else if (b->device_type == DeviceType::CUDA && cuda_device_count() > 0) {
+      out.push_back({b, Device::cuda(0)});
+    }
+  }
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512})
+    if (const Backend* b = kernels::cpu::variant_backend(isa)) out.push_back({b, Device::cpu()});
+  return out;
+}
+
+Io run_case(const KernelCase& c, const Target& t) {
+  Io io(*t.backend, default_stream(t.device));
+  const DeviceCodeScope code;  // the test double's arrays, read by the CPU kernels
+  c.run(io);
+  io.s.synchronize();
+  return io;
+}
+
+void expect_close(const NDArray& got, const NDArray& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const NDArray g = got.to(DType::F32), w = want.to(DType::F32);
+  for (int64_t i = 0; i < w.numel(); ++i) {
+    const double x = g.data<float>()[i], y = w.data<float>()[i];
+    if (std::isinf(y) && x == y) continue;
+    ASSERT_LE(std::abs(x - y), tol * (1 + std::abs(y))) << what << ": element " << i << " is " << x << ", want " << y;
+  }
+}
+
+class Conformance : public testing::TestWithParam<size_t> {};
+
+TEST_P(Conformance, EveryBackendAgreesWithTheCpuBaseline) {
+  const KernelCase& c = all_cases()[GetParam()];
+  const Backend* base = kernels::cpu::variant_backend(CpuIsa::kBaseline);
+  ASSERT_NE(base, nullptr);
+  const Io want = run_case(c, {base, Device::cpu()});
+  ASSERT_FALSE(want.results.empty() && want.values.empty()) << c.kernel << ": the case keeps nothing";
+  for (const Target& t : targets()) {
+    const Io got = run_case(c, t);
+    const std::string what = std::string(c.kernel) + " on " + t.label();
+    ASSERT_EQ(got.results.size(), want.results.size()) << what;
+    for (size_t i = 0; i < want.results.size(); ++i)
+      expect_close(got.results[i], want.results[i], want.tolerance, what + ", result " + std::to_string(i));
+    ASSERT_EQ(got.values.size(), want.values.size()) << what;
+    for (size_t i = 0; i < want.values.size(); ++i)
+      EXPECT_NEAR(got.values[i], want.values[i], want.tolerance * (1 + std::abs(want.values[i]))) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Conformance, testing::Range<size_t>(0, all_cases().size()),
+                         [](const testing::TestParamInfo<size_t>& p) { return all_cases()[p.param].kernel; });
+
+// The list and the cases are one: a case per kernel, in the list's order.
+TEST(ConformanceHarness, HasACasePerKernel) {
+  const std::vector<const char*> names = kernels::kernel_names();
+  ASSERT_EQ(names.size(), all_cases().size());
+  for (size_t i = 0; i < names.size(); ++i) EXPECT_STREQ(names[i], all_cases()[i].kernel);
+  EXPECT_GE(targets().size(), 2u);  // the CPU on the host and on its test double at least
+}
+
+}  // namespace
+}  // namespace hspmd
