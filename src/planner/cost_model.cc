@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <set>
 
@@ -458,25 +459,33 @@ PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vec
   return sim;
 }
 
-}  // namespace
+// A stage of the strategy with its shape and place.
+struct Placed {
+  StageShape shape;
+  int pipeline, stage;
+};
 
-CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const {
-  notes_.clear();
-  const int world = topology_.world_size();
-  CostReport rep;
-  rep.ranks.resize(world);
-  for (int r = 0; r < world; ++r) rep.ranks[r].rank = r, rep.ranks[r].capacity_bytes = capacity_bytes(r);
-  const int layers = static_cast<int>(model_.num_hidden_layers);
-  // Per layer, the ranks holding it in every pipeline (its data-parallel
-  // group) and how many ways ZeRO splits its states.
-  std::vector<std::vector<int>> holders(layers);
-  std::vector<double> zero_share(layers, 0), replicas(layers, 0);
-  std::vector<std::pair<double, double>> holder_link(layers, {0.0, -1.0});  // group_link of each layer's holders, lazily
-  // Per pipeline and stage.
-  struct Placed {
-    StageShape shape;
-    int pipeline, stage;
-  };
+// Per layer, over every pipeline: the ranks holding it (its data-parallel
+// group), how many ways ZeRO splits its states, its replicas, and the
+// group_link of its holders, computed on first use (per rank it was a pass
+// over every holder: 2,048 ranks, 4e6 steps).
+struct LayerHolders {
+  using GroupLink = std::function<std::pair<double, double>(const std::vector<int>&)>;
+
+  explicit LayerHolders(int layers)
+      : ranks(layers), zero_share(layers, 0), replicas(layers, 0), link(layers, {0.0, -1.0}) {}
+  const std::pair<double, double>& link_of(int l, const GroupLink& group_link) {
+    if (link[l].second < 0) link[l] = group_link(ranks[l]);
+    return link[l];
+  }
+
+  std::vector<std::vector<int>> ranks;
+  std::vector<double> zero_share, replicas;
+  std::vector<std::pair<double, double>> link;  // second < 0: not computed yet
+};
+
+// Every stage of the strategy, per pipeline; fills in each layer's holders.
+std::vector<std::vector<Placed>> place_stages(const Strategy& strategy, LayerHolders& holders) {
   std::vector<std::vector<Placed>> placed(strategy.pipelines.size());
   for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
     const Pipeline& pl = strategy.pipelines[p];
@@ -485,52 +494,146 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
       StageShape sh{st.ranks, st.cp, st.num_layers(), k == 0, k + 1 == pl.stages.size(), st.recompute};
       placed[p].push_back({sh, static_cast<int>(p), static_cast<int>(k)});
       for (int l = st.first_layer; l <= st.last_layer; ++l) {
-        holders[l].insert(holders[l].end(), st.ranks.begin(), st.ranks.end());
-        zero_share[l] += st.tp() * st.cp;
-        replicas[l] += st.cp;
+        holders.ranks[l].insert(holders.ranks[l].end(), st.ranks.begin(), st.ranks.end());
+        holders.zero_share[l] += st.tp() * st.cp;
+        holders.replicas[l] += st.cp;
       }
     }
   }
-  std::vector<double> pipeline_end(strategy.pipelines.size(), 0);
-  // Per pipeline and stage: one micro-batch's backward (compute and the
-  // stage's collectives), the window a GPU's bucketed gradient sync hides in.
-  std::vector<std::vector<double>> last_backward(strategy.pipelines.size());
-  // Schedule phase.
-  for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
-    const Pipeline& pl = strategy.pipelines[p];
-    std::vector<StageCost> costs;
-    std::vector<double> boundary;
-    for (size_t k = 0; k < placed[p].size(); ++k) {
-      costs.push_back(stage_cost(placed[p][k].shape, seq_len, pl.micro_batch_size));
-      if (k + 1 < placed[p].size())
-        boundary.push_back(boundary_seconds(placed[p][k].shape, placed[p][k + 1].shape, seq_len, pl.micro_batch_size));
+  return placed;
+}
+
+// What the schedule phase leaves to the gradient sync: when each pipeline
+// ends, and per pipeline and stage one micro-batch's backward (compute and
+// the stage's collectives), the window a GPU's bucketed gradient sync hides in.
+struct Scheduled {
+  std::vector<double> pipeline_end;
+  std::vector<std::vector<double>> last_backward;
+};
+
+// Pipeline p's schedule, simulated from its stages' costs and transfers.
+PipelineSim simulate_stages(const CostModel& model, const Strategy& strategy, size_t p,
+                            const std::vector<Placed>& stages, int64_t seq_len, Scheduled& scheduled) {
+  const Pipeline& pl = strategy.pipelines[p];
+  std::vector<StageCost> costs;
+  std::vector<double> boundary;
+  for (size_t k = 0; k < stages.size(); ++k) {
+    costs.push_back(model.stage_cost(stages[k].shape, seq_len, pl.micro_batch_size));
+    if (k + 1 < stages.size())
+      boundary.push_back(model.boundary_seconds(stages[k].shape, stages[k + 1].shape, seq_len, pl.micro_batch_size));
+  }
+  PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule);
+  for (const StageCost& c : costs) scheduled.last_backward[p].push_back(c.bwd + c.bwd_comm);
+  scheduled.pipeline_end[p] = *std::max_element(sim.end.begin(), sim.end.end());
+  return sim;
+}
+
+// Pipeline p's ranks when its schedule ends: their compute, communication,
+// end and memory.
+void report_scheduled_ranks(const CostModel& model, const Strategy& strategy, size_t p,
+                            const std::vector<Placed>& stages, const LayerHolders& holders, const PipelineSim& sim,
+                            int64_t seq_len, CostReport& rep) {
+  const Pipeline& pl = strategy.pipelines[p];
+  for (size_t k = 0; k < stages.size(); ++k) {
+    const StageShape& sh = stages[k].shape;
+    const int kn = static_cast<int>(stages.size());
+    const int in_flight = strategy.schedule == "gpipe" ? pl.micro_batches
+                                                       : std::min(kn - static_cast<int>(k), pl.micro_batches);
+    double share = 0;
+    const Stage& st = pl.stages[k];
+    for (int l = st.first_layer; l <= st.last_layer; ++l)
+      share = std::max(share, holders.zero_share[l] / (sh.tp() * sh.cp));
+    for (int r : sh.ranks) {
+      RankCost& rc = rep.ranks[r];
+      rc.pipeline = static_cast<int>(p);
+      rc.stage = static_cast<int>(k);
+      // The rank's own compute at its own speed (the stage's pace is its
+      // slowest rank's: faster ranks wait, which counts as bubble).
+      const auto [f, g] = model.rank_compute(r, sh, seq_len, pl.micro_batch_size);
+      rc.compute_s = (f + g) * pl.micro_batches;
+      rc.comm_s = sim.comm[k];
+      rc.step_s = sim.end[k];
+      rc.memory = model.stage_memory(sh, seq_len, pl.micro_batch_size, in_flight, strategy.zero ? share : 1.0,
+                                     strategy.zero);
     }
-    const PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule);
-    for (const StageCost& c : costs) last_backward[p].push_back(c.bwd + c.bwd_comm);
-    pipeline_end[p] = *std::max_element(sim.end.begin(), sim.end.end());
-    rep.pipeline_s.push_back(pipeline_end[p]);
-    for (size_t k = 0; k < placed[p].size(); ++k) {
-      const StageShape& sh = placed[p][k].shape;
-      const int kn = static_cast<int>(placed[p].size());
-      const int in_flight = strategy.schedule == "gpipe" ? pl.micro_batches
-                                                         : std::min(kn - static_cast<int>(k), pl.micro_batches);
-      double share = 0;
-      const Stage& st = pl.stages[k];
-      for (int l = st.first_layer; l <= st.last_layer; ++l) share = std::max(share, zero_share[l] / (sh.tp() * sh.cp));
-      for (int r : sh.ranks) {
-        RankCost& rc = rep.ranks[r];
-        rc.pipeline = static_cast<int>(p);
-        rc.stage = static_cast<int>(k);
-        // The rank's own compute at its own speed (the stage's pace is its
-        // slowest rank's: faster ranks wait, which counts as bubble).
-        const auto [f, g] = rank_compute(r, sh, seq_len, pl.micro_batch_size);
-        rc.compute_s = (f + g) * pl.micro_batches;
-        rc.comm_s = sim.comm[k];
-        rc.step_s = sim.end[k];
-        rc.memory = stage_memory(sh, seq_len, pl.micro_batch_size, in_flight, strategy.zero ? share : 1.0,
-                                 strategy.zero);
-      }
-    }
+  }
+}
+
+// A rank's gradient sync: a ring all-reduce (or reduce-scatter + all-gather
+// under ZeRO) of its gradient shard over the pipelines holding its layers,
+// then of its parameters outside the blocks over the first layer's holders.
+double gradient_sync_seconds(const CostModel& model, const StageShape& sh, const Stage& st, int dp,
+                             LayerHolders& holders, const LayerHolders::GroupLink& group_link) {
+  double sync = 0;
+  const double per_layer =
+      static_cast<double>((model.layer_params() - model.layer_tp_params()) + model.layer_tp_params() / sh.tp());
+  for (int l = st.first_layer; l <= st.last_layer; ++l) {
+    const int n = static_cast<int>(std::lround(holders.replicas[l]));  // data-parallel (and cp) replicas
+    if (n <= 1) continue;
+    const auto& [latency, per_byte] = holders.link_of(l, group_link);
+    sync += latency + per_byte * 2.0 * per_layer * kBytes * (n - 1) / n;
+  }
+  const double extra = static_cast<double>(model.stage_params(sh)) - per_layer * sh.layers;
+  if (extra > 0 && dp > 1 && holders.ranks[st.first_layer].size() >= 2) {
+    // group_seconds over the first layer's holders, from its cached link.
+    const auto& [latency, per_byte] = holders.link_of(st.first_layer, group_link);
+    sync += latency + per_byte * (2.0 * extra * kBytes * (dp - 1) / dp);
+  }
+  return sync;
+}
+
+// A rank's step once its gradients are synced (from `start`, or overlapped
+// with its last backward, see evaluate) and its optimizer has stepped.
+void finish_rank_step(const CostModel& model, int r, const StageShape& sh, bool zero, int dp, double start,
+                      double sync, double last_backward, RankCost& rc) {
+  const int64_t n_opt = zero ? static_cast<int64_t>(static_cast<double>(model.stage_params(sh)) /
+                                                    std::max(1.0, static_cast<double>(dp)))
+                             : model.stage_params(sh);
+  const double opt = model.optimizer_seconds(r, n_opt);
+  double synced = start + sync;
+  if (model.overlaps_grad_sync(r) && sync > 0 && sh.layers > 0) {
+    const double layers_d = static_cast<double>(sh.layers);
+    const double hide = last_backward * (layers_d - 1) / layers_d;
+    synced = std::max(rc.step_s - hide + sync, start + sync / layers_d);
+  }
+  rc.compute_s += opt;
+  rc.comm_s += sync;
+  rc.step_s = synced + opt;
+}
+
+// The gradient sync and optimizer step of a stage's ranks, after every
+// pipeline's schedule.
+void sync_stage(const CostModel& model, const Strategy& strategy, const Placed& placed, const Scheduled& scheduled,
+                LayerHolders& holders, const LayerHolders::GroupLink& group_link, CostReport& rep) {
+  const StageShape& sh = placed.shape;
+  const Stage& st = strategy.pipelines[placed.pipeline].stages[placed.stage];
+  const int dp = static_cast<int>(strategy.pipelines.size());
+  double start = 0;
+  for (double end : scheduled.pipeline_end) start = std::max(start, end);
+  for (int r : sh.ranks) {
+    RankCost& rc = rep.ranks[r];
+    start = std::max(start, rc.step_s);
+    const double sync = gradient_sync_seconds(model, sh, st, dp, holders, group_link);
+    finish_rank_step(model, r, sh, strategy.zero, dp, start, sync,
+                     scheduled.last_backward[placed.pipeline][placed.stage], rc);
+  }
+}
+
+}  // namespace
+
+CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const {
+  notes_.clear();
+  const int world = topology_.world_size();
+  CostReport rep;
+  rep.ranks.resize(world);
+  for (int r = 0; r < world; ++r) rep.ranks[r].rank = r, rep.ranks[r].capacity_bytes = capacity_bytes(r);
+  LayerHolders holders(static_cast<int>(model_.num_hidden_layers));
+  const std::vector<std::vector<Placed>> placed = place_stages(strategy, holders);
+  Scheduled scheduled{std::vector<double>(placed.size(), 0), std::vector<std::vector<double>>(placed.size())};
+  for (size_t p = 0; p < placed.size(); ++p) {
+    const PipelineSim sim = simulate_stages(*this, strategy, p, placed[p], seq_len, scheduled);
+    rep.pipeline_s.push_back(scheduled.pipeline_end[p]);
+    report_scheduled_ranks(*this, strategy, p, placed[p], holders, sim, seq_len, rep);
   }
   // Gradient synchronisation: each layer's gradients are reduced over its
   // holders once every holder's pipeline has finished; then the optimizer
@@ -543,49 +646,9 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
   // one layer's share after every holder has finished; so does a GPU
   // profiled on CUDA (hspmd train overlaps there by default). A rank
   // profiled on the CPU syncs after its schedule, as training there does.
-  for (size_t p = 0; p < placed.size(); ++p)
-    for (const Placed& pl : placed[p]) {
-      const StageShape& sh = pl.shape;
-      const Stage& st = strategy.pipelines[p].stages[pl.stage];
-      double start = 0;
-      for (size_t q = 0; q < placed.size(); ++q) start = std::max(start, pipeline_end[q]);
-      for (int r : sh.ranks) {
-        RankCost& rc = rep.ranks[r];
-        start = std::max(start, rc.step_s);
-        // Ring all-reduce (or reduce-scatter + all-gather under ZeRO) of the
-        // rank's gradient shard over the pipelines holding its layers.
-        double sync = 0;
-        const double per_layer = static_cast<double>((layer_params_ - layer_tp_params_) + layer_tp_params_ / sh.tp());
-        for (int l = st.first_layer; l <= st.last_layer; ++l) {
-          const int n = static_cast<int>(std::lround(replicas[l]));  // data-parallel (and cp) replicas
-          if (n <= 1) continue;
-          if (holder_link[l].second < 0) holder_link[l] = group_link(holders[l]);
-          sync += holder_link[l].first + holder_link[l].second * 2.0 * per_layer * kBytes * (n - 1) / n;
-        }
-        const double extra = static_cast<double>(stage_params(sh)) - per_layer * sh.layers;
-        const int dp = static_cast<int>(placed.size());
-        if (extra > 0 && dp > 1 && holders[st.first_layer].size() >= 2) {
-          // group_seconds over the first layer's holders, from its cached link
-          // (per rank it was a pass over every holder: 2,048 ranks, 4e6 steps).
-          const int l = st.first_layer;
-          if (holder_link[l].second < 0) holder_link[l] = group_link(holders[l]);
-          sync += holder_link[l].first + holder_link[l].second * (2.0 * extra * kBytes * (dp - 1) / dp);
-        }
-        const int64_t n_opt = strategy.zero ? static_cast<int64_t>(static_cast<double>(stage_params(sh)) /
-                                                                     std::max(1.0, static_cast<double>(dp)))
-                                            : stage_params(sh);
-        const double opt = optimizer_seconds(r, n_opt);
-        double synced = start + sync;
-        if (overlaps_grad_sync(r) && sync > 0 && sh.layers > 0) {
-          const double layers_d = static_cast<double>(sh.layers);
-          const double hide = last_backward[p][pl.stage] * (layers_d - 1) / layers_d;
-          synced = std::max(rc.step_s - hide + sync, start + sync / layers_d);
-        }
-        rc.compute_s += opt;
-        rc.comm_s += sync;
-        rc.step_s = synced + opt;
-      }
-    }
+  const LayerHolders::GroupLink link_of_group = [this](const std::vector<int>& ranks) { return group_link(ranks); };
+  for (const std::vector<Placed>& stages : placed)
+    for (const Placed& stage : stages) sync_stage(*this, strategy, stage, scheduled, holders, link_of_group, rep);
   for (RankCost& rc : rep.ranks) {
     if (rc.pipeline < 0) continue;
     rc.bubble_s = std::max(0.0, rc.step_s - rc.compute_s - rc.comm_s);

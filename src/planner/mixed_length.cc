@@ -555,11 +555,8 @@ void score_bucket(const CostModel& model, LengthBucket& b, const std::vector<std
   b.predicted_step_s = times.empty() ? b.dp_step_s + b.sync_s : median(times);
 }
 
-}  // namespace
-
-MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int64_t>& pieces,
-                                   const MixedLengthOptions& o) {
-  const auto start = std::chrono::steady_clock::now();
+// The options against the length file, in the order they are checked.
+void check_mixed_length_options(const std::vector<int64_t>& pieces, const MixedLengthOptions& o) {
   if (o.max_seq_len < 1) fail("[search] --max-seq-len must be >= 1, got ", o.max_seq_len);
   if (o.buckets < 1) fail("[search] --buckets must be >= 1, got ", o.buckets);
   if (o.max_cp < 0) fail("[search] --max-cp must be >= 0, got ", o.max_cp);
@@ -569,6 +566,107 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
   if (o.batch_tokens < o.max_seq_len)
     fail("[search] --batch-tokens ", o.batch_tokens, " is smaller than --max-seq-len ", o.max_seq_len,
          " (a step must hold the longest piece)");
+}
+
+// One bucket's search: the best candidate so far by its full prediction
+// over the bucket's steps (longest piece in (lo, best.max_seq_len]). A new
+// candidate starts as a copy of the best so far.
+struct BucketSearch {
+  const CostModel& model;
+  const std::vector<std::vector<int64_t>>& steps;
+  int64_t lo;
+  DispatchRule rule;
+  LengthBucket best;
+  bool any = false;
+
+  void keep(LengthBucket& cand) {
+    score_bucket(model, cand, steps, lo, rule);
+    if (!any || cand.predicted_step_s < best.predicted_step_s) best = std::move(cand);
+    any = true;
+  }
+};
+
+// --homogeneous: every layout that fits, as many pipelines as place, each
+// scored by its full prediction over the bucket's steps (under ZeRO the
+// memory assumes the layout's own pipeline count).
+void search_homogeneous(BucketPlanner& planner, int ranks, const MixedLengthOptions& o, BucketSearch& search) {
+  for (int share = o.zero ? 1 : ranks; share <= ranks; ++share)
+    for (auto& [s, expected] : planner.homogeneous(search.best, share)) {
+      if (o.zero && static_cast<int>(s.pipelines.size()) != share) continue;
+      LengthBucket cand = search.best;
+      cand.strategy = std::move(s);
+      cand.dp_step_s = expected;
+      search.keep(cand);
+    }
+}
+
+// The program leaves out the gradient sync and the optimizer, which fall
+// as pipelines get more ranks (fewer replicas, smaller shards) and cost
+// more on a slower class: plans from pipelines of at least 1, 2, 4, ...
+// ranks, that least per class (a slow class may want wider pipelines than a
+// fast one), are compared by their full prediction over the bucket's steps.
+void search_min_ranks(BucketPlanner& planner, int ranks, const MixedLengthOptions& o, BucketSearch& search) {
+  for (const std::vector<int>& min_ranks : min_rank_sweep(planner)) {
+    LengthBucket cand = search.best;
+    if (!plan_bucket(planner, cand, o, ranks, min_ranks)) continue;
+    LengthBucket wide = cand;
+    wide.strategy = planner.widened(cand);
+    search.keep(cand);
+    search.keep(wide);
+  }
+}
+
+// The bucket of pieces up to m (its steps' longest in (lo, m]) with its
+// best strategy.
+LengthBucket plan_length_bucket(const CostModel& model, const MixedLengthOptions& o,
+                                const std::vector<DeviceClass>& classes, const std::vector<std::vector<int64_t>>& steps,
+                                const std::vector<int64_t>& pieces, int64_t m, int64_t lo) {
+  BucketSearch search{model, steps, lo, o.dispatch, LengthBucket{}};
+  search.best.max_seq_len = m;
+  search.best.intervals = bucket_intervals(m, lo, steps, pieces, o.batch_tokens, search.best.steps);
+  // On every device class, and with several classes also on each class
+  // alone: the programs leave out the gradient sync and the optimizer, on
+  // which a slow class can cost more than its pipelines save.
+  std::vector<std::vector<DeviceClass>> class_sets = {classes};
+  if (classes.size() > 1)
+    for (const DeviceClass& c : classes) class_sets.push_back({c});
+  for (const std::vector<DeviceClass>& set : class_sets) {
+    BucketPlanner planner(model, o, set);
+    int ranks = 0;
+    for (const DeviceClass& c : set) ranks += c.ranks;
+    if (o.homogeneous) search_homogeneous(planner, ranks, o, search);
+    else search_min_ranks(planner, ranks, o, search);
+  }
+  if (!search.any)
+    fail("[search] no pipeline holds a micro-batch of ", m, " tokens in memory (tp x cp up to a node, up to 16 "
+         "stages", o.allow_recompute ? ", with recomputation" : "", ", ",
+         model.capacity_bytes(classes.front().nodes.front().front()) / (1 << 30), " GiB on rank ",
+         classes.front().nodes.front().front(), o.unavailable.empty() ? "" : ", failed ranks left out", ")");
+  return std::move(search.best);
+}
+
+// Per step of the file: its longest piece, tokens, and its predicted time
+// on each bucket's strategy that accepts it.
+std::vector<StepPrediction> predict_steps(const CostModel& model, const std::vector<LengthBucket>& buckets,
+                                          const std::vector<std::vector<int64_t>>& steps, DispatchRule rule) {
+  std::vector<StepPrediction> out;
+  for (const auto& st : steps) {
+    StepPrediction sp;
+    for (int64_t len : st) sp.longest = std::max(sp.longest, len), sp.tokens += len;
+    for (const LengthBucket& b : buckets)
+      sp.bucket_s.push_back(sp.longest <= b.max_seq_len ? predict_token_step(model, b.strategy, st, rule) + b.sync_s
+                                                         : -1.0);
+    out.push_back(std::move(sp));
+  }
+  return out;
+}
+
+}  // namespace
+
+MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int64_t>& pieces,
+                                   const MixedLengthOptions& o) {
+  const auto start = std::chrono::steady_clock::now();
+  check_mixed_length_options(pieces, o);
   MixedLengthPlan plan;
   plan.pieces = static_cast<int64_t>(pieces.size());
   const auto steps = token_steps(pieces, o.batch_tokens);
@@ -579,70 +677,10 @@ MixedLengthPlan plan_mixed_lengths(const CostModel& model, const std::vector<int
   if (available == 0) fail("[search] no available rank: every rank of the cluster is unavailable");
   int64_t lo = 0;
   for (int64_t m : bucket_maxima(steps, o)) {
-    LengthBucket b;
-    b.max_seq_len = m;
-    b.intervals = bucket_intervals(m, lo, steps, pieces, o.batch_tokens, b.steps);
-    bool any = false;
-    auto keep = [&](LengthBucket& cand) {
-      score_bucket(model, cand, steps, lo, o.dispatch);
-      if (!any || cand.predicted_step_s < b.predicted_step_s) b = std::move(cand);
-      any = true;
-    };
-    // On every device class, and with several classes also on each class
-    // alone: the programs leave out the gradient sync and the optimizer, on
-    // which a slow class can cost more than its pipelines save.
-    std::vector<std::vector<DeviceClass>> class_sets = {classes};
-    if (classes.size() > 1)
-      for (const DeviceClass& c : classes) class_sets.push_back({c});
-    for (const std::vector<DeviceClass>& set : class_sets) {
-      BucketPlanner planner(model, o, set);
-      int ranks = 0;
-      for (const DeviceClass& c : set) ranks += c.ranks;
-      if (o.homogeneous) {
-        // Every layout that fits, as many pipelines as place, each scored by
-        // its full prediction over the bucket's steps (under ZeRO the memory
-        // assumes the layout's own pipeline count).
-        for (int share = o.zero ? 1 : ranks; share <= ranks; ++share)
-          for (auto& [s, expected] : planner.homogeneous(b, share)) {
-            if (o.zero && static_cast<int>(s.pipelines.size()) != share) continue;
-            LengthBucket cand = b;
-            cand.strategy = std::move(s);
-            cand.dp_step_s = expected;
-            keep(cand);
-          }
-        continue;
-      }
-      // The program leaves out the gradient sync and the optimizer, which
-      // fall as pipelines get more ranks (fewer replicas, smaller shards)
-      // and cost more on a slower class: plans from pipelines of at least
-      // 1, 2, 4, ... ranks, that least per class (a slow class may want
-      // wider pipelines than a fast one), are compared by their full
-      // prediction over the bucket's steps.
-      for (const std::vector<int>& min_ranks : min_rank_sweep(planner)) {
-        LengthBucket cand = b;
-        if (!plan_bucket(planner, cand, o, ranks, min_ranks)) continue;
-        LengthBucket wide = cand;
-        wide.strategy = planner.widened(cand);
-        keep(cand);
-        keep(wide);
-      }
-    }
-    if (!any)
-      fail("[search] no pipeline holds a micro-batch of ", m, " tokens in memory (tp x cp up to a node, up to 16 "
-           "stages", o.allow_recompute ? ", with recomputation" : "", ", ",
-           model.capacity_bytes(classes.front().nodes.front().front()) / (1 << 30), " GiB on rank ",
-           classes.front().nodes.front().front(), o.unavailable.empty() ? "" : ", failed ranks left out", ")");
-    plan.buckets.push_back(std::move(b));
+    plan.buckets.push_back(plan_length_bucket(model, o, classes, steps, pieces, m, lo));
     lo = m;
   }
-  for (const auto& st : steps) {
-    StepPrediction sp;
-    for (int64_t len : st) sp.longest = std::max(sp.longest, len), sp.tokens += len;
-    for (const LengthBucket& b : plan.buckets)
-      sp.bucket_s.push_back(sp.longest <= b.max_seq_len ? predict_token_step(model, b.strategy, st, o.dispatch) + b.sync_s
-                                                         : -1.0);
-    plan.step_predictions.push_back(std::move(sp));
-  }
+  plan.step_predictions = predict_steps(model, plan.buckets, steps, o.dispatch);
   plan.planning_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return plan;
 }

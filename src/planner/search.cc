@@ -284,36 +284,55 @@ void Searcher::enumerate_symmetric() {
 
 SearchResult Searcher::run() {
   phase_ = "the device classes";
+  classify_ranks();
+  index_device_types();
+  {
+    const std::vector<int> sizes = micro_batch_sizes();
+    least_b_ = sizes.empty() ? o_.global_batch + 1 : *std::min_element(sizes.begin(), sizes.end());
+  }
+  const std::vector<std::vector<int>> degrees = class_tp_degrees();
+  phase_ = "the enumeration of configurations";
+  enumerate_symmetric();  // first: whatever the time limit leaves, these are there
+  for (int cp = 1; cp <= o_.max_cp; cp *= 2) enumerate_tp_combinations(degrees, cp);
+  second_levels();
+  phase_ = "the micro-batch sizes pass";
+  refine_sizes();
+  SearchResult res = result();
+  if (res.best.empty()) fail_nothing_found();
+  return res;
+}
+
+void Searcher::classify_ranks() {
   classes_ = device_classes(model_, o_);
   if (classes_.empty()) fail("[search] no available rank: every rank of the cluster is unavailable");
   rank_class_.assign(model_.topology().world_size(), -1);
   for (size_t c = 0; c < classes_.size(); ++c)
     for (const std::vector<int>& node : classes_[c].nodes)
       for (int r : node) rank_class_[r] = static_cast<int>(c);
-  {
-    std::map<std::string, int> type_ids;
-    const Topology& t = model_.topology();
-    rank_type_.resize(t.world_size());
-    for (int r = 0; r < t.world_size(); ++r) {
-      rank_type_[r] = type_ids.emplace(t.rank(r).device_type, static_cast<int>(type_ids.size())).first->second;
-      num_nodes_ = std::max(num_nodes_, t.node_of(r) + 1);
+}
+
+void Searcher::index_device_types() {
+  std::map<std::string, int> type_ids;
+  const Topology& t = model_.topology();
+  rank_type_.resize(t.world_size());
+  for (int r = 0; r < t.world_size(); ++r) {
+    rank_type_[r] = type_ids.emplace(t.rank(r).device_type, static_cast<int>(type_ids.size())).first->second;
+    num_nodes_ = std::max(num_nodes_, t.node_of(r) + 1);
+  }
+  type_names_ = type_ids.size();
+  std::vector<int> rep(type_names_, 0);
+  for (int r = t.world_size() - 1; r >= 0; --r) rep[rank_type_[r]] = r;
+  link_gbps_.assign(type_names_ * type_names_ * 2, 0);
+  for (size_t a = 0; a < type_names_; ++a)
+    for (size_t b = 0; b < type_names_; ++b) {
+      const DeviceSpec &x = t.device_type(rep[a]), &y = t.device_type(rep[b]);
+      link_gbps_[(a * type_names_ + b) * 2] = std::min(x.intra_node_gbps, y.intra_node_gbps);
+      link_gbps_[(a * type_names_ + b) * 2 + 1] = std::min(x.inter_node_gbps, y.inter_node_gbps);
     }
-    type_names_ = type_ids.size();
-    std::vector<int> rep(type_names_, 0);
-    for (int r = t.world_size() - 1; r >= 0; --r) rep[rank_type_[r]] = r;
-    link_gbps_.assign(type_names_ * type_names_ * 2, 0);
-    for (size_t a = 0; a < type_names_; ++a)
-      for (size_t b = 0; b < type_names_; ++b) {
-        const DeviceSpec &x = t.device_type(rep[a]), &y = t.device_type(rep[b]);
-        link_gbps_[(a * type_names_ + b) * 2] = std::min(x.intra_node_gbps, y.intra_node_gbps);
-        link_gbps_[(a * type_names_ + b) * 2 + 1] = std::min(x.inter_node_gbps, y.inter_node_gbps);
-      }
-  }
-  {
-    const std::vector<int> sizes = micro_batch_sizes();
-    least_b_ = sizes.empty() ? o_.global_batch + 1 : *std::min_element(sizes.begin(), sizes.end());
-  }
-  // The previous solution's TP degree per class (re-plan).
+}
+
+std::vector<std::vector<int>> Searcher::class_tp_degrees() const {
+  // The previous solution's TP degrees per device type (re-plan).
   std::map<std::string, std::set<int>> previous_tp;
   if (o_.previous)
     for (const Pipeline& p : o_.previous->pipelines)
@@ -331,44 +350,48 @@ SearchResult Searcher::run() {
     if (d.empty()) d = {1};
     degrees.push_back(d);
   }
-  phase_ = "the enumeration of configurations";
-  enumerate_symmetric();  // first: whatever the time limit leaves, these are there
-  for (int cp = 1; cp <= o_.max_cp; cp *= 2) {
-    // Every combination of per-class TP degrees.
-    std::vector<int> pick(classes_.size(), 0);
-    std::function<void(size_t)> rec = [&](size_t k) {
-      if (out_of_time()) return;
-      if (k == classes_.size()) {
-        for (bool leftovers : {false, true}) {
-          if (leftovers && cp > 1) continue;
-          std::vector<std::vector<Group>> per_class;
-          bool any_leftover = false;
-          for (size_t c = 0; c < classes_.size(); ++c) {
-            const int tp = degrees[c][pick[c]] * cp;
-            per_class.push_back(make_groups(classes_[c], static_cast<int>(c), tp, leftovers, m_, model_.topology()));
-            for (const Group& g : per_class.back()) any_leftover = any_leftover || static_cast<int>(g.ranks.size()) != tp;
-          }
-          if (leftovers && !any_leftover) continue;
-          std::vector<std::vector<Group>> nonempty;
-          for (auto& g : per_class)
-            if (!g.empty()) nonempty.push_back(g);
-          if (nonempty.empty()) continue;
-          group_sets_.push_back(std::move(nonempty));
-          const int set = static_cast<int>(group_sets_.size()) - 1;
-          const size_t before = configs_.size();
-          enumerate_mixed(set, cp);
-          enumerate_separate(set, cp);
-          if (configs_.size() == before) group_sets_.pop_back();  // nothing the batch can feed
-        }
-        return;
-      }
-      for (size_t i = 0; i < degrees[k].size(); ++i) pick[k] = static_cast<int>(i), rec(k + 1);
-    };
-    rec(0);
+  return degrees;
+}
+
+void Searcher::enumerate_tp_combinations(const std::vector<std::vector<int>>& degrees, int cp) {
+  std::vector<int> pick(classes_.size(), 0);
+  std::function<void(size_t)> rec = [&](size_t k) {
+    if (out_of_time()) return;
+    if (k == classes_.size()) {
+      std::vector<int> tps(classes_.size());
+      for (size_t c = 0; c < classes_.size(); ++c) tps[c] = degrees[c][pick[c]] * cp;
+      enumerate_group_sets(tps, cp);
+      return;
+    }
+    for (size_t i = 0; i < degrees[k].size(); ++i) pick[k] = static_cast<int>(i), rec(k + 1);
+  };
+  rec(0);
+}
+
+void Searcher::enumerate_group_sets(const std::vector<int>& tps, int cp) {
+  for (bool leftovers : {false, true}) {
+    if (leftovers && cp > 1) continue;
+    std::vector<std::vector<Group>> per_class;
+    bool any_leftover = false;
+    for (size_t c = 0; c < classes_.size(); ++c) {
+      per_class.push_back(make_groups(classes_[c], static_cast<int>(c), tps[c], leftovers, m_, model_.topology()));
+      for (const Group& g : per_class.back()) any_leftover = any_leftover || static_cast<int>(g.ranks.size()) != tps[c];
+    }
+    if (leftovers && !any_leftover) continue;
+    std::vector<std::vector<Group>> nonempty;
+    for (auto& g : per_class)
+      if (!g.empty()) nonempty.push_back(g);
+    if (nonempty.empty()) continue;
+    group_sets_.push_back(std::move(nonempty));
+    const int set = static_cast<int>(group_sets_.size()) - 1;
+    const size_t before = configs_.size();
+    enumerate_mixed(set, cp);
+    enumerate_separate(set, cp);
+    if (configs_.size() == before) group_sets_.pop_back();  // nothing the batch can feed
   }
-  second_levels();
-  phase_ = "the micro-batch sizes pass";
-  refine_sizes();
+}
+
+SearchResult Searcher::result() const {
   SearchResult res;
   std::vector<const Scored*> all;
   for (const auto& [key, s] : scored_) all.push_back(&s);
@@ -382,32 +405,35 @@ SearchResult Searcher::run() {
   res.ilps = ilps_;
   res.timed_out = timed_out_ || limited_;
   res.search_s = elapsed();
-  if (res.timed_out) {
-    char text[128], seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%.2f", res.search_s);
-    std::snprintf(text, sizeof text, "[search] time limit of %g s%s", o_.time_limit_s,
-                  limit_what_.rfind("reached", 0) == 0 ? " " : ": ");
-    res.note = text + limit_what_ + " (" + std::to_string(configs_.size()) + " configurations, " +
-               std::to_string(bounded_) + " bounded, " + std::to_string(configurations_) + " solved, " +
-               std::to_string(pruned_) + " pruned in " + seconds + " s)" +
-               (fell_back_ ? ": answering with the fallback, the symmetric (Megatron-like) strategy of the fewest "
-                             "stages that fits"
-                           : ": answering with the best of the " + std::to_string(scored_.size()) +
-                                 " strategies scored");
-  }
-  if (res.best.empty()) {
-    if (least_missing_rank_ >= 0) {
-      const RankInfo& info = model_.topology().rank(least_missing_rank_);
-      fail("[search] no strategy fits in memory: even the best candidate needs ",
-           static_cast<int64_t>(std::ceil(least_missing_)), " more bytes (",
-           least_missing_ / (1024.0 * 1024.0 * 1024.0), " GiB) on rank ", least_missing_rank_, " (",
-           info.device_type, ", ", model_.capacity_bytes(least_missing_rank_) / (1024.0 * 1024.0 * 1024.0),
-           " GiB)");
-    }
-    fail("[search] no strategy found for global batch ", o_.global_batch, timed_out_ ? " within the time limit" : "",
-         " (", configurations_, " configurations tried)");
-  }
+  if (res.timed_out) res.note = limit_note(res.search_s);
   return res;
+}
+
+std::string Searcher::limit_note(double search_s) const {
+  char text[128], seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.2f", search_s);
+  std::snprintf(text, sizeof text, "[search] time limit of %g s%s", o_.time_limit_s,
+                limit_what_.rfind("reached", 0) == 0 ? " " : ": ");
+  return text + limit_what_ + " (" + std::to_string(configs_.size()) + " configurations, " +
+         std::to_string(bounded_) + " bounded, " + std::to_string(configurations_) + " solved, " +
+         std::to_string(pruned_) + " pruned in " + seconds + " s)" +
+         (fell_back_ ? ": answering with the fallback, the symmetric (Megatron-like) strategy of the fewest "
+                       "stages that fits"
+                     : ": answering with the best of the " + std::to_string(scored_.size()) +
+                           " strategies scored");
+}
+
+void Searcher::fail_nothing_found() const {
+  if (least_missing_rank_ >= 0) {
+    const RankInfo& info = model_.topology().rank(least_missing_rank_);
+    fail("[search] no strategy fits in memory: even the best candidate needs ",
+         static_cast<int64_t>(std::ceil(least_missing_)), " more bytes (",
+         least_missing_ / (1024.0 * 1024.0 * 1024.0), " GiB) on rank ", least_missing_rank_, " (",
+         info.device_type, ", ", model_.capacity_bytes(least_missing_rank_) / (1024.0 * 1024.0 * 1024.0),
+         " GiB)");
+  }
+  fail("[search] no strategy found for global batch ", o_.global_batch, timed_out_ ? " within the time limit" : "",
+       " (", configurations_, " configurations tried)");
 }
 
 }  // namespace search_detail

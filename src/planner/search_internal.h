@@ -82,6 +82,27 @@ struct Scored {
   std::string family, key;
 };
 
+// A configuration (an index into Searcher::configs_) at one micro-batch
+// size (an index into the sizes the second level tries), with its lower
+// bound (Searcher::second_levels).
+struct BoundItem {
+  double bound;
+  uint32_t config;
+  uint32_t b_index;
+};
+
+// The order in which the second level bounds the configurations: the
+// symmetric ones (configs_[0 .. symmetric)) first, then the `rest` by
+// bit-reversed index (Searcher::bound_order).
+struct BoundOrder {
+  size_t symmetric = 0, rest = 0;
+  int bits = 0;  // the least with rest <= 2^bits
+  size_t positions() const { return symmetric + (size_t{1} << bits); }
+  // Position `next` of the order -> a configuration, or size_t(-1) (a
+  // reversed index past the end, skipped).
+  size_t at(size_t next) const;
+};
+
 // The stage-program cache's key (Searcher::stage_program): what a stage's
 // program depends on when its group and its neighbours' are each of one
 // class on one node.
@@ -124,6 +145,28 @@ class Searcher {
   double elapsed() const { return std::chrono::duration<double>(SteadyClock::now() - start_).count(); }
   std::vector<int> tp_degrees(int max_per_node) const;
   std::vector<int> micro_batch_sizes() const;
+  // run()'s steps, in order. The device classes (none: throws "[search] no
+  // available rank ...") and each rank's class.
+  void classify_ranks();
+  // Each rank's device type as an index, the node count, and the links per
+  // pair of device types (link_gbps_).
+  void index_device_types();
+  // Per class, the TP degrees to try: on a re-plan those of the previous
+  // solution on the class's device type, when it used some of them.
+  std::vector<std::vector<int>> class_tp_degrees() const;
+  // Every combination of per-class TP degrees (times cp), each enumerated
+  // by enumerate_group_sets.
+  void enumerate_tp_combinations(const std::vector<std::vector<int>>& degrees, int cp);
+  // The groups of per-class TP sizes `tps` (without leftover groups, and
+  // at cp 1 with them), each set kept when the batch can feed one of its
+  // configurations.
+  void enumerate_group_sets(const std::vector<int>& tps, int cp);
+  // The answer: the top_k strategies scored, the counters and the
+  // time-limit note.
+  SearchResult result() const;
+  std::string limit_note(double search_s) const;
+  // Nothing scored: throws, naming the least memory shortfall if there was one.
+  [[noreturn]] void fail_nothing_found() const;
   // Whether some micro-batch size can run a configuration of `stages`
   // stages in all over `pipelines` pipelines, the longest of `longest`
   // stages: at most L stages a pipeline, and under 1F1B at least as many
@@ -138,6 +181,16 @@ class Searcher {
   Config config(size_t i) const;
   // A lower bound of the step time of a configuration per micro-batch size.
   std::vector<double> lower_bounds(const Config& c, const std::vector<int>& sizes) const;
+  // lower_bounds' parts: the least gradient sync and optimizer step after
+  // the schedule (the same at every size), each pipeline's pipe_shape
+  // (-1: not cacheable), and the bound at micro-batch size b.
+  double after_schedule_bound(const Config& c) const;
+  std::vector<int> pipe_shapes(const Config& c) const;
+  double size_bound(const Config& c, int b, const std::vector<int>& shapes, double after) const;
+  // A group's optimizer step over one layer's shard of `per_layer`
+  // parameters and whether its rank overlaps the sync; cached per class,
+  // size and cp (optimizer_cache_).
+  std::pair<double, bool> optimizer_facts(const Group& g, int cp, double per_layer) const;
   // A pipeline's stage classes, sizes and node sharing (`stages`: per
   // stage class << 32 + 2 size + whether it shares the previous stage's
   // node), with cp and P where the programs read it, as a number:
@@ -146,6 +199,25 @@ class Searcher {
   std::pair<double, double> pipeline_bound(const Pipe& pipe, int cp, int b, int P, int shape) const;
   double kth_best() const;
   void second_levels();
+  // second_levels' parts. The micro-batch sizes it tries (a re-plan: the
+  // previous one's only), and the order in which it bounds configurations.
+  std::vector<int> second_level_sizes() const;
+  BoundOrder bound_order() const;
+  // A round's bounds from position `next` on (advanced), best first; sets
+  // `stopped` when the time limit is reached.
+  std::vector<BoundItem> bound_round(const BoundOrder& order, const std::vector<int>& sizes, double programs_until,
+                                     size_t& next, bool& stopped);
+  // A round's programs, best bound first, pruning by the k-th best (the
+  // infinite bounds pruned go to `unfit`). Returns whether a limit stopped it.
+  bool solve_round(const std::vector<BoundItem>& items, const std::vector<int>& sizes, double programs_until,
+                   std::vector<BoundItem>& unfit);
+  // One configuration at size b (exhaustively or by the programs): plain,
+  // then with recomputation (if allowed) only when the plain one scored
+  // nothing.
+  void solve_config(const Config& c, int b);
+  // Nothing fits: the unfit configurations' programs, only to name the
+  // least shortfall.
+  void solve_unfit(const std::vector<BoundItem>& unfit, const std::vector<int>& sizes);
   void second_level(const Config& c, int b, bool recompute);
   // Stage k of a pipeline in the layer program: its time and memory per
   // micro-batch as fixed + per-layer terms (cost model), its capacity.

@@ -227,6 +227,109 @@ void Searcher::exhaustive(const Config& c, int b, bool recompute) {
   mb(0, total_mb);
 }
 
+namespace {
+
+// The links of a bound: a bandwidth depends only on whether two ranks share
+// a node and on their device types (one a node), so the ranks are grouped
+// by node "sites", each knowing whether it holds ranks of one pipeline
+// only, and the sites by device type: the fastest link from a group to
+// another pipeline's rank costs a look at its own site and one per device
+// type, not a pass over every rank (measured on 1000 ranks: a 30 s search
+// now ends in 19 s; before, 22 s of bounds found nothing under --time-limit
+// 3) or over every site (2,048 devices: 256 sites for each of 256 groups).
+class LinkSites {
+ public:
+  // `rank_type`, `types` and `link_gbps` as the Searcher's rank_type_,
+  // type_names_ and link_gbps_.
+  LinkSites(const Config& c, const Topology& topo, int num_nodes, const std::vector<int>& rank_type, int types,
+            const std::vector<double>& link_gbps)
+      : cp_(c.cp), topo_(topo), rank_type_(rank_type), types_(types), link_gbps_(link_gbps), sites_(num_nodes) {
+    for (size_t q = 0; q < c.pipelines.size(); ++q)
+      for (const Group* g : c.pipelines[q]) {
+        const Group& other = *g;
+        if (other.node >= 0) {  // all on one node
+          add(other.node, other.ranks.data(), other.ranks.size(), static_cast<int>(q));
+          continue;
+        }
+        for (const int& r : other.ranks) add(topo.node_of(r), &r, 1, static_cast<int>(q));
+      }
+    index_types(static_cast<int>(c.pipelines.size()));
+  }
+
+  // The fastest link from g's first rank (pipeline p) to a rank it could
+  // reduce with: another pipeline's, or under cp > 1 also its own
+  // pipeline's. 0 when there is none.
+  double fastest_link(const Group& g, size_t p) const {
+    double fastest = 0;
+    const int r0 = g.ranks.front();
+    const int n0 = g.node >= 0 ? g.node : topo_.node_of(r0), t0 = rank_type_[r0];
+    const Site& own = sites_[n0];
+    const bool other_here = own.multi || own.pipeline != static_cast<int>(p);
+    if (other_here || (cp_ > 1 && own.total >= 2)) {
+      const int other = own.rep[0] != r0 ? own.rep[0] : own.rep[1];
+      if (other >= 0) fastest = std::max(fastest, link_gbps_[(t0 * types_ + rank_type_[other]) * 2]);
+    }
+    for (int t = 0; t < types_; ++t) {
+      int eligible = cp_ > 1 ? type_sites_[t] : type_sites_[t] - only_[t][p];
+      if (t == t0 && (cp_ > 1 || other_here)) --eligible;  // its own site is not another node
+      if (eligible <= 0) continue;
+      const int other = type_rep_node_[t][0] != n0 ? type_rep_[t][0] : type_rep_[t][1];
+      if (other >= 0) fastest = std::max(fastest, link_gbps_[(t0 * types_ + t) * 2 + 1]);
+    }
+    return fastest;
+  }
+
+ private:
+  struct Site {
+    int rep[2] = {-1, -1};  // two of its ranks (one that is not the asking rank)
+    int total = 0;
+    int pipeline = -1;   // the pipeline of its first rank
+    bool multi = false;  // ranks of another pipeline too
+  };
+
+  void add(int node, const int* ranks, size_t n, int q) {
+    Site& st = sites_[node];
+    if (st.total == 0) touched_.push_back(node);
+    for (size_t i = 0; i < n && st.rep[1] < 0; ++i) (st.rep[0] < 0 ? st.rep[0] : st.rep[1]) = ranks[i];
+    st.total += static_cast<int>(n);
+    if (st.pipeline < 0) st.pipeline = q;
+    else if (st.pipeline != q) st.multi = true;
+  }
+
+  // Per device type: its sites, the sites holding only pipeline p's ranks,
+  // and ranks of it on two nodes.
+  void index_types(int pipelines) {
+    type_sites_.assign(types_, 0);
+    only_.assign(types_, std::vector<int>(pipelines, 0));
+    type_rep_.assign(types_, {-1, -1});
+    type_rep_node_.assign(types_, {-1, -1});
+    for (int node : touched_) {
+      const Site& st = sites_[node];
+      const int t = rank_type_[st.rep[0]];
+      ++type_sites_[t];
+      if (!st.multi) ++only_[t][st.pipeline];
+      for (int i : {0, 1})
+        if (type_rep_[t][i] < 0) {
+          type_rep_[t][i] = st.rep[0], type_rep_node_[t][i] = node;
+          break;
+        }
+    }
+  }
+
+  int cp_;
+  const Topology& topo_;
+  const std::vector<int>& rank_type_;
+  int types_;
+  const std::vector<double>& link_gbps_;
+  std::vector<Site> sites_;
+  std::vector<int> touched_;
+  std::vector<int> type_sites_;
+  std::vector<std::vector<int>> only_;
+  std::vector<std::array<int, 2>> type_rep_, type_rep_node_;
+};
+
+}  // namespace
+
 // A lower bound of the step time of a configuration at micro-batch size b,
 // from the continuous relaxation of the two programs. In pipeline p a stage
 // k spends f_k + x_k t_k per micro-batch (x_k layers); the slowest stage is
@@ -243,80 +346,17 @@ void Searcher::exhaustive(const Config& c, int b, bool recompute) {
 // The bound of every micro-batch size is computed at once: the gradient
 // sync and optimizer part does not depend on the size.
 std::vector<double> Searcher::lower_bounds(const Config& c, const std::vector<int>& sizes) const {
+  const double after = after_schedule_bound(c);
+  const std::vector<int> shapes = pipe_shapes(c);
+  std::vector<double> out;
+  for (int b : sizes) out.push_back(size_bound(c, b, shapes, after));
+  return out;
+}
+
+double Searcher::after_schedule_bound(const Config& c) const {
   const double L = static_cast<double>(m_.num_hidden_layers);
   const int P = static_cast<int>(c.pipelines.size());
-  const Topology& topo = model_.topology();
-  // The links: a bandwidth depends only on whether two ranks share a node and
-  // on their device types (one a node), so the ranks are grouped by node
-  // "sites", each knowing whether it holds ranks of one pipeline only, and
-  // the sites by device type: the fastest link from a group to another
-  // pipeline's rank costs a look at its own site and one per device type,
-  // not a pass over every rank (measured on 1000 ranks: a 30 s search now
-  // ends in 19 s; before, 22 s of bounds found nothing under --time-limit 3)
-  // or over every site (2,048 devices: 256 sites for each of 256 groups).
-  struct Site {
-    int rep[2] = {-1, -1};  // two of its ranks (one that is not the asking rank)
-    int total = 0;
-    int pipeline = -1;   // the pipeline of its first rank
-    bool multi = false;  // ranks of another pipeline too
-  };
-  std::vector<Site> sites(num_nodes_);
-  std::vector<int> touched;
-  auto add = [&](int node, const int* ranks, size_t n, int q) {
-    Site& st = sites[node];
-    if (st.total == 0) touched.push_back(node);
-    for (size_t i = 0; i < n && st.rep[1] < 0; ++i) (st.rep[0] < 0 ? st.rep[0] : st.rep[1]) = ranks[i];
-    st.total += static_cast<int>(n);
-    if (st.pipeline < 0) st.pipeline = q;
-    else if (st.pipeline != q) st.multi = true;
-  };
-  for (size_t q = 0; q < c.pipelines.size(); ++q)
-    for (const Group* g : c.pipelines[q]) {
-      const Group& other = *g;
-      if (other.node >= 0) {  // all on one node
-        add(other.node, other.ranks.data(), other.ranks.size(), static_cast<int>(q));
-        continue;
-      }
-      for (const int& r : other.ranks) add(topo.node_of(r), &r, 1, static_cast<int>(q));
-    }
-  // Per device type: its sites, the sites holding only pipeline p's ranks,
-  // and ranks of it on two nodes.
-  const int types = static_cast<int>(type_names_);
-  std::vector<int> type_sites(types, 0);
-  std::vector<std::vector<int>> only(types, std::vector<int>(P, 0));
-  std::vector<std::array<int, 2>> type_rep(types, {-1, -1}), type_rep_node(types, {-1, -1});
-  for (int node : touched) {
-    const Site& st = sites[node];
-    const int t = rank_type_[st.rep[0]];
-    ++type_sites[t];
-    if (!st.multi) ++only[t][st.pipeline];
-    for (int i : {0, 1})
-      if (type_rep[t][i] < 0) {
-        type_rep[t][i] = st.rep[0], type_rep_node[t][i] = node;
-        break;
-      }
-  }
-  // The fastest link from r0 (pipeline p) to a rank it could reduce with:
-  // another pipeline's, or under cp > 1 also its own pipeline's.
-  auto fastest_link = [&](const Group& g, size_t p) {
-    double fastest = 0;
-    const int r0 = g.ranks.front();
-    const int n0 = g.node >= 0 ? g.node : topo.node_of(r0), t0 = rank_type_[r0];
-    const Site& own = sites[n0];
-    const bool other_here = own.multi || own.pipeline != static_cast<int>(p);
-    if (other_here || (c.cp > 1 && own.total >= 2)) {
-      const int other = own.rep[0] != r0 ? own.rep[0] : own.rep[1];
-      if (other >= 0) fastest = std::max(fastest, link_gbps_[(t0 * types + rank_type_[other]) * 2]);
-    }
-    for (int t = 0; t < types; ++t) {
-      int eligible = c.cp > 1 ? type_sites[t] : type_sites[t] - only[t][p];
-      if (t == t0 && (c.cp > 1 || other_here)) --eligible;  // its own site is not another node
-      if (eligible <= 0) continue;
-      const int other = type_rep_node[t][0] != n0 ? type_rep[t][0] : type_rep[t][1];
-      if (other >= 0) fastest = std::max(fastest, link_gbps_[(t0 * types + t) * 2 + 1]);
-    }
-    return fastest;
-  };
+  const LinkSites links(c, model_.topology(), num_nodes_, rank_type_, static_cast<int>(type_names_), link_gbps_);
   double after = 0;
   for (size_t p = 0; p < c.pipelines.size(); ++p) {
     const Pipe& pipe = c.pipelines[p];
@@ -334,75 +374,76 @@ std::vector<double> Searcher::lower_bounds(const Config& c, const std::vector<in
                                static_cast<double>(model_.layer_tp_params()) / (static_cast<double>(g.ranks.size()) / c.cp);
       double sync = 0;
       if (replicas > 1) {
-        const double fastest = fastest_link(g, p);
+        const double fastest = links.fastest_link(g, p);
         if (fastest > 0) sync = 2.0 * per_layer * 4 * (replicas - 1) / replicas / (fastest * 1e9);
       }
-      // The optimizer's step over one layer's shard and whether the rank
-      // overlaps its sync: per class, size and cp.
-      auto rank_facts = [&] {
-        const double opt = model_.optimizer_seconds(g.ranks.front(), static_cast<int64_t>(per_layer)) -
-                           model_.optimizer_seconds(g.ranks.front(), 0);
-        return std::make_pair(opt, model_.overlaps_grad_sync(g.ranks.front()));
-      };
-      std::pair<double, bool> facts;
-      if (g.cls >= 0) {
-        const int64_t key = (static_cast<int64_t>(g.cls) << 42) | (static_cast<int64_t>(c.cp) << 21) |
-                            static_cast<int64_t>(g.ranks.size());
-        auto it = optimizer_cache_.find(key);
-        facts = it != optimizer_cache_.end() ? it->second : (optimizer_cache_[key] = rank_facts());
-      } else {
-        facts = rank_facts();
-      }
-      const double opt = facts.first;
+      const auto [opt, overlaps] = optimizer_facts(g, c.cp, per_layer);
       // A GPU overlaps the sync with the last backward but one layer's
       // share (CostModel::evaluate): only that is left for sure.
-      const double sync_after = facts.second ? sync : most * sync;
+      const double sync_after = overlaps ? sync : most * sync;
       least_after = std::min(least_after, sync_after + most * (o_.zero ? opt / P : opt));
     }
     after = std::max(after, least_after);
   }
+  return after;
+}
+
+std::pair<double, bool> Searcher::optimizer_facts(const Group& g, int cp, double per_layer) const {
+  auto rank_facts = [&] {
+    const double opt = model_.optimizer_seconds(g.ranks.front(), static_cast<int64_t>(per_layer)) -
+                       model_.optimizer_seconds(g.ranks.front(), 0);
+    return std::make_pair(opt, model_.overlaps_grad_sync(g.ranks.front()));
+  };
+  if (g.cls < 0) return rank_facts();
+  const int64_t key = (static_cast<int64_t>(g.cls) << 42) | (static_cast<int64_t>(cp) << 21) |
+                      static_cast<int64_t>(g.ranks.size());
+  auto it = optimizer_cache_.find(key);
+  return it != optimizer_cache_.end() ? it->second : (optimizer_cache_[key] = rank_facts());
+}
+
+std::vector<int> Searcher::pipe_shapes(const Config& c) const {
+  const int P = static_cast<int>(c.pipelines.size());
   std::vector<int> shapes(c.pipelines.size());
-  {
-    // Pipelines of a configuration mostly repeat the one before.
-    std::vector<int64_t> now, before;
-    for (size_t p = 0; p < c.pipelines.size(); ++p) {
-      now.clear();
-      const Pipe& pipe = c.pipelines[p];
-      for (size_t k = 0; k < pipe.size() && (now.empty() || now.back() >= 0); ++k)
-        now.push_back(pipe[k]->cls < 0 ? -1
-                                       : (static_cast<int64_t>(pipe[k]->cls) << 32) +
-                                             static_cast<int64_t>(pipe[k]->ranks.size()) * 2 +
-                                             (k > 0 && pipe[k]->node == pipe[k - 1]->node ? 1 : 0));
-      if (!now.empty() && now.back() < 0) shapes[p] = -1;
-      else if (p > 0 && now == before) shapes[p] = shapes[p - 1];
-      else shapes[p] = pipe_shape(now, c.cp, P);
-      std::swap(now, before);
-    }
+  // Pipelines of a configuration mostly repeat the one before.
+  std::vector<int64_t> now, before;
+  for (size_t p = 0; p < c.pipelines.size(); ++p) {
+    now.clear();
+    const Pipe& pipe = c.pipelines[p];
+    for (size_t k = 0; k < pipe.size() && (now.empty() || now.back() >= 0); ++k)
+      now.push_back(pipe[k]->cls < 0 ? -1
+                                     : (static_cast<int64_t>(pipe[k]->cls) << 32) +
+                                           static_cast<int64_t>(pipe[k]->ranks.size()) * 2 +
+                                           (k > 0 && pipe[k]->node == pipe[k - 1]->node ? 1 : 0));
+    if (!now.empty() && now.back() < 0) shapes[p] = -1;
+    else if (p > 0 && now == before) shapes[p] = shapes[p - 1];
+    else shapes[p] = pipe_shape(now, c.cp, P);
+    std::swap(now, before);
   }
-  std::vector<double> out;
-  for (int b : sizes) {
-    double rate = 0, fill = 0, at_least = 0;
-    bool fits = true;
-    for (size_t p = 0; p < c.pipelines.size() && fits; ++p) {
-      const auto [best_T, least_stage] = pipeline_bound(c.pipelines[p], c.cp, b, P, shapes[p]);
-      if (!std::isfinite(best_T)) fits = false;
-      const int K = static_cast<int>(c.pipelines[p].size());
-      // n micro-batches take at least (n - 1) T_max + sum_k T_k (the
-      // bottleneck's n slots plus every other stage's first forward and
-      // last backward) >= n T_p + (least sum - T_p).
-      const double B = std::max(0.0, least_stage - best_T);
-      rate += 1 / best_T;
-      fill += B / best_T;
-      // 1F1B runs at least K micro-batches per pipeline.
-      const int least_n = o_.schedule == "gpipe" ? 1 : K;
-      at_least = std::max(at_least, least_n * best_T + B);
-    }
-    // min over n of max_p n_p T_p + B_p with sum_p n_p = G / b and n_p at
-    // least its minimum (fractional).
-    out.push_back(fits ? std::max(at_least, (static_cast<double>(o_.global_batch) / b + fill) / rate) + after
-                       : std::numeric_limits<double>::infinity());
+  return shapes;
+}
+
+double Searcher::size_bound(const Config& c, int b, const std::vector<int>& shapes, double after) const {
+  const int P = static_cast<int>(c.pipelines.size());
+  double rate = 0, fill = 0, at_least = 0;
+  bool fits = true;
+  for (size_t p = 0; p < c.pipelines.size() && fits; ++p) {
+    const auto [best_T, least_stage] = pipeline_bound(c.pipelines[p], c.cp, b, P, shapes[p]);
+    if (!std::isfinite(best_T)) fits = false;
+    const int K = static_cast<int>(c.pipelines[p].size());
+    // n micro-batches take at least (n - 1) T_max + sum_k T_k (the
+    // bottleneck's n slots plus every other stage's first forward and
+    // last backward) >= n T_p + (least sum - T_p).
+    const double B = std::max(0.0, least_stage - best_T);
+    rate += 1 / best_T;
+    fill += B / best_T;
+    // 1F1B runs at least K micro-batches per pipeline.
+    const int least_n = o_.schedule == "gpipe" ? 1 : K;
+    at_least = std::max(at_least, least_n * best_T + B);
   }
-  return out;
+  // min over n of max_p n_p T_p + B_p with sum_p n_p = G / b and n_p at
+  // least its minimum (fractional).
+  return fits ? std::max(at_least, (static_cast<double>(o_.global_batch) / b + fill) / rate) + after
+              : std::numeric_limits<double>::infinity();
 }
 
 // Per pipeline of a bound: the least bottleneck T_p of the LP relaxation of
@@ -492,45 +533,53 @@ double Searcher::kth_best() const {
   return kth_ = steps[o_.top_k - 1];
 }
 
-void Searcher::second_levels() {
-  struct Item {
-    double bound;
-    uint32_t config;
-    uint32_t b_index;  // into sizes
-  };
+namespace {
+
+// The low `bits` bits of j, reversed.
+uint64_t reverse_low_bits(uint64_t j, int bits) {
+  j = ((j >> 1) & 0x5555555555555555ull) | ((j & 0x5555555555555555ull) << 1);
+  j = ((j >> 2) & 0x3333333333333333ull) | ((j & 0x3333333333333333ull) << 2);
+  j = ((j >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((j & 0x0F0F0F0F0F0F0F0Full) << 4);
+  j = ((j >> 8) & 0x00FF00FF00FF00FFull) | ((j & 0x00FF00FF00FF00FFull) << 8);
+  j = ((j >> 16) & 0x0000FFFF0000FFFFull) | ((j & 0x0000FFFF0000FFFFull) << 16);
+  j = (j >> 32) | (j << 32);
+  return bits == 0 ? uint64_t{0} : j >> (64 - bits);
+}
+
+}  // namespace
+
+size_t BoundOrder::at(size_t next) const {
+  if (next < symmetric) return next;
+  const size_t i = reverse_low_bits(next - symmetric, bits);
+  return i < rest ? symmetric + i : static_cast<size_t>(-1);
+}
+
+// Bounds cost time too (every group of every configuration): the symmetric
+// configurations first, then the others in an order that spreads over all
+// of them (bit-reversed indices: every TP combination and pipeline count
+// sampled evenly), so that a limit that stops them leaves a fair sample
+// rather than the first TP combinations only. (The symmetric configurations
+// are enumerated first: configs_[0 .. S).)
+BoundOrder Searcher::bound_order() const {
+  BoundOrder order;
+  while (order.symmetric < configs_.size() && configs_[order.symmetric].symmetric >= 0) ++order.symmetric;
+  order.rest = configs_.size() - order.symmetric;
+  while ((size_t{1} << order.bits) < order.rest) ++order.bits;
+  return order;
+}
+
+std::vector<int> Searcher::second_level_sizes() const {
   std::vector<int> sizes;
   for (int b : micro_batch_sizes()) {
     if (o_.previous && !o_.previous->pipelines.empty() && b != o_.previous->pipelines[0].micro_batch_size) continue;
     sizes.push_back(b);
   }
-  // Bounds cost time too (every group of every configuration): the
-  // symmetric configurations first, then the others in an order that
-  // spreads over all of them (bit-reversed indices: every TP combination
-  // and pipeline count sampled evenly), so that a limit that stops them
-  // leaves a fair sample rather than the first TP combinations only.
-  // (The symmetric configurations are enumerated first: configs_[0 .. S).)
-  size_t S = 0;
-  while (S < configs_.size() && configs_[S].symmetric >= 0) ++S;
-  const size_t rest = configs_.size() - S;
-  int bits = 0;
-  while ((size_t{1} << bits) < rest) ++bits;
-  auto reversed = [bits](uint64_t j) {  // the low `bits` bits of j, reversed
-    j = ((j >> 1) & 0x5555555555555555ull) | ((j & 0x5555555555555555ull) << 1);
-    j = ((j >> 2) & 0x3333333333333333ull) | ((j & 0x3333333333333333ull) << 2);
-    j = ((j >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((j & 0x0F0F0F0F0F0F0F0Full) << 4);
-    j = ((j >> 8) & 0x00FF00FF00FF00FFull) | ((j & 0x00FF00FF00FF00FFull) << 8);
-    j = ((j >> 16) & 0x0000FFFF0000FFFFull) | ((j & 0x0000FFFF0000FFFFull) << 16);
-    j = (j >> 32) | (j << 32);
-    return bits == 0 ? uint64_t{0} : j >> (64 - bits);
-  };
-  // Position `next` of the order -> a configuration, or none (a reversed
-  // index past the end, skipped).
-  const size_t positions = S + (size_t{1} << bits);
-  auto at = [&](size_t next) -> size_t {
-    if (next < S) return next;
-    const size_t i = reversed(next - S);
-    return i < rest ? S + i : static_cast<size_t>(-1);
-  };
+  return sizes;
+}
+
+void Searcher::second_levels() {
+  const std::vector<int> sizes = second_level_sizes();
+  const BoundOrder order = bound_order();
   // Rounds: bounds, then the programs of what they bounded, best bound
   // first. Without a binding limit that is one round over everything.
   // Under a limit too short for everything the time left is shared: a
@@ -540,72 +589,86 @@ void Searcher::second_levels() {
   // "Time limit").
   const double t0 = elapsed();
   const double programs_until = t0 + 0.9 * std::max(0.0, o_.time_limit_s - t0);
-  std::vector<Item> unfit;  // memory rules them out: solved only to name the shortfall if nothing fits
-  size_t next = 0;          // a position of the order
+  std::vector<BoundItem> unfit;  // memory rules them out: solved only to name the shortfall if nothing fits
+  size_t next = 0;               // a position of the order
   bool stopped = sizes.empty() || configs_.empty();
-  while (!stopped && next < positions) {
-    phase_ = "the lower bounds";
-    const double bounds_until = elapsed() + 0.5 * std::max(0.0, programs_until - elapsed());
-    std::vector<Item> items;
-    for (; next < positions; ++next) {
-      const size_t config_at = at(next);
-      if (config_at == static_cast<size_t>(-1)) continue;
-      if (out_of_time()) {
-        stopped = true;
-        break;
-      }
-      if (elapsed() > bounds_until && !items.empty()) break;  // their programs first
-      const uint32_t i = static_cast<uint32_t>(config_at);
-      ++bounded_;
-      if (o_.exhaustive) {
-        for (size_t j = 0; j < sizes.size(); ++j) items.push_back({0.0, i, static_cast<uint32_t>(j)});
-        continue;
-      }
-      const std::vector<double> bounds = lower_bounds(config(i), sizes);
-      for (size_t j = 0; j < sizes.size(); ++j) items.push_back({bounds[j], i, static_cast<uint32_t>(j)});
-    }
-    // Best bound first; ties in enumeration order (configuration, then size).
-    std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-      if (x.bound != y.bound) return x.bound < y.bound;
-      return x.config != y.config ? x.config < y.config : x.b_index < y.b_index;
-    });
-    phase_ = "the second level (integer programs, scoring)";
-    for (const Item& it : items) {
-      if (out_of_time()) {
-        stopped = true;
-        break;
-      }
-      if (elapsed() > programs_until && !scored_.empty()) {
-        limit("the second level stopped at 90% of it");
-        stopped = true;
-        break;
-      }
-      // Best-bound first: once the bound reaches the k-th best, nothing later
-      // can enter the top k (exhaustive runs score everything).
-      if (!o_.exhaustive && it.bound >= kth_best()) {
-        if (!std::isfinite(it.bound)) unfit.push_back(it);
-        ++pruned_;
-        continue;
-      }
-      ++configurations_;
-      const Config c = config(it.config);
-      for (bool recompute : {false, true}) {
-        if (recompute && !o_.allow_recompute) break;
-        const size_t before = scored_.size();
-        if (o_.exhaustive) exhaustive(c, sizes[it.b_index], recompute);
-        else second_level(c, sizes[it.b_index], recompute);
-        // Recomputation only where the plain configuration does not fit.
-        if (scored_.size() > before) break;
-      }
-    }
+  while (!stopped && next < order.positions()) {
+    const std::vector<BoundItem> items = bound_round(order, sizes, programs_until, next, stopped);
+    if (solve_round(items, sizes, programs_until, unfit)) stopped = true;
   }
-  if (scored_.empty() && !timed_out_)
-    for (const Item& it : unfit) {
-      if (out_of_time()) break;
-      const Config c = config(it.config);
-      for (bool recompute : {false, true}) second_level(c, sizes[it.b_index], recompute && o_.allow_recompute);
-    }
+  if (scored_.empty() && !timed_out_) solve_unfit(unfit, sizes);
   if (scored_.empty() && timed_out_) fallback();
+}
+
+std::vector<BoundItem> Searcher::bound_round(const BoundOrder& order, const std::vector<int>& sizes,
+                                             double programs_until, size_t& next, bool& stopped) {
+  phase_ = "the lower bounds";
+  const double bounds_until = elapsed() + 0.5 * std::max(0.0, programs_until - elapsed());
+  std::vector<BoundItem> items;
+  for (; next < order.positions(); ++next) {
+    const size_t config_at = order.at(next);
+    if (config_at == static_cast<size_t>(-1)) continue;
+    if (out_of_time()) {
+      stopped = true;
+      break;
+    }
+    if (elapsed() > bounds_until && !items.empty()) break;  // their programs first
+    const uint32_t i = static_cast<uint32_t>(config_at);
+    ++bounded_;
+    if (o_.exhaustive) {
+      for (size_t j = 0; j < sizes.size(); ++j) items.push_back({0.0, i, static_cast<uint32_t>(j)});
+      continue;
+    }
+    const std::vector<double> bounds = lower_bounds(config(i), sizes);
+    for (size_t j = 0; j < sizes.size(); ++j) items.push_back({bounds[j], i, static_cast<uint32_t>(j)});
+  }
+  // Best bound first; ties in enumeration order (configuration, then size).
+  std::sort(items.begin(), items.end(), [](const BoundItem& x, const BoundItem& y) {
+    if (x.bound != y.bound) return x.bound < y.bound;
+    return x.config != y.config ? x.config < y.config : x.b_index < y.b_index;
+  });
+  return items;
+}
+
+bool Searcher::solve_round(const std::vector<BoundItem>& items, const std::vector<int>& sizes, double programs_until,
+                           std::vector<BoundItem>& unfit) {
+  phase_ = "the second level (integer programs, scoring)";
+  for (const BoundItem& it : items) {
+    if (out_of_time()) return true;
+    if (elapsed() > programs_until && !scored_.empty()) {
+      limit("the second level stopped at 90% of it");
+      return true;
+    }
+    // Best-bound first: once the bound reaches the k-th best, nothing later
+    // can enter the top k (exhaustive runs score everything).
+    if (!o_.exhaustive && it.bound >= kth_best()) {
+      if (!std::isfinite(it.bound)) unfit.push_back(it);
+      ++pruned_;
+      continue;
+    }
+    ++configurations_;
+    solve_config(config(it.config), sizes[it.b_index]);
+  }
+  return false;
+}
+
+void Searcher::solve_config(const Config& c, int b) {
+  for (bool recompute : {false, true}) {
+    if (recompute && !o_.allow_recompute) break;
+    const size_t before = scored_.size();
+    if (o_.exhaustive) exhaustive(c, b, recompute);
+    else second_level(c, b, recompute);
+    // Recomputation only where the plain configuration does not fit.
+    if (scored_.size() > before) break;
+  }
+}
+
+void Searcher::solve_unfit(const std::vector<BoundItem>& unfit, const std::vector<int>& sizes) {
+  for (const BoundItem& it : unfit) {
+    if (out_of_time()) break;
+    const Config c = config(it.config);
+    for (bool recompute : {false, true}) second_level(c, sizes[it.b_index], recompute && o_.allow_recompute);
+  }
 }
 
 // Out of time before anything was scored (a cluster too large for the
