@@ -386,7 +386,7 @@ t0=$(date +%s)
 FBUILD=${FBUILD_DIR:-build-gpu-full}
 CBC=$ROOT/.gpu-deps/cbc
 HSPMD=$FBUILD/src/cli/hspmd
-FULL_TARGETS=(hspmd conformance_memory conformance_attention kernel_perf nccl_world1)
+FULL_TARGETS=(hspmd test_kernels_backend_conformance conformance_memory conformance_attention kernel_perf nccl_world1)
 if [[ -n "$NVCC" && -d "$CBC" ]] && want build; then
   lim=$(cap_of build 200)
   {
@@ -464,9 +464,13 @@ run_parts() {  # run_parts NAME CAP LOG -- "CMD1" "CMD2" ... (each a bash comman
 }
 
 # ------------------------------------------------------------ core --
-# conformance: every kernel against the CPU (conformance_memory), then
-# attention on cuDNN (required: a fallback fails), in one log and status.
+# conformance: every kernel of src/kernels/kernel_list.inc on every registered
+# backend against the CPU baseline (test_kernels_backend_conformance, a few
+# seconds: small shapes), every kernel against the CPU at training's shapes
+# (conformance_memory), then attention on cuDNN (required: a fallback
+# fails), in one log and status.
 run_parts conformance 75 conformance.log -- \
+  "$FBUILD/tests/kernels/test_kernels_backend_conformance --gtest_brief=1" \
   "$FBUILD/tests/gpu/conformance_memory" \
   "HSPMD_CUDNN_ATTENTION=1 $FBUILD/tests/gpu/conformance_attention"
 

@@ -9,11 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/block_cache.h"
+#include "hspmd/core/device_runtime.h"
 #include "hspmd/core/error.h"
-#ifdef HSPMD_HAVE_CUDA
-#include "core/cuda_runtime.h"
-#endif
 
 namespace hspmd {
 
@@ -30,37 +27,22 @@ void Allocator::account_alloc(size_t bytes) {
 
 namespace {
 
-// 64-byte aligned host memory (one cache line, one AVX-512 vector) with a
-// cache of freed blocks by exact size: a training step allocates the same
-// sizes every step, and reusing blocks avoids page faults and zeroing by the
-// kernel on every fresh mapping.
-class CpuAllocator final : public CachingAllocator {
- public:
-  CpuAllocator() : CachingAllocator(64) {}
-  ~CpuAllocator() override { release_cache(); }
+// "CPU", "CUDA": a device type as error messages name its backend.
+const char* backend_name(DeviceType type) { return type == DeviceType::CPU ? "CPU" : "CUDA"; }
 
- private:
-  void* backend_allocate(size_t bytes) override { return std::aligned_alloc(64, bytes); }
-  void backend_free(void* ptr) override { std::free(ptr); }
-  [[noreturn]] void out_of_memory(size_t bytes) override { fail("[cpu] out of memory allocating ", bytes, " bytes"); }
-};
+// The runtime of `device` after require_device().
+DeviceRuntime& runtime_of(Device device) {
+  require_device(device);
+  return *device_runtime(device.type);
+}
 
 }  // namespace
 
-bool built_with_cuda() {
-#ifdef HSPMD_HAVE_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
+bool built_with_cuda() { return device_runtime(DeviceType::CUDA) != nullptr; }
 
 int cuda_device_count() {
-#ifdef HSPMD_HAVE_CUDA
-  return cuda_rt::device_count();
-#else
-  return 0;
-#endif
+  DeviceRuntime* r = device_runtime(DeviceType::CUDA);
+  return r != nullptr ? r->device_count() : 0;
 }
 
 Device parse_device_name(const std::string& text, const std::string& flag) {
@@ -93,73 +75,35 @@ void require_device(Device device) {
       fail("[device] ", device.str(), ": the host is cpu:0 (and cpu:1 its device test double)");
     return;
   }
-  if (!built_with_cuda()) fail("[device] ", device.str(), ": this build has no CUDA backend");
-  const int n = cuda_device_count();
+  DeviceRuntime* r = device_runtime(device.type);
+  if (r == nullptr) fail("[device] ", device.str(), ": this build has no ", backend_name(device.type), " backend");
+  const int n = r->device_count();
   if (n == 0) {
-    std::string why;
-#ifdef HSPMD_HAVE_CUDA
-    why = cuda_rt::device_count_error();  // a broken driver or MPS is not "no device"
-#endif
-    fail("[device] ", device.str(), ": no CUDA device is visible to this process",
+    const std::string why = r->device_count_error();  // a broken driver or MPS is not "no device"
+    fail("[device] ", device.str(), ": no ", backend_name(device.type), " device is visible to this process",
          why.empty() ? "" : " (cudaGetDeviceCount: " + why + ")");
   }
   if (device.index < 0 || device.index >= n)
-    fail("[device] ", device.str(), ": no such device (", n, " CUDA device", n == 1 ? "" : "s", " visible)");
+    fail("[device] ", device.str(), ": no such device (", n, " ", backend_name(device.type), " device",
+         n == 1 ? "" : "s", " visible)");
 }
 
 Allocator& allocator_for(Device device) {
-  static CpuAllocator cpu;
-  if (device.type == DeviceType::CPU) return cpu;
-#ifdef HSPMD_HAVE_CUDA
-  require_device(device);
-  return cuda_rt::allocator(device.index);
-#else
-  fail("[device] ", device.str(), ": this build has no CUDA backend");
-#endif
+  if (device.type == DeviceType::CPU) return device_runtime(DeviceType::CPU)->allocator(0);
+  return runtime_of(device).allocator(device.index);
 }
 
-namespace {
+Stream& default_stream(Device device) { return runtime_of(device).stream(device.index, 0); }
 
-// Stream `id` of `device`: 0 the default one, 1 the communication one.
-Stream& device_stream(Device device, int id) {
-  static Stream cpu[2] = {Stream(Device::cpu(), 0), Stream(Device::cpu(), 1)};
-  static Stream double_streams[2] = {Stream(Device::host_double(), 0), Stream(Device::host_double(), 1)};
-  if (device == Device::cpu()) return cpu[id];
-  if (device == Device::host_double()) return double_streams[id];
-  if (device.type == DeviceType::CPU) require_device(device);
-#ifdef HSPMD_HAVE_CUDA
-  require_device(device);
-  return id == 0 ? cuda_rt::default_stream(device.index) : cuda_rt::comm_stream(device.index);
-#else
-  fail("[device] ", device.str(), ": this build has no CUDA backend");
-#endif
-}
-
-}  // namespace
-
-Stream& default_stream(Device device) { return device_stream(device, 0); }
-
-Stream& comm_stream(Device device) { return device_stream(device, 1); }
+Stream& comm_stream(Device device) { return runtime_of(device).stream(device.index, 1); }
 
 void stream_wait(Stream& stream, const Event& event) {
   HSPMD_CHECK(event.recorded(), "stream_wait on an event never recorded");
-#ifdef HSPMD_HAVE_CUDA
-  if (stream.device().type == DeviceType::CUDA) {
-    cuda_rt::stream_wait(stream, event.native_handle());
-    return;
-  }
-#else
-  (void)stream;  // without CUDA every stream is a CPU stream
-#endif
-  event.synchronize();  // a CPU event's work ran when it was recorded
+  device_runtime(stream.device().type)->stream_wait(stream, event);
 }
 
 void bind_thread(Device device) {
-#ifdef HSPMD_HAVE_CUDA
-  if (device.type == DeviceType::CUDA) cuda_rt::set_device(device.index);
-#else
-  (void)device;
-#endif
+  if (DeviceRuntime* r = device_runtime(device.type)) r->bind_thread(device.index);
 }
 
 namespace {
@@ -188,52 +132,39 @@ void SideStreamScope::release() {
 SideStreamScope* SideStreamScope::current() { return t_side_stream; }
 
 Allocator& staging_host_allocator() {
-#ifdef HSPMD_HAVE_CUDA
-  if (cuda_rt::device_count() > 0) return cuda_rt::pinned_allocator();
-#endif
+  // A device type's page-locked memory when it has a visible device.
+  for (int t = 0; t <= static_cast<int>(DeviceType::CUDA); ++t)
+    if (DeviceRuntime* r = device_runtime(static_cast<DeviceType>(t)); r != nullptr && t != 0 && r->device_count() > 0)
+      if (Allocator* staging = r->staging_allocator()) return *staging;
   return allocator_for(Device::cpu());
 }
 
 void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes) {
   if (bytes == 0 || dst == src) return;
-#ifdef HSPMD_HAVE_CUDA
-  if (stream.device().type == DeviceType::CUDA) {
-    cuda_rt::copy_bytes(stream, dst, src, bytes);
-    return;
-  }
-#endif
-  HSPMD_CHECK(stream.device().type == DeviceType::CPU, "copy_bytes on a ", stream.device().str(),
-              " stream in a build without its backend");
-  std::memmove(dst, src, bytes);
+  DeviceRuntime* r = device_runtime(stream.device().type);
+  HSPMD_CHECK(r != nullptr, "copy_bytes on a ", stream.device().str(), " stream in a build without its backend");
+  r->copy_bytes(stream, dst, src, bytes);
 }
 
 void Event::record(Stream& stream) {
   stream_ = &stream;
-#ifdef HSPMD_HAVE_CUDA
-  if (stream.device().type == DeviceType::CUDA) {
-    native_ = cuda_rt::record_event(stream);
-    return;
-  }
-#endif
+  native_ = device_runtime(stream.device().type)->record_event(stream);
+  if (native_) return;
   stream.synchronize();
   at_ = std::chrono::steady_clock::now();
 }
 
 void Event::synchronize() const {
   HSPMD_CHECK(recorded(), "Event::synchronize before record");
-#ifdef HSPMD_HAVE_CUDA
-  if (native_) cuda_rt::synchronize_event(native_.get());
-#endif
+  if (native_) device_runtime(stream_->device().type)->synchronize_event(native_.get());
 }
 
 double Event::elapsed_ms(const Event& start) const {
   HSPMD_CHECK(recorded() && start.recorded(), "Event::elapsed_ms of an event never recorded");
-#ifdef HSPMD_HAVE_CUDA
   if (native_ || start.native_) {
     HSPMD_CHECK(native_ && start.native_, "Event::elapsed_ms between a CUDA and a CPU event");
-    return cuda_rt::elapsed_ms(start.native_.get(), native_.get());
+    return device_runtime(stream_->device().type)->elapsed_ms(start.native_.get(), native_.get());
   }
-#endif
   return std::chrono::duration<double, std::milli>(at_ - start.at_).count();
 }
 

@@ -358,14 +358,17 @@ Io run_case(const KernelCase& c, const Target& t) {
   return io;
 }
 
-void expect_close(const NDArray& got, const NDArray& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.shape(), want.shape()) << what;
+// "" when `got` is `want` within the tolerance, else what differs first.
+std::string mismatch(const NDArray& got, const NDArray& want, double tol) {
+  if (got.shape() != want.shape()) return "another shape";
   const NDArray g = got.to(DType::F32), w = want.to(DType::F32);
   for (int64_t i = 0; i < w.numel(); ++i) {
     const double x = g.data<float>()[i], y = w.data<float>()[i];
     if (std::isinf(y) && x == y) continue;
-    ASSERT_LE(std::abs(x - y), tol * (1 + std::abs(y))) << what << ": element " << i << " is " << x << ", want " << y;
+    if (!(std::abs(x - y) <= tol * (1 + std::abs(y))))
+      return "element " + std::to_string(i) + " is " + std::to_string(x) + ", want " + std::to_string(y);
   }
+  return "";
 }
 
 class Conformance : public testing::TestWithParam<size_t> {};
@@ -381,7 +384,7 @@ TEST_P(Conformance, EveryBackendAgreesWithTheCpuBaseline) {
     const std::string what = std::string(c.kernel) + " on " + t.label();
     ASSERT_EQ(got.results.size(), want.results.size()) << what;
     for (size_t i = 0; i < want.results.size(); ++i)
-      expect_close(got.results[i], want.results[i], want.tolerance, what + ", result " + std::to_string(i));
+      EXPECT_EQ(mismatch(got.results[i], want.results[i], want.tolerance), "") << what << ", result " << i;
     ASSERT_EQ(got.values.size(), want.values.size()) << what;
     for (size_t i = 0; i < want.values.size(); ++i)
       EXPECT_NEAR(got.values[i], want.values[i], want.tolerance * (1 + std::abs(want.values[i]))) << what;
@@ -397,6 +400,16 @@ TEST(ConformanceHarness, HasACasePerKernel) {
   ASSERT_EQ(names.size(), all_cases().size());
   for (size_t i = 0; i < names.size(); ++i) EXPECT_STREQ(names[i], all_cases()[i].kernel);
   EXPECT_GE(targets().size(), 2u);  // the CPU on the host and on its test double at least
+}
+
+// The harness's own check: a backend with a wrong kernel fails its case.
+TEST(ConformanceHarness, CatchesAWrongKernel) {
+  Backend wrong = *kernels::cpu::variant_backend(CpuIsa::kBaseline);
+  wrong.kernels.add = wrong.kernels.mul;
+  const Io want = run_case({"add", &case_add}, {kernels::cpu::variant_backend(CpuIsa::kBaseline), Device::cpu()});
+  const Io got = run_case({"add", &case_add}, {&wrong, Device::cpu()});
+  ASSERT_EQ(got.results.size(), 1u);
+  EXPECT_NE(mismatch(got.results[0], want.results[0], want.tolerance), "");
 }
 
 }  // namespace

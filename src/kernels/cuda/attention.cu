@@ -27,7 +27,7 @@
 #include <numeric>
 #include <vector>
 
-#include "core/cuda_runtime.h"
+#include "kernels/cuda/runtime.h"
 #include "hspmd/core/error.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/cuda/attention_cudnn.h"

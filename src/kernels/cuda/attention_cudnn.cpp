@@ -21,7 +21,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "core/cuda_runtime.h"
+#include "kernels/cuda/runtime.h"
 #include "hspmd/core/error.h"
 
 namespace cudnn_frontend {

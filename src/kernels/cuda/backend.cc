@@ -2,10 +2,13 @@
 // CUDA (src/kernels/CMakeLists.txt lists `cuda` in backends.inc): its table
 // is &cuda::<name> for every kernel of kernel_list.inc, so a kernel without
 // a CUDA implementation (or with another signature) fails this file's
-// compilation, not a run on a GPU.
+// compilation, not a run on a GPU. It also registers the CUDA device
+// runtime (runtime.h) with core.
+#include "hspmd/core/device_runtime.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/attention_cudnn.h"
 #include "kernels/cuda/cuda.h"
+#include "kernels/cuda/runtime.h"
 
 namespace hspmd::kernels::cuda {
 namespace {
@@ -44,6 +47,9 @@ constinit const Backend kBackend = make_backend();
 
 }  // namespace
 
-void register_backend() { kernels::register_backend(kBackend); }
+void register_backend() {
+  register_device_runtime(DeviceType::CUDA, cuda_rt::runtime());
+  kernels::register_backend(kBackend);
+}
 
 }  // namespace hspmd::kernels::cuda

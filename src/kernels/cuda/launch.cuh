@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "core/cuda_runtime.h"
+#include "kernels/cuda/runtime.h"
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
 #include "hspmd/core/ndarray.h"

@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "core/cuda_runtime.h"
+#include "kernels/cuda/runtime.h"
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
 #include "kernels/cuda/cuda.h"

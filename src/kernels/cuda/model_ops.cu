@@ -15,7 +15,7 @@
 #include <mutex>
 #include <vector>
 
-#include "core/cuda_runtime.h"
+#include "kernels/cuda/runtime.h"
 #include "hspmd/core/error.h"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/launch.cuh"

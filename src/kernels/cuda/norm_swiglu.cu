@@ -10,7 +10,7 @@
 
 #include <type_traits>
 
-#include "core/cuda_runtime.h"
+#include "kernels/cuda/runtime.h"
 #include "hspmd/core/error.h"
 #include "kernels/cuda/cuda.h"
 #include "kernels/cuda/launch.cuh"

@@ -1,6 +1,7 @@
 // The CUDA device runtime behind core's Device, Allocator, Stream and Event
-// (built only with HSPMD_HAVE_CUDA; docs/cuda.md). Internal to core and the
-// CUDA kernels: nothing above kernels includes it.
+// (built only with HSPMD_HAVE_CUDA; docs/cuda.md), registered with core as
+// its DeviceRuntime by the CUDA backend (backend.cc). Internal to the CUDA
+// backend: nothing outside src/kernels/cuda/ includes it.
 #pragma once
 
 #include <cstddef>
@@ -8,6 +9,7 @@
 #include <string>
 
 #include "hspmd/core/device.h"
+#include "hspmd/core/device_runtime.h"
 
 namespace hspmd::cuda_rt {
 
@@ -52,5 +54,8 @@ void check(int status, const char* call);
 
 // Makes `index` the calling thread's current device.
 void set_device(int index);
+
+// The functions above as core's DeviceRuntime (process lifetime).
+DeviceRuntime& runtime();
 
 }  // namespace hspmd::cuda_rt

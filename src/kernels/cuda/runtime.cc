@@ -1,6 +1,7 @@
-// The CUDA device runtime (cuda_runtime.h): allocators, streams and events
-// of CUDA devices, on the CUDA runtime API. Compiled only with CUDA.
-#include "core/cuda_runtime.h"
+// The CUDA device runtime (runtime.h): allocators, streams and events of
+// CUDA devices, on the CUDA runtime API, and core's DeviceRuntime over them.
+// Compiled only with CUDA.
+#include "kernels/cuda/runtime.h"
 
 #include <cuda_runtime.h>
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "core/block_cache.h"
+#include "hspmd/core/device_runtime.h"
 #include "hspmd/core/error.h"
 
 namespace hspmd::cuda_rt {
@@ -181,6 +183,35 @@ double elapsed_ms(void* start, void* end) {
   check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end)),
         "cudaEventElapsedTime");
   return ms;
+}
+
+namespace {
+
+// Core's view of the functions above (hspmd/core/device_runtime.h).
+class CudaRuntime final : public DeviceRuntime {
+ public:
+  int device_count() override { return cuda_rt::device_count(); }
+  std::string device_count_error() override { return cuda_rt::device_count_error(); }
+  Allocator& allocator(int index) override { return cuda_rt::allocator(index); }
+  Stream& stream(int index, int id) override { return id == 0 ? default_stream(index) : comm_stream(index); }
+  void stream_wait(Stream& stream, const Event& event) override {
+    cuda_rt::stream_wait(stream, event.native_handle());
+  }
+  void bind_thread(int index) override { set_device(index); }
+  void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes) override {
+    cuda_rt::copy_bytes(stream, dst, src, bytes);
+  }
+  std::shared_ptr<void> record_event(Stream& stream) override { return cuda_rt::record_event(stream); }
+  void synchronize_event(void* event) override { cuda_rt::synchronize_event(event); }
+  double elapsed_ms(void* start, void* end) override { return cuda_rt::elapsed_ms(start, end); }
+  Allocator* staging_allocator() override { return &pinned_allocator(); }
+};
+
+}  // namespace
+
+DeviceRuntime& runtime() {
+  static auto* r = new CudaRuntime();  // never destroyed: see CudaStream
+  return *r;
 }
 
 }  // namespace hspmd::cuda_rt
