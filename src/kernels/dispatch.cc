@@ -103,10 +103,13 @@ bool entry_checks(KernelTag<KernelId::to_device>, const char*, Stream& s, const 
   return true;
 }
 
-const Backend& backend_of(const char* kernel, const Stream& s) {
+// The backend's entry `f` for the stream's device type; no_kernel when the
+// type has no backend, or its backend leaves a CPU-only kernel out.
+template <typename F>
+F entry_of(const char* kernel, const Stream& s, F KernelTable::*f) {
   const Backend* b = backend_for(s.device().type);
-  if (b == nullptr) no_kernel(kernel, s.device());
-  return *b;
+  if (b == nullptr || b->kernels.*f == nullptr) no_kernel(kernel, s.device());
+  return b->kernels.*f;
 }
 
 }  // namespace
@@ -118,7 +121,7 @@ const Backend& backend_of(const char* kernel, const Stream& s) {
     const DeviceCodeScope code;                                                          \
     if (!entry_checks(KernelTag<KernelId::name>{}, #name, s, HSPMD_UNPAREN args))        \
       arrays_on_stream(#name, s, HSPMD_UNPAREN args);                                    \
-    return backend_of(#name, s).kernels.name(s, HSPMD_UNPAREN args);                     \
+    return entry_of(#name, s, &KernelTable::name)(s, HSPMD_UNPAREN args);                \
   }
 #include "kernels/kernel_list.inc"
 #undef HSPMD_KERNEL

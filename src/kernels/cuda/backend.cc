@@ -35,7 +35,9 @@ constexpr Backend make_backend() {
   b.name = "cuda";
   b.device_type = DeviceType::CUDA;
 #define HSPMD_KERNEL(name, ret, params, args, cpu) b.kernels.name = &cuda::name;
+#define HSPMD_CPU_ONLY_KERNEL(name, ret, params, args, cpu)  // no CUDA entry: the dispatch says no_kernel
 #include "kernels/kernel_list.inc"
+#undef HSPMD_CPU_ONLY_KERNEL
 #undef HSPMD_KERNEL
   b.kernels.to_device = &to_device_entry;
   b.fused_attention_rounds_output = &rounds_output;
