@@ -15,7 +15,7 @@ Allowed:
   src/core/ndarray.cc, include/hspmd/core/ the accessors and host conveniences
   src/comm/{communicator,mpi_communicator,shadow,staged_communicator,nccl_communicator}.cc
                                            communicator backends (buffers to the library)
-  src/core/device.cc                       copy_bytes, the device runtime's byte copy
+  src/core/device_runtime.cc               copy_bytes of the CPU device runtime (memmove)
   src/io/**                                memcpy/memset/std::byte on host file bytes
                                            (tensor bytes only through host_raw_data)
 
@@ -33,7 +33,7 @@ CPU_KERNELS = re.compile(r'#\s*include\s*"kernels/cpu/')
 KERNELS = ("src/kernels/",)
 ACCESS_OK = ("src/core/ndarray.cc", "include/hspmd/core/", "src/comm/communicator.cc",
              "src/comm/mpi_communicator.cc", "src/comm/shadow.cc", "src/comm/staged_communicator.cc",
-             "src/comm/nccl_communicator.cc", "src/core/device.cc")
+             "src/comm/nccl_communicator.cc", "src/core/device_runtime.cc")
 BYTES_OK = ACCESS_OK + ("src/io/",)
 
 
