@@ -59,7 +59,7 @@ class Trainer:
         options = _core.TrainOptions(flags)
         if self.strategy is None:
             if self.world.size > 1:
-                raise _core.Error(f"[flags] this is one of {self.world.size} MPI ranks but no strategy was given: "
+                raise _core.Error(f"[options] this is one of {self.world.size} MPI ranks but no strategy was given: "
                                   "each rank would train alone and write the same files")
             options = options.single_process()
         else:

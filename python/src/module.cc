@@ -8,6 +8,7 @@
 
 #include "bindings.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace py = pybind11;
 
@@ -33,6 +34,8 @@ void raise(PyObject* type, const char* what) {
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "hspmd's C++ core (docs/python.md); use the package hspmd, not this module";
+  // Errors name options by their keyword (seq_len), not the command line's flag (hspmd/core/options.h).
+  hspmd::set_option_spelling(hspmd::OptionSpelling::kKeyword);
   // SetupFailure and the other Error subclasses are translated as their base.
   error_type = py::register_exception<hspmd::Error>(m, "Error", PyExc_RuntimeError).ptr();
   internal_error_type = py::register_exception<hspmd::InternalError>(m, "InternalError", PyExc_RuntimeError).ptr();

@@ -15,19 +15,17 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/json_file.h"
 #include "hspmd/optim/lr_schedule.h"
 #include "hspmd/plan/plan.h"
+#include "hspmd/options/train_options.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
 
 namespace hspmd::python {
 
 namespace {
-
-// The flags of `hspmd train` the Python Trainer takes (dashes as
-// underscores), each written into TrainOptions.
-using Setter = std::function<void(TrainOptions&, const py::handle&)>;
 
 // A value of the wrong type, what the option takes: options_from_flags
 // names the option (a pybind11 cast error names none).
@@ -57,116 +55,64 @@ T value(const py::handle& v) {
   }
 }
 
-template <typename T>
-Setter field(T TrainOptions::*member) {
-  return [member](TrainOptions& o, const py::handle& v) { o.*member = value<T>(v); };
-}
-
-const std::map<std::string, Setter>& setters() {
-  static const std::map<std::string, Setter> table = {
-      {"model", field(&TrainOptions::model_path)},
-      {"data", field(&TrainOptions::data_path)},
-      {"init", field(&TrainOptions::init_path)},
-      {"save", field(&TrainOptions::save_path)},
-      {"log", field(&TrainOptions::log_path)},
-      {"dump_grads", field(&TrainOptions::dump_grads_path)},
-      {"op_times", field(&TrainOptions::op_times_path)},
-      {"strategy", field(&TrainOptions::strategy_path)},
-      {"plan", field(&TrainOptions::plan_path)},
-      {"cluster", field(&TrainOptions::cluster_path)},
-      {"trace", field(&TrainOptions::trace_path)},
-      {"checkpoint", field(&TrainOptions::checkpoint_dir)},
-      {"save_every", field(&TrainOptions::save_every)},
-      {"checkpoint_sync", field(&TrainOptions::checkpoint_sync)},
-      {"resume", field(&TrainOptions::resume_dir)},
-      {"overwrite_checkpoint", field(&TrainOptions::overwrite_checkpoint)},
-      {"seq_len", field(&TrainOptions::seq_len)},
-      {"global_batch", field(&TrainOptions::global_batch)},
-      {"micro_batches", field(&TrainOptions::micro_batches)},
-      {"steps", field(&TrainOptions::steps)},
-      {"clip_grad", field(&TrainOptions::clip_grad)},
-      {"skip_nonfinite_steps", field(&TrainOptions::skip_nonfinite_steps)},
-      {"threads", field(&TrainOptions::threads)},
-      {"pack_documents", field(&TrainOptions::pack_documents)},
-      {"progress", field(&TrainOptions::progress)},
-      {"switch_algorithm", field(&TrainOptions::switch_algorithm)},
-      {"switch_bucket_mb", field(&TrainOptions::switch_bucket_mb)},
-      {"seed", [](TrainOptions& o, const py::handle& v) {
-         const int64_t seed = value<int64_t>(v);
-         if (seed < 0) fail("[flags] --seed must be >= 0, got ", seed);
-         o.seed = static_cast<uint64_t>(seed);
-       }},
-      {"lr", [](TrainOptions& o, const py::handle& v) { o.schedule.lr = value<double>(v); }},
-      {"min_lr", [](TrainOptions& o, const py::handle& v) { o.schedule.min_lr = value<double>(v); }},
-      {"warmup_steps", [](TrainOptions& o, const py::handle& v) { o.schedule.warmup_steps = value<int64_t>(v); }},
-      {"lr_schedule",
-       [](TrainOptions& o, const py::handle& v) { o.schedule.kind = LrSchedule::parse_kind(value<std::string>(v)); }},
-      {"weight_decay", [](TrainOptions& o, const py::handle& v) { o.adam.weight_decay = value<double>(v); }},
-      {"beta1", [](TrainOptions& o, const py::handle& v) { o.adam.beta1 = value<double>(v); }},
-      {"beta2", [](TrainOptions& o, const py::handle& v) { o.adam.beta2 = value<double>(v); }},
-      {"eps", [](TrainOptions& o, const py::handle& v) { o.adam.eps = value<double>(v); }},
-      {"optimizer", [](TrainOptions& o, const py::handle& v) {
-         const std::string name = value<std::string>(v);
-         if (name != "adamw" && name != "adam")
-           fail("[flags] --optimizer: unknown optimizer '", name, "' (expected adamw or adam)");
-         o.adam.decoupled_weight_decay = name == "adamw";
-       }},
-      {"save_dtype", [](TrainOptions& o, const py::handle& v) {
-         const std::string name = value<std::string>(v);
-         if (name != "f32" && name != "bf16") fail("[flags] --save-dtype: '", name, "' (expected f32 or bf16)");
-         o.save_dtype = name == "bf16" ? DType::BF16 : DType::F32;
-       }},
-      {"precision", [](TrainOptions& o, const py::handle& v) {
-         std::string name = value<std::string>(v);
-         if (name == "auto") name = kernels::bf16_gemm_native() ? "bf16" : "fp32";
-         o.precision.compute = parse_precision_name(name, "--precision");
-       }},
-      {"grad_reduce_dtype", [](TrainOptions& o, const py::handle& v) {
-         o.precision.grad_reduce = parse_precision_name(value<std::string>(v), "--grad-reduce-dtype");
-       }},
-      {"overlap", [](TrainOptions& o, const py::handle& v) { o.overlap = value<bool>(v); }},
-      {"device", [](TrainOptions& o, const py::handle& v) {
-         // As the command line: plain "cuda" spreads a machine's ranks over
-         // its GPUs, "cuda:N" puts them all on N. The ranks communicate
-         // through the staged MPI world (docs/comm.md).
-         const Device where = rank_device(value<std::string>(v), "--device", 0);
-         require_device(where);
-         o.device = where;
-       }},
-  };
-  return table;
-}
-
-// TrainOptions from {flag: value} (None values skipped), with the CLI's
-// defaults: lr 3e-4, all cores shared by the node's ranks, no progress line.
-TrainOptions options_from_flags(const py::dict& flags) {
-  TrainOptions o;
-  o.schedule.lr = 3e-4;
-  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
-  int local = 1;
-  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(env));
-  o.threads = static_cast<int>(std::clamp<int64_t>(cores / local, 1, 1024));
-  o.progress = false;
-  for (auto [key, value] : flags) {
-    const std::string name = key.cast<std::string>();
-    const auto it = setters().find(name);
-    if (it == setters().end()) fail("[flags] unknown training option '", name, "'");
-    if (value.is_none()) continue;
-    try {
-      it->second(o, value);
-    } catch (const BadValue& bad) {
-      fail("[flags] ", name, "=", shorten(py::repr(value).cast<std::string>()), ": must be ", bad.expected,
-           ", got ", py::str(value.get_type().attr("__name__")).cast<std::string>());
+// A keyword's value as the schema row's type wants it.
+OptionValue option_value(const OptionSpec<TrainOptions>& spec, const py::handle& v) {
+  switch (spec.type) {
+    case OptionType::kBool: return value<bool>(v);
+    case OptionType::kDouble: return value<double>(v);
+    case OptionType::kString: return value<std::string>(v);
+    case OptionType::kInt: {
+      const bool narrow = spec.range.lo == kIntRange.lo && spec.range.hi == kIntRange.hi;
+      const int64_t n = narrow ? value<int>(v) : value<int64_t>(v);
+      return check_int_range(option_ref(spec.name), n, spec.range);
     }
   }
-  // The rates first, in the Trainer's own spelling: Trainer(lr=-1) is
-  // refused as lr, not as min_lr's bound.
-  o.schedule.check_rates("lr", "min_lr");
-  if (o.precision.grad_reduce == DType::BF16 && !o.precision.mixed())
-    fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
-  for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
-    if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
-  if (o.threads < 1 || o.threads > 1024) fail("[flags] --threads must lie in [1, 1024], got ", o.threads);
+  return false;
+}
+
+// The Trainer's keywords beyond the schema: where this process computes,
+// the overlap (the command line's --overlap / --no-overlap), the progress line.
+bool set_python_option(TrainOptions& o, const std::string& name, const py::handle& v) {
+  if (name == "overlap") {
+    o.overlap = value<bool>(v);
+  } else if (name == "progress") {
+    o.progress = value<bool>(v);
+  } else if (name == "device") {
+    // As the command line: plain "cuda" spreads a machine's ranks over
+    // its GPUs, "cuda:N" puts them all on N. The ranks communicate
+    // through the staged MPI world (docs/comm.md).
+    const Device where = rank_device(value<std::string>(v), option_name("device"), 0);
+    require_device(where);
+    o.device = where;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// TrainOptions from {keyword: value} (None values skipped): the schema's
+// options (train_option_table) with their defaults (default_train_options)
+// and no progress line, then validate()'s rules.
+TrainOptions options_from_flags(const py::dict& flags) {
+  TrainOptions o = default_train_options();
+  o.progress = false;
+  GivenOptions given;
+  for (auto [key, v] : flags) {
+    const std::string name = key.cast<std::string>();
+    const OptionSpec<TrainOptions>* spec = find_train_option(name);
+    if (spec == nullptr && name != "overlap" && name != "progress" && name != "device")
+      fail(options_tag(), " unknown training option '", name, "'");
+    if (v.is_none()) continue;
+    try {
+      if (spec != nullptr) spec->set(o, option_value(*spec, v));
+      else set_python_option(o, name, v);
+    } catch (const BadValue& bad) {
+      fail(options_tag(), " ", name, "=", shorten(py::repr(v).cast<std::string>()), ": must be ", bad.expected,
+           ", got ", py::str(v.get_type().attr("__name__")).cast<std::string>());
+    }
+    given.insert(name);
+  }
+  validate(o, given);
   return o;
 }
 
@@ -284,7 +230,7 @@ void bind_train(py::module_& m) {
              std::vector<std::string> out;
              for (const StepRecord& r : records) out.push_back(step_record_json(r));
              return out;
-           }, "Waits for the last checkpoint, writes --save and --trace; every step's record as JSON text")
+           }, "Waits for the last checkpoint, writes save= and trace=; every step's record as JSON text")
       .def_property_readonly("finished", &TrainingRun::finished)
       .def("wait_for_checkpoint", [](TrainingRun& run) {
              OneCallAtATime one(run, "load_checkpoint()");

@@ -123,6 +123,19 @@ void FlagSet::add_double(const std::string& name, double* target, const std::str
                     [name, target](const std::string& v) { *target = parse_double(name, v); }});
 }
 
+void FlagSet::add_value(const std::string& name, OptionType type, const std::string& help, bool required,
+                        IntRange range, std::function<void(const OptionValue&)> set) {
+  flags_.push_back({name, help, option_placeholder(type), required, false,
+                    [name, type, range, set = std::move(set)](const std::string& v) {
+                      switch (type) {
+                        case OptionType::kBool: set(OptionValue{true}); break;
+                        case OptionType::kInt: set(OptionValue{parse_int(name, v, range)}); break;
+                        case OptionType::kDouble: set(OptionValue{parse_double(name, v)}); break;
+                        case OptionType::kString: set(OptionValue{v}); break;
+                      }
+                    }});
+}
+
 void FlagSet::add_bool(const std::string& name, bool* target, const std::string& help) {
   flags_.push_back({name, help, "", false, false, [target](const std::string&) { *target = true; }});
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "hspmd/core/int_range.h"
+#include "hspmd/core/options.h"
 #include "hspmd/io/output_file.h"
 
 namespace hspmd::cli {
@@ -67,6 +68,10 @@ class FlagSet {
   void add_double(const std::string& name, double* target, const std::string& help,
                   bool required = false);
   void add_bool(const std::string& name, bool* target, const std::string& help);
+  // A flag whose value (of `type`, an integer within `range`) goes to `set`:
+  // an options schema's row (hspmd/core/options.h).
+  void add_value(const std::string& name, OptionType type, const std::string& help, bool required, IntRange range,
+                 std::function<void(const OptionValue&)> set);
   // A flag that may repeat: each value is appended to `target`.
   void add_list(const std::string& name, std::vector<std::string>* target, const std::string& help);
   // Positional arguments are collected when allowed, with this usage text.

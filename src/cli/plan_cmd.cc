@@ -28,6 +28,12 @@
 namespace hspmd::cli {
 namespace {
 
+// --seq-len of plan compile and plan switch: 0 (not given) means the
+// model's longest; a given value must be positive.
+void check_seq_len(const FlagSet& f, int64_t seq_len) {
+  if (seq_len < 0 || (f.given("seq-len") && seq_len == 0)) fail("[flags] --seq-len must be positive, got ", seq_len);
+}
+
 constexpr const char* kPlanUsage =
     "usage: hspmd plan <subcommand> [flags]\n\n"
     "Annotation plans: compile a strategy into one, and show the communication it implies.\n\n"
@@ -84,8 +90,7 @@ int compile_command(const std::vector<std::string>& args) {
   co.seq_len = seq_len;
   co.precision = {parse_precision_name(precision, "--precision"),
                   parse_precision_name(grad_reduce, "--grad-reduce-dtype")};
-  if (seq_len < 0 || (f.given("seq-len") && seq_len == 0))
-    fail("[flags] --seq-len must be positive, got ", seq_len);
+  check_seq_len(f, seq_len);
   check_input_file("--model", model);
   check_input_file("--strategy", strategy_path);
   check_outputs({{"--model", model}, {"--strategy", strategy_path}}, {{"--output", output}});
@@ -410,8 +415,7 @@ bool parse_switch_flags(const std::vector<std::string>& args, SwitchFlags& s) {
   f.add_bool("no-checkpoint", &s.no_checkpoint, "there is no training checkpoint: slices only lost ranks held fail");
   f.add_bool("json", &s.json, "print one JSON document instead of text");
   if (!f.parse(args)) return false;
-  if (s.seq_len < 0 || (f.given("seq-len") && s.seq_len == 0))
-    fail("[flags] --seq-len must be positive, got ", s.seq_len);
+  check_seq_len(f, s.seq_len);
   if (!(s.bucket_mb >= 0) || !std::isfinite(s.bucket_mb))
     fail("[flags] --bucket-mb must be a finite number >= 0, got ", s.bucket_mb);
   return true;

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -22,7 +23,7 @@
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
 #include "hspmd/optim/lr_schedule.h"
-#include "hspmd/planner/token_dispatch.h"
+#include "hspmd/options/train_options.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
 #include "kernels/basic.h"
@@ -211,21 +212,11 @@ int mpi_world_size() {
   return 1;
 }
 
-// Single-flag ranges beyond what FlagSet parses (docs/training.md).
-void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, double lr, double min_lr,
-                  int64_t nproc, double timeout, int64_t max_restarts) {
-  for (auto [flag, beta] : {std::pair{"--beta1", o.adam.beta1}, std::pair{"--beta2", o.adam.beta2}})
-    if (!(beta >= 0 && beta < 1)) fail("[flags] ", flag, " must lie in [0, 1), got ", beta);
-  LrSchedule rates;
-  rates.lr = lr;
-  rates.min_lr = min_lr;
-  rates.check_rates("--lr", "--min-lr");
-  if (threads < 1 || threads > kMaxThreads)
-    fail("[flags] --threads must lie in [1, ", kMaxThreads, "], got ", threads);
+// The launcher's own flags and the inputs (the options' rules are
+// validate()'s, hspmd/options/train_options.h).
+void check_values(const FlagSet& f, const TrainOptions& o, int64_t nproc, double timeout, int64_t max_restarts) {
   if (f.given("nproc") && (nproc < 1 || nproc > kMaxThreads))
     fail("[flags] --nproc must lie in [1, ", kMaxThreads, "], got ", nproc);
-  if (f.given("global-batch") && o.global_batch <= 0)
-    fail("[flags] --global-batch must be positive, got ", o.global_batch);
   if (!(timeout >= 0)) fail("[flags] --timeout must be >= 0 seconds, got ", timeout);
   if (max_restarts < 0) fail("[flags] --max-restarts must be >= 0, got ", max_restarts);
   if (f.given("max-restarts") && !f.given("nproc"))
@@ -238,6 +229,7 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
       {"--strategy", &o.strategy_path}, {"--plan", &o.plan_path},   {"--cluster", &o.cluster_path},
       {"--profile", &o.profile_path},   {"--events", &o.events_path}};
   for (const auto& [flag, path] : inputs) check_input_file(flag, *path);
+  for (const std::string& s : o.strategy_choices) check_input_file("--strategies", s);
 }
 
 // No output may be an input or another output (docs/reliability.md), and a
@@ -245,9 +237,8 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t threads, doub
 // unless the flags say so: the library's rules (every run's setup checks
 // them too), here before any rank is started.
 void check_files(const FlagSet& f, const TrainOptions& o) {
+  (void)f;
   check_run_files_apart(o);
-  if (f.given("overwrite-checkpoint") && o.checkpoint_dir.empty())
-    fail("[flags] --overwrite-checkpoint needs --checkpoint DIR");
   check_checkpoint_directory(o);
 }
 
@@ -281,82 +272,71 @@ std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::stri
   return out;
 }
 
-// What hspmd train's flags are read into: the TrainOptions fields a flag
-// sets as it is, and the raw values of those checked or converted first.
+// What hspmd train's flags are read into: the options (their flags made
+// from the schema, train_option_table) and the command line's own flags.
 struct TrainFlags {
-  TrainOptions o;
-  std::string schedule = "constant", save_dtype = "f32", optimizer = "adamw";
-  int64_t seed = 0, warmup = 0;
-  int64_t threads = std::min<int64_t>(kMaxThreads, std::max(1u, std::thread::hardware_concurrency()));
-  double lr = 3e-4, min_lr = 0.0;
+  TrainOptions o = default_train_options();
   bool quiet = false;
   int64_t nproc = 0, max_seq_len = 0;
-  std::string precision = "fp32", grad_reduce = "fp32", device = "cpu", mps_percent, clock = "cpu";
+  std::string device = "cpu", mps_percent;
   CommChoice comm_choice;
   bool overlap = false, no_overlap = false;
-  std::string choices, dispatch = "cost";
   std::vector<std::string> switches, lost;
   double timeout = 300;
   int64_t max_restarts = 0;
 };
 
-// The model, the data and the size of a step.
-void add_data_flags(FlagSet& f, TrainFlags& t) {
-  f.add_string("model", &t.o.model_path, "Hugging Face config.json of the model", true);
-  f.add_string("data", &t.o.data_path, "token file (.bin, little-endian uint32 ids)", true);
-  f.add_int("seq-len", &t.o.seq_len, "tokens per sample (with --pack-documents: at most); required without --batch-tokens");
-  f.add_int("batch-tokens", &t.o.batch_tokens,
-            "token-budget steps: each step takes the next document pieces while their tokens stay within this "
-            "(docs/mixed_length.md)");
+// A schema field as a flag name: seq_len -> seq-len.
+std::string dashed(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return name;
+}
+
+// A row's doc as the command line reads it: the options it names with an
+// underscore (batch_tokens) spelled as flags (--batch-tokens); one-word
+// names (model, checkpoint) stay words.
+std::string flag_doc(const std::string& doc, const std::vector<OptionSpec<TrainOptions>>& table) {
+  std::string out;
+  size_t i = 0;
+  while (i < doc.size()) {
+    size_t j = i;
+    while (j < doc.size() && (std::islower(static_cast<unsigned char>(doc[j])) || doc[j] == '_')) ++j;
+    if (j == i) {
+      out += doc[i++];
+      continue;
+    }
+    const std::string word = doc.substr(i, j - i);
+    const bool named = word.find('_') != std::string::npos &&
+                       std::any_of(table.begin(), table.end(), [&](const auto& s) { return word == s.name; });
+    out += named ? "--" + dashed(word) : word;
+    i = j;
+  }
+  return out;
+}
+
+// Every option of the schema as a flag.
+void add_option_flags(FlagSet& f, TrainFlags& t) {
+  const std::vector<OptionSpec<TrainOptions>> table = train_option_table();
+  for (const OptionSpec<TrainOptions>& spec : table)
+    f.add_value(dashed(spec.name), spec.type, flag_doc(spec.doc, table), spec.required, spec.range,
+                [&t, set = spec.set](const OptionValue& v) { set(t.o, v); });
+}
+
+// The options the command line gave, by field.
+GivenOptions given_options(const FlagSet& f) {
+  GivenOptions given;
+  for (const OptionSpec<TrainOptions>& spec : train_option_table())
+    if (f.given(dashed(spec.name))) given.insert(spec.name);
+  return given;
+}
+
+// The command line's own flags: the longest piece of token budgets, the
+// device and how ranks share and talk over it, the overlap's switches,
+// switches at set steps, and the launcher's.
+void add_command_line_flags(FlagSet& f, TrainFlags& t) {
   f.add_int("max-seq-len", &t.max_seq_len, "with --batch-tokens: the longest piece (documents are cut into pieces of "
             "at most this many tokens)");
-  f.add_bool("pack-documents", &t.o.pack_documents,
-             "pack whole documents (cut at eos) into samples; attention and loss stay inside each document");
-  f.add_int("global-batch", &t.o.global_batch,
-            "samples per optimizer step (required without --strategy; with it, must match)");
-  f.add_int("steps", &t.o.steps, "optimizer steps", true);
-  f.add_int("micro-batches", &t.o.micro_batches, "gradient accumulation steps per optimizer step (default 1)");
-}
-
-void add_optimizer_flags(FlagSet& f, TrainFlags& t) {
-  f.add_string("optimizer", &t.optimizer, "adamw (default) or adam (L2 weight decay)");
-  f.add_double("lr", &t.lr, "peak learning rate (default 3e-4)");
-  f.add_double("min-lr", &t.min_lr, "final learning rate of the cosine schedule (default 0)");
-  f.add_string("lr-schedule", &t.schedule, "constant (default), warmup or cosine");
-  f.add_int("warmup-steps", &t.warmup, "linear warmup steps (default 0)");
-  f.add_double("weight-decay", &t.o.adam.weight_decay, "weight decay of matrices (default 0)");
-  f.add_double("beta1", &t.o.adam.beta1, "Adam beta1 (default 0.9)");
-  f.add_double("beta2", &t.o.adam.beta2, "Adam beta2 (default 0.95)");
-  f.add_double("eps", &t.o.adam.eps, "Adam epsilon (default 1e-8)");
-  f.add_double("clip-grad", &t.o.clip_grad, "global gradient-norm clipping, 0 = off (default)");
-  f.add_int("skip-nonfinite-steps", &t.o.skip_nonfinite_steps,
-            "skip up to N steps whose loss or gradient norm is not finite (no update), then stop (default 0: "
-            "stop at the first)");
-  f.add_int("seed", &t.seed, "seed of the initialization (default 0)");
-}
-
-// Weights in and out, precision, logs and threads.
-void add_output_flags(FlagSet& f, TrainFlags& t) {
-  f.add_string("init", &t.o.init_path, "initial weights (safetensors, F32 or BF16)");
-  f.add_string("save", &t.o.save_path, "write the final weights here (safetensors)");
-  f.add_string("save-dtype", &t.save_dtype, "f32 (default) or bf16");
-  f.add_string("precision", &t.precision,
-               "fp32 (default), bf16 (bf16 GEMMs with fp32 accumulation, fp32 master weights; docs/precision.md) or "
-               "auto (bf16 where this CPU has bf16 GEMM instructions, else fp32)");
-  f.add_string("grad-reduce-dtype", &t.grad_reduce, "with --precision bf16: fp32 (default) or bf16 gradient sync");
-  f.add_string("log", &t.o.log_path, "write one JSON object per step here (JSONL)");
-  f.add_string("dump-grads", &t.o.dump_grads_path, "write the step-0 gradients here (safetensors)");
-  f.add_string("op-times", &t.o.op_times_path,
-               "write where the last step's time goes here (JSON: ops summed by type; FILE.rank<r> per rank)");
-  f.add_int("threads", &t.threads, "CPU threads (default: all cores)");
   f.add_bool("quiet", &t.quiet, "no progress line on stderr");
-}
-
-// Strategy, cluster, device and how the ranks communicate.
-void add_parallel_flags(FlagSet& f, TrainFlags& t) {
-  f.add_string("strategy", &t.o.strategy_path, "parallel strategy JSON (docs/strategy.md): train on the MPI ranks");
-  f.add_string("cluster", &t.o.cluster_path, "cluster JSON (docs/cluster.md) for the resolver's topology");
-  f.add_string("trace", &t.o.trace_path, "write the emulated cluster's timeline here (Chrome trace JSON)");
   f.add_string("device", &t.device,
                "cpu (default), cuda or cuda:N: where the model computes (docs/cuda.md); with several ranks, cuda "
                "spreads a machine's ranks over its GPUs and cuda:N puts them all on GPU N");
@@ -370,56 +350,12 @@ void add_parallel_flags(FlagSet& f, TrainFlags& t) {
              "synchronize each gradient on a communication thread as soon as the last backward computes it "
              "(default with a device other than the CPU; docs/comm.md)");
   f.add_bool("no-overlap", &t.no_overlap, "synchronize the gradients after the schedule (default on the CPU)");
-  f.add_string("clock", &t.clock,
-               "emulated compute time: cpu (measured CPU time, default) or model (predicted from --profile: "
-               "deterministic, independent of the machine's load)");
-  f.add_string("profile", &t.o.profile_path, "profile JSON made by `hspmd profile` (with --clock model)");
-  f.add_string("plan", &t.o.plan_path, "annotation plan JSON to train (docs/plan.md), instead of --strategy");
-}
-
-// How a token budget's pieces are dispatched, and strategies that change
-// during the run: per step (--strategies), at set steps (--switch), on events.
-void add_switching_flags(FlagSet& f, TrainFlags& t) {
-  f.add_bool("bucket-switching", &t.o.bucket_switching,
-             "with --strategies: each step's pieces in buckets by the smallest strategy that accepts them, run "
-             "bucket by bucket, switching inside the step (the HotSPa-like baseline, docs/mixed_length.md)");
-  f.add_string("dispatch", &t.dispatch,
-               "with --batch-tokens: how a step's pieces go to the pipelines: cost (the cost model, device speeds "
-               "included; default) or symmetric (blind to device speeds, as homogeneous SPMD data parallelism)");
-  f.add_string("strategies", &t.choices,
-               "A.json,B.json,...: with --batch-tokens, per step the strategy the cost model favours for its "
-               "pieces, switched to online (docs/mixed_length.md); instead of --strategy");
   f.add_list("switch", &t.switches,
              "STEP:FILE: from step STEP on, train under FILE (a strategy or plan), moving the training state "
              "without a restart (docs/switching.md)");
-  f.add_string("switch-algorithm", &t.o.switch_algorithm, "naive, per-tensor or fused (default)");
-  f.add_double("switch-bucket-mb", &t.o.switch_bucket_mb,
-               "fused switches: MiB of state tensors (full logical size) per round, at least one layer group "
-               "(default 256; 0: everything in one round)");
   f.add_list("switch-lost", &t.lost,
              "STEP:R1,R2,...: at the switch of step STEP, the memory of these ranks counts as gone (their "
              "slices come from the --checkpoint)");
-  f.add_string("events", &t.o.events_path,
-               "elastic training: JSON list of {\"step\", \"fail\"|\"join\": [ranks], \"slowdown\": {rank: x}, "
-               "\"strategy\"?}; the run re-plans and switches online (docs/elastic.md)");
-  f.add_double("replan-time-limit", &t.o.replan_time_limit_s, "with --events: seconds the planner may search (default 30)");
-  f.add_int("straggler-window", &t.o.straggler_window,
-            "with --events and --cluster: steps per straggler check (default 3; 0 = no straggler re-planning)");
-  f.add_double("straggler-threshold", &t.o.straggler_threshold,
-               "a rank whose compute is off its assumed speed by more than this fraction is a straggler (default 0.25)");
-  f.add_int("straggler-horizon", &t.o.straggler_horizon,
-            "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)");
-}
-
-void add_checkpoint_and_launch_flags(FlagSet& f, TrainFlags& t) {
-  f.add_string("checkpoint", &t.o.checkpoint_dir, "directory of sharded training checkpoints (docs/checkpoint.md); without --save-every, one after the last step");
-  f.add_int("save-every", &t.o.save_every, "write a training checkpoint after every N steps (with --checkpoint)");
-  f.add_bool("checkpoint-sync", &t.o.checkpoint_sync,
-             "write checkpoints inside the step (default: copy the shards, write them on a background thread)");
-  f.add_string("resume", &t.o.resume_dir, "continue from the training checkpoint in this directory");
-  f.add_bool("overwrite-checkpoint", &t.o.overwrite_checkpoint,
-             "with --checkpoint: start anew in a directory that holds another run's checkpoint, replacing it at the "
-             "first save (without it such a directory is refused unless --resume names it)");
   f.add_int("nproc", &t.nproc,
             "start this many local ranks through mpirun (with --strategy); without --threads, each rank gets "
             "max(1, cores / N) threads");
@@ -453,13 +389,8 @@ Device read_device(const FlagSet& f, TrainFlags& t) {
   return where;
 }
 
-void read_overlap(const FlagSet& f, TrainFlags& t) {
+void read_overlap(TrainFlags& t) {
   if (t.overlap && t.no_overlap) fail("[flags] give --overlap or --no-overlap, not both");
-  if (t.overlap)
-    for (const char* flag : {"cluster", "trace"})
-      if (f.given(flag))
-        fail("[flags] --overlap with --", flag, ": the emulated clock bills one thread per rank (no "
-             "communication thread); drop --overlap");
   if (t.overlap || t.no_overlap) t.o.overlap = t.overlap;
 }
 
@@ -473,75 +404,29 @@ std::vector<int> mps_shares(const FlagSet& f, const TrainFlags& t, Device where)
   return mps_percents;
 }
 
-// A step is --global-batch samples of --seq-len tokens, or a budget of
-// --batch-tokens tokens in pieces of at most --max-seq-len.
+// The command line names a token budget's longest piece --max-seq-len (the
+// options' seq_len); a step is --global-batch samples of --seq-len tokens,
+// or a budget of --batch-tokens tokens in pieces of at most --max-seq-len.
 void read_step_size(const FlagSet& f, TrainFlags& t) {
   if (f.given("batch-tokens")) {
-    if (t.o.batch_tokens <= 0) fail("[flags] --batch-tokens must be positive, got ", t.o.batch_tokens);
     if (!f.given("max-seq-len")) fail("[flags] --batch-tokens needs --max-seq-len L (the longest piece)");
     if (t.max_seq_len <= 0) fail("[flags] --max-seq-len must be positive, got ", t.max_seq_len);
     if (f.given("seq-len")) fail("[flags] --seq-len is not read with --batch-tokens (give --max-seq-len)");
-    if (f.given("global-batch")) fail("[flags] --global-batch is not read with --batch-tokens (steps are token budgets)");
-    if (f.given("micro-batches")) fail("[flags] --micro-batches is not read with --batch-tokens");
     t.o.seq_len = t.max_seq_len;
-    t.o.symmetric_dispatch = parse_dispatch_rule(t.dispatch) == DispatchRule::kSymmetric;
   } else if (f.given("max-seq-len")) {
     fail("[flags] --max-seq-len is read only with --batch-tokens");
   } else if (!f.given("seq-len")) {
     fail("[flags] --seq-len is required (or --batch-tokens T --max-seq-len L)");
   }
-  if (f.given("dispatch") && !f.given("batch-tokens")) fail("[flags] --dispatch is read only with --batch-tokens");
-}
-
-void read_optimizer_and_precision(TrainFlags& t) {
-  if (t.optimizer != "adamw" && t.optimizer != "adam")
-    fail("[flags] --optimizer: unknown optimizer '", t.optimizer, "' (expected adamw or adam)");
-  t.o.adam.decoupled_weight_decay = t.optimizer == "adamw";
-  if (t.save_dtype != "f32" && t.save_dtype != "bf16")
-    fail("[flags] --save-dtype: '", t.save_dtype, "' (expected f32 or bf16)");
-  t.o.save_dtype = t.save_dtype == "bf16" ? DType::BF16 : DType::F32;
-  if (t.precision == "auto") t.precision = kernels::bf16_gemm_native() ? "bf16" : "fp32";
-  t.o.precision.compute = parse_precision_name(t.precision, "--precision");
-  t.o.precision.grad_reduce = parse_precision_name(t.grad_reduce, "--grad-reduce-dtype");
-  if (t.o.precision.grad_reduce == DType::BF16 && !t.o.precision.mixed())
-    fail("[flags] --grad-reduce-dtype bf16 needs --precision bf16");
-}
-
-// The clock, the seed, the learning-rate schedule, the threads and the
-// progress line; check_values' ranges on the way.
-void read_run_flags(const FlagSet& f, TrainFlags& t) {
-  if (t.clock != "cpu" && t.clock != "model") fail("[flags] --clock: '", t.clock, "' (expected cpu or model)");
-  t.o.model_clock = t.clock == "model";
-  if (t.seed < 0) fail("[flags] --seed must be >= 0, got ", t.seed);
-  if (t.warmup < 0) fail("[flags] --warmup-steps must be >= 0, got ", t.warmup);
-  check_values(f, t.o, t.threads, t.lr, t.min_lr, t.nproc, t.timeout, t.max_restarts);
-  if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); local && !f.given("threads"))
-    t.threads = std::max<int64_t>(1, t.threads / std::max(1, std::atoi(local)));  // the node's cores are shared
-  t.o.seed = static_cast<uint64_t>(t.seed);
-  t.o.threads = static_cast<int>(t.threads);
-  t.o.schedule.kind = LrSchedule::parse_kind(t.schedule);
-  t.o.schedule.lr = t.lr;
-  t.o.schedule.min_lr = t.min_lr;
-  t.o.schedule.warmup_steps = t.warmup;
-  t.o.progress = !t.quiet;
 }
 
 // --switch / --switch-lost, and --strategies (whose first file is the
 // strategy the run starts under).
-void read_strategy_changes(const FlagSet& f, TrainFlags& t) {
+void read_run_flags(const FlagSet& f, TrainFlags& t) {
+  check_values(f, t.o, t.nproc, t.timeout, t.max_restarts);
+  t.o.progress = !t.quiet;
   t.o.switches = parse_switches(t.switches, t.lost);
   for (const TrainOptions::Switch& sw : t.o.switches) check_input_file("--switch", sw.path);
-  if (f.given("strategies")) {
-    if (f.given("strategy") || f.given("plan")) fail("[flags] give --strategies or --strategy / --plan, not both");
-    std::stringstream ss(t.choices);
-    for (std::string item; std::getline(ss, item, ',');) {
-      if (item.empty()) fail("[flags] --strategies '", t.choices, "': an empty file name");
-      check_input_file("--strategies", item);
-      t.o.strategy_choices.push_back(item);
-    }
-    if (t.o.strategy_choices.empty()) fail("[flags] --strategies needs at least one file");
-    t.o.strategy_path = t.o.strategy_choices[0];
-  }
 }
 
 // --nproc: start the local ranks through mpirun (and the MPS daemon of
@@ -556,9 +441,7 @@ int launch_local_ranks(const FlagSet& f, const std::vector<std::string>& args, c
 }
 
 // Training in this one process, without a strategy.
-int train_alone(const FlagSet& f, const TrainOptions& o) {
-  if (!f.given("global-batch") && !f.given("batch-tokens"))
-    fail("[flags] --global-batch is required (without --strategy)");
+int train_alone(const TrainOptions& o) {
   OutputLocks locks;
   if (const std::string busy = locks.lock_all(o); !busy.empty()) fail(busy);
   train(o);
@@ -572,24 +455,18 @@ int train_command(const std::vector<std::string>& args) {
   TrainFlags t;
   FlagSet f("train", "Train a model of a registered family (model_type " + registered_model_types() +
                          "; Hugging Face config and weights) on a token file.");
-  add_data_flags(f, t);
-  add_optimizer_flags(f, t);
-  add_output_flags(f, t);
-  add_parallel_flags(f, t);
-  add_switching_flags(f, t);
-  add_checkpoint_and_launch_flags(f, t);
+  add_option_flags(f, t);
+  add_command_line_flags(f, t);
   if (!f.parse(args)) return 0;
   const Device where = read_device(f, t);
-  read_overlap(f, t);
+  read_overlap(t);
   const std::vector<int> mps_percents = mps_shares(f, t, where);
   t.o.device = where;
   read_step_size(f, t);
-  read_optimizer_and_precision(t);
   read_run_flags(f, t);
-  read_strategy_changes(f, t);
+  validate(t.o, given_options(f));
   check_files(f, t.o);
   const bool distributed = !t.o.strategy_path.empty() || !t.o.plan_path.empty();
-  if (!t.o.strategy_path.empty() && !t.o.plan_path.empty()) fail("[flags] give --strategy or --plan, not both");
   if (!distributed && mpi_world_size() > 1) {
     if (std::getenv("OMPI_COMM_WORLD_RANK") && std::string(std::getenv("OMPI_COMM_WORLD_RANK")) != "0") return 1;
     fail("[flags] this is one of ", mpi_world_size(), " MPI ranks but no --strategy or --plan was given: "
@@ -600,7 +477,7 @@ int train_command(const std::vector<std::string>& args) {
     if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
     return launch_local_ranks(f, args, t, mps_percents);
   }
-  if (!distributed) return train_alone(f, t.o);
+  if (!distributed) return train_alone(t.o);
   return train_on_ranks(t.o, t.comm_choice);
 }
 

@@ -20,6 +20,7 @@
 
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace hspmd {
 namespace {
@@ -327,7 +328,8 @@ std::unique_ptr<Communicator> MpiCommunicator::duplicate() {
   check(MPI_Query_thread(&level), "MPI_Query_thread");
   if (level < MPI_THREAD_MULTIPLE)
     fail("[comm] MPI_Comm_dup for a communication thread: this MPI was initialized without MPI_THREAD_MULTIPLE "
-         "(it provides level ", level, "); train with --no-overlap");
+         "(it provides level ", level, "); train without the gradient overlap (",
+         option_spelling() == OptionSpelling::kFlag ? option_name("no_overlap") : std::string("overlap=False"), ")");
   MPI_Comm dup = MPI_COMM_NULL;
   check(MPI_Comm_dup(comm_, &dup), "MPI_Comm_dup");
   return std::make_unique<MpiCommunicator>(dup, std::make_shared<ByteCounters>());

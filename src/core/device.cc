@@ -11,6 +11,7 @@
 
 #include "hspmd/core/device_runtime.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace hspmd {
 
@@ -52,7 +53,7 @@ Device parse_device_name(const std::string& text, const std::string& flag) {
   if (text.rfind("cuda:", 0) == 0 && text.size() > 5 && text.size() <= 9 &&
       text.find_first_not_of("0123456789", 5) == std::string::npos)
     return Device::cuda(std::stoi(text.substr(5)));
-  fail("[flags] ", flag, ": '", text.size() > 40 ? text.substr(0, 40) + "..." : text,
+  fail(options_tag(), " ", flag, ": '", text.size() > 40 ? text.substr(0, 40) + "..." : text,
        "' (expected cpu, cuda or cuda:N)");
 }
 

@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace hspmd {
 
@@ -82,9 +83,9 @@ void check_outputs_apart(const std::vector<NamedPath>& inputs, const std::vector
       if (!(seen[i].second == id)) continue;
       const NamedPath& other = *seen[i].first;
       if (i < n_inputs)
-        fail("[flags] ", out.what, " ", out.path, ": is the same file as ", other.what, " ", other.path,
+        fail(options_tag(), " ", out.what, " ", out.path, ": is the same file as ", other.what, " ", other.path,
              "; writing it would destroy that input");
-      fail("[flags] ", out.what, " ", out.path, ": is the same file as ", other.what, " ", other.path,
+      fail(options_tag(), " ", out.what, " ", out.path, ": is the same file as ", other.what, " ", other.path,
            ", another output");
     }
     seen.emplace_back(&out, std::move(id));

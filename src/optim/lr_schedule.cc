@@ -5,6 +5,7 @@
 #include <numbers>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
 
@@ -33,17 +34,17 @@ double LrSchedule::at(int64_t step) const {
 }
 
 void LrSchedule::check_rates(const std::string& lr_name, const std::string& min_lr_name) const {
-  if (!std::isfinite(lr)) fail("[flags] ", lr_name, " must be a finite number, got ", lr);
-  if (!(lr > 0)) fail("[flags] ", lr_name, " must be positive, got ", lr);
-  if (!std::isfinite(min_lr)) fail("[flags] ", min_lr_name, " must be a finite number, got ", min_lr);
+  if (!std::isfinite(lr)) fail(options_tag(), " ", lr_name, " must be a finite number, got ", lr);
+  if (!(lr > 0)) fail(options_tag(), " ", lr_name, " must be positive, got ", lr);
+  if (!std::isfinite(min_lr)) fail(options_tag(), " ", min_lr_name, " must be a finite number, got ", min_lr);
   if (!(min_lr >= 0 && min_lr <= lr))
-    fail("[flags] ", min_lr_name, " ", min_lr, " must lie in [0, ", lr_name, " ", lr, "]");
+    fail(options_tag(), " ", min_lr_name, " ", min_lr, " must lie in [0, ", lr_name, " ", lr, "]");
 }
 
 LrScheduleKind LrSchedule::parse_kind(const std::string& name) {
   if (name == "constant" || name == "warmup") return LrScheduleKind::Constant;
   if (name == "cosine") return LrScheduleKind::Cosine;
-  fail("[flags] --lr-schedule: unknown schedule '", name,
+  fail(options_tag(), " ", option_name("lr_schedule"), ": unknown schedule '", name,
        "' (expected constant, warmup or cosine)");
 }
 

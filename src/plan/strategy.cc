@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/json_file.h"
 
 namespace hspmd {
@@ -302,6 +303,12 @@ std::string format_ranks(const std::vector<int>& ranks) {
     i = j + 1;
   }
   return out;
+}
+
+DispatchRule parse_dispatch_rule(const std::string& name) {
+  if (name == "cost") return DispatchRule::kCost;
+  if (name == "symmetric") return DispatchRule::kSymmetric;
+  fail(options_tag(), " ", option_name("dispatch"), " must be cost or symmetric, got '", name, "'");
 }
 
 }  // namespace hspmd

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/models/model.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/switch.h"
@@ -91,7 +92,7 @@ std::string algorithm_name(SwitchAlgorithm algorithm) {
 SwitchAlgorithm parse_switch_algorithm(const std::string& s, const std::string& flag) {
   for (SwitchAlgorithm a : {SwitchAlgorithm::kNaive, SwitchAlgorithm::kPerTensor, SwitchAlgorithm::kFused})
     if (s == algorithm_name(a)) return a;
-  fail("[flags] ", flag, ": unknown switch algorithm '", s, "' (expected naive, per-tensor or fused)");
+  fail(options_tag(), " ", flag, ": unknown switch algorithm '", s, "' (expected naive, per-tensor or fused)");
 }
 
 std::string slot_name(StateSlot slot) {

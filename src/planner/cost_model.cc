@@ -7,6 +7,7 @@
 #include <set>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/models/model.h"
 
@@ -45,7 +46,7 @@ CostModel::CostModel(ModelConfig model, Topology topology,
            model_.kv_heads(), ", vocab ", model_.vocab_size, ")");
   };
   for (const auto& [type, p] : profiles_) check(*p, "device type " + type);
-  if (fallback_) check(*fallback_, "--profile");
+  if (fallback_) check(*fallback_, option_name("profile"));
   for (const ModelParameter& p : model_parameters(model_)) {
     const int64_t n = shape_numel(p.shape);
     if (p.part == ModelPart::kBlock) {
@@ -99,8 +100,8 @@ void CostModel::require_profiles_for_emulation(const std::string& cluster) const
       fail("[plan] ", cluster, ": rank ", r, " (device type '", topology_.rank(r).device_type,
            "') is emulated on this CPU (its node gives \"slowdown\" or \"memory_cap_gib\") but has no "
            "profile, and the catalog's tflops roofline says nothing about this CPU: measure one with `hspmd "
-           "profile --model M -o P.json` and pass --profile P.json (or give the type a \"profile\" in the "
-           "catalog)");
+           "profile ", option_name("model"), " M -o P.json` and pass ", option_name("profile"),
+           " P.json (or give the type a \"profile\" in the catalog)");
 }
 
 double CostModel::activation_element_bytes(int rank) const {

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace hspmd {
 
@@ -557,14 +558,14 @@ void score_bucket(const CostModel& model, LengthBucket& b, const std::vector<std
 
 // The options against the length file, in the order they are checked.
 void check_mixed_length_options(const std::vector<int64_t>& pieces, const MixedLengthOptions& o) {
-  if (o.max_seq_len < 1) fail("[search] --max-seq-len must be >= 1, got ", o.max_seq_len);
-  if (o.buckets < 1) fail("[search] --buckets must be >= 1, got ", o.buckets);
-  if (o.max_cp < 0) fail("[search] --max-cp must be >= 0, got ", o.max_cp);
+  if (o.max_seq_len < 1) fail("[search] ", option_name("max_seq_len"), " must be >= 1, got ", o.max_seq_len);
+  if (o.buckets < 1) fail("[search] ", option_name("buckets"), " must be >= 1, got ", o.buckets);
+  if (o.max_cp < 0) fail("[search] ", option_name("max_cp"), " must be >= 0, got ", o.max_cp);
   if (pieces.empty()) fail("[search] the length file holds no piece");
   const int64_t longest = *std::max_element(pieces.begin(), pieces.end());
-  if (longest > o.max_seq_len) fail("[search] a piece of ", longest, " tokens is longer than --max-seq-len ", o.max_seq_len);
+  if (longest > o.max_seq_len) fail("[search] a piece of ", longest, " tokens is longer than ", option_name("max_seq_len"), " ", o.max_seq_len);
   if (o.batch_tokens < o.max_seq_len)
-    fail("[search] --batch-tokens ", o.batch_tokens, " is smaller than --max-seq-len ", o.max_seq_len,
+    fail("[search] ", option_name("batch_tokens"), " ", o.batch_tokens, " is smaller than ", option_name("max_seq_len"), " ", o.max_seq_len,
          " (a step must hold the longest piece)");
 }
 

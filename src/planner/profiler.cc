@@ -14,6 +14,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/comm/shadow.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/plan/plan.h"
@@ -390,7 +391,7 @@ void check_profile_precision(const Profile& profile, const Precision& precision,
   const std::string run = precision.mixed() ? "bf16" : "fp32";
   if (profile.precision != run)
     fail("[profile] ", source, ": measured in ", profile.precision, ", but this run computes in ", run,
-         " (make one with `hspmd profile --precision ", run, "`)");
+         " (make one with `hspmd profile ", option_name("precision"), " ", run, "`)");
 }
 
 void check_profile_model(const Profile& profile, const ModelConfig& model, const std::string& source,
@@ -409,28 +410,28 @@ void check_profile_model(const Profile& profile, const ModelConfig& model, const
 void check_profile_options(const ProfileOptions& o) {
   const ModelConfig& c = o.config;
   if (o.tp.empty() || o.cp.empty() || o.seq_lens.empty() || o.micro_batch_sizes.empty())
-    fail("[profile] --tp, --cp, --seq-lens and --micro-batch-sizes need at least one value each");
-  if (o.repetitions < 1) fail("[profile] --repetitions must be >= 1, got ", o.repetitions);
-  if (o.threads < 1) fail("[profile] --threads must be >= 1, got ", o.threads);
+    fail("[profile] ", option_name("tp"), ", ", option_name("cp"), ", ", option_name("seq_lens"), " and ", option_name("micro_batch_sizes"), " need at least one value each");
+  if (o.repetitions < 1) fail("[profile] ", option_name("repetitions"), " must be >= 1, got ", o.repetitions);
+  if (o.threads < 1) fail("[profile] ", option_name("threads"), " must be >= 1, got ", o.threads);
   for (int64_t b : o.micro_batch_sizes)
-    if (b < 1) fail("[profile] --micro-batch-sizes: ", b, " is not positive");
+    if (b < 1) fail("[profile] ", option_name("micro_batch_sizes"), ": ", b, " is not positive");
   for (int cp : o.cp)
-    if (cp < 1) fail("[profile] --cp: ", cp, " is not positive");
+    if (cp < 1) fail("[profile] ", option_name("cp"), ": ", cp, " is not positive");
   for (int tp : o.tp) {
-    if (tp < 1) fail("[profile] --tp: ", tp, " is not positive");
+    if (tp < 1) fail("[profile] ", option_name("tp"), ": ", tp, " is not positive");
     for (auto [what, n] : {std::pair{"num_attention_heads", c.num_attention_heads},
                            std::pair{"num_key_value_heads", c.kv_heads()},
                            std::pair{"intermediate_size", c.intermediate_size}})
-      if (n % tp != 0) fail("[profile] --tp ", tp, " does not divide ", what, " = ", n);
+      if (n % tp != 0) fail("[profile] ", option_name("tp"), " ", tp, " does not divide ", what, " = ", n);
   }
   for (int64_t s : o.seq_lens) {
     if (s < 1 || s > c.max_position_embeddings)
-      fail("[profile] --seq-lens: ", s, " is outside [1, max_position_embeddings ", c.max_position_embeddings, "]");
+      fail("[profile] ", option_name("seq_lens"), ": ", s, " is outside [1, max_position_embeddings ", c.max_position_embeddings, "]");
     for (int tp : o.tp)
       for (int cp : o.cp) {
         const int64_t g = sequence_granularity(pipeline_of_stages({1}, tp, cp));
         if (s % g != 0)
-          fail("[profile] --seq-lens: ", s, " is not a multiple of ", g, ", the granularity of tp ", tp, " x cp ",
+          fail("[profile] ", option_name("seq_lens"), ": ", s, " is not a multiple of ", g, ", the granularity of tp ", tp, " x cp ",
                cp, " (the sequence is split over tp x cp ranks, and into 2 x cp chunks under cp)");
       }
   }

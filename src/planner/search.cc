@@ -14,6 +14,7 @@
 #include <cstdio>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "planner/search_internal.h"
 
 namespace hspmd {
@@ -457,12 +458,12 @@ nlohmann::json SearchResult::to_json() const {
 }
 
 SearchResult search_strategy(const CostModel& model, const SearchOptions& o) {
-  if (o.global_batch < 1) fail("[search] --global-batch must be >= 1, got ", o.global_batch);
-  if (o.seq_len < 1) fail("[search] --seq-len must be >= 1, got ", o.seq_len);
+  if (o.global_batch < 1) fail("[search] ", option_name("global_batch"), " must be >= 1, got ", o.global_batch);
+  if (o.seq_len < 1) fail("[search] ", option_name("seq_len"), " must be >= 1, got ", o.seq_len);
   if (o.schedule != "1f1b" && o.schedule != "gpipe")
     fail("[search] unknown schedule '", o.schedule, "' (expected 1f1b or gpipe)");
-  if (o.top_k < 1) fail("[search] --top must be >= 1, got ", o.top_k);
-  if (o.max_cp < 1 || !is_pow2(o.max_cp)) fail("[search] --max-cp must be a power of two, got ", o.max_cp);
+  if (o.top_k < 1) fail("[search] ", option_name("top"), " must be >= 1, got ", o.top_k);
+  if (o.max_cp < 1 || !is_pow2(o.max_cp)) fail("[search] ", option_name("max_cp"), " must be a power of two, got ", o.max_cp);
   return Searcher(model, o).run();
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace hspmd {
 
@@ -217,12 +218,6 @@ TokenDispatch dispatch_symmetric(const Strategy& strategy, const std::vector<int
 }
 
 }  // namespace
-
-DispatchRule parse_dispatch_rule(const std::string& name) {
-  if (name == "cost") return DispatchRule::kCost;
-  if (name == "symmetric") return DispatchRule::kSymmetric;
-  fail("[flags] --dispatch must be cost or symmetric, got '", name, "'");
-}
 
 TokenDispatch dispatch_token_step(const PieceCosts& costs, const Strategy& strategy,
                                   const std::vector<int64_t>& lengths, int64_t default_max, DispatchRule rule) {

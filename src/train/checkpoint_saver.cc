@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "train/collectives.h"
 
 namespace hspmd::dist {
@@ -61,7 +62,7 @@ void CheckpointSaver::check_owner_agreed(const std::string& dir, const std::stri
                 ? "a run writes over its own checkpoints and the one it resumed only; give another directory "
                   "(or load_checkpoint " + dir + " to continue that run)"
                 : "a run writes over its own checkpoints and the one it resumed only (another run committed "
-                  "there after this one started); give another --checkpoint";
+                  "there after this one started); give another " + option_name("checkpoint");
     try {
       check_checkpoint_owner(dir, w);
     } catch (const Error& e) {

@@ -2,6 +2,7 @@
 // shards gathered to rank 0 and written (safetensors), the full parameters
 // on every rank, and the step checkpoints written in the background (the
 // class: train/dist_trainer.h; the loop: dist_trainer.cc).
+#include "hspmd/core/options.h"
 #include "train/dist_trainer.h"
 #include "train/resume_checks.h"
 
@@ -70,7 +71,7 @@ void DistTrainer::checkpoint_now(const std::string& dir) {
 
 void DistTrainer::save() {
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
-    fail("[train] --save ", o_.save_path, ": parameter '", bad, "' holds non-finite values after step ",
+    fail("[train] ", option_name("save"), " ", o_.save_path, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; not written (an existing file is kept)");
   // The weights as the optimizer holds them: with ZeRO the f32 master shards
   // (under mixed precision the gathered parameters are bf16 compute copies).
@@ -85,7 +86,7 @@ void DistTrainer::save_checkpoint_to(const std::string& dir, const std::string& 
   finish_checkpoint(true);  // one write at a time
   checkpoints_.check_owner_agreed(dir, what);  // before any shard is written
   if (const std::string bad = nonfinite_parameter(); !bad.empty())
-    fail("[train] --checkpoint ", dir, ": parameter '", bad, "' holds non-finite values after step ",
+    fail("[train] ", option_name("checkpoint"), " ", dir, ": parameter '", bad, "' holds non-finite values after step ",
          state_->step - 1, "; checkpoint not written (the last one is kept)");
   std::vector<CheckpointShard> shards;
   for (TrainingState::NamedShard& s : state_->checkpoint_shards())  // copies: the next steps update the state

@@ -2,6 +2,7 @@
 // ExecGraph per rank, pipelines fed with their own samples, the gradient
 // sync (hspmd/exec/grad_sync.h), AdamW on local shards and the ZeRO gathers
 // through the plan's Reshards.
+#include "hspmd/core/options.h"
 #include "train/dist_trainer.h"
 
 #include <cmath>
@@ -125,16 +126,16 @@ bool DistTrainer::skip_nonfinite(StepRecord& r, int64_t& skipped) const {
   if (skipped >= o_.skip_nonfinite_steps)
     fail("[train] step ", r.step, ": loss ", num(r.loss), ", gradient norm ", num(r.grad_norm),
          ": not finite; stopped before updating the weights",
-         o_.skip_nonfinite_steps > 0 ? " (--skip-nonfinite-steps " + std::to_string(o_.skip_nonfinite_steps) +
-                                           " already skipped)"
-                                     : std::string(" (--skip-nonfinite-steps N skips such steps)"));
+         " (", option_name("skip_nonfinite_steps"),
+         o_.skip_nonfinite_steps > 0 ? " " + std::to_string(o_.skip_nonfinite_steps) + " already skipped)"
+                                     : std::string(" N skips such steps)"));
   ++skipped;
   r.skipped = true;
   if (world_.rank() == 0)
     std::fprintf(stderr, "hspmd: warning: step %lld: loss %s, gradient norm %s: not finite; step skipped (%lld of "
-                 "--skip-nonfinite-steps %lld)\n", static_cast<long long>(r.step), num(r.loss).c_str(),
-                 num(r.grad_norm).c_str(),
-                 static_cast<long long>(skipped), static_cast<long long>(o_.skip_nonfinite_steps));
+                 "%s %lld)\n", static_cast<long long>(r.step), num(r.loss).c_str(), num(r.grad_norm).c_str(),
+                 static_cast<long long>(skipped), option_name("skip_nonfinite_steps").c_str(),
+                 static_cast<long long>(o_.skip_nonfinite_steps));
   return true;
 }
 
@@ -293,7 +294,7 @@ void DistTrainer::after_step(int64_t step, const StepRecord& r) {
   // --checkpoint without --save-every: one checkpoint, after the last step.
   if ((o_.save_every > 0 && (step + 1) % o_.save_every == 0) ||
       (o_.save_every == 0 && !o_.checkpoint_dir.empty() && step + 1 == o_.steps))
-    save_checkpoint_to(o_.checkpoint_dir, "[checkpoint] --checkpoint");
+    save_checkpoint_to(o_.checkpoint_dir, ("[checkpoint] " + option_name("checkpoint")));
   if (elastic_) elastic_->after_step(step, r);
   if (o_.on_step) o_.on_step(step);
   next_step_ = step + 1;
@@ -317,7 +318,7 @@ void DistTrainer::write_trace() const {
     std::ofstream out(part);
     out << events.dump();
     out.close();
-    if (!out) fail("[train] --trace ", o_.trace_path, ": cannot write ", part, " (disk full or I/O error)");
+    if (!out) fail("[train] ", option_name("trace"), " ", o_.trace_path, ": cannot write ", part, " (disk full or I/O error)");
   }
   world_.barrier();
   if (world_.rank() != 0) return;
@@ -333,10 +334,10 @@ void DistTrainer::write_trace() const {
   std::ofstream out(o_.trace_path);
   out << nlohmann::json{{"traceEvents", all},
                         {"displayTimeUnit", "ms"},
-                        {"otherData", {{"clock", "virtual time of the EMULATED cluster (hspmd --cluster)"}}}}
+                        {"otherData", {{"clock", ("virtual time of the EMULATED cluster (hspmd " + option_name("cluster") + ")")}}}}
              .dump();
   out.close();
-  if (!out) fail("[train] --trace ", o_.trace_path, ": write failed (disk full or I/O error)");
+  if (!out) fail("[train] ", option_name("trace"), " ", o_.trace_path, ": write failed (disk full or I/O error)");
 }
 
 }  // namespace dist

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/planner/cost_model.h"
 #include "hspmd/planner/mixed_length.h"
 #include "hspmd/planner/search.h"
@@ -16,12 +17,6 @@
 namespace hspmd::dist {
 
 ElasticController::ElasticController(DistTrainer& trainer) : t_(trainer) {
-  if (!t_.o_.switches.empty())
-    fail("[flags] give --events or --switch, not both (an event may name its \"strategy\")");
-  if (t_.o_.straggler_window < 0) fail("[flags] --straggler-window must be >= 0, got ", t_.o_.straggler_window);
-  if (!(t_.o_.straggler_threshold > 0)) fail("[flags] --straggler-threshold must be > 0, got ", t_.o_.straggler_threshold);
-  if (t_.o_.straggler_horizon < 1) fail("[flags] --straggler-horizon must be >= 1, got ", t_.o_.straggler_horizon);
-  if (!(t_.o_.replan_time_limit_s > 0)) fail("[flags] --replan-time-limit must be > 0, got ", t_.o_.replan_time_limit_s);
   events_ = load_events(t_.o_.events_path, t_.world_.size(), t_.o_.steps);
   const std::vector<int> first = t_.plans_[0]->strategy->ranks();
   for (const ElasticEvent& e : events_) {
@@ -130,8 +125,10 @@ int64_t ElasticController::reconfigure(std::shared_ptr<const AnnotationPlan> pla
     moved = ready ? t_.move_runtime(std::move(ready), so, ready_specialize_s, nullptr) : t_.move_to(std::move(plan), so);
   } catch (const Error& e) {
     fail("[elastic] step ", step, " (", cause, "): ", e.what(),
-         so.have_checkpoint ? "" : " (no training checkpoint was committed before this step: --checkpoint DIR "
-                                   "--save-every N writes them; the run then rolls back to the last one)");
+         so.have_checkpoint ? std::string()
+                            : " (no training checkpoint was committed before this step: " + option_name("checkpoint") +
+                                  " DIR " + option_name("save_every") +
+                                  " N writes them; the run then rolls back to the last one)");
   }
   nlohmann::json j = {{"event", "reconfigure"}, {"step", step}, {"cause", cause}, {"planning_s", planning_s}};
   j.update(moved);
@@ -196,8 +193,8 @@ void ElasticController::replan_failed_at_resume(int64_t start) {
       "resume: failed rank" + std::string(lost.size() > 1 ? "s " : " ") + names + " in the checkpoint's plan";
   if (t_.tokens_)
     fail("[events] ", t_.o_.events_path, ": rank ", lost.front(), " failed before step ", start, ", but the checkpoint ",
-         t_.o_.resume_dir, " was written under strategies that give it work; with --batch-tokens, resume with the "
-         "events the checkpoint's run went through");
+         t_.o_.resume_dir, " was written under strategies that give it work; with ", option_name("batch_tokens"),
+         ", resume with the events the checkpoint's run went through");
   double planning_s = 0;
   const Strategy next = replan(assumed_ ? *assumed_ : *t_.topology_, start, cause, planning_s);
   resume_replan_ = {{"event", "reconfigure"}, {"step", start}, {"cause", cause}, {"planning_s", planning_s},

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/json_file.h"
 #include "hspmd/resolve/topology.h"
 
@@ -78,7 +79,7 @@ std::vector<ElasticEvent> load_events(const std::string& path, int world_size, i
     ev.step = e["step"].get<int64_t>();
     where += " (step " + std::to_string(ev.step) + ")";
     if (ev.step < 1 || ev.step >= steps)
-      fail(where, ": the step must lie in [1, --steps ", steps, "): an event takes effect before a step of the run");
+      fail(where, ": the step must lie in [1, ", option_name("steps"), " ", steps, "): an event takes effect before a step of the run");
     if (!out.empty() && ev.step <= out.back().step)
       fail(where, ": steps must ascend strictly (the previous event is at step ", out.back().step,
            "); put one step's changes into one event");

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 
 namespace hspmd {
 
@@ -52,7 +53,7 @@ void write_op_times(const std::string& path, int rank, int world_size, int64_t s
   std::ofstream out(file);
   out << j.dump(1) << "\n";
   out.close();
-  if (!out) fail("[train] --op-times ", file, ": cannot write it");
+  if (!out) fail("[train] ", option_name("op_times"), " ", file, ": cannot write it");
 }
 
 }  // namespace hspmd

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/json_file.h"
 
 namespace hspmd::train_common {
@@ -63,7 +64,7 @@ void check_resume_matches(const json& meta, const ModelConfig& model, const Trai
       if (before == value) continue;
       fail("[checkpoint] ", dir, ": written for ", part == std::string("model") ? "" : "data ", field, " ",
            json_excerpt(before), ", but this run has ", json_excerpt(value), "; resume with the ",
-           part == std::string("model") ? "--model" : "data flags", " it was written with");
+           part == std::string("model") ? option_name("model") : "data flags", " it was written with");
     }
   }
 }

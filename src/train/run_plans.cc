@@ -3,6 +3,7 @@
 // between plans (--switch, switch_to, and the parts' switches: a
 // --strategies choice, an elastic reconfiguration).
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "train/dist_trainer.h"
 
 namespace hspmd::dist {
@@ -19,14 +20,14 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::load_named_plan_file(const st
   } catch (const Error& e) {
     const std::string what = e.what();
     if (what.find(path) != std::string::npos) throw;
-    fail("[flags] ", flag, ": ", path, ": ", what);
+    fail(options_tag(), " ", flag, ": ", path, ": ", what);
   }
 }
 
 std::shared_ptr<const AnnotationPlan> DistTrainer::compile(const Strategy& strategy) const {
   const int64_t g = sequence_granularity(strategy);
   if (!o_.pack_documents && o_.batch_tokens == 0 && o_.seq_len % g != 0)
-    fail("[strategy] --seq-len ", o_.seq_len, " must be a multiple of ", g,
+    fail("[strategy] ", option_name("seq_len"), " ", o_.seq_len, " must be a multiple of ", g,
          " (stages split the sequence over their cp x tp ranks, and cp > 1 into 2 x cp chunks)");
   CompileOptions co;
   co.seq_len = (o_.seq_len + g - 1) / g * g;  // packed lengths vary: compile for the longest, rounded up
@@ -48,7 +49,7 @@ std::shared_ptr<const AnnotationPlan> DistTrainer::trainable_plan(AnnotationPlan
   ModelConfig padded = config_;
   padded.padded_vocab_size = plan.model.padded_vocab_size;
   if (plan.model.to_json() != padded.to_json())
-    fail("[plan] ", source, ": its model differs from --model ", o_.model_path);
+    fail("[plan] ", source, ": its model differs from ", option_name("model"), " ", o_.model_path);
   plan.precision = precision();  // the run's flags (and device) decide how it computes
   return std::make_shared<const AnnotationPlan>(std::move(plan));
 }
@@ -85,9 +86,9 @@ void DistTrainer::switch_to(size_t index, int64_t step) {
 
 void DistTrainer::check_switch(const AnnotationPlan& plan, const std::string& source) const {
   if (!o_.switches.empty() || !o_.events_path.empty() || !o_.strategy_choices.empty())
-    fail("[train] switch_to ", source, ": this run switches by its own --switch, --events or --strategies");
+    fail("[train] switch_to ", source, ": this run switches by its own ", option_name("switch"), ", ", option_name("events"), " or ", option_name("strategies"));
   if (o_.batch_tokens == 0 && plan.strategy->global_batch() != plans_[0]->strategy->global_batch())
-    fail("[flags] switch_to ", source, ": global batch ", plan.strategy->global_batch(), ", the run's is ",
+    fail(options_tag(), " switch_to ", source, ": global batch ", plan.strategy->global_batch(), ", the run's is ",
          plans_[0]->strategy->global_batch(), " (a switch keeps the global batch)");
 }
 

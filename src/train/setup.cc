@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/io/safetensors.h"
 #include "hspmd/models/model.h"
 #include "hspmd/planner/profiler.h"
@@ -19,12 +20,6 @@ DistTrainer::DistTrainer(const TrainOptions& o, Communicator& world)
   set_up_emulation();
   load_plans();
   if (!o.events_path.empty()) elastic_ = std::make_unique<ElasticController>(*this);
-  if (!o.strategy_choices.empty()) {
-    if (o.batch_tokens == 0) fail("[flags] --strategies needs --batch-tokens (a strategy is chosen per step)");
-    if (!o.switches.empty()) fail("[flags] --strategies does not go with --switch");
-  }
-  if (o.bucket_switching && o.strategy_choices.empty())
-    fail("[flags] --bucket-switching needs --strategies (one strategy per length bucket)");
   if (o.batch_tokens > 0) tokens_ = std::make_unique<TokenSteps>(*this);
 }
 
@@ -32,26 +27,14 @@ DistTrainer::~DistTrainer() = default;
 
 void DistTrainer::check_run_options() const {
   const TrainOptions& o = o_;
-  train_common::check_finite_options(o);
+  validate(o);  // the options' own rules (a front end ran them already; a run built in code did not)
   // Before any graph or parameter is built: one process holds the whole
   // training state; each of several ranks at least the full f32 model it initializes from.
   if (world_.size() == 1)
     check_parameters_fit_memory(config_, o.model_path, 16, "f32 weights, gradients and Adam moments");
   else
     check_parameters_fit_memory(config_, o.model_path);
-  if (o.seq_len <= 0 || o.seq_len > config_.max_position_embeddings)
-    fail("[flags] --seq-len ", o.seq_len, " must be in [1, max_position_embeddings ",
-         config_.max_position_embeddings, "] of ", o.model_path);
-  if (o.steps <= 0) fail("[flags] --steps must be positive, got ", o.steps);
-  if (o.clip_grad < 0) fail("[flags] --clip-grad must be >= 0, got ", o.clip_grad);
-  if (!(o.schedule.lr > 0)) fail("[flags] --lr must be positive, got ", o.schedule.lr);
-  if (o.save_every < 0) fail("[flags] --save-every must be >= 0, got ", o.save_every);
-  if (o.save_every > 0 && o.checkpoint_dir.empty()) fail("[flags] --save-every needs --checkpoint DIR");
-  if (o.skip_nonfinite_steps < 0)
-    fail("[flags] --skip-nonfinite-steps must be >= 0, got ", o.skip_nonfinite_steps);
-  if (o.overlap.value_or(false) && (!o.cluster_path.empty() || !o.trace_path.empty()))
-    fail("[flags] --overlap with --", o.cluster_path.empty() ? "trace" : "cluster",
-         ": the emulated clock bills one thread per rank (no communication thread); drop --overlap");
+  check_sequence_length(o, config_);
   train_common::check_outputs(o, world_.rank());
   check_checkpoint_directory(o);
 }
@@ -66,22 +49,12 @@ void DistTrainer::set_up_emulation() {
                                                                       : Topology::load(o.cluster_path));
   if (topology_->world_size() != world_.size())
     fail("[cluster] ", o.cluster_path, " has ", topology_->world_size(), " ranks but the job has ", world_.size());
-  if (o.model_clock) {
-    if (o.cluster_path.empty()) fail("[flags] --clock model needs --cluster (it times an emulated cluster)");
-    if (o.profile_path.empty()) fail("[flags] --clock model needs --profile P.json (made by hspmd profile)");
+  if (o.model_clock) {  // validate() checked its cluster and profile are given
     profile_ = Profile::load(o.profile_path);
     check_profile_model(*profile_, config_, o.profile_path, o.model_path);
     check_profile_precision(*profile_, o.precision, o.profile_path);
     time_model_ = std::make_shared<const OpTimeModel>(profile_->ops, o.profile_path);
-  } else if (!o.profile_path.empty() && o.events_path.empty() && o.batch_tokens == 0) {
-    fail("[flags] --profile is read only with --clock model, --events or --batch-tokens (the cost model's "
-         "profile)");
   }
-  if (o.bucket_switching && !o.events_path.empty())
-    fail("[flags] --events does not go with --bucket-switching yet (each step's per-bucket plans are fixed)");
-  if (o.batch_tokens > 0 && o.pack_documents)
-    fail("[flags] --pack-documents does not go with --batch-tokens (token-budget steps cut documents into "
-         "pieces themselves)");
   if (!o.cluster_path.empty() || !o.trace_path.empty()) {  // emulate: a virtual clock per rank
     clock_ = std::make_unique<VirtualClock>(topology_->rank(world_.rank()).slowdown,
                                             o.model_clock ? ClockMode::kModel : ClockMode::kCpu);
@@ -97,18 +70,18 @@ void DistTrainer::load_plans() {
   int64_t last = 0;
   for (const TrainOptions::Switch& sw : o.switches) {
     if (sw.step <= last || sw.step >= o.steps)
-      fail("[flags] --switch ", sw.step, ":", sw.path, ": steps must ascend within (0, --steps ", o.steps, ")");
+      fail_option("switch", " ", sw.step, ":", sw.path, ": steps must ascend within (0, ", option_name("steps"), " ", o.steps, ")");
     for (int r : sw.lost_ranks)
-      if (r < 0 || r >= world_.size()) fail("[flags] --switch-lost ", sw.step, ": rank ", r, " is outside the world");
+      if (r < 0 || r >= world_.size()) fail_option("switch_lost", " ", sw.step, ": rank ", r, " is outside the world");
     last = sw.step;
-    plans_.push_back(load_named_plan_file(sw.path, "--switch " + std::to_string(sw.step)));
+    plans_.push_back(load_named_plan_file(sw.path, (option_name("switch") + " ") + std::to_string(sw.step)));
     if (o.batch_tokens == 0 && plans_.back()->strategy->global_batch() != plans_[0]->strategy->global_batch())
-      fail("[flags] --switch ", sw.step, ":", sw.path, ": global batch ", plans_.back()->strategy->global_batch(),
+      fail_option("switch", " ", sw.step, ":", sw.path, ": global batch ", plans_.back()->strategy->global_batch(),
            ", the run's is ", plans_[0]->strategy->global_batch(), " (a switch keeps the global batch)");
   }
   for (const auto& p : plans_)
     if (o.batch_tokens == 0 && o.global_batch != 0 && o.global_batch != p->strategy->global_batch())
-      fail("[flags] --global-batch ", o.global_batch, " differs from the strategy's global batch ",
+      fail_option("global_batch", " ", o.global_batch, " differs from the strategy's global batch ",
            p->strategy->global_batch());
 }
 
@@ -128,7 +101,7 @@ void DistTrainer::prepare() {
     start = reader->index().step;
     checkpoints_.resumed_from(*reader);
     if (start >= o_.steps)
-      fail("[checkpoint] ", o_.resume_dir, ": it is at step ", start, ", not before --steps ", o_.steps);
+      fail("[checkpoint] ", o_.resume_dir, ": it is at step ", start, ", not before ", option_name("steps"), " ", o_.steps);
     // Before any state is read: the meta's fields, and the model and data
     // mode it was written under (docs/checkpoint.md, "What a resume checks").
     train_common::read_resume_cursor(reader->index().meta, o_.resume_dir);

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "kernels/attention.h"
 #include "kernels/memory.h"
 
@@ -86,7 +87,7 @@ void StepLog::open(const std::string& path, int rank, bool append) {
   if (rank != 0 || path.empty()) return;
   path_ = path;
   out_.open(path, append ? std::ios::app : std::ios::trunc);
-  if (!out_) fail("[train] --log ", path, ": cannot open for writing: ", std::strerror(errno));
+  if (!out_) fail("[train] ", option_name("log"), " ", path, ": cannot open for writing: ", std::strerror(errno));
 }
 
 void StepLog::write(const nlohmann::json& record) {
@@ -95,7 +96,7 @@ void StepLog::write(const nlohmann::json& record) {
   stamped["unix_time"] =
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   out_ << stamped.dump() << "\n" << std::flush;
-  if (!out_) fail("[train] --log ", path_, ": write failed (disk full or I/O error)");
+  if (!out_) fail("[train] ", option_name("log"), " ", path_, ": write failed (disk full or I/O error)");
 }
 
 void StepLog::drop_steps_from(int64_t back) {
@@ -115,11 +116,11 @@ void StepLog::drop_steps_from(int64_t back) {
     std::ofstream out(tmp, std::ios::trunc);
     for (const std::string& line : kept) out << line << "\n";
     out.close();
-    if (!out) fail("[train] --log ", path_, ": write failed (disk full or I/O error)");
+    if (!out) fail("[train] ", option_name("log"), " ", path_, ": write failed (disk full or I/O error)");
   }
   std::filesystem::rename(tmp, path_);
   out_.open(path_, std::ios::app);
-  if (!out_) fail("[train] --log ", path_, ": cannot reopen for writing: ", std::strerror(errno));
+  if (!out_) fail("[train] ", option_name("log"), " ", path_, ": cannot reopen for writing: ", std::strerror(errno));
 }
 
 }  // namespace hspmd::dist

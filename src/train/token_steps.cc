@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
 #include "train/dist_trainer.h"
@@ -16,8 +17,8 @@ void TokenSteps::check_pieces(const std::vector<const Strategy*>& strategies, co
   int64_t longest = 0;
   for (int64_t i = 0; i < pieces_->num_pieces(); ++i) longest = std::max(longest, pieces_->piece_size(i));
   if (t_.o_.batch_tokens < longest)
-    fail("[flags] --batch-tokens ", t_.o_.batch_tokens, " is smaller than the longest piece of ", t_.o_.data_path, " (",
-         longest, " tokens; pieces are at most --max-seq-len ", t_.o_.seq_len, ")");
+    fail_option("batch_tokens", " ", t_.o_.batch_tokens, " is smaller than the longest piece of ", t_.o_.data_path, " (",
+         longest, " tokens; pieces are at most ", option_name("max_seq_len"), " ", t_.o_.seq_len, ")");
   int64_t most = 0;
   for (const Strategy* s : strategies)
     for (size_t k = 0; k < s->pipelines.size(); ++k) {
@@ -261,12 +262,12 @@ TokenSteps::TokenSteps(DistTrainer& trainer) : t_(trainer) {
     choices_.push_back(t_.plans_[0]);
     replan_buckets_ = static_cast<int>(o.strategy_choices.size());
     for (size_t i = 1; i < o.strategy_choices.size(); ++i)
-      choices_.push_back(t_.load_named_plan_file(o.strategy_choices[i], "--strategies"));
+      choices_.push_back(t_.load_named_plan_file(o.strategy_choices[i], option_name("strategies")));
   }
   if (o.bucket_switching)
     for (const auto& c : choices_)  // gradients move between the plans' layouts: one vocabulary padding
       if (c->model.padded_vocab_size != choices_[0]->model.padded_vocab_size)
-        fail("[flags] --bucket-switching: the strategies pad the vocabulary differently (", c->model.padded_vocab_size,
+        fail_option("bucket_switching", ": the strategies pad the vocabulary differently (", c->model.padded_vocab_size,
              " and ", choices_[0]->model.padded_vocab_size, " rows: their tensor-parallel degrees); give strategies "
              "whose vocabulary splits alike");
 }
@@ -276,7 +277,7 @@ void TokenSteps::load_pieces(const TokenData& data) {
   if (!choices_.empty()) {
     std::vector<const Strategy*> all;
     for (const auto& c : choices_) all.push_back(&*c->strategy);
-    check_pieces(all, "any of --strategies");
+    check_pieces(all, ("any of " + option_name("strategies")));
   } else {
     for (const auto& p : t_.plans_) check_pieces({&*p->strategy}, "the strategy");
   }

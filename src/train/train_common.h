@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/data/token_data.h"
 #include "hspmd/graph/executor.h"
 #include "hspmd/io/output_file.h"
@@ -28,24 +29,13 @@ namespace hspmd::train_common {
 inline void check_outputs(const TrainOptions& o, int rank) {
   check_run_files_apart(o);
   if (rank == 0) {
-    check_output_file("[flags] --save", o.save_path, OutputWrite::kRename);
-    check_output_file("[flags] --dump-grads", o.dump_grads_path, OutputWrite::kRename);
-    check_output_file("[flags] --log", o.log_path, OutputWrite::kStream);
+    check_output_file((options_tag() + " " + option_name("save")), o.save_path, OutputWrite::kRename);
+    check_output_file((options_tag() + " " + option_name("dump_grads")), o.dump_grads_path, OutputWrite::kRename);
+    check_output_file((options_tag() + " " + option_name("log")), o.log_path, OutputWrite::kStream);
   }
-  check_output_file("[flags] --trace", o.trace_path, OutputWrite::kStream);
-  check_output_file("[flags] --op-times", o.op_times_path, OutputWrite::kRename);
-  check_output_directory("[flags] --checkpoint", o.checkpoint_dir);
-}
-
-// The float flags must be finite numbers (their ranges are checked with
-// the rest of the flags).
-inline void check_finite_options(const TrainOptions& o) {
-  const std::pair<const char*, double> values[] = {
-      {"--lr", o.schedule.lr},       {"--min-lr", o.schedule.min_lr}, {"--weight-decay", o.adam.weight_decay},
-      {"--beta1", o.adam.beta1},     {"--beta2", o.adam.beta2},       {"--eps", o.adam.eps},
-      {"--clip-grad", o.clip_grad},  {"--switch-bucket-mb", o.switch_bucket_mb}};
-  for (const auto& [flag, v] : values)
-    if (!std::isfinite(v)) fail("[flags] ", flag, " must be a finite number, got ", v);
+  check_output_file((options_tag() + " " + option_name("trace")), o.trace_path, OutputWrite::kStream);
+  check_output_file((options_tag() + " " + option_name("op_times")), o.op_times_path, OutputWrite::kRename);
+  check_output_directory((options_tag() + " " + option_name("checkpoint")), o.checkpoint_dir);
 }
 
 // A host copy of `a` (new storage), whatever device it lives on.

@@ -9,6 +9,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/cpu_isa.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/core/threads.h"
 #include "hspmd/io/checkpoint.h"
 #include "hspmd/io/output_file.h"
@@ -22,18 +23,16 @@ namespace hspmd {
 
 namespace {
 
-void check_options(const TrainOptions& o, const ModelConfig& c) {
-  train_common::check_finite_options(o);
-  if (o.seq_len <= 0) fail("[flags] --seq-len must be positive, got ", o.seq_len);
-  if (o.seq_len > c.max_position_embeddings)  // with token budgets, seq_len is --max-seq-len
-    fail("[flags] ", o.batch_tokens > 0 ? "--max-seq-len " : "--seq-len ", o.seq_len,
-         " exceeds max_position_embeddings ", c.max_position_embeddings, " of ", o.model_path);
-  if (o.steps <= 0) fail("[flags] --steps must be positive, got ", o.steps);
-  if (o.batch_tokens > 0) return;  // token-budget steps: no batch of samples
-  if (o.global_batch <= 0) fail("[flags] --global-batch must be positive, got ", o.global_batch);
+// One process trains the model alone: the step's samples as one pipeline's
+// micro-batches (token-budget steps have none).
+void check_one_process_batch(const TrainOptions& o, const ModelConfig& c) {
+  check_sequence_length(o, c);
+  if (o.batch_tokens > 0) return;
+  if (o.global_batch <= 0)
+    fail_option("global_batch", " is required without a strategy or plan (samples per step), got ", o.global_batch);
   if (o.micro_batches <= 0 || o.global_batch % o.micro_batches != 0)
-    fail("[flags] --micro-batches ", o.micro_batches, " must divide --global-batch ",
-         o.global_batch);
+    fail_option("micro_batches", " ", o.micro_batches, " must divide ", option_name("global_batch"), " ",
+                o.global_batch);
 }
 
 // Runs `check` on every rank; when it throws on any, every rank throws
@@ -97,27 +96,36 @@ void check_checkpoint_owner(const std::string& dir, const CheckpointWriter& w) {
 
 void check_checkpoint_directory(const TrainOptions& o) {
   CheckpointWriter w;
-  w.what = "[flags] --checkpoint";
+  w.what = (options_tag() + " " + option_name("checkpoint"));
   w.overwrite = o.overwrite_checkpoint;
   w.resume_dir = o.resume_dir;
-  w.fix = "give --resume " + o.checkpoint_dir +
-          " to continue it, --overwrite-checkpoint to replace it, or another directory";
+  w.fix = ("give " + option_name("resume") + " ") + o.checkpoint_dir +
+          (" to continue it, " + option_name("overwrite_checkpoint") + " to replace it, or another directory");
   check_checkpoint_owner(o.checkpoint_dir, w);
 }
 
 void check_run_files_apart(const TrainOptions& o) {
-  std::vector<NamedPath> in = {{"--model", o.model_path},       {"--data", o.data_path},   {"--init", o.init_path},
-                               {"--strategy", o.strategy_path}, {"--plan", o.plan_path},   {"--cluster", o.cluster_path},
-                               {"--profile", o.profile_path},   {"--events", o.events_path}};
-  for (const TrainOptions::Switch& sw : o.switches) in.push_back({"--switch", sw.path});
-  for (const std::string& s : o.strategy_choices) in.push_back({"--strategies", s});
-  check_outputs_apart(in, {{"--save", o.save_path}, {"--dump-grads", o.dump_grads_path}, {"--log", o.log_path},
-                           {"--trace", o.trace_path}, {"--op-times", o.op_times_path}});
+  std::vector<NamedPath> in = {{option_name("model"), o.model_path},       {option_name("data"), o.data_path},   {option_name("init"), o.init_path},
+                               {option_name("strategy"), o.strategy_path}, {option_name("plan"), o.plan_path},   {option_name("cluster"), o.cluster_path},
+                               {option_name("profile"), o.profile_path},   {option_name("events"), o.events_path}};
+  for (const TrainOptions::Switch& sw : o.switches) in.push_back({option_name("switch"), sw.path});
+  for (const std::string& s : o.strategy_choices) in.push_back({option_name("strategies"), s});
+  check_outputs_apart(in, {{option_name("save"), o.save_path}, {option_name("dump_grads"), o.dump_grads_path}, {option_name("log"), o.log_path},
+                           {option_name("trace"), o.trace_path}, {option_name("op_times"), o.op_times_path}});
+}
+
+void check_sequence_length(const TrainOptions& o, const ModelConfig& c) {
+  // With token budgets seq_len is the longest piece (the command line's --max-seq-len).
+  const char* field = o.batch_tokens > 0 && option_spelling() == OptionSpelling::kFlag ? "max_seq_len" : "seq_len";
+  if (o.seq_len <= 0) fail_option(field, " must be positive, got ", o.seq_len);
+  if (o.seq_len > c.max_position_embeddings)
+    fail_option(field, " ", o.seq_len, " exceeds max_position_embeddings ", c.max_position_embeddings, " of ",
+                o.model_path);
 }
 
 TrainOptions single_process_options(const TrainOptions& o) {
   const ModelConfig config = ModelConfig::load(o.model_path);
-  check_options(o, config);
+  check_one_process_batch(o, config);
   TrainOptions one = o;
   Strategy strategy;
   strategy.description = "one process";
@@ -156,9 +164,9 @@ TrainingRun::TrainingRun(const TrainOptions& options, Communicator& world) : opt
   // Once the run is set up: an error stays the one line it is (the note says
   // nothing about why a run was refused).
   if (options_.precision.mixed() && kernels::bf16_gemm_emulated() && world.rank() == 0)
-    std::fprintf(stderr, "hspmd: note: --precision bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
+    std::fprintf(stderr, "hspmd: note: %s bf16: bf16 GEMMs run emulated: no bf16 GEMM instructions (avx512_bf16 or "
                  "amx_bf16 with oneDNN) or HSPMD_GEMM_BF16=emulate; same roundings, f32 speed: %s\n",
-                 kernels::gemm_isa_description().c_str());
+                 option_name("precision").c_str(), kernels::gemm_isa_description().c_str());
 }
 
 TrainingRun::~TrainingRun() = default;

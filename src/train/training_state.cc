@@ -8,6 +8,7 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/device.h"
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/exec/virtual_clock.h"
 #include "hspmd/io/checkpoint.h"
@@ -211,7 +212,7 @@ void TrainingState::copy_local(const RankSwitchRound& r, const SwitchPlan& sp, T
   for (const SliceRef& s : r.checkpoint) {
     if (!checkpoint)
       fail("[switch] rank ", rank_, ": slices of '", sp.tensors[s.tensor].name(),
-           "' must come from a checkpoint but none was given (--checkpoint)");
+           "' must come from a checkpoint but none was given (", option_name("checkpoint"), ")");
     NDArray got = checkpoint->read(sp.tensors[s.tensor].name(), s.box);
     rep.checkpoint_bytes += static_cast<int64_t>(got.nbytes());
     deliver(stream, next, sp.tensors[s.tensor], kernels::to_device(stream, got), s.box);

@@ -129,21 +129,21 @@ def check_strategies(hspmd_cli, d):
 def check_trainer_errors(d):
     data = os.path.join(d, "none.bin")
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, bogus=1),
-           "[flags] unknown training option 'bogus'")
+           "[options] unknown training option 'bogus'")
     raises(lambda: hspmd.Trainer(MODEL, None, data, optimizer="sgd", seq_len=64, steps=1, global_batch=8),
-           "[flags] --optimizer: unknown optimizer 'sgd'")
+           "[options] optimizer: unknown optimizer 'sgd'")
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, beta2=1.0),
-           "[flags] --beta2 must lie in [0, 1), got 1")
+           "[options] beta2 must lie in [0, 1), got 1")
     # A device that cannot be used, on any machine: one line naming it.
     raises(lambda: hspmd.Trainer(MODEL, None, data, device="cuda:99", seq_len=64, steps=1, global_batch=8),
            "[device] cuda:99: ")
     raises(lambda: hspmd.Trainer(MODEL, None, data, device="tpu", seq_len=64, steps=1, global_batch=8),
-           "[flags] --device: 'tpu' (expected cpu, cuda or cuda:N)")
+           "[options] device: 'tpu' (expected cpu, cuda or cuda:N)")
     raises(lambda: hspmd.Trainer(MODEL, STRATEGY, data, seq_len=64, steps=1), "[")  # 4 ranks on a world of 1
     # The emulated clock has no communication thread: overlap=True is refused.
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, overlap=True,
                                  cluster=os.path.join(d, "none.json")),
-           "[flags] --overlap with --cluster: the emulated clock")
+           "[options] overlap with cluster: the emulated clock")
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
 
 
@@ -167,14 +167,14 @@ def check_unclear_inputs(d):
     with open(data, "wb") as f:
         f.write(bytes(4 * 4096))
     run = dict(seq_len=32, steps=1, global_batch=4)
-    for flag, value, want in (("seq_len", "abc", "[flags] seq_len='abc': must be an integer in [-2^63, 2^63), got str"),
-                              ("seq_len", 32.7, "[flags] seq_len=32.7: must be an integer in [-2^63, 2^63), got float"),
-                              ("seq_len", 2**64, "[flags] seq_len=18446744073709551616: must be an integer"),
-                              ("threads", 2**40, "[flags] threads=1099511627776: must be an integer in [-2^31, 2^31)"),
-                              ("device", 1, "[flags] device=1: must be a string, got int"),
-                              ("log", 1, "[flags] log=1: must be a string, got int"),
-                              ("lr", "x", "[flags] lr='x': must be a number, got str"),
-                              ("pack_documents", "yes", "[flags] pack_documents='yes': must be True or False, got str")):
+    for flag, value, want in (("seq_len", "abc", "[options] seq_len='abc': must be an integer in [-2^63, 2^63), got str"),
+                              ("seq_len", 32.7, "[options] seq_len=32.7: must be an integer in [-2^63, 2^63), got float"),
+                              ("seq_len", 2**64, "[options] seq_len=18446744073709551616: must be an integer"),
+                              ("threads", 2**40, "[options] threads=1099511627776: must be an integer in [-2^31, 2^31)"),
+                              ("device", 1, "[options] device=1: must be a string, got int"),
+                              ("log", 1, "[options] log=1: must be a string, got int"),
+                              ("lr", "x", "[options] lr='x': must be a number, got str"),
+                              ("pack_documents", "yes", "[options] pack_documents='yes': must be True or False, got str")):
         raises(lambda: hspmd.Trainer(MODEL, None, data, **dict(run, **{flag: value})), want)
     import pathlib  # paths as os.PathLike, as the data argument always took them
     log = pathlib.Path(d) / "ids.jsonl"
@@ -234,11 +234,11 @@ def check_refused_arguments(d):
     with open(data, "wb") as f:
         f.write(bytes(4 * 4096))
     run = dict(seq_len=32, steps=40, global_batch=8, threads=1)
-    for flags, want in (({"lr": -1}, "[flags] lr must be positive, got -1"),
-                        ({"lr": 0}, "[flags] lr must be positive, got 0"),
-                        ({"lr": float("nan")}, "[flags] lr must be a finite number, got nan"),
-                        ({"lr": 0.1, "min_lr": 1}, "[flags] min_lr 1 must lie in [0, lr 0.1]"),
-                        ({"min_lr": -1}, "[flags] min_lr -1 must lie in [0, lr ")):
+    for flags, want in (({"lr": -1}, "[options] lr must be positive, got -1"),
+                        ({"lr": 0}, "[options] lr must be positive, got 0"),
+                        ({"lr": float("nan")}, "[options] lr must be a finite number, got nan"),
+                        ({"lr": 0.1, "min_lr": 1}, "[options] min_lr 1 must lie in [0, lr 0.1]"),
+                        ({"min_lr": -1}, "[options] min_lr -1 must lie in [0, lr ")):
         raises(lambda: hspmd.Trainer(MODEL, None, data, **dict(run, **flags)), want)
 
     # A token file whose size is not a multiple of 4 is refused wherever it

@@ -66,17 +66,17 @@ def check_outputs_apart(m, d, tmp):
     link = os.path.join(tmp, "link-to-data.bin")
     os.symlink(d, link)
     cases = [(flag, target, what) for flag in ("log", "save", "trace", "op_times", "dump_grads")
-             for target, what in ((d, "--data"), (m, "--model"))]
-    cases.append(("log", link, "--data"))
+             for target, what in ((d, "data"), (m, "model"))]
+    cases.append(("log", link, "data"))
     for flag, target, what in cases:
         def run():
             t = trainer(m, d, steps=1, **{flag: target})
             t.train()  # before the fix: the input is written over here (or already at setup)
-        raises(run, f"--{flag.replace('_', '-')} {target}: is the same file as {what} ",
+        raises(run, f"{flag} {target}: is the same file as {what} ",
                "writing it would destroy that input")
         assert snapshot([m, d]) == inputs, f"{flag}={target}: an input changed"
     out = os.path.join(tmp, "both.json")
-    raises(lambda: trainer(m, d, steps=1, log=out, trace=out), f"--trace {out}: is the same file as --log {out}",
+    raises(lambda: trainer(m, d, steps=1, log=out, trace=out), f"trace {out}: is the same file as log {out}",
            "another output")
     assert not os.path.exists(out), "a refused run wrote an output"
 
@@ -109,8 +109,8 @@ def check_checkpoint_owner(m, d, tmp):
     b.step()
     b.save_checkpoint(ck_b)  # its own: replaced
     assert index_of(ck_b)["step"] == 3
-    raises(lambda: trainer(m, d, checkpoint=ck_a), f"[flags] --checkpoint {ck_a}: holds the committed checkpoint "
-           "of step 2 of another run; give --resume")
+    raises(lambda: trainer(m, d, checkpoint=ck_a), f"[options] checkpoint {ck_a}: holds the committed checkpoint "
+           "of step 2 of another run; give resume")
 
     # The checkpoint a run resumed is its to continue, as --resume D --checkpoint D.
     ck_c = os.path.join(tmp, "ckC")
@@ -137,7 +137,7 @@ def check_checkpoint_owner(m, d, tmp):
     shutil.rmtree(ck_e)
     a.save_checkpoint(ck_e)  # run A's, at step 2
     kept = files_of(ck_e)
-    raises(e.step, f"[checkpoint] --checkpoint {ck_e}: holds the committed checkpoint of step 2 of another run")
+    raises(e.step, f"[checkpoint] checkpoint {ck_e}: holds the committed checkpoint of step 2 of another run")
     assert files_of(ck_e) == kept, "another run's checkpoint changed"
 
 

@@ -1,20 +1,24 @@
-// The training loop's checks before step 0 (train/train_common.h): finite
-// float options, finite initial weights, outputs per rank
-// (docs/reliability.md).
+// The training loop's checks before step 0 (train/train_common.h, and the
+// options' validate(), hspmd/options/train_options.h): finite float
+// options named as the front end spells them, finite initial weights,
+// outputs per rank (docs/reliability.md).
 #include <cmath>
+#include <algorithm>
 #include <functional>
+#include <set>
 #include <limits>
 #include <string>
 
 #include <gtest/gtest.h>
 
+#include "hspmd/core/options.h"
+#include "hspmd/options/train_options.h"
 #include "train/train_common.h"
 #include "test_util.h"
 
 namespace hspmd {
 namespace {
 
-using train_common::check_finite_options;
 using train_common::check_finite_weights;
 using train_common::check_outputs;
 using train_common::first_nonfinite;
@@ -35,22 +39,50 @@ TEST(TrainChecks, FirstNonfiniteFindsNanAndInfInF32AndBf16) {
   EXPECT_EQ(first_nonfinite(NDArray::zeros({4}, DType::BF16)), -1);
 }
 
-TEST(TrainChecks, FloatOptionsMustBeFinite) {
-  EXPECT_EQ(error_of([] { check_finite_options(TrainOptions{}); }), "");
+TEST(TrainChecks, FloatOptionsMustBeFiniteNamedAsTheFrontEndSpellsThem) {
+  TrainOptions valid = default_train_options();
+  valid.steps = 1;
+  EXPECT_EQ(error_of([&] { validate(valid); }), "");
   const std::pair<const char*, std::function<void(TrainOptions&, double)>> cases[] = {
-      {"--lr", [](TrainOptions& o, double v) { o.schedule.lr = v; }},
-      {"--min-lr", [](TrainOptions& o, double v) { o.schedule.min_lr = v; }},
-      {"--weight-decay", [](TrainOptions& o, double v) { o.adam.weight_decay = v; }},
-      {"--eps", [](TrainOptions& o, double v) { o.adam.eps = v; }},
-      {"--beta1", [](TrainOptions& o, double v) { o.adam.beta1 = v; }},
-      {"--clip-grad", [](TrainOptions& o, double v) { o.clip_grad = v; }}};
-  for (const auto& [flag, set] : cases)
+      {"lr", [](TrainOptions& o, double v) { o.schedule.lr = v; }},
+      {"min_lr", [](TrainOptions& o, double v) { o.schedule.min_lr = v; }},
+      {"weight_decay", [](TrainOptions& o, double v) { o.adam.weight_decay = v; }},
+      {"eps", [](TrainOptions& o, double v) { o.adam.eps = v; }},
+      {"beta1", [](TrainOptions& o, double v) { o.adam.beta1 = v; }},
+      {"clip_grad", [](TrainOptions& o, double v) { o.clip_grad = v; }}};
+  for (const auto& [field, set] : cases)
     for (double v : {kNan, kInf, -kInf}) {
-      TrainOptions o;
+      TrainOptions o = valid;
       set(o, v);
-      const std::string e = error_of([&] { check_finite_options(o); });
-      EXPECT_EQ(e.rfind(std::string("[flags] ") + flag + " must be a finite number, got ", 0), 0u) << e;
+      std::string flag = std::string("--") + field;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      const std::string e = error_of([&] { validate(o); });
+      EXPECT_EQ(e.rfind("[flags] " + flag + " must be a finite number, got ", 0), 0u) << e;
+      set_option_spelling(OptionSpelling::kKeyword);  // as the Python module does
+      const std::string k = error_of([&] { validate(o); });
+      set_option_spelling(OptionSpelling::kFlag);
+      EXPECT_EQ(k.rfind(std::string("[options] ") + field + " must be a finite number, got ", 0), 0u) << k;
     }
+}
+
+// The schema: one row per option, every name a field (no flag spelling),
+// and a row's setter writes what validate() reads.
+TEST(TrainChecks, OptionTableNamesEachOptionOnce) {
+  std::set<std::string> names;
+  for (const OptionSpec<TrainOptions>& spec : train_option_table()) {
+    EXPECT_TRUE(names.insert(spec.name).second) << spec.name;
+    EXPECT_EQ(std::string(spec.name).find('-'), std::string::npos) << spec.name;
+    EXPECT_EQ(find_train_option(spec.name), find_train_option(spec.name));
+  }
+  EXPECT_EQ(find_train_option("no-such-option"), nullptr);
+  TrainOptions o = default_train_options();
+  o.steps = 1;
+  find_train_option("beta2")->set(o, OptionValue{1.0});
+  EXPECT_EQ(error_of([&] { validate(o); }), "[flags] --beta2 must lie in [0, 1), got 1");
+  find_train_option("optimizer")->set(o, OptionValue{std::string("adam")});
+  EXPECT_FALSE(o.adam.decoupled_weight_decay);
+  EXPECT_EQ(error_of([&] { find_train_option("optimizer")->set(o, OptionValue{std::string("sgd")}); }),
+            "[flags] --optimizer: unknown optimizer 'sgd' (expected adamw or adam)");
 }
 
 TEST(TrainChecks, InitialWeightsMustBeFinite) {

@@ -97,6 +97,18 @@ std::vector<int> idle_ranks(const Strategy& strategy, int world_size);
 // 2 x cp (context-parallel attention's load-balanced chunks).
 int64_t sequence_granularity(const Strategy& strategy);
 
+// How a token-budget step's pieces go to the pipelines (docs/
+// mixed_length.md "Per step"). kCost: longest first to the accepting
+// pipeline that would finish first by the cost model (device speeds
+// included), then first-fit decreasing into micro-batches of the
+// pipeline's capacity. kSymmetric: data parallelism blind to device speeds,
+// as a homogeneous SPMD system runs it (the HotSPa-like baseline): packed
+// first-fit decreasing into micro-batches of the pipelines' smallest
+// capacity, each micro-batch to the pipeline with the fewest tokens so far.
+enum class DispatchRule { kCost, kSymmetric };
+// "cost" / "symmetric"; hspmd::Error naming the option dispatch else.
+DispatchRule parse_dispatch_rule(const std::string& name);
+
 // Compact range form of a sorted rank list: {0,1,2,3,5,8,9} -> "0-3,5,8-9";
 // "" for an empty list. Used in reports (idle ranks, stage ranks).
 std::string format_ranks(const std::vector<int>& ranks);

@@ -16,15 +16,8 @@
 
 namespace hspmd {
 
-// How a token-budget step's pieces go to the pipelines (docs/
-// mixed_length.md "Per step"). kCost: longest first to the accepting
-// pipeline that would finish first by the cost model (device speeds
-// included), then first-fit decreasing into micro-batches of the
-// pipeline's capacity. kSymmetric: data parallelism blind to device speeds,
-// as a homogeneous SPMD system runs it (the HotSPa-like baseline): packed
-// first-fit decreasing into micro-batches of the pipelines' smallest
-// capacity, each micro-batch to the pipeline with the fewest tokens so far.
-enum class DispatchRule { kCost, kSymmetric };
+// DispatchRule (how a token-budget step's pieces go to the pipelines) is
+// declared with the strategy (hspmd/plan/strategy.h): the options name it too.
 
 // Steps as `hspmd train --batch-tokens T` forms them from file order: the
 // next pieces while their total stays within T, at least one; the pieces
@@ -71,9 +64,6 @@ class PieceCosts {
   mutable std::map<std::pair<size_t, int64_t>, double> cache_;
   mutable std::vector<double> fixed_;  // per_micro_batch per pipeline (-1: not yet)
 };
-
-// "cost" / "symmetric"; throws hspmd::Error "[flags] --dispatch ..." else.
-DispatchRule parse_dispatch_rule(const std::string& name);
 
 // One token-budget step's dispatch under a DispatchRule, as the trainer
 // runs it.
