@@ -2,11 +2,11 @@
 //
 // Op files call these functions only. Each takes the Stream it runs on
 // first (ops pass *ctx.stream), checks that its arrays live on the stream's
-// device and dispatches on that device (src/kernels/dispatch.cc) to the
-// backend's code: today CPU, in src/kernels/cpu/ (namespace kernels::cpu),
-// which runs inline. A CUDA backend adds src/kernels/cuda/ and one case per
-// kernel in the dispatch, without touching any op file. All arrays are
-// contiguous unless stated; outputs are preallocated by the caller.
+// device and calls the backend registered for that device type
+// (src/kernels/dispatch.cc, backend.h): CPU in src/kernels/cpu/ (runs
+// inline), CUDA in src/kernels/cuda/. Every kernel is a line of
+// kernel_list.inc (docs/kernels.md). All arrays are contiguous unless
+// stated; outputs are preallocated by the caller.
 #pragma once
 
 #include <cstdint>
@@ -18,9 +18,9 @@ namespace hspmd::kernels {
 
 // Throws hspmd::Error "[kernels] <kernel>: no kernel for device <device> in
 // this build": the one place where missing backend support is declared (the
-// dispatch calls it for a device type that has no implementation of the
-// kernel). An array on another device than the stream's throws "[kernels]
-// <kernel>: an array lives on <device> but the stream on <device>".
+// dispatch calls it for a device type without a registered backend). An
+// array on another device than the stream's throws "[kernels] <kernel>: an
+// array lives on <device> but the stream on <device>".
 [[noreturn]] void no_kernel(const char* kernel, Device device);
 
 // ---- elementwise ----

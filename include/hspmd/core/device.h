@@ -1,9 +1,9 @@
 // Devices, their allocators and streams.
 //
-// A Device names where memory lives and kernels run. Only the CPU backend is
-// built today; a CUDA device slots in behind the same Allocator and Stream
-// interfaces and the kernel dispatch in src/kernels/, without any change to
-// op files.
+// A Device names where memory lives and kernels run. What a device type
+// needs underneath (allocator, streams, events, copies) is its registered
+// DeviceRuntime (device_runtime.h): core has the CPU's, a backend registers
+// its own (CUDA: src/kernels/cuda/), without any change to op files.
 #pragma once
 
 #include <atomic>
