@@ -145,6 +145,19 @@ def check_trainer_errors(d):
                                  cluster=os.path.join(d, "none.json")),
            "[options] overlap with cluster: the emulated clock")
     raises(lambda: hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8), "[data]")
+    # Keywords the options schema gives Python beside the command line's flags, their rules from the
+    # same validate(), named as keywords (no "--" anywhere in the message).
+    for kwargs, want in (({"dispatch": "fastest"}, "[options] dispatch must be cost or symmetric, got 'fastest'"),
+                         ({"batch_tokens": 0}, "[options] batch_tokens must be positive, got 0"),
+                         ({"clock": "model"}, "[options] clock model needs cluster"),
+                         ({"save_every": 2}, "[options] save_every needs checkpoint DIR"),
+                         ({"warmup_steps": -1}, "[options] warmup_steps must be >= 0, got -1")):
+        try:
+            hspmd.Trainer(MODEL, None, data, seq_len=64, steps=1, global_batch=8, **kwargs)
+        except hspmd.Error as e:
+            assert str(e).startswith(want) and "--" not in str(e), f"{kwargs}: {e}"
+        else:
+            raise AssertionError(f"{kwargs}: accepted")
 
 
 def check_unclear_inputs(d):
