@@ -17,11 +17,9 @@
 #include "hspmd/core/error.h"
 #include "hspmd/core/options.h"
 #include "hspmd/core/json_file.h"
-#include "hspmd/optim/lr_schedule.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/options/train_options.h"
 #include "hspmd/train/trainer.h"
-#include "kernels/basic.h"
 
 namespace hspmd::python {
 

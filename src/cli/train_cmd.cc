@@ -22,17 +22,13 @@
 #include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/models/model.h"
-#include "hspmd/optim/lr_schedule.h"
 #include "hspmd/options/train_options.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/train/trainer.h"
-#include "kernels/basic.h"
 
 namespace hspmd::cli {
 
 namespace {
-
-constexpr int64_t kMaxThreads = 1024;  // far beyond any core count; 100000 crashed libgomp
 
 // Exclusive locks (flock) on the outputs that several runs could write at
 // once: the --log file and the --checkpoint directory. Held until the

@@ -7,7 +7,6 @@
 
 #include "exec/clocked_comm.h"
 #include "hspmd/comm/execute.h"
-#include "hspmd/comm/pack.h"
 #include "hspmd/core/error.h"
 #include "hspmd/graph/op.h"
 #include "hspmd/ops/ops.h"

@@ -18,8 +18,6 @@ namespace {
 using Spec = OptionSpec<TrainOptions>;
 using Setter = std::function<void(TrainOptions&, const OptionValue&)>;
 
-constexpr int64_t kMaxThreads = 1024;  // far beyond any core count; 100000 crashed libgomp
-
 Setter text(std::string TrainOptions::*member) {
   return [member](TrainOptions& o, const OptionValue& v) { o.*member = option_string(v); };
 }

@@ -129,6 +129,10 @@ struct TrainOptions {
   bool pack_documents = false;  // packed-documents samples (docs/data.md)
 };
 
+// The most threads a rank (and ranks a machine's launcher) may take: far
+// beyond any core count (100000 crashed libgomp).
+inline constexpr int64_t kMaxThreads = 1024;
+
 // The defaults every front end starts from: TrainOptions{} with the peak
 // learning rate 3e-4 and the machine's cores shared by this node's ranks
 // (OMPI_COMM_WORLD_LOCAL_SIZE) as threads.
