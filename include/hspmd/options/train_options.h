@@ -1,152 +1,55 @@
-// The training options (one struct, per-subsystem schema tables) and their
-// rules, below the trainer: the command line's flags and --help and the
-// Python Trainer's keyword arguments are generated from the tables
-// (train_option_table), and every rule between options is validate()'s, so
-// each option and each rule is written once. Errors name the option as the
-// front end spells it (hspmd/core/options.h). docs/training.md, "Options".
+// The training options and their rules, below the trainer: one struct per
+// subsystem (hspmd/options/subsystem_options.h), each with its table and its
+// validate(), and TrainOptions, all of them together. The command line's
+// flags and --help and the Python Trainer's keyword arguments are generated
+// from the tables (train_option_table), the rules of one subsystem are its
+// validate()'s and the rules between subsystems this validate()'s, so each
+// option and each rule is written once. Errors name the option as the front
+// end spells it (hspmd/core/options.h). docs/training.md, "Options".
 #pragma once
 
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include "hspmd/core/device.h"
-#include "hspmd/core/dtype.h"
 #include "hspmd/core/options.h"
-#include "hspmd/ops/precision.h"
-#include "hspmd/optim/adam.h"
-#include "hspmd/optim/lr_schedule.h"
-#include "hspmd/plan/strategy.h"
+#include "hspmd/options/subsystem_options.h"
 
 namespace hspmd {
 
-struct TrainOptions {
-  std::string model_path;       // Hugging Face config.json
-  std::string data_path;        // token file (.bin)
-  std::string init_path;        // optional safetensors with initial weights
-  std::string save_path;        // optional safetensors written at the end
-  std::string log_path;         // optional JSONL, one object per step
-  std::string dump_grads_path;  // optional safetensors of the step-0 gradients
-  std::string op_times_path;    // optional JSON: the last step's op times by type (docs/profiling.md)
-  std::string strategy_path;    // distributed: strategy JSON (train_distributed)
-  std::string cluster_path;     // distributed: optional cluster JSON (emulated cluster)
-  std::string trace_path;       // distributed: Chrome-trace timeline of the emulated cluster
-  std::string plan_path;        // distributed: an annotation plan JSON to train (instead of a strategy)
-  // Emulation (with cluster_path): what a rank's compute bills to its virtual
-  // clock — its CPU time (false, --clock cpu) or the per-op predictions of
-  // the profile at profile_path (true, --clock model; docs/profiling.md).
-  bool model_clock = false;
-  std::string profile_path;
-  // Where the ranks' graphs and training states live (--device). CUDA so
-  // far only for one process without a cluster, events, switches or token
-  // budgets (docs/cuda.md); the CLI refuses the rest in one line.
-  Device device = Device::cpu();
-  // Overlap the gradient synchronization with the last micro-batch's
-  // backward (--overlap / --no-overlap; docs/comm.md): a communication
-  // thread over a duplicate world. Unset: on for a device other than the
-  // CPU (where communication and compute use different engines), off on the
-  // CPU (whose cores compute). Never under an emulated clock.
-  std::optional<bool> overlap;
-  std::optional<Strategy> strategy;  // a strategy given as a value (instead of strategy_path)
-  // Plan switches (docs/switching.md): from step `step` on, train under
-  // `path` (a strategy or an annotation plan); ascending steps.
-  struct Switch {
-    int64_t step = 0;
-    std::string path;
-    std::vector<int> lost_ranks;  // ranks whose memory counts as gone at this switch
-  };
-  std::vector<Switch> switches;
-  // Elastic training (docs/elastic.md): devices that fail, join or slow
-  // down before given steps (include/hspmd/train/events.h); the run
-  // re-plans (or takes the event's strategy) and switches online.
-  std::string events_path;
-  double replan_time_limit_s = 30;  // the planner's time limit per re-plan
-  // Stragglers (with events and an emulated cluster): per-rank compute over
-  // a sliding window of this many steps (0: off), a rank off its assumed
-  // speed by more than `straggler_threshold` (relative) triggers a re-plan,
-  // switched to when the gain over the next `straggler_horizon` steps
-  // exceeds the switch's cost.
-  int64_t straggler_window = 3;
-  double straggler_threshold = 0.25;
-  int64_t straggler_horizon = 100;
-  std::string switch_algorithm = "fused";  // naive, per-tensor or fused
-  double switch_bucket_mb = 256;  // fused: MiB of state tensors per round (0: all in one round)
-  std::string checkpoint_dir;   // sharded training checkpoints are written here ...
-  int64_t save_every = 0;       // ... after every this many steps (0: never)
-  // Write checkpoints in the step (the state copied, then a background
-  // thread writes while the next steps run: false, the default) or wait
-  // for the disk (true).
-  bool checkpoint_sync = false;
-  std::string resume_dir;       // continue from the checkpoint in this directory
-  // A checkpoint_dir that already holds a committed checkpoint is refused
-  // (check_checkpoint_directory) unless the run resumes that very checkpoint
-  // (resume_dir is the same directory) or this is set (--overwrite-checkpoint:
-  // the old checkpoint is replaced at the run's first commit).
-  bool overwrite_checkpoint = false;
-  // Stamped into every checkpoint the run commits (meta.run_id): a restart
-  // resumes only checkpoints of its own run (docs/reliability.md). "": the
-  // environment's HSPMD_RUN_ID (the launcher sets it for its ranks), else a
-  // fresh id drawn by rank 0.
-  std::string run_id;
-  int64_t seq_len = 0;
-  // Token-budget steps (docs/mixed_length.md): when batch_tokens > 0, each
-  // step takes the next document pieces (at most seq_len tokens each) while
-  // their tokens stay within batch_tokens, and dispatches them over the
-  // strategy's pipelines; global_batch is not read.
-  int64_t batch_tokens = 0;
-  // ... and with several strategies (--strategies; strategy_path is the
-  // first): per step the one the cost model favours (docs/mixed_length.md).
-  std::vector<std::string> strategy_choices;
-  // ... or the HotSPa-like baseline: every step's pieces in buckets by the
-  // smallest strategy that accepts them, trained bucket by bucket, each on
-  // its own strategy, switching inside the step (gradients accumulate).
-  bool bucket_switching = false;
-  // --dispatch symmetric: a step's pieces go to the pipelines blind to
-  // device speeds, packed micro-batches to the pipeline with the fewest
-  // tokens (SPMD data parallelism, the baselines' rule); false: by the cost
-  // model (planner/token_dispatch.h, DispatchRule).
-  bool symmetric_dispatch = false;
-  int64_t global_batch = 0;
-  int64_t micro_batches = 1;    // gradient accumulation: must divide global_batch
-  int64_t steps = 0;
-  uint64_t seed = 0;
-  AdamConfig adam;
-  LrSchedule schedule;          // total_steps is set from `steps`
-  double clip_grad = 0.0;       // 0 = off
-  // Steps with a non-finite loss or gradient norm that are skipped (no
-  // update of weights or moments; the batch is consumed) before the run
-  // stops with an error; 0: the first one stops it.
-  int64_t skip_nonfinite_steps = 0;
-  int threads = 1;
-  DType save_dtype = DType::F32;
-  Precision precision;          // --precision, --grad-reduce-dtype (docs/precision.md)
-  bool progress = true;         // progress line on stderr
+// Every training option: each subsystem's, reached as before (o.seq_len,
+// o.adam, o.switches, TrainOptions::Switch), plus the run's hook. A
+// component that needs one subsystem may take its struct alone.
+struct TrainOptions : DataOptions,
+                      OptimizerOptions,
+                      OutputOptions,
+                      ParallelOptions,
+                      SwitchingOptions,
+                      ElasticOptions,
+                      CheckpointOptions {
   // Called on every rank after each finished step (the launcher's heartbeat,
   // src/cli/launcher.h); may be empty.
   std::function<void(int64_t step)> on_step;
-  bool pack_documents = false;  // packed-documents samples (docs/data.md)
 };
-
-// The most threads a rank (and ranks a machine's launcher) may take: far
-// beyond any core count (100000 crashed libgomp).
-inline constexpr int64_t kMaxThreads = 1024;
 
 // The defaults every front end starts from: TrainOptions{} with the peak
 // learning rate 3e-4 and the machine's cores shared by this node's ranks
 // (OMPI_COMM_WORLD_LOCAL_SIZE) as threads.
 TrainOptions default_train_options();
 
-// The schema, by subsystem (the order of the command line's --help).
+// The schema: the subsystems' tables, in the order of subsystem_options.h
+// (the order of the command line's --help), each row setting its
+// subsystem's part of TrainOptions. One row writes two subsystems:
+// `strategies` also makes its first file the run's strategy_path.
 std::vector<OptionSpec<TrainOptions>> train_option_table();
 // The row of `name`, or nullptr.
 const OptionSpec<TrainOptions>* find_train_option(const std::string& name);
 
-// Every rule between the options that needs nothing but the options (the
-// model's and the world's rules are the trainer's): ranges, choices that
-// need or exclude each other. `given`: what the user gave (rules about a
-// value given for nothing read it); a run built in code passes none.
+// Every rule that needs nothing but the options (the model's and the
+// world's rules are the trainer's): each subsystem's validate(), then the
+// rules between subsystems (a choice of one that needs or excludes one of
+// another). `given`: what the user gave; a run built in code passes none.
 // hspmd::Error naming the option (fail_option).
 void validate(const TrainOptions& o, const GivenOptions& given = {});
 
