@@ -132,13 +132,21 @@ void ExecGraph::count_uses() {
   const Graph& g = *model_.graph;
   const std::span<const int> all(order_);
   const std::span<const int> fwd = all.first(forward_end_), bwd = all.subspan(forward_end_);
+  // The router statistics (mixture of experts) outlive the forward: the
+  // trainer reads them before the backward.
+  auto keep_statistics = [&](UseCounts& uses) {
+    for (const Tensor& t : {model_.router_counts, model_.router_prob_sums})
+      if (t.valid()) keep_value(uses, t);
+  };
   auto keep_results = [&](UseCounts& uses) {
     keep_value(uses, model_.loss);
     for (const auto& [name, id] : grad_sync_node_) keep_value(uses, g.node(id).inputs[0]);
+    keep_statistics(uses);
   };
   uses_ = count_consumers(g, order_, {all});
   keep_results(uses_);
   recompute_forward_uses_ = count_consumers(g, order_, {fwd});
+  keep_statistics(recompute_forward_uses_);
   for (int id : fwd)  // every output of a saved node (the loss's statistics too)
     if (saved_[id])
       for (int& n : recompute_forward_uses_[id]) ++n;
@@ -354,6 +362,12 @@ ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world, co
     if (!s.empty() && s[raw.index()].valid()) out.raw_grads[name] = s[raw.index()];
   }
   return out;
+}
+
+NDArray ExecGraph::forward_value(const Activations& a, const Tensor& t) const {
+  if (!t.valid() || t.node_id() >= static_cast<int>(a.slots.size())) return NDArray();
+  const auto& slot = a.slots[t.node_id()];
+  return slot.size() > static_cast<size_t>(t.index()) ? slot[t.index()] : NDArray();
 }
 
 ExecGraph::MicroBatch ExecGraph::run_micro_batch(const ValueMap& values, Communicator& world) const {

@@ -154,4 +154,34 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
                             const NDArray& normalizer, const NDArray& lse, int ignore_index,
                             int64_t vocab_begin, NDArray& dlogits, int64_t classes = 0);
 
+// ---- mixture of experts (docs/moe.md) ----
+// Token rows T (the leading dims of the arrays flattened), experts E, k
+// experts per token. The router: probs [T, E] = softmax(logits [T, E]) (f32,
+// computed in double per row); indices [T, k] (i32) the k largest probs in
+// descending order (the lower expert first on a tie), weights [T, k] their
+// probs, divided by their sum when `normalize` (Mixtral; Qwen2-MoE's
+// norm_topk_prob).
+void moe_route(Stream& s, const NDArray& logits, int64_t top_k, bool normalize, NDArray& weights,
+               NDArray& indices, NDArray& probs);
+// dlogits [T, E] of moe_route from dweights [T, k] and, when not null,
+// dprobs [T, E] (the auxiliary loss's gradient): the top-k and its
+// normalization's gradient, then the softmax's.
+void moe_route_backward(Stream& s, const NDArray& probs, const NDArray& indices, const NDArray& dweights,
+                        const NDArray* dprobs, bool normalize, NDArray& dlogits);
+// y [T, H] = sum over j of weights[t, j] * rows_in[rows[t, j], :] (weights
+// null: 1), j ascending; rows [T, k] (i32) index rows_in [R, H] (f32). Token
+// permutation's inverse (and, without weights, its gradient).
+void moe_combine(Stream& s, const NDArray& rows_in, const NDArray& rows, const NDArray* weights, NDArray& y);
+// Its gradient: drows_in[rows[t, j], :] = weights[t, j] * dy[t, :] (every
+// row of drows_in is named once by `rows`; rows named by none are zeros) and,
+// when dweights is not null, dweights[t, j] = dot(dy[t, :], rows_in[rows[t, j], :])
+// in double.
+void moe_combine_backward(Stream& s, const NDArray& dy, const NDArray& rows_in, const NDArray& rows,
+                          const NDArray* weights, NDArray& drows_in, NDArray* dweights);
+// out [T, H] = sigmoid(gate [T]) * x [T, H] (Qwen2-MoE's shared expert gate).
+void sigmoid_gate(Stream& s, const NDArray& x, const NDArray& gate, NDArray& out);
+// dx = sigmoid(gate) * dy; dgate[t] = sum_h dy[t, h] x[t, h] * s (1 - s), in double.
+void sigmoid_gate_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& gate, NDArray& dx,
+                           NDArray& dgate);
+
 }  // namespace hspmd::kernels

@@ -1,5 +1,6 @@
 #include "hspmd/models/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <limits>
 #include <optional>
@@ -106,27 +107,52 @@ ModelConfig ModelConfig::load(const std::string& path) {
 ParameterCount count_parameters(const ModelConfig& c) {
   // One layer's declarations: the count costs nothing per layer, whatever
   // num_hidden_layers says (the memory check runs before anything is built).
-  ModelConfig one = c;
-  one.num_hidden_layers = 1;
+  // A mixture-of-experts model's sparse and dense layers are counted apart.
   ParameterCount out;
   double most = -1;
-  for (const ModelParameter& p : model_parameters(one)) {
-    double n = 1;
-    for (int64_t d : p.shape) n *= static_cast<double>(d);
-    const int64_t copies = p.part == ModelPart::kBlock ? c.num_hidden_layers : 1;
-    n *= static_cast<double>(copies);
-    out.total += n;
-    if (n > most) {
-      most = n;
-      out.largest = p.name;
-      out.largest_shape = p.shape;
-      out.largest_copies = copies;
+  auto count = [&](ModelConfig one, int64_t block_copies, bool with_rest) {
+    one.num_hidden_layers = 1;
+    for (const ModelParameter& p : model_parameters(one)) {
+      if (p.part != ModelPart::kBlock && !with_rest) continue;
+      double n = 1;
+      for (int64_t d : p.shape) n *= static_cast<double>(d);
+      const int64_t copies = p.part == ModelPart::kBlock ? block_copies : 1;
+      n *= static_cast<double>(copies);
+      out.total += n;
+      if (n > most) {
+        most = n;
+        out.largest = p.name;
+        out.largest_shape = p.shape;
+        out.largest_copies = copies;
+      }
     }
+  };
+  if (!c.moe.any()) {
+    count(c, c.num_hidden_layers, true);
+    return out;
   }
+  const int64_t sparse = c.sparse_layers();
+  ModelConfig sparse_one = c, dense_one = c;
+  sparse_one.moe.decoder_sparse_step = 1;
+  sparse_one.moe.mlp_only_layers.clear();
+  dense_one.moe.mlp_only_layers = {0};
+  count(sparse_one, sparse, true);
+  if (sparse < c.num_hidden_layers) count(dense_one, c.num_hidden_layers - sparse, false);
   return out;
 }
 
 double ModelConfig::parameter_count() const { return count_parameters(*this).total; }
+
+bool ModelConfig::Moe::sparse_layer(int64_t i) const {
+  if (num_experts <= 0 || decoder_sparse_step <= 0 || (i + 1) % decoder_sparse_step != 0) return false;
+  return std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) == mlp_only_layers.end();
+}
+
+int64_t ModelConfig::sparse_layers() const {
+  int64_t n = 0;
+  for (int64_t i = 0; i < num_hidden_layers; ++i) n += moe.sparse_layer(i) ? 1 : 0;
+  return n;
+}
 
 std::optional<uint64_t> machine_memory_bytes() {
   std::ifstream in("/proc/meminfo");

@@ -8,6 +8,7 @@
 #include "hspmd/core/rng.h"
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
+#include "models/moe/moe.h"
 
 namespace hspmd {
 
@@ -66,7 +67,8 @@ class Marker {
 
 // One transformer block: pre-norm attention and SwiGLU MLP with residuals.
 Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const Marker& mark,
-                         int64_t i, Tensor h, const Tensor& block_positions, Graph& g) {
+                         int64_t i, Tensor h, const Tensor& block_positions, Graph& g, const Tensor& aux_weights,
+                         MoeTotals& moe) {
   const std::string p = layer_prefix(i);
   const BlockPoints points = block_points(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
@@ -127,9 +129,14 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // what SwiGLU keeps for its backward), SwiGLU computes in f32 and writes
   // that dtype, and down_proj's weight gradient recomputes it
   // (ops::swiglu): the MLP keeps gate and up only.
-  Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")), act);
-  Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")), act);
-  Tensor down = ops::linear(ops::swiglu(gate, up), lo(param("mlp.down_proj.weight")), act);
+  Tensor down;
+  if (c.moe.sparse_layer(i)) {
+    down = build_moe_mlp(c, o, i, x, aux_weights, g, moe);
+  } else {
+    Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")), act);
+    Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")), act);
+    down = ops::linear(ops::swiglu(gate, up), lo(param("mlp.down_proj.weight")), act);
+  }
   // The next block takes its input in the compute dtype (its Reshard point
   // carries that): the residual add writes it so, rounding once as a cast
   // would, without an f32 array and a pass between. The last block's
@@ -154,9 +161,13 @@ void append_block_parameters(const ModelConfig& c, int64_t i, std::vector<ModelP
   add("self_attn.v_proj.weight", {kv_out, H}, col);
   if (c.attention_bias) add("self_attn.v_proj.bias", {kv_out}, col, ParamInit::kZeros);
   add("self_attn.o_proj.weight", {H, q_out}, row);
-  add("mlp.gate_proj.weight", {F, H}, col);
-  add("mlp.up_proj.weight", {F, H}, col);
-  add("mlp.down_proj.weight", {H, F}, row);
+  if (c.moe.sparse_layer(i)) {
+    append_moe_parameters(c, i, out);
+  } else {
+    add("mlp.gate_proj.weight", {F, H}, col);
+    add("mlp.up_proj.weight", {F, H}, col);
+    add("mlp.down_proj.weight", {H, F}, row);
+  }
   add("input_layernorm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes);
   add("post_attention_layernorm.weight", {H}, ParamRole::kReplicated, ParamInit::kOnes);
 }
@@ -209,8 +220,12 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
   // takes this tensor as it is; without blocks the final norm takes it f32.
   Tensor h = mark(ops::cast(ops::embedding(g.find(kEmbedding), m.input_ids), lo), embedding_output_point());
   if (c.num_hidden_layers == 0) h = ops::cast(h, DType::F32);
+  if (c.moe.aux_loss()) m.aux_weights = g.placeholder("moe_aux_weights", {c.moe.num_experts}, DType::F32);
+  MoeTotals moe;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    h = transformer_block(c, o, mark, i, h, m.positions, g);
+    h = transformer_block(c, o, mark, i, h, m.positions, g, m.aux_weights, moe);
+  m.router_counts = moe.counts;
+  m.router_prob_sums = moe.prob_sums;
   h = mark(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps), lo),
            head_input_point());
   Tensor head = c.tie_word_embeddings ? mark(ops::cast(g.find(kEmbedding), lo), tied_head_point())
@@ -221,6 +236,7 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
   // would round it there anyway): no f32 copy of the [tokens, vocab] array.
   m.loss = ops::cross_entropy(logits, m.targets, m.normalizer, -100,
                               c.table_rows() != c.vocab_size ? c.vocab_size : 0, o.precision.compute);
+  if (moe.aux_seed.valid()) m.loss = ops::add(m.loss, moe.aux_seed);  // + 0: the seeds carry the gradient only
   m.grads = gradients(m.loss, m.params);
   for (size_t i = 0; i < m.grads.size(); ++i) {
     HSPMD_CHECK(m.grads[i].valid(), "parameter ", m.names[i], " does not reach the loss");

@@ -8,7 +8,9 @@
 #include "models/custom/custom.h"
 #include "models/llama/llama.h"
 #include "models/mistral/mistral.h"
+#include "models/mixtral/mixtral.h"
 #include "models/qwen2/qwen2.h"
+#include "models/qwen2_moe/qwen2_moe.h"
 
 namespace hspmd {
 namespace {
@@ -16,6 +18,8 @@ namespace {
 [[maybe_unused]] const bool kRegistered = register_model_family(llama_family()) &&
                                           register_model_family(qwen2_family()) &&
                                           register_model_family(mistral_family()) &&
+                                          register_model_family(mixtral_family()) &&
+                                          register_model_family(qwen2_moe_family()) &&
                                           register_model_family(custom_family());
 
 }  // namespace

@@ -185,6 +185,12 @@ class Compiler {
     t["targets"] = across(last, token_states, true);
     t["positions"] = whole_pipelines();
     t["normalizer"] = across(last, split_on(-1), false);
+    if (c_.moe.aux_loss()) {  // the auxiliary loss's per-expert weights: whole on every rank
+      Annotation everywhere = whole_pipelines();
+      everywhere.hdim = kDup;
+      everywhere.part_weights.clear();
+      t["moe_aux_weights"] = everywhere;
+    }
     std::map<std::string, Annotation> sync;  // parameter -> its synced gradient's annotation
     for (const ModelParameter& p : model_parameters(c_)) {
       const Annotation a = parameter(p);
@@ -209,6 +215,9 @@ class Compiler {
 AnnotationPlan compile_plan(const ModelConfig& config, const Strategy& strategy, int world_size,
                             const CompileOptions& options) {
   validate(strategy, config, world_size);
+  if (config.moe.any() && world_size > 1)
+    fail("[plan] model_type ", config.model_type, " has mixture-of-experts layers, which train on one rank so far "
+         "(expert parallelism is not built yet; docs/moe.md): the plan has ", world_size, " ranks");
   const int64_t seq_len = options.seq_len > 0 ? options.seq_len : config.max_position_embeddings;
   const int64_t g = sequence_granularity(strategy);
   if (seq_len % g != 0)

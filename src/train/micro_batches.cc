@@ -9,6 +9,7 @@
 
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
+#include "train/moe_aux.h"
 #include "train/schedules.h"
 
 namespace hspmd {
@@ -48,15 +49,23 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   };
   const int micro_batches = tokens_ ? tokens_->micro_batches(rt_->pipeline) : rt_->micro_batches();
   int backwards = 0;
+  // A mixture of experts' auxiliary loss (moe_aux.h): every forward before
+  // the first backward, which fills the weights its gradient needs.
+  MoeAuxLoss aux(config_);
+  aux.begin_step(graph.stream());
+  double aux_loss = 0;
   auto forward = [&](int micro) {
     const double t0 = clock_ ? clock_->now() : 0;
     Bindings bindings;
-    const ValueMap values = feeds(micro, normalizer, bindings);
+    ValueMap values = feeds(micro, normalizer, bindings);
+    if (aux.active()) values["moe_aux_weights"] = aux.weights();
     ExecGraph::Activations a = graph.forward(values, world_, bindings);
+    aux.after_forward(graph, a);
     if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
     return a;
   };
   auto backward = [&](ExecGraph::Activations a, int micro) {
+    if (aux.active() && !aux.finished()) aux_loss = aux.finish_forwards(graph.stream(), world_);
     const double t0 = clock_ ? clock_->now() : 0;
     if (overlap != nullptr && ++backwards == micro_batches) {
       // The last backward: each gradient is final as it is computed.
@@ -79,10 +88,11 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   // Sends are deferred (set_deferred_sends): a stage sending activations
   // never waits on a neighbour sending gradients.
   const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
-  schedule_by_name(rt_->strategy.schedule)(SchedulePosition{rt_->stage, rt_->stages, micro_batches},
-                                           forward, backward);
+  const Schedule schedule = aux.active() ? run_gpipe : schedule_by_name(rt_->strategy.schedule);
+  schedule(SchedulePosition{rt_->stage, rt_->stages, micro_batches}, forward, backward);
   for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
     loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
+  loss += aux_loss;
   if (micro_batches == 0 && rt_->pipeline >= 0) {
     // A pipeline that got no piece this step contributes zero gradients.
     for (const std::string& name : graph.model().names) {

@@ -165,6 +165,61 @@ void case_swiglu_backward(Io& io) {
   for (const NDArray* a : {&dg, &du, &o}) io.keep(*a);
 }
 
+// The router on 9 tokens of 7 experts, top 3: probs, top-k and the weights
+// (normalized and not), and its gradient with and without the auxiliary
+// loss's dprobs, at the target's own top-k.
+void case_moe_route(Io& io) {
+  for (bool normalize : {true, false}) {
+    NDArray l = io.f32({9, 7}, -3, 3), w = io.out({9, 3}), idx = io.out({9, 3}, DType::I32), p = io.out({9, 7});
+    io.k().moe_route(io.s, l, 3, normalize, w, idx, p);
+    for (const NDArray* a : {&w, &idx, &p}) io.keep(*a);
+  }
+}
+void case_moe_route_backward(Io& io) {
+  for (bool normalize : {true, false}) {
+    NDArray l = io.f32({9, 7}, -3, 3), w = io.out({9, 3}), idx = io.out({9, 3}, DType::I32), p = io.out({9, 7});
+    io.k().moe_route(io.s, l, 3, normalize, w, idx, p);
+    NDArray dw = io.f32({9, 3}), dp = io.f32({9, 7}), dl = io.out({9, 7}), dl2 = io.out({9, 7});
+    io.k().moe_route_backward(io.s, p, idx, dw, &dp, normalize, dl);
+    io.k().moe_route_backward(io.s, p, idx, dw, nullptr, normalize, dl2);
+    io.keep(dl);
+    io.keep(dl2);
+  }
+}
+// 6 tokens, 2 slots each, permuted over 12 rows of 10 (a fixed shuffle).
+NDArray moe_rows(Io& io) {
+  std::vector<int32_t> r(12);
+  for (int i = 0; i < 12; ++i) r[i] = (i * 5 + 3) % 12;
+  return io.up(NDArray::from_vector_i32({6, 2}, r));
+}
+void case_moe_combine(Io& io) {
+  NDArray in = io.f32({12, 10}), rows = moe_rows(io), w = io.f32({6, 2}, 0, 1);
+  NDArray y = io.out({6, 10}), y1 = io.out({6, 10});
+  io.k().moe_combine(io.s, in, rows, &w, y);
+  io.k().moe_combine(io.s, in, rows, nullptr, y1);
+  io.keep(y);
+  io.keep(y1);
+}
+void case_moe_combine_backward(Io& io) {
+  NDArray dy = io.f32({6, 10}), in = io.f32({12, 10}), rows = moe_rows(io), w = io.f32({6, 2}, 0, 1);
+  NDArray d = io.f32({12, 10}), dw = io.out({6, 2}), d1 = io.f32({12, 10});
+  io.k().moe_combine_backward(io.s, dy, in, rows, &w, d, &dw);
+  io.k().moe_combine_backward(io.s, dy, in, rows, nullptr, d1, nullptr);
+  for (const NDArray* a : {&d, &dw, &d1}) io.keep(*a);
+}
+void case_sigmoid_gate(Io& io) {
+  NDArray x = io.f32({5, 3, 9}), g = io.f32({5, 3, 1}, -4, 4), o = io.out({5, 3, 9});
+  io.k().sigmoid_gate(io.s, x, g, o);
+  io.keep(o);
+}
+void case_sigmoid_gate_backward(Io& io) {
+  NDArray dy = io.f32({5, 3, 9}), x = io.f32({5, 3, 9}), g = io.f32({5, 3, 1}, -4, 4);
+  NDArray dx = io.out({5, 3, 9}), dg = io.out({5, 3, 1});
+  io.k().sigmoid_gate_backward(io.s, dy, x, g, dx, dg);
+  io.keep(dx);
+  io.keep(dg);
+}
+
 // Rows of 31 classes, one target ignored (-100), normalizer 8.
 struct CrossEntropyInputs {
   NDArray logits, targets, normalizer;

@@ -107,6 +107,9 @@ class ExecGraph {
   // eval_shape's error for a symbol missing from `bindings`, and local_box's
   // for sizes the leaves' layouts cannot cut.
   Activations forward(const ValueMap& values, Communicator& world) const;
+  // A value a forward computed and kept for the caller (the model's router
+  // statistics), or an invalid array where this rank did not compute it.
+  NDArray forward_value(const Activations& a, const Tensor& t) const;
   Activations forward(const ValueMap& values, Communicator& world, const Bindings& bindings) const;
   // Its backward (the rest, but gradient sync), under the forward's shape
   // instance: the loss term and raw grads. With recompute (set_recompute),

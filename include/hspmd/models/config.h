@@ -61,11 +61,40 @@ struct ModelConfig {
   // Sliding-window attention (Mistral's sliding_window): token i attends to
   // keys i - W < j <= i; 0 = none.
   int64_t sliding_window = 0;
+  // Mixture of experts (Mixtral, Qwen2-MoE; docs/moe.md): set by the family
+  // from its own fields; num_experts 0 is a dense model.
+  struct Moe {
+    // How the family names the layer's tensors: Mixtral's
+    // block_sparse_moe.{gate, experts.N.w1/w2/w3} or Qwen2-MoE's
+    // mlp.{gate, experts.N.gate_proj/up_proj/down_proj, shared_expert.*,
+    // shared_expert_gate}.
+    enum class Names { kMixtral, kQwen2Moe };
+    Names names = Names::kMixtral;
+    int64_t num_experts = 0;
+    int64_t top_k = 0;                    // num_experts_per_tok
+    int64_t expert_intermediate_size = 0;  // Mixtral: intermediate_size; Qwen2-MoE: moe_intermediate_size
+    int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE's shared expert (0: none)
+    bool norm_topk_prob = true;           // the top-k weights renormalized to sum to 1
+    int64_t decoder_sparse_step = 1;      // layer i is sparse when (i + 1) % step == 0 ...
+    std::vector<int64_t> mlp_only_layers;  // ... and it is not listed here
+    // The auxiliary load-balancing loss (Switch Transformer's, as Hugging
+    // Face computes it over the whole global batch) times router_aux_loss_coef,
+    // added to the loss when output_router_logits is true.
+    bool output_router_logits = false;
+    double router_aux_loss_coef = 0.001;
+
+    bool any() const { return num_experts > 0; }
+    bool sparse_layer(int64_t i) const;
+    bool aux_loss() const { return any() && output_router_logits && router_aux_loss_coef != 0; }
+  };
+  Moe moe;
   // The model a user defined (model_type "hspmd_custom", src/models/custom):
   // its "program" field, the parameters and ops its family builds the graph
   // from (docs/models.md, "Custom models"); null for every other family.
   nlohmann::json program = nullptr;
 
+  // The sparse layers' count (the auxiliary loss averages over them).
+  int64_t sparse_layers() const;
   int64_t table_rows() const { return padded_vocab_size > 0 ? padded_vocab_size : vocab_size; }
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   int64_t kv_heads() const { return num_key_value_heads > 0 ? num_key_value_heads : num_attention_heads; }

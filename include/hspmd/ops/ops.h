@@ -139,6 +139,34 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& 
                      int ignore_index = -100, int64_t classes = 0,
                      DType grad_dtype = DType::F32);
 
+// ---- mixture of experts (src/ops/moe.cc, docs/moe.md) ----
+// The router's outputs: weights [..., k] (f32), indices [..., k] (i32),
+// probs [..., E] (the softmax, f32).
+struct MoeRouting {
+  Tensor weights, indices, probs;
+};
+// softmax(logits [..., E]) and its top_k (renormalized over the k when
+// `normalize`). Differentiable in logits through weights and probs.
+MoeRouting moe_route(const Tensor& logits, int64_t top_k, bool normalize);
+// x [..., H] (f32) -> [B*S*k, H]: each token's row once per chosen expert,
+// in expert order (by expert, then token, then slot).
+Tensor moe_permute(const Tensor& x, const Tensor& indices, int64_t experts);
+// rows [B*S*k, H] (f32, expert order) -> [..., H] = sum_j weights[.., j] *
+// the row of (token, j): the permutation's weighted inverse.
+Tensor moe_combine(const Tensor& rows, const Tensor& indices, const Tensor& weights, int64_t experts);
+// rows [R, in] in expert order times each expert's weight [out, in]
+// transposed (a linear layer per expert over its rows): [R, out] f32. The
+// number of experts is weights.size(); bf16 weights make bf16 products.
+Tensor grouped_linear(const Tensor& rows, const Tensor& indices, const std::vector<Tensor>& weights);
+// [E] f32: the (token, slot) pairs routed to each expert (no gradient).
+Tensor moe_counts(const Tensor& indices, int64_t experts);
+// A zero scalar whose gradient w.r.t. probs [..., E] is `weights` [E]
+// broadcast: the auxiliary load-balancing loss's term, its weights fed once
+// the step's routing is known (docs/moe.md).
+Tensor moe_aux_seed(const Tensor& probs, const Tensor& weights);
+// sigmoid(gate [..., 1]) * x [..., H] (f32).
+Tensor sigmoid_gate(const Tensor& x, const Tensor& gate);
+
 // ---- distribution ----
 // Marks a point where the tensor may change layout (docs/architecture.md,
 // "Defined graph"). Identity on one device; resolved into communication by

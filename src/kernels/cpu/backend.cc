@@ -86,6 +86,37 @@ void attention_backward(Stream& s, const NDArray& q, const NDArray& k, const NDA
   for (int i = 0; i < 3; ++i) *to[i] = kernels::cast(s, d[i], to[i]->dtype());
 }
 
+// The mixture-of-experts kernels: one implementation for every variant
+// (row loops over few experts; their sums in double).
+template <int V>
+void moe_route(Stream&, const NDArray& logits, int64_t top_k, bool normalize, NDArray& weights, NDArray& indices,
+               NDArray& probs) {
+  cpu::moe_route(logits, top_k, normalize, weights, indices, probs);
+}
+template <int V>
+void moe_route_backward(Stream&, const NDArray& probs, const NDArray& indices, const NDArray& dweights,
+                        const NDArray* dprobs, bool normalize, NDArray& dlogits) {
+  cpu::moe_route_backward(probs, indices, dweights, dprobs, normalize, dlogits);
+}
+template <int V>
+void moe_combine(Stream&, const NDArray& rows_in, const NDArray& rows, const NDArray* weights, NDArray& y) {
+  cpu::moe_combine(rows_in, rows, weights, y);
+}
+template <int V>
+void moe_combine_backward(Stream&, const NDArray& dy, const NDArray& rows_in, const NDArray& rows,
+                          const NDArray* weights, NDArray& drows_in, NDArray* dweights) {
+  cpu::moe_combine_backward(dy, rows_in, rows, weights, drows_in, dweights);
+}
+template <int V>
+void sigmoid_gate(Stream&, const NDArray& x, const NDArray& gate, NDArray& out) {
+  cpu::sigmoid_gate(x, gate, out);
+}
+template <int V>
+void sigmoid_gate_backward(Stream&, const NDArray& dy, const NDArray& x, const NDArray& gate, NDArray& dx,
+                           NDArray& dgate) {
+  cpu::sigmoid_gate_backward(dy, x, gate, dx, dgate);
+}
+
 template <int V>
 NDArray zeros(Stream& s, const Shape& shape, DType dtype) {
   if (!is_double(s.device())) return table<V>().zeros(shape, dtype);

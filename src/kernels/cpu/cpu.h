@@ -31,6 +31,17 @@ void require_contiguous(const char* kernel, const NDArray& a);
 void matmul(const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
             GemmCompute compute);
 
+// The mixture-of-experts kernels (moe.cc; basic.h has their contracts).
+void moe_route(const NDArray& logits, int64_t top_k, bool normalize, NDArray& weights, NDArray& indices,
+               NDArray& probs);
+void moe_route_backward(const NDArray& probs, const NDArray& indices, const NDArray& dweights, const NDArray* dprobs,
+                        bool normalize, NDArray& dlogits);
+void moe_combine(const NDArray& rows_in, const NDArray& rows, const NDArray* weights, NDArray& y);
+void moe_combine_backward(const NDArray& dy, const NDArray& rows_in, const NDArray& rows, const NDArray* weights,
+                          NDArray& drows_in, NDArray* dweights);
+void sigmoid_gate(const NDArray& x, const NDArray& gate, NDArray& out);
+void sigmoid_gate_backward(const NDArray& dy, const NDArray& x, const NDArray& gate, NDArray& dx, NDArray& dgate);
+
 // One instruction-set level's kernels (variant_kernels.inc): a function
 // pointer per kernel.
 struct Kernels {

@@ -35,6 +35,18 @@ void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup, NDArray* out);
 
+// Mixture of experts (moe.cu), f32:
+void moe_route(Stream& s, const NDArray& logits, int64_t top_k, bool normalize, NDArray& weights, NDArray& indices,
+               NDArray& probs);
+void moe_route_backward(Stream& s, const NDArray& probs, const NDArray& indices, const NDArray& dweights,
+                        const NDArray* dprobs, bool normalize, NDArray& dlogits);
+void moe_combine(Stream& s, const NDArray& rows_in, const NDArray& rows, const NDArray* weights, NDArray& y);
+void moe_combine_backward(Stream& s, const NDArray& dy, const NDArray& rows_in, const NDArray& rows,
+                          const NDArray* weights, NDArray& drows_in, NDArray* dweights);
+void sigmoid_gate(Stream& s, const NDArray& x, const NDArray& gate, NDArray& out);
+void sigmoid_gate_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& gate, NDArray& dx,
+                           NDArray& dgate);
+
 // ---- layout and reductions (layout.cu): any dtype for the layout kernels,
 // f32 for the others ----
 void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out);

@@ -1,0 +1,124 @@
+// The mixture-of-experts MLP (moe.h): parameters, the graph, the shared
+// config fields.
+#include "models/moe/moe.h"
+
+#include <string>
+
+#include "hspmd/core/error.h"
+#include "hspmd/ops/ops.h"
+#include "models/config_fields.h"
+
+namespace hspmd {
+
+namespace {
+
+using Names = ModelConfig::Moe::Names;
+
+std::string prefix(const ModelConfig& c, int64_t i) {
+  return "model.layers." + std::to_string(i) + (c.moe.names == Names::kMixtral ? ".block_sparse_moe." : ".mlp.");
+}
+
+// Expert e's three projections: (gate, up, down) in the family's names.
+struct ExpertNames {
+  std::string gate, up, down;
+};
+
+ExpertNames expert_names(const ModelConfig& c, int64_t i, int64_t e) {
+  const std::string p = prefix(c, i) + "experts." + std::to_string(e) + ".";
+  if (c.moe.names == Names::kMixtral) return {p + "w1.weight", p + "w3.weight", p + "w2.weight"};
+  return {p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
+}
+
+}  // namespace
+
+void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelParameter>& out) {
+  const int64_t H = c.hidden_size, E = c.moe.num_experts, F = c.moe.expert_intermediate_size;
+  const ParamRole col = ParamRole::kColumnParallel, row = ParamRole::kRowParallel, rep = ParamRole::kReplicated;
+  auto add = [&](std::string name, Shape shape, ParamRole role) {
+    out.push_back({std::move(name), std::move(shape), role, ParamInit::kNormal, ModelPart::kBlock, i});
+  };
+  const std::string p = prefix(c, i);
+  add(p + "gate.weight", {E, H}, rep);
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertNames n = expert_names(c, i, e);
+    if (c.moe.names == Names::kMixtral) {  // w1, w2, w3: HF's registration order
+      add(n.gate, {F, H}, col);
+      add(n.down, {H, F}, row);
+      add(n.up, {F, H}, col);
+    } else {
+      add(n.gate, {F, H}, col);
+      add(n.up, {F, H}, col);
+      add(n.down, {H, F}, row);
+    }
+  }
+  if (const int64_t S = c.moe.shared_expert_intermediate_size; S > 0) {
+    add(p + "shared_expert.gate_proj.weight", {S, H}, col);
+    add(p + "shared_expert.up_proj.weight", {S, H}, col);
+    add(p + "shared_expert.down_proj.weight", {H, S}, row);
+    add(p + "shared_expert_gate.weight", {1, H}, rep);
+  }
+}
+
+Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x,
+                     const Tensor& aux_weights, Graph& g, MoeTotals& totals) {
+  const int64_t E = c.moe.num_experts;
+  const DType act = o.precision.compute;
+  const auto lo = [&](const std::string& name) { return ops::cast(g.find(name), act); };
+  const std::string p = prefix(c, i);
+  // The router in f32 (Hugging Face's softmax runs in float), its GEMM
+  // operands in the compute dtype.
+  const Tensor logits = ops::linear(x, lo(p + "gate.weight"), DType::F32);
+  const ops::MoeRouting r = ops::moe_route(logits, c.moe.top_k, c.moe.norm_topk_prob);
+  // The experts: each token's row once per chosen expert, in expert order;
+  // every expert's SwiGLU MLP over its rows; back to the tokens weighted.
+  const Tensor rows = ops::moe_permute(ops::cast(x, DType::F32), r.indices, E);
+  std::vector<Tensor> gate, up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertNames n = expert_names(c, i, e);
+    gate.push_back(lo(n.gate));
+    up.push_back(lo(n.up));
+    down.push_back(lo(n.down));
+  }
+  const Tensor hidden =
+      ops::swiglu(ops::grouped_linear(rows, r.indices, gate), ops::grouped_linear(rows, r.indices, up));
+  Tensor y = ops::moe_combine(ops::grouped_linear(hidden, r.indices, down), r.indices, r.weights, E);
+  if (c.moe.shared_expert_intermediate_size > 0) {
+    const Tensor s = ops::linear(ops::swiglu(ops::linear(x, lo(p + "shared_expert.gate_proj.weight"), act),
+                                             ops::linear(x, lo(p + "shared_expert.up_proj.weight"), act)),
+                                 lo(p + "shared_expert.down_proj.weight"), DType::F32);
+    const Tensor gate_logit = ops::linear(x, lo(p + "shared_expert_gate.weight"), DType::F32);
+    y = ops::add(y, ops::sigmoid_gate(s, gate_logit));
+  }
+  // The statistics of the step record and the auxiliary loss, summed over the layers.
+  auto sum = [](Tensor& total, const Tensor& t) { total = total.valid() ? ops::add(total, t) : t; };
+  sum(totals.counts, ops::moe_counts(r.indices, E));
+  sum(totals.prob_sums, ops::reduce_sum(r.probs, {0, 1}));
+  if (aux_weights.valid()) sum(totals.aux_seed, ops::moe_aux_seed(r.probs, aux_weights));
+  return ops::cast(y, act);
+}
+
+void read_moe_common(const ConfigFields& r, ModelConfig& c) {
+  ModelConfig::Moe& m = c.moe;
+  r.integer("num_experts_per_tok", m.top_k, false);
+  r.boolean("output_router_logits", m.output_router_logits);
+  r.number("router_aux_loss_coef", m.router_aux_loss_coef);
+  if (m.num_experts < 0) r.fail_rule("the number of experts ", m.num_experts, " must not be negative");
+  if (m.num_experts > 0 && (m.top_k < 1 || m.top_k > m.num_experts))
+    r.fail_rule("num_experts_per_tok=", m.top_k, " must lie in [1, ", m.num_experts, "] (the number of experts)");
+  if (m.num_experts > 0 && m.expert_intermediate_size <= 0)
+    r.fail_rule("the experts' intermediate size ", m.expert_intermediate_size, " must be positive");
+  if (!(m.router_aux_loss_coef >= 0))
+    r.fail_rule("router_aux_loss_coef=", m.router_aux_loss_coef, " must not be negative");
+  double jitter = 0;
+  r.number("router_jitter_noise", jitter);
+  if (jitter != 0)
+    r.fail_rule("router_jitter_noise=", jitter, " is not supported (only 0: hspmd's routing is deterministic)");
+}
+
+void write_moe_common(const ModelConfig& c, nlohmann::json& j) {
+  j["num_experts_per_tok"] = c.moe.top_k;
+  j["output_router_logits"] = c.moe.output_router_logits;
+  j["router_aux_loss_coef"] = c.moe.router_aux_loss_coef;
+}
+
+}  // namespace hspmd
