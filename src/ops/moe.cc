@@ -275,12 +275,15 @@ class GroupedLinearOp final : public Op {
     HSPMD_CHECK(transposed_, "grouped_linear: the untransposed form has no gradient");
     Graph& graph = *g[0].graph();
     const std::vector<Tensor> in = node.inputs;  // adding nodes may move `node`
-    std::vector<Tensor> inputs = {g[0], in[1]};
+    // Each GEMM's operands in one dtype: the gradient rounded to the
+    // weights' (or the rows') dtype where those are bf16.
+    const Tensor dy_w = cast(g[0], in[2].dtype()), dy_x = cast(g[0], in[0].dtype());
+    std::vector<Tensor> inputs = {dy_w, in[1]};
     inputs.insert(inputs.end(), in.begin() + 2, in.end());
     std::vector<Tensor> grads = {graph.add1(std::make_shared<GroupedLinearOp>(experts_, false), inputs), Tensor()};
     for (int64_t e = 0; e < experts_; ++e)
       grads.push_back(
-          graph.add1(std::make_shared<ExpertWeightGradOp>(experts_, e, in[2 + e].shape()), {g[0], in[0], in[1]}));
+          graph.add1(std::make_shared<ExpertWeightGradOp>(experts_, e, in[2 + e].shape()), {dy_x, in[0], in[1]}));
     return grads;
   }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>& out, const ShardContext*) const override {

@@ -79,9 +79,12 @@ Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i
     up.push_back(lo(n.up));
     down.push_back(lo(n.down));
   }
+  // The GEMMs' operands both in the compute dtype (bf16 x bf16 where the
+  // precision says so, as the dense MLP's); their products and the rest f32.
+  const Tensor rows_lo = ops::cast(rows, act);
   const Tensor hidden =
-      ops::swiglu(ops::grouped_linear(rows, r.indices, gate), ops::grouped_linear(rows, r.indices, up));
-  Tensor y = ops::moe_combine(ops::grouped_linear(hidden, r.indices, down), r.indices, r.weights, E);
+      ops::swiglu(ops::grouped_linear(rows_lo, r.indices, gate), ops::grouped_linear(rows_lo, r.indices, up));
+  Tensor y = ops::moe_combine(ops::grouped_linear(ops::cast(hidden, act), r.indices, down), r.indices, r.weights, E);
   if (c.moe.shared_expert_intermediate_size > 0) {
     const Tensor s = ops::linear(ops::swiglu(ops::linear(x, lo(p + "shared_expert.gate_proj.weight"), act),
                                              ops::linear(x, lo(p + "shared_expert.up_proj.weight"), act)),
