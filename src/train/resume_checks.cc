@@ -14,7 +14,7 @@ namespace {
 
 using nlohmann::json;
 
-json data_meta(const TrainOptions& o) {
+json data_meta(const DataOptions& o) {
   return {{"mode", o.batch_tokens > 0 ? "token_budget" : "samples"},
           {"seq_len", o.seq_len},
           {"global_batch", o.batch_tokens > 0 ? 0 : o.global_batch},
