@@ -135,8 +135,9 @@ void ExecGraph::count_uses() {
   // The router statistics (mixture of experts) outlive the forward: the
   // trainer reads them before the backward.
   auto keep_statistics = [&](UseCounts& uses) {
-    for (const Tensor& t : {model_.router_counts, model_.router_prob_sums})
-      if (t.valid()) keep_value(uses, t);
+    for (const std::vector<Tensor>* stats : {&model_.router_counts, &model_.router_prob_sums})
+      for (const Tensor& t : *stats)
+        if (annotated_->of(t).contains(rank_)) keep_value(uses, t);
   };
   auto keep_results = [&](UseCounts& uses) {
     keep_value(uses, model_.loss);
@@ -363,6 +364,8 @@ ExecGraph::MicroBatch ExecGraph::backward(Activations a, Communicator& world, co
   }
   return out;
 }
+
+bool ExecGraph::represents(const Tensor& t) const { return is_representative(annotated_->of(t), rank_); }
 
 NDArray ExecGraph::forward_value(const Activations& a, const Tensor& t) const {
   if (!t.valid() || t.node_id() >= static_cast<int>(a.slots.size())) return NDArray();

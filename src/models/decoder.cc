@@ -67,8 +67,7 @@ class Marker {
 
 // One transformer block: pre-norm attention and SwiGLU MLP with residuals.
 Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const Marker& mark,
-                         int64_t i, Tensor h, const Tensor& block_positions, Graph& g, const Tensor& aux_weights,
-                         MoeTotals& moe) {
+                         int64_t i, Tensor h, const Tensor& block_positions, Graph& g, MoeTotals& moe) {
   const std::string p = layer_prefix(i);
   const BlockPoints points = block_points(i);
   auto param = [&](const std::string& n) { return g.find(p + n); };
@@ -131,7 +130,7 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // (ops::swiglu): the MLP keeps gate and up only.
   Tensor down;
   if (c.moe.sparse_layer(i)) {
-    down = build_moe_mlp(c, o, i, x, aux_weights, g, moe);
+    down = build_moe_mlp(c, o, i, x, g, moe);
   } else {
     Tensor gate = ops::linear(x, lo(param("mlp.gate_proj.weight")), act);
     Tensor up = ops::linear(x, lo(param("mlp.up_proj.weight")), act);
@@ -220,10 +219,8 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
   // takes this tensor as it is; without blocks the final norm takes it f32.
   Tensor h = mark(ops::cast(ops::embedding(g.find(kEmbedding), m.input_ids), lo), embedding_output_point());
   if (c.num_hidden_layers == 0) h = ops::cast(h, DType::F32);
-  if (c.moe.aux_loss()) m.aux_weights = g.placeholder("moe_aux_weights", {c.moe.num_experts}, DType::F32);
   MoeTotals moe;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    h = transformer_block(c, o, mark, i, h, m.positions, g, m.aux_weights, moe);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) h = transformer_block(c, o, mark, i, h, m.positions, g, moe);
   m.router_counts = moe.counts;
   m.router_prob_sums = moe.prob_sums;
   h = mark(ops::rms_norm(h, g.find("model.norm.weight"), static_cast<float>(c.rms_norm_eps), lo),
@@ -236,7 +233,6 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
   // would round it there anyway): no f32 copy of the [tokens, vocab] array.
   m.loss = ops::cross_entropy(logits, m.targets, m.normalizer, -100,
                               c.table_rows() != c.vocab_size ? c.vocab_size : 0, o.precision.compute);
-  if (moe.aux_seed.valid()) m.loss = ops::add(m.loss, moe.aux_seed);  // + 0: the seeds carry the gradient only
   m.grads = gradients(m.loss, m.params);
   for (size_t i = 0; i < m.grads.size(); ++i) {
     HSPMD_CHECK(m.grads[i].valid(), "parameter ", m.names[i], " does not reach the loss");

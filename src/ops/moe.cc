@@ -7,11 +7,15 @@
 // expert, within an expert by token then slot (a stable counting sort of the
 // router's indices). Every op that needs that order computes it from the
 // indices on the host (kernels::to_host: a small read of T x k ints, which
-// waits for the device), so no op carries a data-dependent shape: the
-// permuted array has B*S*k rows whatever the routing.
+// waits for the device), so no op carries a data-dependent shape.
 //
-// Deduction: the default rule (identical annotations); the mixture-of-experts
-// layers train on one rank so far (plan/compile refuses more).
+// The permuted rows keep the token dims: [..., k, H] for tokens [...], each
+// rank's array being its own tokens' rows in expert order, read as flat
+// rows by the expert ops. So every split of the tokens (data parallelism
+// across pipelines, the sequence under context parallelism) passes through
+// every op of the layer by the ordinary rules below, and each rank routes
+// and computes its own tokens; no Reshard reads the permuted rows (their
+// order within a rank is not the global tensor's).
 #include <algorithm>
 #include <vector>
 
@@ -59,6 +63,23 @@ RoutingMap routing_map(Stream& s, const NDArray& indices, int64_t experts, bool 
   return m;
 }
 
+// An array viewed as rows of its last dim.
+NDArray flat_rows(const NDArray& a) {
+  const int64_t n = a.dim(-1);
+  return a.reshape({n == 0 ? 0 : a.numel() / n, n});
+}
+
+int64_t shape_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+// Labels of the token dims of indices [..., k].
+std::vector<std::string> token_labels(const Node& node, int indices_input) {
+  return numbered_labels("t", node.inputs[indices_input].ndim() - 1);
+}
+
 SymShape with_last(SymShape shape, SymDim last) {
   shape.back() = last;
   return shape;
@@ -82,6 +103,20 @@ class MoeRouteGradOp final : public Op {
                                 in.size() == 4 ? &dprobs : nullptr, normalize_, out[0]);
   }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = token_labels(ctx.node, 1);
+    DimRule rule{.inputs = {labels_plus(t, {"e"}), labels_plus(t, {"k"}), labels_plus(t, {"k"})},
+                 .input_names = {"probs", "indices", "dweights"},
+                 .outputs = {labels_plus(t, {"e"})},
+                 .linear = {false, false, true, true}};
+    if (in.size() == 4) {
+      rule.inputs.push_back(labels_plus(t, {"e"}));
+      rule.input_names.push_back("dprobs");
+    }
+    rule.unsplittable["e"] = "the router's softmax runs over every expert";
+    rule.unsplittable["k"] = "a token's top-k is one row";
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   bool normalize_;
 };
@@ -112,6 +147,14 @@ class MoeRouteOp final : public Op {
     return {probs.graph()->add1(std::make_shared<MoeRouteGradOp>(normalize_), inputs)};
   }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = numbered_labels("t", ctx.node.inputs[0].ndim() - 1);
+    DimRule rule{.inputs = {labels_plus(t, {"e"})},
+                 .input_names = {"logits"},
+                 .outputs = {labels_plus(t, {"k"}), labels_plus(t, {"k"}), labels_plus(t, {"e"})}};
+    rule.unsplittable["e"] = "the router's softmax and top-k run over every expert";
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t top_k_;
   bool normalize_;
@@ -139,6 +182,21 @@ class MoeCombineOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override;
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = token_labels(ctx.node, 1);
+    DimRule rule{.inputs = {labels_plus(t, {"k", "h"}), labels_plus(t, {"k"})},
+                 .input_names = {"rows", "indices"},
+                 .outputs = {labels_plus(t, {"h"})},
+                 .linear = {true, false, true}};
+    if (in.size() == 3) {
+      rule.inputs.push_back(labels_plus(t, {"k"}));
+      rule.input_names.push_back("weights");
+    }
+    rule.reductions["k"] = Reduction::kSum;
+    rule.unsplittable["k"] = "a token's k slots are summed in one place";
+    rule.unsplittable["h"] = "the experts take whole rows";
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t experts_;
 };
@@ -165,6 +223,21 @@ class MoeCombineGradOp final : public Op {
                                   m.rows, weighted ? &w : nullptr, out[0], weighted ? &out[1] : nullptr);
   }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = token_labels(ctx.node, 2);
+    DimRule rule{.inputs = {labels_plus(t, {"h"}), labels_plus(t, {"k", "h"}), labels_plus(t, {"k"})},
+                 .input_names = {"dy", "rows", "indices"},
+                 .outputs = {labels_plus(t, {"k", "h"})},
+                 .linear = {true, false, false, false}};
+    if (in.size() == 4) {
+      rule.inputs.push_back(labels_plus(t, {"k"}));
+      rule.input_names.push_back("weights");
+      rule.outputs.push_back(labels_plus(t, {"k"}));
+    }
+    rule.unsplittable["k"] = "a token's k slots are summed in one place";
+    rule.unsplittable["h"] = "the experts take whole rows";
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t experts_;
   SymShape rows_shape_;
@@ -191,20 +264,33 @@ class MoePermuteOp final : public Op {
     expect_inputs("moe_permute", in, 2);
     expect_dtype("moe_permute", "x", in[0], DType::F32);
     expect_dtype("moe_permute", "indices", in[1], DType::I32);
-    return {TensorMeta{{sym_numel(in[1].shape), in[0].shape.back()}, DType::F32}};
+    SymShape out = in[1].shape;
+    out.push_back(in[0].shape.back());
+    return {TensorMeta{out, DType::F32}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in, std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     const RoutingMap m = routing_map(*ctx.stream, in[1], experts_, true);
     const NDArray x = in[0].contiguous();
     const int64_t H = x.dim(-1), T = H > 0 ? x.numel() / H : 0;
-    kernels::embedding(*ctx.stream, x.reshape({T, H}), m.src, 0, T, out[0]);
+    NDArray rows = flat_rows(out[0]);
+    kernels::embedding(*ctx.stream, x.reshape({T, H}), m.src, 0, T, rows);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     const Tensor indices = node.inputs[1];
     return {g[0].graph()->add1(std::make_shared<MoeCombineOp>(experts_), {g[0], indices}), Tensor()};
   }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = token_labels(ctx.node, 1);
+    DimRule rule{.inputs = {labels_plus(t, {"h"}), labels_plus(t, {"k"})},
+                 .input_names = {"x", "indices"},
+                 .outputs = {labels_plus(t, {"k", "h"})},
+                 .linear = {true, false}};
+    rule.unsplittable["h"] = "the experts take whole rows";
+    rule.unsplittable["k"] = "a token's top-k is one row";
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t experts_;
 };
@@ -226,14 +312,24 @@ class ExpertWeightGradOp final : public Op {
     const RoutingMap m = routing_map(*ctx.stream, in[2], experts_, false);
     const int64_t begin = m.offsets[expert_], end = m.offsets[expert_ + 1];
     if (begin == end) return kernels::fill(*ctx.stream, out[0], 0.0f);
-    kernels::matmul(*ctx.stream, in[0].contiguous().slice(0, begin, end), in[1].contiguous().slice(0, begin, end),
-                    true, false, out[0]);
+    kernels::matmul(*ctx.stream, flat_rows(in[0].contiguous()).slice(0, begin, end),
+                    flat_rows(in[1].contiguous()).slice(0, begin, end), true, false, out[0]);
   }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>& out, const ShardContext*) const override {
     // The expert's share of the rows is data-dependent: an even share.
-    return 2.0 * static_cast<double>(in[0][0]) / static_cast<double>(experts_) * out[0][0] * out[0][1];
+    const double rows = static_cast<double>(shape_numel(in[0])) / static_cast<double>(in[0].back());
+    return 2.0 * rows / static_cast<double>(experts_) * static_cast<double>(out[0][0]) * out[0][1];
   }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = token_labels(ctx.node, 2);
+    DimRule rule{.inputs = {labels_plus(t, {"k", "o"}), labels_plus(t, {"k", "i"}), labels_plus(t, {"k"})},
+                 .input_names = {"dy", "rows", "indices"},
+                 .outputs = {{"o", "i"}},
+                 .linear = {true, true, false}};
+    sum_over(rule, labels_plus(t, {"k"}));
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t experts_, expert_;
   SymShape shape_;
@@ -250,24 +346,25 @@ class GroupedLinearOp final : public Op {
     expect_inputs("grouped_linear", in, static_cast<size_t>(experts_) + 2);
     expect_dtype("grouped_linear", "indices", in[1], DType::I32);
     const SymShape& w = in[2].shape;
-    if (w.size() != 2 || in[0].shape.size() != 2)
-      fail("[grouped_linear] rows must be [R, in] and weights 2-D, got ", sym_shape_str(in[0].shape), " and ",
-           sym_shape_str(w));
+    if (w.size() != 2 || in[0].shape.size() != in[1].shape.size() + 1)
+      fail("[grouped_linear] rows must be [..., k, in] for indices [..., k] and weights 2-D, got ",
+           sym_shape_str(in[0].shape), ", ", sym_shape_str(in[1].shape), " and ", sym_shape_str(w));
     for (int64_t e = 1; e < experts_; ++e)
       if (in[2 + e].shape != w) fail("[grouped_linear] expert ", e, "'s weight differs from expert 0's");
     const SymDim k_in = transposed_ ? w[1] : w[0], n_out = transposed_ ? w[0] : w[1];
-    if (!(in[0].shape[1] == k_in))
-      fail("[grouped_linear] rows have ", in[0].shape[1].str(), " features, the weights take ", k_in.str());
-    return {TensorMeta{{in[0].shape[0], n_out}, DType::F32}};
+    if (!(in[0].shape.back() == k_in))
+      fail("[grouped_linear] rows have ", in[0].shape.back().str(), " features, the weights take ", k_in.str());
+    return {TensorMeta{with_last(in[0].shape, n_out), DType::F32}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in, std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     const RoutingMap m = routing_map(*ctx.stream, in[1], experts_, false);
-    const NDArray x = in[0].contiguous();
+    const NDArray x = flat_rows(in[0].contiguous());
+    NDArray y = flat_rows(out[0]);
     for (int64_t e = 0; e < experts_; ++e) {
       const int64_t begin = m.offsets[e], end = m.offsets[e + 1];
       if (begin == end) continue;
-      NDArray rows_out = out[0].slice(0, begin, end);
+      NDArray rows_out = y.slice(0, begin, end);
       kernels::matmul(*ctx.stream, x.slice(0, begin, end), in[2 + e].contiguous(), false, transposed_, rows_out);
     }
   }
@@ -287,9 +384,25 @@ class GroupedLinearOp final : public Op {
     return grads;
   }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>& out, const ShardContext*) const override {
-    return 2.0 * static_cast<double>(in[0][0]) * static_cast<double>(in[0][1]) * static_cast<double>(out[0][1]);
+    return 2.0 * static_cast<double>(shape_numel(in[0])) * static_cast<double>(out[0].back());
   }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = token_labels(ctx.node, 1);
+    const std::string contracted = transposed_ ? "i" : "o", kept = transposed_ ? "o" : "i";
+    DimRule rule{.inputs = {labels_plus(t, {"k", contracted}), labels_plus(t, {"k"})},
+                 .input_names = {"rows", "indices"},
+                 .outputs = {labels_plus(t, {"k", kept})},
+                 .linear = {true, false}};
+    for (int64_t e = 0; e < experts_; ++e) {
+      rule.inputs.push_back({"o", "i"});
+      rule.input_names.push_back("expert " + std::to_string(e) + "'s weight");
+      rule.linear.push_back(true);
+    }
+    rule.reductions[contracted] = Reduction::kSum;
+    rule.unsplittable["k"] = "a token's top-k is one row";
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t experts_;
   bool transposed_;
@@ -315,51 +428,73 @@ class MoeCountsOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node&, const std::vector<Tensor>&) const override { return {Tensor()}; }
 
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = numbered_labels("t", ctx.node.inputs[0].ndim() - 1);
+    DimRule rule{.inputs = {labels_plus(t, {"k"})}, .input_names = {"indices"}, .outputs = {{"e"}}};
+    sum_over(rule, labels_plus(t, {"k"}));
+    return deduce_by_dims(ctx, rule, in);
+  }
  private:
   int64_t experts_;
 };
 
-// (g scalar, w [E]) -> dprobs [..., E] = g * w broadcast over the tokens.
-class MoeAuxSeedGradOp final : public Op {
+// (w [E], probs [..., E]: layout only) -> w broadcast over the tokens: the
+// auxiliary loss's gradient w.r.t. the router's probabilities.
+class MoeAuxGradOp final : public Op {
  public:
-  explicit MoeAuxSeedGradOp(SymShape probs_shape) : shape_(std::move(probs_shape)) {}
-  std::string type() const override { return "moe_aux_seed_grad"; }
+  explicit MoeAuxGradOp(SymShape probs_shape) : shape_(std::move(probs_shape)) {}
+  std::string type() const override { return "moe_aux_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
-    expect_inputs("moe_aux_seed_grad", in, 2);
+    expect_inputs("moe_aux_grad", in, 2);
     return {TensorMeta{shape_, DType::F32}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in, std::vector<NDArray>& out) const override {
-    const Shape& s = ctx.out_shapes[0];
-    std::vector<bool> tokens(s.size(), true), all(s.size(), true);
+    std::vector<bool> tokens(ctx.out_shapes[0].size(), true);
     tokens.back() = false;
-    NDArray w = ctx.alloc(0), g = ctx.alloc(0);
-    kernels::broadcast_reduced(*ctx.stream, in[1].contiguous(), tokens, w);
-    kernels::broadcast_reduced(*ctx.stream, in[0].contiguous(), all, g);
     out[0] = ctx.alloc(0);
-    kernels::mul(*ctx.stream, g, w, out[0]);
+    kernels::broadcast_reduced(*ctx.stream, in[0].contiguous(), tokens, out[0]);
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = numbered_labels("t", ctx.node.inputs[1].ndim() - 1);
+    const DimRule rule{.inputs = {{"e"}, labels_plus(t, {"e"})},
+                       .input_names = {"weights", "probs"},
+                       .outputs = {labels_plus(t, {"e"})},
+                       .layout_only = {false, true}};
+    return deduce_by_dims(ctx, rule, in);
   }
 
  private:
   SymShape shape_;
 };
 
-// (probs [..., E], w [E]) -> 0 (f32 scalar), whose gradient w.r.t. probs is
-// w broadcast: the auxiliary loss's term sum_e w_e * sum_t probs[t, e], with
-// w fed after the step's forwards (the value itself is added on the host).
-class MoeAuxSeedOp final : public Op {
+// (y, probs [..., E], w [E]) -> y: the identity on y whose gradient also
+// gives probs the gradient w (broadcast over the tokens): the auxiliary
+// loss's term sum_e w_e * sum_t probs[t, e] for a loss whose gradient is 1,
+// with w fed once the step's routing is known (its value is added to the
+// loss on the host). Placed on the layer's output, so that it lives on the
+// layer's devices (a pipeline stage's), not the loss's.
+class MoeAuxTapOp final : public Op {
  public:
-  std::string type() const override { return "moe_aux_seed"; }
+  std::string type() const override { return "moe_aux_tap"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
-    expect_inputs("moe_aux_seed", in, 2);
-    return {TensorMeta{{}, DType::F32}};
+    expect_inputs("moe_aux_tap", in, 3);
+    return {in[0]};
   }
-  void compute(const OpContext& ctx, const std::vector<NDArray>&, std::vector<NDArray>& out) const override {
-    out[0] = ctx.alloc(0);
-    kernels::fill(*ctx.stream, out[0], 0.0f);
+  void compute(const OpContext&, const std::vector<NDArray>& in, std::vector<NDArray>& out) const override {
+    out[0] = in[0];
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
-    const Tensor probs = node.inputs[0], w = node.inputs[1];
-    return {g[0].graph()->add1(std::make_shared<MoeAuxSeedGradOp>(probs.shape()), {g[0], w}), Tensor()};
+    const Tensor probs = node.inputs[1], w = node.inputs[2];
+    return {g[0], probs.graph()->add1(std::make_shared<MoeAuxGradOp>(probs.shape()), {w, probs}), Tensor()};
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = numbered_labels("t", ctx.node.inputs[0].ndim() - 1);
+    DimRule rule{.inputs = {labels_plus(t, {"h"}), labels_plus(t, {"e"}), {"e"}},
+                 .input_names = {"y", "probs", "aux weights"},
+                 .outputs = {labels_plus(t, {"h"})},
+                 .linear = {true, false, false}};
+    rule.unsplittable["e"] = "the router's softmax runs over every expert";
+    return deduce_by_dims(ctx, rule, in);
   }
 };
 
@@ -377,6 +512,15 @@ class SigmoidGateGradOp final : public Op {
     out[1] = ctx.alloc(1);
     kernels::sigmoid_gate_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), out[0],
                                    out[1]);
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = numbered_labels("t", ctx.node.inputs[0].ndim() - 1);
+    DimRule rule{.inputs = {labels_plus(t, {"h"}), labels_plus(t, {"h"}), labels_plus(t, {"u"})},
+                 .input_names = {"dy", "x", "gate"},
+                 .outputs = {labels_plus(t, {"h"}), labels_plus(t, {"u"})},
+                 .linear = {true, false, false}};
+    rule.unsplittable["h"] = "the gate's gradient sums over the row";
+    return deduce_by_dims(ctx, rule, in);
   }
 };
 
@@ -399,6 +543,14 @@ class SigmoidGateOp final : public Op {
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     return g[0].graph()->add(std::make_shared<SigmoidGateGradOp>(), {g[0], node.inputs[0], node.inputs[1]});
+  }
+  std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
+    const auto t = numbered_labels("t", ctx.node.inputs[0].ndim() - 1);
+    const DimRule rule{.inputs = {labels_plus(t, {"h"}), labels_plus(t, {"u"})},
+                       .input_names = {"x", "gate"},
+                       .outputs = {labels_plus(t, {"h"})},
+                       .linear = {true, false}};
+    return deduce_by_dims(ctx, rule, in);
   }
 };
 
@@ -428,8 +580,8 @@ Tensor moe_counts(const Tensor& indices, int64_t experts) {
   return indices.graph()->add1(std::make_shared<MoeCountsOp>(experts), {indices});
 }
 
-Tensor moe_aux_seed(const Tensor& probs, const Tensor& weights) {
-  return probs.graph()->add1(std::make_shared<MoeAuxSeedOp>(), {probs, weights});
+Tensor moe_aux_tap(const Tensor& y, const Tensor& probs, const Tensor& weights) {
+  return y.graph()->add1(std::make_shared<MoeAuxTapOp>(), {y, probs, weights});
 }
 
 Tensor sigmoid_gate(const Tensor& x, const Tensor& gate) {

@@ -152,19 +152,20 @@ class Compiler {
   // a sub-box of its own parameter shard (appendix C.2).
   Annotation optimizer_state(const Annotation& param, const Shape& shape) const {
     Annotation a = param;
-    int dim = 0;
-    while (dim < static_cast<int>(shape.size()) && split_anywhere(param, dim)) ++dim;
-    HSPMD_CHECK(dim < static_cast<int>(shape.size()), "no free dim for ZeRO");
+    const int dim = zero_dim(param, shape);
+    HSPMD_CHECK(dim >= 0, "no free dim for ZeRO");
     a.hdim = dim;
     const int64_t n = shape[dim], P = a.hsize();
     if (n % P != 0)  // near-equal exact sizes as weights
       for (int64_t i = 0; i < P; ++i) a.part_weights.push_back(n / P + (i < n % P ? 1 : 0));
     return a;
   }
-  static bool has_free_dim(const Annotation& a, const Shape& shape) {
+  // The dim ZeRO cuts: the first the stage does not split with at least a
+  // row per pipeline (a [1, H] gate has none along dim 0); -1 when none.
+  static int zero_dim(const Annotation& a, const Shape& shape) {
     for (int dim = 0; dim < static_cast<int>(shape.size()); ++dim)
-      if (!split_anywhere(a, dim)) return true;
-    return false;
+      if (!split_anywhere(a, dim) && shape[dim] >= a.hsize()) return dim;
+    return -1;
   }
   static bool split_anywhere(const Annotation& a, int dim) {
     for (const Subgroup& g : a.subgroups)
@@ -185,19 +186,18 @@ class Compiler {
     t["targets"] = across(last, token_states, true);
     t["positions"] = whole_pipelines();
     t["normalizer"] = across(last, split_on(-1), false);
-    if (c_.moe.aux_loss()) {  // the auxiliary loss's per-expert weights: whole on every rank
-      Annotation everywhere = whole_pipelines();
-      everywhere.hdim = kDup;
-      everywhere.part_weights.clear();
-      t["moe_aux_weights"] = everywhere;
-    }
+    if (c_.moe.aux_loss())  // each sparse layer's auxiliary-loss weights: whole, like the layer's replicated weights
+      for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+        if (c_.moe.sparse_layer(l))
+          t["moe_aux_weights." + std::to_string(l)] = across(layer(l), split_on(-1), false);
     std::map<std::string, Annotation> sync;  // parameter -> its synced gradient's annotation
     for (const ModelParameter& p : model_parameters(c_)) {
       const Annotation a = parameter(p);
       t[p.name] = sync[p.name] = a;
-      // A parameter whose every dim the stage splits (a TP-split bias) keeps
-      // its optimizer state whole per replica: there is no dim left to cut.
-      if (s_.zero && a.hsize() > 1 && has_free_dim(a, p.shape))
+      // A parameter whose every dim the stage splits (a TP-split bias), or
+      // whose free dims are shorter than the pipelines are many, keeps its
+      // optimizer state whole per replica: there is no dim left to cut.
+      if (s_.zero && a.hsize() > 1 && zero_dim(a, p.shape) >= 0)
         sync[p.name] = plan.optimizer_states[p.name] = optimizer_state(a, p.shape);
     }
     for (const ReshardPoint& p : model_reshard_points(c_))
@@ -215,9 +215,6 @@ class Compiler {
 AnnotationPlan compile_plan(const ModelConfig& config, const Strategy& strategy, int world_size,
                             const CompileOptions& options) {
   validate(strategy, config, world_size);
-  if (config.moe.any() && world_size > 1)
-    fail("[plan] model_type ", config.model_type, " has mixture-of-experts layers, which train on one rank so far "
-         "(expert parallelism is not built yet; docs/moe.md): the plan has ", world_size, " ranks");
   const int64_t seq_len = options.seq_len > 0 ? options.seq_len : config.max_position_embeddings;
   const int64_t g = sequence_granularity(strategy);
   if (seq_len % g != 0)

@@ -222,7 +222,9 @@ DistTrainer::StepWork DistTrainer::compute_and_sync(int64_t step, float normaliz
   accumulate_schedule(raw, loss, normalizer, sync.overlap());
   rt_->graph->wait_sends(world_);
   work.activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
-  r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0, world_);
+  // The mixture of experts' auxiliary loss, the same on every rank (moe_aux.h).
+  r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0, world_) +
+           step_aux_loss_;
   work.post0 = clock_ ? clock_->now() : 0;
   synced = sync.finish(raw);
   work.grad_sync_s = sync.seconds();

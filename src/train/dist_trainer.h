@@ -204,6 +204,7 @@ class DistTrainer {
   Precision precision() const { return o_.precision.for_device(o_.device); }
   Communicator& world_;
   ModelConfig config_;
+  double step_aux_loss_ = 0;  // this step's mixture-of-experts auxiliary loss (accumulate_schedule)
   SwitchAlgorithm algorithm_ = SwitchAlgorithm::kFused;
   std::shared_ptr<const Topology> topology_;
   std::unique_ptr<VirtualClock> clock_;            // emulation: this rank's virtual clock

@@ -15,30 +15,46 @@
 namespace hspmd {
 namespace dist {
 
-void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
-                                      GradOverlap* overlap) {
-  ExecGraph& graph = *rt_->graph;
-  // The first micro-batch's gradient is kept and later ones are added into
-  // it in place. After a backward, its raw gradients are the backward's own
-  // fresh arrays: kept as they are, unless one is the same array as a
-  // gradient already kept (the in-place sums would then add twice). During
-  // the overlapped last backward the graph still reads a gradient after
-  // handing it over (its Reshard), while the communication thread reduces
-  // the kept array: that one is copied.
+namespace {
+
+// A step's raw gradients as the micro-batches' backwards make them. The
+// first micro-batch's gradient is kept and later ones are added into it in
+// place. After a backward, its raw gradients are the backward's own fresh
+// arrays: kept as they are, unless one is the same array as a gradient
+// already kept (the in-place sums would then add twice). During the
+// overlapped last backward the graph still reads a gradient after handing
+// it over (its Reshard), while the communication thread reduces the kept
+// array: that one is copied (keep(..., copy = true)).
+class RawGrads {
+ public:
+  RawGrads(Stream& stream, std::map<std::string, NDArray>& raw) : stream_(stream), raw_(raw) {
+    for (const auto& [name, kept] : raw_) views_.emplace(kept.view_hash(), kept);
+  }
+  void keep(const std::string& name, const NDArray& g, bool copy) {
+    auto it = raw_.find(name);
+    if (it != raw_.end()) return kernels::accumulate(stream_, g, it->second);
+    const auto [first, last] = views_.equal_range(g.view_hash());
+    for (auto v = first; v != last && !copy; ++v) copy = v->second.same_view(g);
+    const NDArray& held = raw_.emplace(name, copy || !g.is_contiguous() ? kernels::clone(stream_, g) : g).first->second;
+    views_.emplace(held.view_hash(), held);
+  }
+
+ private:
+  Stream& stream_;
+  std::map<std::string, NDArray>& raw_;
   // The kept arrays by view_hash: whether one is `g` is a lookup, not a
   // scan of every kept gradient (that made the first step quadratic in the
   // number of parameters: 12,000 of a 4,000-layer model).
-  std::unordered_multimap<size_t, NDArray> kept_views;
-  for (const auto& [name, kept] : raw) kept_views.emplace(kept.view_hash(), kept);
-  auto keep = [&](const std::string& name, const NDArray& g, bool copy) {
-    auto it = raw.find(name);
-    if (it != raw.end()) return kernels::accumulate(graph.stream(), g, it->second);
-    const auto [first, last] = kept_views.equal_range(g.view_hash());
-    for (auto v = first; v != last && !copy; ++v) copy = v->second.same_view(g);
-    const NDArray& held =
-        raw.emplace(name, copy || !g.is_contiguous() ? kernels::clone(graph.stream(), g) : g).first->second;
-    kept_views.emplace(held.view_hash(), held);
-  };
+  std::unordered_multimap<size_t, NDArray> views_;
+};
+
+}  // namespace
+
+void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
+                                      GradOverlap* overlap) {
+  ExecGraph& graph = *rt_->graph;
+  RawGrads grads(graph.stream(), raw);
+  auto keep = [&](const std::string& name, const NDArray& g, bool copy) { grads.keep(name, g, copy); };
   auto add = [&](const std::string& name, const NDArray& g) { keep(name, g, true); };
   // The micro-batches' loss terms stay on the device until the schedule is
   // queued: reading each at its backward would make the host wait there.
@@ -53,12 +69,13 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   // the first backward, which fills the weights its gradient needs.
   MoeAuxLoss aux(config_);
   aux.begin_step(graph.stream());
-  double aux_loss = 0;
+  double& aux_loss = step_aux_loss_;
+  aux_loss = 0;
   auto forward = [&](int micro) {
     const double t0 = clock_ ? clock_->now() : 0;
     Bindings bindings;
     ValueMap values = feeds(micro, normalizer, bindings);
-    if (aux.active()) values["moe_aux_weights"] = aux.weights();
+    aux.feed(graph, values);
     ExecGraph::Activations a = graph.forward(values, world_, bindings);
     aux.after_forward(graph, a);
     if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
@@ -90,9 +107,9 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
   const Schedule schedule = aux.active() ? run_gpipe : schedule_by_name(rt_->strategy.schedule);
   schedule(SchedulePosition{rt_->stage, rt_->stages, micro_batches}, forward, backward);
+  if (aux.active() && !aux.finished()) aux_loss = aux.finish_forwards(graph.stream(), world_);  // an idle rank
   for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
     loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
-  loss += aux_loss;
   if (micro_batches == 0 && rt_->pipeline >= 0) {
     // A pipeline that got no piece this step contributes zero gradients.
     for (const std::string& name : graph.model().names) {

@@ -187,7 +187,24 @@ MISTRAL_CASES = {
 MISTRAL_PACKED_CASES = {
     "mistralpacked_cp_hetero_zero": PACKED_CASES["packed_cp_hetero_zero"],
 }
-FAMILY_MODES = {"qwen2": QWEN2_CASES, "mistral": MISTRAL_CASES, "mistralpacked": MISTRAL_PACKED_CASES}
+# Mixture-of-experts families (docs/moe.md): experts replicated over a
+# stage's TP ranks, every token split (data parallel pipelines, the sequence
+# under CP) routed on its own rank; the auxiliary loss over the whole global
+# batch (its statistics summed over micro-batches, stages and pipelines).
+# Their single-process references run only when a case of theirs is chosen.
+MIXTRAL_CASES = {
+    "mixtral_dp4": CASES["dp4"],
+    "mixtral_asym_pp_dp_zero": CASES["asym_pp_dp_zero"],
+    "mixtral_cp2_tp2": CASES["cp2_tp2"],
+    "mixtral_c2_like_zero": CASES["c2_like_zero"],
+}
+QWEN2MOE_CASES = {
+    "qwen2moe_dp2_tp2": CASES["dp2_tp2"],
+    "qwen2moe_hetero_pp_tp": CASES["hetero_pp_tp"],
+    "qwen2moe_asym7_tp421_zero": CASES["asym7_tp421_zero"],
+}
+MOE_MODES = {"mixtral": MIXTRAL_CASES, "qwen2moe": QWEN2MOE_CASES}
+FAMILY_MODES = {"qwen2": QWEN2_CASES, "mistral": MISTRAL_CASES, "mistralpacked": MISTRAL_PACKED_CASES, **MOE_MODES}
 
 
 def random_strategy(rng, max_world=8, layers=4, kv_heads=4, global_batch=8):
@@ -312,6 +329,18 @@ def main():
              "qwen2": model_variant("qwen2", model_type="qwen2", tie_word_embeddings=True),
              "mistral": model_variant("mistral", model_type="mistral", sliding_window=5)}
     modes["mistralpacked"] = [a if a != data else packed_data for a in modes["mistral"]] + ["--pack-documents"]
+    # Routers far enough from ties (initializer_range 0.1) that no reduction
+    # order moves a token to another expert.
+    moe = dict(initializer_range=0.1, output_router_logits=True, num_experts_per_tok=2)
+    modes["mixtral"] = model_variant("mixtral", model_type="mixtral", num_local_experts=4, router_aux_loss_coef=0.02,
+                                     **moe)
+    modes["qwen2moe"] = model_variant("qwen2moe", model_type="qwen2_moe", num_experts=4, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=32, mlp_only_layers=[2], norm_topk_prob=False,
+                                      router_aux_loss_coef=0.05, **moe)
+    chosen = set(args.cases.split(","))
+    for mode, cases in MOE_MODES.items():
+        if not chosen & set(cases):
+            del modes[mode]
     want = {}
     for mode, cmd in modes.items():
         log, weights = os.path.join(tmp, mode + ".jsonl"), os.path.join(tmp, mode + ".safetensors")

@@ -235,7 +235,7 @@ TEST(ModelConfig, RejectsFieldsOfOtherModels) {
   j = minimal();
   j["model_type"] = "gpt2";
   EXPECT_EQ(config_error(j),
-            "[config] cfg.json: model_type 'gpt2' is not supported (registered: hspmd_custom, llama, mistral, qwen2)");
+            "[config] cfg.json: model_type 'gpt2' is not supported (registered: hspmd_custom, llama, mistral, mixtral, qwen2, qwen2_moe)");
   j = minimal();
   j["attention_dropout"] = 0.1;
   EXPECT_EQ(config_error(j),
@@ -318,14 +318,14 @@ TEST(ModelFamilies, MistralSlidingWindowDefaultsNullAndErrors) {
 }
 
 TEST(ModelFamilies, RegistryNamesEveryFamily) {
-  EXPECT_EQ(registered_model_types(), "hspmd_custom, llama, mistral, qwen2");
+  EXPECT_EQ(registered_model_types(), "hspmd_custom, llama, mistral, mixtral, qwen2, qwen2_moe");
   for (const char* type : {"llama", "mistral", "qwen2"}) EXPECT_EQ(model_family(type).model_type(), type);
   EXPECT_EQ(find_model_family("gpt2"), nullptr);
   try {
     model_family("gpt2");
     FAIL();
   } catch (const Error& e) {
-    EXPECT_STREQ(e.what(), "[config] model_type 'gpt2' is not supported (registered: hspmd_custom, llama, mistral, qwen2)");
+    EXPECT_STREQ(e.what(), "[config] model_type 'gpt2' is not supported (registered: hspmd_custom, llama, mistral, mixtral, qwen2, qwen2_moe)");
   }
 }
 

@@ -110,6 +110,9 @@ class ExecGraph {
   // A value a forward computed and kept for the caller (the model's router
   // statistics), or an invalid array where this rank did not compute it.
   NDArray forward_value(const Activations& a, const Tensor& t) const;
+  // Whether this rank's value of `t` is the one to count when the ranks'
+  // values are summed (is_representative of its deduced annotation).
+  bool represents(const Tensor& t) const;
   Activations forward(const ValueMap& values, Communicator& world, const Bindings& bindings) const;
   // Its backward (the rest, but gradient sync), under the forward's shape
   // instance: the loss term and raw grads. With recompute (set_recompute),

@@ -117,15 +117,15 @@ struct ModelGraph {
   std::vector<ModelParameter> parameters;  // their declarations, same order
   std::vector<Tensor> params;
   std::vector<Tensor> grads;         // d(loss)/d(param)
-  // Mixture of experts (docs/moe.md): the router statistics of one
-  // micro-batch summed over the sparse layers, [E] f32 each: the (token,
-  // slot) pairs routed to each expert and the router's probabilities
-  // summed over the tokens (invalid for a dense model). With the auxiliary
-  // loss, `aux_weights` is the placeholder "moe_aux_weights" [E] f32 that
-  // only the backward reads: coef * E * counts / N^2 of the whole global
-  // batch, fed once every forward of the step has routed (the loss gains
-  // its gradient; its value is added on the host).
-  Tensor router_counts, router_prob_sums, aux_weights;
+  // Mixture of experts (docs/moe.md): per sparse layer, in layer order, the
+  // router statistics of one micro-batch, [E] f32 each: the (token, slot)
+  // pairs routed to each expert and the router's probabilities summed over
+  // the tokens (empty for a dense model). With the auxiliary loss, each
+  // sparse layer i also has the placeholder "moe_aux_weights.<i>" [E] f32,
+  // which only the backward reads: coef * E * counts / N^2 of the whole
+  // global batch, fed once every forward of the step has routed (the loss
+  // gains its gradient; its value is added on the host).
+  std::vector<Tensor> router_counts, router_prob_sums;
   // With reshard points: Reshard node id -> the point it is (mirrors and
   // unnamed Reshards are absent). Empty otherwise.
   std::map<int, ReshardPoint> points;

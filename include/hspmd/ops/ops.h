@@ -148,22 +148,23 @@ struct MoeRouting {
 // softmax(logits [..., E]) and its top_k (renormalized over the k when
 // `normalize`). Differentiable in logits through weights and probs.
 MoeRouting moe_route(const Tensor& logits, int64_t top_k, bool normalize);
-// x [..., H] (f32) -> [B*S*k, H]: each token's row once per chosen expert,
-// in expert order (by expert, then token, then slot).
+// x [..., H] (f32) -> [..., k, H]: each token's row once per chosen expert;
+// a rank's array holds its tokens' rows in expert order (by expert, then
+// token, then slot), read as flat rows by the two ops below.
 Tensor moe_permute(const Tensor& x, const Tensor& indices, int64_t experts);
-// rows [B*S*k, H] (f32, expert order) -> [..., H] = sum_j weights[.., j] *
+// rows [..., k, H] (f32, expert order) -> [..., H] = sum_j weights[.., j] *
 // the row of (token, j): the permutation's weighted inverse.
 Tensor moe_combine(const Tensor& rows, const Tensor& indices, const Tensor& weights, int64_t experts);
-// rows [R, in] in expert order times each expert's weight [out, in]
-// transposed (a linear layer per expert over its rows): [R, out] f32. The
-// number of experts is weights.size(); bf16 weights make bf16 products.
+// rows [..., k, in] in expert order times each expert's weight [out, in]
+// transposed (a linear layer per expert over its rows): [..., k, out] f32.
+// The number of experts is weights.size(); bf16 operands make bf16 products.
 Tensor grouped_linear(const Tensor& rows, const Tensor& indices, const std::vector<Tensor>& weights);
 // [E] f32: the (token, slot) pairs routed to each expert (no gradient).
 Tensor moe_counts(const Tensor& indices, int64_t experts);
-// A zero scalar whose gradient w.r.t. probs [..., E] is `weights` [E]
-// broadcast: the auxiliary load-balancing loss's term, its weights fed once
-// the step's routing is known (docs/moe.md).
-Tensor moe_aux_seed(const Tensor& probs, const Tensor& weights);
+// y itself, whose gradient also gives probs [..., E] the gradient `weights`
+// [E] broadcast: the auxiliary load-balancing loss's term, its weights fed
+// once the step's routing is known (docs/moe.md).
+Tensor moe_aux_tap(const Tensor& y, const Tensor& probs, const Tensor& weights);
 // sigmoid(gate [..., 1]) * x [..., H] (f32).
 Tensor sigmoid_gate(const Tensor& x, const Tensor& gate);
 

@@ -33,7 +33,11 @@ ExpertNames expert_names(const ModelConfig& c, int64_t i, int64_t e) {
 
 void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelParameter>& out) {
   const int64_t H = c.hidden_size, E = c.moe.num_experts, F = c.moe.expert_intermediate_size;
-  const ParamRole col = ParamRole::kColumnParallel, row = ParamRole::kRowParallel, rep = ParamRole::kReplicated;
+  // Every tensor of the layer replicated over a stage's tensor-parallel
+  // ranks (which then route and compute the same tokens): tensor
+  // parallelism inside the experts and expert parallelism are not built yet
+  // (docs/moe.md).
+  const ParamRole col = ParamRole::kReplicated, row = ParamRole::kReplicated, rep = ParamRole::kReplicated;
   auto add = [&](std::string name, Shape shape, ParamRole role) {
     out.push_back({std::move(name), std::move(shape), role, ParamInit::kNormal, ModelPart::kBlock, i});
   };
@@ -59,8 +63,10 @@ void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelPar
   }
 }
 
-Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x,
-                     const Tensor& aux_weights, Graph& g, MoeTotals& totals) {
+std::string moe_aux_weights_name(int64_t layer) { return "moe_aux_weights." + std::to_string(layer); }
+
+Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x, Graph& g,
+                     MoeTotals& totals) {
   const int64_t E = c.moe.num_experts;
   const DType act = o.precision.compute;
   const auto lo = [&](const std::string& name) { return ops::cast(g.find(name), act); };
@@ -92,11 +98,12 @@ Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i
     const Tensor gate_logit = ops::linear(x, lo(p + "shared_expert_gate.weight"), DType::F32);
     y = ops::add(y, ops::sigmoid_gate(s, gate_logit));
   }
-  // The statistics of the step record and the auxiliary loss, summed over the layers.
-  auto sum = [](Tensor& total, const Tensor& t) { total = total.valid() ? ops::add(total, t) : t; };
-  sum(totals.counts, ops::moe_counts(r.indices, E));
-  sum(totals.prob_sums, ops::reduce_sum(r.probs, {0, 1}));
-  if (aux_weights.valid()) sum(totals.aux_seed, ops::moe_aux_seed(r.probs, aux_weights));
+  // The statistics of the auxiliary loss (and the step record), and the
+  // loss's gradient on the router's probabilities.
+  totals.counts.push_back(ops::moe_counts(r.indices, E));
+  totals.prob_sums.push_back(ops::reduce_sum(r.probs, {0, 1}));
+  if (c.moe.aux_loss())
+    y = ops::moe_aux_tap(y, r.probs, g.placeholder(moe_aux_weights_name(i), {E}, DType::F32));
   return ops::cast(y, act);
 }
 

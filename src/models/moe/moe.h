@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "hspmd/models/model.h"
@@ -14,21 +15,23 @@ namespace hspmd {
 
 class ConfigFields;
 
-// The router statistics and the auxiliary loss's terms of the layers built
-// so far, summed over the layers (invalid before the first sparse layer).
+// The router statistics of the sparse layers built so far, one [E] f32
+// tensor per layer each (they live on their layer's devices).
 struct MoeTotals {
-  Tensor counts;     // [E]: (token, slot) pairs per expert
-  Tensor prob_sums;  // [E]: the router's probabilities summed over the tokens
-  Tensor aux_seed;   // the auxiliary loss's gradient seeds (a zero scalar)
+  std::vector<Tensor> counts;     // (token, slot) pairs per expert
+  std::vector<Tensor> prob_sums;  // the router's probabilities summed over the tokens
 };
+
+// The placeholder of layer i's auxiliary-loss weights (models/model.h, ModelGraph::aux_weights).
+std::string moe_aux_weights_name(int64_t layer);
 
 // The sparse layer i's parameters, in Hugging Face order, through `add`.
 void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelParameter>& out);
 // The sparse MLP of layer i on x [B, S, H] (the compute dtype): its output
-// [B, S, H] in that dtype. `aux_weights` ([E], valid when c.moe.aux_loss())
-// is the placeholder of the auxiliary loss's per-expert weights.
-Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x,
-                     const Tensor& aux_weights, Graph& g, MoeTotals& totals);
+// [B, S, H] in that dtype. With c.moe.aux_loss() it adds the layer's
+// placeholder moe_aux_weights_name(i) ([E] f32), which only the backward reads.
+Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x, Graph& g,
+                     MoeTotals& totals);
 
 // Reads and checks the fields both families share (num_experts_per_tok,
 // norm_topk_prob where the family has it, output_router_logits,
