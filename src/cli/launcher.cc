@@ -55,7 +55,7 @@ int64_t now_ns() {
 std::string job_file(const std::string& dir, const char* name) { return dir + "/" + name; }
 
 void remove_job_dir(const std::string& dir) {
-  for (const char* name : {"alive", "heartbeat", "report", "exit"}) unlink(job_file(dir, name).c_str());
+  for (const char* name : {"alive", "heartbeat", "report", "exit", "hostfile"}) unlink(job_file(dir, name).c_str());
   rmdir(dir.c_str());
 }
 
@@ -118,7 +118,7 @@ class JobDir {
 // What mpirun said about the first rank that failed.
 struct RankFailure {
   int rank = -1, signal = 0, exit_code = -1;
-  std::string signal_name;
+  std::string signal_name, node;  // node: the host mpirun named, when it did
 };
 
 // Relays mpirun's stderr (the ranks' output) line by line, leaving out Open
@@ -177,6 +177,9 @@ class StderrRelay {
     // Its shared-memory transport reading from a rank that just died ("[host:pid]
     // Read -1, expected 8192, errno = 3").
     if (l.rfind("[", 0) == 0 && l.find("] Read -1, expected ") != std::string::npos) return;
+    // Its rsh launcher when the agent (scripts/netns_cluster.sh rsh) runs in
+    // a process group of its own: "[host:pid] plm:rsh: Warning: setpgid(...)".
+    if (l.rfind("[", 0) == 0 && l.find("] plm:rsh: Warning: setpgid") != std::string::npos) return;
     if (l.rfind("hspmd: ", 0) == 0 && l.find("error: ") != std::string::npos) relayed_error_ = true;
     std::fprintf(stderr, "%s\n", l.c_str());
   }
@@ -194,11 +197,12 @@ class StderrRelay {
     // rank R in communicator MPI_COMM_WORLD".
     if (const char* abort = std::strstr(l.c_str(), "MPI_ABORT was invoked on rank "))
       if (std::sscanf(abort, "MPI_ABORT was invoked on rank %d", &failure_.rank) == 1) return;
-    char name[64] = {0};
+    char name[64] = {0}, node[256] = {0};
     const char* p = std::strstr(l.c_str(), "process rank ");
-    if (p && std::sscanf(p, "process rank %d with PID %*d on node %*s exited on signal %d (%63[^)])",
-                         &failure_.rank, &failure_.signal, name) >= 2) {
+    if (p && std::sscanf(p, "process rank %d with PID %*d on node %255s exited on signal %d (%63[^)])",
+                         &failure_.rank, node, &failure_.signal, name) >= 3) {
       failure_.signal_name = name;
+      failure_.node = node;
       return;
     }
     p = std::strstr(l.c_str(), "Process name: [[");
@@ -246,43 +250,46 @@ void kill_ranks(const JobDir& job, int sig) {
     if (const int64_t pid = job.slot(r).pid.load(); pid > 0) kill(static_cast<pid_t>(pid), sig);
 }
 
-// The executable `name` as execvp would find it on PATH; "" when none is.
-std::string find_in_path(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  std::string dirs = path ? path : "/usr/bin:/bin";
-  for (size_t start = 0; start <= dirs.size();) {
-    size_t colon = dirs.find(':', start);
-    if (colon == std::string::npos) colon = dirs.size();
-    const std::string dir = colon > start ? dirs.substr(start, colon - start) : ".";
-    const std::string candidate = dir + "/" + name;
-    struct stat st {};
-    if (stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(candidate.c_str(), X_OK) == 0)
-      return candidate;
-    start = colon + 1;
-  }
-  return "";
+std::string host_name() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  return name;
 }
 
-std::string self_executable() {
-  char self[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) fail("[launch] cannot find the hspmd executable");
-  self[n] = '\0';
-  return self;
+
+// mpirun's options for the hosts of `hostfile` (written to `path`): slots
+// filled in order, TCP between hosts and shared memory within one, and the
+// launcher's HSPMD_* variables for ranks that another host's daemon starts
+// (a local mpirun's children inherit them anyway).
+std::vector<std::string> host_options(const Hostfile& hostfile, const std::string& path) {
+  write_hostfile(hostfile, path);
+  std::vector<std::string> argv = {"--hostfile", path, "--map-by", "slot", "--mca", "btl", "self,vader,tcp"};
+  for (char** e = environ; *e != nullptr; ++e)
+    if (std::strncmp(*e, "HSPMD_", 6) == 0) {
+      const std::string var(*e);
+      argv.insert(argv.end(), {"-x", var.substr(0, var.find('='))});
+    }
+  return argv;
 }
 
-pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& command, const std::vector<std::string>& args,
+pid_t spawn_mpirun(const LaunchOptions& o, const std::vector<std::string>& args, const std::string& job_dir,
                    int err_fd) {
   // When a rank dies, mpirun SIGTERMs the others and by default waits 1 s
   // before SIGKILL; the ranks have no SIGTERM handler, so that second only
   // delays the job's end (and a restart).
-  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--oversubscribe", "--mca",
-                                   "odls_base_sigkill_timeout", "0", "-np", std::to_string(nproc)};
-  if (command.empty()) {
+  std::vector<std::string> argv = {"mpirun", "--allow-run-as-root", "--mca", "odls_base_sigkill_timeout", "0",
+                                   "-np", std::to_string(o.nproc)};
+  if (o.hostfile.hosts.empty()) {
+    argv.push_back("--oversubscribe");
+  } else {
+    const std::vector<std::string> hosts = host_options(o.hostfile, job_file(job_dir, "hostfile"));
+    argv.insert(argv.end(), hosts.begin(), hosts.end());
+  }
+  if (o.command.empty()) {
     argv.insert(argv.end(), {self_executable(), "train"});
   } else {
     if (std::getenv("PYTHONPATH")) argv.insert(argv.end(), {"-x", "PYTHONPATH"});
-    argv.insert(argv.end(), command.begin(), command.end());
+    argv.insert(argv.end(), o.command.begin(), o.command.end());
   }
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
@@ -321,12 +328,21 @@ pid_t spawn_mpirun(int64_t nproc, const std::vector<std::string>& command, const
   return pid;
 }
 
-std::string describe(const RankFailure& f, int status) {
+// "rank R", and " on host H" when the job runs on hosts of a hostfile (the
+// host Open MPI named, else the one the slots give).
+std::string rank_name(const RankFailure& f, const Hostfile& hostfile) {
+  std::string name = "rank " + std::to_string(f.rank);
+  if (hostfile.hosts.empty()) return name;
+  if (!f.node.empty()) return name + " on host " + f.node;
+  if (f.rank < hostfile.slots()) return name + " on host " + hostfile.host_of(f.rank);
+  return name;
+}
+
+std::string describe(const RankFailure& f, int status, const Hostfile& hostfile) {
   if (f.rank >= 0 && f.signal > 0)
-    return "rank " + std::to_string(f.rank) + " was killed by signal " + std::to_string(f.signal) + " (" +
-           f.signal_name + ")";
+    return rank_name(f, hostfile) + " was killed by signal " + std::to_string(f.signal) + " (" + f.signal_name + ")";
   if (f.rank >= 0)
-    return "rank " + std::to_string(f.rank) + " exited with code " +
+    return rank_name(f, hostfile) + " exited with code " +
            (f.exit_code >= 0 ? std::to_string(f.exit_code) : std::string("?")) + " without a message";
   if (WIFSIGNALED(status)) return "mpirun was killed by signal " + std::to_string(WTERMSIG(status));
   const int code = WEXITSTATUS(status);
@@ -401,9 +417,11 @@ struct AttemptEnd {
     return failure.rank < 0 && WIFEXITED(status) && WEXITSTATUS(status) > 128;  // mpirun's 128 + signal
   }
   // What failed, for the one-line message and the restart record.
-  std::string why() const {
-    if (!wedged) return describe(failure, status);
-    return (dead_rank >= 0 ? "rank " + std::to_string(dead_rank) : std::string("a rank")) +
+  std::string why(const Hostfile& hostfile) const {
+    if (!wedged) return describe(failure, status, hostfile);
+    RankFailure dead;
+    dead.rank = dead_rank;
+    return (dead_rank >= 0 ? rank_name(dead, hostfile) : std::string("a rank")) +
            " ended but mpirun had not ended the job " + std::to_string(static_cast<int>(kWedgedS)) + " s later";
   }
 };
@@ -435,9 +453,10 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
   JobDir job(static_cast<int>(o.nproc));
   setenv("HSPMD_JOB_DIR", job.dir().c_str(), 1);
   setenv("HSPMD_LAUNCHER_PID", std::to_string(getpid()).c_str(), 1);
+  setenv("HSPMD_LAUNCHER_HOST", host_name().c_str(), 1);
   int err[2];
   if (pipe2(err, O_CLOEXEC) != 0) fail("[launch] cannot create a pipe: ", std::strerror(errno));
-  const pid_t pid = spawn_mpirun(o.nproc, o.command, args, err[1]);
+  const pid_t pid = spawn_mpirun(o, args, job.dir(), err[1]);
   close(err[1]);
   StderrRelay relay(err[0]);
   const int64_t start = now_ns();
@@ -500,18 +519,48 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
 }
 
 // The job's last words when it is not restarted; returns its exit code.
-int give_up(const AttemptEnd& end, int64_t restarts, int64_t max_restarts) {
+int give_up(const AttemptEnd& end, int64_t restarts, const LaunchOptions& o) {
   if (!end.lost_report.empty()) std::fprintf(stderr, "%s\n", end.lost_report.c_str());
   if (end.watchdog || end.reported) return 1;  // already said
   std::string after;
   if (restarts > 0)
     after = " (after " + std::to_string(restarts) + (restarts == 1 ? " restart" : " restarts") +
-            ", --max-restarts " + std::to_string(max_restarts) + ")";
-  std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended%s\n", end.why().c_str(), after.c_str());
+            ", --max-restarts " + std::to_string(o.max_restarts) + ")";
+  std::fprintf(stderr, "hspmd: error: [launch] %s; the job was ended%s\n", end.why(o.hostfile).c_str(),
+               after.c_str());
   return 1;
 }
 
 }  // namespace
+
+// The executable `name` as execvp would find it on PATH; "" when none is.
+std::string find_in_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/bin:/bin";
+  for (size_t start = 0; start <= dirs.size();) {
+    size_t colon = dirs.find(':', start);
+    if (colon == std::string::npos) colon = dirs.size();
+    const std::string dir = colon > start ? dirs.substr(start, colon - start) : ".";
+    const std::string candidate = dir + "/" + name;
+    struct stat st {};
+    if (stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(candidate.c_str(), X_OK) == 0)
+      return candidate;
+    start = colon + 1;
+  }
+  return "";
+}
+
+std::string self_executable() {
+  char self[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) fail("[launch] cannot find the hspmd executable");
+  self[n] = '\0';
+  return self;
+}
+
+void check_max_restarts(int64_t k) {
+  if (k < 0) fail("[flags] --max-restarts must be >= 0, got ", k);
+}
 
 int64_t max_local_ranks() { return 32 * static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency())); }
 
@@ -523,7 +572,8 @@ void check_local_ranks(const std::string& what, int64_t n, int64_t least) {
 }
 
 int launch_ranks(const LaunchOptions& o) {
-  check_local_ranks("[flags] --nproc", o.nproc, 1);
+  if (o.hostfile.hosts.empty()) check_local_ranks("[flags] --nproc", o.nproc, 1);
+  else check_hostfile_ranks(o.hostfile, o.nproc);
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
@@ -544,8 +594,8 @@ int launch_ranks(const LaunchOptions& o) {
       return 128 + end.stopped_by;
     }
     if (end.succeeded()) return 0;
-    if (!end.crashed() || restarts == o.max_restarts) return give_up(end, restarts, o.max_restarts);
-    const std::string why = end.why();
+    if (!end.crashed() || restarts == o.max_restarts) return give_up(end, restarts, o);
+    const std::string why = end.why(o.hostfile);
     const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
     RestartPoint point;
     try {
@@ -570,114 +620,6 @@ int launch_ranks(const LaunchOptions& o) {
   }
 }
 
-// The directory holding the hspmd Python package (hspmd/__init__.py) for
-// this executable: build/python in a build tree (the executable in
-// build/src/cli), else python/ beside it or above it; "" when none is.
-std::string python_module_dir() {
-  const std::string exe = self_executable();
-  const std::string dir = exe.substr(0, exe.rfind('/'));
-  for (const char* rel : {"/../../python", "/python", "/../python", "/../lib/hspmd/python"}) {
-    const std::string candidate = dir + rel;
-    if (access((candidate + "/hspmd/__init__.py").c_str(), F_OK) == 0) {
-      char real[PATH_MAX];
-      return realpath(candidate.c_str(), real) ? std::string(real) : candidate;
-    }
-  }
-  return "";
-}
-
-// The interpreter of `hspmd launch --python`, found before any rank starts:
-// a missing one would only show as ranks that "exited with code ?". A name
-// without a slash is looked up on PATH as mpirun will; a path must be an
-// executable file.
-namespace {
-void check_interpreter(const std::string& python) {
-  const std::string what = "[flags] launch --python " + python + ": ";
-  if (python.empty()) fail("[flags] launch --python: an empty name (the interpreter that runs the script)");
-  if (python.find('/') == std::string::npos) {
-    if (find_in_path(python).empty())
-      fail(what, "no executable of that name on PATH (give the interpreter's path)");
-    return;
-  }
-  struct stat st {};
-  if (stat(python.c_str(), &st) != 0) fail(what, std::strerror(errno), " (the interpreter that runs the script)");
-  if (S_ISDIR(st.st_mode)) fail(what, "is a directory, not an interpreter");
-  if (!S_ISREG(st.st_mode)) fail(what, "is not a regular file, not an interpreter");
-  if (access(python.c_str(), X_OK) != 0) fail(what, "is not executable (", std::strerror(errno), ")");
-}
-}  // namespace
-
-// The interpreter the hspmd module was built for (its extension imports only
-// there), when the build has the module and it is still executable; else
-// python3 from PATH.
-std::string default_interpreter() {
-#ifdef HSPMD_PYTHON_EXECUTABLE
-  if (access(HSPMD_PYTHON_EXECUTABLE, X_OK) == 0) return HSPMD_PYTHON_EXECUTABLE;
-#endif
-  return "python3";
-}
-
-int launch_command(const std::vector<std::string>& args) {
-  LaunchOptions o;
-  o.timeout_s = 0;  // the watchdog only with --timeout: a script's steps are its own
-  std::string python = default_interpreter();
-  bool nproc_given = false;
-  size_t i = 0;
-  const auto value = [&](const std::string& flag) -> std::string {
-    const std::string& a = args[i];
-    if (a.size() > flag.size() && a.compare(0, flag.size() + 1, flag + "=") == 0) return a.substr(flag.size() + 1);
-    if (++i >= args.size()) fail("[flags] ", flag, " needs a value");
-    return args[i];
-  };
-  const auto number = [](const std::string& flag, const std::string& text) {
-    char* end = nullptr;
-    const double v = std::strtod(text.c_str(), &end);
-    if (text.empty() || *end != '\0' || !std::isfinite(v)) fail("[flags] ", flag, ": '", text, "' is not a number");
-    return v;
-  };
-  for (; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--help" || a == "-h") {
-      std::printf("usage: hspmd launch --nproc N [--timeout S] [--python PY] script.py [args]\n\n"
-                  "Runs `PY script.py args` on N MPI ranks under the supervised launcher of hspmd train --nproc\n"
-                  "(signals forwarded, a dead rank named in one line), PYTHONPATH starting at the hspmd module.\n"
-                  "  --nproc N      ranks (required)\n"
-                  "  --timeout S    end the job when a rank's heartbeat stops or no step finishes for S s\n"
-                  "                 (Trainer steps; default: no watchdog)\n"
-                  "  --python PY    the interpreter (default: the one the hspmd module was built for, %s)\n",
-                  default_interpreter().c_str());
-      return 0;
-    }
-    if (a.rfind("--nproc", 0) == 0) {
-      // The one integer parser (no "1e3"), then the one bound on local ranks.
-      o.nproc = parse_int("nproc", value("--nproc"));
-      check_local_ranks("[flags] --nproc", o.nproc, 1);
-      nproc_given = true;
-    } else if (a.rfind("--timeout", 0) == 0) {
-      o.timeout_s = number("--timeout", value("--timeout"));
-      if (o.timeout_s <= 0) fail("[flags] --timeout must be positive, got ", o.timeout_s);
-    } else if (a.rfind("--python", 0) == 0) {
-      python = value("--python");
-    } else if (a.rfind("-", 0) == 0) {
-      fail("[flags] launch: unknown flag '", a, "' (flags go before the script; see hspmd launch --help)");
-    } else {
-      break;
-    }
-  }
-  if (!nproc_given) fail("[flags] launch: --nproc N is required");
-  check_interpreter(python);
-  if (i >= args.size()) fail("[flags] launch: no script given (hspmd launch --nproc N script.py [args])");
-  const std::string& script = args[i];
-  if (access(script.c_str(), R_OK) != 0) fail("[flags] launch: ", script, ": ", std::strerror(errno));
-  o.command = {python, script};
-  o.rank_args.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
-  if (const std::string dir = python_module_dir(); !dir.empty()) {
-    const char* old = std::getenv("PYTHONPATH");
-    setenv("PYTHONPATH", (old && *old ? dir + ":" + old : dir).c_str(), 1);
-  }
-  return launch_ranks(o);
-}
-
 bool claim_report(const std::string& message) {
   const char* dir = std::getenv("HSPMD_JOB_DIR");
   if (dir == nullptr) return true;
@@ -696,6 +638,10 @@ RankSupervision::RankSupervision(int rank) : rank_(rank) {
   const char* dir = std::getenv("HSPMD_JOB_DIR");
   const char* launcher = std::getenv("HSPMD_LAUNCHER_PID");
   if (dir == nullptr || launcher == nullptr) return;
+  // A host that does not see the launcher's job directory (another machine)
+  // runs its ranks unsupervised; the test hosts share this machine's /tmp.
+  const char* host = std::getenv("HSPMD_LAUNCHER_HOST");
+  if (host != nullptr && host_name() != host && access(dir, F_OK) != 0) return;
   dir_ = dir;
   launcher_pid_ = std::atoi(launcher);
   const int fd = open(job_file(dir_, "heartbeat").c_str(), O_RDWR | O_CLOEXEC);

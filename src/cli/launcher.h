@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "hostfile.h"
+
 namespace hspmd::cli {
 
 struct LaunchOptions {
@@ -36,6 +38,12 @@ struct LaunchOptions {
   // What every rank runs before rank_args: empty for this executable's
   // `train` (hspmd train --nproc); `hspmd launch` gives {python, script}.
   std::vector<std::string> command;
+  // --hostfile: the hosts (no host = this machine alone). mpirun then reads
+  // them (with --map-by slot), starts the other hosts' ranks through its rsh
+  // agent (ssh, or OMPI_MCA_plm_rsh_agent: scripts/netns_cluster.sh for the
+  // test hosts), uses TCP between hosts and shared memory within one, and
+  // passes the launcher's HSPMD_* variables to every rank.
+  Hostfile hostfile;
 };
 
 // The most ranks (processes) one job may run on this machine: 32 per core.
@@ -49,20 +57,33 @@ int64_t max_local_ranks();
 // (launch_ranks) and `hspmd profile --emulated-ranks` go through it.
 void check_local_ranks(const std::string& what, int64_t n, int64_t least);
 
+// hspmd::Error "[flags] --max-restarts must be >= 0, got K" when k < 0.
+void check_max_restarts(int64_t k);
+
+// The executable `name` as execvp would find it on PATH; "" when none is.
+std::string find_in_path(const std::string& name);
+
+// This process's executable (/proc/self/exe); hspmd::Error when unknown.
+std::string self_executable();
+
 // Runs `mpirun -np N hspmd train <rank_args>` (or `<command> <rank_args>`)
 // in its own process group and
 // returns the job's exit code: 0 when every rank succeeded; 1 when a rank
 // failed (its error, or "[launch] rank R was killed by signal S", printed
-// once) or the watchdog ended the job; 128+S when the launcher got SIGINT or
-// SIGTERM (forwarded to mpirun, which ends the ranks; SIGKILL after 10 s).
+// once; "rank R on host H" under a hostfile) or the watchdog ended the job;
+// 128+S when the launcher got SIGINT or SIGTERM (forwarded to mpirun, which
+// ends the ranks; SIGKILL after 10 s).
 // mpirun gets SIGTERM when the launcher dies however (PR_SET_PDEATHSIG), so a
 // killed launcher takes its ranks with it. Throws hspmd::Error when mpirun
-// cannot be started or options.nproc fails check_local_ranks.
+// cannot be started or options.nproc fails check_local_ranks (without a
+// hostfile) or check_hostfile_ranks (with one).
 int launch_ranks(const LaunchOptions& options);
 
-// `hspmd launch --nproc N [--timeout S] [--python PY] script.py [args]`:
-// launch_ranks running `PY script.py args` on N ranks, with PYTHONPATH
-// starting at the hspmd module's directory (build/python in a build tree).
+// `hspmd launch [--nproc N] [--hostfile F] [--timeout S] [--max-restarts K]
+// [--python PY] script.py [args]`: launch_ranks running `PY script.py args`
+// on N ranks (default: the hostfile's slots), with PYTHONPATH starting at
+// the hspmd module's directory (build/python in a build tree). A rank
+// killed by a signal restarts the script from its start, at most K times.
 int launch_command(const std::vector<std::string>& args);
 
 // Whether this rank prints its failure: under the launcher, only the first

@@ -214,9 +214,9 @@ void check_values(const FlagSet& f, const TrainOptions& o, int64_t nproc, double
   if (f.given("nproc") && (nproc < 1 || nproc > kMaxThreads))
     fail("[flags] --nproc must lie in [1, ", kMaxThreads, "], got ", nproc);
   if (!(timeout >= 0)) fail("[flags] --timeout must be >= 0 seconds, got ", timeout);
-  if (max_restarts < 0) fail("[flags] --max-restarts must be >= 0, got ", max_restarts);
-  if (f.given("max-restarts") && !f.given("nproc"))
-    fail("[flags] --max-restarts needs --nproc (the launcher restarts the ranks)");
+  check_max_restarts(max_restarts);
+  if (f.given("max-restarts") && !f.given("nproc") && !f.given("hostfile"))
+    fail("[flags] --max-restarts needs --nproc or --hostfile (the launcher restarts the ranks)");
   if (f.given("max-restarts") && (o.checkpoint_dir.empty() || o.save_every <= 0))
     fail("[flags] --max-restarts needs --checkpoint DIR with --save-every N (a restart resumes from the last "
          "checkpoint)");
@@ -244,22 +244,25 @@ void check_combinations(const FlagSet& f, bool distributed) {
   if (distributed && f.given("micro-batches"))
     fail("[flags] --micro-batches is not read under --strategy or --plan: each pipeline's \"micro_batches\" "
          "comes from the strategy");
-  if (f.given("timeout") && !f.given("nproc")) fail("[flags] --timeout needs --nproc (it is the launcher's watchdog)");
+  if (f.given("timeout") && !f.given("nproc") && !f.given("hostfile"))
+    fail("[flags] --timeout needs --nproc or --hostfile (it is the launcher's watchdog)");
 }
 
-// The ranks' flags: these without the launcher's own (--nproc, --timeout,
-// --max-restarts, --mps-percent), and --threads cores / N unless given.
+// The ranks' flags: these without the launcher's own (--nproc, --hostfile,
+// --timeout, --max-restarts, --mps-percent), and --threads cores / N unless
+// given (the test hosts share this machine's cores).
 std::vector<std::string> rank_args(const FlagSet& f, const std::vector<std::string>& args, int64_t nproc) {
+  static const char* const kLauncherFlags[] = {"--nproc", "--hostfile", "--timeout", "--max-restarts",
+                                               "--mps-percent"};
   std::vector<std::string> out;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--nproc" || args[i] == "--timeout" || args[i] == "--max-restarts" ||
-        args[i] == "--mps-percent") {
-      ++i;
-      continue;
+    bool own = false;
+    for (const char* flag : kLauncherFlags) {
+      if (args[i] == flag) own = true, ++i;
+      else if (args[i].rfind(std::string(flag) + "=", 0) == 0) own = true;
+      if (own) break;
     }
-    if (args[i].rfind("--nproc=", 0) != 0 && args[i].rfind("--timeout=", 0) != 0 &&
-        args[i].rfind("--max-restarts=", 0) != 0 && args[i].rfind("--mps-percent=", 0) != 0)
-      out.push_back(args[i]);
+    if (!own) out.push_back(args[i]);
   }
   if (!f.given("threads")) {
     const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
@@ -274,7 +277,7 @@ struct TrainFlags {
   TrainOptions o = default_train_options();
   bool quiet = false;
   int64_t nproc = 0, max_seq_len = 0;
-  std::string device = "cpu", mps_percent;
+  std::string device = "cpu", mps_percent, hostfile;
   CommChoice comm_choice;
   bool overlap = false, no_overlap = false;
   std::vector<std::string> switches, lost;
@@ -355,12 +358,15 @@ void add_command_line_flags(FlagSet& f, TrainFlags& t) {
   f.add_int("nproc", &t.nproc,
             "start this many local ranks through mpirun (with --strategy); without --threads, each rank gets "
             "max(1, cores / N) threads");
+  f.add_string("hostfile", &t.hostfile,
+               "run the ranks on these hosts through mpirun (Open MPI's hostfile: NAME slots=N a line; --nproc "
+               "at most the slots, default all of them; docs/multi_host.md)");
   f.add_double("timeout", &t.timeout,
-               "with --nproc: end the job when no step finishes or a rank stops responding for this many seconds "
-               "(setup and step 0: 3x, at least 120 s; default 300; 0 = off)");
+               "with --nproc or --hostfile: end the job when no step finishes or a rank stops responding for this "
+               "many seconds (setup and step 0: 3x, at least 120 s; default 300; 0 = off)");
   f.add_int("max-restarts", &t.max_restarts,
-            "with --nproc, --checkpoint and --save-every: when a rank dies (killed by a signal), restart the job "
-            "from the last checkpoint, at most this many times (default 0)");
+            "with --nproc or --hostfile, --checkpoint and --save-every: when a rank dies (killed by a signal), "
+            "restart the job from the last checkpoint, at most this many times (default 0)");
 }
 
 // The device first, before any work: a build without CUDA, no GPU, an
@@ -395,6 +401,7 @@ std::vector<int> mps_shares(const FlagSet& f, const TrainFlags& t, Device where)
   std::vector<int> mps_percents;
   if (f.given("mps-percent")) {
     if (!f.given("nproc")) fail("[flags] --mps-percent needs --nproc (the launcher runs the MPS daemon)");
+    if (f.given("hostfile")) fail("[flags] --mps-percent runs one machine's MPS daemon: not with --hostfile");
     mps_percents = parse_mps_percents(t.mps_percent, t.nproc, where);
   }
   return mps_percents;
@@ -429,11 +436,17 @@ void read_run_flags(const FlagSet& f, TrainFlags& t) {
 // --mps-percent) and wait for the job.
 int launch_local_ranks(const FlagSet& f, const std::vector<std::string>& args, const TrainFlags& t,
                        const std::vector<int>& mps_percents) {
-  std::vector<std::string> ranks = rank_args(f, args, t.nproc);
+  Hostfile hosts;
+  int64_t nproc = t.nproc;
+  if (f.given("hostfile")) {
+    hosts = read_hostfile(t.hostfile);
+    if (!f.given("nproc")) nproc = hosts.slots();
+  }
+  std::vector<std::string> ranks = rank_args(f, args, nproc);
   std::optional<MpsDaemon> mps;  // stopped when the job ends, however it ends
   if (!mps_percents.empty()) mps.emplace(mps_percents);
-  return launch_ranks(LaunchOptions{t.nproc, std::move(ranks), t.timeout, t.max_restarts, t.o.log_path,
-                                    t.o.checkpoint_dir, t.o.resume_dir, {}});
+  return launch_ranks(LaunchOptions{nproc, std::move(ranks), t.timeout, t.max_restarts, t.o.log_path,
+                                    t.o.checkpoint_dir, t.o.resume_dir, {}, std::move(hosts)});
 }
 
 // Training in this one process, without a strategy.
@@ -469,8 +482,8 @@ int train_command(const std::vector<std::string>& args) {
          "each rank would train alone and write the same files");
   }
   check_combinations(f, distributed);
-  if (f.given("nproc")) {
-    if (!distributed) fail("[flags] --nproc needs --strategy or --plan");
+  if (f.given("nproc") || f.given("hostfile")) {
+    if (!distributed) fail("[flags] --", f.given("nproc") ? "nproc" : "hostfile", " needs --strategy or --plan");
     return launch_local_ranks(f, args, t, mps_percents);
   }
   if (!distributed) return train_alone(t.o);

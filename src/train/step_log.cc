@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <set>
+
+#include <unistd.h>
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/options.h"
@@ -21,7 +24,23 @@ static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));
 
 int64_t ns(double s) { return static_cast<int64_t>(s * 1e9); }
 
+// How many distinct hosts (host names) the world's ranks run on; collective.
+int count_hosts(Communicator& world) {
+  constexpr int kWords = 8;  // names are compared by their first 64 bytes
+  int64_t mine[kWords] = {};
+  char name[sizeof(mine) + 1] = {};
+  gethostname(name, sizeof(mine));
+  std::memcpy(mine, name, sizeof(mine));
+  std::vector<int64_t> all(static_cast<size_t>(world.size()) * kWords);
+  world.all_gather(mine, all.data(), std::vector<int64_t>(world.size(), kWords));
+  std::set<std::vector<int64_t>> hosts;
+  for (size_t k = 0; k < all.size(); k += kWords) hosts.emplace(all.begin() + k, all.begin() + k + kWords);
+  return static_cast<int>(hosts.size());
+}
+
 }  // namespace
+
+StepMeter::StepMeter(Communicator& world) : world_(world), tcp_(tcp_traffic_to_other_hosts()) {}
 
 StepMetrics StepMeter::measure(const ExecGraph& graph, const VirtualClock* clock, int64_t extra_sent,
                                size_t activations, double grad_sync_s, int64_t overlapped) {
@@ -44,6 +63,11 @@ StepMetrics StepMeter::measure(const ExecGraph& graph, const VirtualClock* clock
   mine.sm_percent = sm_percent;
   const kernels::FusedAttentionReport attention = kernels::fused_attention_report();
   mine.attention_fallbacks = attention.fallbacks;
+  if (hosts_ == 0) hosts_ = count_hosts(world_);  // every rank measures each step: collective once
+  const TcpTraffic tcp = tcp_traffic_to_other_hosts();
+  mine.cross_host_sent = tcp.bytes - tcp_.bytes;
+  mine.cross_host_segments = tcp.segments - tcp_.segments;
+  tcp_ = tcp;
   if (attention.fallbacks > 0 && !warned_attention_fallback_) {  // once per rank: the step is far slower
     warned_attention_fallback_ = true;
     std::fprintf(stderr,
@@ -73,6 +97,10 @@ void StepMeter::fill(const StepMetrics& mine, const VirtualClock* clock, StepRec
     r.sm_percent.push_back(m.sm_percent);
     r.grad_sync_overlapped.push_back(m.grad_sync_overlapped);
     r.attention_fallbacks.push_back(m.attention_fallbacks);
+    if (hosts_ > 1) {
+      r.cross_host_bytes_sent.push_back(m.cross_host_sent);
+      r.cross_host_segments.push_back(m.cross_host_segments);
+    }
     end = std::max(end, m.clock_ns);
     if (!clock) continue;
     r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/tcp_traffic.h"
 #include "hspmd/comm/communicator.h"
 #include "hspmd/exec/exec_graph.h"
 #include "hspmd/exec/virtual_clock.h"
@@ -33,15 +34,23 @@ struct StepMetrics {
   int64_t sm_percent = 0;         // CUDA MPS: the rank's share of the GPU's SMs (0: none set)
   int64_t grad_sync_overlapped = 0;  // gradients handed to the communication thread during the backward
   int64_t attention_fallbacks = 0;   // attention calls cuDNN did not take so far (CUDA, bf16 products)
+  int64_t cross_host_sent = 0;       // TCP stream bytes to ranks on other hosts since the last record
+  int64_t cross_host_segments = 0;   // ... and the TCP segments that carried them (with acknowledgements)
 };
 
 // The step's measurements across ranks: this rank's metrics (with the
 // warning, once, when attention fell back from cuDNN), gathered into the
 // record; under emulation the step is the cluster's, from the last rank's
 // end to the last rank's end, and compute is each rank's since the last step.
+//
+// Across hosts (docs/multi_host.md): each record holds what every rank sent
+// to other hosts since the record before (the first: since the meter was
+// made, so it includes the setup's traffic), as its TCP sockets count it;
+// only when the world's ranks run on more than one host.
 class StepMeter {
  public:
-  explicit StepMeter(Communicator& world) : world_(world) {}
+  // Reads this process's TCP counters (no communication).
+  explicit StepMeter(Communicator& world);
   // This rank's metrics after the step: the communicator's and the graph's
   // counters, the clock, the allocator's peak; `activations` and the sync's
   // figures as the step measured them.
@@ -59,6 +68,8 @@ class StepMeter {
   bool warned_attention_fallback_ = false;  // the warning of a cuDNN attention fallback, once
   int64_t emulated_end_ = 0;                // ns, the previous step's end
   std::vector<int64_t> emulated_compute_;   // ns, per rank, up to the previous step
+  int hosts_ = 0;                           // distinct hosts of the world's ranks (0: not asked yet)
+  TcpTraffic tcp_;                          // this process's TCP counters at the last record
 };
 
 // --log: one JSON line per record, each stamped with the wall-clock time it

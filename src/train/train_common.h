@@ -154,6 +154,10 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["peak_memory_bytes"] = r.peak_memory_bytes;
     j["peak_activation_bytes"] = r.peak_activation_bytes;
     j["grad_sync_s"] = r.grad_sync_s;
+    if (!r.cross_host_bytes_sent.empty()) {
+      j["cross_host_bytes_sent"] = r.cross_host_bytes_sent;
+      j["cross_host_segments"] = r.cross_host_segments;
+    }
     if (std::any_of(r.grad_sync_overlapped.begin(), r.grad_sync_overlapped.end(), [](int64_t n) { return n > 0; }))
       j["grad_sync_overlapped"] = r.grad_sync_overlapped;
     if (std::any_of(r.sm_percent.begin(), r.sm_percent.end(), [](int64_t p) { return p > 0; }))

@@ -37,6 +37,10 @@ struct StepRecord {
   // ... and the part sent inside ops (ring attention, vocab-parallel loss),
   // measured and as the ops predict it (Op::traffic).
   std::vector<int64_t> op_bytes_sent, predicted_op_bytes;
+  // When the ranks run on several hosts, per rank: the TCP stream bytes sent
+  // to other hosts since the record before, and the segments carrying them
+  // (docs/multi_host.md); empty on one host.
+  std::vector<int64_t> cross_host_bytes_sent, cross_host_segments;
   // With --cluster: the EMULATED cluster's step time (virtual clocks) and each
   // rank's virtual compute seconds in the step; 0 / empty otherwise.
   std::vector<int64_t> peak_memory_bytes;  // per rank: peak bytes of tensors in the step
