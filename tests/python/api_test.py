@@ -73,7 +73,7 @@ def check_deduce():
 
 def check_models():
     tiny = json.load(open(MODEL))
-    assert hspmd.models.families() == ["hspmd_custom", "llama", "mistral", "qwen2"], hspmd.models.families()
+    assert hspmd.models.families() == ["hspmd_custom", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe"], hspmd.models.families()
     for family in hspmd.models.families():
         if family == "hspmd_custom":  # needs a program (tests/python/custom_model_test.py)
             raises(lambda: hspmd.models.from_hf(dict(tiny, model_type=family)),
@@ -84,7 +84,11 @@ def check_models():
         assert m.config.num_hidden_layers == 4
         names = [p[0] for p in m.parameters()]
         assert names[0] == "model.embed_tokens.weight" and "lm_head.weight" in names
-        assert any(n.endswith("q_proj.bias") for n in names) == (family == "qwen2"), family
+        assert any(n.endswith("q_proj.bias") for n in names) == family.startswith("qwen2"), family
+        # The mixture-of-experts families' defaults: 8 experts (Mixtral), 60 and a shared expert (Qwen2-MoE).
+        experts = {n.split(".experts.")[1].split(".")[0] for n in names if ".experts." in n}
+        assert len(experts) == {"mixtral": 8, "qwen2_moe": 60}.get(family, 0), (family, len(experts))
+        assert any("shared_expert_gate" in n for n in names) == (family == "qwen2_moe"), family
     m = hspmd.models.from_hf(MODEL)
     assert m.path == MODEL and m.to_dict()["hidden_size"] == 128
     raises(lambda: hspmd.models.from_hf(dict(tiny, model_type="gpt2")), "[config] config: model_type 'gpt2'")
