@@ -6,9 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <set>
-
-#include <unistd.h>
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/options.h"
@@ -24,23 +21,20 @@ static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));
 
 int64_t ns(double s) { return static_cast<int64_t>(s * 1e9); }
 
-// How many distinct hosts (host names) the world's ranks run on; collective.
-int count_hosts(Communicator& world) {
-  constexpr int kWords = 8;  // names are compared by their first 64 bytes
-  int64_t mine[kWords] = {};
-  char name[sizeof(mine) + 1] = {};
-  gethostname(name, sizeof(mine));
-  std::memcpy(mine, name, sizeof(mine));
-  std::vector<int64_t> all(static_cast<size_t>(world.size()) * kWords);
-  world.all_gather(mine, all.data(), std::vector<int64_t>(world.size(), kWords));
-  std::set<std::vector<int64_t>> hosts;
-  for (size_t k = 0; k < all.size(); k += kWords) hosts.emplace(all.begin() + k, all.begin() + k + kWords);
-  return static_cast<int>(hosts.size());
+// Whether this MPI job's ranks run on more than one host: Open MPI tells
+// each rank how many of the job's ranks share its host, fewer than all on
+// every host exactly when there are several (so every rank agrees).
+bool job_spans_hosts(const Communicator& world) {
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  return world.size() > 1 && local && size && std::atoi(local) < std::atoi(size);
 }
 
 }  // namespace
 
-StepMeter::StepMeter(Communicator& world) : world_(world), tcp_(tcp_traffic_to_other_hosts()) {}
+StepMeter::StepMeter(Communicator& world) : world_(world), spans_hosts_(job_spans_hosts(world)) {
+  if (spans_hosts_) tcp_ = tcp_traffic_to_other_hosts();
+}
 
 StepMetrics StepMeter::measure(const ExecGraph& graph, const VirtualClock* clock, int64_t extra_sent,
                                size_t activations, double grad_sync_s, int64_t overlapped) {
@@ -63,11 +57,6 @@ StepMetrics StepMeter::measure(const ExecGraph& graph, const VirtualClock* clock
   mine.sm_percent = sm_percent;
   const kernels::FusedAttentionReport attention = kernels::fused_attention_report();
   mine.attention_fallbacks = attention.fallbacks;
-  if (hosts_ == 0) hosts_ = count_hosts(world_);  // every rank measures each step: collective once
-  const TcpTraffic tcp = tcp_traffic_to_other_hosts();
-  mine.cross_host_sent = tcp.bytes - tcp_.bytes;
-  mine.cross_host_segments = tcp.segments - tcp_.segments;
-  tcp_ = tcp;
   if (attention.fallbacks > 0 && !warned_attention_fallback_) {  // once per rank: the step is far slower
     warned_attention_fallback_ = true;
     std::fprintf(stderr,
@@ -97,18 +86,27 @@ void StepMeter::fill(const StepMetrics& mine, const VirtualClock* clock, StepRec
     r.sm_percent.push_back(m.sm_percent);
     r.grad_sync_overlapped.push_back(m.grad_sync_overlapped);
     r.attention_fallbacks.push_back(m.attention_fallbacks);
-    if (hosts_ > 1) {
-      r.cross_host_bytes_sent.push_back(m.cross_host_sent);
-      r.cross_host_segments.push_back(m.cross_host_segments);
-    }
     end = std::max(end, m.clock_ns);
     if (!clock) continue;
     r.emulated_compute_s.push_back((m.compute_ns - emulated_compute_[k]) * 1e-9);
     emulated_compute_[k] = m.compute_ns;
   }
+  if (spans_hosts_) fill_cross_host(r);
   if (!clock) return;
   r.emulated_step_time_s = (end - emulated_end_) * 1e-9;
   emulated_end_ = end;
+}
+
+void StepMeter::fill_cross_host(StepRecord& r) {
+  const TcpTraffic now = tcp_traffic_to_other_hosts();
+  const int64_t mine[2] = {now.bytes - tcp_.bytes, now.segments - tcp_.segments};
+  tcp_ = now;
+  std::vector<int64_t> all(2 * static_cast<size_t>(world_.size()));
+  world_.all_gather(mine, all.data(), std::vector<int64_t>(world_.size(), 2));
+  for (size_t k = 0; k < all.size(); k += 2) {
+    r.cross_host_bytes_sent.push_back(all[k]);
+    r.cross_host_segments.push_back(all[k + 1]);
+  }
 }
 
 void StepLog::open(const std::string& path, int rank, bool append) {

@@ -34,8 +34,6 @@ struct StepMetrics {
   int64_t sm_percent = 0;         // CUDA MPS: the rank's share of the GPU's SMs (0: none set)
   int64_t grad_sync_overlapped = 0;  // gradients handed to the communication thread during the backward
   int64_t attention_fallbacks = 0;   // attention calls cuDNN did not take so far (CUDA, bf16 products)
-  int64_t cross_host_sent = 0;       // TCP stream bytes to ranks on other hosts since the last record
-  int64_t cross_host_segments = 0;   // ... and the TCP segments that carried them (with acknowledgements)
 };
 
 // The step's measurements across ranks: this rank's metrics (with the
@@ -43,13 +41,16 @@ struct StepMetrics {
 // record; under emulation the step is the cluster's, from the last rank's
 // end to the last rank's end, and compute is each rank's since the last step.
 //
-// Across hosts (docs/multi_host.md): each record holds what every rank sent
-// to other hosts since the record before (the first: since the meter was
-// made, so it includes the setup's traffic), as its TCP sockets count it;
-// only when the world's ranks run on more than one host.
+// Across hosts (docs/multi_host.md): when the job's ranks run on more than
+// one host (Open MPI's local size below its world size), each record also
+// holds what every rank sent to other hosts since the record before (the
+// first: since the meter was made, so it includes the setup's traffic), as
+// its TCP sockets count it, gathered in one more all-gather. On one host
+// nothing of it runs.
 class StepMeter {
  public:
-  // Reads this process's TCP counters (no communication).
+  // Reads this process's TCP counters when the job spans hosts (no
+  // communication).
   explicit StepMeter(Communicator& world);
   // This rank's metrics after the step: the communicator's and the graph's
   // counters, the clock, the allocator's peak; `activations` and the sync's
@@ -64,11 +65,15 @@ class StepMeter {
   void set_emulated_end(int64_t ns) { emulated_end_ = ns; }
 
  private:
+  // Collective: every rank's TCP bytes and segments to other hosts since the
+  // last record into `r` (read after the step's own metrics were gathered).
+  void fill_cross_host(StepRecord& r);
+
   Communicator& world_;
   bool warned_attention_fallback_ = false;  // the warning of a cuDNN attention fallback, once
   int64_t emulated_end_ = 0;                // ns, the previous step's end
   std::vector<int64_t> emulated_compute_;   // ns, per rank, up to the previous step
-  int hosts_ = 0;                           // distinct hosts of the world's ranks (0: not asked yet)
+  bool spans_hosts_ = false;                // the job's ranks run on more than one host
   TcpTraffic tcp_;                          // this process's TCP counters at the last record
 };
 

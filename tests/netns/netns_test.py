@@ -117,8 +117,10 @@ def records(path):
 
 
 class Cluster:
-    def __init__(self, args, tmp):
+    def __init__(self, args, tmp, netem):
         self.script, self.hspmd, self.tmp = args.script, args.hspmd, tmp
+        # Host 2's link slower; host 1's delayed where the kernel has netem.
+        self.shape = {0: ("1gbit", "0"), 1: ("1gbit", "1ms" if netem else "0"), 2: ("200mbit", "0")}
         self.dir = os.path.join(tmp, "netns")
         self.env = {**os.environ, "HSPMD_NETNS_DIR": self.dir}
 
@@ -126,7 +128,10 @@ class Cluster:
         return sh([self.script] + cmd, check=check, env=self.env)
 
     def up(self):
-        self.run(["up", str(HOSTS), "--slots", "3"])
+        shape = os.path.join(self.tmp, "shape.conf")
+        with open(shape, "w") as f:
+            f.write("# host rate delay\n* 1gbit 0\n" + "".join(f"{k} {r} {d}\n" for k, (r, d) in self.shape.items()))
+        self.run(["up", str(HOSTS), "--slots", "3", "--shape", shape])
         for line in open(os.path.join(self.dir, "env")):
             if line.startswith("export "):
                 key, value = line[len("export "):].strip().split("=", 1)
@@ -145,7 +150,14 @@ def check_hosts(c):
         unreachable = sh(["ip", "netns", "exec", f"hspmd-h{k}", "ip", "route", "get", "1.1.1.1"], check=False)
         if unreachable.returncode == 0:
             raise Failed(f"host {k} has a route out: {unreachable.stdout}")
-    print(f"ok   {HOSTS} hosts: own names and addresses, no route out of the bridge's subnet")
+        rate, delay = c.shape[k]
+        shown = (sh(["ip", "netns", "exec", f"hspmd-h{k}", "tc", "qdisc", "show", "dev", "hnet0"]).stdout +
+                 sh(["tc", "qdisc", "show", "dev", f"hspmd-v{k}"]).stdout).lower()
+        want = rate.replace("bit", "") + "bit"
+        if shown.count(f"rate {want}") != 2 or (delay != "0" and shown.count(f"delay {delay}") != 2):
+            raise Failed(f"host {k}: expected rate {rate} and delay {delay} both ways, tc shows:\n{shown}")
+    print(f"ok   {HOSTS} hosts: own names and addresses, no route out of the bridge's subnet, links shaped "
+          f"({', '.join(f'{r} {d}' for r, d in c.shape.values())})")
 
 
 def train_cmd(c, tmp, steps, extra):
@@ -333,18 +345,32 @@ def write_inputs(tmp):
         json.dump(plan, open(os.path.join(tmp, name + ".json"), "w"))
 
 
-def can_make_namespaces():
+def can_make_namespaces(tmp):
+    """"" when this machine can make test hosts, else why not; and whether
+    its kernel has netem (a link delay)."""
     if os.geteuid() != 0:
-        return "not root"
-    for tool in ("ip", "tc", "nsenter", "unshare"):
+        return "not root", False
+    for tool in ("ip", "tc", "nsenter", "unshare", "hostname"):
         if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode:
-            return f"{tool} is not installed (scripts/install_deps.sh)"
-    probe = f"hspmd-probe-{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode:
-        return "cannot make a network namespace: " + r.stderr.strip()
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ""
+            return f"{tool} is not installed (scripts/install_deps.sh)", False
+    probe, uts = f"hspmdp{os.getpid() % 100000}", os.path.join(tmp, "probe.uts")
+    open(uts, "w").close()
+    steps = [(["ip", "netns", "add", probe], "a network namespace"),
+             (["ip", "link", "add", probe, "type", "bridge"], "a bridge"),
+             (["ip", "link", "add", probe + "a", "type", "veth", "peer", "name", probe + "b"], "a veth pair"),
+             (["unshare", f"--uts={uts}", "true"], "a UTS namespace kept by a bind mount")]
+    why = ""
+    for cmd, what in steps:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            why = f"cannot make {what}: {r.stderr.strip()}"
+            break
+    netem = not why and subprocess.run(["tc", "qdisc", "add", "dev", probe + "a", "root", "netem", "delay", "1ms"],
+                                       capture_output=True).returncode == 0
+    subprocess.run(["umount", uts], capture_output=True)
+    for cmd in (["ip", "link", "del", probe + "a"], ["ip", "link", "del", probe], ["ip", "netns", "del", probe]):
+        subprocess.run(cmd, capture_output=True)
+    return why, netem
 
 
 def main():
@@ -352,13 +378,14 @@ def main():
     ap.add_argument("--hspmd", required=True)
     ap.add_argument("--script", required=True, help="scripts/netns_cluster.sh")
     args = ap.parse_args()
-    why = can_make_namespaces()
+    tmp = tempfile.mkdtemp(prefix="hspmd_netns_")
+    why, netem = can_make_namespaces(tmp)
     if why:
+        shutil.rmtree(tmp, ignore_errors=True)
         print(f"SKIP: this machine cannot make test hosts: {why}")
         return 77
-    tmp = tempfile.mkdtemp(prefix="hspmd_netns_")
     write_inputs(tmp)
-    c = Cluster(args, tmp)
+    c = Cluster(args, tmp, netem)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still runs `down` below
     c.down()  # a cluster a killed run left behind
     t0 = time.time()
