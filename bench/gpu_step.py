@@ -13,8 +13,9 @@ one process after the other:
 with the same random tokens (a uint32 token file, sample i = tokens[i*S :
 i*S+S+1], step k takes samples k*B .. k*B+B-1), the same AdamW settings
 (lr 3e-4, betas 0.9/0.95, eps 1e-8, no weight decay) and a fresh random
-initialization each. Per system: the median step time over the timed steps
-(after --warmup untimed ones), tokens/s, MFU, peak GPU memory and the first
+initialization each. Per system: the step time (the wall time of the timed
+steps, after --warmup untimed ones, between two device synchronisations,
+divided by their number), tokens/s, MFU, peak GPU memory and the first
 step's loss; then hspmd over compiled. Output: a table on stdout and a JSON
 file (--json).
 
@@ -26,11 +27,17 @@ file (--json).
   for a GPU whose name says H100 or H200, else --peak-tflops (without it
   MFU is left out).
 
-Step times are wall-clock: hspmd's `step_time_s` (from the step's start to
-its record: the loss and gradient norm are read back, so the device has
-finished the backward; the optimizer's kernels may end in the next step's
-time); PyTorch's from torch.cuda.synchronize() to torch.cuda.synchronize()
-around forward, backward, optimizer step and zero_grad. Peak memory: hspmd's
+Every system is timed the same way: the wall time of the --steps timed steps
+between two points where the host has waited for the device, divided by
+--steps (--warmup is at least 1, so the first point follows a step). PyTorch:
+torch.cuda.synchronize() after the last warm-up step and after the last timed
+one, nothing read back in between (the losses stay on the device until the
+end). hspmd: the `unix_time` stamps of its --log records of the last warm-up
+step and of the last timed step; each record is written after the step has
+read its gradient norm back (a host wait for the device) and launched the
+optimizer, so the span holds --steps whole steps of device work (shifted by
+the optimizer's kernels, the same at both ends). Each record's own
+`step_time_s` is kept in the JSON (`record_step_times_s`) for reference. Peak memory: hspmd's
 `peak_memory_bytes` (its device allocator's peak bytes in use during a step:
 the state, activations, gradients; not the CUDA context, cuBLAS / cuDNN
 workspaces of their own, nor cached free blocks); PyTorch's
@@ -79,7 +86,6 @@ import math
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -303,23 +309,25 @@ def torch_worker(a):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    times, losses = [], []
-    for k in range(a.warmup + a.steps):
-        ids, targets = batch(k)
-        if k == a.warmup and dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        sync()
-        t0 = time.perf_counter()
+    def train(ids, targets):
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = step_fn(ids, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
-        if k >= a.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-    result.update(status="PASS", step_times_s=times, losses=losses,
+        return loss.detach()
+
+    losses = [float(train(*batch(k))) for k in range(a.warmup)]
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    batches = [batch(k) for k in range(a.warmup, a.warmup + a.steps)]  # on the device before the clock starts
+    sync()
+    t0 = time.perf_counter()
+    timed = [train(*b) for b in batches]  # no host read in between
+    sync()
+    span = time.perf_counter() - t0
+    losses += [float(v) for v in timed]
+    result.update(status="PASS", span_s=span, timed_steps=a.steps, losses=losses,
                   attention=attention,
                   optimizer="AdamW fused" if fused else "AdamW")
     if dev.type == "cuda":
@@ -515,7 +523,14 @@ def run_hspmd(a, cfg_path, data, tmp, device):
     if len(timed) != a.steps or len(recs) != a.warmup + a.steps + 1:
         row.update(status="FAIL", reason=f"{len(recs)} step records, expected {a.warmup + a.steps + 1}")
         return row
-    row.update(status="PASS", step_times_s=[r["step_time_s"] for r in timed],
+    # The span: from the last warm-up step's record to the last timed one's
+    # (both written after a host wait for the device; see the module's doc).
+    first, last = recs[a.warmup - 1], timed[-1]
+    if "unix_time" not in first or "unix_time" not in last or last["unix_time"] <= first["unix_time"]:
+        row.update(status="FAIL", reason="the step records lack increasing unix_time stamps")
+        return row
+    row.update(status="PASS", span_s=last["unix_time"] - first["unix_time"], timed_steps=a.steps,
+               record_step_times_s=[r["step_time_s"] for r in timed],
                losses=[r["loss"] for r in recs[:a.warmup + a.steps]], tokens_per_step=timed[0]["tokens"])
     if os.path.exists(op_times):
         row["op_times"] = json.load(open(op_times))
@@ -762,15 +777,19 @@ def print_loss_check(lc, a):
 
 
 def summarize(row, cfg, a, peak_tflops):
-    """Adds median step time, tokens/s, MFU to a measured row."""
+    """Adds the step time (the timed span over its steps), tokens/s, MFU to a
+    measured row."""
     if row.get("status") != "PASS":
         return row
     tokens = a.seq * a.mb
     if row.get("tokens_per_step", tokens) != tokens:
         row.update(status="FAIL", reason=f"{row['tokens_per_step']} tokens per step, expected {tokens}")
         return row
-    step = statistics.median(row["step_times_s"])
-    row["step_time_s_median"] = step
+    if row.get("timed_steps") != a.steps or not row.get("span_s", 0) > 0:
+        row.update(status="FAIL", reason=f"no timed span of {a.steps} steps")
+        return row
+    step = row["span_s"] / a.steps
+    row["step_time_s"] = step
     row["tokens_per_s"] = tokens / step
     row["mfu"] = row["tokens_per_s"] * flops_per_token(cfg, a.seq) / (peak_tflops * 1e12) if peak_tflops else None
     return row
@@ -815,14 +834,19 @@ def print_table(rows, report):
           f"{'loss0':>7s}")
     for r in rows:
         mem = r.get("peak_memory_bytes")
-        print(f"{r['system']:9s} {r['status']:8s} {fmt(r.get('step_time_s_median') and 1e3 * r['step_time_s_median'], '9.1f'):>9s} "
+        print(f"{r['system']:9s} {r['status']:8s} {fmt(r.get('step_time_s') and 1e3 * r['step_time_s'], '9.1f'):>9s} "
               f"{fmt(r.get('tokens_per_s'), '10.0f'):>10s} {fmt(r.get('mfu') and 100 * r['mfu'], '6.1f'):>6s} "
               f"{fmt(mem and mem / 2**30, '9.2f'):>9s} {fmt((r.get('losses') or [None])[0], '7.3f'):>7s}"
               f"{'  ' + r['reason'] if r.get('reason') else ''}")
-    for r in rows:  # one machine-readable line per system, as the GPU probes print (docs/gpu.md)
+    # One machine-readable line per system, as the GPU probes print
+    # (docs/gpu.md); tflops= (the model's FLOP/s achieved) marks it as a
+    # measurement for gpu_check.sh's summary.
+    for r in rows:
         mem = r.get("peak_memory_bytes")
-        fields = (f" median_ms={1e3 * r['step_time_s_median']:.2f} tokens_per_s={r['tokens_per_s']:.0f}"
+        fields = (f" step_ms={1e3 * r['step_time_s']:.2f} tokens_per_s={r['tokens_per_s']:.0f}"
+                  f" tflops={r['tokens_per_s'] * report['gflop_per_token'] / 1e3:.1f}"
                   f" mfu_pct={fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} peak_gib={fmt(mem and mem / 2**30, '.2f')}"
+                  f" timing=span_of_{r['timed_steps']}_steps"
                   if r["status"] == "PASS" else f" reason=\"{r.get('reason', '')[:120]}\"")
         print(f"RESULT probe=gpu_step case={r['system']}{fields} status={r['status']}")
     for r in rows:
@@ -860,9 +884,9 @@ def smoke_checks(rows, report, a):
         if r.get("status") != "PASS":
             bad.append(f"{name}: status {r.get('status')} {r.get('reason', '')}")
             continue
-        if len(r["step_times_s"]) != a.steps or not all(t > 0 for t in r["step_times_s"]):
-            bad.append(f"{name}: step times {r['step_times_s']}")
-        if abs(r["tokens_per_s"] * r["step_time_s_median"] - a.seq * a.mb) > 1e-6 * a.seq * a.mb:
+        if r.get("timed_steps") != a.steps or not r.get("span_s", 0) > 0:
+            bad.append(f"{name}: timed span {r.get('span_s')} over {r.get('timed_steps')} steps")
+        if abs(r["tokens_per_s"] * r["step_time_s"] - a.seq * a.mb) > 1e-6 * a.seq * a.mb:
             bad.append(f"{name}: tokens/s inconsistent with the step time")
         if not (r["mfu"] and r["mfu"] > 0):
             bad.append(f"{name}: no MFU")
@@ -912,7 +936,7 @@ def main():
     ap.add_argument("--hidden", type=int, help="override hidden_size (heads and FFN follow)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     ap.add_argument("--mb", type=int, default=4, help="micro-batch = global batch (default 4)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first, at least 1 (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of hspmd,eager,compiled")
@@ -956,8 +980,8 @@ def main():
     systems = [s for s in a.systems.split(",") if s]
     if any(s not in SYSTEMS for s in systems) or not systems:
         ap.error(f"--systems {a.systems}: expected a comma list of {','.join(SYSTEMS)}")
-    if min(a.seq, a.mb, a.steps) < 1 or a.warmup < 0:
-        ap.error("--seq, --mb and --steps must be positive, --warmup not negative")
+    if min(a.seq, a.mb, a.steps, a.warmup) < 1:
+        ap.error("--seq, --mb, --steps and --warmup must be positive (the timed span starts after a warm-up step)")
     if min(a.loss_steps, a.loss_mb, a.loss_seq or 1, a.loss_break) < 1 or (a.loss_layers or 1) < 1 or \
             a.loss_warmup < 0 or a.loss_multiple <= 0 or a.loss_floor < 0:
         ap.error("--loss-steps, --loss-mb, --loss-seq, --loss-layers, --loss-break and --loss-multiple must be "
@@ -1043,7 +1067,7 @@ def main():
         h, c = by["hspmd"], by["compiled"]
         if h.get("status") == "PASS" and c.get("status") == "PASS":
             report["hspmd_over_compiled"] = {
-                "step_time": h["step_time_s_median"] / c["step_time_s_median"],
+                "step_time": h["step_time_s"] / c["step_time_s"],
                 "tokens_per_s": h["tokens_per_s"] / c["tokens_per_s"],
                 "peak_memory": (h["peak_memory_bytes"] / c["peak_memory_bytes"]
                                 if h.get("peak_memory_bytes") and c.get("peak_memory_bytes") else None)}
