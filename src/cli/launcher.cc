@@ -218,10 +218,17 @@ class StderrRelay {
   std::thread thread_;
 };
 
+// "rank R", and " on host H" under a hostfile (the host its slot is on).
+std::string rank_label(int64_t rank, const Hostfile& hostfile) {
+  std::string name = "rank " + std::to_string(rank);
+  if (!hostfile.hosts.empty() && rank >= 0 && rank < hostfile.slots()) name += " on host " + hostfile.host_of(rank);
+  return name;
+}
+
 // Why the job is stuck, or "" while it makes progress: a rank whose watcher
 // thread stopped ticking (stopped by SIGSTOP, frozen), or no step finished
 // within the allowance (3 x timeout, at least 120 s, for setup and step 0).
-std::string stalled(const JobDir& job, int64_t start_ns, double timeout_s) {
+std::string stalled(const JobDir& job, int64_t start_ns, double timeout_s, const Hostfile& hostfile) {
   const int64_t now = now_ns(), limit = static_cast<int64_t>(timeout_s * 1e9);
   int64_t latest = 0, fewest = INT64_MAX;
   int slowest = 0;
@@ -229,7 +236,7 @@ std::string stalled(const JobDir& job, int64_t start_ns, double timeout_s) {
     const Slot& s = job.slot(r);
     const int64_t alive = s.alive_ns.load();
     if (alive != 0 && now - alive > limit)
-      return "rank " + std::to_string(r) + " (pid " + std::to_string(s.pid.load()) + ") stopped responding: no " +
+      return rank_label(r, hostfile) + " (pid " + std::to_string(s.pid.load()) + ") stopped responding: no " +
              "heartbeat for " + std::to_string(static_cast<int>((now - alive) / 1000000000)) +
              " s (stopped, e.g. by SIGSTOP, or frozen)";
     latest = std::max(latest, s.step_ns.load());
@@ -240,9 +247,9 @@ std::string stalled(const JobDir& job, int64_t start_ns, double timeout_s) {
   if (since <= allowance) return "";
   const int64_t secs = since / 1000000000;
   if (job.slot(slowest).alive_ns.load() == 0)
-    return "rank " + std::to_string(slowest) + " did not start within " + std::to_string(secs) + " s";
+    return rank_label(slowest, hostfile) + " did not start within " + std::to_string(secs) + " s";
   return "no step finished for " + std::to_string(secs) + " s (--timeout " + std::to_string(timeout_s) +
-         "); rank " + std::to_string(slowest) + " is the furthest behind, in step " + std::to_string(fewest);
+         "); " + rank_label(slowest, hostfile) + " is the furthest behind, in step " + std::to_string(fewest);
 }
 
 void kill_ranks(const JobDir& job, int sig) {
@@ -331,11 +338,8 @@ pid_t spawn_mpirun(const LaunchOptions& o, const std::vector<std::string>& args,
 // "rank R", and " on host H" when the job runs on hosts of a hostfile (the
 // host Open MPI named, else the one the slots give).
 std::string rank_name(const RankFailure& f, const Hostfile& hostfile) {
-  std::string name = "rank " + std::to_string(f.rank);
-  if (hostfile.hosts.empty()) return name;
-  if (!f.node.empty()) return name + " on host " + f.node;
-  if (f.rank < hostfile.slots()) return name + " on host " + hostfile.host_of(f.rank);
-  return name;
+  if (!hostfile.hosts.empty() && !f.node.empty()) return "rank " + std::to_string(f.rank) + " on host " + f.node;
+  return rank_label(f.rank, hostfile);
 }
 
 std::string describe(const RankFailure& f, int status, const Hostfile& hostfile) {
@@ -481,7 +485,7 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
     }
     if (o.timeout_s > 0 && kill_at == 0 && now >= next_check) {
       next_check = now + 250000000;
-      if (const std::string why = stalled(job, start, o.timeout_s); !why.empty()) {
+      if (const std::string why = stalled(job, start, o.timeout_s, o.hostfile); !why.empty()) {
         std::fprintf(stderr, "hspmd: error: [watchdog] %s; ending the job\n", why.c_str());
         end.watchdog = true;
         kill(pid, SIGTERM);

@@ -12,7 +12,8 @@ mpirun and the clusters's rsh agent:
   same job one step long (launch, wire-up, setup, teardown) and the
   interfaces' idle traffic;
 * the launcher's guarantees across hosts: a rank killed on host hspmd-h1 is
-  named with its host in one line (exit 1), `--max-restarts` restarts it
+  named with its host in one line (exit 1), so is one stopped (SIGSTOP)
+  under the watchdog (`--timeout 3`), `--max-restarts` restarts it
   (train from the checkpoint; launch from the script's start), too many ranks
   for the slots is a one-line error, and no process is left on any host;
 * `up` that fails half way removes what it made, and `down` leaves no
@@ -236,13 +237,13 @@ def rank_pid_on(k, word):
     return None
 
 
-def kill_rank_when(c, proc, k, word, ready, deadline_s=60):
-    """SIGKILL a rank on host k once ready() holds; returns its pid."""
+def kill_rank_when(c, proc, k, word, ready, deadline_s=60, sig=signal.SIGKILL):
+    """Sends `sig` to a rank on host k once ready() holds; returns its pid."""
     end = time.time() + deadline_s
     while time.time() < end and proc.poll() is None:
         pid = rank_pid_on(k, word)
         if pid and ready():
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             return pid
         time.sleep(0.05)
     raise Failed(f"no rank on host hspmd-h{k} to kill (job exited {proc.poll()})")
@@ -267,6 +268,22 @@ def check_kill(c, tmp):
         raise Failed(f"a rank killed on hspmd-h1: exit {proc.returncode}, stderr:\n{err}")
     no_process_left("a killed rank")
     print(f"ok   {lines[0]} (exit 1, nothing left on the hosts)")
+
+
+def check_watchdog(c, tmp):
+    log = os.path.join(tmp, "stop.jsonl")
+    cmd = train_cmd(c, tmp, 100000, ["--strategy", os.path.join(tmp, "pp_tp_cp.json"), "--hostfile", c.hostfile,
+                                     "--log", log, "--timeout", "3"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=c.env)
+    pid = kill_rank_when(c, proc, 1, "train", lambda: os.path.exists(log) and os.path.getsize(log) > 0,
+                         sig=signal.SIGSTOP)
+    _, err = proc.communicate(timeout=60)
+    lines = [l for l in err.splitlines() if "error" in l]
+    if proc.returncode != 1 or len(lines) != 1 or "[watchdog] rank" not in lines[0] or \
+            f"on host hspmd-h1 (pid {pid}) stopped responding" not in lines[0]:
+        raise Failed(f"a rank stopped on hspmd-h1 under --timeout 3: exit {proc.returncode}, stderr:\n{err}")
+    no_process_left("a stopped rank")
+    print(f"ok   {lines[0]} (exit 1, nothing left)")
 
 
 def check_restart(c, tmp):
@@ -397,6 +414,7 @@ def main():
         check_plans(c, tmp)
         check_wire(c, tmp)
         check_kill(c, tmp)
+        check_watchdog(c, tmp)
         check_restart(c, tmp)
         check_launch(c, tmp)
         sleeper = subprocess.Popen(["ip", "netns", "exec", "hspmd-h1", "sleep", "600"])
