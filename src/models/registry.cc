@@ -41,6 +41,20 @@ double ModelFamily::activation_bytes_per_token(const ModelConfig& c, double elem
   return ((8 * h + 4 * kv + 4 * f) * element_bytes + heads * 4.0) / (tp * cp);
 }
 
+ModelFamily::LayerCompute ModelFamily::layer_compute(const ModelConfig& c) const {
+  LayerCompute out;
+  if (c.num_hidden_layers <= 0) return out;
+  for (const ModelParameter& p : parameters(c)) {
+    if (p.part != ModelPart::kBlock || (p.role != ParamRole::kColumnParallel && p.role != ParamRole::kRowParallel))
+      continue;
+    double n = 1;
+    for (int64_t d : p.shape) n *= static_cast<double>(d);
+    out.tp_split += n;
+  }
+  out.tp_split /= static_cast<double>(c.num_hidden_layers);
+  return out;
+}
+
 const ModelFamily* find_model_family(const std::string& model_type) {
   const auto it = families().find(model_type);
   return it == families().end() ? nullptr : it->second;

@@ -47,13 +47,14 @@ CostModel::CostModel(ModelConfig model, Topology topology,
   };
   for (const auto& [type, p] : profiles_) check(*p, "device type " + type);
   if (fallback_) check(*fallback_, option_name("profile"));
+  // A block's parameters: the average over the layers (a mixture of
+  // experts may mix dense and sparse layers).
+  int64_t block_params = 0, block_tp_params = 0;
   for (const ModelParameter& p : model_parameters(model_)) {
     const int64_t n = shape_numel(p.shape);
     if (p.part == ModelPart::kBlock) {
-      if (p.layer == 0) {
-        layer_params_ += n;
-        if (tp_split(p.role)) layer_tp_params_ += n;
-      }
+      block_params += n;
+      if (tp_split(p.role)) block_tp_params += n;
     } else if (p.role == ParamRole::kVocabulary && p.part == ModelPart::kEmbedding) {
       embed_params_ += n;
     } else if (tp_split(p.role)) {
@@ -62,6 +63,10 @@ CostModel::CostModel(ModelConfig model, Topology topology,
       head_rep_params_ += n;  // the final norm
     }
   }
+  const int64_t layers = std::max<int64_t>(1, model_.num_hidden_layers);
+  layer_params_ = block_params / layers;
+  layer_tp_params_ = block_tp_params / layers;
+  layer_compute_ = model_family(model_.model_type).layer_compute(model_);
 }
 
 CostModel CostModel::load(const ModelConfig& model, const Topology& topology, const std::string& profile_path) {
@@ -141,7 +146,10 @@ double CostModel::roofline_seconds(int rank, const std::string& part, int tp, in
   // The matmuls, then QK^T and PV over the (query, key) pairs the family's
   // causal attention keeps (s^2 / 2 without a window), split over tp x cp x cp.
   const double pairs = model_family(model_.model_type).attention_pairs(model_, static_cast<double>(s));
-  const double fwd_block = 2.0 * tokens * static_cast<double>(layer_tp_params_) +
+  // Parameters TP divides act on the rank's 1 / (tp x cp) of the tokens, the
+  // replicated experts on its 1 / cp (every tp rank routes the same tokens).
+  const double fwd_block = 2.0 * tokens * layer_compute_.tp_split +
+                           2.0 * static_cast<double>(b) * static_cast<double>(s) / cp * layer_compute_.whole +
                            4.0 * static_cast<double>(b) * pairs * h / (tp * cp * cp);
   const double fwd_head = 2.0 * tokens * static_cast<double>(model_.table_rows()) * h;
   const double embed_bytes = tokens * h * kBytes * 2;

@@ -558,5 +558,35 @@ TEST(CostModel, EmulatedRanksNeedAProfile) {
   EXPECT_FALSE(Topology::from_json(topo(nlohmann::json::object()).to_json()).rank(5).emulated);
 }
 
+// A mixture of experts' roofline (docs/moe.md): the experts a token goes to
+// (its top k of E, not all E) and the router, whole on every tp rank (the
+// experts are replicated over tp), beside the attention that tp divides.
+TEST(CostModel, RooflinePricesTheTopKExpertsWholeOnEveryTpRank) {
+  const ModelConfig dense = model8();
+  ModelConfig moe = dense;
+  moe.model_type = "mixtral";
+  moe.moe.num_experts = 4;
+  moe.moe.top_k = 2;
+  moe.moe.expert_intermediate_size = dense.intermediate_size;
+  const double h = 32, f = 64, attention = 4 * h * h;  // q, k, v, o at 4 heads of 8, no GQA
+  const ModelFamily::LayerCompute lc = model_family("mixtral").layer_compute(moe);
+  EXPECT_DOUBLE_EQ(lc.tp_split, attention);
+  EXPECT_DOUBLE_EQ(lc.whole, 4 * h + 2 * 3 * h * f);  // the router, then 2 experts of 3 matmuls
+  EXPECT_DOUBLE_EQ(model_family("llama").layer_compute(dense).tp_split, attention + 3 * h * f);
+  const Topology t = cluster(4);
+  const CostModel d(dense, t, {}, nullptr), m(moe, t, {}, nullptr);
+  const int64_t s = 16, b = 2;
+  const double pairs = s * s / 2.0;
+  // The device's rate from the dense model's time at tp 1.
+  const double rate = (2.0 * b * s * (attention + 3 * h * f) + 4.0 * b * pairs * h) /
+                      d.part_seconds(0, "block_fwd", 1, 1, s, b);
+  for (int tp : {1, 2, 4}) {
+    const double want = (2.0 * b * s / tp * attention + 2.0 * b * s * lc.whole + 4.0 * b * pairs * h / tp) / rate;
+    EXPECT_NEAR(m.part_seconds(0, "block_fwd", tp, 1, s, b), want, 1e-9 * want) << "tp " << tp;
+  }
+  // Memory and gradient sync count every expert: 4 of them where one token uses 2.
+  EXPECT_EQ(m.layer_params() - d.layer_params(), static_cast<int64_t>(4 * h + 4 * 3 * h * f - 3 * h * f));
+}
+
 }  // namespace
 }  // namespace hspmd

@@ -195,6 +195,16 @@ class ModelFamily {
   // pre-norm decoder's (flash-style attention: no S x S probabilities).
   virtual double activation_bytes_per_token(const ModelConfig& c, double element_bytes, int tp, int cp,
                                             bool recompute) const;
+  // The parameters one token's forward multiplies by in a block's matmuls,
+  // averaged over the layers (the roofline's FLOPs are 2 per parameter per
+  // token): those tensor parallelism divides among a stage's tp ranks, and
+  // those every tp rank multiplies by whole (a mixture of experts' router
+  // and its top-k experts, replicated over tp; docs/moe.md). The default
+  // counts the blocks' tensor-parallel parameters, and none whole.
+  struct LayerCompute {
+    double tp_split = 0, whole = 0;
+  };
+  virtual LayerCompute layer_compute(const ModelConfig& c) const;
 };
 
 // Adds a family to the registry under its model_type (InternalError when

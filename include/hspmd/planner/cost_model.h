@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hspmd/models/config.h"
+#include "hspmd/models/model.h"
 #include "hspmd/planner/profile.h"
 #include "hspmd/plan/strategy.h"
 #include "hspmd/resolve/topology.h"
@@ -152,6 +153,7 @@ class CostModel {
   std::map<std::string, std::shared_ptr<const Profile>> profiles_;
   std::shared_ptr<const Profile> fallback_;
   int64_t layer_params_ = 0, layer_tp_params_ = 0, embed_params_ = 0, head_params_ = 0, head_rep_params_ = 0;
+  ModelFamily::LayerCompute layer_compute_;  // the roofline's matmul parameters per token and layer
   mutable std::vector<std::string> notes_;
 };
 

@@ -15,7 +15,7 @@ namespace hspmd {
 
 namespace {
 
-class MixtralFamily final : public DecoderFamily {
+class MixtralFamily final : public MoeDecoderFamily {
  public:
   std::string model_type() const override { return "mixtral"; }
   void set_defaults(ModelConfig& c) const override {

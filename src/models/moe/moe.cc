@@ -107,6 +107,40 @@ Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i
   return ops::cast(y, act);
 }
 
+namespace {
+
+// Per sparse layer and token: the experts' elements a forward keeps, and
+// the parameters it multiplies by.
+double sparse_fraction(const ModelConfig& c) {
+  return c.num_hidden_layers > 0 ? static_cast<double>(c.sparse_layers()) / static_cast<double>(c.num_hidden_layers)
+                                 : 0.0;
+}
+
+}  // namespace
+
+double MoeDecoderFamily::activation_bytes_per_token(const ModelConfig& c, double element_bytes, int tp, int cp,
+                                                    bool recompute) const {
+  const double dense = ModelFamily::activation_bytes_per_token(c, element_bytes, tp, cp, recompute);
+  if (recompute) return dense;
+  const double h = static_cast<double>(c.hidden_size), k = static_cast<double>(c.moe.top_k);
+  const double e = static_cast<double>(c.moe.num_experts), f = static_cast<double>(c.moe.expert_intermediate_size);
+  const double s = static_cast<double>(c.moe.shared_expert_intermediate_size);
+  // f32 router state and rows (the MoE ops compute in f32), the dense MLP's
+  // gate and up (4 f in the default) not built on a sparse layer.
+  const double sparse = (2 * e + 2 * k + k * (2 * h + 3 * f) + (s > 0 ? 3 * s + 2 * h : 0)) * 4.0 / cp -
+                        4 * static_cast<double>(c.intermediate_size) * element_bytes / (tp * cp);
+  return dense + sparse_fraction(c) * sparse;
+}
+
+ModelFamily::LayerCompute MoeDecoderFamily::layer_compute(const ModelConfig& c) const {
+  LayerCompute out = ModelFamily::layer_compute(c);  // the attention's and the dense layers' TP-split parameters
+  const double h = static_cast<double>(c.hidden_size), k = static_cast<double>(c.moe.top_k);
+  const double e = static_cast<double>(c.moe.num_experts), f = static_cast<double>(c.moe.expert_intermediate_size);
+  const double s = static_cast<double>(c.moe.shared_expert_intermediate_size);
+  out.whole = sparse_fraction(c) * (e * h + k * 3 * h * f + (s > 0 ? 3 * h * s + h : 0));
+  return out;
+}
+
 void read_moe_common(const ConfigFields& r, ModelConfig& c) {
   ModelConfig::Moe& m = c.moe;
   r.integer("num_experts_per_tok", m.top_k, false);

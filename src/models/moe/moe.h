@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "hspmd/models/model.h"
+#include "models/decoder.h"
 
 namespace hspmd {
 
@@ -32,6 +33,22 @@ void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelPar
 // placeholder moe_aux_weights_name(i) ([E] f32), which only the backward reads.
 Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x, Graph& g,
                      MoeTotals& totals);
+
+// The families whose sparse layers build_moe_mlp makes (Mixtral,
+// Qwen2-MoE): the shared decoder, with the cost terms of the experts.
+class MoeDecoderFamily : public DecoderFamily {
+ public:
+  // The dense model's, plus per token of a sparse layer what its experts
+  // keep (whole on every tp rank): router logits and probabilities, the
+  // permuted rows, the experts' gate, up and output rows for each of its k
+  // experts, the shared expert's gate, up and output; averaged over the
+  // layers. Recomputed: the dense model's (the block's input).
+  double activation_bytes_per_token(const ModelConfig& c, double element_bytes, int tp, int cp,
+                                    bool recompute) const override;
+  // The attention's (and dense layers') TP-split parameters; whole: per
+  // sparse layer the router, k experts and the shared expert with its gate.
+  LayerCompute layer_compute(const ModelConfig& c) const override;
+};
 
 // Reads and checks the fields both families share (num_experts_per_tok,
 // norm_topk_prob where the family has it, output_router_logits,

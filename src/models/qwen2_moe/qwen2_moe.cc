@@ -16,7 +16,7 @@ namespace hspmd {
 
 namespace {
 
-class Qwen2MoeFamily final : public DecoderFamily {
+class Qwen2MoeFamily final : public MoeDecoderFamily {
  public:
   std::string model_type() const override { return "qwen2_moe"; }
   void set_defaults(ModelConfig& c) const override {
