@@ -15,7 +15,7 @@
 #   env        what to `source` before `hspmd train --hostfile`: the rsh agent
 #              (this script's `rsh`) and TCP restricted to the bridge's subnet
 #   hosts      "NAME ADDRESS NETNS" per host
-# A failed `up` removes what it made; `down` removes every namespace, veth,
+# A failed or interrupted `up` removes what it made; `down` removes every namespace, veth,
 # the bridge, the directory, and ends every process left in a namespace.
 #
 # The shape file: one line per rule, `#` comments; `* RATE DELAY` for every
@@ -179,6 +179,7 @@ up() {
   fi
   read_shape "$n" "$shape_file"
   trap 'echo "netns_cluster: up failed; removing what it made" >&2; down' EXIT
+  trap 'exit 130' INT TERM  # interrupted: the EXIT trap removes what was made
   mkdir -p "$DIR"
   : >"$DIR/hostfile"
   : >"$DIR/hosts"
@@ -189,7 +190,7 @@ up() {
   ip addr add "$SUBNET.254/24" dev "$BRIDGE"
   for ((k = 0; k < n; ++k)); do up_host "$k" "$slots"; done
   write_env
-  trap - EXIT
+  trap - EXIT INT TERM
 }
 
 # Open MPI's rsh agent: `rsh HOST CMD...` runs CMD in HOST's namespaces (as

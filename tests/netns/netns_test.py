@@ -13,7 +13,8 @@ mpirun and the clusters's rsh agent:
   interfaces' idle traffic;
 * the launcher's guarantees across hosts: a rank killed on host hspmd-h1 is
   named with its host in one line (exit 1), so is one stopped (SIGSTOP)
-  under the watchdog (`--timeout 3`), `--max-restarts` restarts it
+  under the watchdog (`--timeout 3`), SIGTERM to the launcher ends every
+  rank on every host (exit 143), `--max-restarts` restarts it
   (train from the checkpoint; launch from the script's start), too many ranks
   for the slots is a one-line error, and no process is left on any host;
 * `up` that fails half way removes what it made, and `down` leaves no
@@ -270,6 +271,24 @@ def check_kill(c, tmp):
     print(f"ok   {lines[0]} (exit 1, nothing left on the hosts)")
 
 
+def check_sigterm(c, tmp):
+    # Without --nproc the job takes every slot: 9 ranks, the plan's 8 and an idle one.
+    log = os.path.join(tmp, "term.jsonl")
+    cmd = train_cmd(c, tmp, 100000, ["--strategy", os.path.join(tmp, "pp_tp_cp.json"), "--hostfile", c.hostfile,
+                                     "--log", log])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=c.env)
+    end = time.time() + 60
+    while not (os.path.exists(log) and os.path.getsize(log) > 0) and time.time() < end and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    lines = [l for l in err.splitlines() if "error" in l]
+    if proc.returncode != 128 + signal.SIGTERM or lines != ["hspmd: error: [launch] SIGTERM: ended the job's 9 ranks"]:
+        raise Failed(f"SIGTERM to the launcher: exit {proc.returncode}, stderr:\n{err}")
+    no_process_left("SIGTERM to the launcher")
+    print(f"ok   {lines[0]} (exit 143, nothing left on the hosts)")
+
+
 def check_watchdog(c, tmp):
     log = os.path.join(tmp, "stop.jsonl")
     cmd = train_cmd(c, tmp, 100000, ["--strategy", os.path.join(tmp, "pp_tp_cp.json"), "--hostfile", c.hostfile,
@@ -415,6 +434,7 @@ def main():
         check_wire(c, tmp)
         check_kill(c, tmp)
         check_watchdog(c, tmp)
+        check_sigterm(c, tmp)
         check_restart(c, tmp)
         check_launch(c, tmp)
         sleeper = subprocess.Popen(["ip", "netns", "exec", "hspmd-h1", "sleep", "600"])
