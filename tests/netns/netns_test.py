@@ -354,6 +354,11 @@ def check_errors(c, tmp):
                                   os.path.join(tmp, "bad_hostfile")]), "bad_hostfile:2: slots=x is not a positive")]
     with open(os.path.join(tmp, "bad_hostfile"), "w") as f:
         f.write("# hosts\nhspmd-h0 slots=x\n")
+    with open(os.path.join(tmp, "odd_hostfile"), "w") as f:  # comments, max_slots, no slots, a name twice
+        f.write("# the cluster\nhspmd-h0 slots=2 max_slots=4  # head\n\nhspmd-h1\nhspmd-h0 slots=1\n")
+    bad.append(([c.hspmd, "launch", "--hostfile", os.path.join(tmp, "odd_hostfile"), "--nproc", "5", "x.py"],
+                "--nproc 5 exceeds the 4 slots of --hostfile " + os.path.join(tmp, "odd_hostfile") +
+                " (hspmd-h0 3, hspmd-h1 1)"))
     for cmd, message in bad:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=c.env)
         if r.returncode != 1 or len(r.stderr.strip().splitlines()) != 1 or message not in r.stderr:
