@@ -141,12 +141,51 @@ void case_rms_norm(Io& io) {
   io.k().rms_norm(io.s, x, w, 1e-5f, o);
   io.keep(o);
 }
+// One rms_norm_backward call of `shape` with x in `x_type` and an addend in
+// `add_type` (F64: none); keeps the f32 dx and dweight, and, for a bf16 dx
+// of the same inputs, its difference from the f32 dx rounded on the same
+// target (zero: "rounded once", free of the one-ulp straddles a bf16
+// result may show against another backend's).
+void rms_norm_backward_shape(Io& io, const Shape& shape, DType x_type, DType add_type, bool bf16_dx) {
+  const int64_t h = shape.back();
+  NDArray dy = io.f32(shape), w = io.f32({h}, 0.5f, 1.5f);
+  const auto random_as = [&](DType t) {
+    const NDArray a = io.host_f32(shape);
+    return io.up(t == DType::F32 ? a : a.to(t));
+  };
+  NDArray x = random_as(x_type);
+  NDArray add = add_type == DType::F64 ? NDArray() : random_as(add_type);
+  const NDArray* addend = add.valid() ? &add : nullptr;
+  NDArray dx = io.out(shape), dw = io.out({h});
+  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, addend);
+  io.keep(dx);
+  io.keep(dw);
+  if (!bf16_dx) return;
+  NDArray dx16 = io.out(shape, DType::BF16), dw2 = io.out({h});
+  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx16, dw2, addend);
+  NDArray minus = io.out(shape), diff = io.out(shape);
+  io.k().scale(io.s, io.k().cast(io.s, io.k().cast(io.s, dx, DType::BF16), DType::F32), -1.0f, minus);
+  io.k().add(io.s, minus, dx16, diff);
+  io.keep(diff);
+  io.keep(dw2);
+}
 void case_rms_norm_backward(Io& io) {
   NDArray dy = io.f32({6, 32}), x = io.f32({6, 32}), w = io.f32({32}), add = io.f32({6, 32});
   NDArray dx = io.out({6, 32}), dw = io.out({32});
   io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, &add);
   io.keep(dx);
   io.keep(dw);
+  // The CUDA kernel's paths and tails: 16-byte groups with 1, 2 and 4 per
+  // thread (rows of 2048, 4096, 8192), partly filled groups (1000), single
+  // columns (203: not a multiple of 8), two kernels past them (4099, 8200);
+  // one row, and row counts that leave the last block of 32 rows short.
+  rms_norm_backward_shape(io, {100, 2048}, DType::BF16, DType::BF16, true);
+  rms_norm_backward_shape(io, {1, 4096}, DType::F32, DType::F64, false);
+  rms_norm_backward_shape(io, {3, 8192}, DType::BF16, DType::F32, true);
+  rms_norm_backward_shape(io, {40, 1000}, DType::F32, DType::BF16, true);
+  rms_norm_backward_shape(io, {37, 203}, DType::BF16, DType::BF16, true);
+  rms_norm_backward_shape(io, {2, 4099}, DType::F32, DType::F32, false);
+  rms_norm_backward_shape(io, {2, 8200}, DType::BF16, DType::F64, true);
 }
 void case_rope(Io& io) {
   NDArray x = io.f32({2, 5, 3, 8}), pos = io.ids({2, 5}, 0, 9), o = io.out({2, 5, 3, 8});

@@ -1,10 +1,12 @@
 // CUDA RMSNorm (f32 math; x, the output, dx and the addend f32 or bf16) and
 // SwiGLU (f32 or bf16 arrays, f32 math), forward and backward (basic.h
 // contracts).
-// RMSNorm: one block per row; sums in double as the CPU kernel does, so the
-// two agree to f32 rounding. dweight: partial sums over chunks of rows, then
-// over the chunks (launch::column_sums: a fixed order, the same bits on every
-// run; the CPU sums the rows in one double, so the two agree to f32 rounding).
+// RMSNorm: sums in double as the CPU kernel does, so the two agree to f32
+// rounding. The backward reads each row once (rows_kernel below): dweight as
+// per-block partial sums over fixed runs of rows, then over the blocks in a
+// fixed order (the same bits on every run; the CPU sums the rows in one
+// double, so the two agree to f32 rounding). Rows too wide for it take two
+// kernels (dx, then launch::column_sums).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -91,57 +93,148 @@ struct RmsNormDwTerm {
   }
 };
 
-// Rows per partial sum of dweight: [16384, 2048] gives 256 x 8 blocks.
+// Rows per partial sum of dweight on the two-kernel path (rows wider than
+// the one-pass kernel takes): [16384, 2048] gives 256 x 8 blocks.
 constexpr int64_t kNormRowChunk = 64;
 
-// The whole backward in one pass over dy, x (and the addend): a block takes
-// kFusedRows consecutive rows, each thread the columns threadIdx.x + k *
-// blockDim.x (k < kFusedCols, so rows up to kThreads * kFusedCols wide),
-// and for each row computes the row's sums as rms_norm_dx_kernel does (the
-// same columns per thread, the same tree: dx has its bits), writes dx, and
-// adds the row's dweight terms to its columns' running sums in double, in
-// row order; the block writes its partial sums, and column_totals_kernel
-// adds the chunks in order (dweight: rows summed in chunks of kFusedRows,
-// then the chunks; deterministic). The two-kernel path read dy and x again
-// for dweight.
-constexpr int kFusedRows = 16;
-constexpr int kFusedCols = 16;
+// ---- the one-pass backward ----
+// A block of kThreads takes `per_block` consecutive rows (the last block
+// fewer; rows_per_block: about kTargetBlocks blocks), one row at a time. Thread t owns the column groups g = t + k *
+// kThreads (k < K) of V consecutive columns each (V = kVec: 16-byte loads
+// and stores; V = 1: any width or alignment), so a row up to kThreads * V *
+// K wide is read once: x, dy (and the addend) land in registers, the row's
+// sums of x² and dy·w·x are taken in double (each thread its columns in
+// order, a butterfly over the warp, then the warps' totals in warp order:
+// every thread gets the same bits), and dx is written from the registers.
+// Each thread adds the row's dweight terms to its columns' double sums in
+// row order; the block writes them as its row of `partial`, and
+// chunk_totals_kernel adds the blocks' rows in a fixed order. Traffic: one
+// read of dy, x and the addend, one write of dx (w is read again for each
+// row, from L1), and 16 * h bytes per block for the partial sums (written,
+// then read).
+constexpr int64_t kTargetBlocks = 512;  // about 4 resident blocks on each of 132 SMs: one wave
+constexpr int64_t kMinRowsPerBlock = 8;
 
-template <typename X, typename A, typename D>
-__global__ void rms_norm_backward_fused_kernel(const float* dy, const X* x, const float* w, float eps, D* dx,
-                                               const A* addend, double* partial, int64_t rows, int64_t h) {
-  __shared__ double scratch[kThreads];
-  double acc[kFusedCols];
+// Rows per block: a function of the row count alone, so the sums' order
+// (and the bits) do not depend on the GPU. [16384, h] takes 32.
+int64_t rows_per_block(int64_t rows) {
+  const int64_t per = (rows + kTargetBlocks - 1) / kTargetBlocks;
+  return per > kMinRowsPerBlock ? per : kMinRowsPerBlock;
+}
+constexpr int kWarps = kThreads / 32;
+
+__device__ inline double warp_sum(double v) {
 #pragma unroll
-  for (int k = 0; k < kFusedCols; ++k) acc[k] = 0;
-  const int64_t r0 = blockIdx.x * static_cast<int64_t>(kFusedRows);
-  const int64_t r1 = r0 + kFusedRows < rows ? r0 + kFusedRows : rows;
-  for (int64_t r = r0; r < r1; ++r) {  // the same trip count in every thread: block_sum is safe
-    const X* xr = x + r * h;
-    const float* gr = dy + r * h;
-    D* dr = dx + r * h;
-    double ss, dot;
-    norm_row_sums(xr, gr, w, h, scratch, ss, dot);
+  for (int m = 16; m > 0; m /= 2) v += __shfl_xor_sync(0xffffffffu, v, m);  // a + b == b + a: every lane alike
+  return v;
+}
+
+template <int V, int K, typename X, typename A, typename D>
+__global__ void __launch_bounds__(kThreads, K == 1 ? 4 : (K == 2 ? 2 : 1))
+    rms_norm_backward_rows_kernel(const float* dy, const X* x, const float* w, float eps, D* dx, const A* addend,
+                                  double* partial, int64_t rows, int64_t h, int64_t per_block) {
+  __shared__ double warp_sums[2][2][kWarps];  // [row parity][x², dy·w·x][warp]: one barrier a row
+  // This thread's dweight sums, slot (k * V + v) * kThreads + threadIdx.x
+  // (its own: no barrier; consecutive threads, consecutive banks), in shared
+  // memory rather than registers, which hold the row in flight instead.
+  extern __shared__ double acc[];
+#pragma unroll
+  for (int i = 0; i < K * V; ++i) acc[i * kThreads + threadIdx.x] = 0;
+  const int64_t r0 = blockIdx.x * per_block;
+  const int64_t r1 = r0 + per_block < rows ? r0 + per_block : rows;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t r = r0; r < r1; ++r) {  // the same trip count in every thread: the barrier is safe
+    const int64_t base = r * h;
+    float xv[K][V], gv[K][V], av[K][V];
+    double ss = 0, dot = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+      if (c < h) {
+        load<V>(x, base + c, xv[k]);
+        load<V>(dy, base + c, gv[k]);
+        if (addend != nullptr) load<V>(addend, base + c, av[k]);
+        float wv[V];  // read again each row (an L1 hit): registers kept for the rows in flight
+        load<V>(w, c, wv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          ss += static_cast<double>(xv[k][v]) * xv[k][v];
+          dot += static_cast<double>(gv[k][v]) * wv[v] * xv[k][v];
+        }
+      }
+    }
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
+    const int parity = static_cast<int>((r - r0) & 1);
+    if (lane == 0) warp_sums[parity][0][warp] = ss, warp_sums[parity][1][warp] = dot;
+    __syncthreads();
+    ss = 0, dot = 0;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) ss += warp_sums[parity][0][i], dot += warp_sums[parity][1][i];
     const float s = inv_rms(ss, h, eps);
-    const float c = static_cast<float>(dot * s * s * s / static_cast<double>(h));
-    const A* ar = addend != nullptr ? addend + r * h : nullptr;
+    const float cf = static_cast<float>(dot * s * s * s / static_cast<double>(h));
 #pragma unroll
-    for (int k = 0; k < kFusedCols; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < h) {
-        const float xv = to_f32(xr[i]);
-        const float v = s * w[i] * gr[i] - xv * c;
-        dr[i] = from_f32<D>(ar != nullptr ? v + to_f32(ar[i]) : v);
-        acc[k] += static_cast<double>(gr[i]) * (xv * s);  // RmsNormDwTerm's term
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+      if (c < h) {
+        float out[V], wv[V];
+        load<V>(w, c, wv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float d = s * wv[v] * gv[k][v] - xv[k][v] * cf;
+          out[v] = addend != nullptr ? d + av[k][v] : d;  // the norm's dx, then the addend: a separate add's bits
+          acc[(k * V + v) * kThreads + threadIdx.x] += static_cast<double>(gv[k][v]) * (xv[k][v] * s);  // RmsNormDwTerm's
+        }
+        store<V>(dx, base + c, out);  // a bf16 dx: the f32 value rounded once
       }
     }
   }
   double* pr = partial + blockIdx.x * h;
 #pragma unroll
-  for (int k = 0; k < kFusedCols; ++k) {
-    const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-    if (i < h) pr[i] = acc[k];
+  for (int k = 0; k < K; ++k) {
+    const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+    if (c < h)
+#pragma unroll
+      for (int v = 0; v < V; ++v) pr[c + v] = acc[(k * V + v) * kThreads + threadIdx.x];
   }
+}
+
+// out[j] = Σ_b partial[b, j] over the blocks' rows of partial sums, in a
+// fixed order: kSlices slices of consecutive rows, each summed in row order
+// by one thread, then the slices in order. A block takes 32 columns (each
+// slice reads 256 contiguous bytes a row), so [512, 2048] runs 64 blocks
+// with 8 loads in flight per thread instead of one thread per column
+// walking every row.
+constexpr int kSlices = kThreads / 32;
+
+__global__ void chunk_totals_kernel(const double* partial, int64_t chunks, int64_t cols, float* out) {
+  __shared__ double slice_sums[kSlices][32];
+  const int64_t j = blockIdx.x * int64_t{32} + threadIdx.x;
+  const int64_t per = (chunks + kSlices - 1) / kSlices, c0 = threadIdx.y * per;
+  const int64_t c1 = c0 + per < chunks ? c0 + per : chunks;
+  double acc = 0;
+  if (j < cols) {
+#pragma unroll 8
+    for (int64_t c = c0; c < c1; ++c) acc += partial[c * cols + j];
+  }
+  slice_sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < cols) {
+    double total = 0;
+#pragma unroll
+    for (int i = 0; i < kSlices; ++i) total += slice_sums[i][threadIdx.x];
+    out[j] = static_cast<float>(total);
+  }
+}
+
+// The one-pass kernel's column groups per thread (its K) for a row of h
+// (vectorized: 1, 2 or 4 groups of kVec; else 16 single columns), or 0 when
+// the row is too wide for it (the two-kernel path).
+int groups_per_thread(int64_t h, bool vec) {
+  if (!vec) return h <= static_cast<int64_t>(kThreads) * 16 ? 16 : 0;
+  for (int k : {1, 2, 4})
+    if (h <= static_cast<int64_t>(kThreads) * kVec * k) return k;
+  return 0;
 }
 
 __device__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -228,15 +321,26 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     using X = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
     using A = std::remove_const_t<std::remove_pointer_t<decltype(add)>>;
     using D = std::remove_pointer_t<decltype(pdx)>;
-    if (h <= static_cast<int64_t>(kThreads) * kFusedCols) {
-      const int64_t chunks = (rows + kFusedRows - 1) / kFusedRows;
-      NDArray partial = NDArray::empty({chunks, h}, DType::F64, s.device());  // stream-ordered reuse only
+    const bool vec = h % kVec == 0 && aligned16(dy.raw_data()) && aligned16(x.raw_data()) &&
+                     aligned16(weight.raw_data()) && aligned16(dx.raw_data()) &&
+                     (addend == nullptr || aligned16(addend->raw_data()));
+    const int k = groups_per_thread(h, vec);
+    if (k != 0) {
+      const int64_t per_block = rows_per_block(rows), blocks = (rows + per_block - 1) / per_block;  // <= 512
+      NDArray partial = NDArray::empty({blocks, h}, DType::F64, s.device());  // stream-ordered reuse only
       auto* p = static_cast<double*>(partial.raw_data());
-      rms_norm_backward_fused_kernel<X, A, D><<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
-          dy.data<float>(), px, weight.data<float>(), eps, pdx, add, p, rows, h);
+      const auto kernel = !vec ? &rms_norm_backward_rows_kernel<1, 16, X, A, D>
+                          : k == 1 ? &rms_norm_backward_rows_kernel<kVec, 1, X, A, D>
+                          : k == 2 ? &rms_norm_backward_rows_kernel<kVec, 2, X, A, D>
+                                   : &rms_norm_backward_rows_kernel<kVec, 4, X, A, D>;
+      const size_t smem = sizeof(double) * kThreads * (vec ? kVec : 1) * k;  // the dweight sums: 16 KiB a group
+      cuda_rt::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                     "rms_norm_backward");
+      kernel<<<static_cast<unsigned>(blocks), kThreads, smem, native(s)>>>(dy.data<float>(), px, weight.data<float>(),
+                                                                            eps, pdx, add, p, rows, h, per_block);
       launched("rms_norm_backward");
-      column_totals_kernel<<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, native(s)>>>(
-          p, chunks, h, dweight.data<float>());
+      chunk_totals_kernel<<<static_cast<unsigned>((h + 31) / 32), dim3(32, kSlices), 0, native(s)>>>(
+          p, blocks, h, dweight.data<float>());
       launched("rms_norm_backward");
       return;
     }
