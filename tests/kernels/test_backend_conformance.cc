@@ -398,12 +398,35 @@ void case_to_device(Io& io) { io.keep(io.k().to_device(io.s, io.host_f32({3, 4})
 void case_sum_of_squares(Io& io) {
   std::vector<NDArray> arrays = {io.f32({4, 5}), io.f32({7})};
   io.values.push_back(io.k().sum_of_squares(io.s, arrays));
+  // Chunks of 65536 on CUDA with a short last one, an empty array, one
+  // element, and a view one element in (not 16-byte aligned).
+  const NDArray base = io.f32({1001});
+  arrays = {io.f32({70001}), io.f32({0}), io.f32({1}), base.slice(0, 1, 1001), io.f32({2048})};
+  io.values.push_back(io.k().sum_of_squares(io.s, arrays));
 }
 void case_adam_step(Io& io) {
   NDArray p = io.f32({33}), g = io.f32({33}), m = io.f32({33}), v = io.f32({33}, 0.1f, 1);
   kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 1.0f, 1e-3f};
   io.k().adam_step(io.s, {{&p, &g, &m, &v}}, f);
   for (const NDArray* a : {&p, &m, &v}) io.keep(*a);
+  // Many tensors in one call (one launch on CUDA): a chunk of 65536 and a
+  // short one, an empty tensor, one element, 16-byte groups with a tail, and
+  // views one element in (not aligned: single elements).
+  std::vector<NDArray> arrays;
+  for (int64_t n : {70001, 0, 1, 2051, 1001})
+    for (int i = 0; i < 4; ++i) arrays.push_back(i == 3 ? io.f32({n}, 0.1f, 1) : io.f32({n}));
+  std::vector<NDArray> views(arrays.end() - 4, arrays.end());
+  for (NDArray& a : views) a = a.slice(0, 1, 1001);
+  std::vector<kernels::AdamTensor> tensors;
+  for (size_t t = 0; t + 4 <= arrays.size(); t += 4) {
+    std::vector<NDArray>& from = t + 4 == arrays.size() ? views : arrays;
+    const size_t at = t + 4 == arrays.size() ? 0 : t;
+    tensors.push_back({&from[at], &from[at + 1], &from[at + 2], &from[at + 3]});
+  }
+  kernels::AdamFactors w{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.9997f, 0.3f, 2e-3f};
+  io.k().adam_step(io.s, tensors, w);
+  for (size_t t = 0; t < arrays.size(); t += 4)
+    for (int i : {0, 2, 3}) io.keep(arrays[t + i]);  // the views' writes show in their arrays
 }
 
 // ---- the harness ----

@@ -137,11 +137,10 @@ constexpr int64_t kSquareChunk = 1 << 16;  // elements per chunk (a multiple of 
 
 // The arrays: table [3T + 1] i64 = pointers [T], sizes [T], first chunks
 // [T + 1] (first[T] = all chunks).
-__global__ void square_chunks_kernel(const int64_t* table, int64_t T, double* partials) {
-  __shared__ double part[kThreads];
-  const int64_t c = blockIdx.x;
-  const int64_t* first = table + 2 * T;
-  int64_t lo = 0, hi = T - 1;  // the array whose chunks hold c: first[a] <= c < first[a + 1]
+// The array whose chunks hold chunk c: first[a] <= c < first[a + 1] (first
+// [T + 1], ascending).
+__device__ int64_t chunk_owner(const int64_t* first, int64_t T, int64_t c) {
+  int64_t lo = 0, hi = T - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
     if (first[mid] <= c)
@@ -149,8 +148,15 @@ __global__ void square_chunks_kernel(const int64_t* table, int64_t T, double* pa
     else
       hi = mid - 1;
   }
+  return lo;
+}
+
+__global__ void square_chunks_kernel(const int64_t* table, int64_t T, double* partials) {
+  __shared__ double part[kThreads];
+  const int64_t c = blockIdx.x;
+  const int64_t lo = chunk_owner(table + 2 * T, T, c);
   const auto* x = reinterpret_cast<const float*>(table[lo]);
-  const int64_t n = table[T + lo], begin = (c - first[lo]) * kSquareChunk;
+  const int64_t n = table[T + lo], begin = (c - table[2 * T + lo]) * kSquareChunk;
   const int64_t end = begin + kSquareChunk < n ? begin + kSquareChunk : n;
   // Groups of four in the same order whether the array is aligned (one
   // 16-byte load; begin is a multiple of 4, so x + begin is aligned too) or
@@ -221,6 +227,41 @@ struct AdamOp {
     store<V>(p, i, pv);
   }
 };
+
+// Every tensor of the step in one launch (one launch per tensor before: 201
+// for TinyLlama, most of them short). The tensors are cut into chunks of
+// kAdamChunk elements, a block per chunk; table [5T + 1] i64 = the tensors'
+// param, grad, exp_avg and exp_avg_sq pointers [4T] (table[4t + j]), sizes
+// [T], first chunks [T + 1]. Each element's update is AdamOp's (the same
+// bits as one launch per tensor, 16-byte accesses or not).
+constexpr int64_t kAdamChunk = 1 << 16;  // elements per chunk (a multiple of kVec)
+
+__global__ void adam_chunks_kernel(const int64_t* table, int64_t T, AdamFactors f) {
+  const int64_t c = blockIdx.x;
+  const int64_t t = chunk_owner(table + 5 * T, T, c);
+  const int64_t* ptr = table + 4 * t;
+  const AdamOp op{reinterpret_cast<float*>(ptr[0]), reinterpret_cast<const float*>(ptr[1]),
+                  reinterpret_cast<float*>(ptr[2]), reinterpret_cast<float*>(ptr[3]), f};
+  const int64_t n = table[4 * T + t], begin = (c - table[5 * T + t]) * kAdamChunk;
+  const int64_t end = begin + kAdamChunk < n ? begin + kAdamChunk : n;
+  // begin is a multiple of kVec: an aligned tensor's chunk is aligned too.
+  const bool aligned = ((ptr[0] | ptr[1] | ptr[2] | ptr[3]) & 15) == 0;
+  int64_t i = begin + threadIdx.x;
+  if (aligned) {
+    const int64_t groups = (end - begin) / kVec;
+    for (int64_t q = threadIdx.x; q < groups; q += blockDim.x) op.apply<kVec>(begin + q * kVec);
+    i = begin + groups * kVec + threadIdx.x;
+  }
+  for (; i < end; i += blockDim.x) op.apply<1>(i);
+}
+
+// A host table of int64 values on the device (from pageable memory: staged
+// when the call returns; the device array is reused in stream order only).
+NDArray device_table(Stream& s, const std::vector<int64_t>& values) {
+  NDArray host = NDArray::empty({static_cast<int64_t>(values.size())}, DType::I64);
+  std::copy(values.begin(), values.end(), host.host_data<int64_t>());
+  return to_device(s, host);
+}
 
 }  // namespace
 
@@ -404,9 +445,7 @@ double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
   std::vector<int64_t> table = ptrs;
   table.insert(table.end(), sizes.begin(), sizes.end());
   table.insert(table.end(), first.begin(), first.end());
-  NDArray host_table = NDArray::empty({static_cast<int64_t>(table.size())}, DType::I64);
-  std::copy(table.begin(), table.end(), host_table.host_data<int64_t>());
-  const NDArray dtable = to_device(s, host_table);
+  const NDArray dtable = device_table(s, table);
   NDArray partials = NDArray::empty({chunks}, DType::I64, s.device());  // 8-byte slots for doubles
   NDArray total = NDArray::empty({1}, DType::I64, s.device());
   auto* p = static_cast<double*>(partials.raw_data());
@@ -424,19 +463,35 @@ double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
 }
 
 void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+  std::vector<int64_t> ptrs, sizes, first;
+  int64_t chunks = 0;
   for (const AdamTensor& t : tensors) {
     for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad, static_cast<const NDArray*>(t.exp_avg),
                              static_cast<const NDArray*>(t.exp_avg_sq)}) {
       HSPMD_CHECK(a != nullptr && a->dtype() == DType::F32 && a->numel() == t.param->numel(),
                   "adam_step: param, grad and moments must be f32 of one size");
       require_contiguous("adam_step", *a);
+      ptrs.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(a->raw_data())));
     }
-    elementwise(s, "adam_step",
-                AdamOp{t.param->data<float>(), t.grad->data<float>(), t.exp_avg->data<float>(),
-                       t.exp_avg_sq->data<float>(), f},
-                t.param->numel(),
-                {t.param->raw_data(), t.grad->raw_data(), t.exp_avg->raw_data(), t.exp_avg_sq->raw_data()});
+    if (t.param->numel() == 0) {
+      ptrs.resize(ptrs.size() - 4);
+      continue;
+    }
+    sizes.push_back(t.param->numel());
+    first.push_back(chunks);
+    chunks += (t.param->numel() + kAdamChunk - 1) / kAdamChunk;
   }
+  if (chunks == 0) return;
+  HSPMD_CHECK(chunks < (int64_t{1} << 31), "adam_step: too many chunks for one grid");
+  const int64_t T = static_cast<int64_t>(sizes.size());
+  first.push_back(chunks);
+  std::vector<int64_t> table = ptrs;
+  table.insert(table.end(), sizes.begin(), sizes.end());
+  table.insert(table.end(), first.begin(), first.end());
+  const NDArray dtable = device_table(s, table);
+  adam_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
+      static_cast<const int64_t*>(dtable.raw_data()), T, f);
+  launched("adam_step");
 }
 
 }  // namespace hspmd::kernels::cuda
