@@ -35,6 +35,13 @@ void DistTrainer::check_run_options() const {
   else
     check_parameters_fit_memory(config_, o.model_path);
   check_sequence_length(o, config_);
+  // Padded rows (packed documents, token budgets) are routed like any token,
+  // and how many there are depends on the plan's sequence granularity: the
+  // auxiliary loss's statistics would too (docs/moe.md).
+  if (config_.moe.aux_loss() && (o.pack_documents || o.batch_tokens > 0))
+    fail_option(o.pack_documents ? "pack_documents" : "batch_tokens", ": ", o.model_path,
+                " has the mixture-of-experts auxiliary loss (output_router_logits), whose router statistics would "
+                "count the padding the plan adds; train it on fixed-length samples or without the loss");
   train_common::check_outputs(o, world_.rank());
   check_checkpoint_directory(o);
 }

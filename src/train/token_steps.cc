@@ -264,9 +264,6 @@ TokenSteps::TokenSteps(DistTrainer& trainer) : t_(trainer) {
     for (size_t i = 1; i < o.strategy_choices.size(); ++i)
       choices_.push_back(t_.load_named_plan_file(o.strategy_choices[i], option_name("strategies")));
   }
-  if (o.bucket_switching && t_.config_.moe.aux_loss())  // each bucket would see only its own routing
-    fail_option("bucket_switching", ": ", t_.o_.model_path, " has the mixture-of-experts auxiliary loss, computed over "
-                "the whole step's routing; bucket switching trains the step bucket by bucket (docs/moe.md)");
   if (o.bucket_switching)
     for (const auto& c : choices_)  // gradients move between the plans' layouts: one vocabulary padding
       if (c->model.padded_vocab_size != choices_[0]->model.padded_vocab_size)

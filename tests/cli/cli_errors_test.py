@@ -74,6 +74,13 @@ def main():
         json.dump(dict(CONFIG, num_attention_heads=3), f)
     with open(p("data.bin"), "wb") as f:
         f.write(struct.pack("<200I", *([5] * 200)))
+    moe = dict(CONFIG, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    with open(p("moe_aux.json"), "w") as f:
+        json.dump(dict(moe, output_router_logits=True), f)
+    with open(p("moe_topk.json"), "w") as f:
+        json.dump(dict(moe, num_experts_per_tok=5), f)
+    with open(p("moe_jitter.json"), "w") as f:
+        json.dump(dict(moe, router_jitter_noise=0.01), f)
     open(p("empty.bin"), "wb").close()
     with open(p("short.bin"), "wb") as f:
         f.write(struct.pack("<10I", *range(10)))
@@ -129,6 +136,11 @@ def main():
         ("seq-len beyond max positions", with_flag("--seq-len", "65"), "max_position_embeddings"),
         ("unknown schedule", base + ["--lr-schedule", "zigzag"], "zigzag"),
         ("save into a missing directory", base + ["--save", p("no/such/dir/w.safetensors")], "--save"),
+        ("moe top-k beyond the experts", with_flag("--model", p("moe_topk.json")),
+         "num_experts_per_tok=5 must lie in [1, 4]"),
+        ("moe router jitter", with_flag("--model", p("moe_jitter.json")), "router_jitter_noise=0.01"),
+        ("moe auxiliary loss with packed documents", with_flag("--model", p("moe_aux.json")) + ["--pack-documents"],
+         "--pack-documents: " + p("moe_aux.json") + " has the mixture-of-experts auxiliary loss"),
         ("unknown command", ["frobnicate"], "frobnicate"),
         ("tokenize without inputs", ["tokenize", "--output", p("o.bin"), "--eos", "256"], "no input"),
         ("tokenize eos is a byte", ["tokenize", "--output", p("o.bin"), "--eos", "10", p("cfg.json")], "eos"),

@@ -203,7 +203,12 @@ QWEN2MOE_CASES = {
     "qwen2moe_hetero_pp_tp": CASES["hetero_pp_tp"],
     "qwen2moe_asym7_tp421_zero": CASES["asym7_tp421_zero"],
 }
-MOE_MODES = {"mixtral": MIXTRAL_CASES, "qwen2moe": QWEN2MOE_CASES}
+# Packed documents under CP x TP with recomputation and ZeRO (without the
+# auxiliary loss: a plan's padding would enter its statistics; refused).
+MIXTRAL_PACKED_CASES = {
+    "mixtralpacked_cp_hetero_zero": PACKED_CASES["packed_cp_hetero_zero"],
+}
+MOE_MODES = {"mixtral": MIXTRAL_CASES, "qwen2moe": QWEN2MOE_CASES, "mixtralpacked": MIXTRAL_PACKED_CASES}
 FAMILY_MODES = {"qwen2": QWEN2_CASES, "mistral": MISTRAL_CASES, "mistralpacked": MISTRAL_PACKED_CASES, **MOE_MODES}
 
 
@@ -337,6 +342,12 @@ def main():
     modes["qwen2moe"] = model_variant("qwen2moe", model_type="qwen2_moe", num_experts=4, moe_intermediate_size=24,
                                       shared_expert_intermediate_size=32, mlp_only_layers=[2], norm_topk_prob=False,
                                       router_aux_loss_coef=0.05, **moe)
+    # Packed documents: without the auxiliary loss (whose statistics would
+    # count the padding, which differs between plans: refused).
+    modes["mixtralpacked"] = [a if a != data else packed_data
+                              for a in model_variant("mixtralpacked", model_type="mixtral", num_local_experts=4,
+                                                     initializer_range=0.1, num_experts_per_tok=2)] + \
+        ["--pack-documents"]
     chosen = set(args.cases.split(","))
     for mode, cases in MOE_MODES.items():
         if not chosen & set(cases):
