@@ -230,7 +230,7 @@ struct AdamOp {
 
 // Every tensor of the step in one launch (one launch per tensor before: 201
 // for TinyLlama, most of them short). The tensors are cut into chunks of
-// kAdamChunk elements, a block per chunk; table [5T + 1] i64 = the tensors'
+// kAdamChunk elements, a block per chunk; table [6T + 1] i64 = the tensors'
 // param, grad, exp_avg and exp_avg_sq pointers [4T] (table[4t + j]), sizes
 // [T], first chunks [T + 1]. Each element's update is AdamOp's (the same
 // bits as one launch per tensor, 16-byte accesses or not).
