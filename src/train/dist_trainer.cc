@@ -211,8 +211,10 @@ DistTrainer::StepWork DistTrainer::compute_and_sync(int64_t step, float normaliz
   // What the rank holds before its micro-batches: parameters, optimizer
   // states; the schedule's peak above it is activations (and raw grads).
   const size_t held = allocator_for(rt_->graph->device()).current_bytes();
+  step_router_.clear();
   if (tokens_ && o_.bucket_switching) {
     r.loss = tokens_->run_buckets(step, normalizer, synced, held, work.activations);
+    r.expert_tokens = step_router_.expert_tokens;
     work.post0 = clock_ ? clock_->now() : 0;
     return work;
   }
@@ -222,9 +224,10 @@ DistTrainer::StepWork DistTrainer::compute_and_sync(int64_t step, float normaliz
   accumulate_schedule(raw, loss, normalizer, sync.overlap());
   rt_->graph->wait_sends(world_);
   work.activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
-  // The mixture of experts' auxiliary loss, the same on every rank (moe_aux.h).
+  // The mixture of experts' auxiliary loss, the same on every rank (router_stats.h).
   r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0, world_) +
-           step_aux_loss_;
+           step_router_.aux_loss;
+  r.expert_tokens = step_router_.expert_tokens;
   work.post0 = clock_ ? clock_->now() : 0;
   synced = sync.finish(raw);
   work.grad_sync_s = sync.seconds();

@@ -38,6 +38,7 @@
 #include "hspmd/planner/profile.h"
 #include "hspmd/train/trainer.h"
 #include "hspmd/train/training_state.h"
+#include "train/router_stats.h"
 #include "train/checkpoint_saver.h"
 #include "train/collectives.h"
 #include "train/elastic.h"
@@ -204,7 +205,7 @@ class DistTrainer {
   Precision precision() const { return o_.precision.for_device(o_.device); }
   Communicator& world_;
   ModelConfig config_;
-  double step_aux_loss_ = 0;  // this step's mixture-of-experts auxiliary loss (accumulate_schedule)
+  StepRouterResult step_router_;  // this step's mixture-of-experts router results (accumulate_schedule)
   SwitchAlgorithm algorithm_ = SwitchAlgorithm::kFused;
   std::shared_ptr<const Topology> topology_;
   std::unique_ptr<VirtualClock> clock_;            // emulation: this rank's virtual clock

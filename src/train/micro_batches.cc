@@ -9,7 +9,7 @@
 
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
-#include "train/moe_aux.h"
+#include "train/router_stats.h"
 #include "train/schedules.h"
 
 namespace hspmd {
@@ -65,24 +65,23 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   };
   const int micro_batches = tokens_ ? tokens_->micro_batches(rt_->pipeline) : rt_->micro_batches();
   int backwards = 0;
-  // A mixture of experts' auxiliary loss (moe_aux.h): every forward before
-  // the first backward, which fills the weights its gradient needs.
-  MoeAuxLoss aux(config_);
-  aux.begin_step(graph.stream());
-  double& aux_loss = step_aux_loss_;
-  aux_loss = 0;
+  // A mixture of experts' router statistics (router_stats.h); with the
+  // auxiliary loss every forward runs before the first backward, which
+  // fills the weights its gradient needs.
+  RouterStats router(config_);
+  router.begin_step(graph.stream());
   auto forward = [&](int micro) {
     const double t0 = clock_ ? clock_->now() : 0;
     Bindings bindings;
     ValueMap values = feeds(micro, normalizer, bindings);
-    aux.feed(graph, values);
+    router.feed(graph, values);
     ExecGraph::Activations a = graph.forward(values, world_, bindings);
-    aux.after_forward(graph, a);
+    router.after_forward(graph, a);
     if (clock_) clock_->record("F" + std::to_string(micro), "forward", t0);
     return a;
   };
   auto backward = [&](ExecGraph::Activations a, int micro) {
-    if (aux.active() && !aux.finished()) aux_loss = aux.finish_forwards(graph.stream(), world_);
+    if (router.aux_loss() && !router.finished()) router.finish(graph.stream(), world_);
     const double t0 = clock_ ? clock_->now() : 0;
     if (overlap != nullptr && ++backwards == micro_batches) {
       // The last backward: each gradient is final as it is computed.
@@ -105,9 +104,10 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   // Sends are deferred (set_deferred_sends): a stage sending activations
   // never waits on a neighbour sending gradients.
   const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
-  const Schedule schedule = aux.active() ? run_gpipe : schedule_by_name(rt_->strategy.schedule);
+  const Schedule schedule = router.aux_loss() ? run_gpipe : schedule_by_name(rt_->strategy.schedule);
   schedule(SchedulePosition{rt_->stage, rt_->stages, micro_batches}, forward, backward);
-  if (aux.active() && !aux.finished()) aux_loss = aux.finish_forwards(graph.stream(), world_);  // an idle rank
+  if (router.active() && !router.finished()) router.finish(graph.stream(), world_);
+  if (router.active()) step_router_.add(router);
   for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
     loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
   if (micro_batches == 0 && rt_->pipeline >= 0) {

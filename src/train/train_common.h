@@ -154,6 +154,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["peak_memory_bytes"] = r.peak_memory_bytes;
     j["peak_activation_bytes"] = r.peak_activation_bytes;
     j["grad_sync_s"] = r.grad_sync_s;
+    if (!r.expert_tokens.empty()) j["expert_tokens"] = r.expert_tokens;
     if (!r.cross_host_bytes_sent.empty()) {
       j["cross_host_bytes_sent"] = r.cross_host_bytes_sent;
       j["cross_host_segments"] = r.cross_host_segments;

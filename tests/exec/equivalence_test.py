@@ -490,11 +490,20 @@ def main():
                        r["op_bytes_sent"] == r["predicted_op_bytes"] for r in records(log))
         # The exposed gradient synchronization, per rank, measured.
         sync_ok = all(len(r["grad_sync_s"]) == world and min(r["grad_sync_s"]) >= 0 for r in records(log))
+        # A mixture of experts' records: the tokens each expert took per
+        # layer and step, the same integers as one process's (and k per
+        # token). Packed rows carry the plan's own padding, routed too.
+        experts_ok = True
+        if mode in MOE_MODES and not mode.endswith("packed"):
+            tokens = [r.get("expert_tokens") for r in records(log)]
+            want_tokens = [r.get("expert_tokens") for r in records(os.path.join(tmp, mode + ".jsonl"))]
+            experts_ok = tokens == want_tokens and all(sum(layer) == 8 * 16 * 2 for step in tokens for layer in step)
         ok = (len(got) == len(want_loss) and rel <= loss_tol and werr <= weight_tol and
-              set(got_w) == set(want_w) and bytes_ok and uerr <= 0.15 and sync_ok)
+              set(got_w) == set(want_w) and bytes_ok and uerr <= 0.15 and sync_ok and experts_ok)
         print(f"{name:22s} world {world}: loss rel err {rel:.2e}, weights err {werr:.2e} "
               f"{f'update err {uerr:.2e} ' if mode.startswith('bf16') else ''}"
               f"(worst {worst}), bytes {'= predicted' if bytes_ok else '!= predicted'} "
+              f"{'expert tokens != ' if not experts_ok else 'expert tokens = ' if mode in MOE_MODES else ''}"
               f"{'ok' if ok else 'FAIL'}")
         if not ok:  # a random plan is printed so that it can be replayed
             failures.append(name + (" " + json.dumps(strategy) if name.startswith("random") else ""))

@@ -41,6 +41,10 @@ struct StepRecord {
   // to other hosts since the record before, and the segments carrying them
   // (docs/multi_host.md); empty on one host.
   std::vector<int64_t> cross_host_bytes_sent, cross_host_segments;
+  // A mixture-of-experts model: per sparse layer (in layer order), the
+  // (token, slot) pairs each expert took over the step's global batch
+  // (docs/moe.md); empty for a dense model.
+  std::vector<std::vector<int64_t>> expert_tokens;
   // With --cluster: the EMULATED cluster's step time (virtual clocks) and each
   // rank's virtual compute seconds in the step; 0 / empty otherwise.
   std::vector<int64_t> peak_memory_bytes;  // per rank: peak bytes of tensors in the step
