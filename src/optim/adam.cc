@@ -46,17 +46,29 @@ void Adam::begin_step() { ++step_; }
 
 void Adam::update(const std::string& name, NDArray& param, const NDArray& grad, double lr,
                   bool decay) {
-  HSPMD_CHECK(step_ > 0, "Adam::update('", name, "') before begin_step()");
-  HSPMD_CHECK(param.dtype() == DType::F32 && grad.dtype() == DType::F32,
-              "Adam::update('", name, "') needs f32 param and grad");
-  HSPMD_CHECK(param.is_contiguous() && grad.is_contiguous(), "Adam::update('", name,
-              "') needs contiguous param and grad");
-  HSPMD_CHECK(param.shape() == grad.shape(), "Adam::update('", name, "'): param ",
-              shape_str(param.shape()), " vs grad ", shape_str(grad.shape()));
-  NDArray& m = moment(m_, name, param.shape(), param.device());
-  NDArray& v = moment(v_, name, param.shape(), param.device());
-  kernels::adam_step(default_stream(param.device()), {{&param, &grad, &m, &v}},
-                     step_factors(config_, step_, lr, decay));
+  update_group({{name, &param, &grad}}, lr, decay);
+}
+
+void Adam::update_group(const std::vector<Update>& tensors, double lr, bool decay) {
+  if (tensors.empty()) return;
+  std::vector<kernels::AdamTensor> group;
+  for (const Update& u : tensors) {
+    const std::string& name = u.name;
+    const NDArray& param = *u.param;
+    const NDArray& grad = *u.grad;
+    HSPMD_CHECK(step_ > 0, "Adam::update('", name, "') before begin_step()");
+    HSPMD_CHECK(param.dtype() == DType::F32 && grad.dtype() == DType::F32,
+                "Adam::update('", name, "') needs f32 param and grad");
+    HSPMD_CHECK(param.is_contiguous() && grad.is_contiguous(), "Adam::update('", name,
+                "') needs contiguous param and grad");
+    HSPMD_CHECK(param.shape() == grad.shape(), "Adam::update('", name, "'): param ",
+                shape_str(param.shape()), " vs grad ", shape_str(grad.shape()));
+    HSPMD_CHECK(param.device() == tensors[0].param->device(), "Adam::update_group: tensors on several devices");
+    NDArray& m = moment(m_, name, param.shape(), param.device());
+    NDArray& v = moment(v_, name, param.shape(), param.device());
+    group.push_back({u.param, u.grad, &m, &v});
+  }
+  kernels::adam_step(default_stream(tensors[0].param->device()), group, step_factors(config_, step_, lr, decay));
 }
 
 void Adam::import_moments(const std::string& name, NDArray exp_avg, NDArray exp_avg_sq) {

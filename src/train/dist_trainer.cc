@@ -92,22 +92,26 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
   // Model clock: the profile's optimizer fit, its fixed part once per step.
   const OptimizerFit* modeled = clock_ && clock_->modeled() ? &profile_->optimizer : nullptr;
   double fixed_s = modeled ? modeled->fixed_s : 0.0;
+  // The rank's held shards, in two weight-decay groups, each updated in one
+  // kernel call (one launch on a GPU).
+  std::vector<Adam::Update> groups[2];
   for (const std::string& name : rt_->graph->model().names) {  // the same order on every rank
-    const bool decay = rt_->shapes.at(name).size() >= 2;
     Shard& target = state_->optimized(name);
     auto g = synced.find(name);
-    if (g != synced.end() && target.held()) {
-      if (clock_) clock_->begin_compute();
-      adam.import_moments(name, state_->slot(name, StateSlot::kExpAvg).data,
-                          state_->slot(name, StateSlot::kExpAvgSq).data);
-      adam.update(name, target.data, g->second, lr, decay);
-      adam.export_moments(name);
-      if (clock_) clock_->end_compute();
-      if (modeled) {
-        clock_->advance(std::exchange(fixed_s, 0.0) +
-                        modeled->per_param_s * static_cast<double>(target.data.numel()));
-      }
-    }
+    if (g == synced.end() || !target.held()) continue;
+    adam.import_moments(name, state_->slot(name, StateSlot::kExpAvg).data,
+                        state_->slot(name, StateSlot::kExpAvgSq).data);
+    groups[rt_->shapes.at(name).size() >= 2 ? 1 : 0].push_back({name, &target.data, &g->second});
+    if (modeled)
+      clock_->advance(std::exchange(fixed_s, 0.0) + modeled->per_param_s * static_cast<double>(target.data.numel()));
+  }
+  if (clock_) clock_->begin_compute();
+  for (int decay : {0, 1}) adam.update_group(groups[decay], lr, decay == 1);
+  if (clock_) clock_->end_compute();
+  for (const auto& group : groups)
+    for (const Adam::Update& u : group) adam.export_moments(u.name);
+  for (const std::string& name : rt_->graph->model().names) {
+    Shard& target = state_->optimized(name);
     auto st = plan.optimizer_states.find(name);
     if (st == plan.optimizer_states.end()) continue;
     Shard& param = state_->slot(name, StateSlot::kParam);

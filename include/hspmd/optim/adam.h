@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "hspmd/core/ndarray.h"
@@ -38,6 +39,15 @@ class Adam {
   // another shape.
   void update(const std::string& name, NDArray& param, const NDArray& grad, double lr,
               bool decay);
+  // The same for several tensors of one weight-decay group in one kernel
+  // call (one launch on a GPU; the same bits as update() on each). Each
+  // entry: the moments' name, the parameter, its gradient (all on one device).
+  struct Update {
+    std::string name;
+    NDArray* param = nullptr;
+    const NDArray* grad = nullptr;
+  };
+  void update_group(const std::vector<Update>& tensors, double lr, bool decay);
 
   // The moments of `name` move in and out of the optimizer (a training
   // state resharded to another plan, a checkpoint): import replaces them
