@@ -27,9 +27,13 @@
 set -euo pipefail
 
 DIR="${HSPMD_NETNS_DIR:-/run/hspmd-netns}"
-PREFIX="hspmd"           # namespaces hspmd-h0.., veths hspmd-v0.., bridge hspmd-br
+# Two clusters can be up at once when they differ in HSPMD_NETNS_PREFIX,
+# HSPMD_NETNS_SUBNET and HSPMD_NETNS_DIR (the env file exports all three).
+PREFIX="${HSPMD_NETNS_PREFIX:-hspmd}"     # namespaces hspmd-h0.., veths hspmd-v0.., bridge hspmd-br
+SUBNET="${HSPMD_NETNS_SUBNET:-10.213.7}"  # host K is $SUBNET.(K+1), the bridge $SUBNET.254
+[[ "$PREFIX" =~ ^[a-z][a-z0-9]{0,7}$ ]] || { echo "netns_cluster: error: HSPMD_NETNS_PREFIX must be 1-8 of [a-z0-9], got '$PREFIX'" >&2; exit 1; }
+[[ "$SUBNET" =~ ^10\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || { echo "netns_cluster: error: HSPMD_NETNS_SUBNET must look like 10.X.Y, got '$SUBNET'" >&2; exit 1; }
 BRIDGE="${PREFIX}-br"
-SUBNET="10.213.7"         # host K is $SUBNET.(K+1), the bridge $SUBNET.254
 IFACE="hnet0"             # every host's interface, inside its namespace
 
 die() { echo "netns_cluster: error: $*" >&2; exit 1; }
@@ -163,6 +167,8 @@ export OMPI_MCA_oob_tcp_if_include=$SUBNET.0/24
 # The hosts share this machine's cores: a rank waiting for a message yields.
 export OMPI_MCA_mpi_yield_when_idle=1
 export HSPMD_NETNS_DIR=$DIR
+export HSPMD_NETNS_PREFIX=$PREFIX
+export HSPMD_NETNS_SUBNET=$SUBNET
 EOF
 }
 

@@ -52,10 +52,21 @@ void print_cost(std::ostream& os, const CostReport& rep) {
 }
 
 struct CostFlags {
-  std::string model, cluster, strategy, profile, lengths, dispatch = "cost";
+  std::string model, cluster, strategy, profile, lengths, dispatch = "cost", links;
   int64_t seq_len = 0, batch_tokens = 0, max_seq_len = 0;
   bool json = false;
 };
+
+// The cluster file, with the links `hspmd profile --links` measured (if
+// any) replacing its typed links for the host pairs measured.
+Topology load_cluster(const std::string& cluster, const std::string& links) {
+  const Topology t = Topology::load(cluster);
+  return links.empty() ? t : t.with_links(LinkTable::load(links));
+}
+
+constexpr const char* kLinksHelp =
+    "links JSON measured by `hspmd profile --links`: its links replace the cluster file's for the\n"
+    "host pairs it measured (host i = node i; docs/cluster.md, \"Measured links\")";
 
 // The pieces of a token file (documents cut at eos, pieces of at most L), as
 // the trainer cuts them.
@@ -151,13 +162,14 @@ int cost_command(const std::vector<std::string>& args) {
   f.add_int("max-seq-len", &c.max_seq_len, "with --lengths: the longest piece");
   f.add_string("dispatch", &c.dispatch,
                "with --lengths: cost (default) or symmetric, as `hspmd train --dispatch` (docs/mixed_length.md)");
+  f.add_string("links", &c.links, kLinksHelp);
   f.add_bool("json", &c.json, "print one JSON document instead of text");
   if (!f.parse(args)) return 0;
   if (c.lengths.empty() && (c.batch_tokens != 0 || c.max_seq_len != 0 || c.dispatch != "cost"))
     fail("[flags] --batch-tokens, --max-seq-len and --dispatch are read only with --lengths");
   if (c.lengths.empty() && c.seq_len < 1) fail("[flags] --seq-len must be >= 1, got ", c.seq_len);
   const ModelConfig config = ModelConfig::load(c.model);
-  const Topology topology = Topology::load(c.cluster);
+  const Topology topology = load_cluster(c.cluster, c.links);
   const Strategy strategy = load_strategy(c.strategy);
   validate(strategy, config, topology.world_size());
   if (!c.lengths.empty()) return token_cost(c, config, topology, strategy);
@@ -175,6 +187,7 @@ int cost_command(const std::vector<std::string>& args) {
 }
 
 struct SearchFlags {
+  std::string links;
   std::string model, cluster, profile, schedule = "1f1b", out, from, unavailable, tp, mbs, solver = "cbc";
   int global_batch = 0, top = 5, max_cp = 1, min_pipelines = 1;  // ints: the parser refuses what does not fit
   int64_t seq_len = 0;
@@ -342,6 +355,7 @@ void add_search_flags(FlagSet& f, SearchFlags& c) {
   f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("solver", &c.solver, "cbc (default) or exact: who solves the integer programs");
   f.add_string("output", &c.out, "write the best strategy JSON here (also -o)");
+  f.add_string("links", &c.links, kLinksHelp);
   f.add_bool("json", &c.json, "print one JSON document instead of text");
 }
 
@@ -417,13 +431,14 @@ int search_command(const std::vector<std::string>& args) {
   add_search_flags(f, c);
   const std::vector<std::string> expanded = expand_short_output(args);
   if (!f.parse(expanded)) return 0;
-  check_outputs({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from}},
+  check_outputs({{"--model", c.model}, {"--cluster", c.cluster}, {"--profile", c.profile}, {"--from", c.from},
+                 {"--links", c.links}},
                 {{"--output", c.out}});
   // CBC's LP solver calls BLAS on tiny matrices; pool threads spinning
   // between those calls cost more than the calls (measured: 2x the search).
   set_num_threads(1);
   const ModelConfig config = ModelConfig::load(c.model);
-  const Topology topology = Topology::load(c.cluster);
+  const Topology topology = load_cluster(c.cluster, c.links);
   const CostModel model = CostModel::load(config, topology, c.profile);
   model.require_profiles_for_emulation(c.cluster);
   SearchOptions o = search_options(c, topology);

@@ -21,12 +21,15 @@
 #include "mps.h"
 #include "flags.h"
 #include "hspmd/models/model.h"
+#include "hspmd/comm/communicator.h"
 #include "hspmd/core/error.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/io/text_output.h"
 #include "hspmd/core/ndarray.h"
 #include "hspmd/models/model.h"
+#include "hspmd/planner/link_profile.h"
 #include "hspmd/planner/profiler.h"
+#include "hostfile.h"
 
 namespace hspmd::cli {
 
@@ -267,9 +270,82 @@ void calibrate_emulation(Profile& p, const ProfileFlags& c, const std::vector<in
   }
 }
 
+// A double as text that reads back to the same value.
+std::string json_number(double x) { return nlohmann::json(x).dump(); }
+
+struct LinkFlags {
+  bool links = false;
+  std::string hostfile, output;
+  int repetitions = 5;
+  double link_seconds = 0.1;
+};
+
+void add_link_flags(FlagSet& f, LinkFlags& c) {
+  f.add_bool("links", &c.links, "measure the links between the hosts of --hostfile and within each");
+  f.add_string("hostfile", &c.hostfile, "the hosts (Open MPI's hostfile: NAME slots=N a line; docs/multi_host.md)");
+  f.add_string("output", &c.output, "links JSON to write (also -o)", true);
+  f.add_int("repetitions", &c.repetitions, "timed ping-pongs per message size; the median counts (default 5)", false,
+            {1, 1000});
+  f.add_double("link-seconds", &c.link_seconds,
+               "the largest message of a link takes about this long one way (default 0.1)");
+}
+
+// One rank of the measurement (under mpirun): rank 0 writes the table.
+int links_rank(const LinkFlags& c) {
+  std::unique_ptr<Communicator> world = make_world_communicator();
+  RankSupervision supervision(world->rank());
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  LinkProbeOptions o;
+  o.repeats = c.repetitions;
+  o.target_seconds = c.link_seconds;
+  const LinkTable t = measure_links(*world, name, o);
+  if (world->rank() != 0) return 0;
+  write_output_file("[profile] --output", c.output, t.to_json().dump(1) + "\n");
+  for (const HostLink& l : t.links)
+    std::fprintf(stderr, "%s <-> %s: %.4g MB/s, latency %.1f us\n", t.hosts[l.a].c_str(), t.hosts[l.b].c_str(),
+                 l.gbps * 1e3, l.latency_us);
+  std::fprintf(stderr, "wrote %s\n", c.output.c_str());
+  return 0;
+}
+
+// `hspmd profile --links`: with --hostfile, runs itself on up to two ranks
+// per host through the launcher; under mpirun, is one of those ranks.
+int links_command(const std::vector<std::string>& args) {
+  LinkFlags c;
+  FlagSet f("profile --links",
+            "Measure bandwidth and latency between every two hosts and within each, over the\n"
+            "transport the ranks use (MPI point-to-point; docs/cluster.md, \"Measured links\"):\n"
+            "plan search and plan cost read the file with --links.");
+  add_link_flags(f, c);
+  if (!f.parse(expand_short_output(args))) return 0;
+  if (!(c.link_seconds > 0) || c.link_seconds > 10)
+    fail("[flags] --link-seconds must lie in (0, 10], got ", c.link_seconds);
+  check_outputs({{"--hostfile", c.hostfile}}, {{"--output", c.output}});
+  if (c.hostfile.empty()) {
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr)
+      fail("[flags] profile --links needs --hostfile (or to run under mpirun)");
+    return links_rank(c);
+  }
+  Hostfile hosts = read_hostfile(c.hostfile);
+  for (HostSlots& h : hosts.hosts) h.slots = std::min<int64_t>(h.slots, 2);
+  const std::string out = std::filesystem::absolute(c.output).string();
+  std::vector<std::string> ranks = {"--links", "--output", out, "--repetitions", std::to_string(c.repetitions),
+                                    "--link-seconds", json_number(c.link_seconds)};
+  LaunchOptions o;
+  o.nproc = hosts.slots();
+  o.rank_args = std::move(ranks);
+  o.timeout_s = 0;  // the ranks report no steps
+  o.command = {self_executable(), "profile"};
+  o.hostfile = std::move(hosts);
+  return launch_ranks(o);
+}
+
 }  // namespace
 
 int profile_command(const std::vector<std::string>& args) {
+  for (const std::string& a : args)
+    if (a == "--links") return links_command(args);
   ProfileFlags c;
   FlagSet f("profile",
             "Measure a model's embedding, block and head (forward and backward) on one rank of a\n"

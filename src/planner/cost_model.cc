@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <set>
 
 #include "hspmd/core/error.h"
@@ -176,8 +178,7 @@ double CostModel::optimizer_seconds(int rank, int64_t n) const {
 
 double CostModel::link_seconds(int a, int b, double bytes) const {
   if (a == b || bytes <= 0) return 0;
-  const double latency = std::max(topology_.device_type(a).latency_us, topology_.device_type(b).latency_us) * 1e-6;
-  return latency + bytes / (topology_.bandwidth(a, b) * 1e9);
+  return topology_.latency_us(a, b) * 1e-6 + bytes / (topology_.bandwidth(a, b) * 1e9);
 }
 
 // A ring collective in which each member sends `bytes_per_member` in all:
@@ -189,8 +190,31 @@ double CostModel::group_seconds(const std::vector<int>& ranks, double bytes_per_
   return latency + bytes_per_member * per_byte;
 }
 
+// Under measured links (Topology::with_links): the slowest link and the
+// largest latency between the group's nodes, one member of each node
+// standing for it (and two for a node's own link).
+static std::pair<double, double> measured_group_link(const Topology& t, const std::vector<int>& ranks) {
+  std::map<int, std::vector<int>> by_node;  // node -> up to two members
+  for (int r : ranks)
+    if (auto& m = by_node[t.node_of(r)]; m.size() < 2 && (m.empty() || m[0] != r)) m.push_back(r);
+  double bw = std::numeric_limits<double>::infinity(), latency = 0;
+  for (auto i = by_node.begin(); i != by_node.end(); ++i) {
+    if (i->second.size() > 1) {
+      bw = std::min(bw, t.bandwidth(i->second[0], i->second[1]));
+      latency = std::max(latency, t.latency_us(i->second[0], i->second[1]));
+    }
+    for (auto j = std::next(i); j != by_node.end(); ++j) {
+      bw = std::min(bw, t.bandwidth(i->second[0], j->second[0]));
+      latency = std::max(latency, t.latency_us(i->second[0], j->second[0]));
+    }
+  }
+  if (!std::isfinite(bw)) return {0.0, 0.0};  // one rank listed twice
+  return {latency * 1e-6 * static_cast<double>(ranks.size() - 1), 1.0 / (bw * 1e9)};
+}
+
 std::pair<double, double> CostModel::group_link(const std::vector<int>& ranks) const {
   if (ranks.size() < 2) return {0.0, 0.0};
+  if (topology_.has_measured_links()) return measured_group_link(topology_, ranks);
   // The slowest link between two members (Topology::bandwidth): across
   // nodes the smaller inter-node bandwidth of the two, inside a node the
   // smaller intra-node one. O(n): the least inter-node bandwidth of any

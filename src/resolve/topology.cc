@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <limits>
 #include <map>
+#include <utility>
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/json_file.h"
@@ -217,8 +218,40 @@ double Topology::bandwidth(int a, int b) const {
   }
   const DeviceSpec& ta = device_type(a);
   const DeviceSpec& tb = device_type(b);
+  if (has_measured_links()) {
+    const size_t pair = static_cast<size_t>(node_of(a) * num_nodes() + node_of(b));
+    if (link_gbps_[pair] > 0) return link_gbps_[pair];
+  }
   if (same_node(a, b)) return std::min(ta.intra_node_gbps, tb.intra_node_gbps);
   return std::min(ta.inter_node_gbps, tb.inter_node_gbps);
+}
+
+double Topology::latency_us(int a, int b) const {
+  if (a == b) return rank(a), 0.0;
+  if (has_measured_links()) {
+    const size_t pair = static_cast<size_t>(node_of(a) * num_nodes() + node_of(b));
+    if (link_gbps_[pair] > 0) return link_latency_us_[pair];
+  }
+  return std::max(device_type(a).latency_us, device_type(b).latency_us);
+}
+
+Topology Topology::with_links(const LinkTable& links) const {
+  const int n = num_nodes();
+  if (static_cast<int>(links.hosts.size()) > n)
+    fail("[links] the file measures ", links.hosts.size(), " hosts but the cluster has ", n,
+         " nodes (host i of the links file is node i of the cluster)");
+  Topology t = *this;
+  if (t.link_gbps_.empty()) t.link_gbps_.assign(static_cast<size_t>(n * n), 0), t.link_latency_us_ = t.link_gbps_;
+  std::vector<int> ranks_on(static_cast<size_t>(n), 0);
+  for (const RankInfo& r : ranks_) ++ranks_on[static_cast<size_t>(r.node)];
+  for (const HostLink& l : links.links)
+    for (const auto& [x, y] : {std::pair{l.a, l.b}, std::pair{l.b, l.a}}) {
+      // A host's link is shared by its ranks; the typed bandwidth is per device.
+      const int sharing = x == y ? 1 : std::max(ranks_on[static_cast<size_t>(x)], ranks_on[static_cast<size_t>(y)]);
+      t.link_gbps_[static_cast<size_t>(x * n + y)] = l.gbps / std::max(sharing, 1);
+      t.link_latency_us_[static_cast<size_t>(x * n + y)] = l.latency_us;
+    }
+  return t;
 }
 
 int Topology::num_nodes() const {

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hspmd/resolve/links.h"
+
 namespace hspmd {
 
 // One entry of the device catalog. (Not `DeviceType`: that name is the
@@ -81,7 +83,20 @@ class Topology {
   // Bandwidth of the link a <-> b in GB/s: inside a node the smaller
   // intra_node_gbps of the two, across nodes the smaller inter_node_gbps.
   // Infinite for a == b.
+  // Measured links (with_links) replace both for the node pairs measured.
   double bandwidth(int a, int b) const;
+  // Latency of the link a <-> b in microseconds: the measured one
+  // (with_links), else the larger latency_us of the two device types; 0 for
+  // a == b.
+  double latency_us(int a, int b) const;
+  // The same cluster with the links `links` measured (host i of the file is
+  // node i) replacing the typed bandwidth and latency of the node pairs it
+  // holds, inside a node too (docs/cluster.md, "Measured links"). A link
+  // between two hosts is shared by their ranks: each rank pair gets the
+  // measured bandwidth over the ranks of the larger of the two nodes. Throws
+  // hspmd::Error "[links] ..." when it names more hosts than there are nodes.
+  Topology with_links(const LinkTable& links) const;
+  bool has_measured_links() const { return !link_gbps_.empty(); }
   int num_nodes() const;
   // The same cluster with rank r's emulated slowdown replaced (elastic
   // training: a device that changed speed). Throws for a bad rank.
@@ -96,6 +111,8 @@ class Topology {
   std::vector<DeviceSpec> catalog_;
   std::vector<RankInfo> ranks_;
   std::vector<int> type_index_;  // per rank, index into catalog_
+  // with_links: per node pair (row-major, num_nodes^2), 0 = not measured.
+  std::vector<double> link_gbps_, link_latency_us_;
 };
 
 }  // namespace hspmd
