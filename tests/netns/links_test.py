@@ -57,12 +57,13 @@ CLUSTER = {"catalog": {"cpu": {"tflops": 0.05, "memory_gib": 4, "intra_node_gbps
 
 
 class Cluster:
-    def __init__(self, script, tmp):
+    """Three test hosts of 2 slots named PREFIX-hK (heartbeat_test.py uses its own)."""
+    def __init__(self, script, tmp, prefix=PREFIX, subnet=SUBNET, shape=f"* {FAST_MBIT}mbit 0\n2 {SLOW_MBIT}mbit 0\n"):
         self.script, self.dir = script, os.path.join(tmp, "netns")
-        self.env = dict(os.environ, HSPMD_NETNS_PREFIX=PREFIX, HSPMD_NETNS_SUBNET=SUBNET, HSPMD_NETNS_DIR=self.dir)
+        self.env = dict(os.environ, HSPMD_NETNS_PREFIX=prefix, HSPMD_NETNS_SUBNET=subnet, HSPMD_NETNS_DIR=self.dir)
         self.shape = os.path.join(tmp, "shape.conf")
         with open(self.shape, "w") as f:
-            f.write(f"* {FAST_MBIT}mbit 0\n2 {SLOW_MBIT}mbit 0\n")
+            f.write(shape)
 
     def up(self):
         sh([self.script, "up", "3", "--slots", "2", "--shape", self.shape], env=self.env)
