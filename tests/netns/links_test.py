@@ -46,8 +46,8 @@ SEQ, BATCH, STEPS = 128, 24, 10
 SCHEDULE = "gpipe"
 # The cost model against the measured step times. The goal is 15%; on this
 # machine (2 cores shared with other jobs, load average 5-7) the uniform
-# plan's predictions came within +6..+8% of the measured medians and the
-# routed plan's -10..-21% (its compute, which the other jobs slow, is a
+# plan's predictions came within +6..+14% of the measured medians and the
+# routed plan's -10..-21% in 3 runs (its compute, which the other jobs slow, is a
 # larger share; at 100/10mbit -29..-31%): docs/planner.md, "Measured links".
 # The check holds 30% and prints each deviation.
 TOLERANCE = 0.30
