@@ -163,7 +163,16 @@ class StderrRelay {
       in_banner_ = !in_banner_;
       return;
     }
+    // A banner's dashes glued to the end of a line another process wrote
+    // without its newline ("... (104)-----..."): that line, then the dashes.
+    const size_t text_end = l.find_last_not_of('-');
+    if (text_end != std::string::npos && l.size() - text_end - 1 >= 10) {
+      line(l.substr(0, text_end + 1));
+      return line(l.substr(text_end + 1));
+    }
     if (in_banner_) return parse(l);
+    // mpirun's account of a rank's death, wherever it lands.
+    if (l.find("mpirun noticed that process rank ") != std::string::npos) parse(l);
     // Open MPI's own runtime lines ("[host:pid] ... help message", "MCA
     // parameter", "[host:pid] [[job,0],0] ORTE_ERROR_LOG: ..." as it tears
     // down an aborted job) are its noise, not the ranks' words.
@@ -177,6 +186,10 @@ class StderrRelay {
     // Its shared-memory transport reading from a rank that just died ("[host:pid]
     // Read -1, expected 8192, errno = 3").
     if (l.rfind("[", 0) == 0 && l.find("] Read -1, expected ") != std::string::npos) return;
+    // Its TCP transport reading from a rank on another host that just died
+    // ("[host][[job,1],R][.../btl_tcp.c:559:mca_btl_tcp_recv_blocking] recv(20)
+    // failed: Connection reset by peer (104)").
+    if (l.rfind("[", 0) == 0 && l.find("btl_tcp") != std::string::npos) return;
     // Its rsh launcher when the agent (scripts/netns_cluster.sh rsh) runs in
     // a process group of its own: "[host:pid] plm:rsh: Warning: setpgid(...)".
     if (l.rfind("[", 0) == 0 && l.find("] plm:rsh: Warning: setpgid") != std::string::npos) return;

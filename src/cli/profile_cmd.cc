@@ -318,6 +318,13 @@ int links_command(const std::vector<std::string>& args) {
             "transport the ranks use (MPI point-to-point; docs/cluster.md, \"Measured links\"):\n"
             "plan search and plan cost read the file with --links.");
   add_link_flags(f, c);
+  // --help wins over anything else given (the mode's help, as `hspmd plan
+  // search --lengths x --help` prints its own).
+  for (const std::string& a : args)
+    if (a == "--help" || a == "-h") {
+      f.parse({"--help"});
+      return 0;
+    }
   if (!f.parse(expand_short_output(args))) return 0;
   if (!(c.link_seconds > 0) || c.link_seconds > 10)
     fail("[flags] --link-seconds must lie in (0, 10], got ", c.link_seconds);
