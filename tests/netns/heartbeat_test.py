@@ -11,8 +11,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -20,8 +18,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns_test import Failed, can_make_namespaces  # noqa: E402
-from links_test import Cluster  # noqa: E402
+from netns_test import Failed  # noqa: E402
+from links_test import Cluster, run_on_cluster  # noqa: E402
 
 PREFIX, SUBNET = "hhb", "10.213.10"
 MODEL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -74,31 +72,14 @@ def main():
     ap.add_argument("--script", required=True, help="scripts/netns_cluster.sh")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_heartbeat_")
-    why, _ = can_make_namespaces(tmp)
-    if why:
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"SKIP: this machine cannot make test hosts: {why}")
-        return 77
-    c = Cluster(args.script, tmp, PREFIX, SUBNET, shape="* 1gbit 0\n")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still runs `down` below
-    c.down()
-    t0 = time.time()
-    try:
+
+    def checks(c):
         write_inputs(tmp)
         c.up()
         check_link_down(c, args.hspmd, tmp)
-    except Failed as e:
-        print(f"FAIL: {e}")
-        return 1
-    finally:
-        c.down()
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    if f"{PREFIX}-h" in left or os.path.exists(c.dir):
-        print(f"FAIL: down left {left.strip()}")
-        return 1
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"netns_heartbeat: all checks passed in {time.time() - t0:.0f} s")
-    return 0
+
+    return run_on_cluster("netns_heartbeat", PREFIX, tmp,
+                          lambda: Cluster(args.script, tmp, PREFIX, SUBNET, shape="* 1gbit 0\n"), checks)
 
 
 if __name__ == "__main__":

@@ -189,39 +189,50 @@ def write_inputs(hspmd, tmp):
         "--micro-batch-sizes", "1,2,4,8", "-o", os.path.join(tmp, "profile.json")])
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hspmd", required=True)
-    ap.add_argument("--script", required=True, help="scripts/netns_cluster.sh")
-    args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="hspmd_links_")
+def run_on_cluster(name, prefix, tmp, make_cluster, checks):
+    """Skips (77) where namespaces cannot be made; else brings the cluster
+    up, runs checks(c), and always takes it down, failing when down leaves
+    a namespace or the cluster's directory behind."""
     why, _ = can_make_namespaces(tmp)
     if why:
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"SKIP: this machine cannot make test hosts: {why}")
         return 77
-    c = Cluster(args.script, tmp)
+    c = make_cluster()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # still runs `down` below
     c.down()  # a cluster a killed run left behind
     t0 = time.time()
     try:
-        write_inputs(args.hspmd, tmp)
-        c.up()
-        links = check_links(c, args.hspmd, tmp)
-        check_errors(c, args.hspmd, tmp, links)
-        check_plans(c, args.hspmd, tmp, links)
+        checks(c)
     except Failed as e:
         print(f"FAIL: {e}")
         return 1
     finally:
         c.down()
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    if f"{PREFIX}-h" in left or os.path.exists(c.dir):
+    if f"{prefix}-h" in left or os.path.exists(c.dir):
         print(f"FAIL: down left {left.strip()}")
         return 1
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"netns_links: all checks passed in {time.time() - t0:.0f} s")
+    print(f"{name}: all checks passed in {time.time() - t0:.0f} s")
     return 0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hspmd", required=True)
+    ap.add_argument("--script", required=True, help="scripts/netns_cluster.sh")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="hspmd_links_")
+
+    def checks(c):
+        write_inputs(args.hspmd, tmp)
+        c.up()
+        links = check_links(c, args.hspmd, tmp)
+        check_errors(c, args.hspmd, tmp, links)
+        check_plans(c, args.hspmd, tmp, links)
+
+    return run_on_cluster("netns_links", PREFIX, tmp, lambda: Cluster(args.script, tmp), checks)
 
 
 if __name__ == "__main__":
