@@ -8,6 +8,7 @@
 // backend's to_device; results come back with its to_host.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -130,16 +131,71 @@ void case_embedding(Io& io) {
   NDArray w = io.f32({11, 8}), ids = io.ids({7}, 0, 11), o = io.out({7, 8});
   io.k().embedding(io.s, w, ids, 0, 11, o);
   io.keep(o);
+  // The CUDA kernel's 16-byte groups (36 columns) and single columns (10),
+  // a shard of rows [10, 30) of a vocabulary of 50 (other ids: zeros).
+  for (int64_t h : {36, 10}) {
+    NDArray ws = io.f32({20, h}), ids2 = io.ids({3, 13}, 0, 50), o2 = io.out({3, 13, h});
+    io.k().embedding(io.s, ws, ids2, 10, 50, o2);
+    io.keep(o2);
+  }
 }
 void case_embedding_backward(Io& io) {
   NDArray g = io.f32({7, 8}), ids = io.ids({7}, 0, 11), dw = io.f32({11, 8});
   io.k().embedding_backward(io.s, g, ids, 0, 11, dw);
   io.keep(dw);
+  // Many tokens of few ids (sums of up to ~20 rows), the CUDA kernel's
+  // 16-byte groups (1028 columns: past one block of 256 x 4) and single
+  // columns (10), a shard of rows [3, 8) of a vocabulary of 9.
+  for (int64_t h : {1028, 10}) {
+    NDArray g2 = io.f32({2, 41, h}), ids2 = io.ids({2, 41}, 0, 9), dw2 = io.f32({5, h});
+    io.k().embedding_backward(io.s, g2, ids2, 3, 9, dw2);
+    io.keep(dw2);
+  }
+}
+// A random array of `shape` in `t` (f32 or bf16: the f32 values rounded).
+NDArray random_in(Io& io, const Shape& shape, DType t) {
+  const NDArray a = io.host_f32(shape);
+  return io.up(t == DType::F32 ? a : a.to(t));
+}
+// Keeps `o16` (a bf16 result of the inputs that gave the f32 `o`) as its
+// difference from `o` rounded to bf16 on the same target: zero where the
+// kernel rounds its f32 value once (a bf16 result itself may sit one ulp
+// from another backend's where the f32 values straddle a rounding point).
+void keep_rounded_once(Io& io, const NDArray& o, const NDArray& o16) {
+  NDArray minus = io.out(o.shape()), diff = io.out(o.shape());
+  io.k().scale(io.s, io.k().cast(io.s, io.k().cast(io.s, o, DType::BF16), DType::F32), -1.0f, minus);
+  io.k().add(io.s, minus, o16, diff);
+  io.keep(diff);
+}
+// One rms_norm call of `shape` with x in `x_type`: the f32 output, and the
+// bf16 output's difference from it rounded.
+void rms_norm_shape(Io& io, const Shape& shape, DType x_type) {
+  const int64_t h = shape.back();
+  NDArray x = random_in(io, shape, x_type), w = io.f32({h}, 0.5f, 1.5f);
+  NDArray o = io.out(shape), o16 = io.out(shape, DType::BF16);
+  io.k().rms_norm(io.s, x, w, 1e-5f, o);
+  io.k().rms_norm(io.s, x, w, 1e-5f, o16);
+  io.keep(o);
+  keep_rounded_once(io, o, o16);
 }
 void case_rms_norm(Io& io) {
   NDArray x = io.f32({6, 32}), w = io.f32({32}), o = io.out({6, 32});
   io.k().rms_norm(io.s, x, w, 1e-5f, o);
   io.keep(o);
+  // The CUDA kernel's paths and tails: 16-byte groups with 1, 2 and 4 per
+  // thread (rows of 2048, 4096, 8192), partly filled groups (1000, 8),
+  // single columns (203, 4095: not multiples of 8), the wide-row kernel
+  // past them (4099, 8200); bf16 and f32 x, one row and many.
+  rms_norm_shape(io, {100, 2048}, DType::BF16);
+  rms_norm_shape(io, {33, 2048}, DType::F32);
+  rms_norm_shape(io, {5, 4096}, DType::F32);
+  rms_norm_shape(io, {3, 8192}, DType::BF16);
+  rms_norm_shape(io, {40, 1000}, DType::F32);
+  rms_norm_shape(io, {7, 8}, DType::BF16);
+  rms_norm_shape(io, {37, 203}, DType::BF16);
+  rms_norm_shape(io, {1, 4095}, DType::F32);
+  rms_norm_shape(io, {2, 4099}, DType::F32);
+  rms_norm_shape(io, {2, 8200}, DType::BF16);
 }
 // One rms_norm_backward call of `shape` with x in `x_type` and an addend in
 // `add_type` (F64: none); keeps the f32 dx and dweight, and, for a bf16 dx
@@ -187,10 +243,27 @@ void case_rms_norm_backward(Io& io) {
   rms_norm_backward_shape(io, {2, 4099}, DType::F32, DType::F32, false);
   rms_norm_backward_shape(io, {2, 8200}, DType::BF16, DType::F64, true);
 }
+// One rope call of `shape` ([B, S, heads, D]) with x in `x_type`, forward
+// or inverse: the f32 output and the bf16 one's difference from it rounded.
+void rope_shape(Io& io, const Shape& shape, DType x_type, bool inverse) {
+  NDArray x = random_in(io, shape, x_type), pos = io.ids({shape[0], shape[1]}, 0, 4096);
+  NDArray o = io.out(shape), o16 = io.out(shape, DType::BF16);
+  io.k().rope(io.s, x, pos, 10000.0f, inverse, o);
+  io.k().rope(io.s, x, pos, 10000.0f, inverse, o16);
+  io.keep(o);
+  keep_rounded_once(io, o, o16);
+}
 void case_rope(Io& io) {
   NDArray x = io.f32({2, 5, 3, 8}), pos = io.ids({2, 5}, 0, 9), o = io.out({2, 5, 3, 8});
   io.k().rope(io.s, x, pos, 10000.0f, false, o);
   io.keep(o);
+  // The CUDA kernel's 16-byte path (half a head a multiple of 8: D 16, 64,
+  // 128) and its single pairs (D 20, 6), f32 and bf16 x, the inverse.
+  rope_shape(io, {2, 7, 3, 64}, DType::F32, false);
+  rope_shape(io, {1, 9, 5, 128}, DType::BF16, false);
+  rope_shape(io, {3, 5, 1, 16}, DType::BF16, true);
+  rope_shape(io, {2, 3, 3, 20}, DType::F32, true);
+  rope_shape(io, {1, 11, 2, 6}, DType::BF16, false);
 }
 void case_swiglu(Io& io) {
   NDArray g = io.f32({6, 24}), u = io.f32({6, 24}), o = io.out({6, 24});
@@ -269,12 +342,37 @@ struct CrossEntropyInputs {
   }
 };
 
+// Wider rows for the CUDA kernels' paths: `rows` rows of `width` logits,
+// targets below `classes` (0: all), every fifth row ignored, normalizer 8.
+struct WideCrossEntropyInputs {
+  NDArray logits, targets, normalizer;
+  WideCrossEntropyInputs(Io& io, int64_t rows, int64_t width, int64_t classes)
+      : logits(io.f32({rows, width}, -8, 8)), normalizer(io.up(NDArray::from_vector({1}, {8.0f}))) {
+    std::uniform_int_distribution<int32_t> d(0, static_cast<int32_t>((classes > 0 ? classes : width) - 1));
+    std::vector<int32_t> t(static_cast<size_t>(rows));
+    for (size_t r = 0; r < t.size(); ++r) t[r] = r % 5 == 3 ? -100 : d(io.rng);
+    targets = io.up(NDArray::from_vector_i32({rows}, t));
+  }
+};
+
 void case_cross_entropy(Io& io) {
   CrossEntropyInputs in(io);
   NDArray loss = io.out({1}), lse = io.out({9});
   io.k().cross_entropy(io.s, in.logits, in.targets, in.normalizer, -100, loss, lse, 0);
   io.keep(loss);
   io.keep(lse);
+  // The CUDA kernel's 16-byte groups with many per thread (4000 and the
+  // 32000 vocabulary), a padded vocabulary whose classes end inside a group
+  // (classes 3998 of 4000: a tail of single entries), rows not a multiple
+  // of 4 (1003: single entries throughout).
+  for (const auto& [rows, width, classes] : std::vector<std::array<int64_t, 3>>{
+           {11, 4000, 0}, {3, 32000, 0}, {6, 4000, 3998}, {7, 1003, 0}, {5, 1003, 1001}}) {
+    WideCrossEntropyInputs w(io, rows, width, classes);
+    NDArray wl = io.out({1}), wlse = io.out({rows});
+    io.k().cross_entropy(io.s, w.logits, w.targets, w.normalizer, -100, wl, wlse, classes);
+    io.keep(wl);
+    io.keep(wlse);
+  }
 }
 void case_cross_entropy_shard_stats(Io& io) {
   CrossEntropyInputs in(io, 16);  // entries [8, 24) of 31
@@ -282,6 +380,15 @@ void case_cross_entropy_shard_stats(Io& io) {
   io.k().cross_entropy_shard_stats(io.s, in.logits, in.targets, 8, 31, -100, local, picked, 0);
   io.keep(local);
   io.keep(picked);
+  // A shard of 4000 entries [4000, 8000) of a padded vocabulary of 7990
+  // classes (its last 10 entries padding), the rows' targets anywhere.
+  WideCrossEntropyInputs w(io, 9, 4000, 7990);
+  const std::vector<int32_t> t = {4000, 7989, 12, -100, 5000, 7999 - 10, 3999, 6001, 4003};
+  w.targets = io.up(NDArray::from_vector_i32({9}, t));
+  NDArray wl = io.out({9}), wp = io.out({9});
+  io.k().cross_entropy_shard_stats(io.s, w.logits, w.targets, 4000, 8000, -100, wl, wp, 7990);
+  io.keep(wl);
+  io.keep(wp);
 }
 void case_cross_entropy_combine(Io& io) {
   CrossEntropyInputs in(io);
@@ -295,6 +402,18 @@ void case_cross_entropy_backward(Io& io) {
   NDArray dloss = io.up(NDArray::from_vector({1}, {1.5f})), lse = io.f32({9}, 4, 5), d = io.out({9, 31});
   io.k().cross_entropy_backward(io.s, dloss, in.logits, in.targets, in.normalizer, lse, -100, 0, d, 0);
   io.keep(d);
+  // The CUDA kernel's 16-byte groups (rows a multiple of 8) with a padded
+  // vocabulary ending inside a group, single columns (1003), f32 and bf16
+  // gradients (the bf16 one as its difference from the f32 one rounded).
+  for (const auto& [rows, width, classes] :
+       std::vector<std::array<int64_t, 3>>{{11, 4000, 0}, {6, 4000, 3995}, {5, 1003, 1001}}) {
+    WideCrossEntropyInputs w(io, rows, width, classes);
+    NDArray wlse = io.f32({rows}, 8, 10), wd = io.out({rows, width}), wd16 = io.out({rows, width}, DType::BF16);
+    io.k().cross_entropy_backward(io.s, dloss, w.logits, w.targets, w.normalizer, wlse, -100, 0, wd, classes);
+    io.k().cross_entropy_backward(io.s, dloss, w.logits, w.targets, w.normalizer, wlse, -100, 0, wd16, classes);
+    io.keep(wd);
+    keep_rounded_once(io, wd, wd16);
+  }
 }
 
 // One batch row of 16 tokens in two documents (positions restart at 10),

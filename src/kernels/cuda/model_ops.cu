@@ -5,7 +5,11 @@
 // batch one small read back per call. Sums run in double; the embedding
 // gradient sorts the tokens by id (stably) and adds each id's tokens in order
 // per column (the same bits as the CPU); RoPE's angles, cos and sin are
-// computed in double as the CPU's table is, once per (token, pair).
+// computed in double as the CPU's table is, once per (token, pair). The
+// memory-bound kernels move 16 bytes per access where the rows allow (every
+// row 16-byte aligned), else one element: the embedding and its gradient,
+// RoPE (8 pairs a thread), the cross-entropy's logsumexp (one read of each
+// row: a running max and sum of exponentials) and its gradient.
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -13,6 +17,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/runtime.h"
@@ -131,13 +136,25 @@ void require_f32(const char* kernel, std::initializer_list<const NDArray*> array
     if (a->dtype() != DType::F32) fail("[cuda] ", kernel, ": f32 only so far, got ", dtype_name(a->dtype()));
 }
 
+// V consecutive columns a thread (V = 4: 16-byte loads and stores, the
+// caller checked h % 4 and the pointers; V = 1 any width): item e = (token
+// t, group q), one division per item.
+template <int V>
 __global__ void embedding_kernel(const float* w, const int32_t* ids, int64_t vocab_begin, int64_t rows, int64_t h,
-                                 float* y, int64_t total) {
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+                                 float* y, int64_t tokens) {
+  const int64_t per_row = h / V, items = tokens * per_row;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < items;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = e / h, j = e % h;
+    const int64_t t = e / per_row, j = (e - t * per_row) * V;
     const int64_t row = ids[t] - vocab_begin;
-    y[e] = row >= 0 && row < rows ? w[row * h + j] : 0.0f;
+    float v[V];
+    if (row >= 0 && row < rows) {
+      load<V>(w, row * h + j, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = 0.0f;
+    }
+    store<V>(y, t * h + j, v);
   }
 }
 
@@ -152,6 +169,7 @@ __global__ void iota_kernel(int32_t* v, int64_t n) {
 // at the first position of an id sums that id's tokens in token order, one
 // column per thread (the CPU's order: the same bits), and writes the row
 // once; the other blocks return at once.
+template <int V>
 __global__ void embedding_backward_kernel(const float* g, const int32_t* key, const int32_t* order,
                                           int64_t vocab_begin, int64_t rows, int64_t h, int64_t tokens, float* dw) {
   const int64_t p = blockIdx.x;
@@ -159,11 +177,19 @@ __global__ void embedding_backward_kernel(const float* g, const int32_t* key, co
   if (p > 0 && key[p - 1] == id) return;
   const int64_t row = id - vocab_begin;
   if (row < 0 || row >= rows) return;
-  for (int64_t j = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < h;
-       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t q = p; q < tokens && key[q] == id; ++q) acc += g[order[q] * h + j];
-    dw[row * h + j] = acc;
+  // V consecutive columns a thread (V = 4: 16-byte loads and stores, the
+  // caller checked h % 4 and the pointers), each summed in token order.
+  for (int64_t j = (blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x) * V; j < h;
+       j += static_cast<int64_t>(gridDim.y) * blockDim.x * V) {
+    float acc[V], v[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = 0.0f;
+    for (int64_t q = p; q < tokens && key[q] == id; ++q) {
+      load<V>(g, order[q] * h + j, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] += v[k];
+    }
+    store<V>(dw, row * h + j, acc);
   }
 }
 
@@ -181,63 +207,135 @@ __global__ void rope_table_kernel(const int32_t* pos, double theta, bool inverse
   }
 }
 
-// threadIdx.x walks a head's pairs, threadIdx.y the (token, head) rows.
-constexpr int kRopeRowsPerBlock = 8;
-
-template <typename I, typename O>
+// V consecutive pairs a thread: work item e = (row th, group q), the pairs
+// i = q * V .. q * V + V - 1 of row th = (token, head). V = kVec: 16-byte
+// loads and stores of both halves (the caller checked half % kVec and the
+// pointers), 64 bytes of the token's table; V = 1 any head dim.
+template <int V, typename I, typename O>
 __global__ void rope_kernel(const I* x, const float2* table, int64_t heads, int64_t half, O* y, int64_t rows) {
-  for (int64_t th = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y; th < rows;
-       th += static_cast<int64_t>(gridDim.x) * blockDim.y) {
-    const float2* cs = table + (th / heads) * half;
-    const I* xr = x + th * 2 * half;
-    O* yr = y + th * 2 * half;
-    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
-      const float2 c = cs[i];
-      const float a = to_f32(xr[i]), b = to_f32(xr[i + half]);
-      yr[i] = from_f32<O>(a * c.x - b * c.y);
-      yr[i + half] = from_f32<O>(b * c.x + a * c.y);
+  const int64_t per_row = half / V, items = rows * per_row;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < items;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t th = e / per_row, i = (e - th * per_row) * V;
+    const float2* cs = table + (th / heads) * half + i;
+    const int64_t base = th * 2 * half + i;
+    float a[V], b[V], ya[V], yb[V];
+    load<V>(x, base, a);
+    load<V>(x, base + half, b);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float2 c = cs[k];
+      ya[k] = a[k] * c.x - b[k] * c.y;
+      yb[k] = b[k] * c.x + a[k] * c.y;
     }
+    store<V>(y, base, ya);
+    store<V>(y, base + half, yb);
   }
 }
 
-// Per row: logsumexp over its first n entries (max in f32, the sum of
-// exponentials in double), written to lse; the row's loss contribution to
-// row_loss (0 for ignored rows); with `picked`, the target's logit when the
-// shard holds it. n == 0 gives -inf (a shard of padding only).
-__global__ void row_lse_kernel(const float* x, const int32_t* targets, int64_t v, int64_t n, int64_t vocab_begin,
-                               int32_t ignore, float* lse, double* row_loss, float* picked) {
-  __shared__ double scratch[kThreads];
-  const int64_t r = blockIdx.x;
-  const float* xr = x + r * v;
-  const int32_t t = targets[r];
-  if (t == ignore) {
-    if (threadIdx.x == 0) {
-      lse[r] = 0.0f;
-      if (row_loss) row_loss[r] = 0.0;
-      if (picked) picked[r] = 0.0f;
-    }
-    return;
+// A running (max, sum of exp(x - max)) pair of a softmax's normalizer: the
+// sum in double, rescaled when the max grows. Empty: max -inf, sum 0.
+struct MaxSum {
+  double m, sum;
+};
+
+__device__ inline MaxSum max_sum_merge(MaxSum a, MaxSum b) {
+  const double m = fmax(a.m, b.m);
+  // an empty side adds nothing (its exp(-inf - -inf) would be NaN)
+  const double sa = a.sum == 0 ? 0.0 : a.sum * exp(a.m - m), sb = b.sum == 0 ? 0.0 : b.sum * exp(b.m - m);
+  return {m, sa + sb};  // a + b == b + a: every lane of a butterfly gets the same bits
+}
+
+// Adds V values to a thread's pair: the group's max first, one rescale per
+// group at most, then exp(x - max) in double for each value.
+template <int V>
+__device__ inline void max_sum_add(MaxSum& p, const float (&x)[V]) {
+  double gm = x[0];
+#pragma unroll
+  for (int v = 1; v < V; ++v) gm = fmax(gm, static_cast<double>(x[v]));
+  if (gm > p.m) {
+    if (p.sum != 0) p.sum *= exp(p.m - gm);
+    p.m = gm;
   }
-  if (n == 0) {
-    if (threadIdx.x == 0) {
-      lse[r] = -INFINITY;
-      if (picked) picked[r] = 0.0f;
+#pragma unroll
+  for (int v = 0; v < V; ++v) p.sum += exp(static_cast<double>(x[v]) - p.m);
+}
+
+// Per row: logsumexp over its first n entries in one read of the row (an
+// online softmax: each thread a running max and sum of exponentials in
+// double over its 16-byte groups, or single entries where the rows are not
+// aligned, merged over the warp by a butterfly and over the warps in warp
+// order: the same bits on every run), written to lse; the row's loss
+// contribution to row_loss (0 for ignored rows); with `picked`, the
+// target's logit when the shard holds it. n == 0 gives -inf (a shard of
+// padding only). One block per row (grid-stride beyond). V = 4: x and the
+// row length keep every row 16-byte aligned.
+template <int V>
+__global__ void __launch_bounds__(kThreads) row_lse_kernel(const float* x, const int32_t* targets, int64_t v,
+                                                           int64_t n, int64_t vocab_begin, int32_t ignore,
+                                                           float* lse, double* row_loss, float* picked,
+                                                           int64_t rows) {
+  __shared__ MaxSum warp_pairs[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* xr = x + r * v;
+    const int32_t t = targets[r];
+    if (t == ignore) {
+      if (threadIdx.x == 0) {
+        lse[r] = 0.0f;
+        if (row_loss) row_loss[r] = 0.0;
+        if (picked) picked[r] = 0.0f;
+      }
+      continue;  // every thread of the block alike: no barrier skipped by some
     }
-    return;
+    if (n == 0) {
+      if (threadIdx.x == 0) {
+        lse[r] = -INFINITY;
+        if (picked) picked[r] = 0.0f;
+      }
+      continue;
+    }
+    MaxSum p{-INFINITY, 0.0};
+    const int64_t groups = n / V;
+    for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+      float xv[V];
+      load<V>(xr, g * V, xv);
+      max_sum_add<V>(p, xv);
+    }
+    for (int64_t j = groups * V + threadIdx.x; j < n; j += blockDim.x) {  // the tail (V > 1)
+      const float one[1] = {xr[j]};
+      max_sum_add<1>(p, one);
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) {
+      const MaxSum o{__shfl_xor_sync(0xffffffffu, p.m, m), __shfl_xor_sync(0xffffffffu, p.sum, m)};
+      p = max_sum_merge(p, o);
+    }
+    __syncthreads();  // thread 0 has read the previous row's warp_pairs
+    if (lane == 0) warp_pairs[warp] = p;
+    __syncthreads();
+    if (threadIdx.x != 0) continue;
+    MaxSum total = warp_pairs[0];
+    for (int i = 1; i < kThreads / 32; ++i) total = max_sum_merge(total, warp_pairs[i]);
+    const double l = log(total.sum) + total.m;
+    lse[r] = static_cast<float>(l);
+    const int64_t local = t - vocab_begin;
+    // A target outside the row (a bad one: check_targets reports it) reads nothing.
+    if (row_loss) row_loss[r] = local >= 0 && local < n ? l - xr[local] : l;
+    if (picked) picked[r] = local >= 0 && local < n ? xr[local] : 0.0f;
   }
-  double m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = fmax(m, static_cast<double>(xr[j]));
-  const float mx = static_cast<float>(block_max(m, scratch));
-  double sum = 0;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += exp(static_cast<double>(xr[j] - mx));
-  sum = block_sum(sum, scratch);
-  if (threadIdx.x != 0) return;
-  const double l = log(sum) + mx;
-  lse[r] = static_cast<float>(l);
-  const int64_t local = t - vocab_begin;
-  // A target outside the row (a bad one: check_targets reports it) reads nothing.
-  if (row_loss) row_loss[r] = local >= 0 && local < n ? l - xr[local] : l;
-  if (picked) picked[r] = local >= 0 && local < n ? xr[local] : 0.0f;
+}
+
+// Launches row_lse_kernel: 16-byte groups where the logits' rows allow.
+void launch_row_lse(Stream& s, const float* x, const int32_t* targets, int64_t v, int64_t n, int64_t vocab_begin,
+                    int32_t ignore, float* lse, double* row_loss, float* picked, int64_t rows) {
+  const unsigned grid = static_cast<unsigned>(rows < (1 << 20) ? rows : (1 << 20));
+  if (v % 4 == 0 && aligned16(x))
+    row_lse_kernel<4><<<grid, kThreads, 0, native(s)>>>(x, targets, v, n, vocab_begin, ignore, lse, row_loss, picked,
+                                                        rows);
+  else
+    row_lse_kernel<1><<<grid, kThreads, 0, native(s)>>>(x, targets, v, n, vocab_begin, ignore, lse, row_loss, picked,
+                                                        rows);
 }
 
 // loss = Σ_rows row_loss (double; each thread a strided part, then a fixed
@@ -266,27 +364,46 @@ __global__ void combine_kernel(const float* part, const float* picked, const int
   row_loss[r] = l - picked[r];
 }
 
-// One block per row (no division per element).
-template <typename O>
+// One block per row (no division per element), V consecutive columns a
+// thread at a time (V = kVec: 16-byte loads of the logits and stores of dx,
+// the caller checked the row length and the pointers), then the columns
+// past the last whole group one at a time.
+template <int V, typename O>
+__device__ inline void ce_backward_columns(const float* xr, O* dr, int64_t c0, float l, float g, int64_t n,
+                                           int64_t target_column, bool ignored) {
+  float xv[V], d[V];
+  load<V>(xr, c0, xv);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int64_t c = c0 + k;
+    float dk = 0.0f;
+    if (!ignored && c < n) {
+      dk = expf(xv[k] - l) * g;
+      if (c == target_column) dk -= g;
+    }
+    d[k] = dk;
+  }
+  store<V>(dr, c0, d);
+}
+
+template <int V, typename O>
 __global__ void ce_backward_kernel(const float* dloss, const float* x, const int32_t* targets, const float* normalizer,
                                    const float* lse, int32_t ignore, int64_t vocab_begin, int64_t v, int64_t n,
                                    O* dx, int64_t rows) {
   const float g = dloss[0] / normalizer[0];
+  const int64_t groups = v / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t t = targets[r];
     const float* xr = x + r * v;
     O* dr = dx + r * v;
     const float l = lse[r];
     const int64_t target_column = t - vocab_begin;
-    for (int64_t c = threadIdx.x; c < v; c += blockDim.x) {
-      if (t == ignore || c >= n) {
-        dr[c] = from_f32<O>(0.0f);
-        continue;
-      }
-      float d = expf(xr[c] - l) * g;
-      if (c == target_column) d -= g;
-      dr[c] = from_f32<O>(d);
-    }
+    const bool ignored = t == ignore;
+    for (int64_t q = threadIdx.x; q < groups; q += blockDim.x)
+      ce_backward_columns<V>(xr, dr, q * V, l, g, n, target_column, ignored);
+    if constexpr (V > 1)
+      for (int64_t c = groups * V + threadIdx.x; c < v; c += blockDim.x)
+        ce_backward_columns<1>(xr, dr, c, l, g, n, target_column, ignored);
   }
 }
 
@@ -312,8 +429,12 @@ void embedding(Stream& s, const NDArray& weight, const NDArray& ids, int64_t voc
   check_ids(s, ids, vocab_size);
   const int64_t total = tokens * h;
   if (total == 0) return;
-  embedding_kernel<<<blocks_for(total), kThreads, 0, native(s)>>>(weight.data<float>(), ids.data<int32_t>(),
-                                                                  vocab_begin, rows, h, out.data<float>(), total);
+  if (h % 4 == 0 && aligned16(weight.raw_data()) && aligned16(out.raw_data()))
+    embedding_kernel<4><<<blocks_for(total / 4), kThreads, 0, native(s)>>>(
+        weight.data<float>(), ids.data<int32_t>(), vocab_begin, rows, h, out.data<float>(), tokens);
+  else
+    embedding_kernel<1><<<blocks_for(total), kThreads, 0, native(s)>>>(weight.data<float>(), ids.data<int32_t>(),
+                                                                       vocab_begin, rows, h, out.data<float>(), tokens);
   launched("embedding");
 }
 
@@ -345,11 +466,12 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
                                                  keys.data<int32_t>(), order_in.data<int32_t>(),
                                                  order.data<int32_t>(), n, 0, 32, native(s)),
                  "embedding_backward: sort");
-  const int64_t tiles = (h + kThreads - 1) / kThreads;
+  const bool vec = h % 4 == 0 && aligned16(grad.raw_data()) && aligned16(dweight.raw_data());
+  const int64_t per_thread = vec ? 4 : 1, tiles = (h + kThreads * per_thread - 1) / (kThreads * per_thread);
   const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
-  embedding_backward_kernel<<<grid, kThreads, 0, native(s)>>>(grad.data<float>(), keys.data<int32_t>(),
-                                                              order.data<int32_t>(), vocab_begin, rows, h, tokens,
-                                                              dweight.data<float>());
+  const auto kernel = vec ? &embedding_backward_kernel<4> : &embedding_backward_kernel<1>;
+  kernel<<<grid, kThreads, 0, native(s)>>>(grad.data<float>(), keys.data<int32_t>(), order.data<int32_t>(),
+                                           vocab_begin, rows, h, tokens, dweight.data<float>());
   launched("embedding_backward");
 }
 
@@ -367,12 +489,16 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
   rope_table_kernel<<<blocks_for(tokens * half), kThreads, 0, native(s)>>>(positions.data<int32_t>(), theta, inverse,
                                                                           d, cs, tokens * half);
   launched("rope");
-  const int64_t blocks = (rows + kRopeRowsPerBlock - 1) / kRopeRowsPerBlock;
-  const dim3 block(kThreads / kRopeRowsPerBlock, kRopeRowsPerBlock);
-  const unsigned grid = static_cast<unsigned>(blocks < (1 << 20) ? blocks : (1 << 20));
+  const bool vec = half % kVec == 0 && aligned16(x.raw_data()) && aligned16(out.raw_data());
   with_float_type("rope", x, [&](const auto* in) {  // x f32 or bf16 (read exactly)
     with_float_type("rope", out, [&](auto* y) {
-      rope_kernel<<<grid, block, 0, native(s)>>>(in, cs, heads, half, y, rows);
+      using I = std::remove_const_t<std::remove_pointer_t<decltype(in)>>;
+      using O = std::remove_pointer_t<decltype(y)>;
+      if (vec)
+        rope_kernel<kVec, I, O><<<blocks_for(rows * (half / kVec)), kThreads, 0, native(s)>>>(in, cs, heads, half, y,
+                                                                                               rows);
+      else
+        rope_kernel<1, I, O><<<blocks_for(rows * half), kThreads, 0, native(s)>>>(in, cs, heads, half, y, rows);
     });
   });
   launched("rope");
@@ -389,9 +515,8 @@ void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets, con
   check_targets(s, targets, n, ignore_index);
   NDArray row_loss = NDArray::empty({rows > 0 ? rows : 1}, DType::F64, logits.device());
   if (rows > 0) {
-    row_lse_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-        logits.data<float>(), targets.data<int32_t>(), v, n, 0, ignore_index, lse.data<float>(),
-        static_cast<double*>(row_loss.raw_data()), nullptr);
+    launch_row_lse(s, logits.data<float>(), targets.data<int32_t>(), v, n, 0, ignore_index, lse.data<float>(),
+                   static_cast<double*>(row_loss.raw_data()), nullptr, rows);
     launched("cross_entropy");
   }
   loss_kernel<<<1, kThreads, 0, native(s)>>>(static_cast<const double*>(row_loss.raw_data()), rows, normalizer.data<float>(),
@@ -412,9 +537,8 @@ void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& 
   check_targets(s, targets, classes > 0 ? classes : vocab_size, ignore_index);
   const int64_t n = class_columns(v, vocab_begin, classes);
   if (rows == 0) return;
-  row_lse_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-      logits.data<float>(), targets.data<int32_t>(), v, n, vocab_begin, ignore_index, local_lse.data<float>(),
-      nullptr, target_logit.data<float>());
+  launch_row_lse(s, logits.data<float>(), targets.data<int32_t>(), v, n, vocab_begin, ignore_index,
+                 local_lse.data<float>(), nullptr, target_logit.data<float>(), rows);
   launched("cross_entropy_shard_stats");
 }
 
@@ -446,8 +570,11 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v, "cross_entropy_backward: sizes");
   if (rows * v == 0) return;
+  const bool vec = v % kVec == 0 && aligned16(logits.raw_data()) && aligned16(dlogits.raw_data());
   with_float_type("cross_entropy_backward", dlogits, [&](auto* dx) {
-    ce_backward_kernel<<<row_blocks(rows), kThreads, 0, native(s)>>>(
+    using O = std::remove_pointer_t<decltype(dx)>;
+    const auto kernel = vec ? &ce_backward_kernel<kVec, O> : &ce_backward_kernel<1, O>;
+    kernel<<<row_blocks(rows), kThreads, 0, native(s)>>>(
         dloss.data<float>(), logits.data<float>(), targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(),
         ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dx, rows);
   });

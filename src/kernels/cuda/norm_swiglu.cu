@@ -43,6 +43,56 @@ __global__ void rms_norm_kernel(const X* x, const float* w, float eps, O* y, int
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) yr[i] = from_f32<O>(w[i] * (to_f32(xr[i]) * s));
 }
 
+// ---- the forward in one read of each row ----
+// One block of kThreads per row (grid-stride over rows). Thread t owns the
+// column groups g = t + k * kThreads (k < K) of V consecutive columns (V =
+// kVec: 16-byte loads and stores; V = 1: any width or alignment), so the row
+// is read once into registers: its sum of squares in double (each thread
+// its columns in order, a butterfly over the warp, then the warps' totals
+// in warp order: one barrier a row, every thread the same bits), then
+// w * (x * s) written from the registers (rms_norm_kernel's expression).
+// rms_norm_kernel above stays for rows wider than kThreads * V * K.
+template <int V, int K, typename X, typename O>
+__global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const X* x, const float* w, float eps, O* y,
+                                                                 int64_t rows, int64_t h) {
+  __shared__ double warp_sums[2][kThreads / 32];  // [row parity][warp]: one barrier a row
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {  // the same trip count in every thread
+    const int64_t base = r * h;
+    float xv[K][V];
+    double ss = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+      if (c < h) {
+        load<V>(x, base + c, xv[k]);
+#pragma unroll
+        for (int v = 0; v < V; ++v) ss += static_cast<double>(xv[k][v]) * xv[k][v];
+      }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    if (lane == 0) warp_sums[parity][warp] = ss;
+    __syncthreads();
+    ss = 0;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) ss += warp_sums[parity][i];
+    const float s = inv_rms(ss, h, eps);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+      if (c < h) {
+        float wv[V], out[V];
+        load<V>(w, c, wv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) out[v] = wv[v] * (xv[k][v] * s);
+        store<V>(y, base + c, out);  // a bf16 output: the f32 value rounded once
+      }
+    }
+  }
+}
+
 // A row's sum of squares of x and of dy·w·x, in double: each thread its
 // columns threadIdx.x + k·blockDim.x in order, then block_sum's fixed tree
 // (every thread of the block calls it).
@@ -295,9 +345,23 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(x.dim(-1) == h && out.numel() == x.numel(), "rms_norm: sizes");
   if (rows == 0) return;
+  const bool vec = h % kVec == 0 && aligned16(x.raw_data()) && aligned16(weight.raw_data()) &&
+                   aligned16(out.raw_data());
+  const int k = groups_per_thread(h, vec);
+  const unsigned grid = static_cast<unsigned>(rows < (1 << 20) ? rows : (1 << 20));
   with_float_type("rms_norm", x, [&](auto* px) {
     with_float_type("rms_norm", out, [&](auto* y) {
-      rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(px, weight.data<float>(), eps, y, h);
+      using X = std::remove_const_t<std::remove_pointer_t<decltype(px)>>;
+      using O = std::remove_pointer_t<decltype(y)>;
+      if (k == 0) {  // rows wider than the one-read kernel takes
+        rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(px, weight.data<float>(), eps, y, h);
+        return;
+      }
+      const auto kernel = !vec ? &rms_norm_rows_kernel<1, 16, X, O>
+                          : k == 1 ? &rms_norm_rows_kernel<kVec, 1, X, O>
+                          : k == 2 ? &rms_norm_rows_kernel<kVec, 2, X, O>
+                                   : &rms_norm_rows_kernel<kVec, 4, X, O>;
+      kernel<<<grid, kThreads, 0, native(s)>>>(px, weight.data<float>(), eps, y, rows, h);
     });
   });
   launched("rms_norm");
