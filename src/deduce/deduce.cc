@@ -56,7 +56,7 @@ std::vector<Annotation> deduce_node(const DeduceContext& ctx) {
   for (const Tensor& t : node.inputs) inputs.push_back(ctx.graph.of(t));
   // A Reshard is exempt without being named here: it has exactly one input
   // (its shape rule rejects any other count), so it never enters this loop.
-  for (size_t i = 1; i < inputs.size(); ++i)
+  for (size_t i = 1; i < inputs.size() && !node.op->spans_devices(); ++i)
     if (!same_devices(inputs[0], inputs[i]))
       fail_at(ctx, "inputs 0 and ", i, " live on different subgroups (", to_string(inputs[0]),
               ") vs (", to_string(inputs[i]), "); insert a Reshard");
@@ -167,14 +167,24 @@ ShardContext shard_context(const AnnotatedGraph& annotated, const Node& node,
     return *box;
   };
   ShardContext shard;
+  // An op spanning devices gets an empty box where this rank holds none.
+  const bool spans = node.op->spans_devices();
+  auto held_box = [&](const Tensor& t, const Shape& global, std::vector<char>& held) {
+    if (!spans) return box_of(t, global);
+    held.push_back(annotated.of(t).contains(rank) ? 1 : 0);
+    if (held.back()) return box_of(t, global);
+    return Box{Shape(global.size(), 0), Shape(global.size(), 0)};
+  };
   for (const Tensor& in : node.inputs) {
     shard.input_global_shapes.push_back(eval_shape(in.shape(), bindings));
-    shard.input_boxes.push_back(box_of(in, shard.input_global_shapes.back()));
+    shard.input_boxes.push_back(held_box(in, shard.input_global_shapes.back(), shard.input_held));
+    if (spans) shard.input_annotations.push_back(annotated.of(in));
   }
   for (int i = 0; i < static_cast<int>(node.outputs.size()); ++i) {
     shard.output_global_shapes.push_back(eval_shape(node.outputs[i].shape, bindings));
-    shard.output_boxes.push_back(box_of(node.output(i), shard.output_global_shapes.back()));
+    shard.output_boxes.push_back(held_box(node.output(i), shard.output_global_shapes.back(), shard.output_held));
   }
+  if (spans) shard.rank = rank;
   const AnnotatedGraph* ag = &annotated;
   std::vector<Tensor> inputs = node.inputs;
   shard.ranks_along = [ag, inputs, rank](int input, int dim) {

@@ -236,6 +236,16 @@ std::unique_ptr<ExecGraph::LocalOp> ExecGraph::make_local_op(const Node& node,
     if (!clocked) clocked = std::make_unique<ClockedCommunicator>(group, *clock_, *topology_, ranks);
     return *clocked;
   };
+  if (node.op->spans_devices()) {  // the op resolves its own exchanges (expert parallelism)
+    shard.topology = topology_.get();
+    shard.group = [this](const std::vector<int>& ranks) -> Communicator& {
+      Communicator& group = world_->group(ranks);
+      if (!clock_) return group;
+      auto& clocked = clocked_groups_[ranks];
+      if (!clocked) clocked = std::make_unique<ClockedCommunicator>(group, *clock_, *topology_, ranks);
+      return *clocked;
+    };
+  }
   op->ctx.device = device_;
   op->ctx.stream = &default_stream(device_);
   op->ctx.bindings = &bindings;
@@ -254,7 +264,15 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
     timing->type = node.op->type();
     timing->start.record(*op.ctx.stream);
   }
-  std::vector<NDArray> outputs = run_op(node, op.ctx, inputs);
+  int64_t runtime_sent = 0;  // what a data-dependent op predicts for this call
+  std::vector<NDArray> outputs;
+  if (node.op->spans_devices()) {
+    OpContext ctx = op.ctx;
+    ctx.traffic_sent = &runtime_sent;
+    outputs = run_op(node, ctx, inputs);
+  } else {
+    outputs = run_op(node, op.ctx, inputs);
+  }
   if (timing) {
     timing->end.record(*op.ctx.stream);
     for (const std::vector<NDArray>* arrays : {&inputs, static_cast<const std::vector<NDArray>*>(&outputs)})
@@ -263,7 +281,7 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
   }
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
-  ledger_.op_predicted += op.traffic.sent;
+  ledger_.op_predicted += op.traffic.sent + runtime_sent;
   const bool modeled = clock_ && clock_->modeled();
   if (modeled || observer_) {
     const OpWork work = op_work(node, inputs, outputs, &op.shard);

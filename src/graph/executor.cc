@@ -54,11 +54,15 @@ std::vector<NDArray> run_op(const Node& node, const OpContext& ctx,
                             const std::vector<NDArray>& inputs) {
   std::vector<NDArray> outputs(node.outputs.size());
   node.op->compute(ctx, inputs, outputs);
-  for (size_t i = 0; i < outputs.size(); ++i)
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    // An output this rank does not hold (an op spanning devices) stays invalid.
+    const bool absent = ctx.shard && i < ctx.shard->output_held.size() && !ctx.shard->output_held[i];
+    if (absent && !outputs[i].valid()) continue;
     HSPMD_CHECK(outputs[i].valid() && outputs[i].shape() == ctx.out_shapes[i], "op ",
                 node.op->type(), " output ", i, " has shape ",
                 outputs[i].valid() ? shape_str(outputs[i].shape()) : "none", ", expected ",
                 shape_str(ctx.out_shapes[i]));
+  }
   return outputs;
 }
 

@@ -24,19 +24,10 @@
 #include "kernels/basic.h"
 #include "kernels/kernels.h"
 #include "kernels/memory.h"
+#include "moe_routing.h"
 #include "op_util.h"
 
 namespace hspmd::ops {
-
-namespace {
-
-// The expert order of one routing: offsets[e] .. offsets[e + 1] are expert
-// e's rows; rows [T, k] (i32) the row of each (token, slot); src [R] (i32)
-// the token of each row. rows and src on the stream's device.
-struct RoutingMap {
-  std::vector<int64_t> offsets;
-  NDArray rows, src;
-};
 
 RoutingMap routing_map(Stream& s, const NDArray& indices, int64_t experts, bool arrays) {
   const NDArray host = kernels::to_host(s, indices.contiguous());
@@ -63,11 +54,12 @@ RoutingMap routing_map(Stream& s, const NDArray& indices, int64_t experts, bool 
   return m;
 }
 
-// An array viewed as rows of its last dim.
 NDArray flat_rows(const NDArray& a) {
   const int64_t n = a.dim(-1);
   return a.reshape({n == 0 ? 0 : a.numel() / n, n});
 }
+
+namespace {
 
 int64_t shape_numel(const Shape& s) {
   int64_t n = 1;

@@ -1,6 +1,8 @@
 // dry_run: deduce the plan's annotated training graph and resolve every
 // Reshard of it — forward, backward (mirrors), gradient sync, and the ZeRO
 // gathers that follow the optimizer step — for a virtual world.
+#include <algorithm>
+
 #include "hspmd/core/error.h"
 #include "hspmd/deduce/deduce.h"
 #include "hspmd/graph/op.h"
@@ -118,8 +120,33 @@ std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, cons
   return out;
 }
 
+namespace {
+
+// Whether the plan places some expert on other ranks than its layer's
+// router: expert parallelism (the sparse layers then run ops::moe_experts).
+bool places_experts_apart(const AnnotationPlan& plan) {
+  const ModelConfig& c = plan.model;
+  auto ranks = [&](const std::string& name) {
+    auto it = plan.tensors.find(name);
+    std::vector<int> r = it == plan.tensors.end() ? std::vector<int>{} : it->second.all_ranks();
+    std::sort(r.begin(), r.end());
+    return r;
+  };
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.moe.num_experts <= 0 || !c.moe.sparse_layer(l)) continue;
+    const std::vector<int> router = ranks(moe_router_weight_name(c, l));
+    for (int64_t e = 0; e < c.moe.num_experts; ++e)
+      for (const std::string& w : moe_expert_weight_names(c, l, e))
+        if (ranks(w) != router) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 AnnotatedTraining annotate_training_graph(const AnnotationPlan& plan) {
   ModelBuildOptions options;
+  options.expert_parallel = places_experts_apart(plan);
   options.reshard_points = true;
   options.context_parallel = true;
   options.packed_documents = true;  // fixed-length samples feed positions 0..S-1: plain causal

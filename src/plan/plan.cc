@@ -5,6 +5,7 @@
 #include "hspmd/plan/plan.h"
 
 #include <functional>
+#include <map>
 #include <numeric>
 
 #include "hspmd/core/error.h"
@@ -49,7 +50,7 @@ using StatesOf = std::function<DistStates(const Stage&)>;
 
 class Compiler {
  public:
-  Compiler(const ModelConfig& c, const Strategy& s) : c_(c), s_(s) {}
+  Compiler(const ModelConfig& c, const Strategy& s) : c_(c), s_(s), experts_(expert_names()) {}
 
   // One subgroup per pipeline: the stage `pick` chooses, with `states`.
   Annotation across(const StagePick& pick, const StatesOf& states, bool tokens) const {
@@ -106,7 +107,32 @@ class Compiler {
   }
 
   Annotation parameter(const ModelParameter& p) const {
+    if (auto it = experts_.find(p.name); it != experts_.end()) return expert(p.layer, it->second);
     return across(place(p.part, p.layer), split_on(tp_dim(p.role)), false);
+  }
+
+  // Expert parallelism: expert e of a sparse layer whole on its owner slot
+  // of every group (one subgroup per group), copies over the slot's tp ranks.
+  Annotation expert(int64_t layer, int64_t e) const {
+    const ExpertGroups groups = expert_groups(s_, layer);
+    const int64_t per_member = c_.moe.num_experts / s_.expert_parallel;
+    Annotation a;
+    for (const auto& members : groups.slots) {
+      const std::vector<int>& owner = members.at(static_cast<size_t>(e / per_member));
+      a.subgroups.push_back(Subgroup{DeviceGroup{owner}, make_states({{kDup, static_cast<int>(owner.size())}})});
+    }
+    a.hdim = kDup;
+    return a;
+  }
+  // Expert-parallel plans: each expert weight's name -> its expert.
+  std::map<std::string, int64_t> expert_names() const {
+    std::map<std::string, int64_t> out;
+    if (s_.expert_parallel <= 1) return out;
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      if (c_.moe.sparse_layer(l))
+        for (int64_t e = 0; e < c_.moe.num_experts; ++e)
+          for (const std::string& name : moe_expert_weight_names(c_, l, e)) out[name] = e;
+    return out;
   }
 
   // Megatron: column-parallel weights split their output rows, row-parallel
@@ -208,6 +234,7 @@ class Compiler {
  private:
   const ModelConfig& c_;
   const Strategy& s_;
+  std::map<std::string, int64_t> experts_;  // expert weight -> its expert (expert parallelism)
 };
 
 }  // namespace

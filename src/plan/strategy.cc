@@ -122,12 +122,13 @@ Pipeline parse_pipeline(const json& j, int p, const std::string& source, bool to
 
 Strategy parse_strategy(const json& j, const std::string& source) {
   ObjectReader r(j, "", source);
-  r.reject_unknown({"description", "schedule", "zero", "pipelines", "max_seq_len"});
+  r.reject_unknown({"description", "schedule", "zero", "pipelines", "max_seq_len", "expert_parallel"});
   Strategy strategy;
   r.string("description", strategy.description);
   r.integer("max_seq_len", strategy.max_seq_len, false);
   r.string("schedule", strategy.schedule);
   r.boolean("zero", strategy.zero);
+  r.integer("expert_parallel", strategy.expert_parallel, false);
   const json& pipelines = r.array("pipelines");
   for (size_t p = 0; p < pipelines.size(); ++p)
     strategy.pipelines.push_back(parse_pipeline(pipelines[p], static_cast<int>(p), source, strategy.max_seq_len > 0));
@@ -170,6 +171,58 @@ void validate_tp(const Stage& st, int p, int s, const ModelConfig& c) {
                                                    {"intermediate_size", c.intermediate_size}};
   for (const auto& [name, size] : sizes)
     if (size % tp != 0) fail_at(p, s, "tp=", tp, " does not divide ", name, "=", size);
+}
+
+// The pipelines' stages as layer ranges: equal ones run the same schedule.
+std::vector<std::pair<int, int>> stage_layers(const Pipeline& p) {
+  std::vector<std::pair<int, int>> out;
+  for (const Stage& st : p.stages) out.emplace_back(st.first_layer, st.last_layer);
+  return out;
+}
+
+void validate_expert_parallel(const Strategy& strategy, const ModelConfig& c) {
+  const int g = strategy.expert_parallel;
+  if (g < 1) fail("[strategy] expert_parallel=", g, " must be at least 1");
+  if (g == 1) return;
+  const int64_t experts = c.moe.num_experts;
+  if (experts <= 0 || c.sparse_layers() == 0)
+    fail("[strategy] expert_parallel=", g, " needs a model with mixture-of-experts layers");
+  if (experts % g != 0)
+    fail("[strategy] expert_parallel=", g, " does not divide the ", experts, " experts");
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (!c.moe.sparse_layer(l)) continue;
+    int slots = 0;
+    for (size_t p = 0; p < strategy.pipelines.size(); ++p)
+      for (size_t s = 0; s < strategy.pipelines[p].stages.size(); ++s) {
+        const Stage& st = strategy.pipelines[p].stages[s];
+        if (l < st.first_layer || l > st.last_layer) continue;
+        slots += st.cp;
+        if (st.recompute)
+          fail_at(static_cast<int>(p), static_cast<int>(s), "recompute is not supported with expert_parallel=", g,
+                  " on a stage holding sparse layer ", l, " (its expert exchange would run again in the backward)");
+      }
+    if (slots % g != 0)
+      fail("[strategy] expert_parallel=", g, " does not divide the ", slots, " token slots of sparse layer ", l,
+           " (a slot: one cp chunk of the stage holding the layer in one pipeline)");
+    for (const std::vector<int>& pipelines : expert_groups(strategy, l).pipelines) {
+      if (pipelines.size() < 2) continue;
+      const Pipeline& first = strategy.pipelines[pipelines.front()];
+      for (int p : pipelines) {
+        const Pipeline& other = strategy.pipelines[p];
+        if (strategy.max_seq_len > 0)
+          fail("[strategy] expert_parallel=", g, ": token-budget steps (max_seq_len) cannot run an expert group across "
+               "pipelines ", pipelines.front(), " and ", p, " (their micro-batch counts vary per step)");
+        if (other.micro_batches != first.micro_batches)
+          fail("[strategy] expert_parallel=", g, ": sparse layer ", l, "'s expert group spans pipelines ",
+               pipelines.front(), " and ", p, ", whose micro_batches differ (", first.micro_batches, " vs ",
+               other.micro_batches, "): they exchange tokens every micro-batch");
+        if (strategy.schedule != "gpipe" && stage_layers(other) != stage_layers(first))
+          fail("[strategy] expert_parallel=", g, ": sparse layer ", l, "'s expert group spans pipelines ",
+               pipelines.front(), " and ", p, ", whose stages hold different layers: use \"schedule\": \"gpipe\" "
+               "(under 1f1b their exchanges would wait on each other in different orders)");
+      }
+    }
+  }
 }
 
 // `next` is the first layer the stage must start at (the previous stage's last + 1).
@@ -251,6 +304,7 @@ json to_json(const Strategy& strategy) {
   json j = {{"schedule", strategy.schedule}, {"zero", strategy.zero}, {"pipelines", pipelines}};
   if (!strategy.description.empty()) j["description"] = strategy.description;
   if (strategy.max_seq_len > 0) j["max_seq_len"] = strategy.max_seq_len;
+  if (strategy.expert_parallel != 1) j["expert_parallel"] = strategy.expert_parallel;
   return j;
 }
 
@@ -269,6 +323,28 @@ void validate(const Strategy& strategy, const ModelConfig& config, int world_siz
       fail_at(static_cast<int>(p), -1, "max_seq_len=", strategy.pipelines[p].max_seq_len,
               " is above the strategy's max_seq_len=", strategy.max_seq_len);
   }
+  validate_expert_parallel(strategy, config);
+}
+
+ExpertGroups expert_groups(const Strategy& strategy, int64_t layer) {
+  std::vector<std::pair<int, std::vector<int>>> slots;  // (pipeline, ranks)
+  for (size_t p = 0; p < strategy.pipelines.size(); ++p)
+    for (const Stage& st : strategy.pipelines[p].stages) {
+      if (layer < st.first_layer || layer > st.last_layer) continue;
+      const int tp = st.tp();
+      for (int c = 0; c < st.cp; ++c)
+        slots.emplace_back(static_cast<int>(p),
+                           std::vector<int>(st.ranks.begin() + c * tp, st.ranks.begin() + (c + 1) * tp));
+    }
+  const int g = std::max(1, strategy.expert_parallel);
+  ExpertGroups out;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (i % g == 0) out.slots.emplace_back(), out.pipelines.emplace_back();
+    out.slots.back().push_back(slots[i].second);
+    std::vector<int>& pl = out.pipelines.back();
+    if (std::find(pl.begin(), pl.end(), slots[i].first) == pl.end()) pl.push_back(slots[i].first);
+  }
+  return out;
 }
 
 int64_t sequence_granularity(const Strategy& strategy) {

@@ -198,10 +198,37 @@ MIXTRAL_CASES = {
     "mixtral_cp2_tp2": CASES["cp2_tp2"],
     "mixtral_c2_like_zero": CASES["c2_like_zero"],
 }
+
+
+def ep(n, case):
+    """A case's strategy with expert parallelism n (docs/moe.md)."""
+    world, strategy = case
+    return world, {**strategy, "expert_parallel": n}
+
+
+# Expert parallelism: each sparse layer's experts split over groups of token
+# slots (a slot: the tp ranks of one cp chunk of one pipeline's stage), the
+# tokens moved to their experts' owners and back every micro-batch.
+MIXTRAL_CASES.update({
+    "mixtral_ep2_dp2": ep(2, (2, {"pipelines": [pipeline(2, 2, [([r], [0, 3], 1)]) for r in range(2)]})),
+    "mixtral_ep4_dp4_zero": ep(4, CASES["dp4_zero"]),
+    "mixtral_ep2_dp4": ep(2, CASES["dp4"]),
+    "mixtral_ep2_pp2_dp2": ep(2, (4, {"pipelines": [pipeline(2, 2, [([2 * p], [0, 1], 1), ([2 * p + 1], [2, 3], 1)])
+                                                    for p in range(2)]})),
+    "mixtral_ep2_cp2_tp2": ep(2, CASES["cp2_tp2"]),
+    # One slow pipeline (a third of the samples, one stage) beside a
+    # two-stage one: their stages differ, so the schedule is GPipe's.
+    "mixtral_ep2_asym_gpipe": ep(2, (3, {"schedule": "gpipe", "pipelines": [
+        pipeline(3, 2, [([0], [0, 1], 1), ([1], [2, 3], 1)]), pipeline(1, 2, [([2], [0, 3], 1)])]})),
+})
 QWEN2MOE_CASES = {
     "qwen2moe_dp2_tp2": CASES["dp2_tp2"],
     "qwen2moe_hetero_pp_tp": CASES["hetero_pp_tp"],
     "qwen2moe_asym7_tp421_zero": CASES["asym7_tp421_zero"],
+    "qwen2moe_ep2_dp2_tp2": ep(2, CASES["dp2_tp2"]),
+    # A TP2 slot and a TP1 slot in one group, ZeRO over the groups' copies.
+    "qwen2moe_ep2_tp21_zero": ep(2, (3, {"zero": True, "pipelines": [
+        pipeline(2, 2, [([0, 1], [0, 3], 1)]), pipeline(2, 2, [([2], [0, 3], 1)])]})),
 }
 # Packed documents under CP x TP with recomputation and ZeRO (without the
 # auxiliary loss: a plan's padding would enter its statistics; refused).

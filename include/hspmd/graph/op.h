@@ -17,6 +17,7 @@ namespace hspmd {
 
 class AnnotatedGraph;  // hspmd/deduce/deduce.h
 class Communicator;    // hspmd/comm/communicator.h
+class Topology;        // hspmd/resolve/topology.h
 
 // What an op's deduction rule (Op::deduce) sees besides its input
 // annotations. The engine that fills it walks graphs: hspmd/deduce/deduce.h.
@@ -60,6 +61,20 @@ struct ShardContext {
   // The world ranks of that group, in the same order (also set by the dry
   // run, which has no communicators).
   std::function<std::vector<int>(int input, int dim)> ranks_along;
+
+  // For ops whose inputs live on different devices (Op::spans_devices:
+  // expert parallelism), which resolve their own data-dependent Reshards:
+  // this rank, the deduced annotation of every input, whether this rank
+  // holds each input and output (an input it does not hold comes as an
+  // invalid array, and the op leaves such an output invalid), the
+  // topology, and the communicator over any list of world ranks (distinct,
+  // this rank among them; created collectively over its members on first
+  // use). Unset (-1, empty, nullptr) for other ops.
+  int rank = -1;
+  std::vector<Annotation> input_annotations;
+  std::vector<char> input_held, output_held;
+  const Topology* topology = nullptr;
+  std::function<Communicator&(const std::vector<int>& ranks)> group;
 };
 
 // Communication an op does inside compute() on one rank (op-internal, not a
@@ -84,6 +99,11 @@ struct OpContext {
   Stream* stream = nullptr;
   const Bindings* bindings = nullptr;
   const ShardContext* shard = nullptr;
+  // Where an op whose communication depends on its input values (expert
+  // parallelism's token exchange) adds the bytes this rank sends, as
+  // predicted for this call (the resolver's prediction given the routing),
+  // when the executor asks for it (nullptr otherwise).
+  int64_t* traffic_sent = nullptr;
 
   // A new contiguous array for output i (uninitialized).
   NDArray alloc(int i) const { return NDArray::empty(out_shapes[i], out_dtypes[i], device); }
@@ -181,6 +201,12 @@ class Op {
   virtual OpTraffic traffic(const ShardContext& /*shard*/) const { return {}; }
   // Whether traffic() may return any (lets the dry run skip the other ops).
   virtual bool may_communicate() const { return false; }
+  // Whether the op's inputs may live on different devices (expert
+  // parallelism: each expert's weights on its owners, the tokens on every
+  // rank of the group): the engine then skips its same-devices check, the
+  // op's rule checks the layouts, and the executor runs the op on the ranks
+  // of output 0 (see ShardContext). False by default.
+  virtual bool spans_devices() const { return false; }
 
   // Floating-point operations of one call on local arrays of these shapes:
   // the work the model clock charges an op for (exec/op_work.h,

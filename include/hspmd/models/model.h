@@ -144,6 +144,10 @@ struct ModelBuildOptions {
   // every Reshard is the identity: the loss is unchanged.
   bool reshard_points = false;
   bool context_parallel = false;  // attention may take a sequence-split input
+  // Sparse layers run their experts as one op whose weights may live on
+  // other ranks than the tokens (ops::moe_experts; docs/moe.md): set where
+  // a plan places some expert apart from its layer's router.
+  bool expert_parallel = false;
   // Decided by the caller for its device (Precision::for_device): the model
   // builds the graph this precision describes and reads no device or
   // environment itself.
@@ -155,6 +159,12 @@ struct ModelBuildOptions {
 // grad.{parameter} Reshards.
 ModelGraph build_model(const ModelConfig& config, const ModelBuildOptions& options);
 ModelGraph build_model(const ModelConfig& config, bool packed_documents = false);
+
+// Mixture of experts (docs/moe.md): the Hugging Face names of expert
+// `expert`'s (gate, up, down) weights in sparse layer `layer`, and of the
+// layer's router weight.
+std::vector<std::string> moe_expert_weight_names(const ModelConfig& config, int64_t layer, int64_t expert);
+std::string moe_router_weight_name(const ModelConfig& config, int64_t layer);
 
 // A model family: everything hspmd needs of one model architecture,
 // registered under its Hugging Face model_type (src/models/registry.cc). The

@@ -159,7 +159,17 @@ Tensor moe_combine(const Tensor& rows, const Tensor& indices, const Tensor& weig
 // transposed (a linear layer per expert over its rows): [..., k, out] f32.
 // The number of experts is weights.size(); bf16 operands make bf16 products.
 Tensor grouped_linear(const Tensor& rows, const Tensor& indices, const std::vector<Tensor>& weights);
+// Expert parallelism (src/ops/moe_ep.cc, docs/moe.md): rows [..., k, H] in
+// expert order (the compute dtype) through each expert's SwiGLU MLP
+// down(silu(gate x) * up x), the weights [F, H], [F, H], [H, F] in the rows'
+// dtype: [..., k, H] f32, grouped_linear's three products in one op. The
+// weights may live on other ranks than the rows (one subgroup per
+// expert-parallel group): each call moves the rows to their experts' owners
+// and back by Reshards it resolves for the step's routing counts.
+Tensor moe_experts(const Tensor& rows, const Tensor& indices, const std::vector<Tensor>& gate,
+                   const std::vector<Tensor>& up, const std::vector<Tensor>& down);
 // [E] f32: the (token, slot) pairs routed to each expert (no gradient).
+
 Tensor moe_counts(const Tensor& indices, int64_t experts);
 // y itself, whose gradient also gives probs [..., E] the gradient `weights`
 // [E] broadcast: the auxiliary load-balancing loss's term, its weights fed

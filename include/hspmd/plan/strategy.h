@@ -50,6 +50,9 @@ struct Strategy {
   bool zero = false;              // ZeRO-1: split fp32 master weights and Adam states across DP
   std::vector<Pipeline> pipelines;
   int max_seq_len = 0;            // token-budget steps: the longest piece it accepts (0: --max-seq-len)
+  // Expert parallelism (docs/moe.md): each sparse layer's experts split
+  // over groups of this many token slots (1: every rank holds every expert).
+  int expert_parallel = 1;
 
   int global_batch() const;  // sum of the pipelines' batch()
   // Every rank named by some stage, ascending.
@@ -86,6 +89,18 @@ nlohmann::json to_json(const Strategy& strategy);
 // vocab_size; an unknown schedule.
 // Also throws "[strategy] world size must be positive" for world_size < 1.
 void validate(const Strategy& strategy, const ModelConfig& config, int world_size);
+
+// Expert parallelism of sparse layer `layer` under strategy.expert_parallel
+// = G (docs/moe.md): the layer's token slots, pipeline by pipeline and in
+// each the cp chunks of the stage holding the layer (a slot: the tp ranks
+// holding the same tokens), cut into groups of G consecutive slots; member
+// m of a group owns experts [m E/G, (m+1) E/G). expert_group_slots[j] lists
+// group j's slots, each its ranks; pipeline_of[j] the pipelines they lie in.
+struct ExpertGroups {
+  std::vector<std::vector<std::vector<int>>> slots;  // [group][member]: ranks
+  std::vector<std::vector<int>> pipelines;           // [group]: the pipelines its slots lie in, ascending
+};
+ExpertGroups expert_groups(const Strategy& strategy, int64_t layer);
 
 // Ranks of [0, world_size) that no stage names (they stay idle), ascending.
 // Ranks outside the world are ignored (validate() rejects them).

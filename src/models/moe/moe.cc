@@ -63,6 +63,13 @@ void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelPar
   }
 }
 
+std::vector<std::string> moe_expert_weight_names(const ModelConfig& c, int64_t layer, int64_t expert) {
+  const ExpertNames n = expert_names(c, layer, expert);
+  return {n.gate, n.up, n.down};
+}
+
+std::string moe_router_weight_name(const ModelConfig& c, int64_t layer) { return prefix(c, layer) + "gate.weight"; }
+
 std::string moe_aux_weights_name(int64_t layer) { return "moe_aux_weights." + std::to_string(layer); }
 
 Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i, const Tensor& x, Graph& g,
@@ -88,9 +95,15 @@ Tensor build_moe_mlp(const ModelConfig& c, const ModelBuildOptions& o, int64_t i
   // The GEMMs' operands both in the compute dtype (bf16 x bf16 where the
   // precision says so, as the dense MLP's); their products and the rest f32.
   const Tensor rows_lo = ops::cast(rows, act);
-  const Tensor hidden =
-      ops::swiglu(ops::grouped_linear(rows_lo, r.indices, gate), ops::grouped_linear(rows_lo, r.indices, up));
-  Tensor y = ops::moe_combine(ops::grouped_linear(ops::cast(hidden, act), r.indices, down), r.indices, r.weights, E);
+  Tensor expert_out;
+  if (o.expert_parallel) {  // the experts as one op, their weights on their owners
+    expert_out = ops::moe_experts(rows_lo, r.indices, gate, up, down);
+  } else {
+    const Tensor hidden =
+        ops::swiglu(ops::grouped_linear(rows_lo, r.indices, gate), ops::grouped_linear(rows_lo, r.indices, up));
+    expert_out = ops::grouped_linear(ops::cast(hidden, act), r.indices, down);
+  }
+  Tensor y = ops::moe_combine(expert_out, r.indices, r.weights, E);
   if (c.moe.shared_expert_intermediate_size > 0) {
     const Tensor s = ops::linear(ops::swiglu(ops::linear(x, lo(p + "shared_expert.gate_proj.weight"), act),
                                              ops::linear(x, lo(p + "shared_expert.up_proj.weight"), act)),
