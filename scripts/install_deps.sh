@@ -29,6 +29,7 @@ TEST_PACKAGES=(
   python3-venv               # the Hugging Face oracle's venv (scripts/setup_oracle_venv.sh)
   python3-pip                # pip download of the cudnn_frontend headers (below)
   iproute2                   # ip, tc: the test hosts of scripts/netns_cluster.sh (docs/multi_host.md)
+  nftables                   # nft: a lossy link between test hosts (netns_cluster.sh loss)
 )
 MAIN=0
 if [ "${1:-}" = "--main" ]; then

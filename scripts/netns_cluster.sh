@@ -9,6 +9,8 @@
 #   scripts/netns_cluster.sh down
 #   scripts/netns_cluster.sh status          exit 0 when a cluster is up
 #   scripts/netns_cluster.sh rsh HOST CMD... Open MPI's rsh agent: CMD on HOST
+#   scripts/netns_cluster.sh loss K PERCENT  host K's link drops PERCENT of its
+#                                            packets each way (0: none); nftables
 #
 # `up` writes $HSPMD_NETNS_DIR (default /run/hspmd-netns):
 #   hostfile   Open MPI's syntax, "hspmd-hK slots=S" per host (S default 4)
@@ -199,6 +201,28 @@ up() {
   trap - EXIT INT TERM
 }
 
+# `loss K PERCENT`: host K's link turns lossy: an nftables table in its
+# namespace drops each packet through its interface, either way, with
+# probability PERCENT/100 (`numgen random`; the kernel may lack netem, whose
+# `loss` would do this in tc). 0 removes the table.
+loss() {
+  [ $# -eq 2 ] || die "usage: loss K PERCENT"
+  local k=$1 pct=$2 ns
+  [[ "$pct" =~ ^[0-9]+$ ]] && [ "$pct" -le 100 ] || die "loss: PERCENT must be an integer in [0, 100], got '$pct'"
+  [[ "$k" =~ ^[0-9]+$ ]] || die "loss: host '$k' is not a number"
+  ns=$(ns_of "$k")
+  ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$ns" || die "loss: no test host $k (namespace $ns)"
+  command -v nft >/dev/null || die "loss: nft is not installed (scripts/install_deps.sh installs nftables)"
+  ip netns exec "$ns" nft delete table inet hspmd_loss 2>/dev/null || true
+  [ "$pct" = 0 ] && return 0
+  ip netns exec "$ns" nft -f - <<RULES || die "loss: host $k: nft refused the rules (a kernel without nf_tables or numgen?)"
+table inet hspmd_loss {
+  chain in { type filter hook input priority 0; policy accept; iifname "$IFACE" numgen random mod 100 < $pct drop; }
+  chain out { type filter hook output priority 0; policy accept; oifname "$IFACE" numgen random mod 100 < $pct drop; }
+}
+RULES
+}
+
 # Open MPI's rsh agent: `rsh HOST CMD...` runs CMD in HOST's namespaces (as
 # ssh would run it in HOST's login shell).
 rsh() {
@@ -236,5 +260,6 @@ case "$cmd" in
     [ -r "$DIR/hosts" ] && cat "$DIR/hosts"
     ;;
   rsh) rsh "$@" ;;
-  *) die "usage: $0 up N [--shape FILE] [--slots S] | down | status | rsh HOST CMD..." ;;
+  loss) loss "$@" ;;
+  *) die "usage: $0 up N [--shape FILE] [--slots S] | down | status | rsh HOST CMD... | loss K PERCENT" ;;
 esac

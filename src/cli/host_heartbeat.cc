@@ -10,11 +10,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <sstream>
 
 #include "hspmd/core/error.h"
+#include "hspmd/core/options.h"
 #include "launcher.h"
 
 namespace hspmd::cli {
@@ -22,8 +25,23 @@ namespace {
 
 constexpr int kNameChars = 64;
 constexpr int kMaxAddresses = 4;
-// A datagram holds the sender's host index h, or -(h + 2) when it is done.
+// A datagram holds the sender's host index h, or -(h + 2) when it is done,
+// and its number (0, 1, ... per sender), from which receivers count losses.
+// It also carries the hosts the sender finds silent or lossy (bit h, for
+// the first 64 hosts), so that a host can tell whether the others agree.
+struct Datagram {
+  int32_t what;
+  uint32_t seq;
+  uint64_t suspects;
+};
+uint64_t bit(int h) { return h < 64 ? uint64_t{1} << h : 0; }
 int32_t bye(int host) { return -(host + 2); }
+// The loss is judged over windows of at least this many datagrams.
+constexpr int kMinLossWindow = 10;
+// A host that finds another one silent or lossy reports it at once when a
+// third host agrees; else it waits this long (the host whose own link failed
+// finds all the others bad, no one agrees, and their line comes first).
+constexpr auto kGrace = std::chrono::seconds(3);
 
 using Clock = std::chrono::steady_clock;
 
@@ -70,17 +88,14 @@ std::string this_host() {
 
 }  // namespace
 
-double heartbeat_timeout_s() {
-  const char* v = std::getenv("HSPMD_HEARTBEAT_TIMEOUT");
-  if (v == nullptr || *v == '\0') return 10;
-  char* end = nullptr;
-  const double t = std::strtod(v, &end);
-  if (*end != '\0' || !(t >= 0) || t > 3600)
-    fail("[flags] HSPMD_HEARTBEAT_TIMEOUT must be seconds in [0, 3600] (0: off), got '", v, "'");
-  return t;
+double HostHeartbeat::interval_s(double timeout_s) { return std::clamp(timeout_s / 40, 0.02, 1.0); }
+
+int HostHeartbeat::window(double timeout_s) {
+  return std::max(1, static_cast<int>(std::lround(timeout_s / interval_s(timeout_s))));
 }
 
-HostHeartbeat::HostHeartbeat(Communicator& world, double timeout_s) : timeout_s_(timeout_s) {
+HostHeartbeat::HostHeartbeat(Communicator& world, double timeout_s, double max_loss)
+    : timeout_s_(timeout_s), max_loss_(max_loss) {
   const int n = world.size();
   std::vector<int32_t> mine(kNameChars, 0), all(static_cast<size_t>(kNameChars * n));
   const std::string host = this_host();
@@ -121,7 +136,8 @@ HostHeartbeat::HostHeartbeat(Communicator& world, double timeout_s) : timeout_s_
     addresses_.emplace_back(p + 2, p + 2 + p[1]);
   }
   if (!leader) return;
-  interval_s_ = std::min(1.0, timeout_s / 5);
+  interval_s_ = interval_s(timeout_s);
+  window_ = window(timeout_s);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -129,12 +145,13 @@ HostHeartbeat::~HostHeartbeat() {
   if (thread_.joinable()) {
     stop_ = true;
     thread_.join();
-    for (int i = 0; i < 3; ++i) send_all(bye(host_));
+    for (int i = 0; i < 3; ++i) send_all(bye(host_), 0, 0);
   }
   if (socket_ >= 0) close(socket_);
 }
 
-void HostHeartbeat::send_all(int32_t what) {
+void HostHeartbeat::send_all(int32_t what, uint32_t seq, uint64_t suspects) {
+  const Datagram d{what, seq, suspects};
   for (size_t h = 0; h < names_.size(); ++h) {
     if (static_cast<int>(h) == host_) continue;
     for (uint32_t a : addresses_[h]) {
@@ -142,7 +159,7 @@ void HostHeartbeat::send_all(int32_t what) {
       to.sin_family = AF_INET;
       to.sin_port = static_cast<in_port_t>(ports_[h]);
       to.sin_addr.s_addr = a;
-      sendto(socket_, &what, sizeof what, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&to), sizeof to);
+      sendto(socket_, &d, sizeof d, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&to), sizeof to);
     }
   }
 }
@@ -151,36 +168,100 @@ void HostHeartbeat::run() {
   const size_t hosts = names_.size();
   std::vector<Clock::time_point> heard(hosts, Clock::now());
   std::vector<bool> done(hosts, false);
+  std::vector<uint64_t> theirs(hosts, 0);  // per host, the hosts its latest datagram suspects
+  // Per host, the numbers received within the last window_ below its newest
+  // (a datagram sent to several of a host's addresses counts once).
+  std::vector<std::set<uint32_t>> received(hosts);
   Clock::time_point next_send = Clock::now();
+  Clock::time_point bad_since{};  // since when this host finds some host bad
+  bool any_bad = false;
+  uint64_t mine = 0;  // the hosts this host finds bad
   const auto timeout = std::chrono::duration<double>(timeout_s_);
+  uint32_t seq = 0;
+  char t[32], m[32];
+  std::snprintf(t, sizeof t, "%g", timeout_s_);
+  std::snprintf(m, sizeof m, "%g", max_loss_);
   while (!stop_) {
     if (Clock::now() >= next_send) {
-      send_all(host_);
+      send_all(host_, seq++, mine);
       next_send = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval_s_));
     }
     pollfd p{socket_, POLLIN, 0};
-    if (poll(&p, 1, 100) > 0) {
-      int32_t what = 0;
-      while (recv(socket_, &what, sizeof what, MSG_DONTWAIT) == sizeof what) {
-        if (what >= 0 && static_cast<size_t>(what) < hosts) heard[what] = Clock::now();
-        if (what <= -2 && static_cast<size_t>(-what - 2) < hosts) done[-what - 2] = true;
+    if (poll(&p, 1, 20) > 0) {
+      Datagram d{};
+      while (recv(socket_, &d, sizeof d, MSG_DONTWAIT) == sizeof d) {
+        if (d.what >= 0 && static_cast<size_t>(d.what) < hosts) {
+          heard[d.what] = Clock::now();
+          theirs[d.what] = d.suspects;
+          std::set<uint32_t>& r = received[d.what];
+          r.insert(d.seq);
+          const uint32_t newest = *r.rbegin();
+          if (newest >= static_cast<uint32_t>(window_)) r.erase(r.begin(), r.upper_bound(newest - window_));
+        }
+        if (d.what <= -2 && static_cast<size_t>(-d.what - 2) < hosts) done[-d.what - 2] = true;
       }
     }
     const Clock::time_point now = Clock::now();
-    std::vector<int> silent;
-    for (size_t h = 0; h < hosts; ++h)
-      if (static_cast<int>(h) != host_ && !done[h] && now - heard[h] > timeout) silent.push_back(static_cast<int>(h));
-    if (silent.empty()) continue;
-    char t[32];
-    std::snprintf(t, sizeof t, "%g", timeout_s_);
-    if (silent.size() + 1 == hosts && hosts > 2) {
-      if (now - heard[silent[0]] < timeout + std::chrono::seconds(3)) continue;  // the others report first
-      lost("[heartbeat] host " + names_[host_] + " (this host) heard none of the other " +
-           std::to_string(hosts - 1) + " hosts for " + t + " s: its link is down; ending the job");
+    // The hosts silent for the timeout, then those that lost too many (judged
+    // once the sender has numbered a whole window); the fresh ones: heard
+    // within half the timeout and not bad.
+    std::vector<int> bad, fresh;
+    std::vector<int> lost_of(hosts, 0);
+    size_t others = 0, silent = 0;
+    for (size_t h = 0; h < hosts; ++h) {
+      if (static_cast<int>(h) == host_ || done[h]) continue;
+      ++others;
+      const std::set<uint32_t>& r = received[h];
+      if (!r.empty() && *r.rbegin() + 1 >= static_cast<uint32_t>(window_))
+        lost_of[h] = window_ - static_cast<int>(r.size());
+      if (now - heard[h] > timeout) {
+        bad.insert(bad.begin() + static_cast<std::ptrdiff_t>(silent++), static_cast<int>(h));
+        lost_of[h] = -1;
+      } else if (window_ >= kMinLossWindow && lost_of[h] > max_loss_ * window_) {
+        bad.push_back(static_cast<int>(h));
+      } else if (now - heard[h] < timeout / 2) {
+        fresh.push_back(static_cast<int>(h));
+      }
     }
-    const auto [first, last] = ranks_[silent[0]];
-    lost("[heartbeat] host " + names_[silent[0]] + " (ranks " + std::to_string(first) + "-" + std::to_string(last) +
-         ") sent no heartbeat for " + t + " s: its link is down or it stopped; ending the job");
+    mine = 0;
+    for (int h : bad) mine |= bit(h);
+    if (bad.empty()) {
+      any_bad = false;
+      continue;
+    }
+    if (!any_bad) any_bad = true, bad_since = now;
+    const bool waited = now - bad_since >= kGrace;
+    int report = bad[0];
+    if (others >= 2) {
+      // A fresh host that finds this one bad, or none fresh: this host's own link.
+      bool me = fresh.empty();
+      for (int h : fresh) me = me || (theirs[h] & bit(host_)) != 0;
+      if (me) {
+        if (!waited) continue;
+        if (silent == others)
+          lost("[heartbeat] host " + names_[host_] + " (this host) heard none of the other " +
+               std::to_string(others) + " hosts for " + t + " s: its link is down; ending the job");
+        lost("[heartbeat] host " + names_[host_] + " (this host): the other hosts' heartbeats and its own are lost "
+             "(more than " + option_name("heartbeat_max_loss") + " " + m + "): its link is lossy; ending the job");
+      }
+      // At once when a fresh host agrees, else after the grace.
+      report = -1;
+      for (int x : bad)
+        for (int h : fresh)
+          if (report < 0 && (theirs[h] & bit(x)) != 0) report = x;
+      if (report < 0) {
+        if (!waited) continue;
+        report = bad[0];
+      }
+    }
+    const auto [first, last] = ranks_[report];
+    const std::string who =
+        "[heartbeat] host " + names_[report] + " (ranks " + std::to_string(first) + "-" + std::to_string(last) + ") ";
+    if (lost_of[report] < 0) lost(who + "sent no heartbeat for " + t + " s: its link is down or it stopped; ending the job");
+    char pct[32];
+    std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * lost_of[report] / window_);
+    lost(who + "lost " + std::to_string(lost_of[report]) + " of its last " + std::to_string(window_) + " heartbeats (" +
+         pct + ", more than " + option_name("heartbeat_max_loss") + " " + m + "): its link is lossy; ending the job");
   }
 }
 

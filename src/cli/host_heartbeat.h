@@ -1,8 +1,8 @@
 // A heartbeat between the hosts of a job (docs/multi_host.md, "Heartbeat
-// between hosts"): the first rank of each host sends a UDP datagram to the
-// first rank of every other host each interval, over the network the ranks
-// use, so that a host whose link goes down is found in seconds instead of
-// when TCP gives up (minutes).
+// between hosts"): the first rank of each host sends a numbered UDP datagram
+// to the first rank of every other host each interval, over the network the
+// ranks use, so that a host whose link goes down or turns lossy is found in
+// seconds instead of when TCP gives up (minutes) or crawls on.
 #pragma once
 
 #include <atomic>
@@ -14,25 +14,29 @@
 
 namespace hspmd::cli {
 
-// HSPMD_HEARTBEAT_TIMEOUT (seconds, default 10, 0 = off; the launcher passes
-// HSPMD_* variables to every host). hspmd::Error "[flags] ..." for a value
-// that is not a number in [0, 3600].
-double heartbeat_timeout_s();
-
 class HostHeartbeat {
  public:
   // Collective over `world`: gathers every rank's host name and, from the
   // first rank of each host, a UDP port and its IPv4 addresses (those inside
   // OMPI_MCA_btl_tcp_if_include when it is set). On a job of one host, or
   // with timeout_s 0, does nothing more. Otherwise the first rank of each
-  // host runs a thread that ends the process (exit 1) with one line when a
-  // host has sent nothing for timeout_s: "[heartbeat] host H (ranks a-b)
-  // sent no heartbeat for T s: its link is down or it stopped; ending the
-  // job", or, on the host that hears no other host, "[heartbeat] host H
-  // (this host) heard none of the other K hosts for T s: its link is down;
-  // ending the job" (after a short grace, so that the others' line comes
-  // first). Only the job's first such line is printed (claim_report).
-  HostHeartbeat(Communicator& world, double timeout_s);
+  // host runs a thread that sends a datagram every interval_s() and ends the
+  // process (exit 1) with one line when a host has sent nothing for
+  // timeout_s ("[heartbeat] host H (ranks a-b) sent no heartbeat for T s:
+  // its link is down or it stopped; ending the job") or when, of the last
+  // window() datagrams it numbered (covering timeout_s), more than max_loss
+  // never came ("[heartbeat] host H (ranks a-b) lost L of its last W
+  // heartbeats (P%, more than --heartbeat-max-loss M): its link is lossy;
+  // ending the job"). With three hosts or more a host reports another at
+  // once only when a third host (its datagrams carry what it suspects)
+  // agrees, else after a short grace; the host that hears (well) from no
+  // other host, or that the others suspect, ends its own ranks after that
+  // grace, so that the others' line comes first.
+  // Only the job's first such line is printed (claim_report).
+  HostHeartbeat(Communicator& world, double timeout_s, double max_loss);
+  // The send interval and the loss window (datagrams) for a timeout.
+  static double interval_s(double timeout_s);
+  static int window(double timeout_s);
   // Tells the other hosts that this one is done (so that a host that
   // finishes first is not taken for a lost one) and stops the thread.
   ~HostHeartbeat();
@@ -41,10 +45,11 @@ class HostHeartbeat {
 
  private:
   void run();
-  void send_all(int32_t what);
+  void send_all(int32_t what, uint32_t seq, uint64_t suspects);
   [[noreturn]] void lost(const std::string& message);
 
-  double timeout_s_ = 0, interval_s_ = 1;
+  double timeout_s_ = 0, max_loss_ = 0.2, interval_s_ = 1;
+  int window_ = 0;
   int host_ = 0;                                    // this rank's host index
   std::vector<std::string> names_;                  // per host
   std::vector<std::pair<int, int>> ranks_;          // per host: first and last rank

@@ -139,7 +139,7 @@ std::unique_ptr<Communicator> device_communicator(Communicator& world, Device de
 int train_on_ranks(const TrainOptions& o, const CommChoice& comm_choice) {
   std::unique_ptr<Communicator> world = make_world_communicator();
   RankSupervision supervision(world->rank());
-  const HostHeartbeat heartbeat(*world, heartbeat_timeout_s());  // across hosts only
+  const HostHeartbeat heartbeat(*world, o.heartbeat_timeout_s, o.heartbeat_max_loss);  // across hosts only
   TrainOptions mine = o;
   if (world->rank() != 0) mine.progress = false;
   mine.on_step = [&](int64_t step) { supervision.step_done(step); };

@@ -218,6 +218,14 @@ std::vector<OptionSpec<ElasticOptions>> elastic_option_table() {
   t.push_back({"straggler_horizon", OptionType::kInt,
                "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)",
                integer(&O::straggler_horizon)});
+  t.push_back({"heartbeat_timeout", OptionType::kDouble,
+               "ranks on several hosts: a host that sends no heartbeat for S seconds ends the job, naming it "
+               "(default 10; 0 = off; docs/multi_host.md)",
+               number(&O::heartbeat_timeout_s)});
+  t.push_back({"heartbeat_max_loss", OptionType::kDouble,
+               "ranks on several hosts: a host whose heartbeats are lost at more than this fraction over the "
+               "heartbeat timeout (a lossy link) ends the job, naming it (default 0.2)",
+               number(&O::heartbeat_max_loss)});
   return t;
 }
 
@@ -308,8 +316,12 @@ void validate(const SwitchingOptions& o, const GivenOptions&) {
     fail_option("bucket_switching", " needs ", option_name("strategies"), " (one strategy per length bucket)");
 }
 
-// The straggler watch's settings are read only with events.
+// The heartbeat's settings always; the straggler watch's only with events.
 void validate(const ElasticOptions& o, const GivenOptions&) {
+  if (!(o.heartbeat_timeout_s >= 0 && o.heartbeat_timeout_s <= 3600))
+    fail_option("heartbeat_timeout", " must be seconds in [0, 3600] (0: off), got ", o.heartbeat_timeout_s);
+  if (!(o.heartbeat_max_loss > 0 && o.heartbeat_max_loss < 1))
+    fail_option("heartbeat_max_loss", " must lie in (0, 1), got ", o.heartbeat_max_loss);
   if (o.events_path.empty()) return;
   if (o.straggler_window < 0) fail_option("straggler_window", " must be >= 0, got ", o.straggler_window);
   if (!(o.straggler_threshold > 0)) fail_option("straggler_threshold", " must be > 0, got ", o.straggler_threshold);

@@ -139,6 +139,12 @@ struct ElasticOptions {
   int64_t straggler_window = 3;
   double straggler_threshold = 0.25;
   int64_t straggler_horizon = 100;
+  // The heartbeat between hosts (docs/multi_host.md, "Heartbeat between
+  // hosts"), for a job whose ranks span hosts: a host silent for this many
+  // seconds (0: off), or one that lost more than `heartbeat_max_loss` of its
+  // datagrams over that long, ends the job naming the host.
+  double heartbeat_timeout_s = 10;
+  double heartbeat_max_loss = 0.2;
 };
 
 // Sharded training checkpoints (docs/checkpoint.md).
