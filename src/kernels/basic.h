@@ -98,6 +98,14 @@ void embedding_backward(Stream& s, const NDArray& grad, const NDArray& ids, int6
 // out = x * rsqrt(mean(x^2, -1) + eps) * weight; x f32 or bf16 (read
 // exactly), out f32 or bf16 (rounded once), weight f32.
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
+// A residual add and the RMSNorm of its sum in one pass: sum = a + b (a and
+// b f32 or bf16, read exactly; the f32 sum, rounded once where `sum` is
+// bf16), out = rms_norm(sum as stored, weight, eps) (f32 or bf16): the bits
+// of add(a, b, sum) followed by rms_norm(sum, weight, eps, out) on the same
+// backend's kernels up to the order of the row's double sum (the CPU runs
+// exactly those two).
+void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& weight, float eps, NDArray& sum,
+                  NDArray& out);
 // `addend` (f32 or bf16, x's shape): dx = the norm's dx + addend, added as
 // the last step (the same bits as a separate add), in the same pass. x may
 // be bf16 (read exactly) and dx bf16 (the f32 result rounded once: the bits

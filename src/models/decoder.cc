@@ -121,9 +121,13 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // compute dtype: one rounding, the one the Reshards carry, without an f32
   // array and a cast pass between.
   const Tensor attn_out = ops::linear(a, lo(param("self_attn.o_proj.weight")), act);
-  h = ops::add(h, mark(attn_out, points.attn_output));  // add widens a bf16 branch itself
-
-  x = mark(ops::rms_norm(h, param("post_attention_layernorm.weight"), eps, act), points.mlp_input);
+  // The residual add (it widens a bf16 branch itself) and the norm of its
+  // sum in one op: one pass on a GPU where the norm read the f32 sum again;
+  // the two ops' bits (ops::add_rms_norm).
+  const ops::AddRmsNorm mid = ops::add_rms_norm(h, mark(attn_out, points.attn_output),
+                                                param("post_attention_layernorm.weight"), eps, DType::F32, act);
+  h = mid.sum;
+  x = mark(mid.y, points.mlp_input);
   // gate and up come out of their GEMMs in the compute dtype (bf16 halves
   // what SwiGLU keeps for its backward), SwiGLU computes in f32 and writes
   // that dtype, and down_proj's weight gradient recomputes it

@@ -1,5 +1,6 @@
 // rms_norm: x[..., H] * rsqrt(mean(x^2) + eps) * weight[H]. The backward is
-// one fused op producing dx and dweight. Deduction: the hidden dim must be
+// one fused op producing dx and dweight. add_rms_norm: a residual add and the
+// norm of its sum in one op (two outputs), the two ops' bits. Deduction: the hidden dim must be
 // whole, token dims pass, no partial input (the op is not linear);
 // rms_norm_grad is linear in dy and sums dweight over the token dims (a
 // partial weight gradient when tokens are split).
@@ -120,7 +121,81 @@ class RmsNormOp final : public Op {
   DType out_;
 };
 
+// (a, b, weight) -> (sum = a + b in `sum_dtype`, rms_norm(sum) in `out`):
+// the residual add and the norm that reads its sum, one kernel pass (the
+// GPU's kernel reads a and b once and writes both; the separate norm read
+// the sum again). The same bits as AddOp followed by RmsNormOp, forward and
+// backward: the CPU kernel runs those two kernels, and gradient() appends
+// the nodes their gradients would, in their order.
+class AddRmsNormOp final : public Op {
+ public:
+  AddRmsNormOp(float eps, DType sum, DType out) : eps_(eps), sum_(sum), out_(out) {}
+  std::string type() const override { return "add_rms_norm"; }
+  std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
+    expect_inputs("add_rms_norm", in, 3);
+    for (int i : {0, 1})
+      if (in[i].dtype != DType::F32 && in[i].dtype != DType::BF16)
+        fail("[add_rms_norm] ", i == 0 ? "a" : "b", " must be f32 or bf16, got ", dtype_name(in[i].dtype));
+    expect_same_shape("add_rms_norm", in[0], in[1]);
+    expect_dtype("add_rms_norm", "weight", in[2], DType::F32);
+    const SymShape& x = in[0].shape;
+    const SymShape& w = in[2].shape;
+    if (x.empty() || w.size() != 1 || !(x.back() == w[0]))
+      fail("[add_rms_norm] weight must be [H] with H the last dim of a and b: a ", sym_shape_str(x), ", weight ",
+           sym_shape_str(w));
+    return {TensorMeta{x, sum_}, TensorMeta{x, out_}};
+  }
+  void compute(const OpContext& ctx, const std::vector<NDArray>& in,
+               std::vector<NDArray>& out) const override {
+    out[0] = ctx.alloc(0);
+    out[1] = ctx.alloc(1);
+    kernels::add_rms_norm(*ctx.stream, in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), eps_, out[0],
+                          out[1]);
+  }
+  // RmsNormOp's gradient (the sum's gradient from its other readers folded
+  // into the norm's backward as its addend), then AddOp's.
+  std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
+    const Tensor b = node.inputs[1], w = node.inputs[2], sum = node.output(0);
+    Tensor gsum = g[0], dw;
+    if (g[1].valid()) {
+      std::vector<Tensor> in = {cast(g[1], DType::F32), sum, w};
+      const bool fold = gsum.valid() && (gsum.dtype() == DType::F32 || gsum.dtype() == DType::BF16) &&
+                        gsum.shape() == sum.shape();
+      if (fold) in.push_back(gsum);
+      const std::vector<Tensor> r = g[1].graph()->add(std::make_shared<RmsNormGradOp>(eps_), in);
+      gsum = fold || !gsum.valid() ? r[0] : add(gsum, r[0]);
+      dw = r[1];
+    }
+    if (!gsum.valid()) return {Tensor(), Tensor(), dw};
+    const Tensor ga = sum_ == DType::BF16 ? gsum : cast(gsum, DType::F32);
+    return {ga, cast(gsum, b.dtype()), dw};
+  }
+  // a and b identically laid out (as add's default rule wants), the norm's
+  // rule on a and the weight; the sum is laid out as the norm's output.
+  std::vector<Annotation> deduce(const DeduceContext& ctx,
+                                 const std::vector<Annotation>& in) const override {
+    if (!same_layout(in[0], in[1]))
+      fail_at(ctx, "a and b (inputs 0 and 1) are sharded differently: (", to_string(in[0]), ") vs (",
+              to_string(in[1]), "); insert a Reshard");
+    const std::vector<Annotation> y = deduce_by_dims(ctx, norm_rule(ctx.node.inputs[0].ndim(), false), {in[0], in[2]});
+    return {y[0], y[0]};
+  }
+
+ private:
+  float eps_;
+  DType sum_, out_;
+};
+
 }  // namespace
+
+AddRmsNorm add_rms_norm(const Tensor& a, const Tensor& b, const Tensor& weight, float eps, DType sum_dtype,
+                        DType out) {
+  for (DType t : {sum_dtype, out})
+    if (t != DType::F32 && t != DType::BF16)
+      fail("[add_rms_norm] the sum and the output must be f32 or bf16, got ", dtype_name(t));
+  const std::vector<Tensor> r = a.graph()->add(std::make_shared<AddRmsNormOp>(eps, sum_dtype, out), {a, b, weight});
+  return AddRmsNorm{r[0], r[1]};
+}
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps, DType out) {
   if (out != DType::F32 && out != DType::BF16)

@@ -173,6 +173,25 @@ int run(Device device, int64_t T, int reps) {
     NDArray y16 = NDArray::empty({T, H}, DType::BF16, device);  // the bf16 step's: norm and cast in one
     p.bandwidth("rms_norm_bf16_out", (f4 + b2) * th, [&] { kernels::rms_norm(s, x, wn, 1e-5f, y16); });
   }
+  {
+    // The decoder's post-attention pair as the bf16 step runs it: the bf16
+    // block input and attention branch in, the f32 sum and the bf16 norm out
+    // (the separate add and norm moved 4 more bytes an element: the sum read
+    // again); the bf16 block input's norm as the block's first reads it.
+    const NDArray a16 = kernels::cast(s, x, DType::BF16), b16 = kernels::cast(s, dy, DType::BF16);
+    NDArray y16 = NDArray::empty({T, H}, DType::BF16, device);
+    p.bandwidth("add_rms_norm_bf16", (2 * b2 + f4 + b2) * th,
+                [&] { kernels::add_rms_norm(s, a16, b16, wn, 1e-5f, y, y16); });
+    p.bandwidth("rms_norm_bf16_in_out", 2 * b2 * th, [&] { kernels::rms_norm(s, a16, wn, 1e-5f, y16); });
+  }
+  {
+    // RoPE's backward as the bf16 step runs it: bf16 in and out, inverse.
+    const NDArray q16 = kernels::cast(s, p.filled({1, T, HQ, D}, 0.5f), DType::BF16);
+    NDArray qo = NDArray::empty({1, T, HQ, D}, DType::BF16, device);
+    NDArray pos = p.ids(T, T).reshape({1, T});
+    p.bandwidth("rope_bf16_backward", 2 * b2 * static_cast<double>(T * HQ * D),
+                [&] { kernels::rope(s, q16, pos, 10000.0f, true, qo); });
+  }
   p.bandwidth("rms_norm_backward", 3 * f4 * th, [&] { kernels::rms_norm_backward(s, dy, x, wn, 1e-5f, dx, dwn); });
   {
     // With the residual stream's gradient added in the same pass.
@@ -216,6 +235,9 @@ int run(Device device, int64_t T, int reps) {
     const double tv = static_cast<double>(T * V);
     p.bandwidth("cross_entropy", f4 * tv, [&] { kernels::cross_entropy(s, logits, tgt, norm, -100, loss, lse); });
     p.bandwidth("cross_entropy_backward", 2 * f4 * tv,
+                [&] { kernels::cross_entropy_backward(s, dl, logits, tgt, norm, lse, -100, 0, dlog); });
+    dlog = NDArray::empty({T, V}, DType::BF16, device);  // the bf16 step's: the head GEMM's operand
+    p.bandwidth("cross_entropy_backward_bf16", (f4 + b2) * tv,
                 [&] { kernels::cross_entropy_backward(s, dl, logits, tgt, norm, lse, -100, 0, dlog); });
   }
   {

@@ -197,6 +197,35 @@ void case_rms_norm(Io& io) {
   rms_norm_shape(io, {2, 4099}, DType::F32);
   rms_norm_shape(io, {2, 8200}, DType::BF16);
 }
+// One add_rms_norm call of `shape`: a, b and the sum in the given dtypes;
+// keeps the sum and the f32 output, and the bf16 output's difference from
+// the f32 one rounded.
+void add_rms_norm_shape(Io& io, const Shape& shape, DType a_type, DType b_type, DType sum_type) {
+  const int64_t h = shape.back();
+  NDArray a = random_in(io, shape, a_type), b = random_in(io, shape, b_type), w = io.f32({h}, 0.5f, 1.5f);
+  NDArray sum = io.out(shape, sum_type), sum2 = io.out(shape, sum_type);
+  NDArray o = io.out(shape), o16 = io.out(shape, DType::BF16);
+  io.k().add_rms_norm(io.s, a, b, w, 1e-5f, sum, o);
+  io.k().add_rms_norm(io.s, a, b, w, 1e-5f, sum2, o16);
+  io.keep(sum);
+  io.keep(o);
+  keep_rounded_once(io, o, o16);
+}
+void case_add_rms_norm(Io& io) {
+  // The decoder's use (a bf16 block input, a bf16 branch, the f32 sum) and
+  // the other dtypes, on the CUDA kernel's paths as rms_norm's cases: 16-byte
+  // groups with 1, 2 and 4 per thread, partly filled groups, single columns,
+  // the two kernels past them.
+  add_rms_norm_shape(io, {6, 32}, DType::F32, DType::F32, DType::F32);
+  add_rms_norm_shape(io, {100, 2048}, DType::BF16, DType::BF16, DType::F32);
+  add_rms_norm_shape(io, {33, 2048}, DType::F32, DType::BF16, DType::F32);
+  add_rms_norm_shape(io, {5, 4096}, DType::BF16, DType::F32, DType::BF16);
+  add_rms_norm_shape(io, {3, 8192}, DType::F32, DType::F32, DType::F32);
+  add_rms_norm_shape(io, {40, 1000}, DType::BF16, DType::BF16, DType::BF16);
+  add_rms_norm_shape(io, {37, 203}, DType::BF16, DType::BF16, DType::F32);
+  add_rms_norm_shape(io, {1, 4095}, DType::F32, DType::BF16, DType::BF16);
+  add_rms_norm_shape(io, {2, 8200}, DType::BF16, DType::BF16, DType::F32);
+}
 // One rms_norm_backward call of `shape` with x in `x_type` and an addend in
 // `add_type` (F64: none); keeps the f32 dx and dweight, and, for a bf16 dx
 // of the same inputs, its difference from the f32 dx rounded on the same

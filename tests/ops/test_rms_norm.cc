@@ -175,5 +175,80 @@ TEST(RmsNorm, Bf16KernelArraysAreTheF32KernelRounded) {
   EXPECT_EQ(std::memcmp(sum16.raw_data(), want_sum.raw_data(), want_sum.nbytes()), 0);
 }
 
+// The residual add and the norm of its sum as one op (the decoder's
+// post-attention pair): the bits of add then rms_norm, forward and
+// backward, with the sum read again later (the block's last residual add,
+// whose gradient the norm's backward folds) or read by the norm only, on
+// bf16 inputs as the decoder gives them and on f32 ones.
+TEST(RmsNorm, AddRmsNormIsTheAddThenTheNorm) {
+  const Shape hs = {3, 5, 40};
+  for (const bool bf16 : {true, false}) {
+    for (const bool sum_read_again : {true, false}) {
+      const DType in_dtype = bf16 ? DType::BF16 : DType::F32, act = bf16 ? DType::BF16 : DType::F32;
+      const NDArray hv = random_array(hs, 110).to(in_dtype), bv = random_array(hs, 111).to(in_dtype),
+                    wv = random_array({40}, 112), dv = random_array(hs, 113).to(in_dtype),
+                    r0v = random_array(hs, 114), r1v = random_array(hs, 115);
+      std::vector<NDArray> got[2];
+      int fused_nodes[2] = {0, 0}, norm_nodes[2] = {0, 0}, folded[2] = {0, 0};
+      for (int fused = 0; fused < 2; ++fused) {
+        Graph g;
+        Tensor h = g.placeholder("h", sym_shape(hs), in_dtype), b = g.placeholder("b", sym_shape(hs), in_dtype);
+        Tensor d = g.placeholder("d", sym_shape(hs), in_dtype), w = g.placeholder("w", {40}, DType::F32);
+        Tensor r0 = g.placeholder("r0", sym_shape(hs), DType::F32), r1 = g.placeholder("r1", sym_shape(hs), DType::F32);
+        Tensor sum, y;
+        if (fused) {
+          const ops::AddRmsNorm r = ops::add_rms_norm(h, b, w, 1e-5f, DType::F32, act);
+          sum = r.sum, y = r.y;
+        } else {
+          sum = ops::add(h, b);
+          y = ops::rms_norm(sum, w, 1e-5f, act);
+        }
+        ASSERT_EQ(sum.dtype(), DType::F32);
+        ASSERT_EQ(y.dtype(), act);
+        Tensor loss = g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), r0});
+        Tensor out;
+        if (sum_read_again) {
+          out = ops::add(sum, d, act);  // the block's last residual add
+          loss = ops::add(loss, g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(out, DType::F32), r1}));
+        }
+        const int forward_end = loss.node_id();
+        const std::vector<Tensor> grads = gradients(loss, {h, b, w});
+        ASSERT_EQ(grads[0].dtype(), DType::F32);  // an f32 sum: a's gradient f32 (AddOp's)
+        ASSERT_EQ(grads[1].dtype(), in_dtype);
+        for (int id = 0; id < g.num_nodes(); ++id) {
+          const Node& n = g.node(id);
+          fused_nodes[fused] += n.op && n.op->type() == "add_rms_norm";
+          norm_nodes[fused] += n.op && n.op->type() == "rms_norm";
+          folded[fused] += id > forward_end && n.op && n.op->type() == "rms_norm_grad" && n.inputs.size() == 4;
+        }
+        std::vector<Tensor> fetch = {loss, sum, y, grads[0], grads[1], grads[2]};
+        if (out.valid()) fetch.push_back(out);
+        got[fused] = Executor(g, fetch).run({{"h", hv}, {"b", bv}, {"d", dv}, {"w", wv}, {"r0", r0v}, {"r1", r1v}});
+      }
+      EXPECT_EQ(fused_nodes[0], 0);
+      EXPECT_EQ(fused_nodes[1], 1);
+      EXPECT_EQ(norm_nodes[1], 0);
+      EXPECT_EQ(folded[0], sum_read_again ? 1 : 0);
+      EXPECT_EQ(folded[1], folded[0]);  // the sum's other gradient folded into the norm's backward alike
+      ASSERT_EQ(got[0].size(), got[1].size());
+      for (size_t i = 0; i < got[0].size(); ++i) {
+        ASSERT_EQ(got[0][i].dtype(), got[1][i].dtype()) << i;
+        ASSERT_EQ(got[0][i].nbytes(), got[1][i].nbytes()) << i;
+        EXPECT_EQ(std::memcmp(got[0][i].raw_data(), got[1][i].raw_data(), got[0][i].nbytes()), 0)
+            << "bf16 " << bf16 << ", sum read again " << sum_read_again << ", output " << i;
+      }
+    }
+  }
+}
+
+TEST(RmsNorm, AddRmsNormGradients) {
+  expect_gradients_match(
+      [](Graph&, const std::vector<Tensor>& t) {
+        const ops::AddRmsNorm r = ops::add_rms_norm(t[0], t[1], t[2], 1e-5f);
+        return ops::add(r.y, ops::scale(r.sum, 0.5f));
+      },
+      {{"a", random_array({2, 3, 8}, 120)}, {"b", random_array({2, 3, 8}, 121)}, {"w", random_array({8}, 122)}});
+}
+
 }  // namespace
 }  // namespace hspmd

@@ -86,6 +86,15 @@ Tensor embedding(const Tensor& weight, const Tensor& ids);
 // x and weight f32; the output `out` f32 or bf16 (computed in f32, rounded
 // once: the norm and the cast to a GEMM's bf16 operand in one pass).
 Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps, DType out = DType::F32);
+// A residual add and the RMSNorm of its sum in one op: sum = add(a, b,
+// sum_dtype), y = rms_norm(sum, weight, eps, out), with the bits, the
+// gradients and the deduction of those two ops (a and b laid out alike),
+// one pass over a and b where the separate norm read the sum again.
+struct AddRmsNorm {
+  Tensor sum, y;
+};
+AddRmsNorm add_rms_norm(const Tensor& a, const Tensor& b, const Tensor& weight, float eps,
+                        DType sum_dtype = DType::F32, DType out = DType::F32);
 // Rotary embedding, Hugging Face rotate_half convention: x [B, S, heads, D],
 // positions i32 [B, S]; frequency i uses theta^(-2i/D).
 // x is f32; the output `out` (f32 or bf16, rounded once), its gradient f32.

@@ -63,6 +63,15 @@ void rms_norm(const NDArray& x, const NDArray& weight, float eps, NDArray& out) 
   }
 }
 
+// The add's kernel, then the norm's on its stored sum: the bits of the two
+// ops, by construction (the GPU's kernel is the one that saves a pass).
+void add_rms_norm(const NDArray& a, const NDArray& b, const NDArray& weight, float eps, NDArray& sum,
+                  NDArray& out) {
+  HSPMD_CHECK(sum.numel() == a.numel() && out.numel() == a.numel(), "add_rms_norm: sizes");
+  add(a, b, sum);
+  rms_norm(sum, weight, eps, out);
+}
+
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
                        NDArray& dx, NDArray& dweight, const NDArray* addend) {
   require_contiguous("rms_norm_backward", dy);

@@ -29,6 +29,8 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
             GemmCompute compute, const NDArray* addend);
 // f32:
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
+void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& weight, float eps, NDArray& sum,
+                  NDArray& out);
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
                        NDArray& dweight, const NDArray* addend);
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);

@@ -93,6 +93,60 @@ __global__ void __launch_bounds__(kThreads) rms_norm_rows_kernel(const X* x, con
   }
 }
 
+// The residual add and the norm of its sum (add_rms_norm) in one pass:
+// rms_norm_rows_kernel's scheme with x = a + b (f32, each read exactly), the
+// sum written in S (a bf16 sum rounded once, and the norm then reads the
+// rounded value, as the norm after a separate add would).
+template <int V, int K, typename A, typename B, typename S, typename O>
+__global__ void __launch_bounds__(kThreads) add_rms_norm_rows_kernel(const A* a, const B* b, const float* w,
+                                                                     float eps, S* sum, O* y, int64_t rows,
+                                                                     int64_t h) {
+  __shared__ double warp_sums[2][kThreads / 32];  // [row parity][warp]: one barrier a row
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {  // the same trip count in every thread
+    const int64_t base = r * h;
+    float xv[K][V];
+    double ss = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+      if (c < h) {
+        float bv[V];
+        load<V>(a, base + c, xv[k]);
+        load<V>(b, base + c, bv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          xv[k][v] += bv[v];
+          if constexpr (!std::is_same_v<S, float>) xv[k][v] = to_f32(from_f32<S>(xv[k][v]));  // as stored
+        }
+        store<V>(sum, base + c, xv[k]);  // a bf16 sum: the f32 sum rounded once (the same rounding)
+#pragma unroll
+        for (int v = 0; v < V; ++v) ss += static_cast<double>(xv[k][v]) * xv[k][v];
+      }
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    if (lane == 0) warp_sums[parity][warp] = ss;
+    __syncthreads();
+    ss = 0;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) ss += warp_sums[parity][i];
+    const float s = inv_rms(ss, h, eps);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c = (threadIdx.x + static_cast<int64_t>(k) * kThreads) * V;
+      if (c < h) {
+        float wv[V], out[V];
+        load<V>(w, c, wv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) out[v] = wv[v] * (xv[k][v] * s);
+        store<V>(y, base + c, out);
+      }
+    }
+  }
+}
+
 // A row's sum of squares of x and of dy·w·x, in double: each thread its
 // columns threadIdx.x + k·blockDim.x in order, then block_sum's fixed tree
 // (every thread of the block calls it).
@@ -365,6 +419,44 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
     });
   });
   launched("rms_norm");
+}
+
+void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& weight, float eps, NDArray& sum,
+                  NDArray& out) {
+  require_contiguous("add_rms_norm", a);
+  require_contiguous("add_rms_norm", b);
+  require_contiguous("add_rms_norm", weight);
+  const int64_t h = weight.numel(), rows = h == 0 ? 0 : a.numel() / h;
+  HSPMD_CHECK(a.dim(-1) == h && b.numel() == a.numel() && sum.numel() == a.numel() && out.numel() == a.numel(),
+              "add_rms_norm: sizes");
+  if (rows == 0) return;
+  const bool vec = h % kVec == 0 && aligned16(a.raw_data()) && aligned16(b.raw_data()) &&
+                   aligned16(weight.raw_data()) && aligned16(sum.raw_data()) && aligned16(out.raw_data());
+  const int k = groups_per_thread(h, vec);
+  if (k == 0) {  // rows wider than the one-pass kernel takes: the two kernels
+    add(s, a, b, sum);
+    rms_norm(s, sum, weight, eps, out);
+    return;
+  }
+  const unsigned grid = static_cast<unsigned>(rows < (1 << 20) ? rows : (1 << 20));
+  with_float_type("add_rms_norm", a, [&](auto* pa) {
+    with_float_type("add_rms_norm", b, [&](auto* pb) {
+      with_float_type("add_rms_norm", sum, [&](auto* ps) {
+        with_float_type("add_rms_norm", out, [&](auto* y) {
+          using A = std::remove_pointer_t<decltype(pa)>;
+          using B = std::remove_pointer_t<decltype(pb)>;
+          using S = std::remove_pointer_t<decltype(ps)>;
+          using O = std::remove_pointer_t<decltype(y)>;
+          const auto kernel = !vec ? &add_rms_norm_rows_kernel<1, 16, A, B, S, O>
+                              : k == 1 ? &add_rms_norm_rows_kernel<kVec, 1, A, B, S, O>
+                              : k == 2 ? &add_rms_norm_rows_kernel<kVec, 2, A, B, S, O>
+                                       : &add_rms_norm_rows_kernel<kVec, 4, A, B, S, O>;
+          kernel<<<grid, kThreads, 0, native(s)>>>(pa, pb, weight.data<float>(), eps, ps, y, rows, h);
+        });
+      });
+    });
+  });
+  launched("add_rms_norm");
 }
 
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
