@@ -97,6 +97,11 @@ class Strategy:
     def description(self):
         return self._native.description
 
+    @property
+    def expert_parallel(self):
+        """Experts split over groups of this many token slots (docs/moe.md); 1: none."""
+        return self._native.expert_parallel
+
     def __eq__(self, other):
         return isinstance(other, Strategy) and self._native == other._native
 

@@ -107,6 +107,7 @@ void bind_strategy(py::module_& m) {
       .def_readonly("description", &Strategy::description)
       .def_readonly("schedule", &Strategy::schedule)
       .def_readonly("zero", &Strategy::zero)
+      .def_readonly("expert_parallel", &Strategy::expert_parallel)
       .def_property_readonly("global_batch", &Strategy::global_batch)
       .def_property_readonly("ranks", &Strategy::ranks)
       .def("validate",

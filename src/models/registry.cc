@@ -85,6 +85,14 @@ std::vector<ReshardPoint> model_reshard_points(const ModelConfig& c) {
   return model_family(c.model_type).reshard_points(c);
 }
 
+std::vector<std::string> moe_expert_weight_names(const ModelConfig& c, int64_t layer, int64_t expert) {
+  return model_family(c.model_type).expert_weight_names(c, layer, expert);
+}
+
+std::string moe_router_weight_name(const ModelConfig& c, int64_t layer) {
+  return model_family(c.model_type).router_weight_name(c, layer);
+}
+
 ModelGraph build_model(const ModelConfig& c, const ModelBuildOptions& o) {
   return model_family(c.model_type).build(c, o);
 }

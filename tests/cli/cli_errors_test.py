@@ -79,8 +79,47 @@ def main():
         json.dump(dict(moe, output_router_logits=True), f)
     with open(p("moe_topk.json"), "w") as f:
         json.dump(dict(moe, num_experts_per_tok=5), f)
+    with open(p("moe_jitterless.json"), "w") as f:
+        json.dump(moe, f)
+    with open(p("moe_2layers.json"), "w") as f:
+        json.dump(dict(moe, num_hidden_layers=2), f)
     with open(p("moe_jitter.json"), "w") as f:
         json.dump(dict(moe, router_jitter_noise=0.01), f)
+    # Expert parallelism's rules (docs/moe.md): strategies `plan compile` refuses.
+    def one_stage(r, micro=2, layers=None, **stage):
+        return {"micro_batch_size": 1, "micro_batches": micro,
+                "stages": [{"ranks": [r], "layers": layers or [0, CONFIG["num_hidden_layers"] - 1], **stage}]}
+    ep_strategies = {
+        "ep_dense": {"expert_parallel": 2, "pipelines": [one_stage(0), one_stage(1)]},
+        "ep_experts": {"expert_parallel": 3, "pipelines": [one_stage(r) for r in range(3)]},
+        "ep_slots": {"expert_parallel": 2, "pipelines": [one_stage(r) for r in range(3)]},
+        "ep_recompute": {"expert_parallel": 2, "pipelines": [one_stage(0, recompute=True), one_stage(1)]},
+        "ep_micro": {"expert_parallel": 2, "pipelines": [one_stage(0), one_stage(1, micro=3)]},
+        "ep_1f1b": {"expert_parallel": 2, "pipelines": [
+            {"micro_batch_size": 1, "micro_batches": 2,
+             "stages": [{"ranks": [0], "layers": [0, 0]}, {"ranks": [1], "layers": [1, 1]}]},
+            one_stage(2, layers=[0, 1])]},
+    }
+    for name, strategy in ep_strategies.items():
+        with open(p(name + ".json"), "w") as f:
+            json.dump(strategy, f)
+
+    def compile_ep(name, model, world):
+        return ["plan", "compile", "--model", p(model), "--strategy", p(name + ".json"), "--world", str(world),
+                "-o", p("ep_plan.json")]
+    # A hand-written expert-parallel plan whose expert 1 sits in one group
+    # where expert 0 has two: the op's rule names the expert.
+    ep_ok = {"expert_parallel": 2, "pipelines": [one_stage(r) for r in range(4)]}  # two groups
+    with open(p("ep_ok.json"), "w") as f:
+        json.dump(ep_ok, f)
+    subprocess.run([exe] + compile_ep("ep_ok", "moe_jitterless.json", 4), check=True, capture_output=True)
+    with open(p("ep_plan.json")) as f:
+        plan = json.load(f)
+    for w in ("w1", "w2", "w3"):
+        name = "model.layers.0.block_sparse_moe.experts.1." + w + ".weight"
+        plan["tensors"][name] = {"hdim": -1, "subgroups": [{"ranks": [0], "states": {}}]}
+    with open(p("ep_bad_plan.json"), "w") as f:
+        json.dump(plan, f)
     open(p("empty.bin"), "wb").close()
     with open(p("short.bin"), "wb") as f:
         f.write(struct.pack("<10I", *range(10)))
@@ -141,6 +180,20 @@ def main():
         ("moe router jitter", with_flag("--model", p("moe_jitter.json")), "router_jitter_noise=0.01"),
         ("moe auxiliary loss with packed documents", with_flag("--model", p("moe_aux.json")) + ["--pack-documents"],
          "--pack-documents: " + p("moe_aux.json") + " has the mixture-of-experts auxiliary loss"),
+        ("expert parallel on a dense model", compile_ep("ep_dense", "cfg.json", 2),
+         "[strategy] expert_parallel=2 needs a model with mixture-of-experts layers"),
+        ("expert parallel not dividing the experts", compile_ep("ep_experts", "moe_jitterless.json", 3),
+         "[strategy] expert_parallel=3 does not divide the 4 experts"),
+        ("expert parallel not dividing the slots", compile_ep("ep_slots", "moe_jitterless.json", 3),
+         "[strategy] expert_parallel=2 does not divide the 3 token slots of sparse layer 0"),
+        ("expert parallel with recompute", compile_ep("ep_recompute", "moe_jitterless.json", 2),
+         "[strategy] pipeline 0 stage 0: recompute is not supported with expert_parallel=2"),
+        ("expert group across uneven micro-batch counts", compile_ep("ep_micro", "moe_jitterless.json", 2),
+         "whose micro_batches differ (2 vs 3)"),
+        ("expert group across different stages under 1f1b", compile_ep("ep_1f1b", "moe_2layers.json", 3),
+         "whose stages hold different layers: use \"schedule\": \"gpipe\""),
+        ("expert weights in fewer groups than expert 0's", ["plan", "explain", p("ep_bad_plan.json")],
+         "expert 1's weights are held by 1 subgroups and expert 0's by 2"),
         ("unknown command", ["frobnicate"], "frobnicate"),
         ("tokenize without inputs", ["tokenize", "--output", p("o.bin"), "--eos", "256"], "no input"),
         ("tokenize eos is a byte", ["tokenize", "--output", p("o.bin"), "--eos", "10", p("cfg.json")], "eos"),

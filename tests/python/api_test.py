@@ -110,6 +110,17 @@ def check_strategies(hspmd_cli, d):
     assert plan.to_json() == json.load(open(out)), "compile_plan differs from hspmd plan compile"
     assert plan.strategy == s and plan.world_size == 4
     assert plan.tensors["model.norm.weight"].hsize == 2
+    # Expert parallelism (docs/moe.md): 4 experts over groups of 2 of the 4
+    # single-rank pipelines; expert 3 lives on the second member of each group.
+    moe = hspmd.models.from_hf(dict(json.load(open(MODEL)), model_type="mixtral", num_local_experts=4))
+    ep = hspmd.Strategy.from_json({"expert_parallel": 2, "pipelines": [
+        {"micro_batch_size": 1, "micro_batches": 2, "stages": [{"ranks": [r], "layers": [0, 3]}]} for r in range(4)]})
+    assert ep.expert_parallel == 2 and s.expert_parallel == 1 and hspmd.Strategy.from_json(ep.to_json()) == ep
+    ep_plan = hspmd.compile_plan(moe, ep, 4, seq_len=64)
+    owners = ep_plan.tensors["model.layers.2.block_sparse_moe.experts.3.w2.weight"]
+    assert [g.ranks for g in owners.groups] == [[1], [3]], owners
+    raises(lambda: hspmd.compile_plan(moe, hspmd.Strategy.from_json(dict(ep.to_json(), expert_parallel=3)), 4),
+           "[strategy] expert_parallel=3 does not divide the 4 experts")
     for rank in (None, 3):
         flags = [] if rank is None else ["--rank", str(rank)]
         cli = subprocess.run([hspmd_cli, "plan", "explain", out, *flags], check=True, capture_output=True, text=True)

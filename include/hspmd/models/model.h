@@ -162,7 +162,7 @@ ModelGraph build_model(const ModelConfig& config, bool packed_documents = false)
 
 // Mixture of experts (docs/moe.md): the Hugging Face names of expert
 // `expert`'s (gate, up, down) weights in sparse layer `layer`, and of the
-// layer's router weight.
+// layer's router weight (the config's family's ModelFamily methods).
 std::vector<std::string> moe_expert_weight_names(const ModelConfig& config, int64_t layer, int64_t expert);
 std::string moe_router_weight_name(const ModelConfig& config, int64_t layer);
 
@@ -215,6 +215,18 @@ class ModelFamily {
     double tp_split = 0, whole = 0;
   };
   virtual LayerCompute layer_compute(const ModelConfig& c) const;
+
+  // Mixture of experts (docs/moe.md): the names of expert `expert`'s (gate,
+  // up, down) weights in sparse layer `layer`, and of the layer's router
+  // weight. A dense family has none (empty).
+  virtual std::vector<std::string> expert_weight_names(const ModelConfig& c, int64_t layer, int64_t expert) const {
+    (void)c, (void)layer, (void)expert;
+    return {};
+  }
+  virtual std::string router_weight_name(const ModelConfig& c, int64_t layer) const {
+    (void)c, (void)layer;
+    return "";
+  }
 };
 
 // Adds a family to the registry under its model_type (InternalError when

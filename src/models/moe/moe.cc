@@ -63,12 +63,15 @@ void append_moe_parameters(const ModelConfig& c, int64_t i, std::vector<ModelPar
   }
 }
 
-std::vector<std::string> moe_expert_weight_names(const ModelConfig& c, int64_t layer, int64_t expert) {
+std::vector<std::string> MoeDecoderFamily::expert_weight_names(const ModelConfig& c, int64_t layer,
+                                                               int64_t expert) const {
   const ExpertNames n = expert_names(c, layer, expert);
   return {n.gate, n.up, n.down};
 }
 
-std::string moe_router_weight_name(const ModelConfig& c, int64_t layer) { return prefix(c, layer) + "gate.weight"; }
+std::string MoeDecoderFamily::router_weight_name(const ModelConfig& c, int64_t layer) const {
+  return prefix(c, layer) + "gate.weight";
+}
 
 std::string moe_aux_weights_name(int64_t layer) { return "moe_aux_weights." + std::to_string(layer); }
 

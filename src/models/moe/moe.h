@@ -48,6 +48,8 @@ class MoeDecoderFamily : public DecoderFamily {
   // The attention's (and dense layers') TP-split parameters; whole: per
   // sparse layer the router, k experts and the shared expert with its gate.
   LayerCompute layer_compute(const ModelConfig& c) const override;
+  std::vector<std::string> expert_weight_names(const ModelConfig& c, int64_t layer, int64_t expert) const override;
+  std::string router_weight_name(const ModelConfig& c, int64_t layer) const override;
 };
 
 // Reads and checks the fields both families share (num_experts_per_tok,
