@@ -178,7 +178,6 @@ Tensor grouped_linear(const Tensor& rows, const Tensor& indices, const std::vect
 Tensor moe_experts(const Tensor& rows, const Tensor& indices, const std::vector<Tensor>& gate,
                    const std::vector<Tensor>& up, const std::vector<Tensor>& down);
 // [E] f32: the (token, slot) pairs routed to each expert (no gradient).
-
 Tensor moe_counts(const Tensor& indices, int64_t experts);
 // y itself, whose gradient also gives probs [..., E] the gradient `weights`
 // [E] broadcast: the auxiliary load-balancing loss's term, its weights fed
