@@ -69,6 +69,7 @@ CostModel::CostModel(ModelConfig model, Topology topology,
   layer_params_ = block_params / layers;
   layer_tp_params_ = block_tp_params / layers;
   layer_compute_ = model_family(model_.model_type).layer_compute(model_);
+  expert_params_ = model_.moe.num_experts * 3 * model_.hidden_size * model_.moe.expert_intermediate_size;
 }
 
 CostModel CostModel::load(const ModelConfig& model, const Topology& topology, const std::string& profile_path) {
@@ -278,6 +279,17 @@ StageCost CostModel::stage_cost(const StageShape& st, int64_t s, int64_t b) cons
       c.bwd_comm = std::max(c.bwd_comm, g);
     }
   }
+  if (st.expert_parallel > 1 && st.sparse_layers > 0) {
+    // Expert parallelism (ops/moe_ep.cc): per sparse layer and micro-batch,
+    // at uniform routing a rank sends the (G-1)/G of its k rows a token that
+    // go to other members' experts (compute dtype) and gets their outputs
+    // back (f32, the owners sending as much); the backward sends the rows
+    // and their output gradients and returns the input gradients.
+    const double g = st.expert_parallel;
+    const double rows = static_cast<double>(b) * s / cp * model_.moe.top_k * (g - 1) / g * model_.hidden_size;
+    c.fwd_comm += st.sparse_layers * group_seconds(st.expert_group, rows * (ab + kBytes));
+    c.bwd_comm += st.sparse_layers * group_seconds(st.expert_group, rows * (2 * ab + kBytes));
+  }
   if (cp > 1) {
     // Ring attention (ops/attention.cc): the inputs move from contiguous
     // context slices to the load-balanced layout (half of them, all of them
@@ -324,6 +336,10 @@ int64_t CostModel::stage_params(const StageShape& st) const {
   int64_t n = st.layers * ((layer_params_ - layer_tp_params_) + layer_tp_params_ / tp);
   if (st.first) n += embed_params_ / tp;
   if (st.last) n += head_params_ / tp + head_rep_params_;
+  // Expert parallelism: a rank holds 1 / G of a sparse layer's experts (the
+  // block average above counted them all, spread over the layers).
+  if (st.expert_parallel > 1)
+    n -= st.sparse_layers * expert_params_ / st.expert_parallel * (st.expert_parallel - 1);
   return n;
 }
 
@@ -421,9 +437,16 @@ namespace {
 
 // One pipeline's schedule, simulated: per stage the order in which the
 // executor runs its forwards and backwards (schedules.cc), each starting when
-// the stage is free and its input has arrived. A receive completes at the
-// sender's clock plus the transfer; a (deferred) send costs the sender the
-// transfer too, as the emulated links bill it.
+// the stage is free and its input has arrived.
+// * Emulated links (the cluster file's): a receive completes at the sender's
+//   clock plus the transfer; a (deferred) send costs the sender the transfer
+//   too, as the emulated links bill it.
+// * A real network (`async_links`: the links were measured): the executor's
+//   deferred sends do not hold the sender, and a link carries both directions
+//   at once, each a queue of its own: a transfer starts when it is sent and
+//   the previous one the same way has arrived, and the receiver waits only
+//   for what has not arrived yet. The stage's step ends when its last send has
+//   arrived (the step waits for its deferred sends).
 struct PipelineSim {
   std::vector<double> end;        // per stage: when its last backward (and send) ends
   std::vector<double> busy;       // per stage: compute
@@ -431,7 +454,7 @@ struct PipelineSim {
 };
 
 PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vector<double>& boundary,
-                              int micro_batches, const std::string& schedule) {
+                              int micro_batches, const std::string& schedule, bool async_links) {
   const int k_n = static_cast<int>(cost.size()), m_n = micro_batches;
   // Per stage the op sequence: +j forward of micro-batch j, -(j+1) backward.
   std::vector<std::vector<int>> order(k_n);
@@ -453,6 +476,9 @@ PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vec
       bwd_sent(k_n, std::vector<double>(m_n, inf));
   std::vector<size_t> pos(k_n, 0);
   std::vector<double> clock(k_n, 0);
+  // Real links: per boundary k (stage k to k + 1), when each direction is free,
+  // and per stage when its last send arrives.
+  std::vector<double> down_free(k_n, 0), up_free(k_n, 0), sends_done(k_n, 0);
   PipelineSim sim;
   sim.busy.assign(k_n, 0);
   sim.comm.assign(k_n, 0);
@@ -465,29 +491,46 @@ PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vec
         const int j = (fwd ? op : -op) - 1;
         double t = clock[k];
         const StageCost& c = cost[k];
-        if (fwd && k > 0) {  // receive the activation
-          if (fwd_sent[k - 1][j] == inf) break;
-          t = std::max(t, fwd_sent[k - 1][j]) + boundary[k - 1];
-          sim.comm[k] += boundary[k - 1];
-        }
-        if (!fwd && k + 1 < k_n) {  // receive the gradient
-          if (bwd_sent[k + 1][j] == inf) break;
-          t = std::max(t, bwd_sent[k + 1][j]) + boundary[k];
-          sim.comm[k] += boundary[k];
+        if (async_links) {
+          // fwd_sent / bwd_sent hold the arrival; the wait is communication.
+          const double arrived = fwd && k > 0 ? fwd_sent[k - 1][j] : !fwd && k + 1 < k_n ? bwd_sent[k + 1][j] : -inf;
+          if (arrived == inf) break;
+          if (arrived > t) sim.comm[k] += std::min(arrived - t, fwd ? boundary[k - 1] : boundary[k]), t = arrived;
+        } else {
+          if (fwd && k > 0) {  // receive the activation
+            if (fwd_sent[k - 1][j] == inf) break;
+            t = std::max(t, fwd_sent[k - 1][j]) + boundary[k - 1];
+            sim.comm[k] += boundary[k - 1];
+          }
+          if (!fwd && k + 1 < k_n) {  // receive the gradient
+            if (bwd_sent[k + 1][j] == inf) break;
+            t = std::max(t, bwd_sent[k + 1][j]) + boundary[k];
+            sim.comm[k] += boundary[k];
+          }
         }
         t += fwd ? c.fwd + c.fwd_comm : c.bwd + c.bwd_comm;
         sim.busy[k] += fwd ? c.fwd : c.bwd;
         sim.comm[k] += fwd ? c.fwd_comm : c.bwd_comm;
-        if (fwd && k + 1 < k_n) fwd_sent[k][j] = t, t += boundary[k], sim.comm[k] += boundary[k];
-        if (!fwd && k > 0) bwd_sent[k][j] = t, t += boundary[k - 1], sim.comm[k] += boundary[k - 1];
+        if (async_links) {
+          if (fwd && k + 1 < k_n)
+            down_free[k] = fwd_sent[k][j] = std::max(t, down_free[k]) + boundary[k], sends_done[k] = down_free[k];
+          if (!fwd && k > 0)
+            up_free[k - 1] = bwd_sent[k][j] = std::max(t, up_free[k - 1]) + boundary[k - 1],
+                         sends_done[k] = up_free[k - 1];
+        } else {
+          if (fwd && k + 1 < k_n) fwd_sent[k][j] = t, t += boundary[k], sim.comm[k] += boundary[k];
+          if (!fwd && k > 0) bwd_sent[k][j] = t, t += boundary[k - 1], sim.comm[k] += boundary[k - 1];
+        }
         clock[k] = t;
         ++pos[k];
         progress = true;
       }
     }
   }
-  for (int k = 0; k < k_n; ++k)
+  for (int k = 0; k < k_n; ++k) {
     HSPMD_CHECK(pos[k] == order[k].size(), "pipeline simulation deadlocked at stage ", k);
+    if (sends_done[k] > clock[k]) sim.comm[k] += sends_done[k] - clock[k], clock[k] = sends_done[k];
+  }
   sim.end = clock;
   return sim;
 }
@@ -517,14 +560,32 @@ struct LayerHolders {
   std::vector<std::pair<double, double>> link;  // second < 0: not computed yet
 };
 
+// Expert parallelism: the stage's sparse layers and its first rank's group.
+void place_experts(const ModelConfig& c, const Strategy& strategy, const Stage& st, StageShape& sh) {
+  sh.expert_parallel = strategy.expert_parallel;
+  if (strategy.expert_parallel <= 1 || c.moe.num_experts <= 0) return;
+  for (int l = st.first_layer; l <= st.last_layer; ++l) {
+    if (!c.moe.sparse_layer(l)) continue;
+    if (sh.sparse_layers++ > 0) continue;
+    for (const auto& group : expert_groups(strategy, l).slots) {
+      bool mine = false;
+      for (const std::vector<int>& slot : group)
+        mine = mine || std::find(slot.begin(), slot.end(), st.ranks.front()) != slot.end();
+      if (mine)
+        for (const std::vector<int>& slot : group) sh.expert_group.push_back(slot.front());
+    }
+  }
+}
+
 // Every stage of the strategy, per pipeline; fills in each layer's holders.
-std::vector<std::vector<Placed>> place_stages(const Strategy& strategy, LayerHolders& holders) {
+std::vector<std::vector<Placed>> place_stages(const ModelConfig& c, const Strategy& strategy, LayerHolders& holders) {
   std::vector<std::vector<Placed>> placed(strategy.pipelines.size());
   for (size_t p = 0; p < strategy.pipelines.size(); ++p) {
     const Pipeline& pl = strategy.pipelines[p];
     for (size_t k = 0; k < pl.stages.size(); ++k) {
       const Stage& st = pl.stages[k];
       StageShape sh{st.ranks, st.cp, st.num_layers(), k == 0, k + 1 == pl.stages.size(), st.recompute};
+      place_experts(c, strategy, st, sh);
       placed[p].push_back({sh, static_cast<int>(p), static_cast<int>(k)});
       for (int l = st.first_layer; l <= st.last_layer; ++l) {
         holders.ranks[l].insert(holders.ranks[l].end(), st.ranks.begin(), st.ranks.end());
@@ -555,7 +616,8 @@ PipelineSim simulate_stages(const CostModel& model, const Strategy& strategy, si
     if (k + 1 < stages.size())
       boundary.push_back(model.boundary_seconds(stages[k].shape, stages[k + 1].shape, seq_len, pl.micro_batch_size));
   }
-  PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule);
+  PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule,
+                                      model.topology().has_measured_links());
   for (const StageCost& c : costs) scheduled.last_backward[p].push_back(c.bwd + c.bwd_comm);
   scheduled.pipeline_end[p] = *std::max_element(sim.end.begin(), sim.end.end());
   return sim;
@@ -661,7 +723,7 @@ CostReport CostModel::evaluate(const Strategy& strategy, int64_t seq_len) const 
   rep.ranks.resize(world);
   for (int r = 0; r < world; ++r) rep.ranks[r].rank = r, rep.ranks[r].capacity_bytes = capacity_bytes(r);
   LayerHolders holders(static_cast<int>(model_.num_hidden_layers));
-  const std::vector<std::vector<Placed>> placed = place_stages(strategy, holders);
+  const std::vector<std::vector<Placed>> placed = place_stages(model_, strategy, holders);
   Scheduled scheduled{std::vector<double>(placed.size(), 0), std::vector<std::vector<double>>(placed.size())};
   for (size_t p = 0; p < placed.size(); ++p) {
     const PipelineSim sim = simulate_stages(*this, strategy, p, placed[p], seq_len, scheduled);

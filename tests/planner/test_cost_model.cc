@@ -588,5 +588,44 @@ TEST(CostModel, RooflinePricesTheTopKExpertsWholeOnEveryTpRank) {
   EXPECT_EQ(m.layer_params() - d.layer_params(), static_cast<int64_t>(4 * h + 4 * 3 * h * f - 3 * h * f));
 }
 
+// Expert parallelism (docs/moe.md): a rank holds 1 / G of every sparse
+// layer's experts, and each sparse layer of a micro-batch exchanges the
+// (G - 1) / G of its k rows a token that go to other members (at uniform
+// routing) with its group: rows out and outputs (f32) back in the forward,
+// rows and output gradients out and input gradients back in the backward.
+TEST(CostModel, ExpertParallelismDividesTheExpertsAndPricesTheExchange) {
+  ModelConfig moe = model8();
+  moe.model_type = "mixtral";
+  moe.moe.num_experts = 4;
+  moe.moe.top_k = 2;
+  moe.moe.expert_intermediate_size = 48;
+  const double h = 32, f = 48;
+  const CostModel m(moe, cluster(4, 10), {}, nullptr);  // 10 GB/s links
+  std::vector<Pipeline> pipes;
+  for (int r = 0; r < 4; ++r) pipes.push_back(pipe({stage({r}, 0, 7)}, 2));
+  Strategy ep = make(pipes);
+  ep.expert_parallel = 2;
+  StageShape sh{{0}, 1, 8, true, true, false};
+  const int64_t whole = m.stage_params(sh);
+  sh.expert_parallel = 2;
+  sh.sparse_layers = 8;
+  sh.expert_group = {0, 1};
+  EXPECT_EQ(whole - m.stage_params(sh), static_cast<int64_t>(8 * 2 * 3 * h * f));  // 2 of the 4 experts a layer
+  const int64_t s = 16, b = 2;
+  const double rows = b * s * 2 * 0.5 * h, act = 2;  // bf16 activations on the roofline (no profile)
+  StageShape plain = sh;
+  plain.expert_parallel = 1;
+  const StageCost with = m.stage_cost(sh, s, b), without = m.stage_cost(plain, s, b);
+  EXPECT_NEAR(with.fwd_comm - without.fwd_comm, 8 * m.group_seconds({0, 1}, rows * (act + 4)), 1e-15);
+  EXPECT_NEAR(with.bwd_comm - without.bwd_comm, 8 * m.group_seconds({0, 1}, rows * (2 * act + 4)), 1e-15);
+  EXPECT_GT(with.fwd_comm, 0);
+  // evaluate() places the groups: ranks 0-1 and 2-3, each rank's experts halved.
+  Strategy replicated = ep;
+  replicated.expert_parallel = 1;
+  const CostReport a = m.evaluate(replicated, 16), e = m.evaluate(ep, 16);
+  EXPECT_LT(e.ranks[0].memory.params, a.ranks[0].memory.params);
+  EXPECT_NEAR(a.ranks[0].memory.params - e.ranks[0].memory.params, 8 * 2 * 3 * h * f * 2, 1e-6);  // bf16 params
+}
+
 }  // namespace
 }  // namespace hspmd

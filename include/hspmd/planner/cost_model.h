@@ -73,6 +73,12 @@ struct StageShape {
   int layers = 1;
   bool first = false, last = false;  // holds the embedding / the head
   bool recompute = false;
+  // Expert parallelism (docs/moe.md): the stage's sparse layers, the
+  // strategy's expert_parallel, and the ranks of the expert group of the
+  // stage's first rank (the strategy's expert_groups).
+  int sparse_layers = 0;
+  int expert_parallel = 1;
+  std::vector<int> expert_group;
   int tp() const { return static_cast<int>(ranks.size()) / cp; }
 };
 
@@ -154,6 +160,7 @@ class CostModel {
   std::shared_ptr<const Profile> fallback_;
   int64_t layer_params_ = 0, layer_tp_params_ = 0, embed_params_ = 0, head_params_ = 0, head_rep_params_ = 0;
   ModelFamily::LayerCompute layer_compute_;  // the roofline's matmul parameters per token and layer
+  int64_t expert_params_ = 0;                // every expert's weights of one sparse layer
   mutable std::vector<std::string> notes_;
 };
 
