@@ -109,9 +109,11 @@ void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& 
 // `addend` (f32 or bf16, x's shape): dx = the norm's dx + addend, added as
 // the last step (the same bits as a separate add), in the same pass. x may
 // be bf16 (read exactly) and dx bf16 (the f32 result rounded once: the bits
-// of a cast after it).
+// of a cast after it). `dx_bf16` (with an f32 dx): also dx rounded to bf16,
+// written in the same pass (the bits of a cast of dx).
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight,
-                       float eps, NDArray& dx, NDArray& dweight, const NDArray* addend = nullptr);
+                       float eps, NDArray& dx, NDArray& dweight, const NDArray* addend = nullptr,
+                       NDArray* dx_bf16 = nullptr);
 // Rotates x [B, S, heads, D] by angle positions[b, s] * theta^(-2i/D)
 // (rotate_half convention); `inverse` rotates by the negated angle. x f32
 // or bf16 (read exactly), out f32 or bf16 (computed in f32, rounded once).

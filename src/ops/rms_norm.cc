@@ -30,13 +30,16 @@ DimRule norm_rule(int x_rank, bool backward) {
   return rule;
 }
 
-// (dy, x, weight[, addend]) -> (dx [+ addend], dweight). The addend is x's
-// gradient from its other consumers (the residual stream's), added to dx
-// in the same pass instead of by a separate add; dx comes out in x's dtype
-// (a bf16 block input's gradient is the f32 sum rounded once).
+// (dy, x, weight[, addend]) -> (dx [+ addend], dweight[, dx in bf16]). The
+// addend is x's gradient from its other consumers (the residual stream's),
+// added to dx in the same pass instead of by a separate add; dx comes out
+// in x's dtype (a bf16 block input's gradient is the f32 sum rounded once).
+// With `rounded` (an f32 x), a third output: dx rounded to bf16 in the same
+// pass, the bits of a cast of dx (add_rms_norm's gradient of its bf16
+// branch, which a cast pass made from dx before).
 class RmsNormGradOp final : public Op {
  public:
-  explicit RmsNormGradOp(float eps) : eps_(eps) {}
+  explicit RmsNormGradOp(float eps, bool rounded = false) : eps_(eps), rounded_(rounded) {}
   std::string type() const override { return "rms_norm_grad"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     if (in.size() != 3 && in.size() != 4)
@@ -44,31 +47,35 @@ class RmsNormGradOp final : public Op {
     if (in.size() == 4 && ((in[3].dtype != DType::F32 && in[3].dtype != DType::BF16) || !(in[3].shape == in[1].shape)))
       fail("[rms_norm_grad] the addend must be f32 or bf16 of x's shape ", sym_shape_str(in[1].shape), ", got ",
            dtype_name(in[3].dtype), " ", sym_shape_str(in[3].shape));
-    return {in[1], in[2]};  // dx in x's dtype (a bf16 one rounded once, the addend added)
+    if (!rounded_) return {in[1], in[2]};  // dx in x's dtype (a bf16 one rounded once, the addend added)
+    if (in[1].dtype != DType::F32) fail("[rms_norm_grad] a bf16 copy of dx needs an f32 x, got ", dtype_name(in[1].dtype));
+    return {in[1], in[2], TensorMeta{in[1].shape, DType::BF16}};
   }
   void compute(const OpContext& ctx, const std::vector<NDArray>& in,
                std::vector<NDArray>& out) const override {
     out[0] = ctx.alloc(0);
     out[1] = ctx.alloc(1);
+    if (rounded_) out[2] = ctx.alloc(2);
     const NDArray addend = in.size() == 4 ? in[3].contiguous() : NDArray();
-    kernels::rms_norm_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(),
-                               in[2].contiguous(), eps_, out[0], out[1], addend.valid() ? &addend : nullptr);
+    kernels::rms_norm_backward(*ctx.stream, in[0].contiguous(), in[1].contiguous(), in[2].contiguous(), eps_,
+                               out[0], out[1], addend.valid() ? &addend : nullptr, rounded_ ? &out[2] : nullptr);
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
     const DimRule rule = norm_rule(ctx.node.inputs[1].ndim(), true);
-    if (in.size() == 3) return deduce_by_dims(ctx, rule, in);
     // With an addend: dx's layout, which the addend must share (as add's
     // inputs must; identical partial terms give a partial sum).
     std::vector<Annotation> out = deduce_by_dims(ctx, rule, {in[0], in[1], in[2]});
-    if (!same_layout(out[0], in[3]))
+    if (in.size() == 4 && !same_layout(out[0], in[3]))
       fail_at(ctx, "the addend (input 3) is sharded differently from dx (", to_string(in[3]), ") vs (",
               to_string(out[0]), "); insert a Reshard");
+    if (rounded_) out.push_back(out[0]);  // the bf16 copy: dx's layout
     return out;
   }
 
  private:
   float eps_;
+  bool rounded_;
 };
 
 class RmsNormOp final : public Op {
@@ -126,7 +133,9 @@ class RmsNormOp final : public Op {
 // GPU's kernel reads a and b once and writes both; the separate norm read
 // the sum again). The same bits as AddOp followed by RmsNormOp, forward and
 // backward: the CPU kernel runs those two kernels, and gradient() appends
-// the nodes their gradients would, in their order.
+// the nodes their gradients would, in their order, except that the bf16
+// branch's gradient (AddOp's cast of the sum's gradient) comes from the
+// norm's backward pass itself where that gradient is its dx.
 class AddRmsNormOp final : public Op {
  public:
   AddRmsNormOp(float eps, DType sum, DType out) : eps_(eps), sum_(sum), out_(out) {}
@@ -162,9 +171,14 @@ class AddRmsNormOp final : public Op {
       const bool fold = gsum.valid() && (gsum.dtype() == DType::F32 || gsum.dtype() == DType::BF16) &&
                         gsum.shape() == sum.shape();
       if (fold) in.push_back(gsum);
-      const std::vector<Tensor> r = g[1].graph()->add(std::make_shared<RmsNormGradOp>(eps_), in);
-      gsum = fold || !gsum.valid() ? r[0] : add(gsum, r[0]);
+      // The sum's whole gradient is dx (folded, or no other reader): the
+      // bf16 branch's gradient (AddOp's cast of it) is written in the same
+      // pass.
+      const bool rounded = (fold || !gsum.valid()) && sum_ == DType::F32 && b.dtype() == DType::BF16;
+      const std::vector<Tensor> r = g[1].graph()->add(std::make_shared<RmsNormGradOp>(eps_, rounded), in);
       dw = r[1];
+      if (rounded) return {r[0], r[2], dw};  // a's: cast(dx, f32) is dx
+      gsum = fold || !gsum.valid() ? r[0] : add(gsum, r[0]);
     }
     if (!gsum.valid()) return {Tensor(), Tensor(), dw};
     const Tensor ga = sum_ == DType::BF16 ? gsum : cast(gsum, DType::F32);

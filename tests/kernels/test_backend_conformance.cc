@@ -241,13 +241,15 @@ void rms_norm_backward_shape(Io& io, const Shape& shape, DType x_type, DType add
   NDArray x = random_as(x_type);
   NDArray add = add_type == DType::F64 ? NDArray() : random_as(add_type);
   const NDArray* addend = add.valid() ? &add : nullptr;
-  NDArray dx = io.out(shape), dw = io.out({h});
-  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, addend);
+  // The f32 dx with its bf16 copy written in the same pass (a cast's bits).
+  NDArray dx = io.out(shape), dw = io.out({h}), copy = io.out(shape, DType::BF16);
+  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, addend, &copy);
   io.keep(dx);
   io.keep(dw);
+  keep_rounded_once(io, dx, copy);
   if (!bf16_dx) return;
   NDArray dx16 = io.out(shape, DType::BF16), dw2 = io.out({h});
-  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx16, dw2, addend);
+  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx16, dw2, addend, nullptr);
   NDArray minus = io.out(shape), diff = io.out(shape);
   io.k().scale(io.s, io.k().cast(io.s, io.k().cast(io.s, dx, DType::BF16), DType::F32), -1.0f, minus);
   io.k().add(io.s, minus, dx16, diff);
@@ -257,7 +259,7 @@ void rms_norm_backward_shape(Io& io, const Shape& shape, DType x_type, DType add
 void case_rms_norm_backward(Io& io) {
   NDArray dy = io.f32({6, 32}), x = io.f32({6, 32}), w = io.f32({32}), add = io.f32({6, 32});
   NDArray dx = io.out({6, 32}), dw = io.out({32});
-  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, &add);
+  io.k().rms_norm_backward(io.s, dy, x, w, 1e-5f, dx, dw, &add, nullptr);
   io.keep(dx);
   io.keep(dw);
   // The CUDA kernel's paths and tails: 16-byte groups with 1, 2 and 4 per

@@ -189,7 +189,7 @@ TEST(RmsNorm, AddRmsNormIsTheAddThenTheNorm) {
                     wv = random_array({40}, 112), dv = random_array(hs, 113).to(in_dtype),
                     r0v = random_array(hs, 114), r1v = random_array(hs, 115);
       std::vector<NDArray> got[2];
-      int fused_nodes[2] = {0, 0}, norm_nodes[2] = {0, 0}, folded[2] = {0, 0};
+      int fused_nodes[2] = {0, 0}, norm_nodes[2] = {0, 0}, folded[2] = {0, 0}, dx_casts[2] = {0, 0};
       for (int fused = 0; fused < 2; ++fused) {
         Graph g;
         Tensor h = g.placeholder("h", sym_shape(hs), in_dtype), b = g.placeholder("b", sym_shape(hs), in_dtype);
@@ -220,6 +220,8 @@ TEST(RmsNorm, AddRmsNormIsTheAddThenTheNorm) {
           fused_nodes[fused] += n.op && n.op->type() == "add_rms_norm";
           norm_nodes[fused] += n.op && n.op->type() == "rms_norm";
           folded[fused] += id > forward_end && n.op && n.op->type() == "rms_norm_grad" && n.inputs.size() == 4;
+          dx_casts[fused] += n.op && n.op->type() == "cast" && n.inputs[0].node().op &&
+                             n.inputs[0].node().op->type() == "rms_norm_grad";
         }
         std::vector<Tensor> fetch = {loss, sum, y, grads[0], grads[1], grads[2]};
         if (out.valid()) fetch.push_back(out);
@@ -230,6 +232,9 @@ TEST(RmsNorm, AddRmsNormIsTheAddThenTheNorm) {
       EXPECT_EQ(norm_nodes[1], 0);
       EXPECT_EQ(folded[0], sum_read_again ? 1 : 0);
       EXPECT_EQ(folded[1], folded[0]);  // the sum's other gradient folded into the norm's backward alike
+      // b's bf16 gradient: a cast of the norm's dx, or written by its pass
+      EXPECT_EQ(dx_casts[0], bf16 ? 1 : 0);
+      EXPECT_EQ(dx_casts[1], 0);
       ASSERT_EQ(got[0].size(), got[1].size());
       for (size_t i = 0; i < got[0].size(); ++i) {
         ASSERT_EQ(got[0][i].dtype(), got[1][i].dtype()) << i;

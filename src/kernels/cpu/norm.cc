@@ -73,7 +73,15 @@ void add_rms_norm(const NDArray& a, const NDArray& b, const NDArray& weight, flo
 }
 
 void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weight, float eps,
-                       NDArray& dx, NDArray& dweight, const NDArray* addend) {
+                       NDArray& dx, NDArray& dweight, const NDArray* addend, NDArray* dx_bf16) {
+  if (dx_bf16 != nullptr) {  // dx, then its bf16 copy (a cast's rounding)
+    HSPMD_CHECK(dx.dtype() == DType::F32 && dx_bf16->dtype() == DType::BF16 && dx_bf16->numel() == dx.numel() &&
+                    dx_bf16->is_contiguous(),
+                "rms_norm_backward: dx_bf16 needs an f32 dx and a contiguous bf16 array of its size");
+    rms_norm_backward(dy, x, weight, eps, dx, dweight, addend, nullptr);
+    f32_to_bf16_n(dx.data<float>(), dx_bf16->data<uint16_t>(), dx.numel());
+    return;
+  }
   require_contiguous("rms_norm_backward", dy);
   // bf16 x or addend: their exact values; a bf16 dx: the f32 result (the
   // addend added) rounded once, as a cast after it would.
@@ -82,7 +90,7 @@ void rms_norm_backward(const NDArray& dy, const NDArray& x, const NDArray& weigh
     const NDArray x32 = widened(x);
     const NDArray a32 = addend != nullptr ? widened(addend->contiguous()) : NDArray();
     NDArray dx32 = dx.dtype() == DType::BF16 ? NDArray::empty(dx.shape(), DType::F32, dx.device()) : dx;
-    rms_norm_backward(dy, x32, weight, eps, dx32, dweight, addend != nullptr ? &a32 : nullptr);
+    rms_norm_backward(dy, x32, weight, eps, dx32, dweight, addend != nullptr ? &a32 : nullptr, nullptr);
     if (dx.dtype() == DType::BF16) f32_to_bf16_n(dx32.data<float>(), dx.data<uint16_t>(), dx.numel());
     return;
   }

@@ -32,7 +32,7 @@ void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDA
 void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& weight, float eps, NDArray& sum,
                   NDArray& out);
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
-                       NDArray& dweight, const NDArray* addend);
+                       NDArray& dweight, const NDArray* addend, NDArray* dx_bf16);
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup, NDArray* out);

@@ -167,7 +167,7 @@ __device__ void norm_row_sums(const X* xr, const float* gr, const float* w, int6
 // D: dx's (a bf16 dx is the f32 result rounded once).
 template <typename X, typename A, typename D>
 __global__ void rms_norm_dx_kernel(const float* dy, const X* x, const float* w, float eps, D* dx, float* row_scale,
-                                   const A* addend, int64_t h) {
+                                   const A* addend, __nv_bfloat16* dx16, int64_t h) {
   __shared__ double scratch[kThreads];
   const X* xr = x + blockIdx.x * h;
   const float* gr = dy + blockIdx.x * h;
@@ -181,7 +181,9 @@ __global__ void rms_norm_dx_kernel(const float* dy, const X* x, const float* w, 
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
     const float v = s * w[i] * gr[i] - to_f32(xr[i]) * c;
     // the norm's dx rounded, then the addend: a separate add's bits
-    dr[i] = from_f32<D>(ar != nullptr ? v + to_f32(ar[i]) : v);
+    const float d = ar != nullptr ? v + to_f32(ar[i]) : v;
+    dr[i] = from_f32<D>(d);
+    if (dx16 != nullptr) dx16[blockIdx.x * h + i] = __float2bfloat16_rn(d);  // a cast of the f32 dx
   }
 }
 
@@ -236,7 +238,7 @@ __device__ inline double warp_sum(double v) {
 template <int V, int K, typename X, typename A, typename D>
 __global__ void __launch_bounds__(kThreads, K == 1 ? 4 : (K == 2 ? 2 : 1))
     rms_norm_backward_rows_kernel(const float* dy, const X* x, const float* w, float eps, D* dx, const A* addend,
-                                  double* partial, int64_t rows, int64_t h, int64_t per_block) {
+                                  __nv_bfloat16* dx16, double* partial, int64_t rows, int64_t h, int64_t per_block) {
   __shared__ double warp_sums[2][2][kWarps];  // [row parity][x², dy·w·x][warp]: one barrier a row
   // This thread's dweight sums, slot (k * V + v) * kThreads + threadIdx.x
   // (its own: no barrier; consecutive threads, consecutive banks), in shared
@@ -290,6 +292,7 @@ __global__ void __launch_bounds__(kThreads, K == 1 ? 4 : (K == 2 ? 2 : 1))
           acc[(k * V + v) * kThreads + threadIdx.x] += static_cast<double>(gv[k][v]) * (xv[k][v] * s);  // RmsNormDwTerm's
         }
         store<V>(dx, base + c, out);  // a bf16 dx: the f32 value rounded once
+        if (dx16 != nullptr) store<V>(dx16, base + c, out);  // dx's bf16 copy: a cast's rounding
       }
     }
   }
@@ -460,8 +463,13 @@ void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& 
 }
 
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
-                       NDArray& dweight, const NDArray* addend) {
+                       NDArray& dweight, const NDArray* addend, NDArray* dx_bf16) {
   require_contiguous("rms_norm_backward", dy);
+  if (dx_bf16 != nullptr)
+    HSPMD_CHECK(dx.dtype() == DType::F32 && dx_bf16->dtype() == DType::BF16 && dx_bf16->numel() == dx.numel() &&
+                    dx_bf16->is_contiguous(),
+                "rms_norm_backward: dx_bf16 needs an f32 dx and a contiguous bf16 array of its size");
+  auto* dx16 = dx_bf16 != nullptr ? static_cast<__nv_bfloat16*>(dx_bf16->raw_data()) : nullptr;
   require_contiguous("rms_norm_backward", x);
   const int64_t h = weight.numel(), rows = h == 0 ? 0 : x.numel() / h;
   HSPMD_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && dweight.numel() == h,
@@ -478,7 +486,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     using A = std::remove_const_t<std::remove_pointer_t<decltype(add)>>;
     using D = std::remove_pointer_t<decltype(pdx)>;
     const bool vec = h % kVec == 0 && aligned16(dy.raw_data()) && aligned16(x.raw_data()) &&
-                     aligned16(weight.raw_data()) && aligned16(dx.raw_data()) &&
+                     aligned16(weight.raw_data()) && aligned16(dx.raw_data()) && aligned16(dx16) &&
                      (addend == nullptr || aligned16(addend->raw_data()));
     const int k = groups_per_thread(h, vec);
     if (k != 0) {
@@ -493,7 +501,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
       cuda_rt::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                      "rms_norm_backward");
       kernel<<<static_cast<unsigned>(blocks), kThreads, smem, native(s)>>>(dy.data<float>(), px, weight.data<float>(),
-                                                                            eps, pdx, add, p, rows, h, per_block);
+                                                                            eps, pdx, add, dx16, p, rows, h, per_block);
       launched("rms_norm_backward");
       chunk_totals_kernel<<<static_cast<unsigned>((h + 31) / 32), dim3(32, kSlices), 0, native(s)>>>(
           p, blocks, h, dweight.data<float>());
@@ -502,7 +510,7 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
     }
     NDArray scale = NDArray::empty({rows}, DType::F32, s.device());  // stream-ordered reuse only
     rms_norm_dx_kernel<X, A, D><<<static_cast<unsigned>(rows), kThreads, 0, native(s)>>>(
-        dy.data<float>(), px, weight.data<float>(), eps, pdx, scale.data<float>(), add, h);
+        dy.data<float>(), px, weight.data<float>(), eps, pdx, scale.data<float>(), add, dx16, h);
     launched("rms_norm_backward");
     column_sums(s, "rms_norm_backward", RmsNormDwTerm<X>{dy.data<float>(), px, scale.data<float>(), h}, rows, h,
                 kNormRowChunk, dweight.data<float>());
