@@ -437,16 +437,9 @@ namespace {
 
 // One pipeline's schedule, simulated: per stage the order in which the
 // executor runs its forwards and backwards (schedules.cc), each starting when
-// the stage is free and its input has arrived.
-// * Emulated links (the cluster file's): a receive completes at the sender's
-//   clock plus the transfer; a (deferred) send costs the sender the transfer
-//   too, as the emulated links bill it.
-// * A real network (`async_links`: the links were measured): the executor's
-//   deferred sends do not hold the sender, and a link carries both directions
-//   at once, each a queue of its own: a transfer starts when it is sent and
-//   the previous one the same way has arrived, and the receiver waits only
-//   for what has not arrived yet. The stage's step ends when its last send has
-//   arrived (the step waits for its deferred sends).
+// the stage is free and its input has arrived. A receive completes at the
+// sender's clock plus the transfer; a (deferred) send costs the sender the
+// transfer too, as the emulated links bill it.
 struct PipelineSim {
   std::vector<double> end;        // per stage: when its last backward (and send) ends
   std::vector<double> busy;       // per stage: compute
@@ -454,7 +447,7 @@ struct PipelineSim {
 };
 
 PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vector<double>& boundary,
-                              int micro_batches, const std::string& schedule, bool async_links) {
+                              int micro_batches, const std::string& schedule) {
   const int k_n = static_cast<int>(cost.size()), m_n = micro_batches;
   // Per stage the op sequence: +j forward of micro-batch j, -(j+1) backward.
   std::vector<std::vector<int>> order(k_n);
@@ -476,9 +469,6 @@ PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vec
       bwd_sent(k_n, std::vector<double>(m_n, inf));
   std::vector<size_t> pos(k_n, 0);
   std::vector<double> clock(k_n, 0);
-  // Real links: per boundary k (stage k to k + 1), when each direction is free,
-  // and per stage when its last send arrives.
-  std::vector<double> down_free(k_n, 0), up_free(k_n, 0), sends_done(k_n, 0);
   PipelineSim sim;
   sim.busy.assign(k_n, 0);
   sim.comm.assign(k_n, 0);
@@ -491,46 +481,29 @@ PipelineSim simulate_pipeline(const std::vector<StageCost>& cost, const std::vec
         const int j = (fwd ? op : -op) - 1;
         double t = clock[k];
         const StageCost& c = cost[k];
-        if (async_links) {
-          // fwd_sent / bwd_sent hold the arrival; the wait is communication.
-          const double arrived = fwd && k > 0 ? fwd_sent[k - 1][j] : !fwd && k + 1 < k_n ? bwd_sent[k + 1][j] : -inf;
-          if (arrived == inf) break;
-          if (arrived > t) sim.comm[k] += std::min(arrived - t, fwd ? boundary[k - 1] : boundary[k]), t = arrived;
-        } else {
-          if (fwd && k > 0) {  // receive the activation
-            if (fwd_sent[k - 1][j] == inf) break;
-            t = std::max(t, fwd_sent[k - 1][j]) + boundary[k - 1];
-            sim.comm[k] += boundary[k - 1];
-          }
-          if (!fwd && k + 1 < k_n) {  // receive the gradient
-            if (bwd_sent[k + 1][j] == inf) break;
-            t = std::max(t, bwd_sent[k + 1][j]) + boundary[k];
-            sim.comm[k] += boundary[k];
-          }
+        if (fwd && k > 0) {  // receive the activation
+          if (fwd_sent[k - 1][j] == inf) break;
+          t = std::max(t, fwd_sent[k - 1][j]) + boundary[k - 1];
+          sim.comm[k] += boundary[k - 1];
+        }
+        if (!fwd && k + 1 < k_n) {  // receive the gradient
+          if (bwd_sent[k + 1][j] == inf) break;
+          t = std::max(t, bwd_sent[k + 1][j]) + boundary[k];
+          sim.comm[k] += boundary[k];
         }
         t += fwd ? c.fwd + c.fwd_comm : c.bwd + c.bwd_comm;
         sim.busy[k] += fwd ? c.fwd : c.bwd;
         sim.comm[k] += fwd ? c.fwd_comm : c.bwd_comm;
-        if (async_links) {
-          if (fwd && k + 1 < k_n)
-            down_free[k] = fwd_sent[k][j] = std::max(t, down_free[k]) + boundary[k], sends_done[k] = down_free[k];
-          if (!fwd && k > 0)
-            up_free[k - 1] = bwd_sent[k][j] = std::max(t, up_free[k - 1]) + boundary[k - 1],
-                         sends_done[k] = up_free[k - 1];
-        } else {
-          if (fwd && k + 1 < k_n) fwd_sent[k][j] = t, t += boundary[k], sim.comm[k] += boundary[k];
-          if (!fwd && k > 0) bwd_sent[k][j] = t, t += boundary[k - 1], sim.comm[k] += boundary[k - 1];
-        }
+        if (fwd && k + 1 < k_n) fwd_sent[k][j] = t, t += boundary[k], sim.comm[k] += boundary[k];
+        if (!fwd && k > 0) bwd_sent[k][j] = t, t += boundary[k - 1], sim.comm[k] += boundary[k - 1];
         clock[k] = t;
         ++pos[k];
         progress = true;
       }
     }
   }
-  for (int k = 0; k < k_n; ++k) {
+  for (int k = 0; k < k_n; ++k)
     HSPMD_CHECK(pos[k] == order[k].size(), "pipeline simulation deadlocked at stage ", k);
-    if (sends_done[k] > clock[k]) sim.comm[k] += sends_done[k] - clock[k], clock[k] = sends_done[k];
-  }
   sim.end = clock;
   return sim;
 }
@@ -616,8 +589,7 @@ PipelineSim simulate_stages(const CostModel& model, const Strategy& strategy, si
     if (k + 1 < stages.size())
       boundary.push_back(model.boundary_seconds(stages[k].shape, stages[k + 1].shape, seq_len, pl.micro_batch_size));
   }
-  PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule,
-                                      model.topology().has_measured_links());
+  PipelineSim sim = simulate_pipeline(costs, boundary, pl.micro_batches, strategy.schedule);
   for (const StageCost& c : costs) scheduled.last_backward[p].push_back(c.bwd + c.bwd_comm);
   scheduled.pipeline_end[p] = *std::max_element(sim.end.begin(), sim.end.end());
   return sim;
