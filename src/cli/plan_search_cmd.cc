@@ -189,7 +189,7 @@ int cost_command(const std::vector<std::string>& args) {
 struct SearchFlags {
   std::string links;
   std::string model, cluster, profile, schedule = "1f1b", out, from, unavailable, tp, mbs, solver = "cbc";
-  int global_batch = 0, top = 5, max_cp = 1, min_pipelines = 1;  // ints: the parser refuses what does not fit
+  int global_batch = 0, top = 5, max_cp = 1, min_pipelines = 1, expert_parallel = 1;  // ints: the parser refuses what does not fit
   int64_t seq_len = 0;
   double time_limit = 60;
   bool zero = false, json = false, no_recompute = false;
@@ -351,6 +351,9 @@ void add_search_flags(FlagSet& f, SearchFlags& c) {
             "at least this many pipelines (replicas that survive one failed device; default 1)", false, kPositiveInt);
   f.add_string("micro-batch-sizes", &c.mbs, "micro-batch sizes to consider (default: powers of two up to 8 dividing the batch)");
   f.add_bool("no-recompute", &c.no_recompute, "never use activation recomputation");
+  f.add_int("expert-parallel", &c.expert_parallel,
+            "expert parallelism of every strategy (docs/moe.md; default 1): those it cannot run are skipped",
+            false, kPositiveInt);
   f.add_string("from", &c.from, "re-plan: the previous strategy (its TP degrees and micro-batch size prune the search)");
   f.add_string("unavailable", &c.unavailable, "ranks that take no work, e.g. 3,5 or 8-15 (failed devices)");
   f.add_string("solver", &c.solver, "cbc (default) or exact: who solves the integer programs");
@@ -374,6 +377,7 @@ SearchOptions search_options(const SearchFlags& c, const Topology& topology) {
   o.tp_degrees = int_list(c.tp, "--tp");
   o.micro_batch_sizes = int_list(c.mbs, "--micro-batch-sizes");
   o.allow_recompute = !c.no_recompute;
+  o.expert_parallel = c.expert_parallel;
   if (c.solver == "cbc") o.solver = IlpSolver::kCbc;
   else if (c.solver == "exact") o.solver = IlpSolver::kExact;
   else fail("[flags] --solver must be cbc or exact, got '", c.solver, "'");

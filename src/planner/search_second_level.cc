@@ -13,6 +13,7 @@
 #include <numeric>
 #include <optional>
 
+#include "hspmd/core/error.h"
 #include "hspmd/planner/ilp.h"
 #include "planner/micro_batch_sizes.h"
 
@@ -33,8 +34,16 @@ StageShape Searcher::shape(const Pipe& pipe, size_t k, int cp, int layers, bool 
 void Searcher::score(Strategy s, const std::string& family) {
   s.schedule = o_.schedule;
   s.zero = o_.zero;
+  s.expert_parallel = o_.expert_parallel;
   const std::string key = to_json(s).dump();
   if (scored_.count(key)) return;
+  if (s.expert_parallel > 1) {  // skip the layouts expert parallelism cannot run (uneven slots, ...)
+    try {
+      validate(s, model_.model(), model_.topology().world_size());
+    } catch (const Error&) {
+      return;
+    }
+  }
   const CostReport rep = model_.evaluate(s, o_.seq_len);
   const int over = rep.overflow_rank();
   if (over >= 0) {

@@ -138,6 +138,12 @@ def check_strategies(hspmd_cli, d):
     assert cost == json.loads(cli.stdout), "plan_cost differs from hspmd plan cost --json"
     found = hspmd.plan_search(MODEL, cluster, global_batch=8, seq_len=64, time_limit=20, tp=[1, 2])
     assert isinstance(found["strategy"], hspmd.Strategy) and found["strategy"].global_batch == 8
+    # Expert parallelism through the planner: every strategy it reports runs it, priced by the cost model.
+    found = hspmd.plan_search(moe, cluster, global_batch=8, seq_len=64, time_limit=20, expert_parallel=2)
+    assert found["strategy"].expert_parallel == 2, found["strategy"]
+    ep_cost = hspmd.plan_cost(moe, found["strategy"], cluster, seq_len=64)
+    replicated = hspmd.plan_cost(moe, dict(found["strategy"].to_json(), expert_parallel=1), cluster, seq_len=64)
+    assert ep_cost["ranks"][0]["memory_gib"] < replicated["ranks"][0]["memory_gib"], (ep_cost, replicated)
     raises(lambda: hspmd.plan_search(MODEL, cluster, global_batch=8, seq_len=64, schedule="zigzag"), "[")
 
 

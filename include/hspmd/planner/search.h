@@ -33,6 +33,9 @@ struct SearchOptions {
   int64_t seq_len = 0;
   bool zero = false;
   std::string schedule = "1f1b";
+  // Expert parallelism of every strategy (docs/moe.md): a strategy whose
+  // layout cannot run it (validate's rules) is skipped.
+  int expert_parallel = 1;
   double time_limit_s = 60;  // the enumeration stops (keeping the best so far) after this
   int top_k = 5;
   std::set<int> unavailable;     // ranks that take no work (failed devices)
