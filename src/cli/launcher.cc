@@ -419,6 +419,7 @@ struct AttemptEnd {
   int stopped_by = 0;      // SIGINT or SIGTERM to the launcher
   bool reported = false;   // a rank printed its own error
   std::string lost_report; // ... whose line mpirun did not relay (it was lost)
+  std::string report;      // the job's report (claim_report), relayed or not
   int64_t death_ns = 0;    // when a rank was first seen gone (0: none was)
   int dead_rank = -1;      // which (-1: unknown, a zombie child of mpirun)
   bool wedged = false;     // mpirun outlived that death by kWedgedS: the launcher ended it
@@ -530,7 +531,8 @@ AttemptEnd run_attempt(const LaunchOptions& o, const std::vector<std::string>& a
     end.failure.exit_code = code;
   }
   end.reported = job.reported();
-  if (end.reported && !relay.relayed_error()) end.lost_report = job.report();
+  if (end.reported) end.report = job.report();
+  if (end.reported && !relay.relayed_error()) end.lost_report = end.report;
   end.end_ns = now_ns();
   return end;
 }
@@ -588,7 +590,15 @@ void check_local_ranks(const std::string& what, int64_t n, int64_t least) {
          "] on this machine (32 per core: each rank is a process here)");
 }
 
-int launch_ranks(const LaunchOptions& o) {
+// The number of ranks that `hostfile` maps onto `host` among `nproc`.
+int64_t ranks_on(const Hostfile& hostfile, int64_t nproc, const std::string& host) {
+  int64_t n = 0;
+  for (int64_t r = 0; r < nproc; ++r) n += hostfile.host_of(r) == host;
+  return n;
+}
+
+int launch_ranks(const LaunchOptions& options) {
+  LaunchOptions o = options;  // a restart without a lost host changes the hosts, the ranks, the strategy
   if (o.hostfile.hosts.empty()) check_local_ranks("[flags] --nproc", o.nproc, 1);
   else check_hostfile_ranks(o.hostfile, o.nproc);
   struct sigaction sa {};
@@ -611,6 +621,49 @@ int launch_ranks(const LaunchOptions& o) {
       return 128 + end.stopped_by;
     }
     if (end.succeeded()) return 0;
+    const std::string gone = lost_host(end.report);
+    if (!gone.empty() && restarts < o.max_restarts && !o.replan.strategy_path.empty() && o.command.empty() &&
+        o.hostfile.hosts.size() > 1) {
+      // The heartbeat ended the job naming a host: restart on the others
+      // under a strategy re-planned for them, from the last checkpoint.
+      if (!end.lost_report.empty()) std::fprintf(stderr, "%s\n", end.lost_report.c_str());
+      const Hostfile left = without_host(o.hostfile, gone);
+      const int64_t nproc = std::min(o.nproc - ranks_on(o.hostfile, o.nproc, gone), left.slots());
+      const std::string strategy = o.checkpoint_dir + "/strategy-restart-" + std::to_string(restarts + 1) + ".json";
+      RestartPoint point;
+      try {
+        if (nproc < 1) fail("[launch] no rank left without host ", gone);
+        point = find_restart_point(o.checkpoint_dir, o.resume_dir, run_id);
+        replan_for_hosts(o.replan, left, nproc, strategy);
+      } catch (const Error& e) {
+        std::fprintf(stderr, "hspmd: error: [launch] host %s was lost; cannot restart without it: %s\n", gone.c_str(),
+                     e.what());
+        return 1;
+      }
+      std::fprintf(stderr,
+                   "hspmd: warning: [launch] host %s was lost; restarting without it on the %lld ranks of hosts %s "
+                   "under the re-planned strategy %s, from %s (restart %lld of --max-restarts %lld)\n",
+                   gone.c_str(), static_cast<long long>(nproc), left.summary().c_str(), strategy.c_str(),
+                   point.resume_dir.empty() ? "the start"
+                                            : ("the checkpoint of step " + std::to_string(point.step)).c_str(),
+                   static_cast<long long>(restarts + 1), static_cast<long long>(o.max_restarts));
+      const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
+      log.begin(restarts + 1, point.step, "host " + gone + " lost (heartbeat)",
+                end.death_ns != 0 ? (end.end_ns - died) * 1e-9 : -1);
+      o.hostfile = left;
+      o.nproc = nproc;
+      o.replan.strategy_path = strategy;
+      args = with_resume(with_strategy(args, strategy), point.resume_dir);
+      o.rank_args = with_strategy(o.rank_args, strategy);
+      watch.armed = true;
+      watch.seen = [&log, died](int64_t done) { log.set_recovery((done - died) * 1e-9); };
+      if (g_signal != 0) {
+        std::fprintf(stderr, "hspmd: error: [launch] %s: the job was not restarted\n",
+                     g_signal == SIGINT ? "SIGINT" : "SIGTERM");
+        return 128 + g_signal;
+      }
+      continue;
+    }
     if (!end.crashed() || restarts == o.max_restarts) return give_up(end, restarts, o);
     const std::string why = end.why(o.hostfile);
     const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "hostfile.h"
+#include "restart.h"
 
 namespace hspmd::cli {
 
@@ -44,6 +45,11 @@ struct LaunchOptions {
   // test hosts), uses TCP between hosts and shared memory within one, and
   // passes the launcher's HSPMD_* variables to every rank.
   Hostfile hostfile;
+  // hspmd train --strategy: when the heartbeat between hosts ends an attempt
+  // naming a lost host, --max-restarts restarts on the other hosts under a
+  // strategy re-planned for them (docs/multi_host.md, "Restart without a
+  // lost host"). Empty strategy_path: no such restart.
+  ReplanInputs replan;
 };
 
 // The most ranks (processes) one job may run on this machine: 32 per core.

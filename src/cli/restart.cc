@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -17,6 +18,10 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/io/checkpoint.h"
+#include "hspmd/models/config.h"
+#include "hspmd/plan/strategy.h"
+#include "hspmd/planner/search.h"
+#include "hspmd/resolve/topology.h"
 
 namespace hspmd::cli {
 
@@ -90,6 +95,70 @@ std::vector<std::string> with_resume(const std::vector<std::string>& args, const
     else if (args[i].rfind("--resume=", 0) != 0) out.push_back(args[i]);
   }
   out.insert(out.end(), {"--resume", dir});
+  return out;
+}
+
+std::string lost_host(const std::string& report) {
+  static const std::string kHead = "[heartbeat] host ";
+  const size_t at = report.find(kHead);
+  if (at == std::string::npos) return "";
+  const size_t start = at + kHead.size(), space = report.find(' ', start);
+  if (space == std::string::npos || report.compare(space, 8, " (ranks ") != 0) return "";
+  return report.substr(start, space - start);
+}
+
+Hostfile without_host(const Hostfile& hostfile, const std::string& host) {
+  Hostfile out;
+  out.path = hostfile.path;
+  for (const HostSlots& h : hostfile.hosts)
+    if (h.name != host) out.hosts.push_back(h);
+  return out;
+}
+
+void replan_for_hosts(const ReplanInputs& in, const Hostfile& hosts, int64_t nproc, const std::string& out) {
+  const std::string what = "[launch] re-plan for the " + std::to_string(nproc) + " ranks of hosts " + hosts.summary();
+  try {
+    const Strategy old = load_strategy(in.strategy_path);
+    int64_t batch = 0;
+    for (const Pipeline& p : old.pipelines) batch += static_cast<int64_t>(p.micro_batch_size) * p.micro_batches;
+    // A node per host with its ranks under --map-by slot; one generic device
+    // type (memory ample: the launcher cannot know the devices' facts).
+    nlohmann::json nodes = nlohmann::json::array();
+    int64_t next = 0;
+    for (const HostSlots& h : hosts.hosts) {
+      const int64_t n = std::min(h.slots, nproc - next);
+      if (n <= 0) break;
+      nodes.push_back({{"type", "host"}, {"ranks", {next, next + n - 1}}});
+      next += n;
+    }
+    const nlohmann::json cluster = {
+        {"catalog", {{"host", {{"tflops", 1}, {"memory_gib", 1024}, {"intra_node_gbps", 100}, {"inter_node_gbps", 1}}}}},
+        {"nodes", nodes}};
+    const CostModel model(ModelConfig::load(in.model_path), Topology::from_json(cluster));
+    SearchOptions so;
+    so.global_batch = static_cast<int>(batch);
+    so.seq_len = in.seq_len;
+    so.zero = old.zero;
+    so.schedule = old.schedule;
+    so.time_limit_s = 10;
+    so.top_k = 1;
+    const SearchResult r = search_strategy(model, so);
+    if (r.best.empty()) fail("no strategy found");
+    std::ofstream f(out);
+    f << to_json(r.best.front().strategy).dump(2) << "\n";
+    if (!f) fail("cannot write ", out);
+  } catch (const Error& e) {
+    fail(what, ": ", e.what());
+  }
+}
+
+std::vector<std::string> with_strategy(const std::vector<std::string>& args, const std::string& path) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--strategy" && i + 1 < args.size()) out.insert(out.end(), {args[i], path}), ++i;
+    else if (args[i].rfind("--strategy=", 0) == 0) out.push_back("--strategy=" + path);
+    else out.push_back(args[i]);
+  }
   return out;
 }
 

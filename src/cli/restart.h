@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "hostfile.h"
+
 namespace hspmd::cli {
 
 // Where a restarted job continues.
@@ -26,6 +28,32 @@ RestartPoint find_restart_point(const std::string& checkpoint_dir, const std::st
 // `args` with every --resume (`--resume D`, `--resume=D`) removed and
 // `--resume dir` appended; unchanged when dir is "".
 std::vector<std::string> with_resume(const std::vector<std::string>& args, const std::string& dir);
+
+// Restarting without a lost host (docs/multi_host.md, "Restart without a
+// lost host"): what `hspmd train --strategy` gives the launcher to re-plan.
+struct ReplanInputs {
+  std::string model_path;     // --model
+  std::string strategy_path;  // --strategy ("" = none: no re-plan)
+  int64_t seq_len = 0;        // --seq-len
+};
+
+// The host that a heartbeat report names as lost ("[heartbeat] host H
+// (ranks a-b) ..."); "" for any other report (also "H (this host) ...").
+std::string lost_host(const std::string& report);
+
+// The hostfile without `host`.
+Hostfile without_host(const Hostfile& hostfile, const std::string& host);
+
+// Plans the strategy's model, global batch, schedule and ZeRO setting for
+// `nproc` ranks on `hosts` (a node per host, its ranks as mpirun maps them,
+// one generic device type: the launcher knows no device facts) with the
+// planner's search, and writes the best strategy to `out`. Throws
+// hspmd::Error "[launch] re-plan ...: <why>" when it cannot.
+void replan_for_hosts(const ReplanInputs& in, const Hostfile& hosts, int64_t nproc, const std::string& out);
+
+// `args` with the value of --strategy (`--strategy S`, `--strategy=S`)
+// replaced by `path`.
+std::vector<std::string> with_strategy(const std::vector<std::string>& args, const std::string& path);
 
 // The launcher's edits of the --log file across restarts. Only called while
 // no rank of the job runs, except set_recovery (see there).

@@ -447,8 +447,11 @@ int launch_local_ranks(const FlagSet& f, const std::vector<std::string>& args, c
   std::vector<std::string> ranks = rank_args(f, args, nproc);
   std::optional<MpsDaemon> mps;  // stopped when the job ends, however it ends
   if (!mps_percents.empty()) mps.emplace(mps_percents);
-  return launch_ranks(LaunchOptions{nproc, std::move(ranks), t.timeout, t.max_restarts, t.o.log_path,
-                                    t.o.checkpoint_dir, t.o.resume_dir, {}, std::move(hosts)});
+  LaunchOptions launch{nproc, std::move(ranks), t.timeout, t.max_restarts, t.o.log_path,
+                       t.o.checkpoint_dir, t.o.resume_dir, {}, std::move(hosts), {}};
+  if (t.o.strategy_choices.empty() && t.o.events_path.empty() && t.o.batch_tokens == 0)  // a lost host: re-plan
+    launch.replan = {t.o.model_path, t.o.strategy_path, t.o.seq_len};
+  return launch_ranks(launch);
 }
 
 // Training in this one process, without a strategy.

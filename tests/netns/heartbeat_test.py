@@ -146,6 +146,58 @@ def check_down_and_resume(c, hspmd, tmp):
                      f"one process {ref})")
     print(f"ok   re-planned on hosts 0-1 ({len(used)} ranks), resumed at step {at} from the checkpoint: steps "
           f"0-{max(before)} and {at}-{STEPS - 1} within {worst:.1e} of one process")
+    return ref
+
+
+def check_auto_restart(c, hspmd, tmp, ref):
+    """The same with --max-restarts 1: the launcher re-plans without host 2
+    and restarts on hosts 0-1 from the checkpoint by itself."""
+    c.run(["ip", "netns", "exec", f"{PREFIX}-h2", "ip", "link", "set", "hnet0", "up"])
+    time.sleep(1)
+    log, ck = os.path.join(tmp, "auto.jsonl"), os.path.join(tmp, "ck_auto")
+    proc = subprocess.Popen(train_cmd(hspmd, tmp, log, "--steps", str(STEPS), "--strategy",
+                                      os.path.join(tmp, "plan.json"), "--hostfile", c.hostfile, "--nproc", "6",
+                                      "--checkpoint", ck, "--save-every", "2", "--max-restarts", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=c.env)
+    deadline = time.time() + 120
+    while not (os.path.exists(log) and len(open(log).readlines()) >= CUT_AT_STEP):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise Failed(f"restart: the job did not reach step {CUT_AT_STEP}: {proc.communicate()[1]}")
+        time.sleep(0.05)
+    t0 = time.time()
+    c.run(["ip", "netns", "exec", f"{PREFIX}-h2", "ip", "link", "set", "hnet0", "down"])
+    lines, replanned = [], None
+    for line in proc.stderr:  # each line as it comes
+        if line.strip():
+            lines.append(line.strip())
+        if replanned is None and "restarting without it" in line:
+            replanned = time.time() - t0
+        if time.time() - t0 > LIMIT_S + 60:
+            break
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise Failed(f"restart: the job still ran {LIMIT_S + 90} s after host 2's link went down: {lines}")
+    want = [f"hspmd: error: [heartbeat] host {PREFIX}-h2 (ranks 4-5) sent no heartbeat",
+            f"hspmd: warning: [launch] host {PREFIX}-h2 was lost; restarting without it on the 4 ranks of hosts "
+            f"{PREFIX}-h0 2, {PREFIX}-h1 2 under the re-planned strategy"]
+    if (proc.returncode != 0 or len(lines) != 2 or not all(l.startswith(w) for l, w in zip(lines, want))
+            or replanned is None or replanned > LIMIT_S):
+        raise Failed(f"restart: exit {proc.returncode}, re-planned after {replanned} s, stderr: {lines}")
+    strategy = lines[1].split("re-planned strategy ")[1].split(",")[0]
+    used = sorted(r for p in json.load(open(strategy))["pipelines"] for s in p["stages"] for r in s["ranks"])
+    if not used or max(used) > 3:
+        raise Failed(f"restart: the re-planned strategy uses ranks {used}")
+    got = losses(log)
+    if sorted(got) != list(range(STEPS)):
+        raise Failed(f"restart: the log holds steps {sorted(got)}")
+    worst = max(abs(got[k] - ref[k]) / abs(ref[k]) for k in got)
+    if worst > 1e-5:
+        raise Failed(f"restart: losses differ from one process by {worst:.2e} relative ({got} against {ref})")
+    print(f"ok   {lines[1]} ({replanned:.1f} s after the link went down); exit 0, steps 0-{STEPS - 1} within "
+          f"{worst:.1e} of one process")
 
 
 def write_inputs(tmp):
@@ -169,7 +221,8 @@ def main():
         check_flags(args.hspmd, tmp)
         c.up()
         check_lossy(c, args.hspmd, tmp)
-        check_down_and_resume(c, args.hspmd, tmp)
+        ref = check_down_and_resume(c, args.hspmd, tmp)
+        check_auto_restart(c, args.hspmd, tmp, ref)
 
     return run_on_cluster("netns_heartbeat", PREFIX, tmp,
                           lambda: Cluster(args.script, tmp, PREFIX, SUBNET, shape="* 1gbit 0\n"), checks)
