@@ -17,6 +17,10 @@ one per host, trains (6 ranks, rank 2k and 2k+1 on host k).
   run resumes there from its last checkpoint: every step's loss, before the
   cut and after the resume, equals one uninterrupted process's (1e-5
   relative).
+* Restart without the host: the same cut with --max-restarts 1: the launcher
+  re-plans for hosts 0-1 and restarts there from the checkpoint by itself
+  (one warning line within LIMIT_S of the cut), exit 0, every step's loss
+  equal to one process's.
 
 Exit 77 (skipped) where this machine cannot make network namespaces."""
 import argparse
