@@ -219,7 +219,7 @@ std::vector<OptionSpec<ElasticOptions>> elastic_option_table() {
                "steps over which a straggler re-plan's gain must exceed the switch's cost (default 100)",
                integer(&O::straggler_horizon)});
   t.push_back({"heartbeat_timeout", OptionType::kDouble,
-               "ranks on several hosts: a host that sends no heartbeat for S seconds ends the job, naming it "
+               "ranks on several hosts: a host that sends no heartbeat for this many seconds ends the job, naming it "
                "(default 10; 0 = off; docs/multi_host.md)",
                number(&O::heartbeat_timeout_s)});
   t.push_back({"heartbeat_max_loss", OptionType::kDouble,
