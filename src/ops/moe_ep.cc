@@ -57,6 +57,8 @@ struct EpLayout {
   std::vector<Slot> slots;                            // in token order
   std::vector<std::vector<int>> groups;               // per group: its slots, in token order
   std::vector<std::vector<std::vector<int>>> owners;  // [expert][group]: the ranks holding its weights
+  // [expert][group]: its replicas, each the owners in one slot (slot order).
+  std::vector<std::vector<std::vector<std::vector<int>>>> replicas;
 
   int slot_of(int rank) const {
     for (size_t s = 0; s < slots.size(); ++s)
@@ -152,6 +154,14 @@ EpLayout ep_layout(const Annotation& rows, int rows_rank, const std::vector<cons
   for (const auto& [r, j] : group_of_rank)
     if (ep.slot_of(r) < 0)
       fail("rank " + std::to_string(r) + " holds expert weights but none of the layer's tokens");
+  ep.replicas.resize(experts.size());
+  for (size_t e = 0; e < experts.size(); ++e)
+    for (int j = 0; j < groups; ++j) {
+      std::map<int, std::vector<int>> by_slot;
+      for (int r : ep.owners[e][j]) by_slot[ep.slot_of(r)].push_back(r);
+      auto& reps = ep.replicas[e].emplace_back();
+      for (auto& [slot, ranks] : by_slot) reps.push_back(std::move(ranks));
+    }
   return ep;
 }
 
@@ -180,9 +190,25 @@ Annotation ragged_rows(const EpLayout& ep, int g, int e, const std::vector<std::
   return a;
 }
 
-Annotation on_owners(const EpLayout& ep, int g, int e) {
-  const std::vector<int>& o = ep.owners[e][g];
-  return Annotation{{Subgroup{DeviceGroup{o}, copies(static_cast<int>(o.size()))}}, kDup};
+// Whole on the owners, or, with replicas, cut between them in near-equal
+// parts (replica r the r-th; those left without rows out).
+Annotation on_owners(const EpLayout& ep, int g, int e, int64_t rows) {
+  const auto& reps = ep.replicas[e][g];
+  const int64_t n = static_cast<int64_t>(reps.size());
+  if (n == 1) {
+    const std::vector<int>& o = ep.owners[e][g];
+    return Annotation{{Subgroup{DeviceGroup{o}, copies(static_cast<int>(o.size()))}}, kDup};
+  }
+  Annotation a;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t part = rows / n + (r < rows % n ? 1 : 0);
+    if (part == 0) continue;
+    a.subgroups.push_back({DeviceGroup{reps[r]}, copies(static_cast<int>(reps[r].size()))});
+    a.part_weights.push_back(part);
+  }
+  a.hdim = a.hsize() > 1 ? 0 : kDup;
+  if (a.hsize() <= 1) a.part_weights.clear();
+  return a;
 }
 
 // One expert's rows moving by a resolved Reshard. `src` holds this rank's
@@ -345,7 +371,7 @@ Move expert_move(const OpContext& ctx, EpCall& c, int64_t e, int64_t width, DTyp
   spec.shape = {expert_rows(c, e), width};
   spec.dtype = dtype;
   const Annotation ragged = ragged_rows(c.ep, c.group, static_cast<int>(e), c.counts);
-  const Annotation owner = on_owners(c.ep, c.group, static_cast<int>(e));
+  const Annotation owner = on_owners(c.ep, c.group, static_cast<int>(e), expert_rows(c, e));
   spec.src = back ? owner : ragged;
   spec.dst = back ? ragged : owner;
   Move m;
@@ -395,9 +421,21 @@ NDArray expert_backward(const OpContext& ctx, const NDArray& x, const NDArray& d
   return dx;
 }
 
+// Partial over `replicas` (slowest), copies over each one's `ranks`.
+DistStates replicas_partial(int replicas, int ranks) {
+  DistStates s;
+  s.degrees[kPartial] = replicas;
+  s.order = {kPartial};
+  if (ranks > 1) {
+    s.degrees[kDup] = ranks;
+    s.order.push_back(kDup);
+  }
+  return s;
+}
+
 // The layout checks both ops' rules share: rows, indices and dy on the same
 // devices, each expert's three weights on the same devices, ep_layout's rules.
-void check_layout(const DeduceContext& ctx, const std::vector<Annotation>& in, int first_weight, int64_t experts) {
+EpLayout check_layout(const DeduceContext& ctx, const std::vector<Annotation>& in, int first_weight, int64_t experts) {
   for (int i = 1; i < first_weight; ++i)
     if (!same_devices(in[0], in[i]))
       fail_at(ctx, "inputs 0 and ", i, " live on different subgroups (", to_string(in[0]), ") vs (",
@@ -410,8 +448,8 @@ void check_layout(const DeduceContext& ctx, const std::vector<Annotation>& in, i
         fail_at(ctx, "expert ", e, "'s three weights live on different subgroups");
   }
   const int rows = first_weight - 2;
-  ep_layout(in[rows], static_cast<int>(ctx.node.inputs[rows].ndim()), weights,
-            [&](const std::string& m) { fail_at(ctx, m); });
+  return ep_layout(in[rows], static_cast<int>(ctx.node.inputs[rows].ndim()), weights,
+                   [&](const std::string& m) { fail_at(ctx, m); });
 }
 
 double expert_flops(const std::vector<Shape>& in, int rows_input, int first_weight, double gemms) {
@@ -463,7 +501,7 @@ class MoeExpertsGradOp final : public Op {
       NDArray expert_dx;
       if (mine) {
         for (int w = 0; w < 3; ++w) out[1 + w * E + e] = ctx.alloc(static_cast<int>(1 + w * E + e));
-        if (n == 0) {
+        if (n == 0 || !there[k].dst.valid()) {  // no rows for it (or for this replica)
           for (int w = 0; w < 3; ++w) kernels::fill(s, out[1 + w * E + e], 0.0f);
         } else {
           expert_dx = expert_backward(ctx, there[k].dst, there[half + k].dst, in[3 + e], in[3 + E + e],
@@ -474,7 +512,7 @@ class MoeExpertsGradOp final : public Op {
       ++k;
       Move m = expert_move(ctx, c, e, h, DType::F32, true);
       m.src = expert_dx;
-      m.src_rows = n;
+      m.src_rows = expert_dx.valid() ? expert_dx.dim(0) : 0;
       m.dst = dx;
       m.dst_row0 = c.offsets[e];
       back.push_back(std::move(m));
@@ -488,12 +526,31 @@ class MoeExpertsGradOp final : public Op {
   bool may_communicate() const override { return true; }
   bool spans_devices() const override { return true; }
   std::vector<Annotation> deduce(const DeduceContext& ctx, const std::vector<Annotation>& in) const override {
-    check_layout(ctx, in, 3, experts_);
+    const EpLayout ep = check_layout(ctx, in, 3, experts_);
     if (has_partial(in[0])) fail_at(ctx, "the output gradient is partial; reduce it first");
     std::vector<Annotation> out{in[1]};
     for (int64_t i = 0; i < 3 * experts_; ++i) {
-      Annotation a = in[3 + i];  // whole within its group, summed across the groups
+      // Summed across the groups; within a group whole on each owner, or
+      // with replicas each replica's share (partial over the replicas).
+      Annotation a = in[3 + i];
       if (a.hsize() > 1) a.hdim = kPartial;
+      const int64_t e = i % experts_;
+      for (int j = 0; j < a.hsize(); ++j) {
+        const auto& reps = ep.replicas[e][j];
+        if (reps.size() < 2) continue;
+        const std::vector<int>& listed = a.subgroups[j].devices.ranks;
+        size_t at = 0;
+        for (const std::vector<int>& r : reps) {
+          std::vector<int> part(listed.begin() + std::min(at, listed.size()),
+                                listed.begin() + std::min(at + r.size(), listed.size()));
+          std::sort(part.begin(), part.end());
+          if (r.size() != reps[0].size() || part != r)
+            fail_at(ctx, "expert ", e, "'s replicas in subgroup ", j,
+                     " must hold it on as many ranks each, listed replica by replica (slot by slot)");
+          at += r.size();
+        }
+        a.subgroups[j].states = replicas_partial(static_cast<int>(reps.size()), static_cast<int>(reps[0].size()));
+      }
       out.push_back(std::move(a));
     }
     return out;
@@ -554,8 +611,9 @@ class MoeExpertsOp final : public Op {
     for (int64_t e = 0; e < E; ++e) {
       if (expert_rows(c, e) == 0) continue;
       Move m = expert_move(ctx, c, e, h, DType::F32, true);
-      if (owns(c, e, me)) m.src = expert_forward(ctx, there[k].dst, in[2 + e], in[2 + E + e], in[2 + 2 * E + e]);
-      m.src_rows = expert_rows(c, e);
+      if (owns(c, e, me) && there[k].dst.valid())  // this owner's rows (a replica's share)
+        m.src = expert_forward(ctx, there[k].dst, in[2 + e], in[2 + E + e], in[2 + 2 * E + e]);
+      m.src_rows = m.src.valid() ? m.src.dim(0) : 0;
       ++k;
       m.dst = y;
       m.dst_row0 = c.offsets[e];

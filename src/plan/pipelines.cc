@@ -71,7 +71,17 @@ void for_each_op(const Resolution& res, F&& f) {
 }
 
 void merge_parameter_subgroups(const AnnotationPlan& plan, RankSets& sets) {
+  // Expert weights say nothing of stages: under expert parallelism a
+  // replicated expert's subgroup spans slots of several pipelines (its
+  // layer's router weight places the stage).
+  std::set<std::string> experts;
+  const ModelConfig& c = plan.model;
+  for (int64_t l = 0; l < c.num_hidden_layers && c.moe.num_experts > 0; ++l)
+    if (c.moe.sparse_layer(l))
+      for (int64_t e = 0; e < c.moe.num_experts; ++e)
+        for (const std::string& w : moe_expert_weight_names(c, l, e)) experts.insert(w);
   for (const auto& [name, shape] : model_parameter_shapes(plan.model)) {
+    if (experts.count(name)) continue;
     auto it = plan.tensors.find(name);
     if (it == plan.tensors.end()) continue;
     for (const Subgroup& sg : it->second.subgroups)

@@ -111,14 +111,16 @@ class Compiler {
     return across(place(p.part, p.layer), split_on(tp_dim(p.role)), false);
   }
 
-  // Expert parallelism: expert e of a sparse layer whole on its owner slot
-  // of every group (one subgroup per group), copies over the slot's tp ranks.
+  // Expert parallelism: expert e of a sparse layer whole on its owner slots
+  // (replicas) of every group (one subgroup per group), copies over each
+  // slot's tp ranks.
   Annotation expert(int64_t layer, int64_t e) const {
     const ExpertGroups groups = expert_groups(s_, layer);
-    const int64_t per_member = c_.moe.num_experts / s_.expert_parallel;
+    const std::vector<int> holders = expert_members(s_, layer, e, c_.moe.num_experts);
     Annotation a;
     for (const auto& members : groups.slots) {
-      const std::vector<int>& owner = members.at(static_cast<size_t>(e / per_member));
+      std::vector<int> owner;  // replica by replica
+      for (int m : holders) owner.insert(owner.end(), members.at(m).begin(), members.at(m).end());
       a.subgroups.push_back(Subgroup{DeviceGroup{owner}, make_states({{kDup, static_cast<int>(owner.size())}})});
     }
     a.hdim = kDup;

@@ -122,13 +122,32 @@ Pipeline parse_pipeline(const json& j, int p, const std::string& source, bool to
 
 Strategy parse_strategy(const json& j, const std::string& source) {
   ObjectReader r(j, "", source);
-  r.reject_unknown({"description", "schedule", "zero", "pipelines", "max_seq_len", "expert_parallel"});
+  r.reject_unknown({"description", "schedule", "zero", "pipelines", "max_seq_len", "expert_parallel",
+                    "expert_placement"});
   Strategy strategy;
   r.string("description", strategy.description);
   r.integer("max_seq_len", strategy.max_seq_len, false);
   r.string("schedule", strategy.schedule);
   r.boolean("zero", strategy.zero);
   r.integer("expert_parallel", strategy.expert_parallel, false);
+  if (j.is_object() && j.contains("expert_placement")) {
+    const json& placements = r.array("expert_placement");
+    for (size_t i = 0; i < placements.size(); ++i) {
+      ObjectReader pr(placements[i], "expert_placement " + std::to_string(i), source);
+      pr.reject_unknown({"layers", "experts"});
+      ExpertPlacement ep;
+      const json& layers = pr.array("layers");
+      if (layers.size() != 2) pr.wrong_type("layers", "[first, last]", layers);
+      ep.first_layer = pr.integer(layers[0], "field 'layers' entry");
+      ep.last_layer = pr.integer(layers[1], "field 'layers' entry");
+      for (const json& e : pr.array("experts")) {
+        if (!e.is_array()) pr.wrong_type("experts", "a list of member lists", e);
+        std::vector<int>& m = ep.members.emplace_back();
+        for (const json& x : e) m.push_back(pr.integer(x, "field 'experts' entry"));
+      }
+      strategy.expert_placement.push_back(std::move(ep));
+    }
+  }
   const json& pipelines = r.array("pipelines");
   for (size_t p = 0; p < pipelines.size(); ++p)
     strategy.pipelines.push_back(parse_pipeline(pipelines[p], static_cast<int>(p), source, strategy.max_seq_len > 0));
@@ -180,9 +199,42 @@ std::vector<std::pair<int, int>> stage_layers(const Pipeline& p) {
   return out;
 }
 
+void validate_expert_placement(const Strategy& strategy, const ModelConfig& c) {
+  const int g = strategy.expert_parallel;
+  std::vector<int> taken(static_cast<size_t>(std::max<int64_t>(0, c.num_hidden_layers)), -1);
+  for (size_t i = 0; i < strategy.expert_placement.size(); ++i) {
+    const ExpertPlacement& ep = strategy.expert_placement[i];
+    const std::string where = "[strategy] expert_placement " + std::to_string(i) + ": ";
+    if (g <= 1) fail(where, "needs expert_parallel above 1");
+    if (ep.first_layer < 0 || ep.first_layer > ep.last_layer || ep.last_layer >= c.num_hidden_layers)
+      fail(where, "layers [", ep.first_layer, ", ", ep.last_layer, "] are not a range of the model's ",
+           c.num_hidden_layers, " layers");
+    for (int l = ep.first_layer; l <= ep.last_layer; ++l) {
+      if (taken[l] >= 0) fail(where, "layer ", l, " is also placed by expert_placement ", taken[l]);
+      taken[l] = static_cast<int>(i);
+    }
+    if (static_cast<int64_t>(ep.members.size()) != c.moe.num_experts)
+      fail(where, "lists ", ep.members.size(), " experts, the model has ", c.moe.num_experts);
+    std::vector<bool> used(g, false);
+    for (size_t e = 0; e < ep.members.size(); ++e) {
+      const std::vector<int>& m = ep.members[e];
+      if (m.empty()) fail(where, "expert ", e, " has no member: every expert needs one");
+      std::set<int> seen;
+      for (int x : m) {
+        if (x < 0 || x >= g) fail(where, "expert ", e, ": member ", x, " is outside [0, ", g, ")");
+        if (!seen.insert(x).second) fail(where, "expert ", e, ": member ", x, " is listed twice");
+        used[x] = true;
+      }
+    }
+    for (int x = 0; x < g; ++x)
+      if (!used[x]) fail(where, "member ", x, " holds no expert: every member of a group holds one");
+  }
+}
+
 void validate_expert_parallel(const Strategy& strategy, const ModelConfig& c) {
   const int g = strategy.expert_parallel;
   if (g < 1) fail("[strategy] expert_parallel=", g, " must be at least 1");
+  validate_expert_placement(strategy, c);
   if (g == 1) return;
   const int64_t experts = c.moe.num_experts;
   if (experts <= 0 || c.sparse_layers() == 0)
@@ -305,6 +357,12 @@ json to_json(const Strategy& strategy) {
   if (!strategy.description.empty()) j["description"] = strategy.description;
   if (strategy.max_seq_len > 0) j["max_seq_len"] = strategy.max_seq_len;
   if (strategy.expert_parallel != 1) j["expert_parallel"] = strategy.expert_parallel;
+  if (!strategy.expert_placement.empty()) {
+    json placements = json::array();
+    for (const ExpertPlacement& ep : strategy.expert_placement)
+      placements.push_back({{"layers", {ep.first_layer, ep.last_layer}}, {"experts", ep.members}});
+    j["expert_placement"] = std::move(placements);
+  }
   return j;
 }
 
@@ -324,6 +382,17 @@ void validate(const Strategy& strategy, const ModelConfig& config, int world_siz
               " is above the strategy's max_seq_len=", strategy.max_seq_len);
   }
   validate_expert_parallel(strategy, config);
+}
+
+std::vector<int> expert_members(const Strategy& strategy, int64_t layer, int64_t expert, int64_t experts) {
+  for (const ExpertPlacement& ep : strategy.expert_placement)
+    if (ep.first_layer <= layer && layer <= ep.last_layer && expert < static_cast<int64_t>(ep.members.size())) {
+      std::vector<int> m = ep.members[expert];
+      std::sort(m.begin(), m.end());
+      return m;
+    }
+  const int64_t g = std::max(1, strategy.expert_parallel);
+  return {static_cast<int>(expert / std::max<int64_t>(1, experts / g))};
 }
 
 ExpertGroups expert_groups(const Strategy& strategy, int64_t layer) {

@@ -206,6 +206,12 @@ def ep(n, case):
     return world, {**strategy, "expert_parallel": n}
 
 
+def placed(case, placement):
+    """A case's strategy with an expert placement (docs/moe.md)."""
+    world, strategy = case
+    return world, {**strategy, "expert_placement": placement}
+
+
 # Expert parallelism: each sparse layer's experts split over groups of token
 # slots (a slot: the tp ranks of one cp chunk of one pipeline's stage), the
 # tokens moved to their experts' owners and back every micro-batch.
@@ -220,6 +226,12 @@ MIXTRAL_CASES.update({
     # two-stage one: their stages differ, so the schedule is GPipe's.
     "mixtral_ep2_asym_gpipe": ep(2, (3, {"schedule": "gpipe", "pipelines": [
         pipeline(3, 2, [([0], [0, 1], 1), ([1], [2, 3], 1)]), pipeline(1, 2, [([2], [0, 3], 1)])]})),
+    # Replicated experts ([6/12]): expert 1 on both members of each group,
+    # its tokens split between them; then a hot expert 0 on three of four
+    # members in layers 0-1 (the others keep the default), with ZeRO.
+    "mixtral_ep2_replicas_dp4": placed(ep(2, CASES["dp4"]), [{"layers": [0, 3], "experts": [[0], [0, 1], [1], [1]]}]),
+    "mixtral_ep4_hot_zero": placed(ep(4, CASES["dp4_zero"]),
+                                   [{"layers": [0, 1], "experts": [[0, 1, 2], [3], [3], [3]]}]),
 })
 QWEN2MOE_CASES = {
     "qwen2moe_dp2_tp2": CASES["dp2_tp2"],

@@ -65,10 +65,10 @@ def bf16_exact_share(weights):
 
 
 class Harness:
-    def __init__(self, hspmd, tmp, steps, extra=(), base_lr="3e-3"):
+    def __init__(self, hspmd, tmp, steps, extra=(), base_lr="3e-3", model=None):
         self.hspmd, self.tmp, self.steps = hspmd, tmp, steps
         self.model = os.path.join(tmp, "model.json")
-        json.dump(MODEL, open(self.model, "w"))
+        json.dump(model or MODEL, open(self.model, "w"))
         rng = random.Random(7)
         self.data = os.path.join(tmp, "data.bin")
         with open(self.data, "wb") as f:
@@ -164,6 +164,25 @@ def bf16_cases(hspmd, tmp, failures):
         h.check(label, ok, f"loss rel err {rel:.2e}, weights err {werr:.2e}, bytes {'=' if bytes_ok else '!='} predicted; lr 1e-30: saved "
                            f"weights {'equal' if kept == still.want_w else 'differ from'} the initial f32 ones "
                            f"({bf16_exact_share(kept):.1%} bf16-exact)")
+    failures += h.failures
+
+
+def moe_cases(hspmd, tmp, extra, failures):
+    """Mixture of experts (docs/moe.md): replicated experts, then expert
+    parallelism over groups of 2, then over one group of 4 with a hot expert
+    replicated on three members (its tokens split between them), switched
+    mid-run; every step and the final weights equal one process."""
+    moe = dict(MODEL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1,
+               output_router_logits=True, router_aux_loss_coef=0.02)
+    h = Harness(hspmd, tmp, steps=6, extra=extra, model=moe)
+    dp4 = {"pipelines": [pipeline(1, 2, [([r], [0, 3], 1)]) for r in range(4)]}
+    ep2 = dict(dp4, expert_parallel=2)
+    hot = dict(dp4, expert_parallel=4, expert_placement=[{"layers": [0, 3], "experts": [[0, 1, 2], [3], [3], [3]]}])
+    rc, err, steps, sw, weights = h.train("moe_placements", 4, dp4, [(2, ep2), (4, hot)])
+    if rc:
+        h.check("moe placements", False, f"exit {rc}: {err.strip()[-400:]}")
+    else:
+        h.compare("moe placements", steps, sw, weights, want_switches=2)
     failures += h.failures
 
 
@@ -294,14 +313,14 @@ def main():
                     help="switch algorithms of the named cases (the first case runs all three)")
     ap.add_argument("--random", type=int, default=4, help="random (plan A, plan B, switch step) triples")
     ap.add_argument("--seed", type=int, default=2027)
-    ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,plan,emulated,bf16")
+    ap.add_argument("--only", default="", help="comma list of parts: cases,random,fallback,resume,plan,emulated,bf16,moe")
     ap.add_argument("--device", default="cpu",
                     help="hspmd train --device for every run (cuda:0: the switches on one GPU, docs/cuda.md)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="hspmd_switch_")
     h = Harness(args.hspmd, tmp, steps=6, extra=("--device", args.device))
     parts = set(args.only.split(",")) if args.only else {"cases", "random", "fallback", "resume", "plan",
-                                                                "emulated", "bf16"}
+                                                                "emulated", "bf16", "moe"}
     names = [n for n in args.cases.split(",") if n]
     if "cases" in parts and names:
         switch_cases(h, names[:1], ["naive", "per-tensor", "fused"])
@@ -319,6 +338,9 @@ def main():
     if "bf16" in parts:
         os.makedirs(os.path.join(tmp, "bf16"))
         bf16_cases(args.hspmd, tmp, h.failures)
+    if "moe" in parts:
+        os.makedirs(os.path.join(tmp, "moe"))
+        moe_cases(args.hspmd, os.path.join(tmp, "moe"), ("--device", args.device), h.failures)
     if h.failures:
         sys.exit("FAILED: " + "; ".join(h.failures))
     shutil.rmtree(tmp, ignore_errors=True)

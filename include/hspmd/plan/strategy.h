@@ -44,6 +44,15 @@ struct Pipeline {
   bool operator==(const Pipeline&) const = default;
 };
 
+// Expert parallelism's placement of one range of sparse layers (docs/moe.md):
+// per expert, the members of each group (0 .. expert_parallel - 1) that hold
+// it; more than one: replicas, which split the expert's tokens.
+struct ExpertPlacement {
+  int first_layer = 0, last_layer = 0;
+  std::vector<std::vector<int>> members;
+  bool operator==(const ExpertPlacement&) const = default;
+};
+
 struct Strategy {
   std::string description;        // free text, e.g. the paper table it comes from (optional)
   std::string schedule = "1f1b";  // "1f1b" or "gpipe"
@@ -53,6 +62,9 @@ struct Strategy {
   // Expert parallelism (docs/moe.md): each sparse layer's experts split
   // over groups of this many token slots (1: every rank holds every expert).
   int expert_parallel = 1;
+  // Placements of sparse layers; a layer none covers has the default: member
+  // m of a group holds experts [m E/G, (m+1) E/G).
+  std::vector<ExpertPlacement> expert_placement;
 
   int global_batch() const;  // sum of the pipelines' batch()
   // Every rank named by some stage, ascending.
@@ -101,6 +113,9 @@ struct ExpertGroups {
   std::vector<std::vector<int>> pipelines;           // [group]: the pipelines its slots lie in, ascending
 };
 ExpertGroups expert_groups(const Strategy& strategy, int64_t layer);
+// The members of each group holding expert `expert` of sparse layer
+// `layer` (one of `experts`), ascending: the layer's placement or the default.
+std::vector<int> expert_members(const Strategy& strategy, int64_t layer, int64_t expert, int64_t experts);
 
 // Ranks of [0, world_size) that no stage names (they stay idle), ascending.
 // Ranks outside the world are ignored (validate() rejects them).
