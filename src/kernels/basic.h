@@ -119,6 +119,11 @@ void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDA
 // or bf16 (read exactly), out f32 or bf16 (computed in f32, rounded once).
 void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bool inverse,
           NDArray& out);
+// rope of q and of k (the same positions, any head counts, one head dim) in
+// one call: the bits of rope(q, ...) and rope(k, ...) (the GPU computes the
+// cos/sin table once and rotates both in one launch).
+void rope_qk(Stream& s, const NDArray& q, const NDArray& k, const NDArray& positions, float theta, bool inverse,
+             NDArray& q_out, NDArray& k_out);
 // out = silu(gate) * up, in f32; each array f32 or bf16 (gate and up alike;
 // dgate and dup in gate's dtype on CUDA), a bf16 result rounded once.
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);

@@ -109,8 +109,10 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   Tensor q = ops::reshape(project("q_proj", DType::F32), {B, S, Hq, D});
   Tensor k = ops::reshape(project("k_proj", DType::F32), {B, S, Hkv, D});
   const Tensor v = ops::reshape(project("v_proj", act), {B, S, Hkv, D});
-  q = ops::rope(q, positions, theta, act);
-  k = ops::rope(k, positions, theta, act);
+  // RoPE on q and k in one op (one kernel call; rope's bits on each).
+  const ops::RopeQk rotated = ops::rope_qk(q, k, positions, theta, act);
+  q = rotated.q;
+  k = rotated.k;
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),

@@ -205,6 +205,10 @@ int run(Device device, int64_t T, int reps) {
     NDArray pos = p.ids(T, T).reshape({1, T});
     p.bandwidth("rope_bf16_out", (f4 + b2) * static_cast<double>(T * HQ * D),
                 [&] { kernels::rope(s, q, pos, 10000.0f, false, qo); });
+    // The decoder's call: q and k in one (one table, one launch).
+    NDArray k = p.filled({1, T, HKV, D}, 0.5f), ko = NDArray::empty({1, T, HKV, D}, DType::BF16, device);
+    p.bandwidth("rope_qk_bf16_out", (f4 + b2) * static_cast<double>(T * (HQ + HKV) * D),
+                [&] { kernels::rope_qk(s, q, k, pos, 10000.0f, false, qo, ko); });
   }
   {
     // As the bf16 step runs them: gate, up and the output in bf16, dy in f32

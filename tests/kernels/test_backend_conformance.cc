@@ -296,6 +296,32 @@ void case_rope(Io& io) {
   rope_shape(io, {2, 3, 3, 20}, DType::F32, true);
   rope_shape(io, {1, 11, 2, 6}, DType::BF16, false);
 }
+// q and k (their own head counts) in one call: rope's results on each, f32
+// and bf16 inputs and outputs, forward and inverse; the CUDA kernel's one
+// launch (half a head a multiple of 8) and its two-call fallback (D 20;
+// q and k of different dtypes).
+void case_rope_qk(Io& io) {
+  struct Shapes {
+    int64_t b, s, hq, hk, d;
+    DType in_q, in_k;
+    bool inverse;
+  };
+  for (const Shapes& c : {Shapes{2, 7, 4, 1, 64, DType::F32, DType::F32, false},
+                          Shapes{1, 9, 3, 2, 128, DType::BF16, DType::BF16, true},
+                          Shapes{3, 5, 2, 2, 16, DType::BF16, DType::BF16, false},
+                          Shapes{2, 3, 3, 1, 20, DType::F32, DType::F32, true},
+                          Shapes{1, 6, 2, 1, 16, DType::F32, DType::BF16, false}}) {
+    const Shape qs = {c.b, c.s, c.hq, c.d}, ks = {c.b, c.s, c.hk, c.d};
+    NDArray q = random_in(io, qs, c.in_q), k = random_in(io, ks, c.in_k), pos = io.ids({c.b, c.s}, 0, 4096);
+    NDArray qo = io.out(qs), ko = io.out(ks), qo16 = io.out(qs, DType::BF16), ko16 = io.out(ks, DType::BF16);
+    io.k().rope_qk(io.s, q, k, pos, 10000.0f, c.inverse, qo, ko);
+    io.k().rope_qk(io.s, q, k, pos, 10000.0f, c.inverse, qo16, ko16);
+    io.keep(qo);
+    io.keep(ko);
+    keep_rounded_once(io, qo, qo16);
+    keep_rounded_once(io, ko, ko16);
+  }
+}
 void case_swiglu(Io& io) {
   NDArray g = io.f32({6, 24}), u = io.f32({6, 24}), o = io.out({6, 24});
   io.k().swiglu(io.s, g, u, o);

@@ -1,3 +1,5 @@
+#include <cstring>
+
 #include "gradcheck.h"
 #include "hspmd/ops/autodiff.h"
 #include "hspmd/ops/ops.h"
@@ -116,6 +118,75 @@ TEST(Rope, BadShapesAreErrors) {
   EXPECT_THROW(ops::rope(x, bad_pos, 1e4f), Error);
   EXPECT_THROW(ops::rope(x3, pos, 1e4f), Error);
   EXPECT_NO_THROW(ops::rope(x, pos, 1e4f));
+}
+
+// rope_qk: q and k rotated in one op, the bits of two ropes, forward and
+// backward (the gradients in one op too, bf16 as they come or f32), with
+// q and k of different head counts; the weighted sums make every output
+// element matter.
+TEST(Rope, RopeQkIsRopeOnEach) {
+  const Shape qs = {2, 5, 4, 8}, ks = {2, 5, 2, 8};
+  std::vector<int32_t> pos(10);
+  for (int i = 0; i < 10; ++i) pos[i] = i * 37 % 17;
+  const NDArray p = NDArray::from_vector_i32({2, 5}, pos);
+  const NDArray qv = random_array(qs, 20), kv = random_array(ks, 21), wq = random_array(qs, 22),
+                wk = random_array(ks, 23);
+  for (const DType out : {DType::F32, DType::BF16}) {
+    std::vector<NDArray> got[2];
+    int pair_nodes[2] = {0, 0}, rope_nodes[2] = {0, 0};
+    for (int fused = 0; fused < 2; ++fused) {
+      Graph g;
+      Tensor tq = g.placeholder("q", sym_shape(qs), DType::F32), tk = g.placeholder("k", sym_shape(ks), DType::F32);
+      Tensor tp = g.placeholder("pos", {2, 5}, DType::I32);
+      Tensor twq = g.placeholder("wq", sym_shape(qs), DType::F32), twk = g.placeholder("wk", sym_shape(ks), DType::F32);
+      Tensor rq, rk;
+      if (fused) {
+        const ops::RopeQk r = ops::rope_qk(tq, tk, tp, 10000.0f, out);
+        rq = r.q, rk = r.k;
+      } else {
+        rq = ops::rope(tq, tp, 10000.0f, out);
+        rk = ops::rope(tk, tp, 10000.0f, out);
+      }
+      ASSERT_EQ(rq.dtype(), out);
+      ASSERT_EQ(rk.dtype(), out);
+      const auto weighted = [&](const Tensor& y, const Tensor& w) {
+        // a bf16 output's gradient comes back bf16 (the cast's), as attention's does on a GPU
+        return g.add1(std::make_shared<testing::WeightedSumOp>(), {ops::cast(y, DType::F32), w});
+      };
+      Tensor loss = ops::add(weighted(rq, twq), weighted(rk, twk));
+      const std::vector<Tensor> grads = gradients(loss, {tq, tk});
+      ASSERT_EQ(grads[0].dtype(), out);
+      for (int id = 0; id < g.num_nodes(); ++id) {
+        pair_nodes[fused] += g.node(id).op && g.node(id).op->type() == "rope_qk";
+        rope_nodes[fused] += g.node(id).op && g.node(id).op->type() == "rope";
+      }
+      got[fused] = Executor(g, {rq, rk, grads[0], grads[1]})
+                       .run({{"q", qv}, {"k", kv}, {"pos", p}, {"wq", wq}, {"wk", wk}});
+    }
+    EXPECT_EQ(rope_nodes[0], 4);
+    EXPECT_EQ(pair_nodes[1], 2);  // forward and backward
+    EXPECT_EQ(rope_nodes[1], 0);
+    for (size_t i = 0; i < got[0].size(); ++i) {
+      ASSERT_EQ(got[0][i].nbytes(), got[1][i].nbytes()) << i;
+      EXPECT_EQ(std::memcmp(got[0][i].raw_data(), got[1][i].raw_data(), got[0][i].nbytes()), 0)
+          << dtype_name(out) << " output " << i;
+    }
+  }
+}
+
+TEST(Rope, RopeQkGradientsAndShapes) {
+  expect_gradients_match(
+      [](Graph&, const std::vector<Tensor>& t) {
+        const ops::RopeQk r = ops::rope_qk(t[0], t[1], t[2], 100.0f);
+        return ops::concat({r.q, r.k}, 2);
+      },
+      {{"q", random_array({2, 3, 2, 6}, 24)},
+       {"k", random_array({2, 3, 1, 6}, 25)},
+       {"pos", NDArray::from_vector_i32({2, 3}, {0, 1, 2, 9, 4, 30}), false}});
+  Graph g;
+  Tensor q = g.placeholder("q", {1, 2, 3, 4}, DType::F32), k = g.placeholder("k", {1, 2, 1, 6}, DType::F32);
+  Tensor pos = g.placeholder("pos", {1, 2}, DType::I32);
+  EXPECT_THROW(ops::rope_qk(q, k, pos, 1e4f), Error);  // head dims differ
 }
 
 }  // namespace

@@ -99,6 +99,13 @@ AddRmsNorm add_rms_norm(const Tensor& a, const Tensor& b, const Tensor& weight, 
 // positions i32 [B, S]; frequency i uses theta^(-2i/D).
 // x is f32; the output `out` (f32 or bf16, rounded once), its gradient f32.
 Tensor rope(const Tensor& x, const Tensor& positions, float theta, DType out = DType::F32);
+// rope of q and of k (the same positions and head dim) in one op: the bits,
+// gradients and deduction of rope on each, one kernel call for both (one
+// cos/sin table and one launch on a GPU), forward and backward.
+struct RopeQk {
+  Tensor q, k;
+};
+RopeQk rope_qk(const Tensor& q, const Tensor& k, const Tensor& positions, float theta, DType out = DType::F32);
 // silu(gate) * up, computed in f32; gate and up are both f32 or both bf16,
 // the output has their dtype. Recomputed for the backward (its inputs are
 // saved for its own gradient anyway), so a consumer's gradient that reads it

@@ -96,4 +96,11 @@ void rope(const NDArray& x, const NDArray& positions, float theta, bool inverse,
   }
 }
 
+// q, then k: rope's bits, by construction.
+void rope_qk(const NDArray& q, const NDArray& k, const NDArray& positions, float theta, bool inverse,
+             NDArray& q_out, NDArray& k_out) {
+  rope(q, positions, theta, inverse, q_out);
+  rope(k, positions, theta, inverse, k_out);
+}
+
 }  // namespace hspmd::kernels::cpu::HSPMD_CPU_VARIANT

@@ -33,6 +33,8 @@ void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& 
                   NDArray& out);
 void rms_norm_backward(Stream& s, const NDArray& dy, const NDArray& x, const NDArray& weight, float eps, NDArray& dx,
                        NDArray& dweight, const NDArray* addend, NDArray* dx_bf16);
+void rope_qk(Stream& s, const NDArray& q, const NDArray& k, const NDArray& positions, float theta, bool inverse,
+             NDArray& q_out, NDArray& k_out);
 void swiglu(Stream& s, const NDArray& gate, const NDArray& up, NDArray& out);
 void swiglu_backward(Stream& s, const NDArray& dy, const NDArray& gate, const NDArray& up, NDArray& dgate,
                      NDArray& dup, NDArray* out);

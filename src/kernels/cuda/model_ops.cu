@@ -233,6 +233,36 @@ __global__ void rope_kernel(const I* x, const float2* table, int64_t heads, int6
   }
 }
 
+// rope_kernel over two arrays in one launch (rope_qk: q and k, the same
+// tokens and table, their own head counts): items [0, rows_a * per_row) are
+// a's, the rest b's.
+template <int V, typename I, typename O>
+__global__ void rope_pair_kernel(const I* xa, O* ya, int64_t heads_a, int64_t rows_a, const I* xb, O* yb,
+                                 int64_t heads_b, int64_t rows_b, const float2* table, int64_t half) {
+  const int64_t per_row = half / V, items_a = rows_a * per_row, items = items_a + rows_b * per_row;
+  for (int64_t e0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e0 < items;
+       e0 += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const bool in_a = e0 < items_a;
+    const int64_t e = in_a ? e0 : e0 - items_a, heads = in_a ? heads_a : heads_b;
+    const I* x = in_a ? xa : xb;
+    O* y = in_a ? ya : yb;
+    const int64_t th = e / per_row, i = (e - th * per_row) * V;
+    const float2* cs = table + (th / heads) * half + i;
+    const int64_t base = th * 2 * half + i;
+    float a[V], b[V], ra[V], rb[V];
+    load<V>(x, base, a);
+    load<V>(x, base + half, b);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float2 c = cs[k];
+      ra[k] = a[k] * c.x - b[k] * c.y;  // rope_kernel's expressions
+      rb[k] = b[k] * c.x + a[k] * c.y;
+    }
+    store<V>(y, base, ra);
+    store<V>(y, base + half, rb);
+  }
+}
+
 // A running (max, sum of exp(x - max)) pair of a softmax's normalizer: the
 // sum in double, rescaled when the max grows. Empty: max -inf, sum 0.
 struct MaxSum {
@@ -502,6 +532,44 @@ void rope(Stream& s, const NDArray& x, const NDArray& positions, float theta, bo
     });
   });
   launched("rope");
+}
+
+void rope_qk(Stream& s, const NDArray& q, const NDArray& k, const NDArray& positions, float theta, bool inverse,
+             NDArray& q_out, NDArray& k_out) {
+  require_contiguous("rope", q);
+  require_contiguous("rope", k);
+  require_contiguous("rope", positions);
+  HSPMD_CHECK(q.ndim() == 4 && k.ndim() == 4 && q_out.numel() == q.numel() && k_out.numel() == k.numel(),
+              "rope_qk: q and k must be [B, S, heads, D]");
+  const int64_t tokens = q.dim(0) * q.dim(1), d = q.dim(3);
+  HSPMD_CHECK(k.dim(0) * k.dim(1) == tokens && k.dim(3) == d, "rope_qk: q and k differ in tokens or head dim");
+  HSPMD_CHECK(positions.numel() == tokens && d % 2 == 0, "rope_qk: positions or head dim");
+  const int64_t half = d / 2, rows_q = tokens * q.dim(2), rows_k = tokens * k.dim(2);
+  const bool same = k.dtype() == q.dtype() && k_out.dtype() == q_out.dtype();
+  const bool vec = half % kVec == 0 && aligned16(q.raw_data()) && aligned16(k.raw_data()) &&
+                   aligned16(q_out.raw_data()) && aligned16(k_out.raw_data());
+  if (!same || !vec || rows_q + rows_k == 0 || half == 0) {  // two calls (each its own table)
+    rope(s, q, positions, theta, inverse, q_out);
+    rope(s, k, positions, theta, inverse, k_out);
+    return;
+  }
+  // The table once for both, then one launch over q's rows and k's.
+  NDArray table = NDArray::empty({tokens, half, 2}, DType::F32, s.device());  // stream-ordered reuse only
+  float2* cs = static_cast<float2*>(table.raw_data());
+  rope_table_kernel<<<blocks_for(tokens * half), kThreads, 0, native(s)>>>(positions.data<int32_t>(), theta, inverse,
+                                                                          d, cs, tokens * half);
+  launched("rope_qk");
+  const int64_t items = (rows_q + rows_k) * (half / kVec);
+  with_float_type("rope_qk", q, [&](const auto* in_q) {
+    with_float_type("rope_qk", q_out, [&](auto* y_q) {
+      using I = std::remove_const_t<std::remove_pointer_t<decltype(in_q)>>;
+      using O = std::remove_pointer_t<decltype(y_q)>;
+      rope_pair_kernel<kVec, I, O><<<blocks_for(items), kThreads, 0, native(s)>>>(
+          in_q, y_q, q.dim(2), rows_q, static_cast<const I*>(k.raw_data()), static_cast<O*>(k_out.raw_data()),
+          k.dim(2), rows_k, cs, half);
+    });
+  });
+  launched("rope_qk");
 }
 
 void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets, const NDArray& normalizer,
