@@ -103,7 +103,10 @@ std::string lost_host(const std::string& report) {
   const size_t at = report.find(kHead);
   if (at == std::string::npos) return "";
   const size_t start = at + kHead.size(), space = report.find(' ', start);
-  if (space == std::string::npos || report.compare(space, 8, " (ranks ") != 0) return "";
+  // "H (ranks a-b) ...", or "H (this host) ..." from the host that lost the others.
+  if (space == std::string::npos ||
+      (report.compare(space, 8, " (ranks ") != 0 && report.compare(space, 13, " (this host) ") != 0))
+    return "";
   return report.substr(start, space - start);
 }
 

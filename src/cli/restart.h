@@ -38,7 +38,8 @@ struct ReplanInputs {
 };
 
 // The host that a heartbeat report names as lost ("[heartbeat] host H
-// (ranks a-b) ..."); "" for any other report (also "H (this host) ...").
+// (ranks a-b) ...", or "[heartbeat] host H (this host) ...": the host that
+// heard none of the others); "" for any other report.
 std::string lost_host(const std::string& report);
 
 // The hostfile without `host`.
