@@ -128,7 +128,9 @@ def main():
     if a.json:
         json.dump(result, open(a.json, "w"), indent=1)
     if a.check_folded:
-        adds = next((r["calls_per_layer"] for r in table if r["op"] == "add"), 0)
+        # The residual adds: `add`, and `add_rms_norm` (the post-attention
+        # add and its norm in one op).
+        adds = sum(r["calls_per_layer"] for r in table if r["op"] in ("add", "add_rms_norm"))
         print(f"RESULT probe=step_traffic_adds adds_per_layer={adds}")
         if adds != 2:
             print(f"FAIL: {adds} adds per layer; expected the 2 residual adds, every gradient sum folded")

@@ -109,10 +109,8 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   Tensor q = ops::reshape(project("q_proj", DType::F32), {B, S, Hq, D});
   Tensor k = ops::reshape(project("k_proj", DType::F32), {B, S, Hkv, D});
   const Tensor v = ops::reshape(project("v_proj", act), {B, S, Hkv, D});
-  // RoPE on q and k in one op (one kernel call; rope's bits on each).
-  const ops::RopeQk rotated = ops::rope_qk(q, k, positions, theta, act);
-  q = rotated.q;
-  k = rotated.k;
+  const ops::RopeQk rotated = ops::rope_qk(q, k, positions, theta, act);  // q and k in one kernel call
+  q = rotated.q, k = rotated.k;
   // Packed documents: the positions (restarting at 0 at each document) also
   // mask the attention to each token's own document.
   Tensor a = ops::attention(q, k, v, o.packed_documents ? positions : Tensor(),
@@ -123,13 +121,11 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   // compute dtype: one rounding, the one the Reshards carry, without an f32
   // array and a cast pass between.
   const Tensor attn_out = ops::linear(a, lo(param("self_attn.o_proj.weight")), act);
-  // The residual add (it widens a bf16 branch itself) and the norm of its
-  // sum in one op: one pass on a GPU where the norm read the f32 sum again;
-  // the two ops' bits (ops::add_rms_norm).
+  // The residual add (it widens a bf16 branch) and the norm of its sum in
+  // one op: one pass on a GPU, the two ops' bits (ops::add_rms_norm).
   const ops::AddRmsNorm mid = ops::add_rms_norm(h, mark(attn_out, points.attn_output),
                                                 param("post_attention_layernorm.weight"), eps, DType::F32, act);
-  h = mid.sum;
-  x = mark(mid.y, points.mlp_input);
+  h = mid.sum, x = mark(mid.y, points.mlp_input);
   // gate and up come out of their GEMMs in the compute dtype (bf16 halves
   // what SwiGLU keeps for its backward), SwiGLU computes in f32 and writes
   // that dtype, and down_proj's weight gradient recomputes it

@@ -134,7 +134,7 @@ TEST(TrainingGraph, Bf16AttentionOutputFeedsOProjAsItIs) {
         // nor RoPE's rotations of them (but bias_grad's f32 copy).
         const bool after_attention_grad =
             from == "attention_grad" ||
-            (from == "rope" && type_of(g.node(in.node_id()).inputs[0]) == "attention_grad") ||
+            ((from == "rope" || from == "rope_qk") && type_of(g.node(in.node_id()).inputs[0]) == "attention_grad") ||
             (from == "reshape" && type_of(g.node(in.node_id()).inputs[0]) == "attention_grad");
         if (n.op->type() == "cast" && (from == "attention" || after_attention_grad)) {
           int readers = 0, bias_readers = 0;
@@ -157,9 +157,9 @@ TEST(TrainingGraph, Bf16AttentionOutputFeedsOProjAsItIs) {
         EXPECT_EQ(n.inputs.at(5).dtype(), DType::BF16);
         EXPECT_EQ(type_of(g.node(n.inputs.at(5).node_id()).inputs.at(0)), "matmul");
       }
-      if (n.op->type() == "rope" && type_of(n.inputs[0]) == "attention_grad") {
-        ++rotations_back;
-        EXPECT_EQ(n.outputs[0].dtype, DType::BF16);
+      if ((n.op->type() == "rope" || n.op->type() == "rope_qk") && type_of(n.inputs[0]) == "attention_grad") {
+        rotations_back += static_cast<int>(n.outputs.size());  // rope_qk: q's and k's
+        for (const auto& out : n.outputs) EXPECT_EQ(out.dtype, DType::BF16);
       }
       bias_grads += n.op->type() == "bias_grad";
     }
