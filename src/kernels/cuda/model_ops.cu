@@ -283,6 +283,7 @@ __device__ inline void max_sum_add(MaxSum& p, const float (&x)[V]) {
   double gm = x[0];
 #pragma unroll
   for (int v = 1; v < V; ++v) gm = fmax(gm, static_cast<double>(x[v]));
+  if (gm == -INFINITY) return;  // -inf entries add nothing (exp(-inf - -inf) would be NaN)
   if (gm > p.m) {
     if (p.sum != 0) p.sum *= exp(p.m - gm);
     p.m = gm;
