@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "hspmd/core/limits.h"
 #include "hspmd/io/output_file.h"
 #include "hspmd/io/text_output.h"
+#include "hspmd/plan/expert_placement.h"
 #include "hspmd/plan/pipelines.h"
 #include "hspmd/plan/plan.h"
 #include "hspmd/plan/strategy.h"
@@ -42,7 +44,8 @@ constexpr const char* kPlanUsage =
     "  explain    dry run of a plan: every Reshard, each rank's primitives and bytes\n"
     "  switch     how the training state moves from one plan to another: volumes, time\n"
     "  cost       a strategy's predicted step time and memory on a cluster (cost model)\n"
-    "  search     the best strategy for a model, cluster and batch (planner)\n\n"
+    "  search     the best strategy for a model, cluster and batch (planner)\n"
+    "  experts    an expert-parallel strategy's expert placement from measured routing\n\n"
     "Run 'hspmd plan <subcommand> --help' for its flags.\n";
 
 
@@ -466,8 +469,107 @@ int switch_command(const std::vector<std::string>& args) {
 
 }  // namespace
 
+// Per sparse layer, the tokens each expert took in a step record of `log`
+// (`expert_tokens`): step `step`, or the last record that has them.
+std::vector<std::vector<double>> expert_loads(const std::string& log, int64_t step) {
+  std::ifstream in(log);
+  if (!in) fail("[experts] --log ", log, ": cannot open file");
+  std::string line;
+  nlohmann::json found;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (line.empty()) continue;
+    nlohmann::json r;
+    try {
+      r = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception&) {
+      fail("[experts] --log ", log, ": line ", n, " is not JSON");
+    }
+    if (!r.is_object() || !r.contains("expert_tokens")) continue;
+    if (step < 0 || (r.contains("step") && r["step"] == step)) found = r;
+  }
+  if (found.is_null())
+    fail("[experts] --log ", log, ": no step record ", step >= 0 ? "of step " + std::to_string(step) + " " : "",
+         "with expert_tokens (a mixture-of-experts run's --log)");
+  std::vector<std::vector<double>> loads;
+  try {
+    for (const auto& layer : found["expert_tokens"]) loads.push_back(layer.get<std::vector<double>>());
+  } catch (const nlohmann::json::exception&) {
+    fail("[experts] --log ", log, ": expert_tokens must be a list of lists of numbers");
+  }
+  return loads;
+}
+
+// Member m's speed: its slowest slot over the groups of `layer` (tflops x
+// efficiency / slowdown of the slot's ranks).
+std::vector<double> member_speeds(const Strategy& s, int64_t layer, const Topology& t) {
+  std::vector<double> speed(s.expert_parallel, 0);
+  for (const auto& group : expert_groups(s, layer).slots)
+    for (size_t m = 0; m < group.size(); ++m)
+      for (int r : group[m]) {
+        const double v = t.device_type(r).tflops * t.device_type(r).efficiency / t.rank(r).slowdown;
+        speed[m] = speed[m] == 0 ? v : std::min(speed[m], v);
+      }
+  return speed;
+}
+
+int experts_command(const std::vector<std::string>& args) {
+  std::string model, strategy_path, log, cluster, output;
+  int64_t step = -1;
+  FlagSet f("plan experts",
+            "Place the experts of an expert-parallel strategy from measured routing (docs/moe.md, \"Choosing a\n"
+            "placement\"): replicas for the experts that took the most tokens, spread so that the busiest\n"
+            "member of a group has as little as the loads allow. Writes the strategy with expert_placement.");
+  f.add_string("model", &model, "Hugging Face config.json of the model", true);
+  f.add_string("strategy", &strategy_path, "strategy JSON with expert_parallel > 1", true);
+  f.add_string("log", &log, "a run's --log (step records with expert_tokens)", true);
+  f.add_int("step", &step, "the step record to read (default: the last with expert_tokens)", false, {0, INT64_MAX});
+  f.add_string("cluster", &cluster, "cluster JSON (docs/cluster.md): members weighed by their devices' speed");
+  f.add_string("output", &output, "strategy JSON to write (also -o)", true);
+  if (!f.parse(expand_short_output(args))) return 0;
+  check_input_file("--model", model);
+  check_input_file("--strategy", strategy_path);
+  check_input_file("--log", log);
+  if (!cluster.empty()) check_input_file("--cluster", cluster);
+  check_outputs({{"--model", model}, {"--strategy", strategy_path}, {"--log", log}, {"--cluster", cluster}},
+                {{"--output", output}});
+  const ModelConfig config = ModelConfig::load(model);
+  Strategy strategy = load_strategy(strategy_path);
+  if (strategy.expert_parallel <= 1)
+    fail("[experts] --strategy ", strategy_path, ": expert_parallel is ", strategy.expert_parallel,
+         "; placing experts needs groups of more than one member");
+  std::vector<int64_t> sparse;
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l)
+    if (config.moe.num_experts > 0 && config.moe.sparse_layer(l)) sparse.push_back(l);
+  const std::vector<std::vector<double>> loads = expert_loads(log, step);
+  std::vector<double> speeds;
+  if (!cluster.empty() && !sparse.empty())
+    speeds = member_speeds(strategy, sparse.front(), Topology::load(cluster));
+  const int g = strategy.expert_parallel;
+  std::vector<ExpertPlacement> placed = place_experts(sparse, loads, g, config.moe.num_experts, speeds);
+  for (size_t i = 0; i < sparse.size(); ++i) {
+    std::vector<std::vector<int>> now;
+    for (int64_t e = 0; e < config.moe.num_experts; ++e)
+      now.push_back(expert_members(strategy, sparse[i], e, config.moe.num_experts));
+    const std::vector<std::vector<int>>* next = nullptr;
+    for (const ExpertPlacement& p : placed)
+      if (p.first_layer <= sparse[i] && sparse[i] <= p.last_layer) next = &p.members;
+    const double total = std::accumulate(loads[i].begin(), loads[i].end(), 0.0);
+    const double even = total / g, hot = *std::max_element(loads[i].begin(), loads[i].end());
+    std::printf("layer %lld: hottest expert %.2fx the mean; busiest member %.2fx an even share now, %.2fx placed\n",
+                static_cast<long long>(sparse[i]), total > 0 ? hot * config.moe.num_experts / total : 0.0,
+                even > 0 ? placement_bottleneck(now, loads[i], g, speeds) / even : 0.0,
+                even > 0 ? placement_bottleneck(*next, loads[i], g, speeds) / even : 0.0);
+  }
+  strategy.expert_placement = std::move(placed);
+  validate(strategy, config, static_cast<int>(strategy.ranks().back()) + 1);
+  write_output_file("[experts] --output", output, to_json(strategy).dump(1) + "\n");
+  return 0;
+}
+
 int plan_command(const std::vector<std::string>& args) {
-  if (args.empty()) fail("[flags] plan: missing subcommand (compile, explain, switch, cost or search; see hspmd plan --help)");
+  if (args.empty()) fail("[flags] plan: missing subcommand (compile, explain, switch, cost, search or experts; see hspmd plan --help)");
   const std::string& sub = args[0];
   if (sub == "--help" || sub == "-h") {
     std::fputs(kPlanUsage, stdout);
@@ -478,8 +580,9 @@ int plan_command(const std::vector<std::string>& args) {
   if (sub == "explain") return explain_command(rest);
   if (sub == "switch") return switch_command(rest);
   if (sub == "cost") return plan_cost_command(rest);
+  if (sub == "experts") return experts_command(rest);
   if (sub == "search") return plan_search_command(rest);
-  fail("[flags] plan: unknown subcommand '", sub, "' (expected compile, explain, switch, cost or search)");
+  fail("[flags] plan: unknown subcommand '", sub, "' (expected compile, explain, switch, cost, search or experts)");
 }
 
 }  // namespace hspmd::cli

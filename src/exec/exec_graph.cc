@@ -265,10 +265,12 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
     timing->start.record(*op.ctx.stream);
   }
   int64_t runtime_sent = 0;  // what a data-dependent op predicts for this call
+  double runtime_flops = -1;  // ... and the work it did
   std::vector<NDArray> outputs;
   if (node.op->spans_devices()) {
     OpContext ctx = op.ctx;
     ctx.traffic_sent = &runtime_sent;
+    ctx.work_flops = &runtime_flops;
     outputs = run_op(node, ctx, inputs);
   } else {
     outputs = run_op(node, op.ctx, inputs);
@@ -277,14 +279,15 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
     timing->end.record(*op.ctx.stream);
     for (const std::vector<NDArray>* arrays : {&inputs, static_cast<const std::vector<NDArray>*>(&outputs)})
       for (const NDArray& a : *arrays) timing->bytes += a.valid() ? static_cast<double>(a.nbytes()) : 0.0;
-    timing->flops = op_work(node, inputs, outputs, &op.shard).flops;
+    timing->flops = runtime_flops >= 0 ? runtime_flops : op_work(node, inputs, outputs, &op.shard).flops;
   }
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
   ledger_.op_predicted += op.traffic.sent + runtime_sent;
   const bool modeled = clock_ && clock_->modeled();
   if (modeled || observer_) {
-    const OpWork work = op_work(node, inputs, outputs, &op.shard);
+    OpWork work = op_work(node, inputs, outputs, &op.shard);
+    if (runtime_flops >= 0) work.flops = runtime_flops;
     if (modeled) {
       HSPMD_CHECK(time_model_ != nullptr, "a model-mode clock needs an op time model (set_op_time_model)");
       clock_->advance(time_model_->seconds(node.op->type(), work));

@@ -28,6 +28,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <span>
 #include <utility>
 
 #include "hspmd/comm/communicator.h"
@@ -452,6 +453,15 @@ EpLayout check_layout(const DeduceContext& ctx, const std::vector<Annotation>& i
                    [&](const std::string& m) { fail_at(ctx, m); });
 }
 
+// The work of the rows this rank's experts received (`moves` of the
+// dispatch): `gemms` GEMMs of 2 x rows x F x H each (w: a gate weight [F, H]).
+double owned_flops(const Shape& w, std::span<const Move> moves, double gemms) {
+  double rows = 0;
+  for (const Move& m : moves)
+    if (m.in_dst && m.dst.valid()) rows += static_cast<double>(m.dst.dim(0));
+  return 2.0 * gemms * rows * static_cast<double>(w[0]) * static_cast<double>(w[1]);
+}
+
 double expert_flops(const std::vector<Shape>& in, int rows_input, int first_weight, double gemms) {
   const Shape& x = in[rows_input];
   double rows = 1;
@@ -519,6 +529,9 @@ class MoeExpertsGradOp final : public Op {
     }
     run_moves(s, ctx.shard->group(c.members), c.members, me, back, DType::F32, h, kTagReturn);
     if (ctx.traffic_sent) *ctx.traffic_sent += c.sent;
+    if (ctx.work_flops)
+      *ctx.work_flops =
+          owned_flops(ctx.shard->input_global_shapes[3], std::span<const Move>(there).first(there.size() / 2), 8);
   }
   double flops(const std::vector<Shape>& in, const std::vector<Shape>&, const ShardContext*) const override {
     return expert_flops(in, 1, 3, 8);  // two GEMMs recomputed, six of the backward
@@ -621,6 +634,7 @@ class MoeExpertsOp final : public Op {
     }
     run_moves(s, ctx.shard->group(c.members), c.members, me, back, DType::F32, h, kTagReturn);
     if (ctx.traffic_sent) *ctx.traffic_sent += c.sent;
+    if (ctx.work_flops) *ctx.work_flops = owned_flops(ctx.shard->input_global_shapes[2], there, 3);
   }
   std::vector<Tensor> gradient(const Node& node, const std::vector<Tensor>& g) const override {
     Graph& graph = *g[0].graph();

@@ -196,6 +196,10 @@ std::vector<OptionSpec<SwitchingOptions>> switching_option_table() {
                "fused switches: MiB of state tensors (full logical size) per round, at least one layer group "
                "(default 256; 0: everything in one round)",
                number(&O::switch_bucket_mb)});
+  t.push_back({"replace_experts", OptionType::kBool,
+               "expert parallelism: after each step, re-place the experts from its routing (replicas for the hot "
+               "ones) and switch to that placement when the expected gain beats the switch's cost (docs/moe.md)",
+               flag(&O::replace_experts)});
   return t;
 }
 
@@ -314,6 +318,9 @@ void validate(const SwitchingOptions& o, const GivenOptions&) {
     fail_option("strategies", " does not go with ", option_name("switch"));
   if (o.bucket_switching && o.strategy_choices.empty())
     fail_option("bucket_switching", " needs ", option_name("strategies"), " (one strategy per length bucket)");
+  if (o.replace_experts && (!o.switches.empty() || !o.strategy_choices.empty()))
+    fail_option("replace_experts", " does not go with ", option_name(o.switches.empty() ? "strategies" : "switch"),
+                " (both choose the run's plans)");
 }
 
 // The heartbeat's settings always; the straggler watch's only with events.

@@ -178,6 +178,8 @@ StepRecord DistTrainer::step() {
     }
   } else if (!o_.switches.empty() && plan_at(step) != plan_index_) {  // (switch_now: no --switch)
     switch_to(plan_at(step), step);
+  } else if (o_.replace_experts) {
+    maybe_replace_experts(step);
   }
   const auto t0 = Clock::now();
   std::vector<ExecGraph::OpTiming> op_timings;  // --op-times: the last step's ops

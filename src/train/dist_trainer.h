@@ -90,6 +90,9 @@ class DistTrainer {
   // strategy, is compiled for this world and this model; the run's precision.
   std::shared_ptr<const AnnotationPlan> trainable_plan(AnnotationPlan plan, const std::string& source) const;
   void switch_now(std::shared_ptr<const AnnotationPlan> plan);
+  // --replace-experts (expert_replacement.cc): before step `step`, the
+  // placement of the last step's routing, switched to when worth it.
+  void maybe_replace_experts(int64_t step);
   // A strategy compiled for this run (its world, --seq-len, --precision),
   // or a strategy or plan file read as --switch reads it.
   std::shared_ptr<const AnnotationPlan> compile_strategy(const Strategy& strategy) const { return compile(strategy); }

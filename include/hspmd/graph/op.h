@@ -104,6 +104,11 @@ struct OpContext {
   // predicted for this call (the resolver's prediction given the routing),
   // when the executor asks for it (nullptr otherwise).
   int64_t* traffic_sent = nullptr;
+  // Where such an op writes the floating-point operations this call did
+  // when they depend on values it computed (the expert rows this rank
+  // received), for the model clock and the op timings in place of
+  // Op::flops (nullptr: not asked; left negative: Op::flops stands).
+  double* work_flops = nullptr;
 
   // A new contiguous array for output i (uninitialized).
   NDArray alloc(int i) const { return NDArray::empty(out_shapes[i], out_dtypes[i], device); }

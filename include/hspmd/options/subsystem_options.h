@@ -123,6 +123,11 @@ struct SwitchingOptions {
   std::vector<Switch> switches;
   std::string switch_algorithm = "fused";  // naive, per-tensor or fused
   double switch_bucket_mb = 256;           // fused: MiB of state tensors per round (0: all in one round)
+  // Expert parallelism (docs/moe.md, "Re-placing experts online"): after
+  // each step, place the experts anew from its routing and switch to that
+  // placement when the expected gain over the remaining steps beats the
+  // switch's predicted cost.
+  bool replace_experts = false;
 };
 
 // Elastic training (docs/elastic.md): devices that fail, join or slow down
