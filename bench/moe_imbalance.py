@@ -108,6 +108,9 @@ def main():
     ap.add_argument("--zipf", type=float, default=1.2, help="exponent of the Zipf law over token ids")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 unless (model clock) symmetric >= 1.3x replicated, replicated <= 1.25x balanced, "
+                         "the drift re-placed within 3 steps and its step came back within 1.15x the one before")
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="hspmd_moe_imb_")
     model = os.path.join(d, "model.json")
@@ -185,6 +188,18 @@ def main():
           f"{out['drift']['recovered_s'] * 1e3:.2f} ms from step {k + 3} (model clock)")
     if a.json:
         json.dump(out, open(a.json, "w"), indent=1)
+    if a.check:
+        dr = out["drift"]
+        problems = [msg for ok, msg in (
+            (out["symmetric_over_replicated_model_clock_s"] >= 1.3, "symmetric under 1.3x the replicated step"),
+            (out["replicated_over_balanced_model_clock_s"] <= 1.25, "replicated over 1.25x the balanced step"),
+            (out["symmetric"]["skew"] >= 3, "the hottest expert under 3x the mean: not skewed enough"),
+            (any(k < s_ <= k + 3 for s_ in dr["switch_steps"]), "no re-placement within 3 steps of the drift"),
+            (dr["recovered_s"] <= 1.15 * dr["before_s"], "the step did not come back after the drift"))
+            if not ok]
+        if problems:
+            sys.exit("FAILED: " + "; ".join(problems))
+        print("checks ok")
     if not a.keep:
         import shutil
         shutil.rmtree(d, ignore_errors=True)

@@ -186,21 +186,7 @@ void HostHeartbeat::run() {
       send_all(host_, seq++, mine);
       next_send = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval_s_));
     }
-    pollfd p{socket_, POLLIN, 0};
-    if (poll(&p, 1, 20) > 0) {
-      Datagram d{};
-      while (recv(socket_, &d, sizeof d, MSG_DONTWAIT) == sizeof d) {
-        if (d.what >= 0 && static_cast<size_t>(d.what) < hosts) {
-          heard[d.what] = Clock::now();
-          theirs[d.what] = d.suspects;
-          std::set<uint32_t>& r = received[d.what];
-          r.insert(d.seq);
-          const uint32_t newest = *r.rbegin();
-          if (newest >= static_cast<uint32_t>(window_)) r.erase(r.begin(), r.upper_bound(newest - window_));
-        }
-        if (d.what <= -2 && static_cast<size_t>(-d.what - 2) < hosts) done[-d.what - 2] = true;
-      }
-    }
+    receive(heard, done, theirs, received);
     const Clock::time_point now = Clock::now();
     // The hosts silent for the timeout, then those that lost too many (judged
     // once the sender has numbered a whole window); the fresh ones: heard
@@ -254,15 +240,43 @@ void HostHeartbeat::run() {
         report = bad[0];
       }
     }
-    const auto [first, last] = ranks_[report];
-    const std::string who =
-        "[heartbeat] host " + names_[report] + " (ranks " + std::to_string(first) + "-" + std::to_string(last) + ") ";
-    if (lost_of[report] < 0) lost(who + "sent no heartbeat for " + t + " s: its link is down or it stopped; ending the job");
-    char pct[32];
-    std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * lost_of[report] / window_);
-    lost(who + "lost " + std::to_string(lost_of[report]) + " of its last " + std::to_string(window_) + " heartbeats (" +
-         pct + ", more than " + option_name("heartbeat_max_loss") + " " + m + "): its link is lossy; ending the job");
+    report_host(report, lost_of[report], t, m);
   }
+}
+
+// Waits up to 20 ms for datagrams and takes in every one that came: when
+// each host was last heard, what it suspects, its numbers within the loss
+// window, and the hosts that said goodbye.
+void HostHeartbeat::receive(std::vector<Clock::time_point>& heard, std::vector<bool>& done,
+                            std::vector<uint64_t>& theirs, std::vector<std::set<uint32_t>>& received) {
+  const size_t hosts = names_.size();
+  pollfd p{socket_, POLLIN, 0};
+  if (poll(&p, 1, 20) <= 0) return;
+  Datagram d{};
+  while (recv(socket_, &d, sizeof d, MSG_DONTWAIT) == sizeof d) {
+    if (d.what >= 0 && static_cast<size_t>(d.what) < hosts) {
+      heard[d.what] = Clock::now();
+      theirs[d.what] = d.suspects;
+      std::set<uint32_t>& r = received[d.what];
+      r.insert(d.seq);
+      const uint32_t newest = *r.rbegin();
+      if (newest >= static_cast<uint32_t>(window_)) r.erase(r.begin(), r.upper_bound(newest - window_));
+    }
+    if (d.what <= -2 && static_cast<size_t>(-d.what - 2) < hosts) done[-d.what - 2] = true;
+  }
+}
+
+// Ends the job naming host `report`: silent (lost < 0) or lossy (`lost` of
+// the window lost); `t` and `m` the timeout and the max loss as printed.
+void HostHeartbeat::report_host(int report, int lost_count, const char* t, const char* m) {
+  const auto [first, last] = ranks_[report];
+  const std::string who =
+      "[heartbeat] host " + names_[report] + " (ranks " + std::to_string(first) + "-" + std::to_string(last) + ") ";
+  if (lost_count < 0) lost(who + "sent no heartbeat for " + t + " s: its link is down or it stopped; ending the job");
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "%.0f%%", 100.0 * lost_count / window_);
+  lost(who + "lost " + std::to_string(lost_count) + " of its last " + std::to_string(window_) + " heartbeats (" +
+       pct + ", more than " + option_name("heartbeat_max_loss") + " " + m + "): its link is lossy; ending the job");
 }
 
 void HostHeartbeat::lost(const std::string& message) {

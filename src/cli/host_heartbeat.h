@@ -6,6 +6,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,6 +48,10 @@ class HostHeartbeat {
 
  private:
   void run();
+  using Clock = std::chrono::steady_clock;
+  void receive(std::vector<Clock::time_point>& heard, std::vector<bool>& done, std::vector<uint64_t>& theirs,
+               std::vector<std::set<uint32_t>>& received);
+  [[noreturn]] void report_host(int report, int lost_count, const char* t, const char* m);
   void send_all(int32_t what, uint32_t seq, uint64_t suspects);
   [[noreturn]] void lost(const std::string& message);
 

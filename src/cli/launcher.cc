@@ -597,6 +597,52 @@ int64_t ranks_on(const Hostfile& hostfile, int64_t nproc, const std::string& hos
   return n;
 }
 
+// After the heartbeat ended the job naming host `gone`: the restart on the
+// other hosts under a strategy re-planned for them, from the last
+// checkpoint (`o` and `args` changed for it). -1: go on with it; else the
+// job's exit code.
+int restart_without_host(LaunchOptions& o, std::vector<std::string>& args, const AttemptEnd& end,
+                         const std::string& gone, int64_t restarts, const std::string& run_id, RestartLog& log,
+                         FirstStepWatch& watch) {
+  if (!end.lost_report.empty()) std::fprintf(stderr, "%s\n", end.lost_report.c_str());
+  const Hostfile left = without_host(o.hostfile, gone);
+  const int64_t nproc = std::min(o.nproc - ranks_on(o.hostfile, o.nproc, gone), left.slots());
+  const std::string strategy = o.checkpoint_dir + "/strategy-restart-" + std::to_string(restarts + 1) + ".json";
+  RestartPoint point;
+  try {
+    if (nproc < 1) fail("[launch] no rank left without host ", gone);
+    point = find_restart_point(o.checkpoint_dir, o.resume_dir, run_id);
+    replan_for_hosts(o.replan, left, nproc, strategy);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "hspmd: error: [launch] host %s was lost; cannot restart without it: %s\n", gone.c_str(),
+                 e.what());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "hspmd: warning: [launch] host %s was lost; restarting without it on the %lld ranks of hosts %s "
+               "under the re-planned strategy %s, from %s (restart %lld of --max-restarts %lld)\n",
+               gone.c_str(), static_cast<long long>(nproc), left.summary().c_str(), strategy.c_str(),
+               point.resume_dir.empty() ? "the start"
+                                        : ("the checkpoint of step " + std::to_string(point.step)).c_str(),
+               static_cast<long long>(restarts + 1), static_cast<long long>(o.max_restarts));
+  const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
+  log.begin(restarts + 1, point.step, "host " + gone + " lost (heartbeat)",
+            end.death_ns != 0 ? (end.end_ns - died) * 1e-9 : -1);
+  o.hostfile = left;
+  o.nproc = nproc;
+  o.replan.strategy_path = strategy;
+  args = with_resume(with_strategy(args, strategy), point.resume_dir);
+  o.rank_args = with_strategy(o.rank_args, strategy);
+  watch.armed = true;
+  watch.seen = [&log, died](int64_t done) { log.set_recovery((done - died) * 1e-9); };
+  if (g_signal != 0) {
+    std::fprintf(stderr, "hspmd: error: [launch] %s: the job was not restarted\n",
+                 g_signal == SIGINT ? "SIGINT" : "SIGTERM");
+    return 128 + g_signal;
+  }
+  return -1;
+}
+
 int launch_ranks(const LaunchOptions& options) {
   LaunchOptions o = options;  // a restart without a lost host changes the hosts, the ranks, the strategy
   if (o.hostfile.hosts.empty()) check_local_ranks("[flags] --nproc", o.nproc, 1);
@@ -624,44 +670,8 @@ int launch_ranks(const LaunchOptions& options) {
     const std::string gone = lost_host(end.report);
     if (!gone.empty() && restarts < o.max_restarts && !o.replan.strategy_path.empty() && o.command.empty() &&
         o.hostfile.hosts.size() > 1) {
-      // The heartbeat ended the job naming a host: restart on the others
-      // under a strategy re-planned for them, from the last checkpoint.
-      if (!end.lost_report.empty()) std::fprintf(stderr, "%s\n", end.lost_report.c_str());
-      const Hostfile left = without_host(o.hostfile, gone);
-      const int64_t nproc = std::min(o.nproc - ranks_on(o.hostfile, o.nproc, gone), left.slots());
-      const std::string strategy = o.checkpoint_dir + "/strategy-restart-" + std::to_string(restarts + 1) + ".json";
-      RestartPoint point;
-      try {
-        if (nproc < 1) fail("[launch] no rank left without host ", gone);
-        point = find_restart_point(o.checkpoint_dir, o.resume_dir, run_id);
-        replan_for_hosts(o.replan, left, nproc, strategy);
-      } catch (const Error& e) {
-        std::fprintf(stderr, "hspmd: error: [launch] host %s was lost; cannot restart without it: %s\n", gone.c_str(),
-                     e.what());
-        return 1;
-      }
-      std::fprintf(stderr,
-                   "hspmd: warning: [launch] host %s was lost; restarting without it on the %lld ranks of hosts %s "
-                   "under the re-planned strategy %s, from %s (restart %lld of --max-restarts %lld)\n",
-                   gone.c_str(), static_cast<long long>(nproc), left.summary().c_str(), strategy.c_str(),
-                   point.resume_dir.empty() ? "the start"
-                                            : ("the checkpoint of step " + std::to_string(point.step)).c_str(),
-                   static_cast<long long>(restarts + 1), static_cast<long long>(o.max_restarts));
-      const int64_t died = end.death_ns != 0 ? end.death_ns : end.end_ns;
-      log.begin(restarts + 1, point.step, "host " + gone + " lost (heartbeat)",
-                end.death_ns != 0 ? (end.end_ns - died) * 1e-9 : -1);
-      o.hostfile = left;
-      o.nproc = nproc;
-      o.replan.strategy_path = strategy;
-      args = with_resume(with_strategy(args, strategy), point.resume_dir);
-      o.rank_args = with_strategy(o.rank_args, strategy);
-      watch.armed = true;
-      watch.seen = [&log, died](int64_t done) { log.set_recovery((done - died) * 1e-9); };
-      if (g_signal != 0) {
-        std::fprintf(stderr, "hspmd: error: [launch] %s: the job was not restarted\n",
-                     g_signal == SIGINT ? "SIGINT" : "SIGTERM");
-        return 128 + g_signal;
-      }
+      if (const int code = restart_without_host(o, args, end, gone, restarts, run_id, log, watch); code >= 0)
+        return code;
       continue;
     }
     if (!end.crashed() || restarts == o.max_restarts) return give_up(end, restarts, o);

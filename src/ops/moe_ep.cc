@@ -82,15 +82,9 @@ std::string ranks_str(const std::vector<int>& r) {
   return s + "]";
 }
 
-// The layout from the rows' annotation (rank `rows_rank`) and each expert's
-// weight annotation; `fail` reports a layout the op cannot run.
-EpLayout ep_layout(const Annotation& rows, int rows_rank, const std::vector<const Annotation*>& experts,
-                   const Fail& fail) {
-  if (has_partial(rows)) fail("the token rows are partial sums; reduce them first");
-  if (rows.hsize() > 1 && rows.hdim != 0)
-    fail("the token rows must be cut between subgroups along the batch (dim 0), not " + key_name(rows.hdim));
-  EpLayout ep;
-  // Slots: ranks of one subgroup at the same coordinates but dup hold the same tokens.
+// The token slots of rows annotated `rows` (rank `rows_rank`): ranks of one
+// subgroup at the same coordinates but dup hold the same tokens.
+std::vector<EpLayout::Slot> token_slots(const Annotation& rows, int rows_rank, const Fail& fail) {
   std::map<std::pair<int, std::vector<int>>, std::vector<int>> slots;
   for (int i = 0; i < rows.hsize(); ++i) {
     const Subgroup& sub = rows.subgroups[i];
@@ -104,10 +98,23 @@ EpLayout ep_layout(const Annotation& rows, int rows_rank, const std::vector<cons
       slots[{i, key}].push_back(sub.devices.ranks[p]);
     }
   }
+  std::vector<EpLayout::Slot> out;
   for (auto& [key, ranks] : slots) {
     std::sort(ranks.begin(), ranks.end());
-    ep.slots.push_back({ranks, -1});
+    out.push_back({ranks, -1});
   }
+  return out;
+}
+
+// The layout from the rows' annotation (rank `rows_rank`) and each expert's
+// weight annotation; `fail` reports a layout the op cannot run.
+EpLayout ep_layout(const Annotation& rows, int rows_rank, const std::vector<const Annotation*>& experts,
+                   const Fail& fail) {
+  if (has_partial(rows)) fail("the token rows are partial sums; reduce them first");
+  if (rows.hsize() > 1 && rows.hdim != 0)
+    fail("the token rows must be cut between subgroups along the batch (dim 0), not " + key_name(rows.hdim));
+  EpLayout ep;
+  ep.slots = token_slots(rows, rows_rank, fail);
   const int groups = experts.front()->hsize();
   std::map<int, int> group_of_rank;
   ep.owners.resize(experts.size());

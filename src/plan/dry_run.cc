@@ -122,22 +122,22 @@ std::map<std::string, DType> zero_gather_dtypes(const AnnotationPlan& plan, cons
 
 namespace {
 
-// Whether the plan places some expert on other ranks than its layer's
+// Whether the plan places some expert on other subgroups than its layer's
 // router: expert parallelism (the sparse layers then run ops::moe_experts).
 bool places_experts_apart(const AnnotationPlan& plan) {
   const ModelConfig& c = plan.model;
-  auto ranks = [&](const std::string& name) {
+  auto find = [&](const std::string& name) -> const Annotation* {
     auto it = plan.tensors.find(name);
-    std::vector<int> r = it == plan.tensors.end() ? std::vector<int>{} : it->second.all_ranks();
-    std::sort(r.begin(), r.end());
-    return r;
+    return it == plan.tensors.end() ? nullptr : &it->second;
   };
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     if (c.moe.num_experts <= 0 || !c.moe.sparse_layer(l)) continue;
-    const std::vector<int> router = ranks(moe_router_weight_name(c, l));
+    const Annotation* router = find(moe_router_weight_name(c, l));
     for (int64_t e = 0; e < c.moe.num_experts; ++e)
-      for (const std::string& w : moe_expert_weight_names(c, l, e))
-        if (ranks(w) != router) return true;
+      for (const std::string& w : moe_expert_weight_names(c, l, e)) {
+        const Annotation* a = find(w);
+        if (router && a && !same_devices(*a, *router)) return true;
+      }
   }
   return false;
 }

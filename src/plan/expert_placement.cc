@@ -2,6 +2,7 @@
 #include "hspmd/plan/expert_placement.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "hspmd/core/error.h"
@@ -82,26 +83,31 @@ std::vector<std::vector<int>> place_layer_experts(const std::vector<double>& loa
   std::vector<int> replicas(n, 1);
   // Every member needs a piece: replicate the heaviest experts until there
   // are as many pieces as members.
-  auto heaviest_piece = [&](bool below_members) {
+  // An expert gets at most the replicas that bring its load down to an even
+  // share (more would hold its weights on more members for little).
+  const double even = std::accumulate(loads.begin(), loads.end(), 0.0) / members;
+  std::vector<int> cap(n);
+  for (int e = 0; e < n; ++e)
+    cap[e] = even > 0 ? std::clamp(static_cast<int>(std::ceil(loads[e] / even - 1e-9)), 1, members) : 1;
+  auto heaviest_piece = [&](const std::vector<int>& limit) {
     int best = -1;
     for (int e = 0; e < n; ++e)
-      if ((!below_members || replicas[e] < members) &&
-          (best < 0 || loads[e] / replicas[e] > loads[best] / replicas[best]))
-        best = e;
+      if (replicas[e] < limit[e] && (best < 0 || loads[e] / replicas[e] > loads[best] / replicas[best])) best = e;
     return best;
   };
-  while (std::accumulate(replicas.begin(), replicas.end(), 0) < members) ++replicas[heaviest_piece(true)];
+  const std::vector<int> all(n, members);
+  while (std::accumulate(replicas.begin(), replicas.end(), 0) < members) ++replicas[heaviest_piece(all)];
   std::vector<std::vector<int>> best = assign(loads, replicas, speed);
   double best_time = placement_bottleneck(best, loads, members, speeds);
+  // Keep replicating the heaviest piece (a step that does not help may
+  // open one that does), keeping the best placement seen.
   for (int step = 0; step < n * members; ++step) {
-    const int e = heaviest_piece(true);
+    const int e = heaviest_piece(cap);
     if (e < 0) break;
-    std::vector<int> more = replicas;
-    ++more[e];
-    const std::vector<std::vector<int>> trial = assign(loads, more, speed);
+    ++replicas[e];
+    std::vector<std::vector<int>> trial = assign(loads, replicas, speed);
     const double t = placement_bottleneck(trial, loads, members, speeds);
-    if (!(t < best_time * (1 - 1e-9))) break;
-    replicas = std::move(more), best = trial, best_time = t;
+    if (t < best_time * (1 - 1e-9)) best = std::move(trial), best_time = t;
   }
   return best;
 }

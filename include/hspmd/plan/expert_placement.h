@@ -18,9 +18,10 @@ namespace hspmd {
 // are split evenly between its replicas, as the executor splits them.
 // Greedy: every expert starts with one replica; pieces (an expert's load
 // over its replicas) go largest first to the member that ends least loaded
-// relative to its speed, never two of one expert on one member; the expert
-// with the largest piece gains a replica while that lowers the busiest
-// member's time; every member gets at least one piece. Throws hspmd::Error
+// relative to its speed, never two of one expert on one member; then the
+// expert with the largest piece gains a replica, again and again (at most E x
+// members times), and the placement whose busiest member is least busy wins;
+// every member gets at least one piece. Throws hspmd::Error
 // "[experts] ..." for no experts, members < 1, a negative load or a speed
 // that is not positive.
 std::vector<std::vector<int>> place_layer_experts(const std::vector<double>& loads, int members,
