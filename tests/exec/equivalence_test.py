@@ -241,6 +241,11 @@ QWEN2MOE_CASES = {
     # A TP2 slot and a TP1 slot in one group, ZeRO over the groups' copies.
     "qwen2moe_ep2_tp21_zero": ep(2, (3, {"zero": True, "pipelines": [
         pipeline(2, 2, [([0, 1], [0, 3], 1)]), pipeline(2, 2, [([2], [0, 3], 1)])]})),
+    # Asymmetric: a TP2 slot (3 samples of 8) and three TP1 slots; the hot
+    # expert replicated on the three TP1 members, the rest on the TP2 one.
+    "qwen2moe_ep4_asym_replicas": placed(ep(4, (5, {"pipelines": [
+        pipeline(3, 1, [([0, 1], [0, 3], 1)])] + [pipeline(b, 1, [([r], [0, 3], 1)]) for r, b in ((2, 2), (3, 2), (4, 1))]})),
+        [{"layers": [0, 3], "experts": [[1, 2, 3], [0], [0], [0]]}]),
 }
 # Packed documents under CP x TP with recomputation and ZeRO (without the
 # auxiliary loss: a plan's padding would enter its statistics; refused).
