@@ -42,6 +42,7 @@ SMOKE = {
     "bench/mixed_length_bench.py": (["bench_smoke_mixed_length_bench"], "mpi"),
     "bench/mixed_length_paper.py": (["bench_smoke_mixed_length_paper"], None),
     "bench/moe_step.py": (["bench_smoke_moe_step"], None),
+    "bench/moe_imbalance.py": (["bench_smoke_moe_imbalance"], None),
     "bench/mps_hetero.py": (["mps_hetero_bench_harness_on_cpu"], "mpi"),
     "bench/planner_bench.py": (["bench_smoke_planner_bench"], "mpi"),
     "bench/planner_paper.py": (["bench_smoke_planner_paper"], None),
