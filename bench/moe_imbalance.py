@@ -110,7 +110,8 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 unless (model clock) symmetric >= 1.3x replicated, replicated <= 1.25x balanced, "
-                         "the drift re-placed within 3 steps and its step came back within 1.15x the one before")
+                         "the drift re-placed within 3 steps moving the predicted bytes, and its step came back "
+                         "within 1.15x the one before")
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="hspmd_moe_imb_")
     model = os.path.join(d, "model.json")
@@ -176,9 +177,11 @@ def main():
 
     drift_steps, events = train("drift", placed, drift, ["--replace-experts"])
     switched = [e["step"] for e in events if e.get("event") == "switch"]
+    moved_ok = all(e["bytes_sent"] == e["predicted_bytes"] for e in events if e.get("event") == "switch")
     k = a.drift_step
     out["drift"] = {
         "switch_steps": switched,
+        "switch_bytes_as_predicted": moved_ok,
         "before_s": med(drift_steps, "emulated_step_time_s", 1, k),
         "after_drift_s": drift_steps[k]["emulated_step_time_s"],
         "recovered_s": med(drift_steps, "emulated_step_time_s", min(len(drift_steps) - 1, k + 3)),
@@ -195,6 +198,7 @@ def main():
             (out["replicated_over_balanced_model_clock_s"] <= 1.25, "replicated over 1.25x the balanced step"),
             (out["symmetric"]["skew"] >= 3, "the hottest expert under 3x the mean: not skewed enough"),
             (any(k < s_ <= k + 3 for s_ in dr["switch_steps"]), "no re-placement within 3 steps of the drift"),
+            (dr["switch_bytes_as_predicted"], "a re-placement moved other bytes than predicted"),
             (dr["recovered_s"] <= 1.15 * dr["before_s"], "the step did not come back after the drift"))
             if not ok]
         if problems:
