@@ -251,6 +251,9 @@ QWEN2MOE_CASES = {
 # auxiliary loss: a plan's padding would enter its statistics; refused).
 MIXTRAL_PACKED_CASES = {
     "mixtralpacked_cp_hetero_zero": PACKED_CASES["packed_cp_hetero_zero"],
+    # Expert parallelism over packed documents: the plan's padded rows are
+    # routed and exchanged too.
+    "mixtralpacked_ep2_dp2_tp2": ep(2, CASES["dp2_tp2"]),
 }
 MOE_MODES = {"mixtral": MIXTRAL_CASES, "qwen2moe": QWEN2MOE_CASES, "mixtralpacked": MIXTRAL_PACKED_CASES}
 FAMILY_MODES = {"qwen2": QWEN2_CASES, "mistral": MISTRAL_CASES, "mistralpacked": MISTRAL_PACKED_CASES, **MOE_MODES}
