@@ -284,6 +284,10 @@ std::vector<NDArray> ExecGraph::compute(const LocalOp& op, const Node& node,
   if (clock_) clock_->end_compute();
   ledger_.op_measured += world_->bytes().sent - before;
   ledger_.op_predicted += op.traffic.sent + runtime_sent;
+  if (node.op->spans_devices()) {
+    ledger_.expert_measured += world_->bytes().sent - before;
+    ledger_.expert_predicted += runtime_sent;
+  }
   const bool modeled = clock_ && clock_->modeled();
   if (modeled || observer_) {
     OpWork work = op_work(node, inputs, outputs, &op.shard);

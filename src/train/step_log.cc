@@ -44,6 +44,8 @@ StepMetrics StepMeter::measure(const ExecGraph& graph, const VirtualClock* clock
   mine.reshard_predicted = graph.ledger().predicted;
   mine.op_sent = graph.ledger().op_measured;
   mine.op_predicted = graph.ledger().op_predicted;
+  mine.expert_sent = graph.ledger().expert_measured;
+  mine.expert_predicted = graph.ledger().expert_predicted;
   mine.clock_ns = clock ? ns(clock->now()) : 0;
   mine.compute_ns = clock ? ns(clock->compute_s()) : 0;
   mine.peak_bytes = static_cast<int64_t>(allocator_for(graph.device()).peak_bytes());
@@ -80,6 +82,8 @@ void StepMeter::fill(const StepMetrics& mine, const VirtualClock* clock, StepRec
     r.predicted_reshard_bytes.push_back(m.reshard_predicted);
     r.op_bytes_sent.push_back(m.op_sent);
     r.predicted_op_bytes.push_back(m.op_predicted);
+    r.expert_bytes_sent.push_back(m.expert_sent);
+    r.predicted_expert_bytes.push_back(m.expert_predicted);
     r.peak_memory_bytes.push_back(m.peak_bytes);
     r.peak_activation_bytes.push_back(m.activation_bytes);
     r.grad_sync_s.push_back(m.grad_sync_ns * 1e-9);

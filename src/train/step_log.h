@@ -34,6 +34,8 @@ struct StepMetrics {
   int64_t sm_percent = 0;         // CUDA MPS: the rank's share of the GPU's SMs (0: none set)
   int64_t grad_sync_overlapped = 0;  // gradients handed to the communication thread during the backward
   int64_t attention_fallbacks = 0;   // attention calls cuDNN did not take so far (CUDA, bf16 products)
+  int64_t expert_sent = 0;           // expert parallelism's token exchange, measured ...
+  int64_t expert_predicted = 0;      // ... and as the resolver predicted it from the routing counts
 };
 
 // The step's measurements across ranks: this rank's metrics (with the

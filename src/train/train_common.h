@@ -151,6 +151,10 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["predicted_reshard_bytes"] = r.predicted_reshard_bytes;
     j["op_bytes_sent"] = r.op_bytes_sent;
     j["predicted_op_bytes"] = r.predicted_op_bytes;
+    if (std::any_of(r.predicted_expert_bytes.begin(), r.predicted_expert_bytes.end(), [](int64_t b) { return b > 0; })) {
+      j["expert_bytes_sent"] = r.expert_bytes_sent;
+      j["predicted_expert_bytes"] = r.predicted_expert_bytes;
+    }
     j["peak_memory_bytes"] = r.peak_memory_bytes;
     j["peak_activation_bytes"] = r.peak_activation_bytes;
     j["grad_sync_s"] = r.grad_sync_s;

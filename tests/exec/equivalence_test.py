@@ -535,6 +535,12 @@ def main():
         # and inside ops (ring attention, vocab-parallel loss) the ops' own.
         bytes_ok = all(r["reshard_bytes_sent"] == r["predicted_reshard_bytes"] and
                        r["op_bytes_sent"] == r["predicted_op_bytes"] for r in records(log))
+        # Expert parallelism: its token exchange, measured and as the resolver
+        # predicted it from each step's routing counts, in every record; a
+        # plan that places experts apart must exchange some.
+        if "_ep" in name:
+            bytes_ok = bytes_ok and all(r.get("expert_bytes_sent") == r.get("predicted_expert_bytes") and
+                                        sum(r.get("expert_bytes_sent") or [0]) > 0 for r in records(log))
         # The exposed gradient synchronization, per rank, measured.
         sync_ok = all(len(r["grad_sync_s"]) == world and min(r["grad_sync_s"]) >= 0 for r in records(log))
         # A mixture of experts' records: the tokens each expert took per

@@ -193,6 +193,11 @@ class ExecGraph {
     // an emulated clock the measured side also holds the clock messages.
     int64_t op_measured = 0;
     int64_t op_predicted = 0;
+    // The part of op_* that expert parallelism's token exchange sent
+    // (moe_experts), measured and as the resolver predicted it from the
+    // calls' routing counts.
+    int64_t expert_measured = 0;
+    int64_t expert_predicted = 0;
   };
   const ByteLedger& ledger() const { return ledger_; }
 

@@ -37,6 +37,10 @@ struct StepRecord {
   // ... and the part sent inside ops (ring attention, vocab-parallel loss),
   // measured and as the ops predict it (Op::traffic).
   std::vector<int64_t> op_bytes_sent, predicted_op_bytes;
+  // ... of which expert parallelism's token exchange (docs/moe.md), measured
+  // and as the resolver predicted it from the step's routing counts; in
+  // the records only when some rank exchanged tokens.
+  std::vector<int64_t> expert_bytes_sent, predicted_expert_bytes;
   // When the ranks run on several hosts, per rank: the TCP stream bytes sent
   // to other hosts since the record before, and the segments carrying them
   // (docs/multi_host.md); empty on one host.
