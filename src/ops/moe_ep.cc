@@ -365,6 +365,16 @@ bool owns(const EpCall& c, int64_t e, int rank) {
   return std::find(o.begin(), o.end(), rank) != o.end();
 }
 
+// Whether `rank` is the first of its replica of expert e (always, without
+// replicas: then every copy holds the whole gradient).
+bool first_copy(const EpCall& c, int64_t e, int rank) {
+  const auto& reps = c.ep.replicas[e][c.group];
+  if (reps.size() < 2) return true;
+  for (const std::vector<int>& r : reps)
+    if (std::find(r.begin(), r.end(), rank) != r.end()) return r.front() == rank;
+  return true;
+}
+
 int64_t expert_rows(const EpCall& c, int64_t e) {
   int64_t n = 0;
   for (const auto& slot : c.counts) n += slot[e];
@@ -427,18 +437,6 @@ NDArray expert_backward(const OpContext& ctx, const NDArray& x, const NDArray& d
   kernels::matmul(s, du_lo, wu.contiguous(), false, false, dx_up);
   kernels::matmul(s, dg_lo, wg.contiguous(), false, false, dx, kernels::GemmCompute::kF32, &dx_up);
   return dx;
-}
-
-// Partial over `replicas` (slowest), copies over each one's `ranks`.
-DistStates replicas_partial(int replicas, int ranks) {
-  DistStates s;
-  s.degrees[kPartial] = replicas;
-  s.order = {kPartial};
-  if (ranks > 1) {
-    s.degrees[kDup] = ranks;
-    s.order.push_back(kDup);
-  }
-  return s;
 }
 
 // The layout checks both ops' rules share: rows, indices and dy on the same
@@ -523,6 +521,8 @@ class MoeExpertsGradOp final : public Op {
         } else {
           expert_dx = expert_backward(ctx, there[k].dst, there[half + k].dst, in[3 + e], in[3 + E + e],
                                       in[3 + 2 * E + e], out[1 + e], out[1 + E + e], out[1 + 2 * E + e]);
+          if (!first_copy(c, e, me))  // a replica's share counts once (the deduced partial)
+            for (int w = 0; w < 3; ++w) kernels::fill(s, out[1 + w * E + e], 0.0f);
         }
       }
       if (n == 0) continue;
@@ -551,26 +551,20 @@ class MoeExpertsGradOp final : public Op {
     std::vector<Annotation> out{in[1]};
     for (int64_t i = 0; i < 3 * experts_; ++i) {
       // Summed across the groups; within a group whole on each owner, or
-      // with replicas each replica's share (partial over the replicas).
+      // with replicas each replica's share: partial over the subgroup's
+      // ranks, a replica's first rank holding its share and its other
+      // ranks (copies of its tokens) zeros, so that replicas of unlike
+      // sizes (a tp 2 slot beside a tp 1 slot) sum alike.
       Annotation a = in[3 + i];
       if (a.hsize() > 1) a.hdim = kPartial;
       const int64_t e = i % experts_;
-      for (int j = 0; j < a.hsize(); ++j) {
-        const auto& reps = ep.replicas[e][j];
-        if (reps.size() < 2) continue;
-        const std::vector<int>& listed = a.subgroups[j].devices.ranks;
-        size_t at = 0;
-        for (const std::vector<int>& r : reps) {
-          std::vector<int> part(listed.begin() + std::min(at, listed.size()),
-                                listed.begin() + std::min(at + r.size(), listed.size()));
-          std::sort(part.begin(), part.end());
-          if (r.size() != reps[0].size() || part != r)
-            fail_at(ctx, "expert ", e, "'s replicas in subgroup ", j,
-                     " must hold it on as many ranks each, listed replica by replica (slot by slot)");
-          at += r.size();
+      for (int j = 0; j < a.hsize(); ++j)
+        if (ep.replicas[e][j].size() >= 2) {
+          DistStates& st = a.subgroups[j].states;
+          st = DistStates{};
+          st.degrees[kPartial] = a.subgroups[j].devices.size();
+          st.order = {kPartial};
         }
-        a.subgroups[j].states = replicas_partial(static_cast<int>(reps.size()), static_cast<int>(reps[0].size()));
-      }
       out.push_back(std::move(a));
     }
     return out;

@@ -246,6 +246,10 @@ QWEN2MOE_CASES = {
     "qwen2moe_ep4_asym_replicas": placed(ep(4, (5, {"pipelines": [
         pipeline(3, 1, [([0, 1], [0, 3], 1)])] + [pipeline(b, 1, [([r], [0, 3], 1)]) for r, b in ((2, 2), (3, 2), (4, 1))]})),
         [{"layers": [0, 3], "experts": [[1, 2, 3], [0], [0], [0]]}]),
+    # Replicas of unlike sizes: expert 0 on the TP2 slot and a TP1 slot, with ZeRO.
+    "qwen2moe_ep4_mixed_replicas_zero": placed(ep(4, (5, {"zero": True, "pipelines": [
+        pipeline(3, 1, [([0, 1], [0, 3], 1)])] + [pipeline(b, 1, [([r], [0, 3], 1)]) for r, b in ((2, 2), (3, 2), (4, 1))]})),
+        [{"layers": [0, 3], "experts": [[0, 1], [2], [3], [1, 2]]}]),
 }
 # Packed documents under CP x TP with recomputation and ZeRO (without the
 # auxiliary loss: a plan's padding would enter its statistics; refused).
