@@ -525,13 +525,13 @@ run_step profile_cuda 20 10 profile_cuda.log -- python3 tests/gpu/profile_cuda_t
 
 # The other plans, plan switches and a resume, elastic failures and a join,
 # token-budget steps with CP and switching, crash restarts (32, 41, 8, 18
-# and about 40 s on the H200).
-# mixtral_ep2_cp2_tp2: expert parallelism (docs/moe.md), the tokens of a
-# CP x TP stage's two chunks exchanged with their experts' owners;
-# mixtral_ep4_hot_zero: a hot expert replicated on three of four members.
-EXT_CASES=${EXT_CASES:-dp4_zero,tp4,2pp2_gpipe,idle_rank,qwen2_hetero_pp_tp,tied_tp1_to_cp2tp2,mistral_cp2,mixtral_ep2_cp2_tp2,mixtral_ep4_hot_zero}
+# and about 40 s on the H200). mixtral_ep4_hot_zero: expert parallelism
+# with a hot expert replicated on three of four members, ZeRO (docs/moe.md;
+# its reference and case add two short runs, not yet timed on a GPU: the
+# cap has 15 s more for them).
+EXT_CASES=${EXT_CASES:-dp4_zero,tp4,2pp2_gpipe,idle_rank,qwen2_hetero_pp_tp,tied_tp1_to_cp2tp2,mistral_cp2,mixtral_ep4_hot_zero}
 
-run_parts dist_ext 150 dist_ext.log -- \
+run_parts dist_ext 165 dist_ext.log -- \
   "python3 tests/exec/equivalence_test.py --hspmd $HSPMD --device cuda:0 --random 0 --cases $EXT_CASES" \
   "python3 tests/exec/switch_test.py --hspmd $HSPMD --device cuda:0 --only cases,resume" \
   "python3 tests/exec/elastic_test.py --hspmd $HSPMD --device cuda:0 --part gpu" \
