@@ -549,9 +549,7 @@ int experts_command(const std::vector<std::string>& args) {
   const int g = strategy.expert_parallel;
   std::vector<ExpertPlacement> placed = place_experts(sparse, loads, g, config.moe.num_experts, speeds);
   for (size_t i = 0; i < sparse.size(); ++i) {
-    std::vector<std::vector<int>> now;
-    for (int64_t e = 0; e < config.moe.num_experts; ++e)
-      now.push_back(expert_members(strategy, sparse[i], e, config.moe.num_experts));
+    const std::vector<std::vector<int>> now = layer_placement(strategy, sparse[i], config.moe.num_experts);
     const std::vector<std::vector<int>>* next = nullptr;
     for (const ExpertPlacement& p : placed)
       if (p.first_layer <= sparse[i] && sparse[i] <= p.last_layer) next = &p.members;

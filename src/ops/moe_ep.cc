@@ -182,15 +182,14 @@ DistStates copies(int n) {
   return s;
 }
 
-// Expert e's rows of group g: cut between the group's slots in proportion
-// to their counts (those with none left out), or whole on the owners.
-Annotation ragged_rows(const EpLayout& ep, int g, int e, const std::vector<std::vector<int64_t>>& counts) {
+// Rows cut between device groups in proportion to `parts` (rows each; the
+// empty ones left out), each group holding copies of its part; one part:
+// whole on its group.
+Annotation cut_rows(const std::vector<std::pair<const std::vector<int>*, int64_t>>& parts) {
   Annotation a;
-  for (size_t i = 0; i < ep.groups[g].size(); ++i) {
-    const int64_t n = counts[i][e];
+  for (const auto& [ranks, n] : parts) {
     if (n == 0) continue;
-    const std::vector<int>& ranks = ep.slots[ep.groups[g][i]].ranks;
-    a.subgroups.push_back({DeviceGroup{ranks}, copies(static_cast<int>(ranks.size()))});
+    a.subgroups.push_back({DeviceGroup{*ranks}, copies(static_cast<int>(ranks->size()))});
     a.part_weights.push_back(n);
   }
   a.hdim = a.hsize() > 1 ? 0 : kDup;
@@ -198,25 +197,22 @@ Annotation ragged_rows(const EpLayout& ep, int g, int e, const std::vector<std::
   return a;
 }
 
-// Whole on the owners, or, with replicas, cut between them in near-equal
-// parts (replica r the r-th; those left without rows out).
+// Expert e's rows of group g on its sources: cut between the group's slots
+// in proportion to their counts.
+Annotation ragged_rows(const EpLayout& ep, int g, int e, const std::vector<std::vector<int64_t>>& counts) {
+  std::vector<std::pair<const std::vector<int>*, int64_t>> parts;
+  for (size_t i = 0; i < ep.groups[g].size(); ++i) parts.emplace_back(&ep.slots[ep.groups[g][i]].ranks, counts[i][e]);
+  return cut_rows(parts);
+}
+
+// ... on its owners: whole on them, or, with replicas, cut between them in
+// near-equal parts (replica r the r-th).
 Annotation on_owners(const EpLayout& ep, int g, int e, int64_t rows) {
   const auto& reps = ep.replicas[e][g];
   const int64_t n = static_cast<int64_t>(reps.size());
-  if (n == 1) {
-    const std::vector<int>& o = ep.owners[e][g];
-    return Annotation{{Subgroup{DeviceGroup{o}, copies(static_cast<int>(o.size()))}}, kDup};
-  }
-  Annotation a;
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t part = rows / n + (r < rows % n ? 1 : 0);
-    if (part == 0) continue;
-    a.subgroups.push_back({DeviceGroup{reps[r]}, copies(static_cast<int>(reps[r].size()))});
-    a.part_weights.push_back(part);
-  }
-  a.hdim = a.hsize() > 1 ? 0 : kDup;
-  if (a.hsize() <= 1) a.part_weights.clear();
-  return a;
+  std::vector<std::pair<const std::vector<int>*, int64_t>> parts;
+  for (int64_t r = 0; r < n; ++r) parts.emplace_back(&reps[r], rows / n + (r < rows % n ? 1 : 0));
+  return cut_rows(parts);
 }
 
 // One expert's rows moving by a resolved Reshard. `src` holds this rank's

@@ -122,15 +122,22 @@ std::vector<ExpertPlacement> place_experts(const std::vector<int64_t>& sparse_la
     if (static_cast<int64_t>(loads[i].size()) != experts)
       fail("[experts] sparse layer ", sparse_layers[i], " has loads of ", loads[i].size(), " experts, the model ",
            experts);
-    std::vector<std::vector<int>> p = place_layer_experts(loads[i], members, speeds);
-    const int l = static_cast<int>(sparse_layers[i]);
-    if (!out.empty() && out.back().members == p && out.back().last_layer + 1 == l) {
-      out.back().last_layer = l;
-    } else {
-      out.push_back({l, l, std::move(p)});
-    }
+    append_placement(out, static_cast<int>(sparse_layers[i]), place_layer_experts(loads[i], members, speeds));
   }
   return out;
+}
+
+std::vector<std::vector<int>> layer_placement(const Strategy& strategy, int64_t layer, int64_t experts) {
+  std::vector<std::vector<int>> out;
+  for (int64_t e = 0; e < experts; ++e) out.push_back(expert_members(strategy, layer, e, experts));
+  return out;
+}
+
+void append_placement(std::vector<ExpertPlacement>& out, int layer, std::vector<std::vector<int>> members) {
+  if (!out.empty() && out.back().members == members && out.back().last_layer + 1 == layer)
+    out.back().last_layer = layer;
+  else
+    out.push_back({layer, layer, std::move(members)});
 }
 
 }  // namespace hspmd

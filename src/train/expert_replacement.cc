@@ -46,8 +46,7 @@ void DistTrainer::maybe_replace_experts(int64_t step) {
   Strategy next = now;
   next.expert_placement.clear();
   for (size_t i = 0; i < sparse.size(); ++i) {
-    std::vector<std::vector<int>> cur;
-    for (int64_t e = 0; e < experts; ++e) cur.push_back(expert_members(now, sparse[i], e, experts));
+    std::vector<std::vector<int>> cur = layer_placement(now, sparse[i], experts);
     std::vector<std::vector<int>> fresh = cur;
     for (const ExpertPlacement& p : placed)
       if (p.first_layer <= sparse[i] && sparse[i] <= p.last_layer) fresh = p.members;
@@ -55,13 +54,7 @@ void DistTrainer::maybe_replace_experts(int64_t step) {
     const bool better = b_new < b_now * 0.99;
     before += b_now;
     after += better ? b_new : b_now;
-    const int l = static_cast<int>(sparse[i]);
-    std::vector<std::vector<int>>& keep = better ? fresh : cur;
-    if (!next.expert_placement.empty() && next.expert_placement.back().members == keep &&
-        next.expert_placement.back().last_layer + 1 == l)
-      next.expert_placement.back().last_layer = l;
-    else
-      next.expert_placement.push_back({l, l, std::move(keep)});
+    append_placement(next.expert_placement, static_cast<int>(sparse[i]), better ? std::move(fresh) : std::move(cur));
   }
   if (!(after < before) || before <= 0) return;
   // The step's time and the last specialization's (the slowest rank's:

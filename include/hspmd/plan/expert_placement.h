@@ -32,6 +32,13 @@ std::vector<std::vector<int>> place_layer_experts(const std::vector<double>& loa
 double placement_bottleneck(const std::vector<std::vector<int>>& placement, const std::vector<double>& loads,
                             int members, const std::vector<double>& speeds = {});
 
+// Sparse layer `layer`'s placement under `strategy`: per expert (of
+// `experts`) its members (expert_members).
+std::vector<std::vector<int>> layer_placement(const Strategy& strategy, int64_t layer, int64_t experts);
+// Appends layer `layer`'s placement to `out`, extending the last entry when
+// it ends at the layer before with the same placement.
+void append_placement(std::vector<ExpertPlacement>& out, int layer, std::vector<std::vector<int>> members);
+
 // The placement of every sparse layer of `strategy` (expert_parallel > 1)
 // from loads[i] of the i-th sparse layer (`sparse_layers`, ascending): one
 // ExpertPlacement per run of consecutive sparse layers that get the same
