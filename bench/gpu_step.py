@@ -317,7 +317,9 @@ def torch_worker(a):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    t_warm = time.perf_counter()
     losses = [float(train(*batch(k))) for k in range(a.warmup)]
+    warmup_s = time.perf_counter() - t_warm  # torch.compile's compilation is in it
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     batches = [batch(k) for k in range(a.warmup, a.warmup + a.steps)]  # on the device before the clock starts
@@ -328,7 +330,7 @@ def torch_worker(a):
     span = time.perf_counter() - t0
     losses += [float(v) for v in timed]
     result.update(status="PASS", span_s=span, timed_steps=a.steps, losses=losses,
-                  attention=attention,
+                  attention=attention, warmup_s=warmup_s,
                   optimizer="AdamW fused" if fused else "AdamW")
     if dev.type == "cuda":
         result.update(device=torch.cuda.get_device_name(dev),
@@ -758,17 +760,17 @@ def print_loss_check(lc, a):
                   f"{'  <- over' if r['deviation'] > r['bound'] else ''}"
                   f"{'  (broken over)' if br and br['deviation'] > br['bound'] else ''}")
     if c["status"] in ("PASS", "FAIL") and "max_ratio" in c:
-        print(f"RESULT probe=gpu_step case=loss_check steps={lc['steps']} layers={lc['layers']} seq={lc['seq']} "
+        print(f"RESULT probe=gpu_step case={case(a, 'loss_check')} steps={lc['steps']} layers={lc['layers']} seq={lc['seq']} "
               f"mb={lc['mb']} max_ratio={c['max_ratio']:.3f} worst_step={c['worst_step']} "
               f"worst_dev={c['worst_deviation']:.5f} worst_bound={c['worst_bound']:.5f} "
               f"wall_s={lc.get('wall_s', 0):.0f} status={c['status']}")
     else:
-        print(f"RESULT probe=gpu_step case=loss_check reason=\"{c.get('reason', '')[:120]}\" status={c['status']}")
+        print(f"RESULT probe=gpu_step case={case(a, 'loss_check')} reason=\"{c.get('reason', '')[:120]}\" status={c['status']}")
     if st["status"] == "PASS":
-        print(f"RESULT probe=gpu_step case=loss_check_self_test break={BREAK_ENV}={a.loss_break} "
+        print(f"RESULT probe=gpu_step case={case(a, 'loss_check_self_test')} break={BREAK_ENV}={a.loss_break} "
               f"broken_first_fail={st['broken_first_fail']} broken_max_ratio={st['broken_max_ratio']:.3f} status=PASS")
     else:
-        print(f"RESULT probe=gpu_step case=loss_check_self_test break={BREAK_ENV}={a.loss_break} "
+        print(f"RESULT probe=gpu_step case={case(a, 'loss_check_self_test')} break={BREAK_ENV}={a.loss_break} "
               f"reason=\"{st.get('reason', '')[:120]}\" status={st['status']}")
     if c["status"] == "FAIL":
         print(f"FAIL: loss check: {c.get('reason', '')}")
@@ -822,7 +824,13 @@ def fmt(v, spec, missing="-"):
     return missing if v is None else format(v, spec)
 
 
-def print_table(rows, report):
+def case(a, name):
+    """A RESULT line's case: `name`, after --label's prefix where one is given
+    (scripts/gpu_check.sh runs several shapes into one log)."""
+    return f"{a.label}_{name}" if a.label else name
+
+
+def print_table(rows, report, a):
     print(f"{report['model_type']} hidden {report['config']['hidden_size']} layers "
           f"{report['config']['num_hidden_layers']} heads {report['config']['num_attention_heads']}/"
           f"{report['config'].get('num_key_value_heads')} ffn {report['config']['intermediate_size']} vocab "
@@ -847,12 +855,12 @@ def print_table(rows, report):
                   f" tflops={r['tokens_per_s'] * report['gflop_per_token'] / 1e3:.1f}"
                   f" mfu_pct={fmt(r.get('mfu') and 100 * r['mfu'], '.1f')} peak_gib={fmt(mem and mem / 2**30, '.2f')}"
                   if r["status"] == "PASS" else f" reason=\"{r.get('reason', '')[:120]}\"")
-        print(f"RESULT probe=gpu_step case={r['system']}{fields} status={r['status']}")
+        print(f"RESULT probe=gpu_step case={case(a, r['system'])}{fields} status={r['status']}")
     for r in rows:
         if r.get("attention_fallbacks"):
             print(f"WARNING: {r['system']}: {r['attention_fallbacks']} attention calls fell back from cuDNN's fused "
                   f"attention: {r.get('attention_fallback_reason') or 'see its stderr'}")
-            print(f"RESULT probe=gpu_step case=attention_fallbacks count={r['attention_fallbacks']} status=WARN")
+            print(f"RESULT probe=gpu_step case={case(a, 'attention_fallbacks')} count={r['attention_fallbacks']} status=WARN")
     ops = next((r.get("op_times") for r in rows if r["system"] == "hspmd" and r.get("op_times")), None)
     if ops:
         print(f"where hspmd's step goes (one extra step, each op between two events; "
@@ -864,7 +872,7 @@ def print_table(rows, report):
               f"{100 * ops['outside_ops_s'] / ops['step_time_s']:5.1f}%")
     ratio = report.get("hspmd_over_compiled")
     if ratio:
-        print(f"RESULT probe=gpu_step case=hspmd_over_compiled step_time_x={ratio['step_time']:.3f} "
+        print(f"RESULT probe=gpu_step case={case(a, 'hspmd_over_compiled')} step_time_x={ratio['step_time']:.3f} "
               f"tokens_per_s_x={ratio['tokens_per_s']:.3f} status=INFO")
         print(f"hspmd / compiled: step time {ratio['step_time']:.2f}x (above 1: hspmd slower), "
               f"tokens/s {ratio['tokens_per_s']:.2f}x" +
@@ -943,6 +951,7 @@ def main():
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: 989.4 on H100/H200)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per system (default 900)")
     ap.add_argument("--json", help="write the results here (default: gpu_step.json in the temporary dir)")
+    ap.add_argument("--label", default="", help="prefix of the RESULT lines' case names (e.g. the shape's name)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the harness on the CPU with a tiny model")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--cpu-smoke)")
     lc = ap.add_argument_group("loss check (docs/benchmarks.md, \"Loss check\")")
@@ -1033,7 +1042,7 @@ def main():
             print_loss_check(lcheck, a)
             sys.stdout.flush()
         else:
-            print("RESULT probe=gpu_step case=loss_check reason=\"--no-loss-check\" status=SKIP")
+            print(f"RESULT probe=gpu_step case={case(a, 'loss_check')} reason=\"--no-loss-check\" status=SKIP")
         rows = []
         for s in SYSTEMS:
             if s not in systems:
@@ -1072,7 +1081,7 @@ def main():
                                 if h.get("peak_memory_bytes") and c.get("peak_memory_bytes") else None)}
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
-        print_table(rows, report)
+        print_table(rows, report, a)
         print(f"json: {a.json}" + (" (removed with the temporary directory: pass --json)" if a.json.startswith(tmp) else ""))
         if a.cpu_smoke:
             bad = smoke_checks(rows, report, a)

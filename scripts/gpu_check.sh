@@ -16,7 +16,8 @@
 # eager and compiled, and the loss check with its broken-attention
 # self-check). extended: nccl_world1, kernel_perf, dist_ext (the other plans,
 # switches, elastic, token-budget steps, crash restarts), gpu_dist,
-# gpu_overlap, mps_hetero, profile_cuda.
+# gpu_overlap, mps_hetero, profile_cuda, gpu_shapes (two more public 1-2B
+# configs, hspmd against torch.compile, in what is left of the call).
 #
 # Needs .gpu-deps carried along: scripts/fetch_cudnn_frontend.sh (cuDNN
 # frontend headers, fallback cuDNN/NCCL headers), scripts/bundle_cbc.sh
@@ -48,7 +49,7 @@ for a in "$@"; do
   esac
 done
 CORE_STEPS="build conformance train_cuda oracle_cuda dist_core gpu_step"
-EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda"
+EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda gpu_shapes"
 case "$SET" in
   core) SET_STEPS=$CORE_STEPS; DEFAULT_BUDGET=480 ;;
   extended) SET_STEPS=$EXT_STEPS; DEFAULT_BUDGET=300 ;;
@@ -132,7 +133,7 @@ write_summary() {
     printf "%-18s %-18s %5s %5s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}" "${STEP_CAPS[$i]}"
   done
   MEASURED="median_ms=|fwd_ms=|gbps|tflops=|_us=|predicted_ms=|_on_ms="
-  for f in "${PROBES[@]}" peer_torch conformance kernel_perf train_cuda dist_core dist_ext nccl_world1 gpu_dist gpu_overlap oracle_cuda mps_hetero profile_cuda gpu_step; do
+  for f in "${PROBES[@]}" peer_torch conformance kernel_perf train_cuda dist_core dist_ext nccl_world1 gpu_dist gpu_overlap oracle_cuda mps_hetero profile_cuda gpu_step gpu_shapes; do
     [[ -f "$LOGS/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$LOGS/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -563,6 +564,35 @@ if want mps_hetero && ((HAVE_GPU)); then
   sleep 3
   echo "MPS processes 3 s after the step: $(pgrep -f nvidia-cuda-mps | wc -l)" | tee -a "$LOGS/mps_hetero.log"
 fi
+
+# Two more shapes against torch.compile (issue [7/12]: another vocabulary,
+# GQA ratio and tying): bench/configs/llama-3.2-1b.json (vocab 128256, 32/8
+# heads of 64, tied) and qwen2-1.5b.json (vocab 151936, 12/2 heads of 128,
+# tied, q/k/v biases), S 4096 x B 4 as the TinyLlama step, hspmd and
+# compiled only (no eager, no loss check: GPU_SHAPES_LOSS=1 adds it), last
+# in the call so that it only takes what the steps above leave. Sizing: the
+# steps above measured about 210 s of the 300; at full depth one shape takes
+# about 45 s of hspmd (most of it the host's initialization of 1.2-1.5 B
+# parameters, about 41 s for TinyLlama's 1.1 B) and about 100 s of
+# torch.compile (TinyLlama's 22 layers: gpu_step's 206 s less the loss
+# check, hspmd and eager), so two full shapes (about 290 s) do not fit: by
+# default 4 of their layers (the embedding, the tied LM head over the whole
+# vocabulary and 4 blocks of the real width; about 15 + 35 s a shape,
+# estimated). GPU_SHAPES_LAYERS=0 runs the configs' own depth, in a call of
+# its own: STEPS="build gpu_shapes" BUDGET=300 bash scripts/gpu_check.sh
+# extended. Each shape's RESULT lines are named after it
+# (case=llama32_1b_hspmd_over_compiled: step_time_x, tokens_per_s_x).
+GPU_SHAPES=${GPU_SHAPES:-llama32_1b:llama-3.2-1b qwen2_1p5b:qwen2-1.5b}
+GPU_SHAPES_LAYERS=${GPU_SHAPES_LAYERS:-4}
+GPU_SHAPE_CMDS=()
+for shape in $GPU_SHAPES; do
+  cmd="python3 bench/gpu_step.py --hspmd $HSPMD --model bench/configs/${shape#*:}.json --label ${shape%%:*}"
+  cmd+=" --seq 4096 --mb 4 --warmup 2 --steps 5 --systems hspmd,compiled --timeout ${GPU_SHAPES_TIMEOUT:-45}"
+  ((GPU_SHAPES_LAYERS > 0)) && cmd+=" --layers $GPU_SHAPES_LAYERS"
+  [[ "${GPU_SHAPES_LOSS:-0}" == 1 ]] || cmd+=" --no-loss-check"
+  GPU_SHAPE_CMDS+=("$cmd --json $LOGS/gpu_shapes_${shape%%:*}.json")
+done
+GPU_STEP_TORCH_LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH run_parts gpu_shapes 100 gpu_shapes.log -- "${GPU_SHAPE_CMDS[@]}"
 
 write_summary
 pack_logs
