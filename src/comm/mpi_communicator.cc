@@ -335,12 +335,31 @@ std::unique_ptr<Communicator> MpiCommunicator::duplicate() {
   return std::make_unique<MpiCommunicator>(dup, std::make_shared<ByteCounters>());
 }
 
+namespace {
+
+// Open MPI's non-blocking all-reduce (coll/libnbc) takes a binomial tree, a
+// reduce to the group's first member and a broadcast back, for every group
+// under 4 members and for every in-place call (all of hspmd's): that member
+// sends and receives twice what the others do, each phase uses one direction
+// of a link at a time, and a step's time depends on how independent groups'
+// phases happen to interleave on a shared link (on the test hosts, 1.13 to
+// 1.40 s for one plan whose ring takes 1.06 s). A ring has every member send
+// and receive 2(n-1)/n of the buffer at once, both directions of every link
+// busy: what NCCL does on GPUs, what the byte counters and the cost model
+// bill (docs/comm.md, "The MPI backend's all-reduce"). Set before MPI_Init,
+// which reads it; a user's own setting (the variable, or mpirun's --mca)
+// wins. Other MPI libraries ignore the variable.
+void prefer_ring_all_reduce() { setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "ring", /*overwrite=*/0); }
+
+}  // namespace
+
 std::unique_ptr<Communicator> make_world_communicator() {
   int initialized = 0;
   check(MPI_Initialized(&initialized), "MPI_Initialized");
   if (!initialized) {
     if (!launched_by_mpi()) return make_single_process_communicator();  // staged already
     int provided = 0;
+    prefer_ring_all_reduce();
     // Multiple: the overlapped gradient synchronization drives a duplicate
     // world from its own thread (duplicate()).
     check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
