@@ -18,6 +18,7 @@
 
 #include "hspmd/core/error.h"
 #include "hspmd/core/options.h"
+#include "heartbeat_blame.h"
 #include "launcher.h"
 
 namespace hspmd::cli {
@@ -27,12 +28,18 @@ constexpr int kNameChars = 64;
 constexpr int kMaxAddresses = 4;
 // A datagram holds the sender's host index h, or -(h + 2) when it is done,
 // and its number (0, 1, ... per sender), from which receivers count losses.
-// It also carries the hosts the sender finds silent or lossy (bit h, for
-// the first 64 hosts), so that a host can tell whether the others agree.
+// It also carries, for the first 64 hosts, those the sender finds silent or
+// lossy (bit h), so that a host can tell whether the others agree, and the
+// share of each host's datagrams the sender lost over its last window (in
+// thousandths; kUnknownLoss before a whole window, and for the sender),
+// from which a host tells whose link is at fault when none agrees.
+constexpr int kMaxJudgedHosts = 64;
+constexpr uint16_t kUnknownLoss = 0xFFFF;
 struct Datagram {
   int32_t what;
   uint32_t seq;
   uint64_t suspects;
+  uint16_t loss[kMaxJudgedHosts];
 };
 uint64_t bit(int h) { return h < 64 ? uint64_t{1} << h : 0; }
 int32_t bye(int host) { return -(host + 2); }
@@ -145,13 +152,71 @@ HostHeartbeat::~HostHeartbeat() {
   if (thread_.joinable()) {
     stop_ = true;
     thread_.join();
-    for (int i = 0; i < 3; ++i) send_all(bye(host_), 0, 0);
+    for (int i = 0; i < 3; ++i) send_all(bye(host_), 0, 0, {});
   }
   if (socket_ >= 0) close(socket_);
 }
 
-void HostHeartbeat::send_all(int32_t what, uint32_t seq, uint64_t suspects) {
-  const Datagram d{what, seq, suspects};
+// What the thread knows of the other hosts: when each was last heard, which
+// hosts its latest datagram suspects and the losses it reported (a row of
+// most_blamed's table), its numbers within the last window below its newest
+// (a datagram sent to several of a host's addresses counts once), and
+// whether it said goodbye.
+struct HostHeartbeat::Peers {
+  explicit Peers(size_t hosts)
+      : heard(hosts, Clock::now()), done(hosts, false), suspects(hosts, 0),
+        loss(hosts, std::vector<double>(hosts, -1.0)), received(hosts) {}
+  std::vector<Clock::time_point> heard;
+  std::vector<bool> done;
+  std::vector<uint64_t> suspects;
+  std::vector<std::vector<double>> loss;
+  std::vector<std::set<uint32_t>> received;
+};
+
+// One look at the other hosts: the silent ones (nothing for the timeout),
+// then the lossy ones (judged once the sender has numbered a whole window),
+// in `bad`; the fresh ones (heard within half the timeout and not bad); per
+// host the datagrams lost of its last window (-1: silent); this host's row
+// of the loss table.
+struct HostHeartbeat::Judged {
+  std::vector<int> bad, fresh, lost_of;
+  std::vector<double> loss;
+  size_t others = 0, silent = 0;
+};
+
+HostHeartbeat::Judged HostHeartbeat::judge(const Peers& peers, Clock::time_point now) const {
+  const size_t hosts = names_.size();
+  const auto timeout = std::chrono::duration<double>(timeout_s_);
+  Judged j;
+  j.lost_of.assign(hosts, 0);
+  j.loss.assign(hosts, -1.0);
+  for (size_t h = 0; h < hosts; ++h) {
+    if (static_cast<int>(h) == host_ || peers.done[h]) continue;
+    ++j.others;
+    const std::set<uint32_t>& r = peers.received[h];
+    if (!r.empty() && *r.rbegin() + 1 >= static_cast<uint32_t>(window_)) {
+      j.lost_of[h] = window_ - static_cast<int>(r.size());
+      j.loss[h] = static_cast<double>(j.lost_of[h]) / window_;
+    }
+    if (now - peers.heard[h] > timeout) {
+      j.bad.insert(j.bad.begin() + static_cast<std::ptrdiff_t>(j.silent++), static_cast<int>(h));
+      j.lost_of[h] = -1;
+      j.loss[h] = 1.0;
+    } else if (window_ >= kMinLossWindow && j.lost_of[h] > max_loss_ * window_) {
+      j.bad.push_back(static_cast<int>(h));
+    } else if (now - peers.heard[h] < timeout / 2) {
+      j.fresh.push_back(static_cast<int>(h));
+    }
+  }
+  return j;
+}
+
+void HostHeartbeat::send_all(int32_t what, uint32_t seq, uint64_t suspects, const std::vector<double>& loss) {
+  Datagram d{what, seq, suspects, {}};
+  for (int h = 0; h < kMaxJudgedHosts; ++h) {
+    const double l = static_cast<size_t>(h) < loss.size() ? loss[static_cast<size_t>(h)] : -1.0;
+    d.loss[h] = l < 0 ? kUnknownLoss : static_cast<uint16_t>(std::lround(std::min(l, 1.0) * 1000));
+  }
   for (size_t h = 0; h < names_.size(); ++h) {
     if (static_cast<int>(h) == host_) continue;
     for (uint32_t a : addresses_[h]) {
@@ -165,104 +230,88 @@ void HostHeartbeat::send_all(int32_t what, uint32_t seq, uint64_t suspects) {
 }
 
 void HostHeartbeat::run() {
-  const size_t hosts = names_.size();
-  std::vector<Clock::time_point> heard(hosts, Clock::now());
-  std::vector<bool> done(hosts, false);
-  std::vector<uint64_t> theirs(hosts, 0);  // per host, the hosts its latest datagram suspects
-  // Per host, the numbers received within the last window_ below its newest
-  // (a datagram sent to several of a host's addresses counts once).
-  std::vector<std::set<uint32_t>> received(hosts);
+  Peers peers(names_.size());
   Clock::time_point next_send = Clock::now();
   Clock::time_point bad_since{};  // since when this host finds some host bad
   bool any_bad = false;
   uint64_t mine = 0;  // the hosts this host finds bad
-  const auto timeout = std::chrono::duration<double>(timeout_s_);
+  std::vector<double> my_loss;
   uint32_t seq = 0;
-  char t[32], m[32];
-  std::snprintf(t, sizeof t, "%g", timeout_s_);
-  std::snprintf(m, sizeof m, "%g", max_loss_);
   while (!stop_) {
     if (Clock::now() >= next_send) {
-      send_all(host_, seq++, mine);
+      send_all(host_, seq++, mine, my_loss);
       next_send = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval_s_));
     }
-    receive(heard, done, theirs, received);
+    receive(peers);
     const Clock::time_point now = Clock::now();
-    // The hosts silent for the timeout, then those that lost too many (judged
-    // once the sender has numbered a whole window); the fresh ones: heard
-    // within half the timeout and not bad.
-    std::vector<int> bad, fresh;
-    std::vector<int> lost_of(hosts, 0);
-    size_t others = 0, silent = 0;
-    for (size_t h = 0; h < hosts; ++h) {
-      if (static_cast<int>(h) == host_ || done[h]) continue;
-      ++others;
-      const std::set<uint32_t>& r = received[h];
-      if (!r.empty() && *r.rbegin() + 1 >= static_cast<uint32_t>(window_))
-        lost_of[h] = window_ - static_cast<int>(r.size());
-      if (now - heard[h] > timeout) {
-        bad.insert(bad.begin() + static_cast<std::ptrdiff_t>(silent++), static_cast<int>(h));
-        lost_of[h] = -1;
-      } else if (window_ >= kMinLossWindow && lost_of[h] > max_loss_ * window_) {
-        bad.push_back(static_cast<int>(h));
-      } else if (now - heard[h] < timeout / 2) {
-        fresh.push_back(static_cast<int>(h));
-      }
-    }
+    Judged j = judge(peers, now);
+    my_loss = j.loss;
     mine = 0;
-    for (int h : bad) mine |= bit(h);
-    if (bad.empty()) {
+    for (int h : j.bad) mine |= bit(h);
+    if (j.bad.empty()) {
       any_bad = false;
       continue;
     }
     if (!any_bad) any_bad = true, bad_since = now;
-    const bool waited = now - bad_since >= kGrace;
-    int report = bad[0];
-    if (others >= 2) {
-      // A fresh host that finds this one bad, or none fresh: this host's own link.
-      bool me = fresh.empty();
-      for (int h : fresh) me = me || (theirs[h] & bit(host_)) != 0;
-      if (me) {
-        if (!waited) continue;
-        if (silent == others)
-          lost("[heartbeat] host " + names_[host_] + " (this host) heard none of the other " +
-               std::to_string(others) + " hosts for " + t + " s: its link is down; ending the job");
-        lost("[heartbeat] host " + names_[host_] + " (this host): the other hosts' heartbeats and its own are lost "
-             "(more than " + option_name("heartbeat_max_loss") + " " + m + "): its link is lossy; ending the job");
-      }
-      // At once when a fresh host agrees, else after the grace.
-      report = -1;
-      for (int x : bad)
-        for (int h : fresh)
-          if (report < 0 && (theirs[h] & bit(x)) != 0) report = x;
-      if (report < 0) {
-        if (!waited) continue;
-        report = bad[0];
-      }
-    }
-    report_host(report, lost_of[report], t, m);
+    decide(peers, j, now - bad_since >= kGrace);
   }
 }
 
-// Waits up to 20 ms for datagrams and takes in every one that came: when
-// each host was last heard, what it suspects, its numbers within the loss
-// window, and the hosts that said goodbye.
-void HostHeartbeat::receive(std::vector<Clock::time_point>& heard, std::vector<bool>& done,
-                            std::vector<uint64_t>& theirs, std::vector<std::set<uint32_t>>& received) {
+// With three hosts or more: this host's own link when a fresh host finds it
+// bad or none is fresh; another host at once when a fresh host agrees; else,
+// after the grace, the host the table blames most (most_blamed), which may
+// be this one. With two hosts: the other one at once.
+void HostHeartbeat::decide(Peers& peers, const Judged& j, bool waited) {
+  char t[32], m[32];
+  std::snprintf(t, sizeof t, "%g", timeout_s_);
+  std::snprintf(m, sizeof m, "%g", max_loss_);
+  const std::string self_lossy = "[heartbeat] host " + names_[host_] +
+                                 " (this host): the other hosts' heartbeats and its own are lost (more than " +
+                                 option_name("heartbeat_max_loss") + " " + m + "): its link is lossy; ending the job";
+  int report = j.bad[0];
+  if (j.others >= 2) {
+    bool me = j.fresh.empty();
+    for (int h : j.fresh) me = me || (peers.suspects[h] & bit(host_)) != 0;
+    if (me) {
+      if (!waited) return;
+      if (j.silent == j.others)
+        lost("[heartbeat] host " + names_[host_] + " (this host) heard none of the other " +
+             std::to_string(j.others) + " hosts for " + t + " s: its link is down; ending the job");
+      lost(self_lossy);
+    }
+    report = -1;
+    for (int x : j.bad)
+      for (int h : j.fresh)
+        if (report < 0 && (peers.suspects[h] & bit(x)) != 0) report = x;
+    if (report < 0) {
+      if (!waited) return;
+      peers.loss[static_cast<size_t>(host_)] = j.loss;
+      report = most_blamed(peers.loss, j.bad, host_);
+      if (report == host_) lost(self_lossy);
+    }
+  }
+  report_host(report, j.lost_of[report], t, m);
+}
+
+// Waits up to 20 ms for datagrams and takes in every one that came.
+void HostHeartbeat::receive(Peers& peers) {
   const size_t hosts = names_.size();
   pollfd p{socket_, POLLIN, 0};
   if (poll(&p, 1, 20) <= 0) return;
   Datagram d{};
   while (recv(socket_, &d, sizeof d, MSG_DONTWAIT) == sizeof d) {
     if (d.what >= 0 && static_cast<size_t>(d.what) < hosts) {
-      heard[d.what] = Clock::now();
-      theirs[d.what] = d.suspects;
-      std::set<uint32_t>& r = received[d.what];
+      const auto h = static_cast<size_t>(d.what);
+      peers.heard[h] = Clock::now();
+      peers.suspects[h] = d.suspects;
+      for (size_t c = 0; c < hosts; ++c)
+        peers.loss[h][c] = c >= kMaxJudgedHosts || d.loss[c] == kUnknownLoss ? -1.0 : d.loss[c] / 1000.0;
+      std::set<uint32_t>& r = peers.received[h];
       r.insert(d.seq);
       const uint32_t newest = *r.rbegin();
       if (newest >= static_cast<uint32_t>(window_)) r.erase(r.begin(), r.upper_bound(newest - window_));
     }
-    if (d.what <= -2 && static_cast<size_t>(-d.what - 2) < hosts) done[-d.what - 2] = true;
+    if (d.what <= -2 && static_cast<size_t>(-d.what - 2) < hosts) peers.done[static_cast<size_t>(-d.what - 2)] = true;
   }
 }
 

@@ -32,9 +32,11 @@ class HostHeartbeat {
   // heartbeats (P%, more than --heartbeat-max-loss M): its link is lossy;
   // ending the job"). With three hosts or more a host reports another at
   // once only when a third host (its datagrams carry what it suspects)
-  // agrees, else after a short grace; the host that hears (well) from no
-  // other host, or that the others suspect, ends its own ranks after that
-  // grace, so that the others' line comes first.
+  // agrees; the host that hears (well) from no other host, or that the
+  // others suspect, ends its own ranks after a short grace, so that the
+  // others' line comes first; with no agreement, after the grace, the host
+  // whose datagrams the others lost the most of (the datagrams carry each
+  // sender's loss counts: most_blamed) is named, which may be this one.
   // Only the job's first such line is printed (claim_report).
   HostHeartbeat(Communicator& world, double timeout_s, double max_loss);
   // The send interval and the loss window (datagrams) for a timeout.
@@ -47,12 +49,15 @@ class HostHeartbeat {
   HostHeartbeat& operator=(const HostHeartbeat&) = delete;
 
  private:
-  void run();
   using Clock = std::chrono::steady_clock;
-  void receive(std::vector<Clock::time_point>& heard, std::vector<bool>& done, std::vector<uint64_t>& theirs,
-               std::vector<std::set<uint32_t>>& received);
+  struct Peers;
+  struct Judged;
+  void run();
+  void receive(Peers& peers);
+  Judged judge(const Peers& peers, Clock::time_point now) const;
+  void decide(Peers& peers, const Judged& j, bool waited);
   [[noreturn]] void report_host(int report, int lost_count, const char* t, const char* m);
-  void send_all(int32_t what, uint32_t seq, uint64_t suspects);
+  void send_all(int32_t what, uint32_t seq, uint64_t suspects, const std::vector<double>& loss);
   [[noreturn]] void lost(const std::string& message);
 
   double timeout_s_ = 0, max_loss_ = 0.2, interval_s_ = 1;
