@@ -66,6 +66,10 @@ struct AdamFactors {
   float decay_scale = 1;  // AdamW: p *= 1 - lr * wd
   float sqrt_bc2 = 1;     // sqrt(1 - beta2^t)
   float step_size = 0;    // lr / (1 - beta1^t)
+  // The gradient-norm clip's coefficient: the kernel reads grad * grad_scale
+  // (one f32 product, rounded, as kernels::scale writes it) instead of a
+  // separate pass over the gradients first; 1: the gradient as it is.
+  float grad_scale = 1;
 };
 // One tensor of a multi-tensor AdamW step: param, grad, and the two moments,
 // f32, contiguous, one shape.
@@ -77,7 +81,7 @@ struct AdamTensor {
 };
 // The update of torch.optim.AdamW / Adam in torch's operation order, on every
 // tensor of the list (one launch on a device backend):
-//   g = grad + l2 * p; p *= decay_scale; m = b1 m + (1-b1) g;
+//   g = grad * grad_scale (rounded) + l2 * p; p *= decay_scale; m = b1 m + (1-b1) g;
 //   v = b2 v + (1-b2) g²; p -= step_size * m / (sqrt(v) / sqrt_bc2 + eps).
 void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f);
 

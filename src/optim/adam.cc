@@ -49,7 +49,7 @@ void Adam::update(const std::string& name, NDArray& param, const NDArray& grad, 
   update_group({{name, &param, &grad}}, lr, decay);
 }
 
-void Adam::update_group(const std::vector<Update>& tensors, double lr, bool decay) {
+void Adam::update_group(const std::vector<Update>& tensors, double lr, bool decay, float grad_scale) {
   if (tensors.empty()) return;
   std::vector<kernels::AdamTensor> group;
   for (const Update& u : tensors) {
@@ -68,7 +68,9 @@ void Adam::update_group(const std::vector<Update>& tensors, double lr, bool deca
     NDArray& v = moment(v_, name, param.shape(), param.device());
     group.push_back({u.param, u.grad, &m, &v});
   }
-  kernels::adam_step(default_stream(tensors[0].param->device()), group, step_factors(config_, step_, lr, decay));
+  kernels::AdamFactors f = step_factors(config_, step_, lr, decay);
+  f.grad_scale = grad_scale;
+  kernels::adam_step(default_stream(tensors[0].param->device()), group, f);
 }
 
 void Adam::import_moments(const std::string& name, NDArray exp_avg, NDArray exp_avg_sq) {

@@ -71,20 +71,20 @@ ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) con
   return v;
 }
 
-double DistTrainer::global_grad_norm(std::map<std::string, NDArray>& synced) const {
+double DistTrainer::global_grad_norm(const std::map<std::string, NDArray>& synced) const {
   // Each gradient once over the ranks: the representative holders'.
   std::vector<NDArray> mine;
   for (const auto& [name, g] : synced)
     if (is_representative(rt_->graph->annotation("grad." + name), world_.rank())) mine.push_back(g);
   const double sumsq = kernels::sum_of_squares(rt_->graph->stream(), mine);
-  const double norm = std::sqrt(all_reduce_scalar(sumsq, world_));
-  scale_grads(synced, clip_coefficient(norm, o_.clip_grad));
-  return norm;
+  return std::sqrt(all_reduce_scalar(sumsq, world_));
 }
 
 // AdamW on the rank's optimized shards, with the state's moments (imported
 // into the optimizer for the update only); ZeRO then gathers the parameter.
-void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr) {
+// `grad_scale`: the clip's coefficient, applied as the update reads each
+// gradient (no pass of its own over the gradients).
+void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale) {
   adam.set_step_count(state_->step);
   adam.begin_step();
   state_->step = adam.step_count();
@@ -106,7 +106,7 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
       clock_->advance(std::exchange(fixed_s, 0.0) + modeled->per_param_s * static_cast<double>(target.data.numel()));
   }
   if (clock_) clock_->begin_compute();
-  for (int decay : {0, 1}) adam.update_group(groups[decay], lr, decay == 1);
+  for (int decay : {0, 1}) adam.update_group(groups[decay], lr, decay == 1, grad_scale);
   if (clock_) clock_->end_compute();
   for (const auto& group : groups)
     for (const Adam::Update& u : group) adam.export_moments(u.name);
@@ -254,7 +254,7 @@ void DistTrainer::update(int64_t step, std::map<std::string, NDArray>& synced, c
   r.grad_norm = global_grad_norm(synced);
   r.lr = schedule_.at(step);
   if (skip_nonfinite(r, skipped_)) state_->step = step + 1;  // weights and moments stay as they were
-  else optimizer_step(*adam_, synced, r.lr);
+  else optimizer_step(*adam_, synced, r.lr, clip_coefficient(r.grad_norm, o_.clip_grad));
   state_->samples += tokens_ ? tokens_->step().pieces : global_batch;
   if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", work.post0);
   if (tokens_) {

@@ -170,8 +170,8 @@ class DistTrainer {
   // divided by `normalizer`), and the bindings of their symbolic dims (S
   // varies with packed documents).
   ValueMap feeds(int micro, float normalizer, Bindings& bindings) const;
-  double global_grad_norm(std::map<std::string, NDArray>& synced) const;
-  void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr);
+  double global_grad_norm(const std::map<std::string, NDArray>& synced) const;
+  void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale);
   // One step's schedule of micro-batches on this rank; `overlap` (optional):
   // the last backward hands each final gradient to it.
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,

@@ -613,6 +613,16 @@ void case_adam_step(Io& io) {
   io.k().adam_step(io.s, tensors, w);
   for (size_t t = 0; t < arrays.size(); t += 4)
     for (int i : {0, 2, 3}) io.keep(arrays[t + i]);  // the views' writes show in their arrays
+  // The clip's coefficient read with each gradient (grad_scale), with L2 and
+  // without, on the 16-byte path and the single elements; the gradients kept.
+  for (float l2 : {0.0f, 0.02f}) {
+    std::vector<NDArray> c;
+    for (int64_t n : {2051, 7})
+      for (int i = 0; i < 4; ++i) c.push_back(i == 3 ? io.f32({n}, 0.1f, 1) : io.f32({n}));
+    kernels::AdamFactors clip{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, l2, 0.999f, 0.6f, 1e-3f, 0.37f};
+    io.k().adam_step(io.s, {{&c[0], &c[1], &c[2], &c[3]}, {&c[4], &c[5], &c[6], &c[7]}}, clip);
+    for (const NDArray& a : c) io.keep(a);
+  }
 }
 
 // ---- the harness ----

@@ -12,6 +12,7 @@
 #include "hspmd/core/device.h"
 #include "hspmd/optim/adam.h"
 #include "hspmd/optim/lr_schedule.h"
+#include "kernels/kernels.h"
 #include "kernels/memory.h"
 #include "test_util.h"
 
@@ -131,6 +132,36 @@ TEST(MemoryKernels, AdamStepMatchesTheScalarRule) {
   EXPECT_NE(p2.to_vector()[0], 4.0f);  // the second tensor was updated too
   NDArray wrong = NDArray::from_vector({2}, {0, 0});
   EXPECT_THROW(kernels::adam_step(cpu(), {{&p1, &wrong, &m1, &v1}}, f), InternalError);
+}
+
+TEST(MemoryKernels, AdamStepGradScaleIsTheClipPassThenTheUpdate) {
+  // grad_scale (the clip) gives the bits of kernels::scale on the gradient
+  // and then the update, on tensors below and above the OpenMP threshold,
+  // with L2 (the product beside the clip's) and AdamW; the gradient is left.
+  for (float l2 : {0.0f, 0.01f}) {
+    for (int64_t n : {5, 70001}) {
+      NDArray p = NDArray::empty({n}, DType::F32), g = NDArray::empty({n}, DType::F32);
+      NDArray m = NDArray::empty({n}, DType::F32), v = NDArray::empty({n}, DType::F32);
+      for (int64_t i = 0; i < n; ++i) {
+        p.host_data<float>("t")[i] = std::sin(0.37f * static_cast<float>(i)) + 0.5f;
+        g.host_data<float>("t")[i] = std::cos(1.3f * static_cast<float>(i)) * 3.1f;
+        m.host_data<float>("t")[i] = 0.01f * static_cast<float>(i % 7);
+        v.host_data<float>("t")[i] = 0.001f * static_cast<float>(i % 5 + 1);
+      }
+      NDArray p2 = p.clone(), g2 = g.clone(), m2 = m.clone(), v2 = v.clone();
+      const auto g0 = g.to_vector();
+      kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, l2, 0.999f, 0.5f, 0.01f};
+      const float coef = clip_coefficient(7.5, 1.0);
+      kernels::scale(cpu(), g2, coef, g2);
+      kernels::adam_step(cpu(), {{&p2, &g2, &m2, &v2}}, f);
+      f.grad_scale = coef;
+      kernels::adam_step(cpu(), {{&p, &g, &m, &v}}, f);
+      EXPECT_EQ(p.to_vector(), p2.to_vector()) << "n " << n << " l2 " << l2;
+      EXPECT_EQ(m.to_vector(), m2.to_vector());
+      EXPECT_EQ(v.to_vector(), v2.to_vector());
+      EXPECT_EQ(g.to_vector(), g0);
+    }
+  }
 }
 
 TEST(GradClipping, OneRuleForTrainerAndTests) {

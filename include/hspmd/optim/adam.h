@@ -42,12 +42,15 @@ class Adam {
   // The same for several tensors of one weight-decay group in one kernel
   // call (one launch on a GPU; the same bits as update() on each). Each
   // entry: the moments' name, the parameter, its gradient (all on one device).
+  // `grad_scale`: the gradient-norm clip's coefficient (clip_coefficient),
+  // applied by the update's own pass as each gradient is read (the same bits
+  // as scaling the gradients first; they are left as they are).
   struct Update {
     std::string name;
     NDArray* param = nullptr;
     const NDArray* grad = nullptr;
   };
-  void update_group(const std::vector<Update>& tensors, double lr, bool decay);
+  void update_group(const std::vector<Update>& tensors, double lr, bool decay, float grad_scale = 1.0f);
 
   // The moments of `name` move in and out of the optimizer (a training
   // state resharded to another plan, a checkpoint): import replaces them

@@ -110,6 +110,8 @@ namespace {
 
 // Below this many elements the OpenMP fork costs more than the loop.
 constexpr int64_t kAdamParallelThreshold = 1 << 15;
+// Elements per piece of a clipped update (its scaled gradient's buffer).
+constexpr int64_t kAdamClipChunk = 1 << 16;
 
 // a - b * c, rounded once where the CPU has FMA: the rounding GCC chose for
 // the scalar loop. Vectorized, it would fuse a's own product (p * decay)
@@ -140,6 +142,7 @@ void adam_tensor(float* p, const float* g, float* m, float* v, int64_t n, const 
 }  // namespace
 
 void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+  std::vector<float> scaled;
   for (const AdamTensor& t : tensors) {
     for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad,
                              static_cast<const NDArray*>(t.exp_avg), static_cast<const NDArray*>(t.exp_avg_sq)}) {
@@ -147,8 +150,23 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
                   "adam_step: param, grad and moments must be f32 of one size");
       require_contiguous("adam_step", *a);
     }
-    adam_tensor(t.param->data<float>(), t.grad->data<float>(), t.exp_avg->data<float>(),
-                t.exp_avg_sq->data<float>(), t.param->numel(), f);
+    float *p = t.param->data<float>(), *m = t.exp_avg->data<float>(), *v = t.exp_avg_sq->data<float>();
+    const float* g = t.grad->data<float>();
+    const int64_t n = t.param->numel();
+    if (f.grad_scale == 1.0f) {
+      adam_tensor(p, g, m, v, n, f);
+      continue;
+    }
+    // The clip as a pass of its own over a chunk, then the update's loop on
+    // it as for an unclipped gradient (what the compiler fuses there stays
+    // the same): the bits of kernels::scale and then the update, without a
+    // scaled copy of the whole gradient.
+    for (int64_t at = 0; at < n; at += kAdamClipChunk) {
+      const int64_t len = std::min(kAdamClipChunk, n - at);
+      scaled.resize(static_cast<size_t>(len));
+      for (int64_t i = 0; i < len; ++i) scaled[static_cast<size_t>(i)] = g[at + i] * f.grad_scale;
+      adam_tensor(p + at, scaled.data(), m + at, v + at, len, f);
+    }
   }
 }
 

@@ -212,7 +212,9 @@ struct AdamOp {
     load<V>(v, i, vv);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float gi = gv[k] + f.l2 * pv[k];
+      // The clip's product on its own (never fused into the next add): the
+      // bits of kernels::scale's pass and the update after it.
+      const float gi = __fmul_rn(gv[k], f.grad_scale) + f.l2 * pv[k];
       const float pi = pv[k] * f.decay_scale;
       const float mi = f.beta1 * mv[k] + f.one_minus_beta1 * gi;
       const float vi = f.beta2 * vv[k] + f.one_minus_beta2 * gi * gi;
