@@ -46,6 +46,7 @@ SMOKE = {
     "bench/mps_hetero.py": (["mps_hetero_bench_harness_on_cpu"], "mpi"),
     "bench/planner_bench.py": (["bench_smoke_planner_bench"], "mpi"),
     "bench/planner_paper.py": (["bench_smoke_planner_paper"], None),
+    "bench/profile_check.py": (["bench_smoke_profile_check"], None),
     "bench/restart_vs_online.py": (["bench_smoke_restart_vs_online"], "mpi"),
     "bench/roofline_fit.py": (["plan_roofline_calibration"], None),
     "bench/specialize_scale.py": (["bench_smoke_specialize_scale"], "bench"),
