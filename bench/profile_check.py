@@ -26,6 +26,11 @@ device is missing (no CUDA device or no CUDA backend).
 
   bench/profile_check.py --hspmd build/src/cli/hspmd --device cuda            # TinyLlama shape, S 4096, B 4, bf16
   bench/profile_check.py --hspmd build/src/cli/hspmd --device cpu --smoke     # the tiny model on this CPU
+  bench/profile_check.py --hspmd build/src/cli/hspmd --measured-json gpu_step.json  # gpu_step's hspmd step
+
+With --measured-json the measured step is bench/gpu_step.py's (its hspmd
+row: the span over its timed steps, with its config, sequence, micro-batch,
+precision and device), and only the profile and the prediction run here.
 
 The default model is bench/gpu_step.py's TinyLlama-1.1B shape (--layers
 overrides its depth; --model takes a Hugging Face config.json). --smoke: the
@@ -120,6 +125,22 @@ def measured_step(a, cfg_path, vocab, tmp):
                           "record_step_times_s": [r["step_time_s"] for r in timed]}
 
 
+def from_gpu_step(a):
+    """The hspmd row of a gpu_step JSON: its step (the span over the timed
+    steps), and the shape, precision and device it ran, set into `a`."""
+    d = json.load(open(a.measured_json))
+    row = next((r for r in d["rows"] if r.get("system") == "hspmd"), None)
+    if row is None or row.get("status") != "PASS":
+        sys.exit(f"profile_check: {a.measured_json} has no passing hspmd row")
+    cmd = row["command"].split()
+    flag = lambda name, default: cmd[cmd.index(name) + 1] if name in cmd else default  # noqa: E731
+    a.seq, a.mb = d["seq"], d["mb"]
+    a.precision, a.device = flag("--precision", "fp32"), flag("--device", "cpu")
+    a.threads = int(flag("--threads", a.threads))
+    times = row.get("record_step_times_s") or [row["step_time_s"]]
+    return {"config": d["config"], "step_s": row["step_time_s"], "median_s": statistics.median(times)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hspmd", required=True)
@@ -138,18 +159,26 @@ def main():
     ap.add_argument("--label", default=None)
     ap.add_argument("--json")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--measured-json", help="bench/gpu_step.py's --json: predict its hspmd step (its config, "
+                    "sequence, micro-batch, precision and device) instead of training one here")
     a = ap.parse_args()
+    measured = from_gpu_step(a) if a.measured_json else None
     if a.smoke:
         a.model = a.model or os.path.join(ROOT, "examples", "tiny-llama", "config.json")
         a.seq, a.mb, a.precision, a.tolerance, a.warmup, a.steps = 128, 8, "fp32", 0.25, 2, 8
     base = json.load(open(a.model)) if a.model else TINYLLAMA
-    cfg = run_config(base, layers=a.layers, seq=a.seq)
+    cfg = measured["config"] if measured else run_config(base, layers=a.layers, seq=a.seq)
     label = a.label or f"{cfg.get('model_type', 'llama')}_L{cfg['num_hidden_layers']}_s{a.seq}_b{a.mb}_{a.precision}"
     tmp = tempfile.mkdtemp(prefix="hspmd_profile_check_")
     cfg_path = os.path.join(tmp, "config.json")
     json.dump(cfg, open(cfg_path, "w"))
     pred, pinfo = predicted_step(a, cfg_path, cfg["num_hidden_layers"], tmp)
-    meas, median, minfo = measured_step(a, cfg_path, cfg["vocab_size"], tmp) if pred is not None else (None, None, {})
+    if measured:
+        meas, median, minfo = measured["step_s"], measured["median_s"], {"measured_json": a.measured_json}
+    elif pred is not None:
+        meas, median, minfo = measured_step(a, cfg_path, cfg["vocab_size"], tmp)
+    else:
+        meas, median, minfo = None, None, {}
     row = {"label": label, "device": a.device, "config": cfg, "seq": a.seq, "mb": a.mb, "precision": a.precision,
            "tolerance": a.tolerance, **pinfo, **minfo}
     if pred is None or meas is None:
