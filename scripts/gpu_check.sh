@@ -152,7 +152,7 @@ write_summary() {
             s/fwd_ms=/fms=/g; s/bwd_ms=/bms=/g;
             s/_err=/=/g; s/gbps_rw=/GB\/s_rw=/g; s/gbps=/GB\/s=/g' |
     awk '{ printf "%-7s %-7s %-28s", $1, $2, $3; for (i = 4; i <= NF; ++i) printf " %s", $i; printf "\n" }' |
-    cut -c1-100 | head -n 52
+    cut -c1-100 | head -n 64
   } >"$SUMMARY"
 }
 
@@ -512,7 +512,9 @@ fi
 # The short steps first, then the long ones (measured on the H200: nccl_world1
 # 2 s, kernel_perf 2 s, gpu_dist 13 s, profile_cuda 3 s, dist_ext about 140 s).
 run_step nccl_world1 15 5 nccl_world1.log -- "$FBUILD/tests/comm/nccl_world1"
-# Each kernel against the copy and GEMM ceilings (measurements, not checks).
+# Each kernel against the copy and GEMM ceilings (measurements, not checks);
+# the step's GEMMs twice: the library's algorithm (gemm_*) and the fastest of
+# its top few measured per shape (gemm_*_measured, HSPMD_GEMM_ALGO=measured).
 run_step kernel_perf 20 5 kernel_perf.log -- "$FBUILD/tests/gpu/kernel_perf" --device cuda:0
 
 # bench/gpu_dist.py: dist_step.py's plans with every rank on the GPU, the

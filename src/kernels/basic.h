@@ -68,6 +68,22 @@ enum class GemmF32Backend { kOpenBLAS, kOneDNN };
 bool set_f32_gemm_backend(GemmF32Backend backend);
 GemmF32Backend f32_gemm_backend();
 
+// How a device backend (CUDA) picks a GEMM's algorithm (docs/cuda.md,
+// "GEMM algorithm choice"). kHeuristic (default): the library's first
+// choice (cublasGemmEx's own; cuBLASLt's first heuristic result for a GEMM
+// with an addend). kMeasured: at the first call of each key (shape, dtypes,
+// transposes, addend, alignments) the top heuristic results, and
+// cublasGemmEx where there is no addend, are each timed with CUDA events on
+// the call's own arrays and the fastest is kept for the process (one host
+// wait per new key; on any error the first heuristic result). The results
+// may then differ in their last bits from run to run (another algorithm may
+// win), which is why it is not the default. The initial value comes from
+// HSPMD_GEMM_ALGO (heuristic | measured, read once; any other value throws
+// hspmd::Error at the first GEMM that reads it). The CPU backends ignore it.
+enum class GemmAlgorithm { kHeuristic, kMeasured };
+void set_gemm_algorithm(GemmAlgorithm algorithm);
+GemmAlgorithm gemm_algorithm();
+
 // ---- layout ----
 // out = a with dims d0 and d1 swapped (materialized).
 void transpose(Stream& s, const NDArray& a, int d0, int d1, NDArray& out);

@@ -12,7 +12,10 @@
 // attention half the square, its backward 2.5 times the forward). One line
 // per kernel: `RESULT probe=kernel_perf case=<kernel> ms=... gbps=...|tflops=...
 // pct=... status=PASS` (PASS: it ran; the numbers are the measurement), then
-// a table. Exits 77 with `--device cuda*` and no GPU. On the CPU (`--device
+// a table. The step's GEMMs run twice: with the library's algorithm
+// (`gemm_*`) and with the fastest of its top few measured per shape
+// (`gemm_*_measured`, kernels::GemmAlgorithm::kMeasured). Exits 77 with
+// `--device cuda*` and no GPU. On the CPU (`--device
 // cpu`, small `--tokens`) it checks the harness itself.
 #include <algorithm>
 #include <cstdio>
@@ -20,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hspmd/core/device.h"
@@ -114,6 +118,33 @@ class Perf {
   std::vector<Row> rows_;
 };
 
+// The block's and the head's GEMMs at the TinyLlama shape, each row's name
+// followed by `suffix`.
+void gemms(Perf& p, const NDArray& x16, int64_t T, const std::string& suffix) {
+  Stream& s = p.stream();
+  const Device device = p.device();
+  const int64_t H = 2048, F = 5632, V = 32000, HQ = 32, HKV = 4, D = 64;
+  struct Gemm {
+    const char* name;
+    int64_t k, n;
+  };
+  for (const Gemm& gm : {Gemm{"gemm_qkv", H, (HQ + 2 * HKV) * D}, Gemm{"gemm_o", HQ * D, H}, Gemm{"gemm_gate_up", H, 2 * F},
+                         Gemm{"gemm_down", F, H}, Gemm{"gemm_lm_head", H, V}}) {
+    NDArray a = gm.k == H ? x16 : p.filled({T, gm.k}, 0.01f, DType::BF16);
+    NDArray w = p.filled({gm.n, gm.k}, 0.01f, DType::BF16), out = NDArray::empty({T, gm.n}, DType::F32, device);
+    p.flop_rate(gm.name + suffix, 2.0 * T * gm.k * gm.n,
+                [&] { kernels::matmul(s, a, w, false, true, out, kernels::GemmCompute::kBF16); });
+  }
+  // The backward's q/k/v dgrad with the gradient so far as the addend
+  // (cuBLASLt, C != D): against the plain dgrad, what the addend costs.
+  NDArray g = p.filled({T, HQ * D}, 0.01f, DType::BF16), w = p.filled({HQ * D, H}, 0.01f, DType::BF16);
+  NDArray out = NDArray::empty({T, H}, DType::F32, device), add = p.filled({T, H}, 0.5f);
+  p.flop_rate("gemm_dgrad_q" + suffix, 2.0 * T * HQ * D * H,
+              [&] { kernels::matmul(s, g, w, false, false, out, kernels::GemmCompute::kBF16); });
+  p.flop_rate("gemm_dgrad_q_addend" + suffix, 2.0 * T * HQ * D * H,
+              [&] { kernels::matmul(s, g, w, false, false, out, kernels::GemmCompute::kBF16, &add); });
+}
+
 int run(Device device, int64_t T, int reps) {
   Perf p(device, reps);
   Stream& s = p.stream();
@@ -136,29 +167,18 @@ int run(Device device, int64_t T, int reps) {
   std::printf("ceiling copy: %.1f GB/s; bf16 GEMM %lld^3: %.1f TFLOP/s\n", copy_gbps, static_cast<long long>(g),
               gemm_tflops);
 
-  // GEMMs of a block and the head (bf16 operands, f32 out; x · W^T).
+  // GEMMs of a block and the head (bf16 operands, f32 out; x · W^T), with
+  // the library's first algorithm (kHeuristic, the default), then with the
+  // fastest of its top few measured at the first call of each shape
+  // (kMeasured, HSPMD_GEMM_ALGO=measured; the rows named *_measured).
   NDArray x16 = p.filled({T, H}, 0.01f, DType::BF16);
-  struct Gemm {
-    const char* name;
-    int64_t k, n;
-  };
-  for (const Gemm& gm : {Gemm{"gemm_qkv", H, (HQ + 2 * HKV) * D}, Gemm{"gemm_o", HQ * D, H}, Gemm{"gemm_gate_up", H, 2 * F},
-                         Gemm{"gemm_down", F, H}, Gemm{"gemm_lm_head", H, V}}) {
-    NDArray a = gm.k == H ? x16 : p.filled({T, gm.k}, 0.01f, DType::BF16);
-    NDArray w = p.filled({gm.n, gm.k}, 0.01f, DType::BF16), out = NDArray::empty({T, gm.n}, DType::F32, device);
-    p.flop_rate(gm.name, 2.0 * T * gm.k * gm.n,
-                [&] { kernels::matmul(s, a, w, false, true, out, kernels::GemmCompute::kBF16); });
+  const kernels::GemmAlgorithm before = kernels::gemm_algorithm();
+  for (const auto& [algorithm, suffix] : {std::pair{kernels::GemmAlgorithm::kHeuristic, ""},
+                                          std::pair{kernels::GemmAlgorithm::kMeasured, "_measured"}}) {
+    kernels::set_gemm_algorithm(algorithm);
+    gemms(p, x16, T, suffix);
   }
-  {
-    // The backward's q/k/v dgrad with the gradient so far as the addend
-    // (cuBLASLt, C != D): against the plain dgrad above, what the addend costs.
-    NDArray g = p.filled({T, HQ * D}, 0.01f, DType::BF16), w = p.filled({HQ * D, H}, 0.01f, DType::BF16);
-    NDArray out = NDArray::empty({T, H}, DType::F32, device), add = p.filled({T, H}, 0.5f);
-    p.flop_rate("gemm_dgrad_q", 2.0 * T * HQ * D * H,
-                [&] { kernels::matmul(s, g, w, false, false, out, kernels::GemmCompute::kBF16); });
-    p.flop_rate("gemm_dgrad_q_addend", 2.0 * T * HQ * D * H,
-                [&] { kernels::matmul(s, g, w, false, false, out, kernels::GemmCompute::kBF16, &add); });
-  }
+  kernels::set_gemm_algorithm(before);
   x16 = NDArray();
 
   // Memory-bound kernels.

@@ -95,6 +95,19 @@ void case_matmul(Io& io) {
   io.k().matmul(io.s, a, bt, false, true, o2, kernels::GemmCompute::kF32, &add);
   io.keep(o);
   io.keep(o2);
+  // With the algorithm measured at each key's first call (CUDA; the CPU
+  // ignores the setting): f32 and bf16 products, an addend, a bf16 output.
+  struct Measured {
+    kernels::GemmAlgorithm before = kernels::gemm_algorithm();
+    Measured() { kernels::set_gemm_algorithm(kernels::GemmAlgorithm::kMeasured); }
+    ~Measured() { kernels::set_gemm_algorithm(before); }
+  } measured;
+  NDArray m1 = io.out({9, 12}), m2 = io.out({9, 12}), m3 = io.out({9, 12}), m4 = io.out({9, 12}, DType::BF16);
+  io.k().matmul(io.s, a, b, false, false, m1, kernels::GemmCompute::kF32, nullptr);
+  io.k().matmul(io.s, a, bt, false, true, m2, kernels::GemmCompute::kF32, &add);
+  io.k().matmul(io.s, a, bt, false, true, m3, kernels::GemmCompute::kBF16, &add);
+  io.k().matmul(io.s, a, b, false, false, m4, kernels::GemmCompute::kBF16, nullptr);
+  for (const NDArray* r : {&m1, &m2, &m3, &m4}) io.keep(*r);
 }
 void case_transpose(Io& io) {
   NDArray a = io.f32({3, 4, 5}), o = io.out({5, 4, 3});

@@ -62,6 +62,18 @@ GemmF32Backend env_f32_backend() {
   fail("[matmul] HSPMD_GEMM_F32 must be \"openblas\" or \"onednn\", got \"", v, "\"");
 }
 
+GemmAlgorithm env_gemm_algorithm() {
+  const char* v = std::getenv("HSPMD_GEMM_ALGO");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "heuristic") == 0) return GemmAlgorithm::kHeuristic;
+  if (std::strcmp(v, "measured") == 0) return GemmAlgorithm::kMeasured;
+  fail("[matmul] HSPMD_GEMM_ALGO must be \"heuristic\" or \"measured\", got \"", v, "\"");
+}
+
+std::atomic<GemmAlgorithm>& gemm_algorithm_flag() {
+  static std::atomic<GemmAlgorithm> flag{env_gemm_algorithm()};
+  return flag;
+}
+
 std::atomic<bool>& bf16_emulation_flag() {
   static std::atomic<bool> flag{env_bf16_emulate()};
   return flag;
@@ -359,6 +371,10 @@ bool set_f32_gemm_backend(GemmF32Backend backend) {
 }
 
 GemmF32Backend f32_gemm_backend() { return f32_backend_flag().load(); }
+
+void set_gemm_algorithm(GemmAlgorithm algorithm) { gemm_algorithm_flag().store(algorithm); }
+
+GemmAlgorithm gemm_algorithm() { return gemm_algorithm_flag().load(); }
 
 std::string gemm_isa_description() {
   std::string bf16;

@@ -155,13 +155,29 @@ void check_lt(cublasStatus_t st, const char* what) {
 }
 
 constexpr size_t kLtWorkspace = size_t{32} << 20;  // cuBLAS's own default on Hopper
+// GemmAlgorithm::kMeasured: how many heuristic results are timed, and how often.
+constexpr int kTuneCandidates = 8;
+constexpr int kTuneReps = 3;
 
-// One GEMM shape's descriptors and chosen algorithm (ok == false: cuBLASLt
-// offered none; the caller then adds apart).
+// One GEMM call's operands and shape, as matmul() derives them.
+struct GemmCall {
+  const NDArray* a = nullptr;  // a_op, b_op: bf16 copies where the products are bf16
+  const NDArray* b = nullptr;
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0, a_cols = 0, b_cols = 0;
+  cudaDataType_t in_type = CUDA_R_32F;
+  const NDArray* addend = nullptr;  // out = op(a)·op(b) + addend (f32, C != D)
+  NDArray* out = nullptr;
+};
+
+// One GEMM key's descriptors and algorithms (ok == false: cuBLASLt offered
+// none; the caller then runs cublasGemmEx, and adds apart).
 struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algos[kTuneCandidates]{};  // the heuristic's first `count`, best first
+  int count = 0;
+  int chosen = 0;  // into algos; -1: cublasGemmEx (no addend only)
   bool ok = false;
 };
 
@@ -180,31 +196,37 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
-using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int, LtAlign>;
+// (device, m, n, k, transposes, in and out types, addend, measured, alignments)
+using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int, int, bool, bool, LtAlign>;
 
-// Plans per (thread, device, shape): made once, kept for the process (a
-// training step repeats a few dozen shapes). The handle likewise.
-const LtPlan& lt_plan(int dev, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, cudaDataType_t in_type,
-                      int64_t b_cols, int64_t a_cols, const LtAlign& align, cublasLtHandle_t handle) {
-  thread_local std::map<LtKey, LtPlan> plans;
-  const LtKey key{dev, m, n, k, trans_a, trans_b, static_cast<int>(in_type), align};
-  auto it = plans.find(key);
-  if (it != plans.end()) return it->second;
-  LtPlan p;
+uint64_t dim(int64_t v) { return static_cast<uint64_t>(v); }
+
+// The descriptor and the four layouts of a call, as cublasGemmEx is called:
+// cuBLASLt's A is our b, its B our a (column-major C^T). C is the f32 addend
+// where there is one, else D itself (beta 0).
+void describe(LtPlan& p, const GemmCall& c) {
   const Lt& L = lt();
   check_lt(L.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  // As cublasGemmEx is called: cuBLASLt's A is our b, its B our a (column-major C^T).
-  const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a), "cublasLtMatmulDescSetAttribute");
   check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b), "cublasLtMatmulDescSetAttribute");
   // Stored matrices, column-major: b [b0, b1] row-major is (b1 x b0) with ld
   // b1; a [rows, a_cols] is (a_cols x rows) with ld a_cols; C and D are (n x m).
-  const uint64_t b_rows_cm = static_cast<uint64_t>(b_cols), b_cols_cm = static_cast<uint64_t>(trans_b ? n : k);
-  const uint64_t a_rows_cm = static_cast<uint64_t>(a_cols), a_cols_cm = static_cast<uint64_t>(trans_a ? k : m);
-  check_lt(L.layout_create(&p.a, in_type, b_rows_cm, b_cols_cm, b_cols), "cublasLtMatrixLayoutCreate");
-  check_lt(L.layout_create(&p.b, in_type, a_rows_cm, a_cols_cm, a_cols), "cublasLtMatrixLayoutCreate");
-  check_lt(L.layout_create(&p.c, CUDA_R_32F, static_cast<uint64_t>(n), static_cast<uint64_t>(m), n),
+  check_lt(L.layout_create(&p.a, c.in_type, dim(c.b_cols), dim(c.trans_b ? c.n : c.k), c.b_cols),
            "cublasLtMatrixLayoutCreate");
+  check_lt(L.layout_create(&p.b, c.in_type, dim(c.a_cols), dim(c.trans_a ? c.k : c.m), c.a_cols),
+           "cublasLtMatrixLayoutCreate");
+  const cudaDataType_t out_type = cuda_type(c.out->dtype());
+  check_lt(L.layout_create(&p.d, out_type, dim(c.n), dim(c.m), c.n), "cublasLtMatrixLayoutCreate");
+  if (c.addend != nullptr)
+    check_lt(L.layout_create(&p.c, CUDA_R_32F, dim(c.n), dim(c.m), c.n), "cublasLtMatrixLayoutCreate");
+  else
+    p.c = p.d;
+}
+
+// Up to `count` heuristic results for the plan, best first.
+void find_algorithms(LtPlan& p, const LtAlign& align, int count, cublasLtHandle_t handle) {
+  const Lt& L = lt();
   cublasLtMatmulPreference_t pref = nullptr;
   check_lt(L.pref_create(&pref), "cublasLtMatmulPreferenceCreate");
   const size_t ws = kLtWorkspace;
@@ -216,13 +238,15 @@ const LtPlan& lt_plan(int dev, int64_t m, int64_t n, int64_t k, bool trans_a, bo
                                     std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.c},
                                     std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d}})
     check_lt(L.pref_set(pref, attr, &bytes, sizeof bytes), "cublasLtMatmulPreferenceSetAttribute");
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kTuneCandidates]{};
+  count = count < kTuneCandidates ? count : kTuneCandidates;
   int returned = 0;
-  const cublasStatus_t st = L.heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &returned);
+  const cublasStatus_t st = L.heuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, count, results, &returned);
   L.pref_destroy(pref);
-  p.ok = st == CUBLAS_STATUS_SUCCESS && returned > 0;
-  if (p.ok) p.algo = result.algo;
-  return plans.emplace(key, p).first->second;
+  if (st != CUBLAS_STATUS_SUCCESS) returned = 0;
+  for (int i = 0; i < returned; ++i)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) p.algos[p.count++] = results[i].algo;
+  p.ok = p.count > 0;
 }
 
 cublasLtHandle_t lt_handle(int dev) {
@@ -237,22 +261,84 @@ cublasLtHandle_t lt_handle(int dev) {
   return it->second;
 }
 
-// out = op(a)·op(b) + addend (f32) in one cuBLASLt call; false when cuBLASLt
-// has no algorithm for the shape (nothing was written).
-bool lt_matmul_add(Stream& s, const NDArray& a_op, const NDArray& b_op, bool trans_a, bool trans_b, int64_t m,
-                   int64_t n, int64_t k, int64_t a_cols, int64_t b_cols, cudaDataType_t in_type, const NDArray& addend,
-                   NDArray& out) {
-  const int dev = s.device().index;
-  const cublasLtHandle_t h = lt_handle(dev);
-  const LtAlign align{alignment_of(a_op.raw_data()), alignment_of(b_op.raw_data()), alignment_of(addend.raw_data()),
-                      alignment_of(out.raw_data())};
-  const LtPlan& p = lt_plan(dev, m, n, k, trans_a, trans_b, in_type, b_cols, a_cols, align, h);
-  if (!p.ok) return false;
+// One run of the call: cuBLASLt's algorithm `algo` (or cublasGemmEx, -1).
+cublasStatus_t run_gemm(Stream& s, cublasLtHandle_t h, const LtPlan* p, int algo, const GemmCall& c,
+                        void* workspace) {
+  const float alpha = 1.0f, beta = c.addend != nullptr ? 1.0f : 0.0f;
+  if (algo < 0)
+    return blas().gemm_ex(handle_for(s), c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          static_cast<int>(c.n), static_cast<int>(c.m), static_cast<int>(c.k), &alpha,
+                          c.b->raw_data(), c.in_type, static_cast<int>(c.b_cols), c.a->raw_data(), c.in_type,
+                          static_cast<int>(c.a_cols), &beta, c.out->raw_data(), cuda_type(c.out->dtype()),
+                          static_cast<int>(c.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  const void* c_data = c.addend != nullptr ? c.addend->raw_data() : c.out->raw_data();
+  return lt().matmul(h, p->desc, &alpha, c.b->raw_data(), p->a, c.a->raw_data(), p->b, &beta, c_data, p->c,
+                     c.out->raw_data(), p->d, &p->algos[algo], workspace, kLtWorkspace, launch::native(s));
+}
+
+// GemmAlgorithm::kMeasured: the fastest of the plan's algorithms (and of
+// cublasGemmEx without an addend) on the call's own arrays, each run once
+// and then timed over kTuneReps runs between two CUDA events. 0 (the
+// heuristic's first) when the stream is being captured or anything fails.
+int measure_fastest(Stream& s, cublasLtHandle_t h, const LtPlan& p, const GemmCall& c, void* workspace) {
+  const cudaStream_t st = launch::native(s);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  cudaEvent_t start = nullptr, end = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&end) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (start != nullptr) (void)cudaEventDestroy(start);
+    return 0;
+  }
+  int best = 0;
+  float best_ms = -1.0f;
+  for (int algo = c.addend != nullptr ? 0 : -1; algo < p.count; ++algo) {
+    bool ok = run_gemm(s, h, &p, algo, c, workspace) == CUBLAS_STATUS_SUCCESS;  // the warm-up
+    ok = ok && cudaEventRecord(start, st) == cudaSuccess;
+    for (int r = 0; ok && r < kTuneReps; ++r) ok = run_gemm(s, h, &p, algo, c, workspace) == CUBLAS_STATUS_SUCCESS;
+    float ms = 0;
+    ok = ok && cudaEventRecord(end, st) == cudaSuccess && cudaEventSynchronize(end) == cudaSuccess &&
+         cudaEventElapsedTime(&ms, start, end) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    if (ok && (best_ms < 0 || ms < best_ms)) {
+      best = algo;
+      best_ms = ms;
+    }
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(end);
+  return best_ms < 0 ? 0 : best;
+}
+
+// Plans per (thread, LtKey): made once, kept for the process (a training
+// step repeats a few dozen shapes); measured ones choose at their first call.
+const LtPlan& lt_plan(Stream& s, const GemmCall& c, bool measured, cublasLtHandle_t handle, void* workspace) {
+  thread_local std::map<LtKey, LtPlan> plans;
+  const LtAlign align{alignment_of(c.a->raw_data()), alignment_of(c.b->raw_data()),
+                      alignment_of(c.addend != nullptr ? c.addend->raw_data() : c.out->raw_data()),
+                      alignment_of(c.out->raw_data())};
+  const LtKey key{s.device().index, c.m, c.n, c.k, c.trans_a, c.trans_b, static_cast<int>(c.in_type),
+                  static_cast<int>(c.out->dtype()), c.addend != nullptr, measured, align};
+  auto it = plans.find(key);
+  if (it != plans.end()) return it->second;
+  LtPlan p;
+  describe(p, c);
+  find_algorithms(p, align, measured ? kTuneCandidates : 1, handle);
+  if (p.ok && measured) p.chosen = measure_fastest(s, handle, p, c, workspace);
+  return plans.emplace(key, p).first->second;
+}
+
+// The call through cuBLASLt with its plan's algorithm; false when the plan
+// has none or chose cublasGemmEx (nothing was written that counts).
+bool lt_matmul(Stream& s, const GemmCall& c, bool measured) {
+  const cublasLtHandle_t h = lt_handle(s.device().index);
   NDArray workspace = NDArray::empty({static_cast<int64_t>(kLtWorkspace / 8)}, DType::I64, s.device());
-  const float alpha = 1.0f, beta = 1.0f;
-  check_lt(lt().matmul(h, p.desc, &alpha, b_op.raw_data(), p.a, a_op.raw_data(), p.b, &beta, addend.raw_data(), p.c,
-                       out.raw_data(), p.c, &p.algo, workspace.raw_data(), kLtWorkspace, launch::native(s)),
-           "cublasLtMatmul");
+  const LtPlan& p = lt_plan(s, c, measured, h, workspace.raw_data());
+  if (!p.ok || p.chosen < 0) return false;
+  check_lt(run_gemm(s, h, &p, p.chosen, c, workspace.raw_data()), "cublasLtMatmul");
   launch::launched("cublasLtMatmul");
   return true;
 }
@@ -287,19 +373,14 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
     fail("[matmul] ", m, " x ", k, " x ", n, ": a dimension exceeds cuBLAS's 2^31 - 1");
   const bool bf16 = compute == GemmCompute::kBF16 || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
   const NDArray a_op = bf16 ? as_bf16(s, a) : a, b_op = bf16 ? as_bf16(s, b) : b;
-  const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  if (addend != nullptr) {
-    launch::require_contiguous("matmul", *addend);
-    if (lt_matmul_add(s, a_op, b_op, trans_a, trans_b, m, n, k, a_cols, b.dim(1), in_type, *addend, out)) return;
-  }
-  const float alpha = 1.0f, beta = 0.0f;
+  GemmCall c{&a_op, &b_op, trans_a, trans_b, m, n, k, a_cols, b.dim(1), bf16 ? CUDA_R_16BF : CUDA_R_32F, addend, &out};
+  if (addend != nullptr) launch::require_contiguous("matmul", *addend);
+  // cuBLASLt for an addend (C != D), and for every GEMM whose algorithm is measured.
+  const bool measured = gemm_algorithm() == GemmAlgorithm::kMeasured;
+  if ((addend != nullptr || measured) && lt_matmul(s, c, measured)) return;
   // Column-major view: C^T (n x m) = op(B)^T (n x k) · op(A)^T (k x m).
-  check_blas(blas().gemm_ex(handle_for(s), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                          static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b_op.raw_data(),
-                          in_type, static_cast<int>(b.dim(1)), a_op.raw_data(), in_type, static_cast<int>(a_cols),
-                          &beta, out.raw_data(), cuda_type(out.dtype()), static_cast<int>(n), CUBLAS_COMPUTE_32F,
-                          CUBLAS_GEMM_DEFAULT),
-             "cublasGemmEx");
+  c.addend = nullptr;
+  check_blas(run_gemm(s, nullptr, nullptr, -1, c, nullptr), "cublasGemmEx");
   if (addend != nullptr) add(s, out, *addend, out);  // in place: each element read before written
 }
 
