@@ -16,8 +16,9 @@
 # eager and compiled, and the loss check with its broken-attention
 # self-check). extended: nccl_world1, kernel_perf, dist_ext (the other plans,
 # switches, elastic, token-budget steps, crash restarts), gpu_dist,
-# gpu_overlap, mps_hetero, profile_cuda, gpu_shapes (two more public 1-2B
-# configs, hspmd against torch.compile, in what is left of the call).
+# gpu_overlap, mps_hetero, profile_cuda. Last in each call, gpu_shapes: one
+# more public 1-2B config against torch.compile (core Llama-3.2-1B's shape,
+# extended Qwen2-1.5B's), in what the call has left.
 #
 # Needs .gpu-deps carried along: scripts/fetch_cudnn_frontend.sh (cuDNN
 # frontend headers, fallback cuDNN/NCCL headers), scripts/bundle_cbc.sh
@@ -48,12 +49,14 @@ for a in "$@"; do
     *) echo "gpu_check: unknown argument '$a' (expected --local and one of core, extended, all)" >&2; exit 2 ;;
   esac
 done
-CORE_STEPS="build conformance train_cuda oracle_cuda dist_core gpu_step"
+CORE_STEPS="build conformance train_cuda oracle_cuda dist_core gpu_step gpu_shapes"
 EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda gpu_shapes"
+# gpu_shapes (below): one shape at the end of each call, both with all.
 case "$SET" in
-  core) SET_STEPS=$CORE_STEPS; DEFAULT_BUDGET=480 ;;
-  extended) SET_STEPS=$EXT_STEPS; DEFAULT_BUDGET=300 ;;
-  all) SET_STEPS="$CORE_STEPS ${EXT_STEPS#build }"; DEFAULT_BUDGET=780 ;;
+  core) SET_STEPS=$CORE_STEPS; DEFAULT_BUDGET=480; SET_SHAPES="llama32_1b:llama-3.2-1b" ;;
+  extended) SET_STEPS=$EXT_STEPS; DEFAULT_BUDGET=300; SET_SHAPES="qwen2_1p5b:qwen2-1.5b" ;;
+  all) SET_STEPS="$CORE_STEPS ${EXT_STEPS#build }"; DEFAULT_BUDGET=780
+       SET_SHAPES="llama32_1b:llama-3.2-1b qwen2_1p5b:qwen2-1.5b" ;;
 esac
 # The standalone probes and peer_torch (already measured on the H200,
 # docs/benchmarks.md) run only with RUN_PROBES=1 (and in --local, which keeps
@@ -569,32 +572,56 @@ fi
 
 # Two more shapes against torch.compile (issue [7/12]: another vocabulary,
 # GQA ratio and tying): bench/configs/llama-3.2-1b.json (vocab 128256, 32/8
-# heads of 64, tied) and qwen2-1.5b.json (vocab 151936, 12/2 heads of 128,
-# tied, q/k/v biases), S 4096 x B 4 as the TinyLlama step, hspmd and
-# compiled only (no eager, no loss check: GPU_SHAPES_LOSS=1 adds it), last
-# in the call so that it only takes what the steps above leave. Sizing: the
-# steps above measured about 210 s of the 300; at full depth one shape takes
-# about 45 s of hspmd (most of it the host's initialization of 1.2-1.5 B
-# parameters, about 41 s for TinyLlama's 1.1 B) and about 100 s of
-# torch.compile (TinyLlama's 22 layers: gpu_step's 206 s less the loss
-# check, hspmd and eager), so two full shapes (about 290 s) do not fit: by
-# default 4 of their layers (the embedding, the tied LM head over the whole
-# vocabulary and 4 blocks of the real width; about 15 + 35 s a shape,
-# estimated). GPU_SHAPES_LAYERS=0 runs the configs' own depth, in a call of
+# heads of 64, tied) at the end of core, qwen2-1.5b.json (vocab 151936, 12/2
+# heads of 128, tied, q/k/v biases) at the end of extended (GPU_SHAPES
+# overrides: NAME:CONFIG ...), S 4096 x B 4 as the TinyLlama step, hspmd and
+# compiled only (no eager, no loss check: GPU_SHAPES_LOSS=1 adds it). Last
+# in its call, a shape starts only with GPU_SHAPE_MIN (60) s left, else it
+# is skipped, saying so: it never takes time from the steps above. Sizing
+# (estimates from the 2026-11-28 window, not measured at these shapes): the
+# core steps took about 450 s of 480 then (the oracle's 84 s since halved
+# by running the families side by side), the extended ones about 210 of
+# 300. At full depth one shape takes about 45-55 s of hspmd (most of it the
+# host's one-thread initialization of 1.2-1.5 B parameters: TinyLlama's
+# 1.1 B run took 41 s for 8 steps of 0.28 s) and 80-120 s of torch.compile
+# (TinyLlama's 22 layers: gpu_step's 206 s less the loss check's 33,
+# hspmd's 41, eager's 27), which neither call has. So by default 4 of the
+# config's layers (GPU_SHAPES_LAYERS=4): the embedding, the tied LM head
+# over the whole vocabulary and 4 blocks of the real width, about 20 + 35 s
+# a shape. GPU_SHAPES_LAYERS=0 runs the configs' own depth, in a call of
 # its own: STEPS="build gpu_shapes" BUDGET=300 bash scripts/gpu_check.sh
-# extended. Each shape's RESULT lines are named after it
+# all. Each shape's RESULT lines are named after it
 # (case=llama32_1b_hspmd_over_compiled: step_time_x, tokens_per_s_x).
-GPU_SHAPES=${GPU_SHAPES:-llama32_1b:llama-3.2-1b qwen2_1p5b:qwen2-1.5b}
+GPU_SHAPES=${GPU_SHAPES:-$SET_SHAPES}
 GPU_SHAPES_LAYERS=${GPU_SHAPES_LAYERS:-4}
-GPU_SHAPE_CMDS=()
-for shape in $GPU_SHAPES; do
-  cmd="python3 bench/gpu_step.py --hspmd $HSPMD --model bench/configs/${shape#*:}.json --label ${shape%%:*}"
-  cmd+=" --seq 4096 --mb 4 --warmup 2 --steps 5 --systems hspmd,compiled --timeout ${GPU_SHAPES_TIMEOUT:-45}"
-  ((GPU_SHAPES_LAYERS > 0)) && cmd+=" --layers $GPU_SHAPES_LAYERS"
-  [[ "${GPU_SHAPES_LOSS:-0}" == 1 ]] || cmd+=" --no-loss-check"
-  GPU_SHAPE_CMDS+=("$cmd --json $LOGS/gpu_shapes_${shape%%:*}.json")
-done
-GPU_STEP_TORCH_LD_LIBRARY_PATH=$ORIG_LD_LIBRARY_PATH run_parts gpu_shapes 100 gpu_shapes.log -- "${GPU_SHAPE_CMDS[@]}"
+GPU_SHAPE_MIN=${GPU_SHAPE_MIN:-60}
+run_shapes() {  # each shape of GPU_SHAPES under what is left of the step's cap
+  local t0 lim end rcs=() shape left cmd
+  t0=$(date +%s)
+  if ! want gpu_shapes; then return; fi
+  if ((!HAVE_GPU)); then record gpu_shapes "SKIP(no GPU)" 0 100; return; fi
+  if [[ ! -x "$HSPMD" ]]; then record gpu_shapes NOT_BUILT 0 100; return; fi
+  lim=$(cap_of gpu_shapes 100)
+  end=$((t0 + lim))
+  for shape in $GPU_SHAPES; do
+    left=$((end - $(date +%s)))
+    if ((left < GPU_SHAPE_MIN)); then
+      echo "== gpu_shapes: ${shape%%:*} not run, $left s left (needs $GPU_SHAPE_MIN)" | tee -a "$LOGS/gpu_shapes.log"
+      rcs+=(77)
+      continue
+    fi
+    cmd=(python3 bench/gpu_step.py --hspmd "$HSPMD" --model "bench/configs/${shape#*:}.json" --label "${shape%%:*}"
+         --seq 4096 --mb 4 --warmup 2 --steps 5 --systems hspmd,compiled --timeout "${GPU_SHAPES_TIMEOUT:-45}"
+         --json "$LOGS/gpu_shapes_${shape%%:*}.json")
+    ((GPU_SHAPES_LAYERS > 0)) && cmd+=(--layers "$GPU_SHAPES_LAYERS")
+    [[ "${GPU_SHAPES_LOSS:-0}" == 1 ]] || cmd+=(--no-loss-check)
+    echo "== gpu_shapes (${left}s left): ${cmd[*]}" | tee -a "$LOGS/gpu_shapes.log"
+    LD_LIBRARY_PATH=$CBC/lib:${LD_LIBRARY_PATH:-} timeout -k 5 "$left" "${cmd[@]}" 2>&1 | tee -a "$LOGS/gpu_shapes.log"
+    rcs+=("${PIPESTATUS[0]}")
+  done
+  record gpu_shapes "$(status_of "$(worst_rc "${rcs[@]}")")" $(($(date +%s) - t0)) "$lim"
+}
+run_shapes
 
 write_summary
 pack_logs
