@@ -588,7 +588,8 @@ fi
 # hspmd's 41, eager's 27), which neither call has. So by default 4 of the
 # config's layers (GPU_SHAPES_LAYERS=4): the embedding, the tied LM head
 # over the whole vocabulary and 4 blocks of the real width, about 20 + 35 s
-# a shape. GPU_SHAPES_LAYERS=0 runs the configs' own depth, in a call of
+# a shape (each system's own limit GPU_SHAPES_TIMEOUT, 60 s: torch.compile's
+# cold start on a fresh machine is the least known part). GPU_SHAPES_LAYERS=0 runs the configs' own depth, in a call of
 # its own: STEPS="build gpu_shapes" BUDGET=300 bash scripts/gpu_check.sh
 # all. Each shape's RESULT lines are named after it
 # (case=llama32_1b_hspmd_over_compiled: step_time_x, tokens_per_s_x).
@@ -611,7 +612,7 @@ run_shapes() {  # each shape of GPU_SHAPES under what is left of the step's cap
       continue
     fi
     cmd=(python3 bench/gpu_step.py --hspmd "$HSPMD" --model "bench/configs/${shape#*:}.json" --label "${shape%%:*}"
-         --seq 4096 --mb 4 --warmup 2 --steps 5 --systems hspmd,compiled --timeout "${GPU_SHAPES_TIMEOUT:-45}"
+         --seq 4096 --mb 4 --warmup 2 --steps 5 --systems hspmd,compiled --timeout "${GPU_SHAPES_TIMEOUT:-60}"
          --json "$LOGS/gpu_shapes_${shape%%:*}.json")
     ((GPU_SHAPES_LAYERS > 0)) && cmd+=(--layers "$GPU_SHAPES_LAYERS")
     [[ "${GPU_SHAPES_LOSS:-0}" == 1 ]] || cmd+=(--no-loss-check)
