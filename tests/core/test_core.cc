@@ -252,5 +252,21 @@ TEST(Rng, ReproducibleAndNameDependent) {
   EXPECT_NEAR(sq / 20000, 1.0, 0.05);
 }
 
+// fill_normal fills large arrays on several threads, each from its own
+// place in the tensor's stream: the values must be the sequential stream's,
+// Rng::normal in order, bit for bit, at odd and even sizes, below and above
+// the threading threshold (2 Mi elements a thread).
+TEST(Rng, FillNormalIsTheSequentialStreamOnAnyThreadCount) {
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{(1 << 22) + 3}, int64_t{(1 << 23) + 1}}) {
+    NDArray a = NDArray::empty({n}, DType::F32);
+    fill_normal(a, 11, "model.layers.0.mlp.up_proj.weight", 0.02f);
+    Rng rng(tensor_seed(11, "model.layers.0.mlp.up_proj.weight"));
+    const float* got = a.host_data<float>("test");
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; ++i) differ += got[i] != static_cast<float>(rng.normal() * 0.02f);
+    EXPECT_EQ(differ, 0) << "n " << n;
+  }
+}
+
 }  // namespace
 }  // namespace hspmd
