@@ -16,8 +16,8 @@
 # eager and compiled, and the loss check with its broken-attention
 # self-check). extended: nccl_world1, kernel_perf, dist_ext (the other plans,
 # switches, elastic, token-budget steps, crash restarts), gpu_dist,
-# gpu_overlap, mps_hetero, profile_cuda, profile_step (the GPU profile's
-# prediction against gpu_step's hspmd step). Last in each call, gpu_shapes: one
+# gpu_overlap, mps_hetero, profile_cuda. After gpu_step in core, profile_step
+# (the GPU profile's prediction of gpu_step's hspmd step). Last in each call, gpu_shapes: one
 # more public 1-2B config against torch.compile (core Llama-3.2-1B's shape,
 # extended Qwen2-1.5B's), in what the call has left.
 #
@@ -50,8 +50,8 @@ for a in "$@"; do
     *) echo "gpu_check: unknown argument '$a' (expected --local and one of core, extended, all)" >&2; exit 2 ;;
   esac
 done
-CORE_STEPS="build conformance train_cuda oracle_cuda dist_core gpu_step gpu_shapes"
-EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda profile_step gpu_shapes"
+CORE_STEPS="build conformance train_cuda oracle_cuda dist_core gpu_step profile_step gpu_shapes"
+EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda gpu_shapes"
 # gpu_shapes (below): one shape at the end of each call, both with all.
 case "$SET" in
   core) SET_STEPS=$CORE_STEPS; DEFAULT_BUDGET=480; SET_SHAPES="llama32_1b:llama-3.2-1b" ;;
@@ -512,6 +512,19 @@ if want gpu_step; then
       --json "$LOGS/gpu_step.json"
 fi
 
+# The profile against the measured step (issue [7/12]: the GPU profile within
+# 10%; bench/profile_check.py, docs/profiling.md): hspmd profile --device
+# cuda at gpu_step's shape (TinyLlama, S 4096, B 4, bf16) and plan cost of
+# the one-GPU strategy, against gpu_step's hspmd step of this call. After
+# gpu_step, in what core has left (its steps took about 450 s of 480 on
+# 2026-11-28, the oracle's 84 s since about halved): estimated 10-20 s (the
+# probe stages' start and a few timed runs), not yet run on a GPU. Without
+# gpu_step's JSON (STEPS without gpu_step) it trains a 4-layer step of
+# TinyLlama's width itself.
+if [[ -f "$LOGS/gpu_step.json" ]]; then PROFILE_STEP_FROM=(--measured-json "$LOGS/gpu_step.json"); else PROFILE_STEP_FROM=(--layers 4); fi
+run_step profile_step 30 15 profile_step.log -- python3 bench/profile_check.py --hspmd "$HSPMD" --device cuda:0 \
+  "${PROFILE_STEP_FROM[@]}" --json "$LOGS/profile_step.json"
+
 # -------------------------------------------------------- extended --
 # The short steps first, then the long ones (measured on the H200: nccl_world1
 # 2 s, kernel_perf 2 s, gpu_dist 13 s, profile_cuda 3 s, dist_ext about 140 s).
@@ -529,22 +542,6 @@ run_step gpu_dist 30 15 gpu_dist.log -- python3 bench/gpu_dist.py --hspmd "$HSPM
 # hspmd profile on the GPU: the tiny model's parts timed with CUDA events.
 run_step profile_cuda 20 10 profile_cuda.log -- python3 tests/gpu/profile_cuda_test.py --hspmd "$HSPMD" \
   --repo "$ROOT"
-
-# The profile against a measured step (issue [7/12]: the GPU profile within
-# 10%; bench/profile_check.py, docs/profiling.md): hspmd profile --device
-# cuda at the TinyLlama step's point and plan cost of the one-GPU strategy,
-# against gpu_step's hspmd step: this call's (all) or the core call's just
-# before on this machine (out/gpu_check/core/gpu_step.json; PROFILE_STEP_JSON
-# names another). Without one, a 4-layer step of TinyLlama's width is trained
-# here instead. Estimated 20-30 s (the profile's probe stages), not yet run
-# on a GPU.
-PROFILE_STEP_JSON=${PROFILE_STEP_JSON:-}
-for f in "$LOGS/gpu_step.json" "$ROOT/out/gpu_check/core/gpu_step.json"; do
-  [[ -z "$PROFILE_STEP_JSON" && -f "$f" ]] && PROFILE_STEP_JSON=$f
-done
-if [[ -n "$PROFILE_STEP_JSON" ]]; then PROFILE_STEP_FROM=(--measured-json "$PROFILE_STEP_JSON"); else PROFILE_STEP_FROM=(--layers 4); fi
-run_step profile_step 45 20 profile_step.log -- python3 bench/profile_check.py --hspmd "$HSPMD" --device cuda:0 \
-  "${PROFILE_STEP_FROM[@]}" --json "$LOGS/profile_step.json"
 
 # The other plans, plan switches and a resume, elastic failures and a join,
 # token-budget steps with CP and switching, crash restarts (32, 41, 8, 18

@@ -21,8 +21,8 @@ check() {  # check SET STEP...
   fi
   tar tzf "$tmp/$set/gpu_check.tgz" | grep -q setup.log || { echo "FAIL $set: no setup.log in gpu_check.tgz"; fail=1; }
 }
-check core conformance train_cuda oracle_cuda dist_core gpu_step gpu_shapes
-check extended nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda profile_step gpu_shapes
+check core conformance train_cuda oracle_cuda dist_core gpu_step profile_step gpu_shapes
+check extended nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda gpu_shapes
 OUT=$tmp/bad bash "$ROOT/scripts/gpu_check.sh" --local fast >"$tmp/bad.console" 2>&1
 rc=$?
 if ((rc != 2)) || ! grep -q "unknown argument 'fast'" "$tmp/bad.console"; then
