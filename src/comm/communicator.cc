@@ -2,6 +2,7 @@
 // accounting, and the single-process stub.
 #include "hspmd/comm/communicator.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -226,6 +227,12 @@ class SingleProcessCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_single_process_communicator() {
   return make_staged_communicator(std::make_unique<SingleProcessCommunicator>(), stage_host_buffers_requested());
+}
+
+bool job_spans_hosts() {
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  return local && size && std::atoi(local) < std::atoi(size);
 }
 
 }  // namespace hspmd

@@ -346,8 +346,7 @@ namespace {
 // 1.40 s for one plan whose ring takes 1.06 s). A ring has every member send
 // and receive 2(n-1)/n of the buffer at once, both directions of every link
 // busy: what NCCL does on GPUs, what the byte counters and the cost model
-// bill. So a job whose ranks span hosts (Open MPI tells each rank how many
-// share its host) asks for the ring. A job on one host keeps the tree: its
+// bill. So a job whose ranks span hosts (job_spans_hosts) asks for the ring. A job on one host keeps the tree: its
 // all-reduces are shared-memory copies bound by latency, and ranks that
 // share cores (the emulated clusters) wait a scheduler slice per round,
 // which the ring's 2(n-1) rounds pay more often (4 data-parallel ranks on 2
@@ -356,10 +355,7 @@ namespace {
 // user's own setting (the variable, or mpirun's --mca) wins. Other MPI
 // libraries ignore the variable.
 void prefer_ring_all_reduce() {
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-  if (local && size && std::atoi(local) < std::atoi(size))
-    setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "ring", /*overwrite=*/0);
+  if (job_spans_hosts()) setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "ring", /*overwrite=*/0);
 }
 
 }  // namespace

@@ -21,18 +21,9 @@ static_assert(sizeof(StepMetrics) == kStepMetricFields * sizeof(int64_t));
 
 int64_t ns(double s) { return static_cast<int64_t>(s * 1e9); }
 
-// Whether this MPI job's ranks run on more than one host: Open MPI tells
-// each rank how many of the job's ranks share its host, fewer than all on
-// every host exactly when there are several (so every rank agrees).
-bool job_spans_hosts(const Communicator& world) {
-  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-  return world.size() > 1 && local && size && std::atoi(local) < std::atoi(size);
-}
-
 }  // namespace
 
-StepMeter::StepMeter(Communicator& world) : world_(world), spans_hosts_(job_spans_hosts(world)) {
+StepMeter::StepMeter(Communicator& world) : world_(world), spans_hosts_(world.size() > 1 && job_spans_hosts()) {
   if (spans_hosts_) tcp_ = tcp_traffic_to_other_hosts();
 }
 

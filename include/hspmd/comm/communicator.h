@@ -398,4 +398,11 @@ int nccl_version();
 // Whether this build has the MPI backend (HSPMD_MPI).
 bool built_with_mpi();
 
+// Whether this process belongs to an MPI job whose ranks run on more than
+// one host: Open MPI tells each rank how many of the job's ranks share its
+// host (OMPI_COMM_WORLD_LOCAL_SIZE), fewer than all on every host exactly
+// when there are several, so every rank agrees. Readable before MPI_Init;
+// false outside an Open MPI job.
+bool job_spans_hosts();
+
 }  // namespace hspmd
