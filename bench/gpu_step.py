@@ -86,6 +86,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -534,6 +535,14 @@ def run_hspmd(a, cfg_path, data, tmp, device):
     row.update(status="PASS", span_s=last["unix_time"] - first["unix_time"], timed_steps=a.steps,
                record_step_times_s=[r["step_time_s"] for r in timed],
                losses=[r["loss"] for r in recs[:a.warmup + a.steps]], tokens_per_step=timed[0]["tokens"])
+    # How long the host took to queue each timed step (hspmd's queued_s:
+    # the step's start to its first wait for the device, after the update
+    # is queued): far below the step time, the device never waited for the
+    # host inside the step, and a CUDA graph of the step could gain only
+    # the gap at the step's boundary (docs/cuda.md).
+    queued = [r["queued_s"] for r in timed if r.get("queued_s")]
+    if len(queued) == len(timed):
+        row["queued_s"] = queued
     if os.path.exists(op_times):
         row["op_times"] = json.load(open(op_times))
     # Attention calls cuDNN did not take (hspmd's own, much slower kernels
@@ -861,6 +870,18 @@ def print_table(rows, report, a):
             print(f"WARNING: {r['system']}: {r['attention_fallbacks']} attention calls fell back from cuDNN's fused "
                   f"attention: {r.get('attention_fallback_reason') or 'see its stderr'}")
             print(f"RESULT probe=gpu_step case={case(a, 'attention_fallbacks')} count={r['attention_fallbacks']} status=WARN")
+    for r in rows:
+        if r.get("queued_s") and r.get("record_step_times_s"):
+            q = statistics.median(r["queued_s"])
+            st = statistics.median(r["record_step_times_s"])
+            print(f"RESULT probe=gpu_step case={case(a, 'hspmd_host_queue')} queued_ms={1e3 * q:.2f} "
+                  f"step_ms={1e3 * st:.2f} queued_share={q / st:.3f} status=INFO")
+            if a.cpu_smoke:
+                continue  # the CPU runs each kernel as it is queued: the two are one time
+            print(f"hspmd's host queued a step in {1e3 * q:.1f} ms of its {1e3 * st:.1f} ms (median; the device "
+                  f"ran the rest without waiting for the host inside the step)" if q < 0.8 * st else
+                  f"hspmd's host queued a step in {1e3 * q:.1f} ms of its {1e3 * st:.1f} ms (median): the host, "
+                  f"not the device, may bound the step")
     ops = next((r.get("op_times") for r in rows if r["system"] == "hspmd" and r.get("op_times")), None)
     if ops:
         print(f"where hspmd's step goes (one extra step, each op between two events; "
@@ -901,6 +922,9 @@ def smoke_checks(rows, report, a):
             bad.append(f"{name}: losses {r['losses']} (a random model starts near ln V = {ln_v:.2f})")
     if not by.get("hspmd", {}).get("peak_memory_bytes", 0) > 0:
         bad.append("hspmd: no peak_memory_bytes in its records")
+    queued, times = by.get("hspmd", {}).get("queued_s") or [], by.get("hspmd", {}).get("record_step_times_s") or []
+    if not (len(queued) == a.steps and all(0 < q <= t for q, t in zip(queued, times))):
+        bad.append(f"hspmd: queued_s {queued} (the one-process step's time to its one wait, within its step time)")
     ops = by.get("hspmd", {}).get("op_times") or {}
     if not ("matmul" in [o["type"] for o in ops.get("ops", [])] and 0 < ops["ops_total_s"] <= ops["step_time_s"]):
         bad.append("hspmd: no op times (--op-times) for its extra step")

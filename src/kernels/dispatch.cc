@@ -50,6 +50,9 @@ void on_stream(const char* kernel, Device d, const std::vector<AdamTensor>& tens
                              static_cast<const NDArray*>(t.exp_avg_sq)})
       on_stream(kernel, d, a);
 }
+void on_stream(const char* kernel, Device d, const AdamFactors& f) {
+  if (f.control != nullptr) on_stream(kernel, d, f.control);  // the only array among the factors
+}
 template <typename T>
 void on_stream(const char*, Device, const T&) {}  // not an array: shapes, flags, factors
 

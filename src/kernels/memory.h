@@ -56,6 +56,19 @@ NDArray to_device(Stream& s, const NDArray& a);
 // double one element after the other in the given order (a fixed order:
 // the same bits on every run and every thread count). Returns to the host.
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays);
+// The step's gradient clip and finiteness guard on the device, so that the
+// host queues the update without reading the norm first (the read waits for
+// the device): writes `control` (f64 [3], on the stream's device) =
+//   [0] Σ x² over `grads`, the bits sum_of_squares returns for them;
+//   [1] the clip's coefficient for the norm sqrt([0]) and `max_norm`, the
+//       f32 value of clip_coefficient (optim/lr_schedule.h): max_norm /
+//       (norm + 1e-6) in double, rounded once to f32, when max_norm > 0 and
+//       norm > max_norm, else 1;
+//   [2] 1 when the norm and every value of `losses` (f32 scalars, the
+//       step's loss terms) are finite, else 0.
+// adam_step reads [1] and [2] through AdamFactors::control.
+void clip_control(Stream& s, const std::vector<NDArray>& grads, const std::vector<NDArray>& losses,
+                  double max_norm, NDArray& control);
 
 // The scalar factors of one AdamW / Adam step, computed by the caller in
 // double and narrowed once.
@@ -70,6 +83,12 @@ struct AdamFactors {
   // (one f32 product, rounded, as kernels::scale writes it) instead of a
   // separate pass over the gradients first; 1: the gradient as it is.
   float grad_scale = 1;
+  // clip_control's array (f64 [3] on the update's device), or nullptr: when
+  // set, the coefficient is its [1] (grad_scale is not read) and nothing is
+  // written unless its [2] is 1 (a non-finite step leaves the parameters
+  // and moments as they were). The update reads it when it runs, so the
+  // host needs no value of it.
+  const NDArray* control = nullptr;
 };
 // One tensor of a multi-tensor AdamW step: param, grad, and the two moments,
 // f32, contiguous, one shape.

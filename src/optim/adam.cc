@@ -49,7 +49,8 @@ void Adam::update(const std::string& name, NDArray& param, const NDArray& grad, 
   update_group({{name, &param, &grad}}, lr, decay);
 }
 
-void Adam::update_group(const std::vector<Update>& tensors, double lr, bool decay, float grad_scale) {
+void Adam::update_group(const std::vector<Update>& tensors, double lr, bool decay, float grad_scale,
+                        const NDArray* control) {
   if (tensors.empty()) return;
   std::vector<kernels::AdamTensor> group;
   for (const Update& u : tensors) {
@@ -70,6 +71,7 @@ void Adam::update_group(const std::vector<Update>& tensors, double lr, bool deca
   }
   kernels::AdamFactors f = step_factors(config_, step_, lr, decay);
   f.grad_scale = grad_scale;
+  f.control = control;
   kernels::adam_step(default_stream(tensors[0].param->device()), group, f);
 }
 

@@ -71,20 +71,29 @@ ValueMap DistTrainer::feeds(int micro, float normalizer, Bindings& bindings) con
   return v;
 }
 
-double DistTrainer::global_grad_norm(const std::map<std::string, NDArray>& synced) const {
+std::vector<NDArray> DistTrainer::norm_terms(const std::map<std::string, NDArray>& synced) const {
   // Each gradient once over the ranks: the representative holders'.
   std::vector<NDArray> mine;
   for (const auto& [name, g] : synced)
     if (is_representative(rt_->graph->annotation("grad." + name), world_.rank())) mine.push_back(g);
-  const double sumsq = kernels::sum_of_squares(rt_->graph->stream(), mine);
+  return mine;
+}
+
+double DistTrainer::global_grad_norm(const std::map<std::string, NDArray>& synced) const {
+  const double sumsq = kernels::sum_of_squares(rt_->graph->stream(), norm_terms(synced));
   return std::sqrt(all_reduce_scalar(sumsq, world_));
+}
+
+bool DistTrainer::reads_after_update() const {
+  return world_.size() == 1 && !clock_ && config_.moe.num_experts == 0 && !(tokens_ && o_.bucket_switching);
 }
 
 // AdamW on the rank's optimized shards, with the state's moments (imported
 // into the optimizer for the update only); ZeRO then gathers the parameter.
 // `grad_scale`: the clip's coefficient, applied as the update reads each
 // gradient (no pass of its own over the gradients).
-void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale) {
+void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale,
+                                 const NDArray* control) {
   adam.set_step_count(state_->step);
   adam.begin_step();
   state_->step = adam.step_count();
@@ -106,7 +115,7 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
       clock_->advance(std::exchange(fixed_s, 0.0) + modeled->per_param_s * static_cast<double>(target.data.numel()));
   }
   if (clock_) clock_->begin_compute();
-  for (int decay : {0, 1}) adam.update_group(groups[decay], lr, decay == 1, grad_scale);
+  for (int decay : {0, 1}) adam.update_group(groups[decay], lr, decay == 1, grad_scale, control);
   if (clock_) clock_->end_compute();
   for (const auto& group : groups)
     for (const Adam::Update& u : group) adam.export_moments(u.name);
@@ -193,7 +202,8 @@ StepRecord DistTrainer::step() {
   r.dispatch_s = tokens_ && !o_.bucket_switching ? tokens_->select_and_dispatch(step) : 0.0;
   const float normalizer = static_cast<float>(counted_targets(step));
   std::map<std::string, NDArray> synced;
-  const StepWork work = compute_and_sync(step, normalizer, synced, r);
+  StepWork work = compute_and_sync(step, normalizer, synced, r);
+  work.t0 = t0;
   update(step, synced, work, r);
   report(step, r, work, t0, time_ops ? &op_timings : nullptr);
   after_step(step, r);
@@ -227,12 +237,14 @@ DistTrainer::StepWork DistTrainer::compute_and_sync(int64_t step, float normaliz
   std::map<std::string, NDArray> raw;
   double loss = 0;
   GradSync::Step sync = grad_sync_->start(*rt_->graph, rt_->grad_buckets);
-  accumulate_schedule(raw, loss, normalizer, sync.overlap());
+  work.loss_deferred = reads_after_update();
+  accumulate_schedule(raw, loss, normalizer, sync.overlap(), work.loss_deferred ? &work.loss_terms : nullptr);
   rt_->graph->wait_sends(world_);
   work.activations = allocator_for(rt_->graph->device()).peak_bytes() - held;
   // The mixture of experts' auxiliary loss, the same on every rank (router_stats.h).
-  r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0, world_) +
-           step_router_.aux_loss;
+  if (!work.loss_deferred)
+    r.loss = all_reduce_scalar(is_representative(rt_->graph->loss_annotation(), world_.rank()) ? loss : 0.0, world_) +
+             step_router_.aux_loss;
   r.expert_tokens = step_router_.expert_tokens;
   work.post0 = clock_ ? clock_->now() : 0;
   synced = sync.finish(raw);
@@ -251,10 +263,27 @@ void DistTrainer::update(int64_t step, std::map<std::string, NDArray>& synced, c
       auto g = synced.find(name);
       return std::pair{graph.annotation("grad." + name), g == synced.end() ? NDArray() : g->second};
     }, DType::F32);
-  r.grad_norm = global_grad_norm(synced);
   r.lr = schedule_.at(step);
-  if (skip_nonfinite(r, skipped_)) state_->step = step + 1;  // weights and moments stay as they were
-  else optimizer_step(*adam_, synced, r.lr, clip_coefficient(r.grad_norm, o_.clip_grad));
+  if (work.loss_deferred) {
+    // The coefficient and the guard on the device, the update queued behind
+    // them, and only then the step's one wait: the norm and the loss terms
+    // (the same values and bits as the host path below).
+    Stream& stream = rt_->graph->stream();
+    NDArray control = NDArray::empty({3}, DType::F64, rt_->graph->device());
+    kernels::clip_control(stream, norm_terms(synced), work.loss_terms, o_.clip_grad, control);
+    optimizer_step(*adam_, synced, r.lr, 1.0f, &control);
+    r.queued_s = seconds_since(work.t0);
+    r.grad_norm = std::sqrt(kernels::to_host(stream, control).host_data<double>("the gradient norm")[0]);
+    double loss = 0;
+    for (const NDArray& l : work.loss_terms)  // in micro-batch order, in double
+      loss += kernels::to_host(stream, l).host_data<float>("the loss")[0];
+    r.loss = loss;
+    skip_nonfinite(r, skipped_);  // the update did nothing then (control[2] was 0)
+  } else {
+    r.grad_norm = global_grad_norm(synced);
+    if (skip_nonfinite(r, skipped_)) state_->step = step + 1;  // weights and moments stay as they were
+    else optimizer_step(*adam_, synced, r.lr, clip_coefficient(r.grad_norm, o_.clip_grad));
+  }
   state_->samples += tokens_ ? tokens_->step().pieces : global_batch;
   if (clock_) clock_->record("step " + std::to_string(step) + " post", "post", work.post0);
   if (tokens_) {

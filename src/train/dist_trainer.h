@@ -154,7 +154,19 @@ class DistTrainer {
     double grad_sync_s = 0;  // wall time of the sync after the schedule
     int64_t overlapped = 0;  // gradients handed to the overlap during the backward
     int64_t duplicate_sent = 0;  // bytes the overlap sent over the duplicate world
+    // The step's loss terms on the device, not read yet (reads_after_update);
+    // empty when compute_and_sync read them.
+    std::vector<NDArray> loss_terms;
+    bool loss_deferred = false;
+    Clock::time_point t0{};  // the step's start
   };
+  // Whether this step reads the loss and the gradient norm only after the
+  // update is queued (one process, no emulated clock, no mixture-of-experts
+  // statistics, no bucket switching): the clip's coefficient and the guard
+  // against a non-finite step are computed on the device
+  // (kernels::clip_control), so the host queues the whole step without a
+  // wait; the multi-rank path all-reduces both on the host first.
+  bool reads_after_update() const;
   // This rank's micro-batches and the gradient sync into `synced`; the
   // step's loss into `r`.
   StepWork compute_and_sync(int64_t step, float normalizer, std::map<std::string, NDArray>& synced, StepRecord& r);
@@ -170,12 +182,19 @@ class DistTrainer {
   // divided by `normalizer`), and the bindings of their symbolic dims (S
   // varies with packed documents).
   ValueMap feeds(int micro, float normalizer, Bindings& bindings) const;
+  // The gradients counted in the global norm: each once over the ranks.
+  std::vector<NDArray> norm_terms(const std::map<std::string, NDArray>& synced) const;
   double global_grad_norm(const std::map<std::string, NDArray>& synced) const;
-  void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale);
+  // `control`: clip_control's array (the coefficient and the guard read on
+  // the device; grad_scale unused), or nullptr.
+  void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale,
+                      const NDArray* control = nullptr);
   // One step's schedule of micro-batches on this rank; `overlap` (optional):
-  // the last backward hands each final gradient to it.
+  // the last backward hands each final gradient to it. `loss_terms`
+  // (optional): the micro-batches' loss arrays go there, unread, and `loss`
+  // is left as it is.
   void accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
-                           GradOverlap* overlap = nullptr);
+                           GradOverlap* overlap = nullptr, std::vector<NDArray>* loss_terms = nullptr);
   // Whether the steps overlap their gradient synchronization (TrainOptions::overlap).
   bool overlapping() const {
     return o_.overlap.value_or(!(o_.device == Device::cpu())) && !clock_ && world_.size() > 1;

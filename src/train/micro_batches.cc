@@ -51,7 +51,7 @@ class RawGrads {
 }  // namespace
 
 void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
-                                      GradOverlap* overlap) {
+                                      GradOverlap* overlap, std::vector<NDArray>* loss_terms) {
   ExecGraph& graph = *rt_->graph;
   RawGrads grads(graph.stream(), raw);
   auto keep = [&](const std::string& name, const NDArray& g, bool copy) { grads.keep(name, g, copy); };
@@ -108,8 +108,11 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   schedule(SchedulePosition{rt_->stage, rt_->stages, micro_batches}, forward, backward);
   if (router.active() && !router.finished()) router.finish(graph.stream(), world_);
   if (router.active()) step_router_.add(router);
-  for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
-    loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
+  if (loss_terms != nullptr)
+    *loss_terms = std::move(losses);  // read by the caller after the update is queued
+  else
+    for (const NDArray& l : losses)  // in micro-batch order, in double: as each read at its backward
+      loss += kernels::to_host(graph.stream(), l).host_data<float>("the loss")[0];
   if (micro_batches == 0 && rt_->pipeline >= 0) {
     // A pipeline that got no piece this step contributes zero gradients.
     for (const std::string& name : graph.model().names) {

@@ -177,6 +177,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
     if (r.strategy >= 0) j["strategy"] = r.strategy;
     j["dispatch_s"] = r.dispatch_s;
   }
+  if (r.queued_s > 0) j["queued_s"] = r.queued_s;
   if (!r.emulated_compute_s.empty()) {
     j["emulated_step_time_s"] = r.emulated_step_time_s;
     j["emulated_compute_s"] = r.emulated_compute_s;

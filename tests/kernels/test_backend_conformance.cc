@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -603,6 +604,36 @@ void case_sum_of_squares(Io& io) {
   arrays = {io.f32({70001}), io.f32({0}), io.f32({1}), base.slice(0, 1, 1001), io.f32({2048})};
   io.values.push_back(io.k().sum_of_squares(io.s, arrays));
 }
+void case_clip_control(Io& io) {
+  // Chunks of 65536 with a short last one, an empty array, one element and
+  // a view one element in; the norm above the limit, below it, no limit;
+  // each loss term non-finite in turn, and the norm (an inf gradient).
+  const NDArray base = io.f32({1001}, -3, 3);
+  std::vector<NDArray> grads = {io.f32({70001}), io.f32({0}), io.f32({1}), base.slice(0, 1, 1001)};
+  auto loss = [&](float v) {
+    NDArray h = NDArray::empty({}, DType::F32);
+    h.data<float>()[0] = v;
+    return io.up(h);
+  };
+  std::vector<NDArray> losses = {loss(2.5f), loss(-0.25f)};
+  auto run = [&](const std::vector<NDArray>& g, const std::vector<NDArray>& l, double max_norm, bool sum) {
+    NDArray control = io.out({3}, DType::F64);
+    io.k().clip_control(io.s, g, l, max_norm, control);
+    const NDArray c = io.k().to_host(io.s, control);
+    if (sum) io.values.push_back(c.data<double>()[0]);
+    io.values.push_back(c.data<double>()[1]);
+    io.values.push_back(c.data<double>()[2]);
+  };
+  for (double max_norm : {1.0, 1e6, 0.0}) run(grads, losses, max_norm, true);
+  run({}, {}, 1.0, true);  // nothing: sum 0, coefficient 1, finite
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (float bad : {nan, inf, -inf}) {
+    run(grads, {losses[0], loss(bad)}, 1.0, true);
+    NDArray h = NDArray::empty({3}, DType::F32);
+    for (int i = 0; i < 3; ++i) h.data<float>()[i] = i == 1 ? bad : 0.5f;
+    run({grads[0], io.up(h)}, losses, 1.0, false);  // the sum is not finite: not compared
+  }
+}
 void case_adam_step(Io& io) {
   NDArray p = io.f32({33}), g = io.f32({33}), m = io.f32({33}), v = io.f32({33}, 0.1f, 1);
   kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 1.0f, 1e-3f};
@@ -634,6 +665,21 @@ void case_adam_step(Io& io) {
       for (int i = 0; i < 4; ++i) c.push_back(i == 3 ? io.f32({n}, 0.1f, 1) : io.f32({n}));
     kernels::AdamFactors clip{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, l2, 0.999f, 0.6f, 1e-3f, 0.37f};
     io.k().adam_step(io.s, {{&c[0], &c[1], &c[2], &c[3]}, {&c[4], &c[5], &c[6], &c[7]}}, clip);
+    for (const NDArray& a : c) io.keep(a);
+  }
+  // The coefficient and the guard read from clip_control's array on the
+  // device: applied (grad_scale ignored), then skipped (nothing written).
+  for (double apply : {1.0, 0.0}) {
+    std::vector<NDArray> c;
+    for (int64_t n : {2051, 7})
+      for (int i = 0; i < 4; ++i) c.push_back(i == 3 ? io.f32({n}, 0.1f, 1) : io.f32({n}));
+    NDArray h = NDArray::empty({3}, DType::F64);
+    h.data<double>()[0] = 9.0;
+    h.data<double>()[1] = static_cast<double>(0.43f);
+    h.data<double>()[2] = apply;
+    const NDArray control = io.up(h);
+    kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.6f, 1e-3f, 7.0f, &control};
+    io.k().adam_step(io.s, {{&c[0], &c[1], &c[2], &c[3]}, {&c[4], &c[5], &c[6], &c[7]}}, f);
     for (const NDArray& a : c) io.keep(a);
   }
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -162,6 +163,73 @@ TEST(MemoryKernels, AdamStepGradScaleIsTheClipPassThenTheUpdate) {
       EXPECT_EQ(g.to_vector(), g0);
     }
   }
+}
+
+TEST(MemoryKernels, ClipControlIsTheHostsNormCoefficientAndGuard) {
+  // control = {sum_of_squares, clip_coefficient(sqrt(sum), max), finite}: the
+  // bits the trainer's host path computes, so the device path trains the same.
+  NDArray a = NDArray::empty({70001}, DType::F32), b = NDArray::empty({3}, DType::F32);
+  for (int64_t i = 0; i < a.numel(); ++i) a.host_data<float>("t")[i] = std::sin(0.11f * static_cast<float>(i));
+  for (int64_t i = 0; i < b.numel(); ++i) b.host_data<float>("t")[i] = 2.0f + static_cast<float>(i);
+  NDArray l0 = NDArray::from_vector({}, {3.25f}), l1 = NDArray::from_vector({}, {-1.0f});
+  const double sum = kernels::sum_of_squares(cpu(), {a, b});
+  for (double max_norm : {1.0, 1e9, 0.0, -1.0}) {
+    NDArray c = NDArray::empty({3}, DType::F64);
+    kernels::clip_control(cpu(), {a, b}, {l0, l1}, max_norm, c);
+    EXPECT_EQ(c.host_data<double>("c")[0], sum);
+    EXPECT_EQ(c.host_data<double>("c")[1], static_cast<double>(clip_coefficient(std::sqrt(sum), max_norm))) << max_norm;
+    EXPECT_EQ(c.host_data<double>("c")[2], 1.0);
+  }
+  NDArray c = NDArray::empty({3}, DType::F64);
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    NDArray lb = NDArray::from_vector({}, {bad});
+    kernels::clip_control(cpu(), {a, b}, {l0, lb}, 1.0, c);
+    EXPECT_EQ(c.host_data<double>("c")[2], 0.0) << "a loss term " << bad;
+    NDArray gb = b.clone();
+    gb.host_data<float>("t")[1] = bad;
+    kernels::clip_control(cpu(), {a, gb}, {l0}, 1.0, c);
+    EXPECT_EQ(c.host_data<double>("c")[2], 0.0) << "a gradient " << bad;
+  }
+  kernels::clip_control(cpu(), {}, {}, 1.0, c);
+  EXPECT_EQ(c.host_data<double>("c")[0], 0.0);
+  EXPECT_EQ(c.host_data<double>("c")[1], 1.0);
+  EXPECT_EQ(c.host_data<double>("c")[2], 1.0);
+  NDArray wrong = NDArray::empty({2}, DType::F64);
+  EXPECT_THROW(kernels::clip_control(cpu(), {a}, {l0}, 1.0, wrong), InternalError);
+}
+
+TEST(MemoryKernels, AdamStepReadsTheControlArray) {
+  // With AdamFactors::control the coefficient is control[1] (grad_scale
+  // unread) and control[2] != 1 leaves parameters and moments untouched.
+  const int64_t n = 70001;
+  NDArray p = NDArray::empty({n}, DType::F32), g = NDArray::empty({n}, DType::F32);
+  NDArray m = NDArray::empty({n}, DType::F32), v = NDArray::empty({n}, DType::F32);
+  for (int64_t i = 0; i < n; ++i) {
+    p.host_data<float>("t")[i] = std::sin(0.37f * static_cast<float>(i)) + 0.5f;
+    g.host_data<float>("t")[i] = std::cos(1.3f * static_cast<float>(i)) * 3.1f;
+    m.host_data<float>("t")[i] = 0.01f * static_cast<float>(i % 7);
+    v.host_data<float>("t")[i] = 0.001f * static_cast<float>(i % 5 + 1);
+  }
+  NDArray p2 = p.clone(), m2 = m.clone(), v2 = v.clone();
+  kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.5f, 0.01f};
+  f.grad_scale = 0.37f;
+  kernels::adam_step(cpu(), {{&p2, &g, &m2, &v2}}, f);
+  NDArray control = NDArray::empty({3}, DType::F64);
+  control.host_data<double>("c")[0] = 0.0;
+  control.host_data<double>("c")[1] = static_cast<double>(0.37f);
+  control.host_data<double>("c")[2] = 1.0;
+  f.grad_scale = 5.0f;  // not read
+  f.control = &control;
+  kernels::adam_step(cpu(), {{&p, &g, &m, &v}}, f);
+  EXPECT_EQ(p.to_vector(), p2.to_vector());
+  EXPECT_EQ(m.to_vector(), m2.to_vector());
+  EXPECT_EQ(v.to_vector(), v2.to_vector());
+  control.host_data<double>("c")[2] = 0.0;
+  const auto p0 = p.to_vector(), m0 = m.to_vector(), v0 = v.to_vector();
+  kernels::adam_step(cpu(), {{&p, &g, &m, &v}}, f);
+  EXPECT_EQ(p.to_vector(), p0);
+  EXPECT_EQ(m.to_vector(), m0);
+  EXPECT_EQ(v.to_vector(), v0);
 }
 
 TEST(GradClipping, OneRuleForTrainerAndTests) {

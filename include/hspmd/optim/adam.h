@@ -50,7 +50,11 @@ class Adam {
     NDArray* param = nullptr;
     const NDArray* grad = nullptr;
   };
-  void update_group(const std::vector<Update>& tensors, double lr, bool decay, float grad_scale = 1.0f);
+  // `control` (optional): kernels::clip_control's array on the tensors'
+  // device, read by the update as it runs (its coefficient instead of
+  // `grad_scale`; no change at all on a step it marks non-finite).
+  void update_group(const std::vector<Update>& tensors, double lr, bool decay, float grad_scale = 1.0f,
+                    const NDArray* control = nullptr);
 
   // The moments of `name` move in and out of the optimizer (a training
   // state resharded to another plan, a checkpoint): import replaces them

@@ -80,6 +80,12 @@ struct StepRecord {
   // Seconds the training thread spent on the step's selection and dispatch
   // (prepared on a background thread during the step before: ~0 when hidden).
   double dispatch_s = 0.0;
+  // Seconds from the step's start until the host had queued all of its work
+  // (the update included) and first waited for the device: set when a
+  // single-process step read nothing back before its end (the loss and the
+  // gradient norm after the update is queued; docs/cuda.md), else 0. On an
+  // asynchronous device, how far ahead of the device the host ran.
+  double queued_s = 0.0;
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };

@@ -106,6 +106,24 @@ double sum_of_squares(const std::vector<NDArray>& arrays) {
   return sum;
 }
 
+void clip_control(const std::vector<NDArray>& grads, const std::vector<NDArray>& losses, double max_norm,
+                  NDArray& control) {
+  HSPMD_CHECK(control.dtype() == DType::F64 && control.numel() == 3 && control.is_contiguous(),
+              "clip_control: the control array must be f64 [3]");
+  bool finite = true;
+  for (const NDArray& l : losses) {
+    HSPMD_CHECK(l.dtype() == DType::F32 && l.numel() == 1, "clip_control: each loss must be one f32 value");
+    finite = finite && std::isfinite(l.data<float>()[0]);
+  }
+  const double sum = sum_of_squares(grads);
+  const double norm = std::sqrt(sum);
+  double* c = control.data<double>();
+  c[0] = sum;
+  // clip_coefficient's expression (optim/lr_schedule.cc), the same bits.
+  c[1] = max_norm > 0 && norm > max_norm ? static_cast<double>(static_cast<float>(max_norm / (norm + 1e-6))) : 1.0;
+  c[2] = finite && std::isfinite(norm) ? 1.0 : 0.0;
+}
+
 namespace {
 
 // Below this many elements the OpenMP fork costs more than the loop.
@@ -141,7 +159,16 @@ void adam_tensor(float* p, const float* g, float* m, float* v, int64_t n, const 
 
 }  // namespace
 
-void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& given) {
+  AdamFactors f = given;
+  bool apply = true;
+  if (given.control != nullptr) {
+    const NDArray& control = *given.control;
+    HSPMD_CHECK(control.dtype() == DType::F64 && control.numel() == 3 && control.is_contiguous(),
+                "adam_step: the control array must be f64 [3] (clip_control's)");
+    apply = control.data<double>()[2] == 1.0;  // 0: a non-finite step, nothing changes
+    f.grad_scale = static_cast<float>(control.data<double>()[1]);
+  }
   std::vector<float> scaled;
   for (const AdamTensor& t : tensors) {
     for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad,
@@ -150,6 +177,7 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
                   "adam_step: param, grad and moments must be f32 of one size");
       require_contiguous("adam_step", *a);
     }
+    if (!apply) continue;
     float *p = t.param->data<float>(), *m = t.exp_avg->data<float>(), *v = t.exp_avg_sq->data<float>();
     const float* g = t.grad->data<float>();
     const int64_t n = t.param->numel();

@@ -110,6 +110,8 @@ NDArray to_device(Stream& s, const NDArray& host);
 // sum_of_squares call it: a bad id surfaces at the stream's next host read.
 void flush_checks(Stream& s);
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays);
+void clip_control(Stream& s, const std::vector<NDArray>& grads, const std::vector<NDArray>& losses, double max_norm,
+                  NDArray& control);
 void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f);
 
 }  // namespace hspmd::kernels::cuda

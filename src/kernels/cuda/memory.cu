@@ -180,9 +180,9 @@ __global__ void square_chunks_kernel(const int64_t* table, int64_t T, double* pa
   if (threadIdx.x == 0) partials[c] = part[0];
 }
 
-// *total = the chunk sums added, one block: each thread a fixed stride of
-// them in order, then a tree.
-__global__ void add_chunks_kernel(const double* partials, int64_t count, double* total) {
+// The chunk sums added by one block: each thread a fixed stride of them in
+// order, then a tree; thread 0 gets the total (the others, a part of it).
+__device__ double add_chunks(const double* partials, int64_t count) {
   __shared__ double part[kThreads];
   double sum = 0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) sum += partials[i];
@@ -192,7 +192,29 @@ __global__ void add_chunks_kernel(const double* partials, int64_t count, double*
     if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
     __syncthreads();
   }
-  if (threadIdx.x == 0) *total = part[0];
+  return part[0];
+}
+
+__global__ void add_chunks_kernel(const double* partials, int64_t count, double* total) {
+  const double sum = add_chunks(partials, count);
+  if (threadIdx.x == 0) *total = sum;
+}
+
+// clip_control's values (memory.h) from the gradients' chunk sums and the
+// loss terms (a table of `L` f32 pointers), one block: the sum in
+// add_chunks_kernel's order, then thread 0 writes control[0..2].
+__global__ void clip_control_kernel(const double* partials, int64_t count, const int64_t* losses, int64_t L,
+                                    double max_norm, double* control) {
+  const double sum = add_chunks(partials, count);
+  if (threadIdx.x != 0) return;
+  bool finite = true;
+  for (int64_t i = 0; i < L; ++i) finite = finite && isfinite(*reinterpret_cast<const float*>(losses[i]));
+  const double norm = sqrt(sum);  // IEEE, correctly rounded: the host's bits
+  control[0] = sum;
+  // clip_coefficient's expression (optim/lr_schedule.cc): the division in
+  // double, rounded once to f32.
+  control[1] = max_norm > 0 && norm > max_norm ? static_cast<double>(__double2float_rn(max_norm / (norm + 1e-6))) : 1.0;
+  control[2] = finite && isfinite(norm) ? 1.0 : 0.0;
 }
 
 // ---- AdamW ----
@@ -238,7 +260,12 @@ struct AdamOp {
 // bits as one launch per tensor, 16-byte accesses or not).
 constexpr int64_t kAdamChunk = 1 << 16;  // elements per chunk (a multiple of kVec)
 
-__global__ void adam_chunks_kernel(const int64_t* table, int64_t T, AdamFactors f) {
+// `control`: clip_control's array, or nullptr (AdamFactors::control).
+__global__ void adam_chunks_kernel(const int64_t* table, int64_t T, AdamFactors f, const double* control) {
+  if (control != nullptr) {
+    if (control[2] != 1.0) return;  // a non-finite step: nothing changes
+    f.grad_scale = static_cast<float>(control[1]);  // an f32 value: exact
+  }
   const int64_t c = blockIdx.x;
   const int64_t t = chunk_owner(table + 5 * T, T, c);
   const int64_t* ptr = table + 4 * t;
@@ -429,33 +456,46 @@ NDArray to_device(Stream& s, const NDArray& host) {
   return a;
 }
 
-double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
+namespace {
+
+// Queues the chunk sums of Σ x² over `arrays` (square_chunks_kernel): an
+// array of `chunks` doubles (the caller adds them), invalid when there is
+// no element.
+NDArray square_partials(Stream& s, const char* what, const std::vector<NDArray>& arrays, int64_t& chunks) {
   std::vector<int64_t> ptrs, sizes, first;
-  int64_t chunks = 0;
+  chunks = 0;
   for (const NDArray& a : arrays) {
-    require_contiguous("sum_of_squares", a);
-    HSPMD_CHECK(a.dtype() == DType::F32, "sum_of_squares: f32 arrays only");
+    require_contiguous(what, a);
+    HSPMD_CHECK(a.dtype() == DType::F32, what, ": f32 arrays only");
     if (a.numel() == 0) continue;
     ptrs.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data<float>())));
     sizes.push_back(a.numel());
     first.push_back(chunks);
     chunks += (a.numel() + kSquareChunk - 1) / kSquareChunk;
   }
-  if (chunks == 0) return 0.0;
+  if (chunks == 0) return NDArray();
+  HSPMD_CHECK(chunks < (int64_t{1} << 31), what, ": too many chunks for one grid");
   const int64_t T = static_cast<int64_t>(ptrs.size());
   first.push_back(chunks);
   std::vector<int64_t> table = ptrs;
   table.insert(table.end(), sizes.begin(), sizes.end());
   table.insert(table.end(), first.begin(), first.end());
   const NDArray dtable = device_table(s, table);
-  NDArray partials = NDArray::empty({chunks}, DType::I64, s.device());  // 8-byte slots for doubles
-  NDArray total = NDArray::empty({1}, DType::I64, s.device());
-  auto* p = static_cast<double*>(partials.raw_data());
-  auto* t = static_cast<double*>(total.raw_data());
-  HSPMD_CHECK(chunks < (int64_t{1} << 31), "sum_of_squares: too many chunks for one grid");
+  NDArray partials = NDArray::empty({chunks}, DType::F64, s.device());
   square_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
-      static_cast<const int64_t*>(dtable.raw_data()), T, p);
-  add_chunks_kernel<<<1, kThreads, 0, native(s)>>>(p, chunks, t);
+      static_cast<const int64_t*>(dtable.raw_data()), T, partials.data<double>());
+  return partials;
+}
+
+}  // namespace
+
+double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
+  int64_t chunks = 0;
+  const NDArray partials = square_partials(s, "sum_of_squares", arrays, chunks);
+  if (chunks == 0) return 0.0;
+  NDArray total = NDArray::empty({1}, DType::F64, s.device());
+  auto* t = total.data<double>();
+  add_chunks_kernel<<<1, kThreads, 0, native(s)>>>(partials.data<double>(), chunks, t);
   launched("sum_of_squares");
   double result = 0;
   cuda_rt::check(cudaMemcpyAsync(&result, t, sizeof result, cudaMemcpyDeviceToHost, native(s)), "cudaMemcpyAsync");
@@ -464,7 +504,33 @@ double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays) {
   return result;
 }
 
+void clip_control(Stream& s, const std::vector<NDArray>& grads, const std::vector<NDArray>& losses, double max_norm,
+                  NDArray& control) {
+  require_contiguous("clip_control", control);
+  HSPMD_CHECK(control.dtype() == DType::F64 && control.numel() == 3, "clip_control: the control array must be f64 [3]");
+  std::vector<int64_t> loss_ptrs;
+  for (const NDArray& l : losses) {
+    HSPMD_CHECK(l.dtype() == DType::F32 && l.numel() == 1, "clip_control: each loss must be one f32 value");
+    loss_ptrs.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(l.raw_data())));
+  }
+  int64_t chunks = 0;
+  const NDArray partials = square_partials(s, "clip_control", grads, chunks);
+  const NDArray dlosses = loss_ptrs.empty() ? NDArray() : device_table(s, loss_ptrs);
+  clip_control_kernel<<<1, kThreads, 0, native(s)>>>(
+      chunks == 0 ? nullptr : partials.data<double>(), chunks,
+      loss_ptrs.empty() ? nullptr : static_cast<const int64_t*>(dlosses.raw_data()),
+      static_cast<int64_t>(loss_ptrs.size()), max_norm, control.data<double>());
+  launched("clip_control");
+}
+
 void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFactors& f) {
+  const double* control = nullptr;
+  if (f.control != nullptr) {
+    require_contiguous("adam_step", *f.control);
+    HSPMD_CHECK(f.control->dtype() == DType::F64 && f.control->numel() == 3,
+                "adam_step: the control array must be f64 [3] (clip_control's)");
+    control = f.control->data<double>();
+  }
   std::vector<int64_t> ptrs, sizes, first;
   int64_t chunks = 0;
   for (const AdamTensor& t : tensors) {
@@ -492,7 +558,7 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
   table.insert(table.end(), first.begin(), first.end());
   const NDArray dtable = device_table(s, table);
   adam_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
-      static_cast<const int64_t*>(dtable.raw_data()), T, f);
+      static_cast<const int64_t*>(dtable.raw_data()), T, f, control);
   launched("adam_step");
 }
 
