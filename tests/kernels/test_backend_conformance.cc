@@ -119,17 +119,31 @@ void case_slice(Io& io) {
   NDArray a = io.f32({4, 10}), o = io.out({4, 5});
   io.k().slice(io.s, a, 1, 3, o);
   io.keep(o);
+  // Along dim 0 (one row: CUDA's 1-D copy) and a middle dim (pitched rows).
+  NDArray a3 = io.f32({6, 4, 3}), o0 = io.out({2, 4, 3}), o1 = io.out({6, 2, 3});
+  io.k().slice(io.s, a3, 0, 3, o0);
+  io.k().slice(io.s, a3, 1, 1, o1);
+  io.keep(o0);
+  io.keep(o1);
 }
 void case_slice_backward(Io& io) {
   NDArray g = io.f32({4, 5}), o = io.f32({4, 10});
   io.k().slice_backward(io.s, g, 1, 3, o);
   io.keep(o);
+  NDArray g0 = io.f32({2, 4, 3}), o0 = io.f32({6, 4, 3});
+  io.k().slice_backward(io.s, g0, 0, 3, o0);
+  io.keep(o0);
 }
 void case_concat(Io& io) {
   std::vector<NDArray> parts = {io.f32({4, 3}), io.f32({4, 5})};
   NDArray o = io.out({4, 8});
   io.k().concat(io.s, parts, 1, o);
   io.keep(o);
+  // Along dim 0 (each part one row: CUDA's 1-D copy).
+  std::vector<NDArray> rows = {io.f32({2, 5}), io.f32({3, 5})};
+  NDArray o0 = io.out({5, 5});
+  io.k().concat(io.s, rows, 0, o0);
+  io.keep(o0);
 }
 void case_reduce_sum(Io& io) {
   NDArray a = io.f32({4, 6, 5}), o = io.out({4, 5});

@@ -27,9 +27,28 @@ int64_t dims_product(const Shape& s, int begin, int end) {
 }
 
 // `outer` rows of `bytes` bytes between pitched buffers on the device.
+// cudaMemcpy2DAsync refuses a pitch above the device's memPitch (2^31 - 1
+// bytes): a slice or concat along dim 0 of an array past 2 GiB (bf16 logits
+// [16384, 151936]: 5 GB) has one row as large as the array. Rows that are
+// contiguous on both sides go as one 1-D copy; rows with a pitch past the
+// limit as one copy each (there are few: each is over 2 GiB apart).
 void copy_rows(Stream& s, const void* src, int64_t src_pitch, void* dst, int64_t dst_pitch, int64_t outer,
                int64_t bytes, const char* what) {
   if (bytes == 0 || outer == 0) return;
+  if (outer == 1 || (src_pitch == bytes && dst_pitch == bytes)) {
+    cuda_rt::check(cudaMemcpyAsync(dst, src, static_cast<size_t>(outer * bytes), cudaMemcpyDeviceToDevice, native(s)),
+                   what);
+    return;
+  }
+  constexpr int64_t kMaxPitch = 0x7fffffff;  // cudaDevAttrMaxPitch on every current GPU
+  if (src_pitch > kMaxPitch || dst_pitch > kMaxPitch) {
+    for (int64_t r = 0; r < outer; ++r)
+      cuda_rt::check(cudaMemcpyAsync(static_cast<char*>(dst) + r * dst_pitch,
+                                     static_cast<const char*>(src) + r * src_pitch, static_cast<size_t>(bytes),
+                                     cudaMemcpyDeviceToDevice, native(s)),
+                     what);
+    return;
+  }
   cuda_rt::check(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_pitch), src, static_cast<size_t>(src_pitch),
                                    static_cast<size_t>(bytes), static_cast<size_t>(outer), cudaMemcpyDeviceToDevice,
                                    native(s)),
