@@ -374,7 +374,20 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
   const bool bf16 = compute == GemmCompute::kBF16 || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
   const NDArray a_op = bf16 ? as_bf16(s, a) : a, b_op = bf16 ? as_bf16(s, b) : b;
   GemmCall c{&a_op, &b_op, trans_a, trans_b, m, n, k, a_cols, b.dim(1), bf16 ? CUDA_R_16BF : CUDA_R_32F, addend, &out};
-  if (addend != nullptr) launch::require_contiguous("matmul", *addend);
+  if (addend != nullptr) {
+    // basic.h's contract, which cuBLASLt's C reads as is: f32 of out's size
+    // (an f32 C layout over it), and apart from out. An addend inside out
+    // would be C == D, and the measured mode runs each candidate algorithm
+    // several times on the real arrays: D = A·B + D again each run.
+    launch::require_contiguous("matmul", *addend);
+    HSPMD_CHECK(addend->dtype() == DType::F32 && out.dtype() == DType::F32 && addend->numel() == out.numel(),
+                "matmul: the addend must be f32 of the output's size with an f32 output, got ",
+                dtype_name(addend->dtype()), shape_str(addend->shape()), " for ", dtype_name(out.dtype()),
+                shape_str(out.shape()));
+    const auto* a0 = static_cast<const char*>(addend->raw_data());
+    const auto* o0 = static_cast<const char*>(out.raw_data());
+    HSPMD_CHECK(a0 + addend->nbytes() <= o0 || o0 + out.nbytes() <= a0, "matmul: the addend overlaps the output");
+  }
   // cuBLASLt for an addend (C != D), and for every GEMM whose algorithm is measured.
   const bool measured = gemm_algorithm() == GemmAlgorithm::kMeasured;
   if ((addend != nullptr || measured) && lt_matmul(s, c, measured)) return;
