@@ -117,20 +117,23 @@ __device__ int64_t kept_offset(const ReduceMap& m, int64_t o) {
   return off;
 }
 
+// A grid-stride loop over the outputs: blocks_for caps the grid at 2^21
+// blocks (2^29 threads), fewer than the outputs of a logits-sized array.
 __global__ void reduce_sum_kernel(const float* x, float* y, ReduceMap m, int64_t outputs) {
-  const int64_t o = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (o >= outputs) return;
-  const int64_t base = kept_offset(m, o);
-  double acc = 0;
-  for (int64_t r = 0; r < m.red_count; ++r) {
-    int64_t off = base, q = r;
-    for (int d = m.red - 1; d >= 0; --d) {
-      off += (q % m.red_dims[d]) * m.red_strides[d];
-      q /= m.red_dims[d];
+  for (int64_t o = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; o < outputs;
+       o += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t base = kept_offset(m, o);
+    double acc = 0;
+    for (int64_t r = 0; r < m.red_count; ++r) {
+      int64_t off = base, q = r;
+      for (int d = m.red - 1; d >= 0; --d) {
+        off += (q % m.red_dims[d]) * m.red_strides[d];
+        q /= m.red_dims[d];
+      }
+      acc += x[off];
     }
-    acc += x[off];
+    y[o] = static_cast<float>(acc);
   }
-  y[o] = static_cast<float>(acc);
 }
 
 // out[i] = g[o(i)]: o(i) drops the reduced dims of i.
