@@ -576,6 +576,115 @@ void layout_and_model_ops() {
   });
 }
 
+// The largest shape of the benchmarks: cross-entropy over Qwen2-1.5B's
+// 16384 x 151936 logits (2.49e9 elements, past 2^31: every element index in
+// the CUDA kernels must be 64-bit), its 151646 classes (the padded columns'
+// gradient zero; a class count that leaves a tail of single entries past
+// the 16-byte groups). The logits are zeros (lse log(classes)) but for
+// three rows of random values filled on the device: the row holding element
+// 2^31, and the last two (the last with -inf entries, the second last
+// ignored). Checked: every row's lse, the loss, and the gradients (f32 and
+// bf16, over arrays filled with NaN first) of those rows and of a zero row
+// past 2^31, against the CPU's kernels on the rows alone, relative to each
+// row's largest value (an unwritten or misplaced row fails). 25 GB of
+// device memory; on the device double (a CPU machine) 6 rows instead.
+double worst_rel(const NDArray& got, const NDArray& want) {
+  if (got.shape() != want.shape()) return INFINITY;
+  const std::vector<float> a = got.to_vector(), b = want.to_vector();
+  double m = 0, d = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    m = std::max(m, static_cast<double>(std::fabs(b[i])));
+    const double e = std::fabs(static_cast<double>(a[i]) - b[i]);
+    if (!(e <= d)) d = std::isnan(e) ? INFINITY : e;  // NaN (an unwritten element): fails
+  }
+  return m > 0 ? d / m : d;
+}
+
+void large_shapes() {
+  run_case("cross_entropy_past_2g", [] {
+    const bool full = device_under_test != Device::host_double();
+    const int64_t v = 151936, classes = 151646, rows = full ? 16384 : 6;
+    const int64_t straddle = full ? (int64_t{1} << 31) / v : 2;  // the row holding element 2^31
+    const int64_t zero_row = rows - 3;                              // past 2^31 too
+    std::vector<int32_t> t = random_id_vector(rows, 0, static_cast<int32_t>(classes), 70);
+    for (int64_t r = 5; r < rows; r += 7) t[r] = -100;
+    t[straddle] = static_cast<int32_t>(full ? (int64_t{1} << 31) - straddle * v + 5 : 7);  // picked past 2^31
+    t[zero_row] = 11;
+    t[rows - 2] = -100;
+    t[rows - 1] = static_cast<int32_t>(classes - 1);
+    const NDArray targets = NDArray::from_vector_i32({rows}, t), gtargets = up(targets);
+    const NDArray norm = NDArray::from_vector({1}, {8.0f}), dloss = NDArray::from_vector({1}, {1.5f});
+    NDArray glogits = dev_empty({rows, v});
+    kernels::fill(gpu(), glogits, 0.0f);
+    const std::vector<int64_t> random_rows = {straddle, rows - 2, rows - 1};
+    std::vector<NDArray> host_rows;
+    for (size_t i = 0; i < random_rows.size(); ++i) {
+      NDArray row = random_f32({1, v}, 71 + static_cast<uint32_t>(i));
+      if (random_rows[i] == rows - 1)
+        for (int64_t j = 0; j < 300; ++j) row.data<float>()[j] = -INFINITY;
+      NDArray dst = glogits.slice(0, random_rows[i], random_rows[i] + 1);
+      kernels::copy(gpu(), up(row), dst);
+      host_rows.push_back(row);
+    }
+    NDArray gloss = dev_empty({1}), glse = dev_empty({rows});
+    kernels::cross_entropy(gpu(), glogits, gtargets, up(norm), -100, gloss, glse, classes);
+    // The CPU's kernels on one row: its lse and its loss term (normalizer 1).
+    const NDArray one = NDArray::from_vector({1}, {1.0f}), zeros = NDArray::zeros({1, v}, DType::F32);
+    const auto cpu_row = [&](const NDArray& x, int32_t target, NDArray& lse1) {
+      NDArray loss1 = NDArray::empty({1}, DType::F32);
+      const NDArray t1 = NDArray::from_vector_i32({1}, {target});
+      kernels::cross_entropy(cpu(), x, t1, one, -100, loss1, lse1, classes);
+      return static_cast<double>(loss1.data<float>()[0]);
+    };
+    std::vector<float> want_lse(rows);
+    double total = 0;
+    NDArray zero_lse = NDArray::empty({1}, DType::F32);
+    const double zero_term = cpu_row(zeros, 11, zero_lse);  // log(classes) - 0
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t[r] == -100) continue;
+      want_lse[r] = zero_lse.data<float>()[0];
+      total += zero_term;
+    }
+    std::vector<NDArray> row_lse;
+    for (size_t i = 0; i < random_rows.size(); ++i) {
+      const int64_t r = random_rows[i];
+      NDArray lse1 = NDArray::empty({1}, DType::F32);
+      const double term = cpu_row(host_rows[i], t[r], lse1);
+      if (t[r] != -100) {
+        total += term - zero_term;
+        want_lse[r] = lse1.data<float>()[0];
+      }
+      row_lse.push_back(lse1);
+    }
+    const double e_lse = worst_rel(down(glse), NDArray::from_vector({rows}, want_lse));
+    const double e_loss =
+        worst_rel(down(gloss), NDArray::from_vector({1}, {static_cast<float>(total / norm.data<float>()[0])}));
+    // The gradients, written over NaN.
+    double e_dx = 0, e_dx16 = 0;
+    NDArray gdx = dev_empty({rows, v}), gdx16 = dev_empty({rows, v}, DType::BF16);
+    kernels::fill(gpu(), gdx, NAN);
+    kernels::fill(gpu(), gdx16, NAN);
+    kernels::cross_entropy_backward(gpu(), up(dloss), glogits, gtargets, up(norm), glse, -100, 0, gdx, classes);
+    kernels::cross_entropy_backward(gpu(), up(dloss), glogits, gtargets, up(norm), glse, -100, 0, gdx16, classes);
+    for (size_t i = 0; i <= random_rows.size(); ++i) {
+      const bool zero = i == random_rows.size();
+      const int64_t r = zero ? zero_row : random_rows[i];
+      const NDArray& x = zero ? zeros : host_rows[i];
+      const NDArray& lse1 = zero ? zero_lse : row_lse[i];
+      const NDArray t1 = NDArray::from_vector_i32({1}, {t[r]});
+      NDArray dx = NDArray::empty({1, v}, DType::F32), dx16 = NDArray::empty({1, v}, DType::BF16);
+      kernels::cross_entropy_backward(cpu(), dloss, x, t1, norm, lse1, -100, 0, dx, classes);
+      kernels::cross_entropy_backward(cpu(), dloss, x, t1, norm, lse1, -100, 0, dx16, classes);
+      e_dx = std::max(e_dx, worst_rel(down(gdx.slice(0, r, r + 1)), dx));
+      e_dx16 = std::max(e_dx16, worst_rel(down(gdx16.slice(0, r, r + 1)), dx16));
+    }
+    char d[128];
+    std::snprintf(d, sizeof d, "rows=%lld lse=%.1e loss=%.1e dx=%.1e dx_bf16=%.1e", static_cast<long long>(rows),
+                  e_lse, e_loss, e_dx, e_dx16);
+    result("cross_entropy_past_2g", e_lse < 1e-6 && e_loss < 1e-6 && e_dx < 1e-5 && e_dx16 < 8e-3, d);
+  });
+}
+
 // Attention against the CPU's flash-style kernels: GQA, odd lengths, head
 // dims 16 and 40, documents as cu_seqlens and as positions, a sliding
 // window; f32 products within 1e-5 (forward) and 1e-4 (gradients) of the
@@ -752,6 +861,7 @@ int main(int argc, char** argv) {
   ops();
   gemm();
   layout_and_model_ops();
+  large_shapes();
   attention();
   if (!on_double) runtime();
   std::printf("conformance_memory: %d failure(s)\n", conformance::failures);
