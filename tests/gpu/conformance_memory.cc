@@ -683,6 +683,38 @@ void large_shapes() {
                   e_lse, e_loss, e_dx, e_dx16);
     result("cross_entropy_past_2g", e_lse < 1e-6 && e_loss < 1e-6 && e_dx < 1e-5 && e_dx16 < 8e-3, d);
   });
+  // The decoder's post-attention add and norm and the norm's backward at
+  // Qwen2-1.5B's [16384, 1536] (a row fills 192 of a block's 256 threads;
+  // the backward's blocks of 32 rows, 512 of them, and their partial sums
+  // added by chunk_totals_kernel in slices of 64): a bf16 block input and
+  // branch, the f32 sum, the bf16 norm; dx f32 with the residual stream's
+  // gradient added and its bf16 copy. The sum and the copy exact (the f32
+  // add; dx rounded once), the rest against the CPU's within f32 rounding
+  // (a bf16 ulp for the bf16 norm). 40 rows on the device double.
+  run_case("norm_model_shape", [] {
+    const bool full = device_under_test != Device::host_double();
+    const int64_t rows = full ? 16384 : 40, h = 1536;
+    const Shape shape = {rows, h};
+    const NDArray a = random_f32(shape, 80).to(DType::BF16), b = random_f32(shape, 81).to(DType::BF16);
+    const NDArray w = random_f32({h}, 82), dy = random_f32(shape, 83), addend = random_f32(shape, 84);
+    NDArray sum = NDArray::empty(shape, DType::F32), y = NDArray::empty(shape, DType::BF16);
+    NDArray gsum = dev_empty(shape), gy = dev_empty(shape, DType::BF16);
+    kernels::add_rms_norm(cpu(), a, b, w, 1e-6f, sum, y);
+    kernels::add_rms_norm(gpu(), up(a), up(b), up(w), 1e-6f, gsum, gy);
+    const double e_sum = max_diff(down(gsum), sum), e_y = rel_diff(down(gy), y);
+    NDArray dx = NDArray::empty(shape, DType::F32), dw = NDArray::empty({h}, DType::F32);
+    NDArray gdx = dev_empty(shape), gdw = dev_empty({h}), gdx16 = dev_empty(shape, DType::BF16);
+    kernels::rms_norm_backward(cpu(), dy, sum, w, 1e-6f, dx, dw, &addend);
+    const NDArray gaddend = up(addend);
+    kernels::rms_norm_backward(gpu(), up(dy), gsum, up(w), 1e-6f, gdx, gdw, &gaddend, &gdx16);
+    const NDArray got_dx = down(gdx);
+    const double e_dx = rel_diff(got_dx, dx), e_dw = rel_diff(down(gdw), dw);
+    const double e_copy = max_diff(down(gdx16).to(DType::F32), got_dx.to(DType::BF16).to(DType::F32));
+    char d[160];
+    std::snprintf(d, sizeof d, "rows=%lld sum=%.1e y_bf16=%.1e dx=%.1e dweight=%.1e dx_copy=%.1e",
+                  static_cast<long long>(rows), e_sum, e_y, e_dx, e_dw, e_copy);
+    result("norm_model_shape", e_sum == 0 && e_y < 4e-3 && e_dx < 1e-5 && e_dw < 1e-5 && e_copy == 0, d);
+  });
 }
 
 // Attention against the CPU's flash-style kernels: GQA, odd lengths, head
