@@ -229,7 +229,10 @@ ModelGraph build_decoder(const ModelConfig& c, const ModelBuildOptions& o) {
            head_input_point());
   Tensor head = c.tie_word_embeddings ? mark(ops::cast(g.find(kEmbedding), lo), tied_head_point())
                                       : ops::cast(g.find("lm_head.weight"), lo);
-  Tensor logits = ops::linear(h, head);
+  // Under bf16 compute the head writes bf16 logits, as PyTorch's autocast
+  // and Megatron-LM's bf16 head do; cross-entropy widens them and computes
+  // in f32 (docs/precision.md). Half the bytes of the largest activation.
+  Tensor logits = ops::linear(h, head, o.precision.compute);
   // Padded vocabulary: only the first vocab_size logits are classes.
   // The logits' gradient in the head GEMM's operand dtype (its gradient
   // would round it there anyway): no f32 copy of the [tokens, vocab] array.

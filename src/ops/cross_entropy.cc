@@ -1,5 +1,6 @@
 // cross_entropy: Σ over non-ignored tokens of -log softmax(logits)[target],
-// divided by a scalar normalizer. The backward is one fused op producing
+// divided by a scalar normalizer; logits f32 or bf16 (the log-softmax in f32
+// either way, as PyTorch's autocast computes it from a bf16 head). The backward is one fused op producing
 // dlogits (f32, or bf16 rounded once from f32); targets and normalizer get
 // no gradient.
 // Deduction: token splits of logits (targets alike) make the loss partial
@@ -120,7 +121,8 @@ class CrossEntropyOp final : public Op {
   std::string type() const override { return "cross_entropy"; }
   std::vector<TensorMeta> infer(const std::vector<TensorMeta>& in) const override {
     expect_inputs("cross_entropy", in, 3);
-    expect_dtype("cross_entropy", "logits", in[0], DType::F32);
+    if (in[0].dtype != DType::F32 && in[0].dtype != DType::BF16)
+      fail("[cross_entropy] logits must be f32 or bf16, got ", dtype_name(in[0].dtype));
     expect_dtype("cross_entropy", "targets", in[1], DType::I32);
     expect_dtype("cross_entropy", "normalizer", in[2], DType::F32);
     const SymShape& l = in[0].shape;

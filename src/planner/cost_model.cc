@@ -365,8 +365,9 @@ double CostModel::activation_bytes(const StageShape& st, int64_t s, int64_t b) c
                           .activation_bytes_per_token(model_, activation_element_bytes(st.ranks.front()), tp, cp,
                                                       st.recompute);
   double bytes = tokens * (per_token_layer * st.layers + per_token_stage);
-  if (st.last)  // logits of the vocabulary shard and their softmax (fp32)
-    bytes += 2 * tokens / (tp * cp) * static_cast<double>(model_.table_rows()) * kBytes;
+  if (st.last)  // logits of the vocabulary shard and their gradient, in the compute dtype
+    bytes += 2 * tokens / (tp * cp) * static_cast<double>(model_.table_rows()) *
+             activation_element_bytes(st.ranks.front());
   return bytes;
 }
 

@@ -468,6 +468,21 @@ void case_cross_entropy(Io& io) {
   io.k().cross_entropy(io.s, masked, tm, io.up(NDArray::from_vector({1}, {3.0f})), -100, ml, mlse, 0);
   io.keep(ml);
   io.keep(mlse);
+  // bf16 logits (a bf16 LM head): 16-byte groups of 8 (4000, 32000), a
+  // padded vocabulary ending inside a group, single entries (1003), -inf.
+  for (const auto& [rows, width, classes] :
+       std::vector<std::array<int64_t, 3>>{{11, 4000, 0}, {3, 32000, 0}, {6, 4000, 3998}, {5, 1003, 1001}}) {
+    WideCrossEntropyInputs w(io, rows, width, classes);
+    const NDArray x16 = io.k().cast(io.s, w.logits, DType::BF16);
+    NDArray wl = io.out({1}), wlse = io.out({rows});
+    io.k().cross_entropy(io.s, x16, w.targets, w.normalizer, -100, wl, wlse, classes);
+    io.keep(wl);
+    io.keep(wlse);
+  }
+  const NDArray masked16 = io.k().cast(io.s, masked, DType::BF16);
+  io.k().cross_entropy(io.s, masked16, tm, io.up(NDArray::from_vector({1}, {3.0f})), -100, ml, mlse, 0);
+  io.keep(ml);
+  io.keep(mlse);
 }
 void case_cross_entropy_shard_stats(Io& io) {
   CrossEntropyInputs in(io, 16);  // entries [8, 24) of 31
@@ -482,6 +497,11 @@ void case_cross_entropy_shard_stats(Io& io) {
   w.targets = io.up(NDArray::from_vector_i32({9}, t));
   NDArray wl = io.out({9}), wp = io.out({9});
   io.k().cross_entropy_shard_stats(io.s, w.logits, w.targets, 4000, 8000, -100, wl, wp, 7990);
+  io.keep(wl);
+  io.keep(wp);
+  // The same shard's logits in bf16.
+  const NDArray x16 = io.k().cast(io.s, w.logits, DType::BF16);
+  io.k().cross_entropy_shard_stats(io.s, x16, w.targets, 4000, 8000, -100, wl, wp, 7990);
   io.keep(wl);
   io.keep(wp);
 }
@@ -508,6 +528,13 @@ void case_cross_entropy_backward(Io& io) {
     io.k().cross_entropy_backward(io.s, dloss, w.logits, w.targets, w.normalizer, wlse, -100, 0, wd16, classes);
     io.keep(wd);
     keep_rounded_once(io, wd, wd16);
+    // From bf16 logits, into f32 and bf16 gradients.
+    const NDArray x16 = io.k().cast(io.s, w.logits, DType::BF16);
+    NDArray bd = io.out({rows, width}), bd16 = io.out({rows, width}, DType::BF16);
+    io.k().cross_entropy_backward(io.s, dloss, x16, w.targets, w.normalizer, wlse, -100, 0, bd, classes);
+    io.k().cross_entropy_backward(io.s, dloss, x16, w.targets, w.normalizer, wlse, -100, 0, bd16, classes);
+    io.keep(bd);
+    keep_rounded_once(io, bd, bd16);
   }
 }
 

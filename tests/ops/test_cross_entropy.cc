@@ -152,6 +152,50 @@ TEST(CrossEntropy, Bf16GradientIsTheF32OneRoundedOnce) {
   EXPECT_THROW(ops::cross_entropy(tl, tt, tn, -100, 0, DType::I32), Error);
 }
 
+// bf16 logits (a bf16 LM head) are their exact f32 widening to the kernels:
+// the loss, lse, shard statistics and gradients equal those of the widened
+// f32 copy bit for bit, with and without padded classes, on a shard.
+TEST(CrossEntropy, Bf16LogitsAreTheirWidenedF32Values) {
+  const int64_t rows = 37, v = 304;
+  const NDArray logits = random_array({rows, v}, 13, 4.0f).to(DType::BF16);
+  const NDArray wide = logits.to(DType::F32);
+  std::vector<int32_t> tv(rows);
+  for (int64_t r = 0; r < rows; ++r) tv[r] = static_cast<int32_t>((r * 89) % 290);
+  tv[3] = -100;
+  const NDArray targets = NDArray::from_vector_i32({rows}, tv);
+  const NDArray norm = NDArray::from_vector({}, {5.0f}), dloss = NDArray::from_vector({}, {0.75f});
+  for (const int64_t classes : {int64_t{0}, int64_t{290}}) {
+    NDArray loss[2], lse[2], stats[2][2];
+    for (int k = 0; k < 2; ++k) {
+      const NDArray& x = k == 0 ? logits : wide;
+      loss[k] = NDArray::empty({}, DType::F32);
+      lse[k] = NDArray::empty({rows}, DType::F32);
+      kernels::cross_entropy(cpu_stream(), x, targets, norm, -100, loss[k], lse[k], classes);
+      stats[k][0] = NDArray::empty({rows}, DType::F32);
+      stats[k][1] = NDArray::empty({rows}, DType::F32);
+      kernels::cross_entropy_shard_stats(cpu_stream(), x, targets, 150, 454, -100, stats[k][0], stats[k][1],
+                                         classes);
+    }
+    EXPECT_EQ(loss[0].to_vector(), loss[1].to_vector()) << classes;
+    EXPECT_EQ(lse[0].to_vector(), lse[1].to_vector());
+    EXPECT_EQ(stats[0][0].to_vector(), stats[1][0].to_vector());
+    EXPECT_EQ(stats[0][1].to_vector(), stats[1][1].to_vector());
+    for (DType gd : {DType::F32, DType::BF16}) {
+      NDArray g16 = NDArray::empty({rows, v}, gd), g32 = NDArray::empty({rows, v}, gd);
+      kernels::cross_entropy_backward(cpu_stream(), dloss, logits, targets, norm, lse[1], -100, 0, g16, classes);
+      kernels::cross_entropy_backward(cpu_stream(), dloss, wide, targets, norm, lse[1], -100, 0, g32, classes);
+      EXPECT_EQ(g16.to(DType::F32).to_vector(), g32.to(DType::F32).to_vector());
+    }
+  }
+  // The op takes bf16 logits; an i32 one is refused in one line.
+  Graph g;
+  Tensor tl = g.placeholder("logits", {rows, v}, DType::BF16);
+  Tensor tt = g.placeholder("targets", {rows}, DType::I32), tn = g.placeholder("norm", {}, DType::F32);
+  EXPECT_NO_THROW(ops::cross_entropy(tl, tt, tn, -100, 0, DType::BF16));
+  Tensor ti = g.placeholder("ids", {rows, v}, DType::I32);
+  EXPECT_THROW(ops::cross_entropy(ti, tt, tn), Error);
+}
+
 TEST(CrossEntropy, LargeRowsMatchReferenceAndAreDeterministic) {
   const int64_t rows = 256, v = 4096;
   NDArray logits = random_array({rows, v}, 4, 4.0f);

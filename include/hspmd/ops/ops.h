@@ -141,7 +141,8 @@ Tensor swiglu(const Tensor& gate, const Tensor& up);
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents,
                  float softmax_scale, bool context_parallel = false,
                  DType products = DType::F32, int64_t window = 0, DType out_dtype = DType::F32);
-// Softmax cross-entropy: logits [..., V], targets i32 [...]. Returns the
+// Softmax cross-entropy: logits [..., V] (f32, or bf16: widened exactly,
+// the log-softmax computed in f32 either way), targets i32 [...]. Returns the
 // scalar sum over tokens with target != ignore_index of -log p(target),
 // divided by `normalizer` (an f32 scalar tensor, usually the number of target
 // tokens of the whole global batch).

@@ -299,17 +299,18 @@ __device__ inline void max_sum_add(MaxSum& p, const float (&x)[V]) {
 // order: the same bits on every run), written to lse; the row's loss
 // contribution to row_loss (0 for ignored rows); with `picked`, the
 // target's logit when the shard holds it. n == 0 gives -inf (a shard of
-// padding only). One block per row (grid-stride beyond). V = 4: x and the
-// row length keep every row 16-byte aligned.
-template <int V>
-__global__ void __launch_bounds__(kThreads) row_lse_kernel(const float* x, const int32_t* targets, int64_t v,
+// padding only). One block per row (grid-stride beyond). Logits I = float
+// or bf16 (widened exactly, the same f32 values). V > 1 (4 f32 or 8 bf16:
+// 16 bytes): x and the row length keep every row 16-byte aligned.
+template <int V, typename I>
+__global__ void __launch_bounds__(kThreads) row_lse_kernel(const I* x, const int32_t* targets, int64_t v,
                                                            int64_t n, int64_t vocab_begin, int32_t ignore,
                                                            float* lse, double* row_loss, float* picked,
                                                            int64_t rows) {
   __shared__ MaxSum warp_pairs[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const float* xr = x + r * v;
+    const I* xr = x + r * v;
     const int32_t t = targets[r];
     if (t == ignore) {
       if (threadIdx.x == 0) {
@@ -334,7 +335,8 @@ __global__ void __launch_bounds__(kThreads) row_lse_kernel(const float* x, const
       max_sum_add<V>(p, xv);
     }
     for (int64_t j = groups * V + threadIdx.x; j < n; j += blockDim.x) {  // the tail (V > 1)
-      const float one[1] = {xr[j]};
+      float one[1];
+      load<1>(xr, j, one);
       max_sum_add<1>(p, one);
     }
 #pragma unroll
@@ -352,21 +354,24 @@ __global__ void __launch_bounds__(kThreads) row_lse_kernel(const float* x, const
     lse[r] = static_cast<float>(l);
     const int64_t local = t - vocab_begin;
     // A target outside the row (a bad one: check_targets reports it) reads nothing.
-    if (row_loss) row_loss[r] = local >= 0 && local < n ? l - xr[local] : l;
-    if (picked) picked[r] = local >= 0 && local < n ? xr[local] : 0.0f;
+    float target[1] = {0.0f};
+    if (local >= 0 && local < n) load<1>(xr, local, target);
+    if (row_loss) row_loss[r] = local >= 0 && local < n ? l - target[0] : l;
+    if (picked) picked[r] = target[0];
   }
 }
 
-// Launches row_lse_kernel: 16-byte groups where the logits' rows allow.
-void launch_row_lse(Stream& s, const float* x, const int32_t* targets, int64_t v, int64_t n, int64_t vocab_begin,
-                    int32_t ignore, float* lse, double* row_loss, float* picked, int64_t rows) {
+// Launches row_lse_kernel on f32 or bf16 logits: 16-byte groups where the
+// logits' rows allow.
+void launch_row_lse(Stream& s, const char* what, const NDArray& logits, const int32_t* targets, int64_t v, int64_t n,
+                    int64_t vocab_begin, int32_t ignore, float* lse, double* row_loss, float* picked, int64_t rows) {
   const unsigned grid = static_cast<unsigned>(rows < (1 << 20) ? rows : (1 << 20));
-  if (v % 4 == 0 && aligned16(x))
-    row_lse_kernel<4><<<grid, kThreads, 0, native(s)>>>(x, targets, v, n, vocab_begin, ignore, lse, row_loss, picked,
-                                                        rows);
-  else
-    row_lse_kernel<1><<<grid, kThreads, 0, native(s)>>>(x, targets, v, n, vocab_begin, ignore, lse, row_loss, picked,
-                                                        rows);
+  with_float_type(what, logits, [&](auto* x) {
+    using I = std::remove_pointer_t<decltype(x)>;
+    constexpr int kGroup = 16 / sizeof(I);  // 4 f32 or 8 bf16
+    const auto kernel = v % kGroup == 0 && aligned16(x) ? &row_lse_kernel<kGroup, I> : &row_lse_kernel<1, I>;
+    kernel<<<grid, kThreads, 0, native(s)>>>(x, targets, v, n, vocab_begin, ignore, lse, row_loss, picked, rows);
+  });
 }
 
 // loss = Σ_rows row_loss (double; each thread a strided part, then a fixed
@@ -399,8 +404,8 @@ __global__ void combine_kernel(const float* part, const float* picked, const int
 // thread at a time (V = kVec: 16-byte loads of the logits and stores of dx,
 // the caller checked the row length and the pointers), then the columns
 // past the last whole group one at a time.
-template <int V, typename O>
-__device__ inline void ce_backward_columns(const float* xr, O* dr, int64_t c0, float l, float g, int64_t n,
+template <int V, typename I, typename O>
+__device__ inline void ce_backward_columns(const I* xr, O* dr, int64_t c0, float l, float g, int64_t n,
                                            int64_t target_column, bool ignored) {
   float xv[V], d[V];
   load<V>(xr, c0, xv);
@@ -417,15 +422,15 @@ __device__ inline void ce_backward_columns(const float* xr, O* dr, int64_t c0, f
   store<V>(dr, c0, d);
 }
 
-template <int V, typename O>
-__global__ void ce_backward_kernel(const float* dloss, const float* x, const int32_t* targets, const float* normalizer,
+template <int V, typename I, typename O>
+__global__ void ce_backward_kernel(const float* dloss, const I* x, const int32_t* targets, const float* normalizer,
                                    const float* lse, int32_t ignore, int64_t vocab_begin, int64_t v, int64_t n,
                                    O* dx, int64_t rows) {
   const float g = dloss[0] / normalizer[0];
   const int64_t groups = v / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t t = targets[r];
-    const float* xr = x + r * v;
+    const I* xr = x + r * v;
     O* dr = dx + r * v;
     const float l = lse[r];
     const int64_t target_column = t - vocab_begin;
@@ -577,14 +582,14 @@ void cross_entropy(Stream& s, const NDArray& logits, const NDArray& targets, con
                    int ignore_index, NDArray& loss, NDArray& lse, int64_t classes) {
   require_contiguous("cross_entropy", logits);
   require_contiguous("cross_entropy", targets);
-  require_f32("cross_entropy", {&logits, &normalizer, &loss, &lse});
+  require_f32("cross_entropy", {&normalizer, &loss, &lse});  // logits f32 or bf16
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && loss.numel() == 1, "cross_entropy: sizes");
   const int64_t n = class_columns(v, 0, classes);
   check_targets(s, targets, n, ignore_index);
   NDArray row_loss = NDArray::empty({rows > 0 ? rows : 1}, DType::F64, logits.device());
   if (rows > 0) {
-    launch_row_lse(s, logits.data<float>(), targets.data<int32_t>(), v, n, 0, ignore_index, lse.data<float>(),
+    launch_row_lse(s, "cross_entropy", logits, targets.data<int32_t>(), v, n, 0, ignore_index, lse.data<float>(),
                    static_cast<double*>(row_loss.raw_data()), nullptr, rows);
     launched("cross_entropy");
   }
@@ -598,7 +603,7 @@ void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& 
                                int64_t classes) {
   require_contiguous("cross_entropy", logits);
   require_contiguous("cross_entropy", targets);
-  require_f32("cross_entropy_shard_stats", {&logits, &local_lse, &target_logit});
+  require_f32("cross_entropy_shard_stats", {&local_lse, &target_logit});  // logits f32 or bf16
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && local_lse.numel() == rows && target_logit.numel() == rows,
               "cross_entropy_shard_stats: sizes");
@@ -606,7 +611,7 @@ void cross_entropy_shard_stats(Stream& s, const NDArray& logits, const NDArray& 
   check_targets(s, targets, classes > 0 ? classes : vocab_size, ignore_index);
   const int64_t n = class_columns(v, vocab_begin, classes);
   if (rows == 0) return;
-  launch_row_lse(s, logits.data<float>(), targets.data<int32_t>(), v, n, vocab_begin, ignore_index,
+  launch_row_lse(s, "cross_entropy_shard_stats", logits, targets.data<int32_t>(), v, n, vocab_begin, ignore_index,
                  local_lse.data<float>(), nullptr, target_logit.data<float>(), rows);
   launched("cross_entropy_shard_stats");
 }
@@ -635,17 +640,20 @@ void cross_entropy_backward(Stream& s, const NDArray& dloss, const NDArray& logi
                             const NDArray& normalizer, const NDArray& lse, int ignore_index, int64_t vocab_begin,
                             NDArray& dlogits, int64_t classes) {
   require_contiguous("cross_entropy_backward", logits);
-  require_f32("cross_entropy_backward", {&dloss, &logits, &normalizer, &lse});
+  require_f32("cross_entropy_backward", {&dloss, &normalizer, &lse});  // logits f32 or bf16
   const int64_t v = logits.dim(-1), rows = targets.numel();
   HSPMD_CHECK(logits.numel() == rows * v && dlogits.numel() == rows * v, "cross_entropy_backward: sizes");
   if (rows * v == 0) return;
   const bool vec = v % kVec == 0 && aligned16(logits.raw_data()) && aligned16(dlogits.raw_data());
-  with_float_type("cross_entropy_backward", dlogits, [&](auto* dx) {
-    using O = std::remove_pointer_t<decltype(dx)>;
-    const auto kernel = vec ? &ce_backward_kernel<kVec, O> : &ce_backward_kernel<1, O>;
-    kernel<<<row_blocks(rows), kThreads, 0, native(s)>>>(
-        dloss.data<float>(), logits.data<float>(), targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(),
-        ignore_index, vocab_begin, v, class_columns(v, vocab_begin, classes), dx, rows);
+  with_float_type("cross_entropy_backward", logits, [&](auto* x) {
+    using I = std::remove_pointer_t<decltype(x)>;
+    with_float_type("cross_entropy_backward", dlogits, [&](auto* dx) {
+      using O = std::remove_pointer_t<decltype(dx)>;
+      const auto kernel = vec ? &ce_backward_kernel<kVec, I, O> : &ce_backward_kernel<1, I, O>;
+      kernel<<<row_blocks(rows), kThreads, 0, native(s)>>>(
+          dloss.data<float>(), x, targets.data<int32_t>(), normalizer.data<float>(), lse.data<float>(), ignore_index,
+          vocab_begin, v, class_columns(v, vocab_begin, classes), dx, rows);
+    });
   });
   launched("cross_entropy_backward");
 }
