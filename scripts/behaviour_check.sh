@@ -3,7 +3,7 @@
 # same fixed set of CPU training runs made by hspmd built from BASE_REV (the
 # commit before a refactor) and by the current tree's build, on this machine,
 # compared bit for bit; then the CPU step time of both.
-#   bash scripts/behaviour_check.sh [BASE_REV]     BASE_REV defaults to 3f01140
+#   bash scripts/behaviour_check.sh [BASE_REV]     BASE_REV defaults to 2be6c64
 # It
 #   1. checks BASE_REV out in a git worktree at BASE_DIR (outside the repo) and
 #      builds its `hspmd` CLI there, CPU only (-DHSPMD_CUDA=OFF
@@ -27,7 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
-BASE_REV=${1:-3f01140}
+BASE_REV=${1:-2be6c64}
 BASE_DIR=${BASE_DIR:-/work/behaviour-base}
 BUILD=${BUILD:-build}
 OUT=${OUT:-/tmp/behaviour-check}
