@@ -135,20 +135,30 @@ TEST(MemoryKernels, AdamStepMatchesTheScalarRule) {
   EXPECT_THROW(kernels::adam_step(cpu(), {{&p1, &wrong, &m1, &v1}}, f), InternalError);
 }
 
+// An AdamW step's four f32 arrays of n elements, filled with fixed values
+// (parameters, gradients, moments).
+struct AdamArrays {
+  NDArray p, g, m, v;
+  explicit AdamArrays(int64_t n)
+      : p(NDArray::empty({n}, DType::F32)), g(NDArray::empty({n}, DType::F32)), m(NDArray::empty({n}, DType::F32)),
+        v(NDArray::empty({n}, DType::F32)) {
+    for (int64_t i = 0; i < n; ++i) {
+      p.host_data<float>("t")[i] = std::sin(0.37f * static_cast<float>(i)) + 0.5f;
+      g.host_data<float>("t")[i] = std::cos(1.3f * static_cast<float>(i)) * 3.1f;
+      m.host_data<float>("t")[i] = 0.01f * static_cast<float>(i % 7);
+      v.host_data<float>("t")[i] = 0.001f * static_cast<float>(i % 5 + 1);
+    }
+  }
+};
+
 TEST(MemoryKernels, AdamStepGradScaleIsTheClipPassThenTheUpdate) {
   // grad_scale (the clip) gives the bits of kernels::scale on the gradient
   // and then the update, on tensors below and above the OpenMP threshold,
   // with L2 (the product beside the clip's) and AdamW; the gradient is left.
   for (float l2 : {0.0f, 0.01f}) {
     for (int64_t n : {5, 70001}) {
-      NDArray p = NDArray::empty({n}, DType::F32), g = NDArray::empty({n}, DType::F32);
-      NDArray m = NDArray::empty({n}, DType::F32), v = NDArray::empty({n}, DType::F32);
-      for (int64_t i = 0; i < n; ++i) {
-        p.host_data<float>("t")[i] = std::sin(0.37f * static_cast<float>(i)) + 0.5f;
-        g.host_data<float>("t")[i] = std::cos(1.3f * static_cast<float>(i)) * 3.1f;
-        m.host_data<float>("t")[i] = 0.01f * static_cast<float>(i % 7);
-        v.host_data<float>("t")[i] = 0.001f * static_cast<float>(i % 5 + 1);
-      }
+      AdamArrays a(n);
+      NDArray &p = a.p, &g = a.g, &m = a.m, &v = a.v;
       NDArray p2 = p.clone(), g2 = g.clone(), m2 = m.clone(), v2 = v.clone();
       const auto g0 = g.to_vector();
       kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, l2, 0.999f, 0.5f, 0.01f};
@@ -201,15 +211,8 @@ TEST(MemoryKernels, ClipControlIsTheHostsNormCoefficientAndGuard) {
 TEST(MemoryKernels, AdamStepReadsTheControlArray) {
   // With AdamFactors::control the coefficient is control[1] (grad_scale
   // unread) and control[2] != 1 leaves parameters and moments untouched.
-  const int64_t n = 70001;
-  NDArray p = NDArray::empty({n}, DType::F32), g = NDArray::empty({n}, DType::F32);
-  NDArray m = NDArray::empty({n}, DType::F32), v = NDArray::empty({n}, DType::F32);
-  for (int64_t i = 0; i < n; ++i) {
-    p.host_data<float>("t")[i] = std::sin(0.37f * static_cast<float>(i)) + 0.5f;
-    g.host_data<float>("t")[i] = std::cos(1.3f * static_cast<float>(i)) * 3.1f;
-    m.host_data<float>("t")[i] = 0.01f * static_cast<float>(i % 7);
-    v.host_data<float>("t")[i] = 0.001f * static_cast<float>(i % 5 + 1);
-  }
+  AdamArrays a(70001);
+  NDArray &p = a.p, &g = a.g, &m = a.m, &v = a.v;
   NDArray p2 = p.clone(), m2 = m.clone(), v2 = v.clone();
   kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.5f, 0.01f};
   f.grad_scale = 0.37f;
