@@ -73,6 +73,7 @@ if [ "$NO_BUILD" != 1 ]; then
   fi
   nice -n 10 cmake --build "$BASE_DIR/build" -j "$JOBS" --target hspmd >"$BASE_DIR/build/behaviour_build.log" 2>&1 ||
     { tail -20 "$BASE_DIR/build/behaviour_build.log" >&2; echo "behaviour_check: the base build failed" >&2; exit 1; }
+  echo "$rev" >"$BASE_DIR/build/behaviour_rev"  # what NO_BUILD=1 checks the binary against
   echo "building the current tree in $BUILD"
   build_new=(cmake --build "$BUILD" -j "$JOBS" --target hspmd)
   command -v flock >/dev/null && build_new=(flock "$BUILD_LOCK" "${build_new[@]}")
@@ -83,6 +84,13 @@ fi
 for b in "$BASE_BIN" "$NEW_BIN"; do
   [ -x "$b" ] || { echo "behaviour_check: no hspmd binary at $b" >&2; exit 1; }
 done
+# With NO_BUILD=1 the base binary must be the base revision's: moving
+# BASE_DIR to another revision does not rebuild it.
+built=$(cat "$BASE_DIR/build/behaviour_rev" 2>/dev/null || echo unknown)
+if [ "$built" != "$rev" ]; then
+  echo "behaviour_check: $BASE_BIN was built at ${built:0:12}, not $BASE_REV (${rev:0:12}); run once without NO_BUILD=1" >&2
+  exit 1
+fi
 dirty=$(git status --porcelain --untracked-files=no -- src include CMakeLists.txt | wc -l)
 echo "base: $BASE_BIN ($BASE_REV = ${rev:0:12})"
 echo "new:  $NEW_BIN (HEAD $(git rev-parse --short=12 HEAD), $dirty changed tracked files under src/ include/ CMakeLists.txt)"
