@@ -205,7 +205,7 @@ StepRecord DistTrainer::step() {
   StepWork work = compute_and_sync(step, normalizer, synced, r);
   work.t0 = t0;
   update(step, synced, work, r);
-  report(step, r, work, t0, time_ops ? &op_timings : nullptr);
+  report(step, r, work, time_ops ? &op_timings : nullptr);
   after_step(step, r);
   return r;
 }
@@ -298,14 +298,14 @@ void DistTrainer::update(int64_t step, std::map<std::string, NDArray>& synced, c
   }
 }
 
-void DistTrainer::report(int64_t step, StepRecord& r, const StepWork& work, Clock::time_point t0,
+void DistTrainer::report(int64_t step, StepRecord& r, const StepWork& work,
                          std::vector<ExecGraph::OpTiming>* op_timings) {
   ExecGraph& graph = *rt_->graph;
   graph.wait_sends(world_);
   meter_.fill(meter_.measure(graph, clock_.get(), work.duplicate_sent, work.activations, work.grad_sync_s,
                              work.overlapped),
               clock_.get(), r);
-  r.step_time_s = seconds_since(t0);
+  r.step_time_s = seconds_since(work.t0);
   r.tokens_per_s = r.tokens / r.step_time_s;
   if (op_timings != nullptr) {
     graph.set_op_timing(nullptr);

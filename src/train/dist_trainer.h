@@ -174,7 +174,7 @@ class DistTrainer {
   // AdamW, ZeRO gathers; the data cursor moves past the step.
   void update(int64_t step, std::map<std::string, NDArray>& synced, const StepWork& work, StepRecord& r);
   // The record's measurements, its log line and progress; --op-times.
-  void report(int64_t step, StepRecord& r, const StepWork& work, Clock::time_point t0,
+  void report(int64_t step, StepRecord& r, const StepWork& work,
               std::vector<ExecGraph::OpTiming>* op_timings);
   // After the record: the checkpoint due, the straggler watch, on_step.
   void after_step(int64_t step, const StepRecord& r);
