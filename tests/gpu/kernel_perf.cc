@@ -13,8 +13,9 @@
 // per kernel: `RESULT probe=kernel_perf case=<kernel> ms=... gbps=...|tflops=...
 // pct=... status=PASS` (PASS: it ran; the numbers are the measurement), then
 // a table. The step's GEMMs run twice: with the library's algorithm
-// (`gemm_*`) and with the fastest of its top few measured per shape
-// (`gemm_*_measured`, kernels::GemmAlgorithm::kMeasured). Exits 77 with
+// (`gemm_*`) and with the fastest of its top few that give the library
+// algorithm's bits, measured per shape (`gemm_*_measured`,
+// kernels::GemmAlgorithm::kMeasured). Exits 77 with
 // `--device cuda*` and no GPU. On the CPU (`--device
 // cpu`, small `--tokens`) it checks the harness itself.
 #include <algorithm>
@@ -169,8 +170,10 @@ int run(Device device, int64_t T, int reps) {
 
   // GEMMs of a block and the head (bf16 operands, f32 out; x · W^T), with
   // the library's first algorithm (kHeuristic, the default), then with the
-  // fastest of its top few measured at the first call of each shape
-  // (kMeasured, HSPMD_GEMM_ALGO=measured; the rows named *_measured).
+  // fastest of its top few whose output has that algorithm's bits, measured
+  // at the first call of each shape (kMeasured, HSPMD_GEMM_ALGO=measured;
+  // the rows named *_measured). How many were eligible is not reported: the
+  // choice is internal to the CUDA backend.
   NDArray x16 = p.filled({T, H}, 0.01f, DType::BF16);
   const kernels::GemmAlgorithm before = kernels::gemm_algorithm();
   for (const auto& [algorithm, suffix] : {std::pair{kernels::GemmAlgorithm::kHeuristic, ""},

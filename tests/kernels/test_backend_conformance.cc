@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -89,6 +90,80 @@ void case_bias_grad(Io& io) {
   io.k().bias_grad(io.s, dy, db);
   io.keep(db);
 }
+// How many elements of `x` and `y` (two results of one target, one shape
+// and type) differ in their bits.
+double bits_differ(Io& io, const NDArray& x, const NDArray& y) {
+  const NDArray hx = x.device() == Device::cpu() ? x : io.k().to_host(io.s, x);
+  const NDArray hy = y.device() == Device::cpu() ? y : io.k().to_host(io.s, y);
+  if (hx.shape() != hy.shape() || hx.dtype() != hy.dtype()) return -1;
+  const size_t size = dtype_size(hx.dtype());
+  const auto* px = static_cast<const unsigned char*>(hx.raw_data());
+  const auto* py = static_cast<const unsigned char*>(hy.raw_data());
+  double differ = 0;
+  for (int64_t i = 0; i < hx.numel(); ++i)
+    differ += std::memcmp(px + i * size, py + i * size, size) != 0 ? 1 : 0;
+  return differ;
+}
+
+// The measured mode keeps the default's bits: on CUDA it may only choose an
+// algorithm whose output equals, bit for bit, the one the heuristic mode
+// runs (docs/cuda.md, "GEMM algorithm choice"). For each shape (one with a
+// long k, 256 x 8192 x 256, where split-K algorithms sum in another order)
+// and each kind of call (f32 products; + an addend; bf16 products + an
+// addend; bf16 operands to a bf16 output), the heuristic mode's output and
+// the measured mode's at the key's first call (the choice) and second (the
+// kept choice), kept as counts of differing elements: 0 on every target
+// (the CPU backends ignore the mode). Then a key whose first call has all
+// zero data (nothing to choose by: the default, no choice kept) and whose
+// second has real data.
+void matmul_measured_bits(Io& io) {
+  struct Mode {  // the algorithm setting for a scope, restored after (also when a call throws)
+    kernels::GemmAlgorithm before = kernels::gemm_algorithm();
+    explicit Mode(kernels::GemmAlgorithm a) { kernels::set_gemm_algorithm(a); }
+    ~Mode() { kernels::set_gemm_algorithm(before); }
+  };
+  const auto run_in = [](kernels::GemmAlgorithm algorithm, const std::function<void()>& f) {
+    const Mode mode(algorithm);
+    f();
+  };
+  for (const auto& [m, k, n] : {std::array<int64_t, 3>{33, 200, 40}, std::array<int64_t, 3>{128, 1024, 96},
+                                std::array<int64_t, 3>{256, 8192, 256}}) {
+    const NDArray a = io.f32({m, k}), b = io.f32({k, n}), bt = io.f32({n, k}), add = io.f32({m, n});
+    const NDArray a16 = io.k().cast(io.s, a, DType::BF16), b16 = io.k().cast(io.s, b, DType::BF16);
+    const std::vector<std::function<void(NDArray&)>> calls = {
+        [&](NDArray& o) { io.k().matmul(io.s, a, b, false, false, o, kernels::GemmCompute::kF32, nullptr); },
+        [&](NDArray& o) { io.k().matmul(io.s, a, bt, false, true, o, kernels::GemmCompute::kF32, &add); },
+        [&](NDArray& o) { io.k().matmul(io.s, a, bt, false, true, o, kernels::GemmCompute::kBF16, &add); },
+        [&](NDArray& o) { io.k().matmul(io.s, a16, b16, false, false, o, kernels::GemmCompute::kBF16, nullptr); },
+    };
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const DType out_type = i == 3 ? DType::BF16 : DType::F32;
+      NDArray h = io.out({m, n}, out_type), first = io.out({m, n}, out_type), again = io.out({m, n}, out_type);
+      run_in(kernels::GemmAlgorithm::kHeuristic, [&] { calls[i](h); });
+      run_in(kernels::GemmAlgorithm::kMeasured, [&] {
+        calls[i](first);
+        calls[i](again);
+      });
+      io.values.push_back(bits_differ(io, first, h));
+      io.values.push_back(bits_differ(io, again, h));
+    }
+  }
+  // All zeros first (a shape of its own: a key not seen before; no addend,
+  // which would make the output nonzero), then data.
+  const NDArray zeros = io.out({48, 320}), a = io.f32({48, 320}), b = io.f32({320, 72});
+  NDArray hz = io.out({48, 72}), mz = io.out({48, 72}), h = io.out({48, 72}), x = io.out({48, 72});
+  run_in(kernels::GemmAlgorithm::kHeuristic, [&] {
+    io.k().matmul(io.s, zeros, b, false, false, hz, kernels::GemmCompute::kF32, nullptr);
+    io.k().matmul(io.s, a, b, false, false, h, kernels::GemmCompute::kF32, nullptr);
+  });
+  run_in(kernels::GemmAlgorithm::kMeasured, [&] {
+    io.k().matmul(io.s, zeros, b, false, false, mz, kernels::GemmCompute::kF32, nullptr);
+    io.k().matmul(io.s, a, b, false, false, x, kernels::GemmCompute::kF32, nullptr);
+  });
+  io.values.push_back(bits_differ(io, mz, hz));
+  io.values.push_back(bits_differ(io, x, h));
+}
+
 void case_matmul(Io& io) {
   NDArray a = io.f32({9, 16}), b = io.f32({16, 12}), bt = io.f32({12, 16}), add = io.f32({9, 12});
   NDArray o = io.out({9, 12}), o2 = io.out({9, 12});
@@ -109,6 +184,7 @@ void case_matmul(Io& io) {
   io.k().matmul(io.s, a, bt, false, true, m3, kernels::GemmCompute::kBF16, &add);
   io.k().matmul(io.s, a, b, false, false, m4, kernels::GemmCompute::kBF16, nullptr);
   for (const NDArray* r : {&m1, &m2, &m3, &m4}) io.keep(*r);
+  matmul_measured_bits(io);
 }
 void case_transpose(Io& io) {
   NDArray a = io.f32({3, 4, 5}), o = io.out({5, 4, 3});

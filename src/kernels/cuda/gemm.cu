@@ -16,12 +16,15 @@
 
 #include <dlfcn.h>
 
+#include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <map>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels/basic.h"
 #include "kernels/cuda/cuda.h"
@@ -120,6 +123,7 @@ struct Lt {
   decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) algo_config_get = nullptr;
   decltype(&cublasLtGetStatusString) status_string = nullptr;
 };
 
@@ -143,6 +147,7 @@ const Lt& lt() {
     sym(out.pref_destroy, "cublasLtMatmulPreferenceDestroy");
     sym(out.heuristic, "cublasLtMatmulAlgoGetHeuristic");
     sym(out.matmul, "cublasLtMatmul");
+    sym(out.algo_config_get, "cublasLtMatmulAlgoConfigGetAttribute");
     sym(out.status_string, "cublasLtGetStatusString");
     return out;
   }();
@@ -155,7 +160,8 @@ void check_lt(cublasStatus_t st, const char* what) {
 }
 
 constexpr size_t kLtWorkspace = size_t{32} << 20;  // cuBLAS's own default on Hopper
-// GemmAlgorithm::kMeasured: how many heuristic results are timed, and how often.
+// GemmAlgorithm::kMeasured: how many heuristic results are tried, and how
+// often each eligible one is timed.
 constexpr int kTuneCandidates = 8;
 constexpr int kTuneReps = 3;
 
@@ -175,10 +181,17 @@ struct GemmCall {
 struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algos[kTuneCandidates]{};  // the heuristic's first `count`, best first
+  // The heuristic's results, best first, without repeats. With an addend,
+  // algos[0] is the heuristic mode's algorithm (the first result of a query
+  // for one, as that mode asks), the measured mode's other candidates after.
+  cublasLtMatmulAlgo_t algos[kTuneCandidates + 1]{};
   int count = 0;
   int chosen = 0;  // into algos; -1: cublasGemmEx (no addend only)
   bool ok = false;
+  // Measured mode: false until a call has chosen (a call on a stream being
+  // captured, or whose output is all zeros, runs the default and leaves the
+  // choice to a later call).
+  bool decided = true;
 };
 
 // The alignment of each of A, B, C and D, for the heuristic: it would
@@ -224,7 +237,8 @@ void describe(LtPlan& p, const GemmCall& c) {
     p.c = p.d;
 }
 
-// Up to `count` heuristic results for the plan, best first.
+// Appends up to `count` heuristic results to the plan's algorithms, best
+// first, leaving out any it already holds.
 void find_algorithms(LtPlan& p, const LtAlign& align, int count, cublasLtHandle_t handle) {
   const Lt& L = lt();
   cublasLtMatmulPreference_t pref = nullptr;
@@ -244,9 +258,14 @@ void find_algorithms(LtPlan& p, const LtAlign& align, int count, cublasLtHandle_
   const cublasStatus_t st = L.heuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, count, results, &returned);
   L.pref_destroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS) returned = 0;
-  for (int i = 0; i < returned; ++i)
-    if (results[i].state == CUBLAS_STATUS_SUCCESS) p.algos[p.count++] = results[i].algo;
-  p.ok = p.count > 0;
+  constexpr int kCapacity = sizeof p.algos / sizeof p.algos[0];
+  for (int i = 0; i < returned && p.count < kCapacity; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    bool held = false;
+    for (int j = 0; j < p.count && !held; ++j)
+      held = std::memcmp(&p.algos[j], &results[i].algo, sizeof results[i].algo) == 0;
+    if (!held) p.algos[p.count++] = results[i].algo;
+  }
 }
 
 cublasLtHandle_t lt_handle(int dev) {
@@ -276,45 +295,177 @@ cublasStatus_t run_gemm(Stream& s, cublasLtHandle_t h, const LtPlan* p, int algo
                      c.out->raw_data(), p->d, &p->algos[algo], workspace, kLtWorkspace, launch::native(s));
 }
 
-// GemmAlgorithm::kMeasured: the fastest of the plan's algorithms (and of
-// cublasGemmEx without an addend) on the call's own arrays, each run once
-// and then timed over kTuneReps runs between two CUDA events. 0 (the
-// heuristic's first) when the stream is being captured or anything fails.
-int measure_fastest(Stream& s, cublasLtHandle_t h, const LtPlan& p, const GemmCall& c, void* workspace) {
+// ---- GemmAlgorithm::kMeasured: only algorithms with the default's bits ----
+// Another algorithm may sum a dot product in another order and so round its
+// last bits differently; a choice made by timing, which can change from run
+// to run, would then change the results with it. A candidate is eligible
+// only when its output on the call's own arrays has the same bits as the
+// default algorithm's (the one the heuristic mode runs), compared through a
+// 64-bit digest computed on the device.
+
+__device__ inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// digest[0] += the sum over elements of splitmix64(bits ^ index · golden),
+// digest[1] += the count of elements other than ±0. Sums modulo 2^64 do not
+// depend on the order of the atomic adds: the same bits give the same
+// digest on every run. `Bits` is the element's raw type (u32 for f32, u16
+// for bf16), `magnitude` its bits without the sign.
+template <typename Bits>
+__global__ void digest_kernel(const Bits* __restrict__ v, int64_t n, Bits magnitude,
+                              unsigned long long* __restrict__ digest) {
+  uint64_t sum = 0, nonzero = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const Bits bits = v[i];
+    sum += splitmix64(static_cast<uint64_t>(bits) ^ (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull));
+    nonzero += (bits & magnitude) != 0 ? 1 : 0;
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    sum += __shfl_down_sync(0xffffffffu, sum, off);
+    nonzero += __shfl_down_sync(0xffffffffu, nonzero, off);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(&digest[0], static_cast<unsigned long long>(sum));
+    atomicAdd(&digest[1], static_cast<unsigned long long>(nonzero));
+  }
+}
+
+// Adds the output's digest into `digest` (two zeroed u64), asynchronously.
+// The grid is capped: a few thousand atomic adds per digest, not one per
+// warp of a large output.
+bool launch_digest(cudaStream_t st, const NDArray& out, unsigned long long* digest) {
+  const int64_t n = out.numel();
+  const int64_t blocks = (n + launch::kThreads - 1) / launch::kThreads;
+  const unsigned grid = static_cast<unsigned>(blocks < 1024 ? (blocks > 0 ? blocks : 1) : 1024);
+  if (out.dtype() == DType::F32)
+    digest_kernel<<<grid, launch::kThreads, 0, st>>>(static_cast<const uint32_t*>(out.raw_data()), n,
+                                                     uint32_t{0x7fffffffu}, digest);
+  else
+    digest_kernel<<<grid, launch::kThreads, 0, st>>>(static_cast<const uint16_t*>(out.raw_data()), n,
+                                                     uint16_t{0x7fffu}, digest);
+  return cudaGetLastError() == cudaSuccess;
+}
+
+// Whether a cuBLASLt algorithm computes each dot product in one pass: no
+// split-K and no reduction scheme. A split-K algorithm adds partial sums
+// (and may match the default on one array by chance, not on the next);
+// such candidates are left out before any run, and so is one whose
+// configuration cannot be read.
+bool single_pass(const cublasLtMatmulAlgo_t& algo) {
+  int32_t splits = 0;
+  uint32_t scheme = 0;
+  size_t written = 0;
+  if (lt().algo_config_get(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits, &written) !=
+          CUBLAS_STATUS_SUCCESS ||
+      written != sizeof splits)
+    return false;
+  if (lt().algo_config_get(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme, &written) !=
+          CUBLAS_STATUS_SUCCESS ||
+      written != sizeof scheme)
+    return false;
+  return splits <= 1 && scheme == CUBLASLT_REDUCTION_SCHEME_NONE;
+}
+
+// The measured mode's choice for a call: an algorithm (into the plan's, -1
+// cublasGemmEx) and whether it is final for the key.
+struct Choice {
+  int algo = 0;
+  bool decided = true;
+};
+
+// GemmAlgorithm::kMeasured at a key's first call. The default (what the
+// heuristic mode runs: cublasGemmEx without an addend, the plan's algos[0]
+// with one) runs first, then each single-pass candidate once, the output
+// filled with a byte pattern before each (a candidate that wrote nothing, or
+// part, cannot match), each output digested on the device; one host wait
+// reads the digests. The candidates whose digest is the default's, and the
+// default, are then timed over kTuneReps runs between two CUDA events on
+// the call's own arrays (their digest run was the warm-up); the fastest is
+// kept. Not decided: the stream is being captured (a CUDA graph: no host
+// wait), or the default's output is all zeros (any algorithm gives zeros:
+// nothing tells them apart); the default runs and a later call chooses.
+// Any error: the default, decided.
+Choice measure_fastest(Stream& s, cublasLtHandle_t h, const LtPlan& p, const GemmCall& c, void* workspace) {
+  const int base = c.addend != nullptr ? 0 : -1;
   const cudaStream_t st = launch::native(s);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(st, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
     (void)cudaGetLastError();
-    return 0;
+    return {base, false};
   }
+  // What is tried, as indices into algos (-1: cublasGemmEx): the default
+  // first, then the single-pass candidates.
+  std::vector<int> tried{base};
+  for (int algo = base + 1; algo < p.count; ++algo)
+    if (single_pass(p.algos[algo])) tried.push_back(algo);
+  if (tried.size() == 1) return {base, true};
+
+  // The digests: two u64 per tried algorithm (I64 storage), zeroed.
+  const auto slots = static_cast<int64_t>(tried.size());
+  NDArray digests = NDArray::empty({2 * slots}, DType::I64, s.device());
+  auto* d = static_cast<unsigned long long*>(digests.raw_data());
+  std::vector<char> ran(tried.size(), 0);
+  bool ok = cudaMemsetAsync(d, 0, digests.nbytes(), st) == cudaSuccess;
+  for (size_t i = 0; ok && i < tried.size(); ++i) {
+    if (i > 0 && cudaMemsetAsync(c.out->raw_data(), 0x7f, c.out->nbytes(), st) != cudaSuccess) {
+      ok = false;  // 0x7f bytes: a large finite value in f32 and in bf16
+      break;
+    }
+    ran[i] = run_gemm(s, h, &p, tried[i], c, workspace) == CUBLAS_STATUS_SUCCESS;
+    if (!ran[i]) {
+      (void)cudaGetLastError();
+      if (i == 0) ok = false;  // the default itself failed: its own call reports it
+      continue;
+    }
+    ok = launch_digest(st, *c.out, d + 2 * i);
+  }
+  std::vector<unsigned long long> host(static_cast<size_t>(2 * slots), 0);
+  ok = ok && cudaMemcpyAsync(host.data(), d, digests.nbytes(), cudaMemcpyDeviceToHost, st) == cudaSuccess &&
+       cudaStreamSynchronize(st) == cudaSuccess;
+  if (!ok) {
+    (void)cudaGetLastError();
+    return {base, true};
+  }
+  if (host[1] == 0) return {base, false};
+  std::vector<int> eligible{base};
+  for (size_t i = 1; i < tried.size(); ++i)
+    if (ran[i] && host[2 * i] == host[0] && host[2 * i + 1] == host[1]) eligible.push_back(tried[i]);
+  if (eligible.size() == 1) return {base, true};
+
   cudaEvent_t start = nullptr, end = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&end) != cudaSuccess) {
     (void)cudaGetLastError();
     if (start != nullptr) (void)cudaEventDestroy(start);
-    return 0;
+    return {base, true};
   }
-  int best = 0;
+  int best = base;
   float best_ms = -1.0f;
-  for (int algo = c.addend != nullptr ? 0 : -1; algo < p.count; ++algo) {
-    bool ok = run_gemm(s, h, &p, algo, c, workspace) == CUBLAS_STATUS_SUCCESS;  // the warm-up
-    ok = ok && cudaEventRecord(start, st) == cudaSuccess;
-    for (int r = 0; ok && r < kTuneReps; ++r) ok = run_gemm(s, h, &p, algo, c, workspace) == CUBLAS_STATUS_SUCCESS;
+  for (int algo : eligible) {
+    bool timed = cudaEventRecord(start, st) == cudaSuccess;
+    for (int r = 0; timed && r < kTuneReps; ++r)
+      timed = run_gemm(s, h, &p, algo, c, workspace) == CUBLAS_STATUS_SUCCESS;
     float ms = 0;
-    ok = ok && cudaEventRecord(end, st) == cudaSuccess && cudaEventSynchronize(end) == cudaSuccess &&
-         cudaEventElapsedTime(&ms, start, end) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    if (ok && (best_ms < 0 || ms < best_ms)) {
+    timed = timed && cudaEventRecord(end, st) == cudaSuccess && cudaEventSynchronize(end) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, start, end) == cudaSuccess;
+    if (!timed) (void)cudaGetLastError();
+    if (timed && (best_ms < 0 || ms < best_ms)) {
       best = algo;
       best_ms = ms;
     }
   }
   (void)cudaEventDestroy(start);
   (void)cudaEventDestroy(end);
-  return best_ms < 0 ? 0 : best;
+  return {best, true};
 }
 
 // Plans per (thread, LtKey): made once, kept for the process (a training
-// step repeats a few dozen shapes); measured ones choose at their first call.
+// step repeats a few dozen shapes); measured ones choose at their first call
+// (or a later one, while undecided).
 const LtPlan& lt_plan(Stream& s, const GemmCall& c, bool measured, cublasLtHandle_t handle, void* workspace) {
   thread_local std::map<LtKey, LtPlan> plans;
   const LtAlign align{alignment_of(c.a->raw_data()), alignment_of(c.b->raw_data()),
@@ -323,12 +474,30 @@ const LtPlan& lt_plan(Stream& s, const GemmCall& c, bool measured, cublasLtHandl
   const LtKey key{s.device().index, c.m, c.n, c.k, c.trans_a, c.trans_b, static_cast<int>(c.in_type),
                   static_cast<int>(c.out->dtype()), c.addend != nullptr, measured, align};
   auto it = plans.find(key);
-  if (it != plans.end()) return it->second;
-  LtPlan p;
-  describe(p, c);
-  find_algorithms(p, align, measured ? kTuneCandidates : 1, handle);
-  if (p.ok && measured) p.chosen = measure_fastest(s, handle, p, c, workspace);
-  return plans.emplace(key, p).first->second;
+  if (it == plans.end()) {
+    LtPlan p;
+    describe(p, c);
+    // The heuristic mode's algorithm is the result of a query for one, as
+    // that mode asks (a longer query is not promised to rank it first); the
+    // measured mode's candidates follow it. Without an addend the default
+    // is cublasGemmEx and the candidates are the query's results alone.
+    if (measured && c.addend != nullptr) {
+      find_algorithms(p, align, 1, handle);
+      if (p.count > 0) find_algorithms(p, align, kTuneCandidates, handle);
+    } else {
+      find_algorithms(p, align, measured ? kTuneCandidates : 1, handle);
+    }
+    p.ok = p.count > 0;
+    p.decided = !(p.ok && measured);
+    it = plans.emplace(key, p).first;
+  }
+  LtPlan& p = it->second;
+  if (!p.decided) {
+    const Choice choice = measure_fastest(s, handle, p, c, workspace);
+    p.chosen = choice.algo;
+    p.decided = choice.decided;
+  }
+  return p;
 }
 
 // The call through cuBLASLt with its plan's algorithm; false when the plan
