@@ -85,14 +85,38 @@ void ExecGraph::find_parameter_only() {
   }
 }
 
-ExecGraph::StepScope::StepScope(const ExecGraph& graph) : graph_(graph) {
+std::vector<ExecGraph::ParameterCast> ExecGraph::parameter_casts() const {
+  const Graph& g = *model_.graph;
+  std::vector<ParameterCast> out;
+  for (size_t k = 0; k < forward_end_; ++k) {
+    const Node& n = g.node(order_[k]);
+    if (!parameter_only(n.id) || is_leaf(n) || n.op->type() != "cast" || n.inputs.size() != 1) continue;
+    const Node& in = n.inputs[0].node();
+    if (is_leaf(in) && parameter_only(in.id)) out.push_back({n.id, in.name, n.outputs.at(0).dtype});
+  }
+  return out;
+}
+
+ExecGraph::StepScope::StepScope(const ExecGraph& graph, std::map<int, NDArray> given) : graph_(graph) {
   HSPMD_CHECK(!graph_.step_open_, "ExecGraph::StepScope: a step is already open");
+  for (auto& [id, array] : given) {
+    HSPMD_CHECK(graph_.parameter_only(id) && array.valid(), "ExecGraph::StepScope: node ", id,
+                " given is not a parameter-only node, or its array is invalid");
+    graph_.step_values_[id] = {std::move(array)};
+    graph_.step_given_.insert(id);
+  }
   graph_.step_open_ = true;
 }
 
 ExecGraph::StepScope::~StepScope() {
   graph_.step_values_.clear();
+  graph_.step_given_.clear();
   graph_.step_open_ = false;
+}
+
+NDArray ExecGraph::StepScope::value(int id) const {
+  auto it = graph_.step_values_.find(id);
+  return it == graph_.step_values_.end() || it->second.empty() ? NDArray() : it->second[0];
 }
 
 void ExecGraph::select_nodes(const std::map<int, std::shared_ptr<const Resolution>>& resolved) {
@@ -327,6 +351,12 @@ void ExecGraph::run_nodes(std::span<const int> ids, const ValueMap* values, Acti
       auto it = step_values_.find(n.id);
       if (it == step_values_.end())
         it = step_values_.emplace(n.id, compute(*inst.local_ops.at(n.id), n, inputs)).first;
+      else if (step_given_.count(n.id) > 0)  // the caller's copy of this cast: its shape and dtype
+        HSPMD_CHECK(inputs.size() == 1 && it->second[0].shape() == inputs[0].shape() &&
+                        it->second[0].dtype() == n.outputs.at(0).dtype,
+                    "[exec] node ", n.id, " ('", n.name, "'): the given copy is ", shape_str(it->second[0].shape()),
+                    " ", dtype_name(it->second[0].dtype()), ", the cast of its input gives ",
+                    shape_str(inputs[0].shape()), " ", dtype_name(n.outputs.at(0).dtype));
       return it->second;
     }
     if (!is_reshard(n)) return compute(*inst.local_ops.at(n.id), n, inputs);

@@ -72,12 +72,13 @@ GemmF32Backend f32_gemm_backend();
 // "GEMM algorithm choice"). kHeuristic (default): the library's first
 // choice (cublasGemmEx's own; cuBLASLt's first heuristic result for a GEMM
 // with an addend). kMeasured: at the first call of each key (shape, dtypes,
-// transposes, addend, alignments) the top heuristic results, and
-// cublasGemmEx where there is no addend, are each timed with CUDA events on
-// the call's own arrays and the fastest is kept for the process (one host
-// wait per new key; on any error the first heuristic result). The results
-// may then differ in their last bits from run to run (another algorithm may
-// win), which is why it is not the default. The initial value comes from
+// transposes, addend, alignments) the default's output is digested on the
+// device, and of the top heuristic results without split-K, those whose
+// output has the default's digest are timed with it on the call's own
+// arrays; the fastest is kept for the process (one host wait per new key;
+// on any error, or while the stream is captured, the default). So the bits
+// are the heuristic mode's whichever wins; not the default until measured
+// on a GPU. The initial value comes from
 // HSPMD_GEMM_ALGO (heuristic | measured, read once; any other value throws
 // hspmd::Error at the first GEMM that reads it). The CPU backends ignore it.
 enum class GemmAlgorithm { kHeuristic, kMeasured };

@@ -47,7 +47,7 @@ void on_stream(const char* kernel, Device d, const AttentionBlock& blk) {
 void on_stream(const char* kernel, Device d, const std::vector<AdamTensor>& tensors) {
   for (const AdamTensor& t : tensors)
     for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad, static_cast<const NDArray*>(t.exp_avg),
-                             static_cast<const NDArray*>(t.exp_avg_sq)})
+                             static_cast<const NDArray*>(t.exp_avg_sq), static_cast<const NDArray*>(t.param_bf16)})
       on_stream(kernel, d, a);
 }
 void on_stream(const char* kernel, Device d, const AdamFactors& f) {

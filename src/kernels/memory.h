@@ -97,6 +97,13 @@ struct AdamTensor {
   const NDArray* grad = nullptr;
   NDArray* exp_avg = nullptr;
   NDArray* exp_avg_sq = nullptr;
+  // Optional (bf16, contiguous, the param's size): the updated parameter
+  // rounded to bf16 as kernels::cast rounds it, written in the update's own
+  // pass (the weight's bf16 compute copy for the next step, without a cast
+  // of its own that reads the f32 master again). Not written where the
+  // parameter is not (a step the control array marks non-finite), so it
+  // stays the copy of the parameter as it is.
+  NDArray* param_bf16 = nullptr;
 };
 // The update of torch.optim.AdamW / Adam in torch's operation order, on every
 // tensor of the list (one launch on a device backend):

@@ -67,7 +67,7 @@ void Adam::update_group(const std::vector<Update>& tensors, double lr, bool deca
     HSPMD_CHECK(param.device() == tensors[0].param->device(), "Adam::update_group: tensors on several devices");
     NDArray& m = moment(m_, name, param.shape(), param.device());
     NDArray& v = moment(v_, name, param.shape(), param.device());
-    group.push_back({u.param, u.grad, &m, &v});
+    group.push_back({u.param, u.grad, &m, &v, u.param_bf16});
   }
   kernels::AdamFactors f = step_factors(config_, step_, lr, decay);
   f.grad_scale = grad_scale;

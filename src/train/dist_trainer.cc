@@ -84,6 +84,25 @@ double DistTrainer::global_grad_norm(const std::map<std::string, NDArray>& synce
   return std::sqrt(all_reduce_scalar(sumsq, world_));
 }
 
+namespace {
+
+// HSPMD_WEIGHT_COPIES: "optimizer" (the default, unset or empty) or "graph"
+// (every step casts the weights itself, as before; for comparisons).
+bool weight_copies_by_optimizer() {
+  const char* v = std::getenv("HSPMD_WEIGHT_COPIES");
+  const std::string mode = v == nullptr ? "" : v;
+  if (mode.empty() || mode == "optimizer") return true;
+  if (mode == "graph") return false;
+  fail("[train] HSPMD_WEIGHT_COPIES must be \"optimizer\" or \"graph\", got \"", mode, "\"");
+}
+
+}  // namespace
+
+bool DistTrainer::optimizer_writes_copies() const {
+  static const bool by_optimizer = weight_copies_by_optimizer();
+  return by_optimizer && precision().mixed() && !clock_ && !elastic_ && o_.switches.empty() && !o_.replace_experts;
+}
+
 bool DistTrainer::reads_after_update() const {
   return world_.size() == 1 && !clock_ && config_.moe.num_experts == 0 && !(tokens_ && o_.bucket_switching);
 }
@@ -104,19 +123,29 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
   // The rank's held shards, in two weight-decay groups, each updated in one
   // kernel call (one launch on a GPU).
   std::vector<Adam::Update> groups[2];
+  // The bf16 copies written with the update (optimizer_writes_copies): of
+  // the parameters the update writes in place, the array the step's cast
+  // read (not a ZeRO shard, whose parameter is gathered after).
+  std::map<int, NDArray> written;
   for (const std::string& name : rt_->graph->model().names) {  // the same order on every rank
     Shard& target = state_->optimized(name);
     auto g = synced.find(name);
     if (g == synced.end() || !target.held()) continue;
     adam.import_moments(name, state_->slot(name, StateSlot::kExpAvg).data,
                         state_->slot(name, StateSlot::kExpAvgSq).data);
-    groups[rt_->shapes.at(name).size() >= 2 ? 1 : 0].push_back({name, &target.data, &g->second});
+    NDArray* copy = nullptr;
+    if (auto c = step_casts_.find(name); c != step_casts_.end() && &target == &state_->slot(name, StateSlot::kParam) &&
+                                         c->second.second.numel() == target.data.numel())
+      copy = &written.emplace(c->second.first, c->second.second).first->second;
+    groups[rt_->shapes.at(name).size() >= 2 ? 1 : 0].push_back({name, &target.data, &g->second, copy});
     if (modeled)
       clock_->advance(std::exchange(fixed_s, 0.0) + modeled->per_param_s * static_cast<double>(target.data.numel()));
   }
   if (clock_) clock_->begin_compute();
   for (int decay : {0, 1}) adam.update_group(groups[decay], lr, decay == 1, grad_scale, control);
   if (clock_) clock_->end_compute();
+  step_casts_.clear();
+  copies_ = {rt_->graph.get(), current_step_ + 1, std::move(written)};
   for (const auto& group : groups)
     for (const Adam::Update& u : group) adam.export_moments(u.name);
   for (const std::string& name : rt_->graph->model().names) {
@@ -159,6 +188,7 @@ std::vector<StepRecord> DistTrainer::run() {
 }
 
 void DistTrainer::begin() {
+  optimizer_writes_copies();  // HSPMD_WEIGHT_COPIES refused here, before step 0
   checkpoints_.agree_on_run_id();
   adam_.emplace(o_.adam);
   if (!grad_sync_) grad_sync_.emplace(world_, overlapping(), o_.overlap.has_value());  // collective
@@ -224,6 +254,7 @@ int64_t DistTrainer::counted_targets(int64_t step) const {
 DistTrainer::StepWork DistTrainer::compute_and_sync(int64_t step, float normalizer,
                                                     std::map<std::string, NDArray>& synced, StepRecord& r) {
   StepWork work;
+  current_step_ = step;
   // What the rank holds before its micro-batches: parameters, optimizer
   // states; the schedule's peak above it is activations (and raw grads).
   const size_t held = allocator_for(rt_->graph->device()).current_bytes();

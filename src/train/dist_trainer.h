@@ -189,6 +189,30 @@ class DistTrainer {
   // the device; grad_scale unused), or nullptr.
   void optimizer_step(Adam& adam, std::map<std::string, NDArray>& synced, double lr, float grad_scale,
                       const NDArray* control = nullptr);
+  // The weights' bf16 compute copies written by the update (docs/
+  // precision.md, "The weights' bf16 copies"): under mixed precision,
+  // without an emulated clock and without anything that changes the
+  // parameters between two steps but the optimizer (an elastic run, plan
+  // switches, expert replacement), AdamW rewrites each cast weight's bf16
+  // copy in its own pass and the next step's StepScope takes those copies
+  // instead of running the casts.
+  bool optimizer_writes_copies() const;
+  // This step's cast outputs, by parameter: its cast node and the array
+  // (accumulate_schedule keeps them for the update).
+  std::map<std::string, std::pair<int, NDArray>> step_casts_;
+  // What the last update wrote, by cast node, for `graph` at step `step`
+  // only: any other graph or step takes none of them.
+  struct WeightCopies {
+    const ExecGraph* graph = nullptr;
+    int64_t step = -1;
+    std::map<int, NDArray> by_node;
+  };
+  WeightCopies copies_;
+  int64_t current_step_ = -1;  // the step compute_and_sync runs
+  // The copies for `graph` at the current step (moved out: none is given
+  // twice), and the step's casts kept from `scope` for the update.
+  std::map<int, NDArray> take_weight_copies(const ExecGraph& graph);
+  void keep_step_casts(const ExecGraph& graph, const ExecGraph::StepScope& scope);
   // One step's schedule of micro-batches on this rank; `overlap` (optional):
   // the last backward hands each final gradient to it. `loss_terms`
   // (optional): the micro-batches' loss arrays go there, unread, and `loss`

@@ -50,6 +50,21 @@ class RawGrads {
 
 }  // namespace
 
+std::map<int, NDArray> DistTrainer::take_weight_copies(const ExecGraph& graph) {
+  std::map<int, NDArray> given;
+  if (copies_.graph == &graph && copies_.step == current_step_) given = std::move(copies_.by_node);
+  copies_ = {};
+  return given;
+}
+
+void DistTrainer::keep_step_casts(const ExecGraph& graph, const ExecGraph::StepScope& scope) {
+  step_casts_.clear();
+  if (!optimizer_writes_copies()) return;
+  for (const ExecGraph::ParameterCast& c : graph.parameter_casts())
+    if (NDArray v = scope.value(c.node); c.dtype == DType::BF16 && v.valid())
+      step_casts_.emplace(c.param, std::pair{c.node, v});
+}
+
 void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, double& loss, float normalizer,
                                       GradOverlap* overlap, std::vector<NDArray>* loss_terms) {
   ExecGraph& graph = *rt_->graph;
@@ -103,9 +118,11 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   };
   // Sends are deferred (set_deferred_sends): a stage sending activations
   // never waits on a neighbour sending gradients.
-  const ExecGraph::StepScope pre_processing(graph);  // weight casts once per step
+  // Weight casts once per step, or none where the last update wrote them.
+  const ExecGraph::StepScope pre_processing(graph, take_weight_copies(graph));
   const Schedule schedule = router.aux_loss() ? run_gpipe : schedule_by_name(rt_->strategy.schedule);
   schedule(SchedulePosition{rt_->stage, rt_->stages, micro_batches}, forward, backward);
+  keep_step_casts(graph, pre_processing);
   if (router.active() && !router.finished()) router.finish(graph.stream(), world_);
   if (router.active()) step_router_.add(router);
   if (loss_terms != nullptr)

@@ -122,6 +122,7 @@ nlohmann::json DistTrainer::move_runtime(std::unique_ptr<Runtime> next, const Sw
   const SwitchPlan& sp = switch_plans_.get(*rt_->plan, *next->plan, *topology_, so);
   if (keep_old) *keep_old = std::move(rt_);
   rt_.reset();  // the old graph goes before the state moves: less memory at the peak
+  copies_ = {};  // the weights' bf16 copies were the old plan's
   SwitchReport rep;
   state_ = std::move(*state_).reshard_to(next->plan, sp, *topology_, world_, reader.get(), clock_.get(), &rep);
   rt_ = std::move(next);

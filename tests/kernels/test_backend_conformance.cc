@@ -770,10 +770,34 @@ void case_adam_step(Io& io) {
     const size_t at = t + 4 == arrays.size() ? 0 : t;
     tensors.push_back({&from[at], &from[at + 1], &from[at + 2], &from[at + 3]});
   }
+  // The parameters' bf16 copies written in the same pass (AdamTensor::
+  // param_bf16): for every tensor but the one-element one, the views' copy
+  // a view one element in too (single elements).
+  std::vector<NDArray> copies;
+  for (const kernels::AdamTensor& t : tensors) {
+    const int64_t n = t.param->numel();
+    copies.push_back(t.param->data<float>() == views[0].data<float>() ? io.out({n + 1}, DType::BF16).slice(0, 1, n + 1)
+                                                                     : io.out({n}, DType::BF16));
+  }
+  for (size_t t = 0; t < tensors.size(); ++t)
+    if (tensors[t].param->numel() != 1) tensors[t].param_bf16 = &copies[t];
   kernels::AdamFactors w{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.9997f, 0.3f, 2e-3f};
   io.k().adam_step(io.s, tensors, w);
   for (size_t t = 0; t < arrays.size(); t += 4)
     for (int i : {0, 2, 3}) io.keep(arrays[t + i]);  // the views' writes show in their arrays
+  // Each copy is the target's own cast of its updated parameter, bit for bit.
+  const auto copy_mismatches = [&](const std::vector<kernels::AdamTensor>& ts) {
+    for (const kernels::AdamTensor& t : ts) {
+      if (t.param_bf16 == nullptr) continue;
+      const NDArray want = io.k().to_host(io.s, io.k().cast(io.s, *t.param, DType::BF16));
+      const NDArray got = io.k().to_host(io.s, *t.param_bf16).contiguous();
+      int64_t differ = 0;
+      for (int64_t i = 0; i < want.numel(); ++i)
+        differ += want.data<uint16_t>()[i] != got.data<uint16_t>()[i] ? 1 : 0;
+      io.values.push_back(static_cast<double>(differ));
+    }
+  };
+  copy_mismatches(tensors);
   // The clip's coefficient read with each gradient (grad_scale), with L2 and
   // without, on the 16-byte path and the single elements; the gradients kept.
   for (float l2 : {0.0f, 0.02f}) {
@@ -796,8 +820,13 @@ void case_adam_step(Io& io) {
     h.data<double>()[2] = apply;
     const NDArray control = io.up(h);
     kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.6f, 1e-3f, 7.0f, &control};
-    io.k().adam_step(io.s, {{&c[0], &c[1], &c[2], &c[3]}, {&c[4], &c[5], &c[6], &c[7]}}, f);
+    // The bf16 copies start as the parameters' casts: rewritten when the
+    // step applies, left as they are (still the casts) when it is skipped.
+    NDArray b0 = io.k().cast(io.s, c[0], DType::BF16), b4 = io.k().cast(io.s, c[4], DType::BF16);
+    const std::vector<kernels::AdamTensor> ts = {{&c[0], &c[1], &c[2], &c[3], &b0}, {&c[4], &c[5], &c[6], &c[7], &b4}};
+    io.k().adam_step(io.s, ts, f);
     for (const NDArray& a : c) io.keep(a);
+    copy_mismatches(ts);
   }
 }
 

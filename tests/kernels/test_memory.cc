@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -233,6 +234,42 @@ TEST(MemoryKernels, AdamStepReadsTheControlArray) {
   EXPECT_EQ(p.to_vector(), p0);
   EXPECT_EQ(m.to_vector(), m0);
   EXPECT_EQ(v.to_vector(), v0);
+}
+
+TEST(MemoryKernels, AdamStepWritesTheParametersBf16Copies) {
+  // AdamTensor::param_bf16: the updated parameter cast to bf16 (kernels::
+  // cast's bits) in the update's pass, clipped or not, on tensors below and
+  // above a chunk; the update itself the same bits as without it; nothing
+  // written on a step the control array skips; a copy of the wrong dtype
+  // or size refused.
+  for (float scale : {1.0f, 0.37f}) {
+    for (int64_t n : {5, 70001}) {
+      AdamArrays a(n), b(n);
+      NDArray copy = NDArray::empty({n}, DType::BF16);
+      kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.5f, 0.01f, scale};
+      kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v, &copy}}, f);
+      kernels::adam_step(cpu(), {{&b.p, &b.g, &b.m, &b.v}}, f);
+      EXPECT_EQ(a.p.to_vector(), b.p.to_vector()) << "n " << n << " scale " << scale;
+      EXPECT_EQ(a.m.to_vector(), b.m.to_vector());
+      const NDArray want = a.p.to(DType::BF16);
+      EXPECT_EQ(std::memcmp(copy.raw_data(), want.raw_data(), want.nbytes()), 0) << "n " << n << " scale " << scale;
+    }
+  }
+  AdamArrays a(70001);
+  NDArray copy = a.p.to(DType::BF16);
+  const NDArray before = copy.clone();
+  NDArray control = NDArray::empty({3}, DType::F64);
+  control.host_data<double>("c")[0] = 1.0;
+  control.host_data<double>("c")[1] = 1.0;
+  control.host_data<double>("c")[2] = 0.0;  // a non-finite step
+  kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.5f, 0.01f};
+  f.control = &control;
+  kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v, &copy}}, f);
+  EXPECT_EQ(std::memcmp(copy.raw_data(), before.raw_data(), before.nbytes()), 0);
+  NDArray f32_copy = NDArray::empty({70001}, DType::F32), short_copy = NDArray::empty({7}, DType::BF16);
+  f.control = nullptr;
+  EXPECT_THROW(kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v, &f32_copy}}, f), InternalError);
+  EXPECT_THROW(kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v, &short_copy}}, f), InternalError);
 }
 
 TEST(GradClipping, OneRuleForTrainerAndTests) {

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -140,18 +141,38 @@ class ExecGraph {
   // weights) run in the first micro-batch, and the later micro-batches of
   // the step reuse their outputs. Parameters must not change meanwhile.
   // Without a scope every micro-batch computes them. One scope at a time.
+  //
+  // `given`: outputs of parameter_casts() nodes the caller already holds
+  // for the parameters as they are now (the optimizer wrote them with the
+  // update, docs/precision.md, "The weights' bf16 copies"): used as those
+  // nodes' outputs instead of running the casts. A given array must have
+  // the parameter's local shape and the cast's dtype (InternalError at the
+  // node otherwise); the caller answers for its values.
   class StepScope {
    public:
-    explicit StepScope(const ExecGraph& graph);
+    explicit StepScope(const ExecGraph& graph, std::map<int, NDArray> given = {});
     ~StepScope();
     StepScope(const StepScope&) = delete;
     StepScope& operator=(const StepScope&) = delete;
+    // The output of parameter-only node `id` in this step (given, or
+    // computed by the step's first forward), or an invalid array where the
+    // step has not reached it.
+    NDArray value(int id) const;
 
    private:
     const ExecGraph& graph_;
   };
   // Whether node `id` is such a parameter-only node of this rank's forward.
   bool parameter_only(int id) const { return id < static_cast<int>(parameter_only_.size()) && parameter_only_[id]; }
+  // The parameter-only nodes of this rank's forward that cast one parameter,
+  // as the rank feeds it, to another dtype (under mixed precision, the
+  // weights' bf16 compute copies), in graph order.
+  struct ParameterCast {
+    int node = -1;
+    std::string param;
+    DType dtype = DType::BF16;
+  };
+  std::vector<ParameterCast> parameter_casts() const;
 
   // Activation recomputation (docs/execution.md), for the forwards started
   // after the call. On: forward() keeps only the leaves, the loss and the
@@ -271,6 +292,7 @@ class ExecGraph {
   std::vector<char> parameter_only_;  // per node id (StepScope)
   mutable bool step_open_ = false;
   mutable std::map<int, std::vector<NDArray>> step_values_;  // parameter-only outputs of the open step
+  mutable std::set<int> step_given_;                          // those of them the StepScope was given
   mutable ByteLedger ledger_;
   bool defer_sends_ = false;
   bool recompute_ = false;

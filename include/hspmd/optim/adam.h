@@ -49,6 +49,9 @@ class Adam {
     std::string name;
     NDArray* param = nullptr;
     const NDArray* grad = nullptr;
+    // Optional: the parameter's bf16 compute copy, rewritten from the
+    // updated values in the update's pass (kernels::AdamTensor::param_bf16).
+    NDArray* param_bf16 = nullptr;
   };
   // `control` (optional): kernels::clip_control's array on the tensors'
   // device, read by the update as it runs (its coefficient instead of

@@ -177,23 +177,36 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& given)
                   "adam_step: param, grad and moments must be f32 of one size");
       require_contiguous("adam_step", *a);
     }
+    if (t.param_bf16 != nullptr) {
+      HSPMD_CHECK(t.param_bf16->dtype() == DType::BF16 && t.param_bf16->numel() == t.param->numel(),
+                  "adam_step: the parameter's bf16 copy must be bf16 of the parameter's size");
+      require_contiguous("adam_step", *t.param_bf16);
+    }
     if (!apply) continue;
     float *p = t.param->data<float>(), *m = t.exp_avg->data<float>(), *v = t.exp_avg_sq->data<float>();
     const float* g = t.grad->data<float>();
+    auto* copy = t.param_bf16 != nullptr ? static_cast<uint16_t*>(t.param_bf16->raw_data()) : nullptr;
     const int64_t n = t.param->numel();
-    if (f.grad_scale == 1.0f) {
+    if (f.grad_scale == 1.0f && copy == nullptr) {
       adam_tensor(p, g, m, v, n, f);
       continue;
     }
-    // The clip as a pass of its own over a chunk, then the update's loop on
-    // it as for an unclipped gradient (what the compiler fuses there stays
-    // the same): the bits of kernels::scale and then the update, without a
-    // scaled copy of the whole gradient.
+    // By chunks: the clip as a pass of its own over a chunk, then the
+    // update's loop on it as for an unclipped gradient (what the compiler
+    // fuses there stays the same): the bits of kernels::scale and then the
+    // update, without a scaled copy of the whole gradient; the bf16 copy of
+    // each chunk while it is in cache (kernels::cast's conversion, the same
+    // bits on every path).
     for (int64_t at = 0; at < n; at += kAdamClipChunk) {
       const int64_t len = std::min(kAdamClipChunk, n - at);
-      scaled.resize(static_cast<size_t>(len));
-      for (int64_t i = 0; i < len; ++i) scaled[static_cast<size_t>(i)] = g[at + i] * f.grad_scale;
-      adam_tensor(p + at, scaled.data(), m + at, v + at, len, f);
+      const float* chunk_g = g + at;
+      if (f.grad_scale != 1.0f) {
+        scaled.resize(static_cast<size_t>(len));
+        for (int64_t i = 0; i < len; ++i) scaled[static_cast<size_t>(i)] = g[at + i] * f.grad_scale;
+        chunk_g = scaled.data();
+      }
+      adam_tensor(p + at, chunk_g, m + at, v + at, len, f);
+      if (copy != nullptr) f32_to_bf16_n(p + at, copy + at, len);
     }
   }
 }

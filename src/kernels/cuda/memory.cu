@@ -224,6 +224,7 @@ struct AdamOp {
   const float* g;
   float* m;
   float* v;
+  __nv_bfloat16* copy;  // the parameter's bf16 copy, or nullptr
   AdamFactors f;
   template <int V>
   __device__ void apply(int64_t i) const {
@@ -249,15 +250,17 @@ struct AdamOp {
     store<V>(m, i, mv);
     store<V>(v, i, vv);
     store<V>(p, i, pv);
+    if (copy != nullptr) store<V>(copy, i, pv);  // rounded as the cast kernel rounds
   }
 };
 
 // Every tensor of the step in one launch (one launch per tensor before: 201
 // for TinyLlama, most of them short). The tensors are cut into chunks of
-// kAdamChunk elements, a block per chunk; table [6T + 1] i64 = the tensors'
-// param, grad, exp_avg and exp_avg_sq pointers [4T] (table[4t + j]), sizes
-// [T], first chunks [T + 1]. Each element's update is AdamOp's (the same
-// bits as one launch per tensor, 16-byte accesses or not).
+// kAdamChunk elements, a block per chunk; table [7T + 1] i64 = the tensors'
+// param, grad, exp_avg, exp_avg_sq and bf16-copy (0: none) pointers [5T]
+// (table[5t + j]), sizes [T], first chunks [T + 1]. Each element's update
+// is AdamOp's (the same bits as one launch per tensor, 16-byte accesses or
+// not).
 constexpr int64_t kAdamChunk = 1 << 16;  // elements per chunk (a multiple of kVec)
 
 // `control`: clip_control's array, or nullptr (AdamFactors::control).
@@ -267,14 +270,16 @@ __global__ void adam_chunks_kernel(const int64_t* table, int64_t T, AdamFactors 
     f.grad_scale = static_cast<float>(control[1]);  // an f32 value: exact
   }
   const int64_t c = blockIdx.x;
-  const int64_t t = chunk_owner(table + 5 * T, T, c);
-  const int64_t* ptr = table + 4 * t;
+  const int64_t t = chunk_owner(table + 6 * T, T, c);
+  const int64_t* ptr = table + 5 * t;
   const AdamOp op{reinterpret_cast<float*>(ptr[0]), reinterpret_cast<const float*>(ptr[1]),
-                  reinterpret_cast<float*>(ptr[2]), reinterpret_cast<float*>(ptr[3]), f};
-  const int64_t n = table[4 * T + t], begin = (c - table[5 * T + t]) * kAdamChunk;
+                  reinterpret_cast<float*>(ptr[2]), reinterpret_cast<float*>(ptr[3]),
+                  reinterpret_cast<__nv_bfloat16*>(ptr[4]), f};
+  const int64_t n = table[5 * T + t], begin = (c - table[6 * T + t]) * kAdamChunk;
   const int64_t end = begin + kAdamChunk < n ? begin + kAdamChunk : n;
-  // begin is a multiple of kVec: an aligned tensor's chunk is aligned too.
-  const bool aligned = ((ptr[0] | ptr[1] | ptr[2] | ptr[3]) & 15) == 0;
+  // begin is a multiple of kVec: an aligned tensor's chunk is aligned too
+  // (kVec bf16 values are 16 bytes, as are kVec / 2 floats).
+  const bool aligned = ((ptr[0] | ptr[1] | ptr[2] | ptr[3] | ptr[4]) & 15) == 0;
   int64_t i = begin + threadIdx.x;
   if (aligned) {
     const int64_t groups = (end - begin) / kVec;
@@ -541,8 +546,16 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
       require_contiguous("adam_step", *a);
       ptrs.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(a->raw_data())));
     }
+    if (t.param_bf16 != nullptr) {
+      HSPMD_CHECK(t.param_bf16->dtype() == DType::BF16 && t.param_bf16->numel() == t.param->numel(),
+                  "adam_step: the parameter's bf16 copy must be bf16 of the parameter's size");
+      require_contiguous("adam_step", *t.param_bf16);
+    }
+    ptrs.push_back(t.param_bf16 != nullptr && t.param->numel() > 0
+                       ? static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.param_bf16->raw_data()))
+                       : 0);
     if (t.param->numel() == 0) {
-      ptrs.resize(ptrs.size() - 4);
+      ptrs.resize(ptrs.size() - 5);
       continue;
     }
     sizes.push_back(t.param->numel());
