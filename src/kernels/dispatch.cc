@@ -62,6 +62,10 @@ void arrays_on_stream(const char* kernel, const Stream& s, const A&... args) {
 }
 
 // ---- a kernel's own preconditions, before the device check ----
+// An overload whose parameters drift from its kernel's list entry is never
+// called (the generic one is chosen instead) and only shows as unused: an
+// error here, not a warning.
+#pragma GCC diagnostic error "-Wunused-function"
 // entry_checks(KernelTag<K>, ...) returns true when it has also checked the
 // devices (the generic device check is then skipped).
 
@@ -83,11 +87,14 @@ bool entry_checks(KernelTag<KernelId::matmul>, const char*, Stream&, const NDArr
 }
 
 bool entry_checks(KernelTag<KernelId::rms_norm_backward>, const char*, Stream&, const NDArray&, const NDArray& x,
-                  const NDArray&, float, NDArray&, NDArray&, const NDArray* addend) {
+                  const NDArray&, float, NDArray&, NDArray&, const NDArray* addend, NDArray* dx_bf16) {
   if (addend != nullptr)
     HSPMD_CHECK((addend->dtype() == DType::F32 || addend->dtype() == DType::BF16) &&
                     addend->numel() == x.numel() && addend->is_contiguous(),
                 "rms_norm_backward: the addend must be f32 or bf16 and contiguous, of x's size");
+  if (dx_bf16 != nullptr)
+    HSPMD_CHECK(dx_bf16->dtype() == DType::BF16 && dx_bf16->numel() == x.numel() && dx_bf16->is_contiguous(),
+                "rms_norm_backward: dx_bf16 must be bf16 and contiguous, of x's size");
   return false;
 }
 

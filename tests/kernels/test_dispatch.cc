@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -177,6 +178,41 @@ TEST(KernelDispatch, ArraysMustLiveOnTheStreamsDevice) {
   EXPECT_EQ(testing::error_of([&] { kernels::matmul(cuda, a.reshape({1, 2}), a.reshape({2, 1}),
                                                     false, false, out); }),
             "[kernels] matmul: an array lives on cpu:0 but the stream on cuda:0");
+}
+
+// The message of the InternalError `f` throws (a broken caller contract), or "".
+std::string internal_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InternalError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(KernelDispatch, EntryChecksRefuseMisfitOptionalArrays) {
+  // The optional arrays of rms_norm_backward and swiglu_backward are
+  // checked at the dispatch, before a backend writes past them.
+  Stream& s = default_stream(Device::cpu());
+  NDArray x = NDArray::empty({2, 4}, DType::F32), w = NDArray::empty({4}, DType::F32);
+  x.fill(0.5f);
+  w.fill(1.0f);
+  NDArray dx = NDArray::empty({2, 4}, DType::F32), dw = NDArray::empty({4}, DType::F32);
+  NDArray short_addend = NDArray::empty({7}, DType::F32), short_bf16 = NDArray::empty({7}, DType::BF16);
+  NDArray f32_copy = NDArray::empty({2, 4}, DType::F32);
+  EXPECT_NE(internal_error_of([&] { kernels::rms_norm_backward(s, x, x, w, 1e-5f, dx, dw, &short_addend, nullptr); })
+                .find("rms_norm_backward: the addend must be"),
+            std::string::npos);
+  for (NDArray* bad : {&short_bf16, &f32_copy})
+    EXPECT_NE(internal_error_of([&] { kernels::rms_norm_backward(s, x, x, w, 1e-5f, dx, dw, nullptr, bad); })
+                  .find("rms_norm_backward: dx_bf16 must be bf16"),
+              std::string::npos);
+  NDArray g = NDArray::empty({8}, DType::F32), dg = NDArray::empty({8}, DType::F32), du = NDArray::empty({8}, DType::F32);
+  g.fill(0.25f);
+  NDArray short_out = NDArray::empty({3}, DType::F32);
+  EXPECT_NE(internal_error_of([&] { kernels::swiglu_backward(s, g, g, g, dg, du, &short_out); })
+                .find("swiglu_backward: out size"),
+            std::string::npos);
 }
 
 }  // namespace
