@@ -143,7 +143,10 @@ inline float minus_product(float a, float b, float c) {
 #endif
 }
 
-void adam_tensor(float* p, const float* g, float* m, float* v, int64_t n, const AdamFactors& f) {
+// `copy` (kCopy): the updated parameter's bf16 rounding (f32_to_bf16, the
+// cast's bits), written in the same loop.
+template <bool kCopy>
+void adam_tensor(float* p, const float* g, float* m, float* v, uint16_t* copy, int64_t n, const AdamFactors& f) {
 #pragma omp parallel for simd schedule(static) if (n >= kAdamParallelThreshold)
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i] + f.l2 * p[i];
@@ -153,8 +156,17 @@ void adam_tensor(float* p, const float* g, float* m, float* v, int64_t n, const 
     m[i] = mi;
     v[i] = vi;
     // Same operation order as torch: denom = sqrt(v) / sqrt(bc2) + eps.
-    p[i] = minus_product(pi, f.step_size, mi / (std::sqrt(vi) / f.sqrt_bc2 + f.eps));
+    const float updated = minus_product(pi, f.step_size, mi / (std::sqrt(vi) / f.sqrt_bc2 + f.eps));
+    p[i] = updated;
+    if constexpr (kCopy) copy[i] = f32_to_bf16(updated);
   }
+}
+
+void adam_tensor(float* p, const float* g, float* m, float* v, uint16_t* copy, int64_t n, const AdamFactors& f) {
+  if (copy != nullptr)
+    adam_tensor<true>(p, g, m, v, copy, n, f);
+  else
+    adam_tensor<false>(p, g, m, v, nullptr, n, f);
 }
 
 }  // namespace
@@ -187,26 +199,19 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& given)
     const float* g = t.grad->data<float>();
     auto* copy = t.param_bf16 != nullptr ? static_cast<uint16_t*>(t.param_bf16->raw_data()) : nullptr;
     const int64_t n = t.param->numel();
-    if (f.grad_scale == 1.0f && copy == nullptr) {
-      adam_tensor(p, g, m, v, n, f);
+    if (f.grad_scale == 1.0f) {
+      adam_tensor(p, g, m, v, copy, n, f);
       continue;
     }
-    // By chunks: the clip as a pass of its own over a chunk, then the
-    // update's loop on it as for an unclipped gradient (what the compiler
-    // fuses there stays the same): the bits of kernels::scale and then the
-    // update, without a scaled copy of the whole gradient; the bf16 copy of
-    // each chunk while it is in cache (kernels::cast's conversion, the same
-    // bits on every path).
+    // The clip as a pass of its own over a chunk, then the update's loop on
+    // it as for an unclipped gradient (what the compiler fuses there stays
+    // the same): the bits of kernels::scale and then the update, without a
+    // scaled copy of the whole gradient.
     for (int64_t at = 0; at < n; at += kAdamClipChunk) {
       const int64_t len = std::min(kAdamClipChunk, n - at);
-      const float* chunk_g = g + at;
-      if (f.grad_scale != 1.0f) {
-        scaled.resize(static_cast<size_t>(len));
-        for (int64_t i = 0; i < len; ++i) scaled[static_cast<size_t>(i)] = g[at + i] * f.grad_scale;
-        chunk_g = scaled.data();
-      }
-      adam_tensor(p + at, chunk_g, m + at, v + at, len, f);
-      if (copy != nullptr) f32_to_bf16_n(p + at, copy + at, len);
+      scaled.resize(static_cast<size_t>(len));
+      for (int64_t i = 0; i < len; ++i) scaled[static_cast<size_t>(i)] = g[at + i] * f.grad_scale;
+      adam_tensor(p + at, scaled.data(), m + at, v + at, copy != nullptr ? copy + at : nullptr, len, f);
     }
   }
 }
