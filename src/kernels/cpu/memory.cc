@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "hspmd/core/dtype.h"
 #include "hspmd/core/error.h"
@@ -143,30 +144,41 @@ inline float minus_product(float a, float b, float c) {
 #endif
 }
 
-// `copy` (kCopy): the updated parameter's bf16 rounding (f32_to_bf16, the
-// cast's bits), written in the same loop.
+// One AdamW element: torch's operation order on p, g, m, v; with kCopy the
+// updated parameter's bf16 rounding (f32_to_bf16, the cast's bits) into
+// `copy`. Inlined into both loops below.
+template <bool kCopy>
+[[gnu::always_inline]] inline void adam_element(float* p, const float* g, float* m, float* v, uint16_t* copy,
+                                                int64_t i, const AdamFactors& f) {
+  const float gi = g[i] + f.l2 * p[i];
+  const float pi = p[i] * f.decay_scale;
+  const float mi = f.beta1 * m[i] + f.one_minus_beta1 * gi;
+  const float vi = f.beta2 * v[i] + f.one_minus_beta2 * gi * gi;
+  m[i] = mi;
+  v[i] = vi;
+  // Same operation order as torch: denom = sqrt(v) / sqrt(bc2) + eps.
+  const float updated = minus_product(pi, f.step_size, mi / (std::sqrt(vi) / f.sqrt_bc2 + f.eps));
+  p[i] = updated;
+  if constexpr (kCopy) copy[i] = f32_to_bf16(updated);
+}
+
+// A whole tensor, its own OpenMP region over the elements.
 template <bool kCopy>
 void adam_tensor(float* p, const float* g, float* m, float* v, uint16_t* copy, int64_t n, const AdamFactors& f) {
 #pragma omp parallel for simd schedule(static) if (n >= kAdamParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] + f.l2 * p[i];
-    const float pi = p[i] * f.decay_scale;
-    const float mi = f.beta1 * m[i] + f.one_minus_beta1 * gi;
-    const float vi = f.beta2 * v[i] + f.one_minus_beta2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    // Same operation order as torch: denom = sqrt(v) / sqrt(bc2) + eps.
-    const float updated = minus_product(pi, f.step_size, mi / (std::sqrt(vi) / f.sqrt_bc2 + f.eps));
-    p[i] = updated;
-    if constexpr (kCopy) copy[i] = f32_to_bf16(updated);
-  }
+  for (int64_t i = 0; i < n; ++i) adam_element<kCopy>(p, g, m, v, copy, i, f);
 }
 
-void adam_tensor(float* p, const float* g, float* m, float* v, uint16_t* copy, int64_t n, const AdamFactors& f) {
-  if (copy != nullptr)
-    adam_tensor<true>(p, g, m, v, copy, n, f);
-  else
-    adam_tensor<false>(p, g, m, v, nullptr, n, f);
+// A piece on the calling thread (inside the caller's parallel region). Not
+// adam_tensor with its region switched off: nested in another region, GCC's
+// code for that loop ran about 9x slower (a clipped 16 M-element tensor: 110
+// ms against 12.5 on one thread), this one as fast as adam_tensor's. The
+// same elements' bits (MemoryKernels.AdamStepGradScaleIsTheClipPassThenTheUpdate).
+template <bool kCopy>
+void adam_piece(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v,
+                uint16_t* __restrict copy, int64_t n, const AdamFactors f) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) adam_element<kCopy>(p, g, m, v, copy, i, f);
 }
 
 }  // namespace
@@ -181,7 +193,6 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& given)
     apply = control.data<double>()[2] == 1.0;  // 0: a non-finite step, nothing changes
     f.grad_scale = static_cast<float>(control.data<double>()[1]);
   }
-  std::vector<float> scaled;
   for (const AdamTensor& t : tensors) {
     for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad,
                              static_cast<const NDArray*>(t.exp_avg), static_cast<const NDArray*>(t.exp_avg_sq)}) {
@@ -200,18 +211,33 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& given)
     auto* copy = t.param_bf16 != nullptr ? static_cast<uint16_t*>(t.param_bf16->raw_data()) : nullptr;
     const int64_t n = t.param->numel();
     if (f.grad_scale == 1.0f) {
-      adam_tensor(p, g, m, v, copy, n, f);
+      if (copy != nullptr)
+        adam_tensor<true>(p, g, m, v, copy, n, f);
+      else
+        adam_tensor<false>(p, g, m, v, nullptr, n, f);
       continue;
     }
     // The clip as a pass of its own over a chunk, then the update's loop on
     // it as for an unclipped gradient (what the compiler fuses there stays
     // the same): the bits of kernels::scale and then the update, without a
-    // scaled copy of the whole gradient.
-    for (int64_t at = 0; at < n; at += kAdamClipChunk) {
-      const int64_t len = std::min(kAdamClipChunk, n - at);
-      scaled.resize(static_cast<size_t>(len));
-      for (int64_t i = 0; i < len; ++i) scaled[static_cast<size_t>(i)] = g[at + i] * f.grad_scale;
-      adam_tensor(p + at, scaled.data(), m + at, v + at, copy != nullptr ? copy + at : nullptr, len, f);
+    // scaled copy of the whole gradient. The chunks share one parallel
+    // region, each thread with its own buffer.
+    const int64_t chunks = (n + kAdamClipChunk - 1) / kAdamClipChunk;
+#pragma omp parallel if (n >= kAdamParallelThreshold)
+    {
+      std::vector<float> buffer(static_cast<size_t>(std::min(kAdamClipChunk, n)));
+      float* const scaled = buffer.data();
+      const float scale = f.grad_scale;
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = c * kAdamClipChunk, len = std::min(kAdamClipChunk, n - at);
+#pragma omp simd
+        for (int64_t i = 0; i < len; ++i) scaled[i] = g[at + i] * scale;
+        if (copy != nullptr)
+          adam_piece<true>(p + at, scaled, m + at, v + at, copy + at, len, f);
+        else
+          adam_piece<false>(p + at, scaled, m + at, v + at, nullptr, len, f);
+      }
     }
   }
 }
