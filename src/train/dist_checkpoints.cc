@@ -113,6 +113,7 @@ std::string DistTrainer::nonfinite_parameter() {
 
 void DistTrainer::load_weights(const std::map<std::string, NDArray>& weights) {
   finish_checkpoint(true);  // the pending write holds copies; the state is replaced after it
+  copies_ = {};              // the weights' bf16 copies were the old weights'
   const int64_t step = state_->step, samples = state_->samples;
   const uint64_t seed = state_->seed;
   state_ = TrainingState::from_full(rt_->plan, world_.rank(), weights);

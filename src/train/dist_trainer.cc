@@ -126,7 +126,7 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
   // The bf16 copies written with the update (optimizer_writes_copies): of
   // the parameters the update writes in place, the array the step's cast
   // read (not a ZeRO shard, whose parameter is gathered after).
-  std::map<int, NDArray> written;
+  std::map<int, WeightCopy> written;
   for (const std::string& name : rt_->graph->model().names) {  // the same order on every rank
     Shard& target = state_->optimized(name);
     auto g = synced.find(name);
@@ -136,7 +136,7 @@ void DistTrainer::optimizer_step(Adam& adam, std::map<std::string, NDArray>& syn
     NDArray* copy = nullptr;
     if (auto c = step_casts_.find(name); c != step_casts_.end() && &target == &state_->slot(name, StateSlot::kParam) &&
                                          c->second.second.numel() == target.data.numel())
-      copy = &written.emplace(c->second.first, c->second.second).first->second;
+      copy = &written.emplace(c->second.first, WeightCopy{name, target.data, c->second.second}).first->second.copy;
     groups[rt_->shapes.at(name).size() >= 2 ? 1 : 0].push_back({name, &target.data, &g->second, copy});
     if (modeled)
       clock_->advance(std::exchange(fixed_s, 0.0) + modeled->per_param_s * static_cast<double>(target.data.numel()));

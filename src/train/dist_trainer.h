@@ -201,11 +201,20 @@ class DistTrainer {
   // (accumulate_schedule keeps them for the update).
   std::map<std::string, std::pair<int, NDArray>> step_casts_;
   // What the last update wrote, by cast node, for `graph` at step `step`
-  // only: any other graph or step takes none of them.
+  // only: any other graph or step takes none of them. Each copy keeps the
+  // parameter array it was made from (`source`, held: no later array can
+  // take its place in memory): a step takes a copy only while the state's
+  // parameter is that array, so weights replaced between two steps (the
+  // Python API's load_parameters, a switch, a restore) are cast again.
+  struct WeightCopy {
+    std::string param;
+    NDArray source;
+    NDArray copy;
+  };
   struct WeightCopies {
     const ExecGraph* graph = nullptr;
     int64_t step = -1;
-    std::map<int, NDArray> by_node;
+    std::map<int, WeightCopy> by_node;
   };
   WeightCopies copies_;
   int64_t current_step_ = -1;  // the step compute_and_sync runs

@@ -52,7 +52,10 @@ class RawGrads {
 
 std::map<int, NDArray> DistTrainer::take_weight_copies(const ExecGraph& graph) {
   std::map<int, NDArray> given;
-  if (copies_.graph == &graph && copies_.step == current_step_) given = std::move(copies_.by_node);
+  if (copies_.graph == &graph && copies_.step == current_step_)
+    for (auto& [node, c] : copies_.by_node)
+      if (const Shard& sh = state_->slot(c.param, StateSlot::kParam); sh.held() && sh.data.same_view(c.source))
+        given.emplace(node, std::move(c.copy));
   copies_ = {};
   return given;
 }
