@@ -874,8 +874,13 @@ def print_table(rows, report, a):
         if r.get("queued_s") and r.get("record_step_times_s"):
             q = statistics.median(r["queued_s"])
             st = statistics.median(r["record_step_times_s"])
+            # The host's time between two steps' records (the log line, the
+            # next step's checks before its clock starts): the span's part
+            # that no record's step time covers, per step.
+            outside = (r["span_s"] - sum(r["record_step_times_s"])) / len(r["record_step_times_s"])
             print(f"RESULT probe=gpu_step case={case(a, 'hspmd_host_queue')} queued_ms={1e3 * q:.2f} "
-                  f"step_ms={1e3 * st:.2f} queued_share={q / st:.3f} status=INFO")
+                  f"step_ms={1e3 * st:.2f} queued_share={q / st:.3f} between_steps_ms={1e3 * outside:.3f} "
+                  f"status=INFO")
             if a.cpu_smoke:
                 continue  # the CPU runs each kernel as it is queued: the two are one time
             print(f"hspmd's host queued a step in {1e3 * q:.1f} ms of its {1e3 * st:.1f} ms (median; the device "
