@@ -22,7 +22,6 @@ import sys
 import tempfile
 
 FAILURES = []
-STRATEGIES = {}  # a run's label -> its records' "strategy" (token-budget runs)
 
 
 def check(ok, what):
@@ -63,16 +62,18 @@ def main():
                 check(False, f"{label} ({mode}) trains: rc={p.returncode} {p.stderr[-400:]!r}")
                 return None
             records = [r for r in map(json.loads, open(out + ".jsonl")) if "loss" in r]  # not switch events
-            STRATEGIES[label] = [r.get("strategy") for r in records]
             ops = out + ".ops.json" + (".rank0" if ranks > 1 else "")
             casts = sum(o["calls"] for o in json.load(open(ops))["ops"] if o["type"] == "cast")
-            return ([(r["loss"], r["grad_norm"]) for r in records], open(out + ".safetensors", "rb").read(), casts)
+            return ([(r["loss"], r["grad_norm"]) for r in records], open(out + ".safetensors", "rb").read(), casts,
+                    [r.get("strategy") for r in records])
 
+        # Both modes' runs compared; the optimizer's run (losses, weights,
+        # casts, strategies) or None.
         def compare(label, extra, env=None, ranks=1, fewer=weight_casts):
             opt = train(label, "optimizer", extra, env, ranks)
             graph = train(label, "graph", extra, env, ranks)
             if opt is None or graph is None:
-                return
+                return None
             check(opt[0] == graph[0] and len(opt[0]) == 4,
                   f"{label}: the same losses and gradient norms bit for bit ({opt[0][-1]} / {graph[0][-1]})")
             check(opt[1] == graph[1], f"{label}: the same saved weights bit for bit")
@@ -83,6 +84,7 @@ def main():
                 check(graph[2] - opt[2] == fewer,
                       f"{label}: the last step casts {graph[2]} times with the graph's casts, {opt[2]} with the "
                       f"optimizer's copies ({fewer} fewer expected)")
+            return opt
 
         compare("cpu bf16", ["--precision", "bf16"])
         compare("device double bf16", ["--precision", "bf16", "--device", "cpu:1"], {"HSPMD_ATTENTION_IO": "bf16"})
@@ -145,9 +147,9 @@ def main():
                       "--strategies", at("short4.json") + "," + at("long_short.json"), "--nproc", "4"]
             for label, extra in (("4 ranks, token budgets over two strategies", []),
                                  ("4 ranks, token budgets, bucket switching", ["--bucket-switching"])):
-                compare(label, tokens + extra, ranks=4, fewer=None)
-                check(STRATEGIES.get(label) == [0, 1, 0, 1],
-                      f"{label}: the strategy alternates at every step ({STRATEGIES.get(label)})")
+                run = compare(label, tokens + extra, ranks=4, fewer=None)
+                if run is not None:
+                    check(run[3] == [0, 1, 0, 1], f"{label}: the strategy alternates at every step ({run[3]})")
 
         p = subprocess.run(base + fixed + ["--model", model, "--precision", "bf16"], capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, HSPMD_WEIGHT_COPIES="sometimes"))
