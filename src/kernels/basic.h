@@ -35,13 +35,37 @@ enum class GemmCompute { kF32, kBF16 };
 // made once per shape, transposes and dtypes (and thread count) and cached;
 // both libraries use the thread count of set_num_threads().
 //
+// What a matmul adds to its product before writing `out` (at most one of the
+// two; the arrays are borrowed for the call). Converts implicitly from an
+// addend pointer (nullptr: nothing added).
+//
 // `addend` (f32, out's shape, out f32; not out itself): out = op(a)·op(b) +
 // addend, the product rounded to f32 first and the addend added to it, the
 // same bits as a matmul followed by add(out, addend), in one kernel where the
 // backend has one (the backward folds a gradient's accumulation into the GEMM
 // that makes the next term).
+//
+// `bias` (f32 [N], contiguous, N = out's last dim; out f32 or bf16): out =
+// the f32 product plus bias[j] on every row (one f32 add per element),
+// rounded once to out's dtype: the bits of a matmul to f32 followed by
+// add_bias and a cast (Qwen2's q/k/v projections), in one GEMM with a bias
+// epilogue where the backend has one (cuBLASLt), else the GEMM to f32 and
+// one pass that adds and rounds.
+struct GemmEpilogue {
+  GemmEpilogue(const NDArray* addend_array = nullptr) : addend(addend_array) {}  // implicit: matmul(..., &addend)
+  static GemmEpilogue with_bias(const NDArray* bias_array) {
+    GemmEpilogue e;
+    e.bias = bias_array;
+    return e;
+  }
+  const NDArray* addend = nullptr;
+  const NDArray* bias = nullptr;
+};
+
+// Throws hspmd::Error when both are set, or when the addend or the bias
+// does not fit (the contract above).
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute = GemmCompute::kF32, const NDArray* addend = nullptr);
+            GemmCompute compute = GemmCompute::kF32, GemmEpilogue epilogue = {});
 
 // Whether this build and CPU run bf16 GEMMs natively: oneDNN is linked, its
 // effective ISA includes avx512_core_bf16 (or AMX) and /proc/cpuinfo lists

@@ -50,6 +50,10 @@ void on_stream(const char* kernel, Device d, const std::vector<AdamTensor>& tens
                              static_cast<const NDArray*>(t.exp_avg_sq), static_cast<const NDArray*>(t.param_bf16)})
       on_stream(kernel, d, a);
 }
+void on_stream(const char* kernel, Device d, const GemmEpilogue& e) {
+  on_stream(kernel, d, e.addend);
+  on_stream(kernel, d, e.bias);
+}
 void on_stream(const char* kernel, Device d, const AdamFactors& f) {
   if (f.control != nullptr) on_stream(kernel, d, f.control);  // the only array among the factors
 }
@@ -77,12 +81,21 @@ bool entry_checks(KernelTag<K>, const char*, Stream&, const A&...) {
   return false;
 }
 
-bool entry_checks(KernelTag<KernelId::matmul>, const char*, Stream&, const NDArray&, const NDArray&, bool, bool,
-                  NDArray& out, GemmCompute, const NDArray* addend) {
+bool entry_checks(KernelTag<KernelId::matmul>, const char*, Stream&, const NDArray&, const NDArray& b, bool,
+                  bool trans_b, NDArray& out, GemmCompute, GemmEpilogue e) {
+  const NDArray* addend = e.addend;
   if (addend != nullptr)
     HSPMD_CHECK(out.dtype() == DType::F32 && addend->dtype() == DType::F32 && addend->shape() == out.shape() &&
                     addend->raw_data() != out.raw_data(),
                 "matmul: the addend must be f32 of the output's shape, the output f32 and not the addend");
+  if (e.bias != nullptr) {
+    HSPMD_CHECK(addend == nullptr, "matmul: an addend and a bias together");
+    const int64_t n = b.ndim() == 2 ? b.dim(trans_b ? 0 : 1) : -1;
+    HSPMD_CHECK(e.bias->dtype() == DType::F32 && e.bias->ndim() == 1 && e.bias->dim(0) == n &&
+                    e.bias->is_contiguous() && out.ndim() >= 1 && out.dim(-1) == n,
+                "matmul: the bias must be f32 [N], contiguous, N = b's output dim and out's last dim, got ",
+                dtype_name(e.bias->dtype()), shape_str(e.bias->shape()), " for ", shape_str(out.shape()));
+  }
   return false;
 }
 

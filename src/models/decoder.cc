@@ -90,13 +90,12 @@ Tensor transformer_block(const ModelConfig& c, const ModelBuildOptions& o, const
   const DType act = o.precision.compute;
   Tensor x = mark(ops::rms_norm(h, param("input_layernorm.weight"), eps, act), points.attn_input);
   // A projection in `out`, plus its bias where the family has them (Qwen2):
-  // added in f32 to the f32 product, split like the projection's rows under
-  // TP, then rounded; without a bias the GEMM writes `out` itself.
+  // added in f32 to the f32 product in the GEMM's epilogue, split like the
+  // projection's rows under TP, then rounded once; the GEMM writes `out`.
   const auto project = [&](const char* name, DType out) {
-    const Tensor y = ops::linear(x, lo(param(std::string("self_attn.") + name + ".weight")),
-                                 c.attention_bias ? DType::F32 : out);
-    return c.attention_bias ? ops::cast(ops::add_bias(y, param(std::string("self_attn.") + name + ".bias")), out)
-                            : y;
+    const std::string p_name = std::string("self_attn.") + name;
+    const Tensor w = lo(param(p_name + ".weight"));
+    return c.attention_bias ? ops::linear_bias(x, w, param(p_name + ".bias"), out) : ops::linear(x, w, out);
   };
   // q, k and v, which attention keeps for its backward, are in the compute
   // dtype: RoPE writes q and k rounded once, v_proj writes v rounded once

@@ -13,6 +13,7 @@
 // the token dims: dbias is partial where the tokens are split (hdim -2 when
 // they are cut across subgroups; gradient sync reduces it, like rms_norm's
 // weight gradient) and split along dim 0 like dy's last dim.
+#include "gemm_gradients.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/kernels.h"
 #include "op_util.h"
@@ -82,7 +83,7 @@ class AddBiasOp final : public Op {
     // dx is the incoming gradient as it comes (bf16 where attention's
     // gradients are, on a GPU: the projection's GEMMs read that); dbias
     // sums it in f32.
-    return {g[0], g[0].graph()->add1(std::make_shared<BiasGradOp>(), {cast(g[0], DType::F32)})};
+    return {g[0], bias_gradient(g[0])};
   }
   std::vector<Annotation> deduce(const DeduceContext& ctx,
                                  const std::vector<Annotation>& in) const override {
@@ -98,6 +99,10 @@ class AddBiasOp final : public Op {
 };
 
 }  // namespace
+
+Tensor bias_gradient(const Tensor& dy) {
+  return dy.graph()->add1(std::make_shared<BiasGradOp>(), {cast(dy, DType::F32)});
+}
 
 Tensor add_bias(const Tensor& x, const Tensor& bias) {
   return x.graph()->add1(std::make_shared<AddBiasOp>(), {x, bias});

@@ -7,6 +7,7 @@
 // dim split (column parallel), a's leading dims pass through.
 #include <algorithm>
 
+#include "gemm_gradients.h"
 #include "hspmd/ops/ops.h"
 #include "kernels/basic.h"
 #include "op_util.h"
@@ -139,34 +140,9 @@ class MatmulOp final : public Op {
     // Copies: adding nodes may move the graph's node storage (and `node`).
     const Tensor a = node.inputs[0], b = node.inputs[1];
     const size_t n_inputs = node.inputs.size();
-    const bool bf16 = a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
-    const Tensor dc = bf16 ? cast(g[0], DType::BF16) : g[0];
-    const SymShape a_shape = a.shape(), b_shape = b.shape();
-    Tensor& fold = addends[0];
-    const bool folds = !trans_a_ && fold.valid() && fold.dtype() == DType::F32 && fold.shape() == a_shape;
-    // a's gradient in bf16 where that is all of it and a's producer reads it
-    // rounded anyway (o_proj's input, attention's bf16 output on a GPU).
-    const DType da_dtype = !trans_a_ && !folds && bf16 && ops::gradient_rounded(a) ? DType::BF16 : DType::F32;
-    Tensor da = trans_a_ ? reshape_if_needed(matmul(b, as_2d(dc), trans_b_, true), a_shape)
-                : folds  ? a.graph()->add1(std::make_shared<MatmulOp>(false, !trans_b_, DType::F32), {dc, b, fold})
-                         : matmul(dc, b, false, !trans_b_, da_dtype);
-    if (folds) fold = Tensor();
+    std::vector<Tensor> out = matmul_input_gradients(a, b, trans_a_, trans_b_, g[0], addends[0]);
     // An addend input's gradient is the incoming one (second order only).
-    const Tensor d_addend = n_inputs == 3 ? g[0] : Tensor();
-    // b's gradient reads a: a cheap producer's output is made again here
-    // instead of being kept from the forward (recompute_for_backward), with
-    // the producer's own backward in the same pass where da is all of a's
-    // gradient.
-    const Tensor a_again = ops::recompute_for_backward(a, da);
-    std::vector<Tensor> out;
-    if (!trans_a_ && a.ndim() >= 2) {
-      out = {da, trans_b_ ? matmul(dc, a_again, true, false) : matmul(a_again, dc, true, false)};
-    } else {
-      Tensor db = trans_b_ ? matmul(as_2d(dc), as_2d(a_again), true, trans_a_)
-                           : reshape_if_needed(matmul(a_again, as_2d(dc), !trans_a_, false), b_shape);
-      out = {da, db};
-    }
-    if (n_inputs == 3) out.push_back(d_addend);
+    if (n_inputs == 3) out.push_back(g[0]);
     return out;
   }
 
@@ -199,6 +175,31 @@ class MatmulOp final : public Op {
 };
 
 }  // namespace
+
+std::vector<Tensor> matmul_input_gradients(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b,
+                                           const Tensor& g, Tensor& fold) {
+  const bool bf16 = a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
+  const Tensor dc = bf16 ? cast(g, DType::BF16) : g;
+  const SymShape a_shape = a.shape(), b_shape = b.shape();
+  const bool folds = !trans_a && fold.valid() && fold.dtype() == DType::F32 && fold.shape() == a_shape;
+  // a's gradient in bf16 where that is all of it and a's producer reads it
+  // rounded anyway (o_proj's input, attention's bf16 output on a GPU).
+  const DType da_dtype = !trans_a && !folds && bf16 && ops::gradient_rounded(a) ? DType::BF16 : DType::F32;
+  Tensor da = trans_a ? reshape_if_needed(matmul(b, as_2d(dc), trans_b, true), a_shape)
+              : folds ? a.graph()->add1(std::make_shared<MatmulOp>(false, !trans_b, DType::F32), {dc, b, fold})
+                      : matmul(dc, b, false, !trans_b, da_dtype);
+  if (folds) fold = Tensor();
+  // b's gradient reads a: a cheap producer's output is made again here
+  // instead of being kept from the forward (recompute_for_backward), with
+  // the producer's own backward in the same pass where da is all of a's
+  // gradient.
+  const Tensor a_again = ops::recompute_for_backward(a, da);
+  if (!trans_a && a.ndim() >= 2)
+    return {da, trans_b ? matmul(dc, a_again, true, false) : matmul(a_again, dc, true, false)};
+  Tensor db = trans_b ? matmul(as_2d(dc), as_2d(a_again), true, trans_a)
+                      : reshape_if_needed(matmul(a_again, as_2d(dc), !trans_a, false), b_shape);
+  return {da, db};
+}
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, DType out) {
   return a.graph()->add1(std::make_shared<MatmulOp>(trans_a, trans_b, out), {a, b});

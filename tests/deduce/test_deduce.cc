@@ -517,5 +517,72 @@ TEST(DeduceAddBias, BiasGradientIsLinearInThePartialGradient) {
   EXPECT_EQ(ag.of(grads[1]), on({0, 1}, {{kP, 2}}, {kP}));
 }
 
+// ---- linear_bias (x · weight^T + bias in one op) against linear, add_bias, cast ----
+
+// y = linear_bias(x, w, b, out), or the chain it replaces, with x [B, S, 8],
+// w [8, 8], b [8]; the gradients of sum(y) for x, w and b.
+struct BiasProjection {
+  explicit BiasProjection(bool fused, DType out = DType::BF16) {
+    y = fused ? ops::linear_bias(x, w, b, out) : ops::cast(ops::add_bias(ops::linear(x, w), b), out);
+    grads = gradients(ops::reduce_sum(ops::cast(y, DType::F32)), {x, w, b});
+  }
+  Graph g;
+  Tensor x = g.placeholder("x", {B, S, 8}, DType::F32);
+  Tensor w = g.parameter("w", {8, 8});
+  Tensor b = g.parameter("b", {8});
+  Tensor y;
+  std::vector<Tensor> grads;
+};
+
+TEST(DeduceLinearBias, LayoutsAreTheChains) {
+  const Annotation dup2 = on({0, 1}, {{kDup, 2}}, {kDup});
+  const std::vector<std::pair<const char*, Plan>> plans = {
+      // TP 2, column parallel: the bias split like the weight's rows.
+      {"tp2", {{"x", dup2}, {"w", on({0, 1}, {{0, 2}}, {0})}, {"b", on({0, 1}, {{0, 2}}, {0})}}},
+      // DP 2 (slow digit) x TP 2 (fast digit).
+      {"dp2_tp2",
+       {{"x", on({0, 1, 2, 3}, {{0, 2}, {kDup, 2}}, {0, kDup})},
+        {"w", on({0, 1, 2, 3}, {{kDup, 2}, {0, 2}}, {kDup, 0})},
+        {"b", on({0, 1, 2, 3}, {{kDup, 2}, {0, 2}}, {kDup, 0})}}},
+      // Sequence parallel with replicated weights.
+      {"sp2", {{"x", on({0, 1}, {{1, 2}}, {1})}, {"w", dup2}, {"b", dup2}}},
+      // Two pipelines cutting the batch 3:1, TP 2 on ranks 0, 1 and TP 1 on rank 2.
+      {"hetero",
+       {{"x", hetero({sub({0, 1}, {{kDup, 2}}, {kDup}), sub({2})}, 0, {3, 1})},
+        {"w", hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, kDup)},
+        {"b", hetero({sub({0, 1}, {{0, 2}}, {0}), sub({2})}, kDup)}}},
+  };
+  for (DType out : {DType::F32, DType::BF16})
+    for (const auto& [name, plan] : plans) {
+      SCOPED_TRACE(::testing::Message() << name << " " << dtype_name(out));
+      const int world = name == std::string("dp2_tp2") ? 4 : name == std::string("hetero") ? 3 : 2;
+      BiasProjection fused(true, out), chain(false, out);
+      const AnnotatedGraph af = deduce(fused.g, plan, world), ac = deduce(chain.g, plan, world);
+      EXPECT_EQ(af.of(fused.y), ac.of(chain.y));
+      for (size_t i = 0; i < 3; ++i) EXPECT_EQ(af.of(fused.grads[i]), ac.of(chain.grads[i])) << "gradient " << i;
+    }
+  // The column-parallel output itself: split along its last dim.
+  BiasProjection m(true);
+  const Annotation cols = on({0, 1}, {{2, 2}}, {2});
+  EXPECT_EQ(deduce(m.g, plans[0].second, 2).of(m.y), cols);
+}
+
+TEST(DeduceLinearBias, PartialInputsAndRowParallelAreRefused) {
+  const Annotation dup2 = on({0, 1}, {{kDup, 2}}, {kDup});
+  BiasProjection m(true);
+  expect_error(m.g, {{"x", on({0, 1}, {{kP, 2}}, {kP})}, {"w", dup2}, {"b", dup2}}, 2,
+               {"[deduce] op 'linear_bias' (node 3): input 0 (x) is partial; a bias is added to the whole "
+                "product, not to each partial term: insert a Reshard to reduce it first"});
+  // Row parallel: the contracted dim split in x and the weight; the chain
+  // refuses it at add_bias (a partial product).
+  const Plan rows{{"x", on({0, 1}, {{2, 2}}, {2})}, {"w", on({0, 1}, {{1, 2}}, {1})}, {"b", dup2}};
+  expect_error(m.g, rows, 2, {"op 'linear_bias'", "input 0 (x)", "makes the product partial"});
+  BiasProjection chain(false);
+  expect_error(chain.g, rows, 2, {"op 'add_bias'", "input 0 (x) is partial"});
+  // A bias not split like the weight's rows.
+  expect_error(m.g, {{"x", dup2}, {"w", on({0, 1}, {{0, 2}}, {0})}, {"b", dup2}}, 2,
+               {"op 'linear_bias'", "input 2 (bias)"});
+}
+
 }  // namespace
 }  // namespace hspmd

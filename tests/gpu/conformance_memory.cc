@@ -372,6 +372,73 @@ void gemm() {
     std::snprintf(d, sizeof d, "rel=%.1e", worst);
     result("matmul_addend", worst < 2e-5, d);
   });
+  // With a bias (linear_bias: Qwen2's q/k/v): the fused call against the
+  // chain it replaces on the same GPU, matmul to f32, add_bias and cast, bit
+  // for bit: at a key's first call (the epilogue compared, the two passes
+  // written) and at a later one (the epilogue, where it matched), in the
+  // heuristic and measured modes, a bias not 16-byte aligned (the two
+  // passes). Against the CPU within the matmul bounds (the bias's
+  // orientation whatever the GPU's paths agree on).
+  run_case("matmul_bias", [] {
+    struct Shape3 {
+      int64_t m, k, n;
+    };
+    // Qwen2-1.5B's q (1536) and k/v (256) at 4096 tokens; odd N.
+    const std::vector<Shape3> shapes = {{4096, 1536, 1536}, {4096, 1536, 256}, {37, 129, 67},
+                                        {45, 131, 13},      {8, 64, 250},       {5, 1, 19}};
+    int64_t differing = 0;
+    double worst_cpu = 0;
+    std::string first_bad;
+    const kernels::GemmAlgorithm saved = kernels::gemm_algorithm();
+    for (kernels::GemmAlgorithm mode : {kernels::GemmAlgorithm::kHeuristic, kernels::GemmAlgorithm::kMeasured})
+      for (const Shape3& sh : shapes)
+        for (DType operands : {DType::BF16, DType::F32})
+          for (DType out : {DType::BF16, DType::F32})
+            for (int aligned = 1; aligned >= 0; --aligned) {
+              const auto [m, k, n] = sh;
+              const NDArray flat = random_f32({m, k}, 70).to(operands);  // 3-D where m is even, as [B, S, K]
+              const NDArray x = m % 2 == 0 ? flat.reshape({2, m / 2, k}) : flat;
+              const NDArray w = random_f32({n, k}, 71).to(operands), b = random_f32({n}, 72);
+              const NDArray gx = up(x), gw = up(w);
+              const NDArray gb_store = up(random_f32({n + 1}, 72));
+              const NDArray gb = aligned ? up(b) : gb_store.slice(0, 1, n + 1);
+              const NDArray hb = down(gb).contiguous();
+              const kernels::GemmCompute c = kernels::GemmCompute::kF32;
+              kernels::set_gemm_algorithm(kernels::GemmAlgorithm::kHeuristic);
+              NDArray y = dev_empty({m, n}), z = dev_empty({m, n});
+              kernels::matmul(gpu(), gx, gw, false, true, y, c);
+              kernels::add_bias(gpu(), y, gb, z);
+              const NDArray want = down(kernels::cast(gpu(), z, out));
+              kernels::set_gemm_algorithm(mode);
+              for (int call = 0; call < 2; ++call) {
+                NDArray got = dev_empty({m, n}, out);
+                kernels::matmul(gpu(), gx, gw, false, true, got, c, kernels::GemmEpilogue::with_bias(&gb));
+                const NDArray h = down(got);
+                int64_t bad = 0;
+                const size_t width = out == DType::F32 ? 4 : 2;
+                for (int64_t i = 0; i < h.numel(); ++i)
+                  bad += std::memcmp(static_cast<const char*>(h.host_raw_data()) + i * width,
+                                     static_cast<const char*>(want.host_raw_data()) + i * width, width) != 0;
+                if (bad > 0 && first_bad.empty())
+                  first_bad = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n) + " " +
+                              dtype_name(operands) + "->" + dtype_name(out) + " call " + std::to_string(call) +
+                              (aligned ? "" : " unaligned") +
+                              (mode == kernels::GemmAlgorithm::kMeasured ? " measured" : "");
+                differing += bad;
+              }
+              if (m * n * k <= 1 << 22 && mode == kernels::GemmAlgorithm::kHeuristic) {
+                NDArray cy = NDArray::empty({m, n}, DType::F32), cz = NDArray::empty({m, n}, DType::F32);
+                kernels::matmul(cpu(), x, w, false, true, cy, c);
+                kernels::add_bias(cpu(), cy, hb, cz);
+                worst_cpu = std::max(worst_cpu, rel_diff(want.to(DType::F32), cz.to(out).to(DType::F32)));
+              }
+            }
+    kernels::set_gemm_algorithm(saved);
+    char d[200];
+    std::snprintf(d, sizeof d, "differing=%lld cpu_rel=%.1e%s%s", static_cast<long long>(differing), worst_cpu,
+                  first_bad.empty() ? "" : " first=", first_bad.c_str());
+    result("matmul_bias", differing == 0 && worst_cpu < 8e-3, d);
+  });
 }
 
 std::vector<int32_t> random_id_vector(int64_t n, int32_t lo, int32_t hi, uint32_t seed) {

@@ -70,6 +70,15 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans
               DType out = DType::F32);
 // x[..., in] · weight[out, in]^T -> [..., out] (Hugging Face weight layout).
 Tensor linear(const Tensor& x, const Tensor& weight, DType out = DType::F32);
+// linear(x, weight) + bias[out] in one op (one GEMM with the bias in its
+// epilogue): the f32 product plus the bias in f32, rounded once to `out`
+// (f32 or bf16), the bits of cast(add_bias(linear(x, weight, F32), bias),
+// out). bias is f32 [out]. Deduction: linear's followed by add_bias's: the
+// bias split along dim 0 like weight's rows (column parallel) and dup over
+// x's token splits; no input partial and x's last dim not split (the product
+// would be partial). Gradient: the nodes the three ops' gradients make
+// (src/ops/linear_bias.cc).
+Tensor linear_bias(const Tensor& x, const Tensor& weight, const Tensor& bias, DType out = DType::F32);
 
 // ---- layout ----
 Tensor reshape(const Tensor& a, const SymShape& shape);

@@ -50,10 +50,18 @@ NDArray moved(const NDArray& a, Device to) {
 // ---- the `host` kernels ----
 
 template <int V>
-void matmul(Stream&, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute, const NDArray* addend) {
+void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
+            GemmCompute compute, GemmEpilogue e) {
+  if (e.bias != nullptr) {
+    // The three kernels the op chain ran (matmul to f32, add_bias, cast): the same bits.
+    NDArray y = out.dtype() == DType::F32 ? out : NDArray::empty(out.shape(), DType::F32, out.device());
+    cpu::matmul(a, b, trans_a, trans_b, y, compute);
+    table<V>().add_bias(y, *e.bias, y);  // in place: each element read before written
+    if (out.dtype() != DType::F32) table<V>().copy(kernels::cast(s, y, out.dtype()), out);
+    return;
+  }
   cpu::matmul(a, b, trans_a, trans_b, out, compute);
-  if (addend != nullptr) table<V>().add(out, *addend, out);  // in place: each element read before written
+  if (e.addend != nullptr) table<V>().add(out, *e.addend, out);  // in place: each element read before written
 }
 
 template <int V>

@@ -24,9 +24,10 @@ void scale(Stream& s, const NDArray& a, float factor, NDArray& out);
 void accumulate(Stream& s, const NDArray& a, NDArray& out);
 
 // ---- basic.h ----
-// cuBLAS (gemm.cu): f32 or bf16 products, f32 accumulation.
+// cuBLAS (gemm.cu): f32 or bf16 products, f32 accumulation; an addend or a
+// bias through cuBLASLt's epilogues where it applies.
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute, const NDArray* addend);
+            GemmCompute compute, GemmEpilogue epilogue);
 // f32:
 void rms_norm(Stream& s, const NDArray& x, const NDArray& weight, float eps, NDArray& out);
 void add_rms_norm(Stream& s, const NDArray& a, const NDArray& b, const NDArray& weight, float eps, NDArray& sum,

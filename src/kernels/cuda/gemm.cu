@@ -10,6 +10,15 @@
 // Row-major C[m,n] = A·B is column-major C^T[n,m] = B^T·A^T, so cuBLAS is
 // called with the operands swapped: first B (ldb = b.dim(1)), then A (lda =
 // a.dim(-1)), ldc = n.
+//
+// A bias (GemmEpilogue::bias, f32 [N]): cuBLASLt's BIAS epilogue adds a
+// vector of "D's rows" to every column of the column-major D; D here is C^T
+// (n x m), whose rows are our last dim N, so bias[j] is added to every row
+// of our row-major output, in f32 after the product and before the one
+// rounding to out. Used for a key only once its output, at the key's first
+// call, has the digest of the two-pass path (cublasGemmEx into f32, then one
+// kernel adding the bias and rounding: the bits of matmul, add_bias and
+// cast); else, and where cuBLASLt offers no algorithm, the two passes.
 #include <cublasLt.h>   // the same: cuBLASLt, for the GEMMs with an addend (C != D)
 #include <cublas_v2.h>  // types and prototypes only: the library is opened at run time
 #include <cuda_bf16.h>
@@ -174,6 +183,7 @@ struct GemmCall {
   cudaDataType_t in_type = CUDA_R_32F;
   const NDArray* addend = nullptr;  // out = op(a)·op(b) + addend (f32, C != D)
   NDArray* out = nullptr;
+  const NDArray* bias = nullptr;  // out = op(a)·op(b) + bias[N] on every row (f32 [N])
 };
 
 // One GEMM key's descriptors and algorithms (ok == false: cuBLASLt offered
@@ -192,6 +202,9 @@ struct LtPlan {
   // captured, or whose output is all zeros, runs the default and leaves the
   // choice to a later call).
   bool decided = true;
+  // With a bias: false until a call has compared algos[0]'s output with the
+  // two-pass path's (the same exceptions as `decided`).
+  bool verified = true;
 };
 
 // The alignment of each of A, B, C and D, for the heuristic: it would
@@ -209,8 +222,9 @@ uint32_t alignment_of(const void* p) {
   return a;
 }
 
-// (device, m, n, k, transposes, in and out types, addend, measured, alignments)
-using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int, int, bool, bool, LtAlign>;
+// (device, m, n, k, transposes, in and out types, addend, the bias's alignment
+// (0: none; the heuristic reads it from the pointer), measured, alignments)
+using LtKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int, int, bool, uint32_t, bool, LtAlign>;
 
 uint64_t dim(int64_t v) { return static_cast<uint64_t>(v); }
 
@@ -223,6 +237,18 @@ void describe(LtPlan& p, const GemmCall& c) {
   const cublasOperation_t op_a = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a), "cublasLtMatmulDescSetAttribute");
   check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b), "cublasLtMatmulDescSetAttribute");
+  if (c.bias != nullptr) {
+    // f32 bias whatever D's type; its pointer is set per call (run_gemm).
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t bias_type = CUDA_R_32F;
+    const void* bias_data = c.bias->raw_data();  // the heuristic reads its alignment
+    check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue),
+             "cublasLtMatmulDescSetAttribute");
+    check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
+             "cublasLtMatmulDescSetAttribute");
+    check_lt(L.desc_set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_data, sizeof bias_data),
+             "cublasLtMatmulDescSetAttribute");
+  }
   // Stored matrices, column-major: b [b0, b1] row-major is (b1 x b0) with ld
   // b1; a [rows, a_cols] is (a_cols x rows) with ld a_cols; C and D are (n x m).
   check_lt(L.layout_create(&p.a, c.in_type, dim(c.b_cols), dim(c.trans_b ? c.n : c.k), c.b_cols),
@@ -291,6 +317,11 @@ cublasStatus_t run_gemm(Stream& s, cublasLtHandle_t h, const LtPlan* p, int algo
                           static_cast<int>(c.a_cols), &beta, c.out->raw_data(), cuda_type(c.out->dtype()),
                           static_cast<int>(c.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   const void* c_data = c.addend != nullptr ? c.addend->raw_data() : c.out->raw_data();
+  if (c.bias != nullptr) {
+    const void* bias_data = c.bias->raw_data();
+    const cublasStatus_t st = lt().desc_set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_data, sizeof bias_data);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+  }
   return lt().matmul(h, p->desc, &alpha, c.b->raw_data(), p->a, c.a->raw_data(), p->b, &beta, c_data, p->c,
                      c.out->raw_data(), p->d, &p->algos[algo], workspace, kLtWorkspace, launch::native(s));
 }
@@ -391,7 +422,7 @@ struct Choice {
 // nothing tells them apart); the default runs and a later call chooses.
 // Any error: the default, decided.
 Choice measure_fastest(Stream& s, cublasLtHandle_t h, const LtPlan& p, const GemmCall& c, void* workspace) {
-  const int base = c.addend != nullptr ? 0 : -1;
+  const int base = c.addend != nullptr || c.bias != nullptr ? 0 : -1;
   const cudaStream_t st = launch::native(s);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(st, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
@@ -463,6 +494,78 @@ Choice measure_fastest(Stream& s, cublasLtHandle_t h, const LtPlan& p, const Gem
   return {best, true};
 }
 
+// ---- a bias apart: the GEMM into f32, then one pass adding and rounding ----
+
+// out[i] = bias[i % n] added to y[i] in f32, rounded once to T (y may be out
+// itself when T is float): add_bias's sum and cast's rounding.
+template <typename T>
+__global__ void add_bias_round_kernel(const float* y, const float* __restrict__ bias, T* out, int64_t n,
+                                      int64_t total) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = launch::from_f32<T>(y[i] + bias[i % n]);
+}
+
+void add_bias_round(Stream& s, const NDArray& y, const NDArray& bias, NDArray& out) {
+  const int64_t total = out.numel();
+  if (total == 0) return;
+  const unsigned grid = launch::blocks_for(total);
+  if (out.dtype() == DType::F32)
+    add_bias_round_kernel<float><<<grid, launch::kThreads, 0, launch::native(s)>>>(
+        y.data<float>(), bias.data<float>(), out.data<float>(), bias.numel(), total);
+  else
+    add_bias_round_kernel<__nv_bfloat16><<<grid, launch::kThreads, 0, launch::native(s)>>>(
+        y.data<float>(), bias.data<float>(), static_cast<__nv_bfloat16*>(out.raw_data()), bias.numel(), total);
+  launch::launched("matmul bias");
+}
+
+// The call with its bias in two passes: cublasGemmEx writes the f32 product
+// (into out when out is f32), then add_bias_round (k == 0: a zero product).
+void matmul_bias_apart(Stream& s, const GemmCall& c) {
+  NDArray& out = *c.out;
+  NDArray y = out.dtype() == DType::F32 ? out : NDArray::empty(out.shape(), DType::F32, out.device());
+  if (c.k == 0) {
+    fill(s, y, 0.0f);
+  } else {
+    GemmCall product = c;
+    product.bias = nullptr;
+    product.out = &y;
+    check_blas(run_gemm(s, nullptr, nullptr, -1, product, nullptr), "cublasGemmEx");
+  }
+  add_bias_round(s, y, *c.bias, out);
+}
+
+// Whether algos[0] with the bias epilogue gives the two-pass path's bits on
+// this call's arrays: each output digested on the device, one host wait.
+// The epilogue runs first, so out holds the two-pass result at the end. Not
+// decided: the stream is being captured (nothing runs here), or the two-pass
+// output is all zeros. Any error: decided, no match.
+Choice epilogue_matches(Stream& s, cublasLtHandle_t h, const LtPlan& p, const GemmCall& c, void* workspace) {
+  const cudaStream_t st = launch::native(s);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return {-1, false};
+  }
+  NDArray digests = NDArray::empty({4}, DType::I64, s.device());
+  auto* d = static_cast<unsigned long long*>(digests.raw_data());
+  bool ok = cudaMemsetAsync(d, 0, digests.nbytes(), st) == cudaSuccess &&
+            cudaMemsetAsync(c.out->raw_data(), 0x7f, c.out->nbytes(), st) == cudaSuccess &&
+            run_gemm(s, h, &p, 0, c, workspace) == CUBLAS_STATUS_SUCCESS && launch_digest(st, *c.out, d);
+  if (!ok) (void)cudaGetLastError();
+  matmul_bias_apart(s, c);  // throws on its own errors, as the path without an epilogue does
+  unsigned long long host[4] = {};
+  ok = ok && launch_digest(st, *c.out, d + 2) &&
+       cudaMemcpyAsync(host, d, digests.nbytes(), cudaMemcpyDeviceToHost, st) == cudaSuccess &&
+       cudaStreamSynchronize(st) == cudaSuccess;
+  if (!ok) {
+    (void)cudaGetLastError();
+    return {-1, true};
+  }
+  if (host[3] == 0) return {-1, false};
+  return {host[0] == host[2] && host[1] == host[3] ? 0 : -1, true};
+}
+
 // Plans per (thread, LtKey): made once, kept for the process (a training
 // step repeats a few dozen shapes); measured ones choose at their first call
 // (or a later one, while undecided).
@@ -472,16 +575,18 @@ const LtPlan& lt_plan(Stream& s, const GemmCall& c, bool measured, cublasLtHandl
                       alignment_of(c.addend != nullptr ? c.addend->raw_data() : c.out->raw_data()),
                       alignment_of(c.out->raw_data())};
   const LtKey key{s.device().index, c.m, c.n, c.k, c.trans_a, c.trans_b, static_cast<int>(c.in_type),
-                  static_cast<int>(c.out->dtype()), c.addend != nullptr, measured, align};
+                  static_cast<int>(c.out->dtype()), c.addend != nullptr,
+                  c.bias != nullptr ? alignment_of(c.bias->raw_data()) : 0u, measured, align};
   auto it = plans.find(key);
   if (it == plans.end()) {
     LtPlan p;
     describe(p, c);
     // The heuristic mode's algorithm is the result of a query for one, as
     // that mode asks (a longer query is not promised to rank it first); the
-    // measured mode's candidates follow it. Without an addend the default
-    // is cublasGemmEx and the candidates are the query's results alone.
-    if (measured && c.addend != nullptr) {
+    // measured mode's candidates follow it. Without an addend (or bias) the
+    // default is cublasGemmEx and the candidates are the query's results alone.
+    const bool epilogue = c.addend != nullptr || c.bias != nullptr;
+    if (measured && epilogue) {
       find_algorithms(p, align, 1, handle);
       if (p.count > 0) find_algorithms(p, align, kTuneCandidates, handle);
     } else {
@@ -489,9 +594,18 @@ const LtPlan& lt_plan(Stream& s, const GemmCall& c, bool measured, cublasLtHandl
     }
     p.ok = p.count > 0;
     p.decided = !(p.ok && measured);
+    p.verified = !(p.ok && c.bias != nullptr);
     it = plans.emplace(key, p).first;
   }
   LtPlan& p = it->second;
+  if (!p.verified) {
+    // The caller then runs the call again, through the verified epilogue or
+    // the two passes (once per key: the same bits).
+    const Choice check = epilogue_matches(s, handle, p, c, workspace);
+    p.verified = check.decided;
+    p.ok = !check.decided || check.algo == 0;
+    return p;
+  }
   if (!p.decided) {
     const Choice choice = measure_fastest(s, handle, p, c, workspace);
     p.chosen = choice.algo;
@@ -506,7 +620,7 @@ bool lt_matmul(Stream& s, const GemmCall& c, bool measured) {
   const cublasLtHandle_t h = lt_handle(s.device().index);
   NDArray workspace = NDArray::empty({static_cast<int64_t>(kLtWorkspace / 8)}, DType::I64, s.device());
   const LtPlan& p = lt_plan(s, c, measured, h, workspace.raw_data());
-  if (!p.ok || p.chosen < 0) return false;
+  if (!p.ok || !p.verified || p.chosen < 0) return false;
   check_lt(run_gemm(s, h, &p, p.chosen, c, workspace.raw_data()), "cublasLtMatmul");
   launch::launched("cublasLtMatmul");
   return true;
@@ -515,7 +629,9 @@ bool lt_matmul(Stream& s, const GemmCall& c, bool measured) {
 }  // namespace
 
 void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool trans_b, NDArray& out,
-            GemmCompute compute, const NDArray* addend) {
+            GemmCompute compute, GemmEpilogue epilogue) {
+  const NDArray* addend = epilogue.addend;
+  const NDArray* bias = epilogue.bias;
   launch::require_contiguous("matmul", a);
   launch::require_contiguous("matmul", b);
   launch::require_contiguous("matmul", out);
@@ -532,6 +648,16 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
   const int64_t kb = trans_b ? b.dim(1) : b.dim(0);
   HSPMD_CHECK(k == kb && out.numel() == m * n, "matmul: inner dims ", k, " vs ", kb);
   if (m == 0 || n == 0) return;
+  if (bias != nullptr) {
+    launch::require_contiguous("matmul", *bias);
+    HSPMD_CHECK(addend == nullptr && bias->dtype() == DType::F32 && bias->numel() == n,
+                "matmul: the bias must be f32 [", n, "] without an addend, got ", dtype_name(bias->dtype()),
+                shape_str(bias->shape()));
+  }
+  if (k == 0 && bias != nullptr) {
+    GemmCall zero{&a, &b, trans_a, trans_b, m, n, k, a_cols, b.dim(1), CUDA_R_32F, nullptr, &out, bias};
+    return matmul_bias_apart(s, zero);
+  }
   if (k == 0) {
     fill(s, out, 0.0f);
     if (addend != nullptr) add(s, out, *addend, out);
@@ -542,7 +668,8 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
     fail("[matmul] ", m, " x ", k, " x ", n, ": a dimension exceeds cuBLAS's 2^31 - 1");
   const bool bf16 = compute == GemmCompute::kBF16 || a.dtype() == DType::BF16 || b.dtype() == DType::BF16;
   const NDArray a_op = bf16 ? as_bf16(s, a) : a, b_op = bf16 ? as_bf16(s, b) : b;
-  GemmCall c{&a_op, &b_op, trans_a, trans_b, m, n, k, a_cols, b.dim(1), bf16 ? CUDA_R_16BF : CUDA_R_32F, addend, &out};
+  GemmCall c{&a_op, &b_op, trans_a, trans_b, m, n, k, a_cols, b.dim(1), bf16 ? CUDA_R_16BF : CUDA_R_32F, addend, &out,
+             bias};
   if (addend != nullptr) {
     // basic.h's contract, which cuBLASLt's C reads as is: f32 of out's size
     // (an f32 C layout over it), and apart from out. An addend inside out
@@ -557,9 +684,12 @@ void matmul(Stream& s, const NDArray& a, const NDArray& b, bool trans_a, bool tr
     const auto* o0 = static_cast<const char*>(out.raw_data());
     HSPMD_CHECK(a0 + addend->nbytes() <= o0 || o0 + out.nbytes() <= a0, "matmul: the addend overlaps the output");
   }
-  // cuBLASLt for an addend (C != D), and for every GEMM whose algorithm is measured.
+  // cuBLASLt for an addend (C != D), a bias whose pointer the epilogue takes
+  // (16-byte aligned), and every GEMM whose algorithm is measured.
   const bool measured = gemm_algorithm() == GemmAlgorithm::kMeasured;
-  if ((addend != nullptr || measured) && lt_matmul(s, c, measured)) return;
+  if (bias != nullptr && alignment_of(bias->raw_data()) < 16) return matmul_bias_apart(s, c);
+  if ((addend != nullptr || bias != nullptr || measured) && lt_matmul(s, c, measured)) return;
+  if (bias != nullptr) return matmul_bias_apart(s, c);
   // Column-major view: C^T (n x m) = op(B)^T (n x k) · op(A)^T (k x m).
   c.addend = nullptr;
   check_blas(run_gemm(s, nullptr, nullptr, -1, c, nullptr), "cublasGemmEx");
