@@ -51,7 +51,7 @@ for a in "$@"; do
   esac
 done
 CORE_STEPS="build conformance train_cuda oracle_cuda dist_core gpu_step profile_step gpu_shapes"
-EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda gpu_shapes"
+EXT_STEPS="build nccl_world1 kernel_perf dist_ext gpu_dist gpu_overlap mps_hetero profile_cuda cuda_graphs gpu_shapes"
 # gpu_shapes (below): one shape at the end of each call, both with all.
 case "$SET" in
   core) SET_STEPS=$CORE_STEPS; DEFAULT_BUDGET=480; SET_SHAPES="llama32_1b:llama-3.2-1b" ;;
@@ -136,8 +136,8 @@ write_summary() {
   for i in "${!STEP_NAMES[@]}"; do
     printf "%-18s %-18s %5s %5s\n" "${STEP_NAMES[$i]}" "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}" "${STEP_CAPS[$i]}"
   done
-  MEASURED="median_ms=|fwd_ms=|gbps|tflops=|_us=|predicted_ms=|_on_ms="
-  for f in "${PROBES[@]}" peer_torch conformance kernel_perf train_cuda dist_core dist_ext nccl_world1 gpu_dist gpu_overlap oracle_cuda mps_hetero profile_cuda profile_step gpu_step gpu_shapes; do
+  MEASURED="median_ms=|fwd_ms=|gbps|tflops=|_us=|predicted_ms=|_on_ms=|graphs_ms=|replayed_step_ms="
+  for f in "${PROBES[@]}" peer_torch conformance kernel_perf train_cuda dist_core dist_ext nccl_world1 gpu_dist gpu_overlap oracle_cuda mps_hetero profile_cuda cuda_graphs profile_step gpu_step gpu_shapes; do
     [[ -f "$LOGS/$f.log" ]] || continue
     n=$(grep -E "^RESULT .*status=PASS$" "$LOGS/$f.log" | grep -c -v -E "$MEASURED")
     [[ "$n" -gt 0 ]] && echo "PASS x$n  ${f#probe_}: correctness checks (lines in $f.log)"
@@ -542,6 +542,13 @@ run_step gpu_dist 30 15 gpu_dist.log -- python3 bench/gpu_dist.py --hspmd "$HSPM
 # hspmd profile on the GPU: the tiny model's parts timed with CUDA events.
 run_step profile_cuda 20 10 profile_cuda.log -- python3 tests/gpu/profile_cuda_test.py --hspmd "$HSPMD" \
   --repo "$ROOT"
+
+# bench/cuda_graphs.py: the step replayed as a CUDA graph (--cuda-graphs)
+# against op by op, a small host-bound model to the benchmark's width (2
+# layers), the losses bit for bit (docs/cuda.md, "CUDA graphs"). Not yet
+# timed on a GPU: six short runs, estimated 25-35 s.
+run_step cuda_graphs 40 15 cuda_graphs.log -- python3 bench/cuda_graphs.py --hspmd "$HSPMD" --device cuda:0 \
+  --shapes tiny,mid,wide --repeats 1 --steps 13 --timeout 30
 
 # The other plans, plan switches and a resume, elastic failures and a join,
 # token-budget steps with CP and switching, crash restarts (32, 41, 8, 18

@@ -4,12 +4,14 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "hspmd/core/device.h"
+#include "hspmd/core/error.h"
 
 namespace hspmd {
 
@@ -27,6 +29,14 @@ class BlockCache {
   void put(size_t size, void* block) {
     std::lock_guard<std::mutex> lock(mu_);
     blocks_[size].push_back(block);
+  }
+  // Hands every cached block to `each(size, block)` and empties the cache.
+  template <typename F>
+  void drain_sized(F&& each) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [size, list] : blocks_)
+      for (void* p : list) each(size, p);
+    blocks_.clear();
   }
   // Hands every cached block to `release` and empties the cache.
   template <typename F>
@@ -58,7 +68,9 @@ class CachingAllocator : public Allocator {
   void* allocate(size_t bytes) override {
     const size_t rounded = round(bytes);
     const bool side = SideStreamScope::current() != nullptr;
-    void* p = (side ? side_ : cache_).take(rounded);
+    Pool* pool = t_pool != nullptr && t_pool->owner == this ? t_pool : nullptr;
+    void* p = pool != nullptr ? pool->free.take(rounded) : nullptr;
+    if (p == nullptr) p = (side ? side_ : cache_).take(rounded);
     if (p == nullptr) p = backend_allocate(rounded);
     if (p == nullptr) {
       release_cache();  // what the cache holds may be enough
@@ -69,17 +81,27 @@ class CachingAllocator : public Allocator {
       std::lock_guard<std::mutex> lock(side_mu_);
       side_blocks_.insert(p);
     }
+    if (pool != nullptr) {
+      std::lock_guard<std::mutex> lock(side_mu_);
+      pool_blocks_[p] = pool->self;
+    }
     account_alloc(bytes);
     return p;
   }
   void deallocate(void* ptr, size_t bytes) override {
     bool side_block = false;
+    std::shared_ptr<Pool> pool;
     {
       std::lock_guard<std::mutex> lock(side_mu_);
       side_block = side_blocks_.count(ptr) > 0;
+      if (auto it = pool_blocks_.find(ptr); it != pool_blocks_.end()) {
+        pool = it->second.lock();
+        if (pool == nullptr) pool_blocks_.erase(it);  // its pool is gone: the cache's again
+      }
     }
-    auto give_back = [this, ptr, bytes, side_block] {
+    auto give_back = [this, ptr, bytes, side_block, pool] {
       account_free(bytes);
+      if (pool != nullptr) return pool->free.put(round(bytes), ptr);
       (side_block ? side_ : cache_).put(round(bytes), ptr);
     };
     if (SideStreamScope* side = SideStreamScope::current()) {  // its stream may still use it
@@ -87,6 +109,29 @@ class CachingAllocator : public Allocator {
       return;
     }
     give_back();
+  }
+
+  std::shared_ptr<void> new_pool() override {
+    auto pool = std::make_shared<Pool>();
+    pool->owner = this;
+    pool->self = pool;
+    // The handle: when its last copy goes, the pool's free blocks return to
+    // the cache (the allocators live as long as the process).
+    return std::shared_ptr<void>(pool.get(), [this, pool](void*) mutable {
+      {
+        std::lock_guard<std::mutex> lock(side_mu_);
+        pool->free.drain_sized([this](size_t size, void* p) {
+          pool_blocks_.erase(p);
+          cache_.put(size, p);
+        });
+        if (t_pool == pool.get()) t_pool = nullptr;
+      }
+      pool.reset();
+    });
+  }
+  void use_pool(const std::shared_ptr<void>& handle) override {
+    t_pool = static_cast<Pool*>(handle.get());
+    HSPMD_CHECK(t_pool == nullptr || t_pool->owner == this, "Allocator::use_pool: a pool of another allocator");
   }
 
  protected:
@@ -108,12 +153,20 @@ class CachingAllocator : public Allocator {
   }
 
  private:
+  struct Pool {
+    const CachingAllocator* owner = nullptr;
+    BlockCache free;
+    std::weak_ptr<Pool> self;  // what its blocks' entries hold
+  };
+  inline static thread_local Pool* t_pool = nullptr;  // the calling thread's (use_pool)
+
   size_t round(size_t bytes) const { return bytes == 0 ? granule_ : (bytes + granule_ - 1) / granule_ * granule_; }
   size_t granule_;
   BlockCache cache_;
   BlockCache side_;  // blocks of threads on a stream of their own (SideStreamScope)
   std::mutex side_mu_;
   std::unordered_set<void*> side_blocks_;  // every side block, cached or in use
+  std::unordered_map<void*, std::weak_ptr<Pool>> pool_blocks_;  // every pool's block, cached or in use (side_mu_)
 };
 
 }  // namespace hspmd

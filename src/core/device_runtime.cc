@@ -61,6 +61,18 @@ std::array<DeviceRuntime*, kDeviceTypes>& runtimes() {
 
 }  // namespace
 
+void DeviceRuntime::begin_capture(Stream& stream) {
+  fail("[device] ", stream.device().str(), ": this device's streams cannot be captured in a graph");
+}
+
+std::shared_ptr<void> DeviceRuntime::end_capture(Stream& stream) {
+  fail("[device] ", stream.device().str(), ": this device's streams cannot be captured in a graph");
+}
+
+void DeviceRuntime::launch_graph(const std::shared_ptr<void>&, Stream& stream) {
+  fail("[device] ", stream.device().str(), ": this device's streams cannot be captured in a graph");
+}
+
 void register_device_runtime(DeviceType type, DeviceRuntime& runtime) {
   const auto t = static_cast<size_t>(type);
   HSPMD_CHECK(t < kDeviceTypes, "register_device_runtime: unknown device type");

@@ -399,13 +399,17 @@ GradSync::Step::Step(const ExecGraph& graph, const std::vector<GradBucket>& buck
 
 std::map<std::string, NDArray> GradSync::Step::finish(const std::map<std::string, NDArray>& raw) {
   // The schedule's compute is done: what follows is the sync alone (what
-  // the overlap left of it).
-  graph_.stream().synchronize();
+  // the overlap left of it), timed between two waits for the device. One
+  // rank alone has nothing to synchronize and does not wait: its step
+  // queues the update behind the backward (and a captured step may not wait
+  // at all: docs/cuda.md, "CUDA graphs").
+  const bool timed = overlap_.has_value() || world_.size() > 1;
+  if (timed) graph_.stream().synchronize();
   const auto t0 = std::chrono::steady_clock::now();
   if (overlap_) overlapped_ = overlap_->ready_count();
   std::map<std::string, NDArray> synced =
       overlap_ ? overlap_->finish(raw) : sync_gradients(graph_, buckets_, raw, world_);
-  graph_.stream().synchronize();
+  if (timed) graph_.stream().synchronize();
   seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (overlap_) {  // the duplicate world's bytes count with the step's
     duplicate_sent_ = grad_world_->bytes().sent;

@@ -50,6 +50,15 @@ NDArray to_host(Stream& s, const NDArray& a);
 // (every array on a CPU stream), else a copy of the host array `a` in the
 // stream's order (an array on a third device: hspmd::Error).
 NDArray to_device(Stream& s, const NDArray& a);
+// `out.nbytes()` bytes of host memory at `host` into `out` (contiguous, on
+// the stream's device), in the stream's order: what a replayed CUDA graph
+// reads, refreshed in place (a batch, AdamW's step factors; docs/cuda.md,
+// "CUDA graphs"). From page-locked memory the copy reads the host bytes
+// when the stream reaches it, and a captured copy reads them again at each
+// launch; from pageable memory the call returns once they are staged.
+void copy_from_host(Stream& s, const void* host, NDArray& out);
+// The same from a host array of `out`'s shape and dtype.
+void copy_from_host(Stream& s, const NDArray& host, NDArray& out);
 
 // ---- optimizer ----
 // Σ x² over every element of `arrays` (f32, contiguous), accumulated in
@@ -89,6 +98,11 @@ struct AdamFactors {
   // and moments as they were). The update reads it when it runs, so the
   // host needs no value of it.
   const NDArray* control = nullptr;
+  // The step's factors on the update's device (f32 [3]: decay_scale,
+  // sqrt_bc2, step_size), or nullptr: when set, the update reads those three
+  // from it as it runs, not from the fields above (which change every step:
+  // a captured CUDA graph replays the launch's arguments as they were).
+  const NDArray* step = nullptr;
 };
 // One tensor of a multi-tensor AdamW step: param, grad, and the two moments,
 // f32, contiguous, one shape.

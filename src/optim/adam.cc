@@ -38,6 +38,13 @@ kernels::AdamFactors step_factors(const AdamConfig& c, int64_t step, double lr, 
   return f;
 }
 
+// AdamFactors::step's three values.
+void write_factors(float* out, const kernels::AdamFactors& f) {
+  out[0] = f.decay_scale;
+  out[1] = f.sqrt_bc2;
+  out[2] = f.step_size;
+}
+
 }  // namespace
 
 Adam::Adam(AdamConfig config) : config_(config) {}
@@ -72,7 +79,26 @@ void Adam::update_group(const std::vector<Update>& tensors, double lr, bool deca
   kernels::AdamFactors f = step_factors(config_, step_, lr, decay);
   f.grad_scale = grad_scale;
   f.control = control;
-  kernels::adam_step(default_stream(tensors[0].param->device()), group, f);
+  Stream& stream = default_stream(tensors[0].param->device());
+  if (factors_on_device_) {
+    DeviceFactors& d = device_factors_[decay ? 1 : 0];
+    if (!d.device.valid() || d.device.device() != stream.device()) {
+      Allocator& staging = staging_host_allocator();
+      d.host = std::shared_ptr<float>(static_cast<float*>(staging.allocate(3 * sizeof(float))),
+                                      [&staging](float* p) { staging.deallocate(p, 3 * sizeof(float)); });
+      d.device = NDArray::empty({3}, DType::F32, stream.device());
+    }
+    write_factors(d.host.get(), f);
+    kernels::copy_from_host(stream, d.host.get(), d.device);
+    f.step = &d.device;
+  }
+  kernels::adam_step(stream, group, f);
+}
+
+void Adam::refresh_factors(double lr) {
+  for (int decay : {0, 1})
+    if (device_factors_[decay].host != nullptr)
+      write_factors(device_factors_[decay].host.get(), step_factors(config_, step_, lr, decay == 1));
 }
 
 void Adam::import_moments(const std::string& name, NDArray exp_avg, NDArray exp_avg_sq) {

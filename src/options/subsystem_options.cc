@@ -161,6 +161,10 @@ std::vector<OptionSpec<ParallelOptions>> parallel_option_table() {
                text(&O::profile_path)});
   t.push_back({"plan", OptionType::kString, "annotation plan JSON to train (docs/plan.md), instead of a strategy",
                text(&O::plan_path)});
+  t.push_back({"cuda_graphs", OptionType::kBool,
+               "on a CUDA device: capture the training step in a CUDA graph after two warm-up steps and replay it "
+               "(one process, fixed-size batches; otherwise a note says why the steps run uncaptured; docs/cuda.md)",
+               flag(&O::cuda_graphs)});
   return t;
 }
 

@@ -200,6 +200,7 @@ void DistTrainer::begin() {
   records_.clear();
   next_step_ = state_->step;
   start_ = Clock::now();
+  begin_graphs();
 }
 
 // One step, as the system runs it: the changes due before it (an elastic
@@ -231,10 +232,15 @@ StepRecord DistTrainer::step() {
   r.step = step;
   r.dispatch_s = tokens_ && !o_.bucket_switching ? tokens_->select_and_dispatch(step) : 0.0;
   const float normalizer = static_cast<float>(counted_targets(step));
-  std::map<std::string, NDArray> synced;
-  StepWork work = compute_and_sync(step, normalizer, synced, r);
+  StepWork work;
   work.t0 = t0;
-  update(step, synced, work, r);
+  if (!graph_step(step, normalizer, r, work)) {  // --cuda-graphs: captured or replayed
+    std::map<std::string, NDArray> synced;
+    work = compute_and_sync(step, normalizer, synced, r);
+    work.t0 = t0;
+    update(step, synced, work, r);
+    if (o_.cuda_graphs) r.cuda_graph = "eager";
+  }
   report(step, r, work, time_ops ? &op_timings : nullptr);
   after_step(step, r);
   return r;

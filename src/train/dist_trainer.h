@@ -218,6 +218,49 @@ class DistTrainer {
   };
   WeightCopies copies_;
   int64_t current_step_ = -1;  // the step compute_and_sync runs
+
+  // CUDA graphs of the step (--cuda-graphs; step_graphs.cc, docs/cuda.md
+  // "CUDA graphs"). The step recorded once and replayed: its graph, the
+  // allocator pool its arrays live in, the arrays it reads and writes in
+  // place (held, so that none is freed and its memory given to another),
+  // the device feeds a replay copies the next batch into, and the outputs
+  // read after each launch.
+  struct CapturedStep {
+    std::shared_ptr<void> graph;
+    std::shared_ptr<void> pool;
+    const ExecGraph* exec = nullptr;
+    struct Held {
+      std::string name;
+      StateSlot slot;
+      NDArray array;
+    };
+    std::vector<Held> held;  // the state's arrays at the capture
+    std::vector<ValueMap> feeds;                          // per micro-batch (device leaves)
+    std::vector<Bindings> bindings;
+    NDArray control;  // clip_control's
+    std::vector<NDArray> loss_terms;
+    size_t activations = 0;  // the captured step's peak above what the rank held
+    int64_t captured_at = -1;
+  };
+  std::optional<CapturedStep> captured_;
+  std::string graphs_off_;        // why the steps run uncaptured ("" when they may be captured)
+  int64_t graph_warmup_end_ = 0;  // the first step that may be captured
+  int recaptures_ = 0;            // new captures after the first (the batch's shape changed)
+  const CapturedStep* capturing_ = nullptr;  // the capture under way: its device feeds (accumulate_schedule)
+  // At begin(): whether this run may capture (else the note), and AdamW's
+  // factors through device memory.
+  void begin_graphs();
+  // Why this run's steps cannot be captured ("" when they can).
+  std::string graphs_unavailable() const;
+  // Stops capturing for the rest of the run, with a note saying why.
+  void graphs_off(const std::string& why);
+  // The step through a CUDA graph (captured now, or replayed), the record's
+  // loss, norm and data fields filled as update() fills them; false: the
+  // step must run uncaptured (nothing of it has run).
+  bool graph_step(int64_t step, float normalizer, StepRecord& r, StepWork& work);
+  bool capture_step(int64_t step, float normalizer, const std::vector<ValueMap>& host,
+                    const std::vector<Bindings>& bindings, StepRecord& r);
+  bool captured_fits(const std::vector<ValueMap>& host, const std::vector<Bindings>& bindings) const;
   // The copies for `graph` at the current step (moved out: none is given
   // twice), and the step's casts kept from `scope` for the update.
   std::map<int, NDArray> take_weight_copies(const ExecGraph& graph);

@@ -91,7 +91,9 @@ void DistTrainer::accumulate_schedule(std::map<std::string, NDArray>& raw, doubl
   auto forward = [&](int micro) {
     const double t0 = clock_ ? clock_->now() : 0;
     Bindings bindings;
-    ValueMap values = feeds(micro, normalizer, bindings);
+    // A capture's feeds are on the device already (step_graphs.cc).
+    ValueMap values = capturing_ != nullptr ? capturing_->feeds.at(micro) : feeds(micro, normalizer, bindings);
+    if (capturing_ != nullptr) bindings = capturing_->bindings.at(micro);
     router.feed(graph, values);
     ExecGraph::Activations a = graph.forward(values, world_, bindings);
     router.after_forward(graph, a);

@@ -42,6 +42,9 @@ void DistTrainer::check_run_options() const {
     fail_option(o.pack_documents ? "pack_documents" : "batch_tokens", ": ", o.model_path,
                 " has the mixture-of-experts auxiliary loss (output_router_logits), whose router statistics would "
                 "count the padding the plan adds; train it on fixed-length samples or without the loss");
+  if (o.cuda_graphs && o.device.type != DeviceType::CUDA)
+    fail_option("cuda_graphs", " needs a CUDA device (a graph records a GPU stream's work); the run is on ",
+                o.device.str());
   train_common::check_outputs(o, world_.rank());
   check_checkpoint_directory(o);
 }

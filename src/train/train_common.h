@@ -178,6 +178,7 @@ inline nlohmann::json record_json(const StepRecord& r) {
     j["dispatch_s"] = r.dispatch_s;
   }
   if (r.queued_s > 0) j["queued_s"] = r.queued_s;
+  if (!r.cuda_graph.empty()) j["cuda_graph"] = r.cuda_graph;
   if (!r.emulated_compute_s.empty()) {
     j["emulated_step_time_s"] = r.emulated_step_time_s;
     j["emulated_compute_s"] = r.emulated_compute_s;

@@ -182,6 +182,8 @@ def main():
         ("moe top-k beyond the experts", with_flag("--model", p("moe_topk.json")),
          "num_experts_per_tok=5 must lie in [1, 4]"),
         ("moe router jitter", with_flag("--model", p("moe_jitter.json")), "router_jitter_noise=0.01"),
+        ("cuda graphs on the cpu", base + ["--cuda-graphs"],
+         "[flags] --cuda-graphs needs a CUDA device (a graph records a GPU stream's work); the run is on cpu"),
         ("moe auxiliary loss with packed documents", with_flag("--model", p("moe_aux.json")) + ["--pack-documents"],
          "--pack-documents: " + p("moe_aux.json") + " has the mixture-of-experts auxiliary loss"),
         ("expert parallel on a dense model", compile_ep("ep_dense", "cfg.json", 2),

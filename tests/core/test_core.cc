@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <thread>
 
 #include "hspmd/core/device.h"
@@ -71,6 +72,47 @@ TEST(SideStreamScope, KeepsTheThreadsBlocksApartUntilReleased) {
   EXPECT_EQ(reused, handed);
   a.deallocate(other, n);
   a.deallocate(next, n);
+}
+
+// A captured graph's pool (Allocator::new_pool): the blocks a thread gets
+// while the pool is its own go back to the pool when freed, and only the
+// pool's later requests get them; work outside it never does. When the
+// pool goes, they are the cache's again.
+TEST(AllocatorPool, KeepsTheGraphsBlocksFromOtherWork) {
+  Allocator& a = allocator_for(Device::cpu());
+  const size_t n = 234571;  // a size no other test caches
+  std::shared_ptr<void> pool = a.new_pool();
+  ASSERT_NE(pool, nullptr);
+  a.use_pool(pool);
+  void* in_pool = a.allocate(n);
+  void* kept = a.allocate(n);  // in use when the pool goes
+  a.deallocate(in_pool, n);
+  a.use_pool(nullptr);
+  void* outside = a.allocate(n);
+  EXPECT_NE(outside, in_pool);  // the pool's free block is not the cache's
+  a.deallocate(outside, n);     // a cache block
+  a.use_pool(pool);
+  void* again = a.allocate(n);
+  EXPECT_EQ(again, in_pool);  // the pool's own request takes it back first
+  a.deallocate(again, n);
+  std::thread([&] { a.deallocate(kept, n); }).join();  // freed by another thread: still the pool's
+  a.use_pool(nullptr);
+  void* other = a.allocate(n);
+  EXPECT_NE(other, in_pool);
+  EXPECT_NE(other, kept);
+  a.deallocate(other, n);
+  // A block in use when the pool goes returns to the cache when freed.
+  a.use_pool(pool);
+  void* live = a.allocate(n);
+  a.use_pool(nullptr);
+  const size_t in_use = a.current_bytes();
+  pool.reset();  // its free blocks return to the cache
+  a.deallocate(live, n);
+  EXPECT_EQ(a.current_bytes(), in_use - n);
+  std::set<void*> got;
+  for (int k = 0; k < 6; ++k) got.insert(a.allocate(n));
+  EXPECT_TRUE(got.count(in_pool) && got.count(kept) && got.count(live)) << "the pool's blocks are the cache's again";
+  for (void* p : got) a.deallocate(p, n);
 }
 
 TEST(JsonFile, RejectsDuplicateKeysAtAnyDepth) {

@@ -188,6 +188,26 @@ void optimizer() {
     std::snprintf(d, sizeof d, "param=%.1e exp_avg=%.1e exp_avg_sq=%.1e", dp, dm, dv);
     result("adam_step", dp < 1e-6 && dm < 1e-6 && dv < 1e-6, d);
   });
+  // AdamFactors::step (a CUDA graph's per-step factors in device memory):
+  // the kernel reads decay_scale, sqrt_bc2 and step_size there, not from its
+  // arguments (set to other values here), bit for bit the arguments' update
+  // on this GPU.
+  run_case("adam_step_factors", [] {
+    const kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.6f, 1e-3f};
+    const NDArray p = random_f32({70001}, 13), g = random_f32({70001}, 14);
+    const NDArray m = NDArray::zeros({70001}, DType::F32), v = NDArray::zeros({70001}, DType::F32);
+    NDArray ap = up(p), ag = up(g), am = up(m), av = up(v);
+    NDArray bp = up(p), bg = up(g), bm = up(m), bv = up(v);
+    kernels::adam_step(gpu(), {{&ap, &ag, &am, &av}}, f);
+    const NDArray step = up(NDArray::from_vector({3}, {f.decay_scale, f.sqrt_bc2, f.step_size}));
+    kernels::AdamFactors stale = f;
+    stale.decay_scale = 0.5f, stale.sqrt_bc2 = 3.0f, stale.step_size = 7.0f;
+    stale.step = &step;
+    kernels::adam_step(gpu(), {{&bp, &bg, &bm, &bv}}, stale);
+    const bool same = down(ap).to_vector() == down(bp).to_vector() && down(am).to_vector() == down(bm).to_vector() &&
+                      down(av).to_vector() == down(bv).to_vector();
+    result("adam_step_factors", same, same ? "bit for bit" : "the update differs from the arguments' one");
+  });
 }
 
 void ops() {

@@ -174,6 +174,53 @@ def check_rejects(train, grads_of, max_rel, cpu_log, cpu_save, init_w):
            f"legit_passes={int(legit)} update_0.97_fails={int(update_caught)} grad_1e-3_fails={int(grad_caught)}")
 
 
+def check_cuda_graphs(train, dev):
+    """--cuda-graphs (docs/cuda.md, "CUDA graphs"): steps 0 and 1 run op by op,
+    step 2 is captured, the rest replay its graph; the run equals the same run
+    without the flag bit for bit (losses, gradient norms, saved weights), with
+    a learning rate that changes every step (AdamW's factors from device
+    memory), clipping, two micro-batches, and bf16 (the weights' copies) and
+    fp32. Two runs without the flag say whether the GPU's step is
+    reproducible at all: if not, the graph's run must be as near as they are
+    to each other. The replayed steps' time against the uncaptured ones' at
+    this small, host-bound shape is printed (a measurement, not a check)."""
+    steps = 12
+    for precision in ("bf16", "fp32"):
+        flags = ["--precision", precision, "--device", dev, "--micro-batches", "2", "--clip-grad", "0.5",
+                 "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr", "3e-4"]
+        runs = {}
+        for name, extra in (("eager", []), ("eager_again", []), ("graphs", ["--cuda-graphs"])):
+            p, log, save = train(f"graphs_{precision}_{name}", flags + extra, steps=steps)
+            if p.returncode:
+                result(f"cuda_graphs_{precision}", False, f"run={name} error=\"{p.stderr.strip()[-300:]}\"")
+                break
+            runs[name] = (records(log), read_safetensors(save), p.stderr)
+        else:
+            (eager, w_eager, _), (again, w_again, _), (graphs, w_graphs, err) = (
+                runs["eager"], runs["eager_again"], runs["graphs"])
+            kinds = [r.get("cuda_graph", "") for r in graphs]
+            want_kinds = ["eager", "eager", "captured"] + ["replayed"] * (steps - 3)
+
+            def apart(x, y, wx, wy):
+                d = max((abs(a[k] - b[k]) / max(abs(a[k]), 1e-30) for a, b in zip(x, y) for k in ("loss", "grad_norm")),
+                        default=1.0)
+                return max(d, rel_weights(wx, wy))
+
+            noise = apart(eager, again, w_eager, w_again)
+            got = apart(eager, graphs, w_eager, w_graphs)
+            same = [(a["loss"], a["grad_norm"]) for a in eager] == [(b["loss"], b["grad_norm"]) for b in graphs]
+            same = same and w_eager == w_graphs
+            ok = len(graphs) == steps and kinds == want_kinds and (same or (noise > 0 and got <= 4 * noise))
+            med = lambda v: sorted(v)[len(v) // 2] if v else 0.0
+            t_eager = med([r["step_time_s"] for r in eager[3:]])
+            t_graph = med([r["step_time_s"] for r in graphs[3:]])
+            note = err.strip().splitlines()[-1][-200:] if "note" in err else ""
+            result(f"cuda_graphs_{precision}", ok,
+                   f"bit_for_bit={int(same)} rel={got:.1e} eager_run_to_run={noise:.1e} kinds_ok={int(kinds == want_kinds)} "
+                   f"eager_step_ms={1e3 * t_eager:.3f} replayed_step_ms={1e3 * t_graph:.3f} "
+                   f"speedup={t_eager / t_graph if t_graph else 0:.2f}" + (f" note=\"{note}\"" if note else ""))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hspmd", required=True)
@@ -283,6 +330,8 @@ def main():
                 ok2 = len(twin) == STEPS and loss2 <= loss_tol and norm2 <= 10 * loss_tol and w2 <= weight_tol
                 result("bf16_gpu_graph", ok2, f"loss_rel={loss2:.1e} grad_norm_rel={norm2:.1e} weights_rel={w2:.1e} "
                                               f"weight_tol={weight_tol:.1e}")
+        if dev.startswith("cuda"):
+            check_cuda_graphs(train, dev)
         # A checkpoint of the GPU run (step 8 of 12), resumed on the CPU: the
         # GPU run's last losses go on.
         ck = os.path.join(tmp, "ck")

@@ -176,6 +176,30 @@ TEST(MemoryKernels, AdamStepGradScaleIsTheClipPassThenTheUpdate) {
   }
 }
 
+TEST(MemoryKernels, AdamStepReadsTheStepFactorsArray) {
+  // AdamFactors::step (a CUDA graph's factors, refreshed in device memory
+  // each step): its three values replace decay_scale, sqrt_bc2 and
+  // step_size, the same bits as the fields; the other fields still count.
+  for (int64_t n : {5, 70001}) {
+    AdamArrays a(n), b(n);
+    kernels::AdamFactors f{0.9f, 0.95f, 1e-8f, 0.1f, 0.05f, 0.0f, 0.999f, 0.5f, 0.01f};
+    kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v}}, f);
+    NDArray step = NDArray::from_vector({3}, {f.decay_scale, f.sqrt_bc2, f.step_size});
+    kernels::AdamFactors stale = f;
+    stale.decay_scale = 0.5f, stale.sqrt_bc2 = 3.0f, stale.step_size = 7.0f;  // what a replay must not use
+    stale.step = &step;
+    kernels::adam_step(cpu(), {{&b.p, &b.g, &b.m, &b.v}}, stale);
+    EXPECT_EQ(a.p.to_vector(), b.p.to_vector()) << n;
+    EXPECT_EQ(a.m.to_vector(), b.m.to_vector());
+    EXPECT_EQ(a.v.to_vector(), b.v.to_vector());
+  }
+  AdamArrays a(5);
+  NDArray wrong = NDArray::from_vector({2}, {1.0f, 1.0f});
+  kernels::AdamFactors f;
+  f.step = &wrong;
+  EXPECT_THROW(kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v}}, f), InternalError);
+}
+
 TEST(MemoryKernels, ClipControlIsTheHostsNormCoefficientAndGuard) {
   // control = {sum_of_squares, clip_coefficient(sqrt(sum), max), finite}: the
   // bits the trainer's host path computes, so the device path trains the same.

@@ -112,6 +112,35 @@ TEST(Adam, FirstStepIsSignedLrForDefaultConfig) {
   EXPECT_FLOAT_EQ(got[2], 1.0f);
 }
 
+TEST(Adam, FactorsOnDeviceAreTheSameUpdate) {
+  // set_factors_on_device (CUDA graphs): the varying factors reach the
+  // update through an array per weight-decay group, refreshed at each call:
+  // the same bits as kernel arguments, step after step, lr changing, both
+  // groups.
+  AdamConfig c;
+  c.weight_decay = 0.1;
+  Adam on(c), off(c);
+  on.set_factors_on_device(true);
+  NDArray p1 = NDArray::from_vector({4}, {1.0f, -2.0f, 0.5f, 3.0f}), p2 = p1.clone();
+  NDArray q1 = NDArray::from_vector({2}, {0.25f, 4.0f}), q2 = q1.clone();
+  for (int step = 0; step < 4; ++step) {
+    const double lr = 0.1 / (step + 1);
+    const NDArray g = NDArray::from_vector({4}, {0.5f, -1.0f + step, 0.125f, 2.0f});
+    const NDArray h = NDArray::from_vector({2}, {1.0f * step, -0.5f});
+    for (Adam* adam : {&on, &off}) {
+      adam->begin_step();
+      NDArray& p = adam == &on ? p1 : p2;
+      NDArray& q = adam == &on ? q1 : q2;
+      adam->update_group({{"p", &p, &g}}, lr, true);
+      adam->update_group({{"q", &q, &h}}, lr, false);
+    }
+    EXPECT_EQ(p1.to_vector(), p2.to_vector()) << "step " << step;
+    EXPECT_EQ(q1.to_vector(), q2.to_vector()) << "step " << step;
+  }
+  on.refresh_factors(0.5);  // the host side of a replay: no update, nothing moves
+  EXPECT_EQ(p1.to_vector(), p2.to_vector());
+}
+
 TEST(Adam, MomentsAreKeptPerName) {
   Adam adam(AdamConfig{});
   NDArray a = NDArray::from_vector({2}, {1.0f, 2.0f});

@@ -48,6 +48,21 @@ class Allocator {
   size_t peak_bytes() const { return peak_.load(); }
   void reset_peak() { peak_.store(current_.load()); }
 
+  // Private pools, for a captured device graph (DeviceRuntime::begin_capture;
+  // docs/cuda.md, "CUDA graphs"): while a pool is the calling thread's
+  // (use_pool), every block this allocator hands that thread belongs to the
+  // pool, and once freed, by any thread, it goes back to the pool, never to
+  // the shared cache: memory the graph's replays write is never given to
+  // work queued between them. Blocks freed in the pool are reused by the
+  // pool's own later requests (in the order of one stream's queue). When the
+  // last copy of the handle goes, the pool's free blocks return to the
+  // cache and its blocks still in use return there when freed. An
+  // allocator without pools returns nullptr and use_pool does nothing.
+  virtual std::shared_ptr<void> new_pool() { return nullptr; }
+  // `pool` (from this allocator's new_pool) becomes the calling thread's;
+  // nullptr: none.
+  virtual void use_pool(const std::shared_ptr<void>& pool) { (void)pool; }
+
  protected:
   void account_alloc(size_t bytes);
   void account_free(size_t bytes) { current_.fetch_sub(bytes); }

@@ -40,6 +40,21 @@ class DeviceRuntime {
   virtual double elapsed_ms(void* start, void* end) = 0;
   // Page-locked host memory for staging this type's buffers, or nullptr.
   virtual Allocator* staging_allocator() { return nullptr; }
+
+  // Device graphs (CUDA graphs; docs/cuda.md, "CUDA graphs"): whether this
+  // type's streams can be captured and replayed. The CPU's cannot.
+  virtual bool can_capture() { return false; }
+  // From now until end_capture, the work the calling thread queues on
+  // `stream` is recorded, not run. Host copies queued meanwhile are staged
+  // in page-locked blocks the graph keeps; what must happen on the host at
+  // each launch (a kernel's pending checks) is kept with it too.
+  virtual void begin_capture(Stream& stream);
+  // The recorded work as a graph (held by the handle), or hspmd::Error with
+  // the runtime's reason, the capture discarded; `stream` is no longer
+  // capturing either way, and nothing recorded has run.
+  virtual std::shared_ptr<void> end_capture(Stream& stream);
+  // Queues one run of `graph` (from end_capture on the same stream).
+  virtual void launch_graph(const std::shared_ptr<void>& graph, Stream& stream);
 };
 
 // Makes `runtime` the one of device type `type` (it must outlive the

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 #include <utility>
@@ -68,6 +69,19 @@ class Adam {
   // The bias-correction step count (a resumed or switched run continues it).
   void set_step_count(int64_t step) { step_ = step; }
 
+  // CUDA graphs (docs/cuda.md, "CUDA graphs"): with `on`, the factors that
+  // change every step (the learning rate's and the bias corrections') reach
+  // the update through a device array per weight-decay group, refreshed by a
+  // copy from page-locked host memory queued before each update call. A
+  // captured step records that copy, so a replay reads what
+  // refresh_factors() last wrote. Off (the default): kernel arguments. The
+  // same bits either way.
+  void set_factors_on_device(bool on) { factors_on_device_ = on; }
+  // Writes both groups' factors for step_count() and `lr` where the copies
+  // above read them (before a replayed step, whose update_group is not
+  // called).
+  void refresh_factors(double lr);
+
   const std::map<std::string, NDArray>& exp_avg() const { return m_; }
   const std::map<std::string, NDArray>& exp_avg_sq() const { return v_; }
   const AdamConfig& config() const { return config_; }
@@ -77,6 +91,14 @@ class Adam {
   int64_t step_ = 0;
   std::map<std::string, NDArray> m_;
   std::map<std::string, NDArray> v_;
+  // set_factors_on_device: per weight-decay group, the device array and its
+  // page-locked host source (3 floats).
+  struct DeviceFactors {
+    NDArray device;
+    std::shared_ptr<float> host;
+  };
+  bool factors_on_device_ = false;
+  DeviceFactors device_factors_[2];
 };
 
 }  // namespace hspmd

@@ -95,6 +95,10 @@ struct ParallelOptions {
   // compute use different engines), off on the CPU (whose cores compute).
   // Never under an emulated clock.
   std::optional<bool> overlap;
+  // Capture the steady-state step in a CUDA graph and replay it (docs/
+  // cuda.md, "CUDA graphs"): one process on a GPU with fixed-size batches;
+  // elsewhere the steps run uncaptured and the first step's note says why.
+  bool cuda_graphs = false;
 };
 
 // Strategies that change during a run: chosen per step, by length bucket, or

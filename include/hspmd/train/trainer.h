@@ -86,6 +86,10 @@ struct StepRecord {
   // gradient norm after the update is queued; docs/cuda.md), else 0. On an
   // asynchronous device, how far ahead of the device the host ran.
   double queued_s = 0.0;
+  // --cuda-graphs: "captured" (the step recorded its CUDA graph, then ran it),
+  // "replayed" (it ran the graph recorded before), "eager" (it ran op by
+  // op); empty without the flag.
+  std::string cuda_graph;
   double emulated_step_time_s = 0.0;
   std::vector<double> emulated_compute_s;
 };

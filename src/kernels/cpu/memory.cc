@@ -193,6 +193,14 @@ void adam_step(const std::vector<AdamTensor>& tensors, const AdamFactors& given)
     apply = control.data<double>()[2] == 1.0;  // 0: a non-finite step, nothing changes
     f.grad_scale = static_cast<float>(control.data<double>()[1]);
   }
+  if (given.step != nullptr) {
+    const NDArray& step = *given.step;
+    HSPMD_CHECK(step.dtype() == DType::F32 && step.numel() == 3 && step.is_contiguous(),
+                "adam_step: the step's factors must be f32 [3] (decay_scale, sqrt_bc2, step_size)");
+    f.decay_scale = step.data<float>()[0];
+    f.sqrt_bc2 = step.data<float>()[1];
+    f.step_size = step.data<float>()[2];
+  }
   for (const AdamTensor& t : tensors) {
     for (const NDArray* a : {static_cast<const NDArray*>(t.param), t.grad,
                              static_cast<const NDArray*>(t.exp_avg), static_cast<const NDArray*>(t.exp_avg_sq)}) {

@@ -110,6 +110,9 @@ NDArray to_device(Stream& s, const NDArray& host);
 // device); waits for the stream when any are queued. to_host and
 // sum_of_squares call it: a bad id surfaces at the stream's next host read.
 void flush_checks(Stream& s);
+// Forgets the checks queued on `s` without reading them (a capture ended:
+// its kernels did not run; the graph queues its checks at each launch).
+void drop_pending_checks(Stream& s);
 double sum_of_squares(Stream& s, const std::vector<NDArray>& arrays);
 void clip_control(Stream& s, const std::vector<NDArray>& grads, const std::vector<NDArray>& losses, double max_norm,
                   NDArray& control);

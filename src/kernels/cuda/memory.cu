@@ -264,11 +264,14 @@ struct AdamOp {
 constexpr int64_t kAdamChunk = 1 << 16;  // elements per chunk (a multiple of kVec)
 
 // `control`: clip_control's array, or nullptr (AdamFactors::control).
-__global__ void adam_chunks_kernel(const int64_t* table, int64_t T, AdamFactors f, const double* control) {
+// `step`: AdamFactors::step's three values, or nullptr.
+__global__ void adam_chunks_kernel(const int64_t* table, int64_t T, AdamFactors f, const double* control,
+                                   const float* step) {
   if (control != nullptr) {
     if (control[2] != 1.0) return;  // a non-finite step: nothing changes
     f.grad_scale = static_cast<float>(control[1]);  // an f32 value: exact
   }
+  if (step != nullptr) f.decay_scale = step[0], f.sqrt_bc2 = step[1], f.step_size = step[2];
   const int64_t c = blockIdx.x;
   const int64_t t = chunk_owner(table + 6 * T, T, c);
   const int64_t* ptr = table + 5 * t;
@@ -454,10 +457,9 @@ NDArray to_device(Stream& s, const NDArray& host) {
   const NDArray h = host.contiguous();
   NDArray a = NDArray::empty(h.shape(), h.dtype(), s.device());
   // From pageable memory the call returns once the bytes are staged: `host`
-  // may go away after it.
-  if (h.nbytes() > 0)
-    cuda_rt::check(cudaMemcpyAsync(a.raw_data(), h.raw_data(), h.nbytes(), cudaMemcpyHostToDevice, native(s)),
-                   "cudaMemcpyAsync");
+  // may go away after it. While `s` is captured, a page-locked copy that the
+  // graph keeps (its copy reads it at each launch).
+  cuda_rt::copy_from_host(s, a.raw_data(), h.raw_data(), h.nbytes());
   return a;
 }
 
@@ -536,6 +538,13 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
                 "adam_step: the control array must be f64 [3] (clip_control's)");
     control = f.control->data<double>();
   }
+  const float* step = nullptr;
+  if (f.step != nullptr) {
+    require_contiguous("adam_step", *f.step);
+    HSPMD_CHECK(f.step->dtype() == DType::F32 && f.step->numel() == 3 && f.step->device() == s.device(),
+                "adam_step: the step's factors must be f32 [3] on the update's device");
+    step = f.step->data<float>();
+  }
   std::vector<int64_t> ptrs, sizes, first;
   int64_t chunks = 0;
   for (const AdamTensor& t : tensors) {
@@ -571,7 +580,7 @@ void adam_step(Stream& s, const std::vector<AdamTensor>& tensors, const AdamFact
   table.insert(table.end(), first.begin(), first.end());
   const NDArray dtable = device_table(s, table);
   adam_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, native(s)>>>(
-      static_cast<const int64_t*>(dtable.raw_data()), T, f, control);
+      static_cast<const int64_t*>(dtable.raw_data()), T, f, control, step);
   launched("adam_step");
 }
 

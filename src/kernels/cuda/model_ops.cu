@@ -89,6 +89,14 @@ void check_values(Stream& s, const NDArray& values, const PendingCheck& check) {
   first_bad_kernel<<<blocks_for(n), kThreads, 0, native(s)>>>(values.data<int32_t>(), n, check.limit, check.ignore,
                                                               check.target, keys + slot);
   launched("check ids");
+  if (cuda_rt::capturing(s))  // each launch of the graph queues the check in this slot again
+    cuda_rt::at_each_launch([&s, check, slot] {
+      std::lock_guard<std::mutex> lock(g_checks_mu);
+      std::vector<PendingCheck>& pending = all_checks()[&s].pending;
+      HSPMD_CHECK(static_cast<int>(pending.size()) == slot, "a CUDA graph's id checks: slot ", slot, " expected, ",
+                  pending.size(), " queued");
+      pending.push_back(check);
+    });
   if (slot + 1 == kCheckSlots) flush_checks(s);
 }
 
@@ -99,6 +107,11 @@ void check_targets(Stream& s, const NDArray& targets, int64_t v, int ignore_inde
 }
 
 }  // namespace
+
+void drop_pending_checks(Stream& s) {
+  std::lock_guard<std::mutex> lock(g_checks_mu);
+  if (auto it = all_checks().find(&s); it != all_checks().end()) it->second.pending.clear();
+}
 
 void flush_checks(Stream& s) {
   std::vector<PendingCheck> pending;

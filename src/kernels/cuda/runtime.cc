@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstring>
+#include <utility>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "core/block_cache.h"
 #include "hspmd/core/device_runtime.h"
 #include "hspmd/core/error.h"
+#include "kernels/cuda/cuda.h"
 
 namespace hspmd::cuda_rt {
 
@@ -185,6 +188,108 @@ double elapsed_ms(void* start, void* end) {
   return ms;
 }
 
+// ---- CUDA graphs ----
+
+namespace {
+
+// What a graph keeps beside its work (runtime.h): page-locked blocks its
+// copies read, host work at each launch.
+struct Capture {
+  std::vector<std::shared_ptr<void>> held;
+  std::vector<std::function<void()>> at_launch;
+};
+
+thread_local Capture* t_capture = nullptr;
+
+struct Graph {
+  cudaGraphExec_t exec = nullptr;
+  Capture kept;
+  ~Graph() {
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
+  }
+};
+
+cudaStream_t native_stream(Stream& stream) { return static_cast<cudaStream_t>(stream.native_handle()); }
+
+}  // namespace
+
+bool capturing(Stream& stream) {
+  if (stream.device().type != DeviceType::CUDA) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(native_stream(stream), &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+void keep_for_graph(std::shared_ptr<void> held) {
+  HSPMD_CHECK(t_capture != nullptr, "keep_for_graph outside a capture");
+  t_capture->held.push_back(std::move(held));
+}
+
+void at_each_launch(std::function<void()> f) {
+  HSPMD_CHECK(t_capture != nullptr, "at_each_launch outside a capture");
+  t_capture->at_launch.push_back(std::move(f));
+}
+
+void copy_from_host(Stream& stream, void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  set_device(stream.device().index);
+  if (capturing(stream)) {
+    Allocator& pinned = pinned_allocator();
+    void* staged = pinned.allocate(bytes);
+    std::memcpy(staged, src, bytes);
+    keep_for_graph(std::shared_ptr<void>(staged, [&pinned, bytes](void* p) { pinned.deallocate(p, bytes); }));
+    src = staged;
+  }
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, native_stream(stream)), "cudaMemcpyAsync");
+}
+
+void begin_capture(Stream& stream) {
+  HSPMD_CHECK(t_capture == nullptr, "begin_capture: this thread is capturing already");
+  set_device(stream.device().index);
+  kernels::cuda::flush_checks(stream);  // the graph's checks then take the first slots
+  t_capture = new Capture();
+  const cudaError_t status = cudaStreamBeginCapture(native_stream(stream), cudaStreamCaptureModeRelaxed);
+  if (status != cudaSuccess) {
+    delete std::exchange(t_capture, nullptr);
+    check(status, "cudaStreamBeginCapture");
+  }
+}
+
+std::shared_ptr<void> end_capture(Stream& stream) {
+  HSPMD_CHECK(t_capture != nullptr, "end_capture without begin_capture");
+  std::unique_ptr<Capture> kept(std::exchange(t_capture, nullptr));
+  set_device(stream.device().index);
+  cudaGraph_t graph = nullptr;
+  cudaError_t status = cudaStreamEndCapture(native_stream(stream), &graph);
+  // Nothing recorded ran: the checks queued meanwhile are the graph's, queued
+  // again at each launch.
+  kernels::cuda::drop_pending_checks(stream);
+  auto result = std::make_shared<Graph>();
+  if (status == cudaSuccess && graph != nullptr) {
+    status = cudaGraphInstantiate(&result->exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+  } else if (status == cudaSuccess) {
+    status = cudaErrorStreamCaptureInvalidated;
+  } else if (graph != nullptr) {
+    (void)cudaGraphDestroy(graph);
+  }
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // the capture's error is not the context's
+    result->exec = nullptr;
+    fail("[cuda] CUDA graph capture failed: ", cudaGetErrorString(status));
+  }
+  result->kept = std::move(*kept);
+  return result;
+}
+
+void launch_graph(const std::shared_ptr<void>& graph, Stream& stream) {
+  auto* g = static_cast<Graph*>(graph.get());
+  HSPMD_CHECK(g != nullptr && g->exec != nullptr, "launch_graph: no graph");
+  set_device(stream.device().index);
+  for (const auto& f : g->kept.at_launch) f();
+  check(cudaGraphLaunch(g->exec, native_stream(stream)), "cudaGraphLaunch");
+}
+
 namespace {
 
 // Core's view of the functions above (hspmd/core/device_runtime.h).
@@ -205,6 +310,12 @@ class CudaRuntime final : public DeviceRuntime {
   void synchronize_event(void* event) override { cuda_rt::synchronize_event(event); }
   double elapsed_ms(void* start, void* end) override { return cuda_rt::elapsed_ms(start, end); }
   Allocator* staging_allocator() override { return &pinned_allocator(); }
+  bool can_capture() override { return true; }
+  void begin_capture(Stream& stream) override { cuda_rt::begin_capture(stream); }
+  std::shared_ptr<void> end_capture(Stream& stream) override { return cuda_rt::end_capture(stream); }
+  void launch_graph(const std::shared_ptr<void>& graph, Stream& stream) override {
+    cuda_rt::launch_graph(graph, stream);
+  }
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -47,6 +48,26 @@ void copy_bytes(Stream& stream, void* dst, const void* src, size_t bytes);
 std::shared_ptr<void> record_event(Stream& stream);
 void synchronize_event(void* event);
 double elapsed_ms(void* start, void* end);
+
+// CUDA graphs (DeviceRuntime::begin_capture). Whether `stream` is being
+// captured now.
+bool capturing(Stream& stream);
+// DeviceRuntime's capture calls (device_runtime.h) on CUDA: capture in
+// relaxed mode (the allocator may still call cudaMalloc), the token-id
+// checks flushed first.
+void begin_capture(Stream& stream);
+std::shared_ptr<void> end_capture(Stream& stream);
+void launch_graph(const std::shared_ptr<void>& graph, Stream& stream);
+// Keeps `held` as long as the graph the calling thread is capturing (a
+// page-locked block a recorded copy reads at each launch).
+void keep_for_graph(std::shared_ptr<void> held);
+// Runs `f` on the host at each launch of the graph the calling thread is
+// capturing, before the graph's work is queued (a kernel's pending checks).
+void at_each_launch(std::function<void()> f);
+// `bytes` of host memory `src` on the device at `dst`, in `stream`'s order;
+// while `stream` is captured, through a page-locked copy the graph keeps
+// (a recorded copy from pageable memory is not allowed).
+void copy_from_host(Stream& stream, void* dst, const void* src, size_t bytes);
 
 // Throws "[cuda] <call>: <error string>" unless `status` (a cudaError_t) is
 // cudaSuccess.
