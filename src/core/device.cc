@@ -151,12 +151,37 @@ void Event::record(Stream& stream) {
   stream_ = &stream;
   native_ = device_runtime(stream.device().type)->record_event(stream);
   if (native_) return;
-  stream.synchronize();
+  // A stream without native events (the CPU's): its work ran when queued.
+  // While recording, nothing to wait for either way.
+  if (RecordingScope::current() == nullptr) stream.synchronize();
   at_ = std::chrono::steady_clock::now();
+}
+
+namespace {
+thread_local const RecordingScope* t_recording = nullptr;
+}
+
+RecordingScope::RecordingScope(std::string what) : what_(std::move(what)), outer_(t_recording) { t_recording = this; }
+
+RecordingScope::~RecordingScope() { t_recording = outer_; }
+
+const RecordingScope* RecordingScope::current() { return t_recording; }
+
+void refuse_host_wait(const char* wait) {
+  if (t_recording != nullptr)
+    fail("[device] ", wait, " while recording ", t_recording->what(),
+         ": the recorded work has not run, so the host cannot wait for it or read its values (a CUDA graph "
+         "records no host work)");
+}
+
+void Stream::synchronize() {
+  refuse_host_wait("a wait for the stream");
+  wait();
 }
 
 void Event::synchronize() const {
   HSPMD_CHECK(recorded(), "Event::synchronize before record");
+  refuse_host_wait("a wait for an event");
   if (native_) device_runtime(stream_->device().type)->synchronize_event(native_.get());
 }
 

@@ -118,6 +118,19 @@ bool entry_checks(KernelTag<KernelId::swiglu_backward>, const char*, Stream&, co
   return false;
 }
 
+// to_host and sum_of_squares read device values on the host: a wait, which
+// a step being recorded cannot have (RecordingScope). Then the generic
+// checks (false).
+bool entry_checks(KernelTag<KernelId::to_host>, const char*, Stream&, const NDArray&) {
+  refuse_host_wait("a read of device values (kernels::to_host)");
+  return false;
+}
+
+bool entry_checks(KernelTag<KernelId::sum_of_squares>, const char*, Stream&, const std::vector<NDArray>&) {
+  refuse_host_wait("a read of device values (kernels::sum_of_squares)");
+  return false;
+}
+
 // to_device's array comes from the host (or is there already).
 bool entry_checks(KernelTag<KernelId::to_device>, const char*, Stream& s, const NDArray& a) {
   if (a.valid() && !(a.device() == s.device()) && !(a.device() == Device::cpu()))

@@ -239,7 +239,7 @@ StepRecord DistTrainer::step() {
     work = compute_and_sync(step, normalizer, synced, r);
     work.t0 = t0;
     update(step, synced, work, r);
-    if (o_.cuda_graphs) r.cuda_graph = "eager";
+    if (o_.cuda_graphs || capture_audit_) r.cuda_graph = "eager";
   }
   report(step, r, work, time_ops ? &op_timings : nullptr);
   after_step(step, r);

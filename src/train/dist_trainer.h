@@ -246,6 +246,7 @@ class DistTrainer {
   std::string graphs_off_;        // why the steps run uncaptured ("" when they may be captured)
   int64_t graph_warmup_end_ = 0;  // the first step that may be captured
   int recaptures_ = 0;            // new captures after the first (the batch's shape changed)
+  bool capture_audit_ = false;    // HSPMD_CAPTURE_AUDIT on a CPU device (step_graphs.cc)
   const CapturedStep* capturing_ = nullptr;  // the capture under way: its device feeds (accumulate_schedule)
   // At begin(): whether this run may capture (else the note), and AdamW's
   // factors through device memory.

@@ -7,10 +7,18 @@
 // kernels. What a replay would get wrong is checked before each launch (the
 // graph, the state's arrays, the batch's shapes); a capture that fails
 // leaves the host as it was and the run continues uncaptured, with a note.
+//
+// HSPMD_CAPTURE_AUDIT=1 runs the same recording on a CPU device, where
+// nothing is recorded (its kernels run as they are called): step 2 goes
+// through this file's capture path (the feeds made first, the allocator's
+// pool, the host waits refused by RecordingScope) and then the run goes on
+// op by op. So the CPU's tests check that a step has no host wait before
+// its update and that the capture path trains the same step.
 #include "train/dist_trainer.h"
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "hspmd/core/device_runtime.h"
 #include "kernels/kernels.h"
@@ -36,6 +44,16 @@ constexpr int64_t kWarmupSteps = 2;
 // otherwise capture every step.
 constexpr int kMaxRecaptures = 3;
 
+// HSPMD_CAPTURE_AUDIT: "1" audits the capture path on a CPU device (above);
+// unset, empty or "0": off; anything else is refused before step 0.
+bool capture_audit_asked() {
+  const char* v = std::getenv("HSPMD_CAPTURE_AUDIT");
+  const std::string mode = v == nullptr ? "" : v;
+  if (mode.empty() || mode == "0") return false;
+  if (mode == "1") return true;
+  fail("[train] HSPMD_CAPTURE_AUDIT must be 1 or 0, got \"", mode, "\"");
+}
+
 }  // namespace
 
 void DistTrainer::begin_graphs() {
@@ -43,16 +61,21 @@ void DistTrainer::begin_graphs() {
   graphs_off_.clear();
   recaptures_ = 0;
   graph_warmup_end_ = next_step_ + kWarmupSteps;
-  if (!o_.cuda_graphs) return;
+  // The audit where no real capture runs: a CPU device (on CUDA,
+  // --cuda-graphs records under the same RecordingScope).
+  capture_audit_ = capture_audit_asked() && rt_->graph->device().type != DeviceType::CUDA;
+  if (!o_.cuda_graphs && !capture_audit_) return;
   if (const std::string why = graphs_unavailable(); !why.empty()) return graphs_off(why);
   adam_->set_factors_on_device(true);  // the same bits; what a replay refreshes
 }
 
 std::string DistTrainer::graphs_unavailable() const {
   const Device device = rt_->graph->device();
-  if (device.type != DeviceType::CUDA) return "the run is on " + device.str() + ", not a CUDA device";
-  DeviceRuntime* runtime = device_runtime(device.type);
-  if (runtime == nullptr || !runtime->can_capture()) return "this build's CUDA runtime cannot capture";
+  if (!capture_audit_) {
+    if (device.type != DeviceType::CUDA) return "the run is on " + device.str() + ", not a CUDA device";
+    DeviceRuntime* runtime = device_runtime(device.type);
+    if (runtime == nullptr || !runtime->can_capture()) return "this build's CUDA runtime cannot capture";
+  }
   if (world_.size() > 1) return "the job has several ranks (their steps wait for each other on the host)";
   if (clock_) return "the cluster is emulated";
   if (tokens_) return "token-budget steps change their shapes from step to step";
@@ -69,8 +92,8 @@ void DistTrainer::graphs_off(const std::string& why) {
   captured_.reset();
   graphs_off_ = why;
   if (world_.rank() == 0)
-    std::fprintf(stderr, "hspmd: note: %s: the steps run uncaptured: %s\n", option_name("cuda_graphs").c_str(),
-                 why.c_str());
+    std::fprintf(stderr, "hspmd: note: %s: the steps run uncaptured: %s\n",
+                 capture_audit_ ? "HSPMD_CAPTURE_AUDIT" : option_name("cuda_graphs").c_str(), why.c_str());
 }
 
 bool DistTrainer::captured_fits(const std::vector<ValueMap>& host, const std::vector<Bindings>& bindings) const {
@@ -91,7 +114,7 @@ bool DistTrainer::captured_fits(const std::vector<ValueMap>& host, const std::ve
 }
 
 bool DistTrainer::graph_step(int64_t step, float normalizer, StepRecord& r, StepWork& work) {
-  if (!o_.cuda_graphs || !graphs_off_.empty()) return false;
+  if ((!o_.cuda_graphs && !capture_audit_) || !graphs_off_.empty()) return false;
   if (step < graph_warmup_end_ || (!o_.op_times_path.empty() && step == o_.steps - 1)) {
     r.cuda_graph = "eager";  // warm-up, or the step whose ops are timed one by one
     return false;
@@ -124,7 +147,7 @@ bool DistTrainer::graph_step(int64_t step, float normalizer, StepRecord& r, Step
       r.cuda_graph = "eager";
       return false;
     }
-    r.cuda_graph = "captured";
+    r.cuda_graph = capture_audit_ ? "audited" : "captured";
   } else {
     // The batch into the recorded feeds, the step's factors where the
     // recorded copy reads them, and the host's side of the update.
@@ -139,7 +162,7 @@ bool DistTrainer::graph_step(int64_t step, float normalizer, StepRecord& r, Step
     r.cuda_graph = "replayed";
   }
   CapturedStep& c = *captured_;
-  device_runtime(DeviceType::CUDA)->launch_graph(c.graph, stream);
+  if (c.graph != nullptr) device_runtime(DeviceType::CUDA)->launch_graph(c.graph, stream);  // else audited: it ran
   r.queued_s = seconds_since(work.t0);
   // The step's one wait: the norm and the loss terms, as update() reads them.
   r.grad_norm = std::sqrt(kernels::to_host(stream, c.control).host_data<double>("the gradient norm")[0]);
@@ -154,6 +177,9 @@ bool DistTrainer::graph_step(int64_t step, float normalizer, StepRecord& r, Step
   work.loss_deferred = true;
   state_->samples += global_batch;
   r.tokens = source_->tokens(first, global_batch);
+  if (capture_audit_)  // a CPU device cannot replay: the audit is done
+    graphs_off("step " + std::to_string(step) + " went through the capture path with no host wait before its "
+               "update (a CUDA graph can record it); the CPU cannot replay it");
   return true;
 }
 
@@ -161,7 +187,7 @@ bool DistTrainer::capture_step(int64_t step, float normalizer, const std::vector
                                const std::vector<Bindings>& bindings, StepRecord& r) {
   ExecGraph& graph = *rt_->graph;
   Stream& stream = graph.stream();
-  DeviceRuntime& runtime = *device_runtime(DeviceType::CUDA);
+  DeviceRuntime& runtime = *device_runtime(graph.device().type);
   Allocator& allocator = allocator_for(graph.device());
   CapturedStep c;
   c.exec = &graph;
@@ -184,8 +210,12 @@ bool DistTrainer::capture_step(int64_t step, float normalizer, const std::vector
   capturing_ = &c;
   std::string failure;
   try {
-    runtime.begin_capture(stream);
+    if (!capture_audit_) runtime.begin_capture(stream);
     try {
+      // Our own host waits fail here with their name (RecordingScope),
+      // before the runtime would fail the capture with its own reason.
+      const RecordingScope recording("step " + std::to_string(step) +
+                                     " (" + (capture_audit_ ? std::string("HSPMD_CAPTURE_AUDIT") : option_name("cuda_graphs")) + ")");
       std::map<std::string, NDArray> synced;
       StepRecord scratch;
       StepWork work = compute_and_sync(step, normalizer, synced, scratch);
@@ -198,7 +228,7 @@ bool DistTrainer::capture_step(int64_t step, float normalizer, const std::vector
       failure = e.what();
     }
     try {
-      c.graph = runtime.end_capture(stream);
+      if (!capture_audit_) c.graph = runtime.end_capture(stream);
     } catch (const std::exception& e) {
       if (failure.empty()) failure = e.what();
     }
@@ -207,6 +237,8 @@ bool DistTrainer::capture_step(int64_t step, float normalizer, const std::vector
   }
   capturing_ = nullptr;
   allocator.use_pool(nullptr);
+  if (!failure.empty() && capture_audit_)  // the CPU ran the step's work as it went: no way back
+    fail("[train] HSPMD_CAPTURE_AUDIT: step ", step, " could not be recorded as a CUDA graph: ", failure);
   if (!failure.empty()) {
     // Nothing recorded ran: the host goes back to where the step began.
     state_->step = state_step;

@@ -200,6 +200,36 @@ TEST(MemoryKernels, AdamStepReadsTheStepFactorsArray) {
   EXPECT_THROW(kernels::adam_step(cpu(), {{&a.p, &a.g, &a.m, &a.v}}, f), InternalError);
 }
 
+TEST(RecordingScope, RefusesTheHostsWaitsWhileAStepIsRecorded) {
+  using testing::error_of;
+  // A CUDA graph records no host work: while a step is recorded, a wait for
+  // the stream or an event and a read of device values fail in one line
+  // naming the wait and the step, even on the CPU (where nothing waits: the
+  // audit of HSPMD_CAPTURE_AUDIT); queued kernels and copies do not.
+  NDArray a = NDArray::from_vector({3}, {1, 2, 3});
+  Event e;
+  e.record(cpu());
+  {
+    const RecordingScope recording("step 7 (test)");
+    EXPECT_EQ(error_of([] { cpu().synchronize(); }),
+              "[device] a wait for the stream while recording step 7 (test): the recorded work has not run, so the "
+              "host cannot wait for it or read its values (a CUDA graph records no host work)");
+    EXPECT_NE(error_of([&] { kernels::to_host(cpu(), a); }).find("kernels::to_host) while recording step 7"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { kernels::sum_of_squares(cpu(), {a}); }).find("kernels::sum_of_squares"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { e.synchronize(); }).find("a wait for an event while recording"), std::string::npos);
+    EXPECT_NO_THROW(kernels::scale(cpu(), a, 2.0f, a));
+    NDArray b = NDArray::empty({3}, DType::F32);
+    EXPECT_NO_THROW(kernels::copy_from_host(cpu(), NDArray::from_vector({3}, {4, 5, 6}), b));
+    EXPECT_EQ(b.to_vector(), std::vector<float>({4, 5, 6}));
+    Event inside;
+    EXPECT_NO_THROW(inside.record(cpu()));  // an event in the recorded work: no wait
+  }
+  EXPECT_NO_THROW(cpu().synchronize());
+  EXPECT_EQ(kernels::sum_of_squares(cpu(), {a}), 4.0 + 16.0 + 36.0);
+}
+
 TEST(MemoryKernels, ClipControlIsTheHostsNormCoefficientAndGuard) {
   // control = {sum_of_squares, clip_coefficient(sqrt(sum), max), finite}: the
   // bits the trainer's host path computes, so the device path trains the same.
@@ -314,8 +344,10 @@ TEST(NDArrayHost, HostAccessorsOnTheCpu) {
 class CountingStream : public Stream {
  public:
   CountingStream() : Stream(Device::cpu(), 7) {}
-  void synchronize() override { ++syncs; }
   int syncs = 0;
+
+ protected:
+  void wait() override { ++syncs; }
 };
 
 TEST(CommunicatorStreams, OperationsAreOrderedAfterTheStreamsWork) {

@@ -93,9 +93,14 @@ class Stream {
   Device device() const { return device_; }
   int id() const { return id_; }  // 0: the device's default stream
   // Waits until all work issued to this stream has finished (CPU: no-op).
-  virtual void synchronize() {}
+  // While the calling thread records a step (RecordingScope), an error.
+  void synchronize();
   // The backend's queue handle (a cudaStream_t for CUDA); nullptr on the CPU.
   virtual void* native_handle() const { return nullptr; }
+
+ protected:
+  // The backend's wait (synchronize()'s; CPU: nothing to wait for).
+  virtual void wait() {}
 
  private:
   Device device_;
@@ -151,6 +156,32 @@ class SideStreamScope {
  private:
   std::vector<std::function<void()>> held_;
 };
+
+// While a RecordingScope lives on a thread, the device work that thread
+// queues is being recorded as a graph (CUDA graphs: DeviceRuntime::
+// begin_capture), not run: nothing it queued has a value yet, so a host wait
+// (Stream::synchronize, Event::synchronize, a kernel that reads device
+// values back) cannot be part of it and throws hspmd::Error naming the wait
+// and `what` (the step being recorded), before the backend would fail the
+// recording with its own, vaguer reason. The same scope audits a step on the
+// CPU, where nothing is recorded (HSPMD_CAPTURE_AUDIT, docs/cuda.md).
+class RecordingScope {
+ public:
+  explicit RecordingScope(std::string what);
+  ~RecordingScope();
+  RecordingScope(const RecordingScope&) = delete;
+  RecordingScope& operator=(const RecordingScope&) = delete;
+  // The calling thread's, or nullptr.
+  static const RecordingScope* current();
+  const std::string& what() const { return what_; }
+
+ private:
+  std::string what_;
+  const RecordingScope* outer_;
+};
+// Throws while the calling thread records (RecordingScope): "[device] <wait>
+// while recording <what>: ...".
+void refuse_host_wait(const char* wait);
 
 // Host memory for staging device buffers through a host library (the
 // staged communicator, docs/comm.md): page-locked (cudaHostAlloc, cached by

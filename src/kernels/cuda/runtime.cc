@@ -112,8 +112,10 @@ class CudaStream final : public Stream {
   }
   // Process-lifetime objects: the driver may be gone at exit, so the
   // stream is not destroyed.
-  void synchronize() override { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
   void* native_handle() const override { return stream_; }
+
+ protected:
+  void wait() override { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
  private:
   cudaStream_t stream_ = nullptr;
