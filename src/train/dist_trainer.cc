@@ -5,6 +5,7 @@
 #include "hspmd/core/options.h"
 #include "train/dist_trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -339,9 +340,12 @@ void DistTrainer::report(int64_t step, StepRecord& r, const StepWork& work,
                          std::vector<ExecGraph::OpTiming>* op_timings) {
   ExecGraph& graph = *rt_->graph;
   graph.wait_sends(world_);
-  meter_.fill(meter_.measure(graph, clock_.get(), work.duplicate_sent, work.activations, work.grad_sync_s,
-                             work.overlapped),
-              clock_.get(), r);
+  StepMetrics metrics = meter_.measure(graph, clock_.get(), work.duplicate_sent, work.activations, work.grad_sync_s,
+                                       work.overlapped);
+  // A replayed CUDA graph's arrays live in its pool, not counted in use
+  // between steps: its step's peak is the one measured at the capture.
+  metrics.peak_bytes = std::max(metrics.peak_bytes, work.graph_peak_bytes);
+  meter_.fill(metrics, clock_.get(), r);
   r.step_time_s = seconds_since(work.t0);
   r.tokens_per_s = r.tokens / r.step_time_s;
   if (op_timings != nullptr) {

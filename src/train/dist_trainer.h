@@ -159,6 +159,7 @@ class DistTrainer {
     std::vector<NDArray> loss_terms;
     bool loss_deferred = false;
     Clock::time_point t0{};  // the step's start
+    int64_t graph_peak_bytes = 0;  // a replayed CUDA graph: the allocator's peak at its capture
   };
   // Whether this step reads the loss and the gradient norm only after the
   // update is queued (one process, no emulated clock, no mixture-of-experts
@@ -240,6 +241,7 @@ class DistTrainer {
     NDArray control;  // clip_control's
     std::vector<NDArray> loss_terms;
     size_t activations = 0;  // the captured step's peak above what the rank held
+    int64_t peak_bytes = 0;  // the allocator's peak during the capture
     int64_t captured_at = -1;
   };
   std::optional<CapturedStep> captured_;

@@ -116,7 +116,11 @@ bool DistTrainer::captured_fits(const std::vector<ValueMap>& host, const std::ve
 bool DistTrainer::graph_step(int64_t step, float normalizer, StepRecord& r, StepWork& work) {
   if ((!o_.cuda_graphs && !capture_audit_) || !graphs_off_.empty()) return false;
   if (step < graph_warmup_end_ || (!o_.op_times_path.empty() && step == o_.steps - 1)) {
-    r.cuda_graph = "eager";  // warm-up, or the step whose ops are timed one by one
+    // Warm-up, or the (last) step whose ops are timed one by one: its arrays
+    // come from the shared cache, so the graph's pool goes first (else the
+    // step would hold two steps' activations).
+    if (step >= graph_warmup_end_) captured_.reset();
+    r.cuda_graph = "eager";
     return false;
   }
   ExecGraph& graph = *rt_->graph;
@@ -174,6 +178,7 @@ bool DistTrainer::graph_step(int64_t step, float normalizer, StepRecord& r, Step
   // update (the same arrays every replay).
   copies_.step = step + 1;
   work.activations = c.activations;
+  work.graph_peak_bytes = c.peak_bytes;
   work.loss_deferred = true;
   state_->samples += global_batch;
   r.tokens = source_->tokens(first, global_batch);
@@ -224,6 +229,7 @@ bool DistTrainer::capture_step(int64_t step, float normalizer, const std::vector
       optimizer_step(*adam_, synced, r.lr, 1.0f, &c.control);
       c.loss_terms = std::move(work.loss_terms);
       c.activations = allocator.peak_bytes() > held ? allocator.peak_bytes() - held : 0;
+      c.peak_bytes = static_cast<int64_t>(allocator.peak_bytes());
     } catch (const std::exception& e) {
       failure = e.what();
     }

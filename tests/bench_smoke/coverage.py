@@ -55,6 +55,7 @@ SMOKE = {
     "bench/torch_step.py": (["bench_smoke_train_step"], "bench"),  # run by train_step.py
     "bench/train_step.py": (["bench_smoke_train_step"], "bench"),
     "bench/weight_copies.py": (["bench_smoke_weight_copies"], None),
+    "bench/cuda_graphs.py": (["bench_smoke_cuda_graphs"], None),
     "examples/python/custom_gpt.py": (["python_custom_model"], "python"),
     "examples/python/switch_plans.py": (["python_trainer_switch"], "python"),
     "examples/python/train_tiny.py": (["python_trainer_matches_cli_np1"], "python"),

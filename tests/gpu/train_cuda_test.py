@@ -210,7 +210,11 @@ def check_cuda_graphs(train, dev):
             got = apart(eager, graphs, w_eager, w_graphs)
             same = [(a["loss"], a["grad_norm"]) for a in eager] == [(b["loss"], b["grad_norm"]) for b in graphs]
             same = same and w_eager == w_graphs
-            ok = len(graphs) == steps and kinds == want_kinds and (same or (noise > 0 and got <= 4 * noise))
+            # The graph's pool takes the blocks a step op by op frees: no more memory.
+            peak = lambda recs: max(max(r.get("peak_memory_bytes", [0])) for r in recs)  # noqa: E731
+            memory_ok = peak(graphs) <= 1.1 * peak(eager) + (1 << 20)
+            ok = (len(graphs) == steps and kinds == want_kinds and (same or (noise > 0 and got <= 4 * noise))
+                  and memory_ok)
             med = lambda v: sorted(v)[len(v) // 2] if v else 0.0
             t_eager = med([r["step_time_s"] for r in eager[3:]])
             t_graph = med([r["step_time_s"] for r in graphs[3:]])
@@ -218,7 +222,8 @@ def check_cuda_graphs(train, dev):
             result(f"cuda_graphs_{precision}", ok,
                    f"bit_for_bit={int(same)} rel={got:.1e} eager_run_to_run={noise:.1e} kinds_ok={int(kinds == want_kinds)} "
                    f"eager_step_ms={1e3 * t_eager:.3f} replayed_step_ms={1e3 * t_graph:.3f} "
-                   f"speedup={t_eager / t_graph if t_graph else 0:.2f}" + (f" note=\"{note}\"" if note else ""))
+                   f"speedup={t_eager / t_graph if t_graph else 0:.2f} peak_mib={peak(graphs) / 2**20:.1f} "
+                   f"eager_peak_mib={peak(eager) / 2**20:.1f}" + (f" note=\"{note}\"" if note else ""))
 
 
 def main():

@@ -20,8 +20,8 @@
 namespace hspmd {
 namespace {
 
-// Written once in dispatch.cc from listed kernels: no backend entry.
-const std::set<std::string> kComposed = {"clone", "as_f32", "document_starts_from_positions"};
+// Written once from listed kernels or the device runtime (dispatch.cc, host_copies.cc): no backend entry.
+const std::set<std::string> kComposed = {"clone", "as_f32", "document_starts_from_positions", "copy_from_host"};
 
 std::string read_source(const std::string& rel) {
   const std::string path = std::string(HSPMD_SOURCE_DIR) + "/" + rel;

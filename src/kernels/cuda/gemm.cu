@@ -50,6 +50,7 @@ namespace {
 struct Blas {
   decltype(&cublasCreate_v2) create = nullptr;
   decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSetWorkspace_v2) set_workspace = nullptr;
   cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
                             const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
                             cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
@@ -80,6 +81,7 @@ const Blas& blas() {
     };
     sym(out.create, "cublasCreate_v2");
     sym(out.set_stream, "cublasSetStream_v2");
+    sym(out.set_workspace, "cublasSetWorkspace_v2");
     sym(out.gemm_ex, "cublasGemmEx");
     sym(out.status_string, "cublasGetStatusString");
     return out;
@@ -92,20 +94,34 @@ void check_blas(cublasStatus_t st, const char* what) {
     fail("[cuda] ", what, ": cuBLAS error ", static_cast<int>(st), " (", blas().status_string(st), ")");
 }
 
+// cuBLAS's workspace per handle: its own default (32 MiB on Hopper). Set
+// by us, from a buffer allocated with the handle, so that cuBLAS never
+// allocates one while a stream is captured (a CUDA graph: docs/cuda.md,
+// "CUDA graphs"); cublasSetStream resets the workspace, so it is set again
+// after each.
+constexpr size_t kBlasWorkspace = size_t{32} << 20;
+
+struct BlasHandle {
+  cublasHandle_t handle = nullptr;
+  void* workspace = nullptr;  // process lifetime, as the handle
+};
+
 // One cuBLAS handle per (thread, device): a handle is not safe to share
 // between threads that set different streams; each call binds its stream.
 cublasHandle_t handle_for(Stream& s) {
-  thread_local std::map<int, cublasHandle_t> handles;
+  thread_local std::map<int, BlasHandle> handles;
   const int dev = s.device().index;
   auto it = handles.find(dev);
   if (it == handles.end()) {
     cuda_rt::check(cudaSetDevice(dev), "cudaSetDevice");
-    cublasHandle_t h = nullptr;
-    check_blas(blas().create(&h), "cublasCreate");
+    BlasHandle h;
+    check_blas(blas().create(&h.handle), "cublasCreate");
+    cuda_rt::check(cudaMalloc(&h.workspace, kBlasWorkspace), "cudaMalloc (cuBLAS workspace)");
     it = handles.emplace(dev, h).first;
   }
-  check_blas(blas().set_stream(it->second, launch::native(s)), "cublasSetStream");
-  return it->second;
+  check_blas(blas().set_stream(it->second.handle, launch::native(s)), "cublasSetStream");
+  check_blas(blas().set_workspace(it->second.handle, it->second.workspace, kBlasWorkspace), "cublasSetWorkspace");
+  return it->second.handle;
 }
 
 // `a` as bf16 on the device: itself when it is BF16, else a rounded copy
