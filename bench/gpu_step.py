@@ -514,6 +514,8 @@ def run_hspmd(a, cfg_path, data, tmp, device):
            "--device", device, "--log", log, "--op-times", op_times, "--quiet"]
     if device == "cpu":
         cmd += ["--threads", str(a.threads)]
+    if a.cuda_graphs and device != "cpu":  # the timed steps replayed (docs/cuda.md, "CUDA graphs")
+        cmd += ["--cuda-graphs"]
     rc, err = run_limited(cmd, a.timeout)
     row = {"system": "hspmd", "command": " ".join(cmd)}
     if rc != 0:
@@ -540,6 +542,8 @@ def run_hspmd(a, cfg_path, data, tmp, device):
     # is queued): far below the step time, the device never waited for the
     # host inside the step, and a CUDA graph of the step could gain only
     # the gap at the step's boundary (docs/cuda.md).
+    if a.cuda_graphs:  # how many timed steps were replays of the captured graph (the rest ran op by op)
+        row["replayed_steps"] = sum(r.get("cuda_graph") == "replayed" for r in timed)
     queued = [r["queued_s"] for r in timed if r.get("queued_s")]
     if len(queued) == len(timed):
         row["queued_s"] = queued
@@ -980,6 +984,9 @@ def main():
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: 989.4 on H100/H200)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per system (default 900)")
     ap.add_argument("--json", help="write the results here (default: gpu_step.json in the temporary dir)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="hspmd records its step as a CUDA graph after 2 warm-up steps and replays it (needs "
+                         "--warmup 3 or more for the timed steps to be replays; ignored with --cpu-smoke)")
     ap.add_argument("--label", default="", help="prefix of the RESULT lines' case names (e.g. the shape's name)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the harness on the CPU with a tiny model")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (--cpu-smoke)")

@@ -61,17 +61,17 @@ std::array<DeviceRuntime*, kDeviceTypes>& runtimes() {
 
 }  // namespace
 
-void DeviceRuntime::begin_capture(Stream& stream) {
+namespace {
+[[noreturn]] void no_graphs(const Stream& stream) {
   fail("[device] ", stream.device().str(), ": this device's streams cannot be captured in a graph");
 }
+}  // namespace
 
-std::shared_ptr<void> DeviceRuntime::end_capture(Stream& stream) {
-  fail("[device] ", stream.device().str(), ": this device's streams cannot be captured in a graph");
-}
+void DeviceRuntime::begin_capture(Stream& stream) { no_graphs(stream); }
 
-void DeviceRuntime::launch_graph(const std::shared_ptr<void>&, Stream& stream) {
-  fail("[device] ", stream.device().str(), ": this device's streams cannot be captured in a graph");
-}
+std::shared_ptr<void> DeviceRuntime::end_capture(Stream& stream) { no_graphs(stream); }
+
+void DeviceRuntime::launch_graph(const std::shared_ptr<void>&, Stream& stream) { no_graphs(stream); }
 
 void register_device_runtime(DeviceType type, DeviceRuntime& runtime) {
   const auto t = static_cast<size_t>(type);
