@@ -130,8 +130,9 @@ class CachingAllocator : public Allocator {
     });
   }
   void use_pool(const std::shared_ptr<void>& handle) override {
-    t_pool = static_cast<Pool*>(handle.get());
-    HSPMD_CHECK(t_pool == nullptr || t_pool->owner == this, "Allocator::use_pool: a pool of another allocator");
+    auto* pool = static_cast<Pool*>(handle.get());
+    HSPMD_CHECK(pool == nullptr || pool->owner == this, "Allocator::use_pool: a pool of another allocator");
+    t_pool = pool;
   }
 
  protected:
